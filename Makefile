@@ -69,7 +69,7 @@ stage-report:
 
 test: stage-reset units sanity lint molecule integration stage-report
 
-units: venv
+units: venv fake-nvml
 	tests/tools/run-stage.sh units $(PY) -m pytest -q tests/unit
 
 sanity: venv
