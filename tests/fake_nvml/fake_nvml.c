@@ -699,6 +699,15 @@ API nvmlReturn_t nvmlDeviceGetHandleByUUID(const char *uuid, void **device_out)
             RETURN(drc_);                        \
     }
 
+API nvmlReturn_t nvmlDeviceGetIndex(void *handle, unsigned int *index)
+{
+    DEVICE_ENTER("nvmlDeviceGetIndex", handle);
+    if (!index)
+        RETURN(NVML_ERROR_INVALID_ARGUMENT);
+    *index = g->index;
+    RETURN(NVML_SUCCESS);
+}
+
 API nvmlReturn_t nvmlDeviceGetName(void *handle, char *name, unsigned int length)
 {
     DEVICE_ENTER("nvmlDeviceGetName", handle);

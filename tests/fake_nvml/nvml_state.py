@@ -131,7 +131,7 @@ def remove_processes(state: dict[str, Any], pids: set[int] | list[int]) -> int:
 # ---------------------------------------------------------------- encoding
 
 def _enc(value: Any) -> str:
-    return quote(str(value), safe="")
+    return quote(str(value), safe=":")
 
 
 def _enc_list(values: list[Any]) -> str:
