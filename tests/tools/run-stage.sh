@@ -1,19 +1,60 @@
 #!/usr/bin/env bash
-# run-stage.sh NAME CMD...: run one `make test` stage, record its result line for the summary.
+# run-stage.sh NAME CMD...: run one `make test` stage and record its result line
+# (stage, ok/FAILED, seconds, the tool's own counts) in $GPUFLEET_CACHE/stages.txt.
+#
+# The counts come from each tool's final summary:
+#   pytest        "12 passed, 1 skipped in 3.40s"
+#   ansible-test  "Sanity summary: 24 sanity tests run, 0 failed, 0 skipped" (ansible-test-sanity.sh)
+#   ansible-lint  "Passed: 0 failure(s), 0 warning(s) in 40 files processed of 52 encountered."
+#   molecule      "Molecule executed 2 scenarios (2 successful)"
 set -uo pipefail
+
+[ "$#" -ge 2 ] || { echo "usage: run-stage.sh NAME CMD..." >&2; exit 2; }
 stage=$1; shift
-log="${GPUFLEET_CACHE:-.cache}/stage-$stage.log"
-mkdir -p "$(dirname "$log")"
+cache=${GPUFLEET_CACHE:-.cache}
+log="$cache/stage-$stage.log"
+mkdir -p "$cache"
+# Wide, colourless output so that summary lines are not wrapped or escaped.
+export COLUMNS=${COLUMNS:-200} NO_COLOR=1 PY_COLORS=0 ANSIBLE_NOCOLOR=1
+
 echo "==== stage $stage: $*"
 start=$(date +%s)
 "$@" 2>&1 | tee "$log"
 rc=${PIPESTATUS[0]}
 secs=$(( $(date +%s) - start ))
-# The last pytest/ansible-test/ansible-lint/molecule summary line carries the counts.
-summary=$(grep -E '([0-9]+ (passed|failed|error|skipped))|(Running sanity test)|(Passed: )|(Failed: )|(violation)|(scenario)' "$log" | tail -n 1)
+
+# summary_of TOOL LOGFILE: print the tool's count line (empty when it printed none).
+summary_of() {
+    local clean
+    clean=$(sed -e 's/\x1b\[[0-9;]*[A-Za-z]//g' "$2")
+    case $1 in
+        pytest)
+            # Final line: "[=====] 3 failed, 10 passed, 1 skipped in 2.10s [=====]" or "no tests ran in 0.01s".
+            grep -E '(^|[= ])([0-9]+ (passed|failed|errors?|skipped|xfailed|xpassed|deselected|warnings?)(, )?)+ in [0-9.]+s|no tests ran' <<<"$clean" \
+                | tail -n 1 | sed -E 's/^=+ //; s/ =+$//'
+            ;;
+        sanity)
+            grep -E '^Sanity summary: ' <<<"$clean" | tail -n 1 | sed -E 's/^Sanity summary: //'
+            ;;
+        lint)
+            grep -E '^(Passed|Failed): [0-9]+ failure' <<<"$clean" | tail -n 1 | sed -E "s/ Profile '.*//"
+            ;;
+        molecule)
+            grep -Eo 'Molecule executed [0-9]+ scenarios? \([^)]*\)' <<<"$clean" | tail -n 1
+            ;;
+    esac
+}
+
+case $stage in
+    units|integration) tool=pytest ;;
+    *) tool=$stage ;;
+esac
+summary=$(summary_of "$tool" "$log")
+[ -n "$summary" ] || summary="(no $tool summary line found; see $log)"
+
 if [ "$rc" -ne 0 ]; then
     echo "FAILED stage $stage (exit $rc) after ${secs}s: $*" >&2
-    printf '%-12s FAILED  %4ss  %s\n' "$stage" "$secs" "$summary" >> "${GPUFLEET_CACHE:-.cache}/stages.txt"
+    printf '%-12s FAILED  %4ss  %s\n' "$stage" "$secs" "$summary" >> "$cache/stages.txt"
     exit "$rc"
 fi
-printf '%-12s ok      %4ss  %s\n' "$stage" "$secs" "$summary" >> "${GPUFLEET_CACHE:-.cache}/stages.txt"
+printf '%-12s ok      %4ss  %s\n' "$stage" "$secs" "$summary" >> "$cache/stages.txt"
