@@ -1,0 +1,797 @@
+# Copyright (c) gpufleet maintainers
+# GNU General Public License v3.0+ (see LICENSES/GPL-3.0-or-later.txt or https://www.gnu.org/licenses/gpl-3.0.txt)
+# SPDX-License-Identifier: GPL-3.0-or-later
+"""Class planner behind ``gpufleet.vllm.kv_plan``.
+
+Plain Python, no Ansible import. One call plans one host class.
+
+Symbols (per rank ``r`` of the reference profile):
+
+* ``F_ref`` NVML free bytes just before the profiled boot, ``B_ref`` vLLM's
+  "fit into requested memory" suggestion, ``G`` the guard;
+* ``F_boot`` the free bytes a host rank will see at boot (NVML, plus what this
+  host's own vLLM holds: ``boot_free_bytes``).
+
+Rules:
+
+1. drift: ``B_adj = B_ref - max(0, F_ref - F_boot) - G``; never above ``B_ref - G``
+   (more free memory than the reference is *headroom*, usable only after a
+   re-profile; decision ``reprofile`` when every rank has at least
+   ``reprofile_headroom`` of it);
+2. ``B_launch = min(B_adj)`` over all ranks of all hosts, recorded with its host/rank;
+3. the deployed budget ``D`` is ``B_launch`` (``max_safe``) or the whole
+   blocks the admission plan needs plus ``fit_headroom`` (``fit_admission``,
+   never above ``B_launch``);
+4. free floor per reference rank: ``F_floor = F_ref - (B_ref - G - D)``; a
+   boot is safe while ``F_boot >= F_floor``;
+5. startup utilization, see :func:`startup_utilization`;
+6. blocks/tokens/concurrency from the KV geometry (or the engine's measured
+   figures scaled by bytes for models whose geometry is unpredictable);
+7. decision, first that applies: ``refuse`` > ``auto_profile`` > ``split`` >
+   ``reprofile`` > ``deploy``, each with reasons.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Mapping
+
+from ._geometry import GeometryError, KVGeometry, UnpredictableGeometry, cdiv, geometry_from_config
+from ._sizes import SizeError, human_bytes, parse_size
+
+__all__ = ["PlanError", "plan_class", "startup_utilization", "DEFAULTS", "DECISIONS"]
+
+GIB = 1024**3
+MIB = 1024**2
+
+DECISIONS = ("deploy", "reprofile", "split", "auto_profile", "refuse")
+
+DEFAULTS: dict[str, Any] = {
+    "guard_bytes": 512 * MIB,
+    "budget_mode": "max_safe",
+    "fit_headroom": 0.1,
+    "max_capacity_loss": 0.05,
+    "unstable_share": 0.5,
+    # None: 10 % of the smallest reference suggestion B_ref
+    "reprofile_headroom": None,
+    # NVML fallback for the startup utilization: vLLM's CUDA context and
+    # allocator take this much before it measures free memory
+    "cuda_context_bytes": 1 * GIB,
+}
+
+# vLLM logs its free memory in GiB with two decimals: the true figure may be
+# up to half a hundredth of a GiB lower than the logged one.
+VLLM_LOG_ROUNDING = math.ceil(0.005 * GIB)
+
+_LIST_LIMIT = 10
+
+_BUG_HINT = (
+    "known vLLM bugs: CUDA-graph memory counted twice (vLLM issue 57936) and graph memory "
+    "extrapolated from two sampled graphs (45178); re-profile (e.g. with enforce_eager or fewer "
+    "capture sizes) or record a corrected reference"
+)
+
+
+class PlanError(ValueError):
+    """The plan input is malformed (message names the field)."""
+
+
+def _names(items: list[str]) -> str:
+    shown = ", ".join(str(i) for i in items[:_LIST_LIMIT])
+    more = len(items) - _LIST_LIMIT
+    return shown + (f" and {more} more" if more > 0 else "")
+
+
+def _hb(n: int | None) -> str | None:
+    return None if n is None else human_bytes(int(n))
+
+
+def _size(value: Any, field: str) -> int:
+    if type(value) is int and value >= 0:  # fast path for large fleets
+        return value
+    try:
+        return parse_size(value, field)
+    except SizeError as exc:
+        raise PlanError(str(exc)) from None
+
+
+def _signed_size(value: Any, field: str) -> int:
+    """Like _size but keeps a negative integer (vLLM suggestions can be negative)."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.strip().startswith("-"):
+        return -_size(value.strip()[1:], field)
+    return _size(value, field)
+
+
+def _number(spec: Mapping[str, Any], key: str, low: float, high: float | None, low_open: bool = False) -> float:
+    value = spec.get(key)
+    if value is None:
+        value = DEFAULTS[key]
+    if isinstance(value, bool):
+        raise PlanError(f"{key}: expected a number, got {value!r}")
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        raise PlanError(f"{key}: expected a number, got {value!r}") from None
+    if number != number or (number <= low if low_open else number < low) or (high is not None and number >= high):
+        bound = f"> {low}" if low_open else f">= {low}"
+        raise PlanError(f"{key}: must be {bound}" + (f" and < {high}" if high is not None else "") + f", got {value!r}")
+    return number
+
+
+def _rank_no(value: Any, field: str) -> int:
+    if isinstance(value, str) and value.strip().isdigit():
+        value = int(value.strip())
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise PlanError(f"{field}: rank must be a non-negative integer, got {value!r}")
+    return value
+
+
+def floor_utilization(free_bytes: int, total_bytes: int) -> float:
+    """Largest 4-decimal ``u`` with ``ceil(total * u) <= free`` (vLLM's startup check passes)."""
+    if total_bytes <= 0 or free_bytes <= 0:
+        return 0.0
+    k = min(10000, (free_bytes * 10000) // total_bytes)
+    while k > 0 and math.ceil(total_bytes * (k / 10000)) > free_bytes:
+        k -= 1
+    return k / 10000
+
+
+def startup_utilization(
+    ranks: list[dict[str, int]],
+    total_bytes: int,
+    budget: int,
+    guard: int,
+    vllm_free: Mapping[int, int] | None,
+    cuda_context_bytes: int,
+) -> tuple[float, str, dict[int, int]]:
+    """``--gpu-memory-utilization`` for a unit with a manual budget.
+
+    vLLM still runs its startup check ``free >= ceil(total * utilization)``,
+    where ``free`` is *vLLM's own* figure, measured after its CUDA context is
+    up and lower than NVML's. At a boot exactly on the floor, NVML free memory
+    is ``F_ref - (B_ref - G - D)``: it moved by ``B_ref - G - D`` from the
+    reference, and vLLM's figure moves by the same amount. So per rank::
+
+        vllm_floor = vllm_free_ref - (B_ref - G - D) - log_rounding
+        utilization = floor4(min(vllm_floor) / total)
+
+    ``log_rounding`` (0.005 GiB) covers vLLM logging its free memory with two
+    decimals of GiB. ``floor4`` rounds down to 4 decimals and steps down until
+    ``ceil(total * u) <= vllm_floor``, so the check passes at the floor.
+
+    Without vLLM's figures for every rank, the NVML floor minus
+    ``cuda_context_bytes`` stands in for ``vllm_floor`` (source ``nvml``).
+    Returns ``(utilization, source, {rank: vllm_floor_bytes})``.
+    """
+    use_vllm = bool(vllm_free) and all(r["rank"] in vllm_free for r in ranks)
+    floors: dict[int, int] = {}
+    for r in ranks:
+        shift = r["kv_bytes"] - guard - budget
+        if use_vllm:
+            floors[r["rank"]] = vllm_free[r["rank"]] - shift - VLLM_LOG_ROUNDING  # type: ignore[index]
+        else:
+            floors[r["rank"]] = r["free_bytes"] - shift - cuda_context_bytes
+    lowest = min(floors.values())
+    return floor_utilization(lowest, total_bytes), ("vllm" if use_vllm else "nvml"), floors
+
+
+# ---------------------------------------------------------------- input parsing
+def _parse_reference(raw: Any) -> dict[str, Any] | None:
+    if raw is None or raw == {} or raw == "":
+        return None
+    if not isinstance(raw, Mapping):
+        raise PlanError(f"reference: expected a mapping (a recorded profile), got {type(raw).__name__}")
+    ref = dict(raw)
+    compat_hash = ref.get("compat_hash")
+    if "ranks" not in ref and isinstance(ref.get("profile"), Mapping):
+        # a whole kv_profile record: unwrap it
+        compat_hash = compat_hash or ref.get("key_hash")
+        ref = dict(ref["profile"])
+        compat_hash = ref.get("compat_hash") or compat_hash
+    ranks_raw = ref.get("ranks")
+    if not ranks_raw:
+        return None
+    if not isinstance(ranks_raw, list):
+        raise PlanError("reference.ranks: expected a list of {rank, free_bytes, kv_bytes}")
+    ranks: list[dict[str, int]] = []
+    seen: set[int] = set()
+    for i, entry in enumerate(ranks_raw):
+        where = f"reference.ranks[{i}]"
+        if not isinstance(entry, Mapping):
+            raise PlanError(f"{where}: expected a mapping with rank, free_bytes, kv_bytes")
+        rank = _rank_no(entry.get("rank", i), f"{where}.rank")
+        if rank in seen:
+            raise PlanError(f"{where}: rank {rank} appears twice in the reference")
+        seen.add(rank)
+        for key in ("free_bytes", "kv_bytes"):
+            if entry.get(key) is None:
+                raise PlanError(f"{where}.{key} is required")
+        item = {
+            "rank": rank,
+            "free_bytes": _size(entry["free_bytes"], f"{where}.free_bytes"),
+            "kv_bytes": _signed_size(entry["kv_bytes"], f"{where}.kv_bytes"),
+        }
+        if entry.get("kv_bytes_full") is not None:
+            item["kv_bytes_full"] = _signed_size(entry["kv_bytes_full"], f"{where}.kv_bytes_full")
+        ranks.append(item)
+    ranks.sort(key=lambda r: r["rank"])
+    vllm_free: dict[int, int] = {}
+    raw_vf = ref.get("vllm_free_bytes") or {}
+    if not isinstance(raw_vf, Mapping):
+        raise PlanError("reference.vllm_free_bytes: expected a mapping rank -> bytes")
+    for key, value in raw_vf.items():
+        if value is None:
+            continue
+        vllm_free[_rank_no(key, "reference.vllm_free_bytes")] = _size(value, f"reference.vllm_free_bytes[{key}]")
+    out: dict[str, Any] = {
+        "ranks": ranks,
+        "vllm_free": vllm_free,
+        "total_bytes": _size(ref["total_bytes"], "reference.total_bytes") if ref.get("total_bytes") is not None else None,
+        "block_size": int(_size(ref.get("block_size") or 16, "reference.block_size")),
+        "bytes_per_block": _size(ref["bytes_per_block"], "reference.bytes_per_block") if ref.get("bytes_per_block") is not None else None,
+        "geometry": ref.get("geometry"),
+        "kv_dtype_bytes": ref.get("kv_dtype_bytes"),
+        "num_blocks": _size(ref["num_blocks"], "reference.num_blocks") if ref.get("num_blocks") is not None else None,
+        "kv_cache_tokens": _size(ref["kv_cache_tokens"], "reference.kv_cache_tokens") if ref.get("kv_cache_tokens") is not None else None,
+        "engine_kv_bytes": _size(ref["engine_kv_bytes"], "reference.engine_kv_bytes") if ref.get("engine_kv_bytes") is not None else None,
+        "gpu_name": ref.get("gpu_name"),
+        "compat_hash": compat_hash,
+    }
+    if out["block_size"] <= 0:
+        raise PlanError("reference.block_size must be positive")
+    return out
+
+
+def _parse_hosts(raw: Any) -> dict[str, dict[str, Any]]:
+    if raw is None:
+        return {}
+    if not isinstance(raw, Mapping):
+        raise PlanError(f"hosts: expected a mapping host -> list of ranks, got {type(raw).__name__}")
+    hosts: dict[str, dict[str, Any]] = {}
+    for name, value in raw.items():
+        host = str(name)
+        attrs: Mapping[str, Any] = {}
+        if isinstance(value, Mapping):
+            attrs = value
+            value = value.get("ranks")
+        if not isinstance(value, list):
+            raise PlanError(f"hosts.{host}: expected a list of ranks (or a mapping with ranks)")
+        ranks = []
+        for i, entry in enumerate(value):
+            if not isinstance(entry, Mapping):
+                raise PlanError(f"hosts.{host}[{i}]: expected a mapping with rank and boot_free_bytes")
+            rank = entry.get("rank", i)
+            rank = rank if type(rank) is int and rank >= 0 else _rank_no(rank, f"hosts.{host}[{i}].rank")
+            free = entry.get("boot_free_bytes")
+            field = "boot_free_bytes"
+            if free is None:
+                free, field = entry.get("free_bytes"), "free_bytes"
+            if free is None:
+                raise PlanError(f"hosts.{host}[{i}] (rank {rank}): boot_free_bytes is required")
+            fmin = entry.get("free_min_bytes")
+            fmax = entry.get("free_max_bytes")
+            ranks.append(
+                (
+                    rank,
+                    _size(free, f"hosts.{host}[{i}].{field}"),
+                    None if fmin is None else _size(fmin, f"hosts.{host}[{i}].free_min_bytes"),
+                    None if fmax is None else _size(fmax, f"hosts.{host}[{i}].free_max_bytes"),
+                    entry.get("gpu_name") or entry.get("name"),
+                    entry.get("total_bytes"),
+                    bool(entry.get("unstable", False)),
+                )
+            )
+        hosts[host] = {
+            "ranks": ranks,
+            "unstable": bool(attrs.get("unstable", False)),
+            "gpu_name": attrs.get("gpu_name"),
+            "total_bytes": attrs.get("total_bytes"),
+            "compat_hash": attrs.get("compat_hash"),
+        }
+    return hosts
+
+
+def _geometry(ref: dict[str, Any]) -> tuple[KVGeometry | None, str | None]:
+    """KV geometry from the reference (geometry: or bytes_per_block); (None, why) when unknown."""
+    geo_spec = ref.get("geometry")
+    geo: KVGeometry | None = None
+    if geo_spec:
+        if not isinstance(geo_spec, Mapping) or "config" not in geo_spec:
+            raise PlanError("reference.geometry: expected {config: <config.json path or dict>, serve_args: {...}}")
+        serve_args = dict(geo_spec.get("serve_args") or {})
+        if "block_size" not in serve_args and ref.get("block_size"):
+            serve_args["block_size"] = ref["block_size"]
+        try:
+            geo = geometry_from_config(geo_spec["config"], serve_args)
+        except UnpredictableGeometry as exc:
+            return None, str(exc)
+        except GeometryError as exc:
+            raise PlanError(f"reference.geometry: {exc}") from None
+    bpb = ref.get("bytes_per_block")
+    if bpb is not None:
+        bs = ref["block_size"]
+        if bpb <= 0 or bpb % bs:
+            raise PlanError(f"reference.bytes_per_block {bpb} is not a positive multiple of block_size {bs}")
+        if geo is not None and (geo.bytes_per_block != bpb or geo.block_size != bs):
+            raise PlanError(
+                f"reference.bytes_per_block {bpb} (block {bs}) disagrees with the model geometry "
+                f"({geo.bytes_per_block} per block of {geo.block_size}); drop one of them"
+            )
+        if geo is None:
+            dtype_bytes = ref.get("kv_dtype_bytes")
+            dtype_bytes = int(dtype_bytes) if isinstance(dtype_bytes, int) and not isinstance(dtype_bytes, bool) else 0
+            geo = KVGeometry(
+                bytes_per_token=bpb // bs,
+                bytes_per_block=bpb,
+                block_size=bs,
+                num_layers_on_rank=0,
+                kv_heads_per_rank=0,
+                dtype_bytes=dtype_bytes,
+            )
+    if geo is None:
+        return None, "the reference gives no KV geometry (bytes_per_block or geometry)"
+    return geo, None
+
+
+def _admission_need(adm: Any, block_size: int) -> tuple[int, int] | None:
+    """(required tokens, required blocks incl. the null block) of the admission plan."""
+    if not adm:
+        return None
+    if not isinstance(adm, Mapping):
+        raise PlanError("admission: expected {tokens: N} or {concurrency: C, tokens_per_request: L}")
+    if adm.get("tokens") is not None:
+        tokens = _size(adm["tokens"], "admission.tokens")
+        return tokens, cdiv(tokens, block_size) + 1
+    if adm.get("concurrency") is not None and adm.get("tokens_per_request") is not None:
+        conc = _size(adm["concurrency"], "admission.concurrency")
+        per = _size(adm["tokens_per_request"], "admission.tokens_per_request")
+        return conc * per, conc * cdiv(per, block_size) + 1
+    raise PlanError("admission: expected {tokens: N} or {concurrency: C, tokens_per_request: L}")
+
+
+# ---------------------------------------------------------------- the planner
+def _empty_result(host_class: str, budget_mode: str) -> dict[str, Any]:
+    return {
+        "host_class": host_class,
+        "decision": "refuse",
+        "reasons": [],
+        "budget_mode": budget_mode,
+        "kv_cache_memory_bytes": None,
+        "max_safe_bytes": None,
+        "free_floor_bytes": {},
+        "gpu_memory_utilization": None,
+        "utilization_source": None,
+        "vllm_floor_bytes": {},
+        "block_size": None,
+        "bytes_per_block": None,
+        "num_blocks": None,
+        "kv_cache_tokens": None,
+        "max_concurrency": None,
+        "max_concurrency_vllm": None,
+        "capacity_source": None,
+        "one_request_bytes": None,
+        "per_rank": [],
+        "weakest": None,
+        "split": [],
+        "capacity": None,
+        "unstable": [],
+        "admission": None,
+        "fit": None,
+        "what_if_fp8": None,
+        "headroom": None,
+        "guard_bytes": None,
+        "host_count": 0,
+        "rank_count": 0,
+        "human": {},
+    }
+
+
+def plan_class(spec: Mapping[str, Any]) -> dict[str, Any]:
+    """Plan one host class. ``spec`` is the ``kv_plan`` input; raises :class:`PlanError` on malformed input.
+
+    Returns the plan (all bytes integers). A class that cannot be planned safely
+    is not an error: ``decision`` is ``refuse`` and ``reasons`` say why.
+    """
+    if not isinstance(spec, Mapping):
+        raise PlanError("plan input must be a mapping")
+    host_class = str(spec.get("host_class") or "class")
+    budget_mode = spec.get("budget_mode") or DEFAULTS["budget_mode"]
+    if budget_mode not in ("max_safe", "fit_admission"):
+        raise PlanError(f"budget_mode: expected max_safe or fit_admission, got {budget_mode!r}")
+    guard = _size(spec["guard_bytes"] if spec.get("guard_bytes") is not None else DEFAULTS["guard_bytes"], "guard_bytes")
+    fit_headroom = _number(spec, "fit_headroom", 0.0, None)
+    max_loss = _number(spec, "max_capacity_loss", 0.0, 1.0)
+    unstable_share = _number(spec, "unstable_share", 0.0, None, low_open=True)
+    cuda_ctx = _size(spec["cuda_context_bytes"] if spec.get("cuda_context_bytes") is not None else DEFAULTS["cuda_context_bytes"], "cuda_context_bytes")
+    max_model_len = spec.get("max_model_len")
+    ref = _parse_reference(spec.get("reference"))
+    if max_model_len is None and ref and isinstance(ref.get("geometry"), Mapping):
+        max_model_len = (ref["geometry"].get("serve_args") or {}).get("max_model_len")
+    if max_model_len is not None:
+        max_model_len = _size(max_model_len, "max_model_len")
+        if max_model_len <= 0:
+            raise PlanError("max_model_len must be positive")
+    hosts = _parse_hosts(spec.get("hosts"))
+
+    result = _empty_result(host_class, budget_mode)
+    result["guard_bytes"] = guard
+    result["host_count"] = len(hosts)
+    reasons: list[str] = result["reasons"]
+    refuse: list[str] = []
+
+    if ref is None:
+        refuse.append(
+            f"class {host_class}: no reference profile: run a profiled canary for this class and "
+            "compatibility key (playbooks/profile.yml) before planning a manual budget"
+        )
+    if not hosts:
+        refuse.append(f"class {host_class}: no hosts to plan (probe them with gpu_memory_info first)")
+    if refuse:
+        result["reasons"] = refuse + reasons
+        return result
+    assert ref is not None
+
+    ref_by_rank = {r["rank"]: r for r in ref["ranks"]}
+    result["rank_count"] = sum(len(h["ranks"]) for h in hosts.values())
+
+    # ---- suggestions vLLM got wrong
+    for r in ref["ranks"]:
+        if r["kv_bytes"] <= 0:
+            refuse.append(f"reference rank {r['rank']}: vLLM's suggested KV bytes {r['kv_bytes']} are not positive ({_BUG_HINT})")
+        full = r.get("kv_bytes_full")
+        if full is not None and full <= 0:
+            refuse.append(f"reference rank {r['rank']}: vLLM's 'fully utilize' suggestion {full} is not positive ({_BUG_HINT})")
+        elif full is not None and r["kv_bytes"] > full:
+            refuse.append(
+                f"reference rank {r['rank']}: the 'fit into requested memory' suggestion {r['kv_bytes']} exceeds the "
+                f"'fully utilize' one {full}, which cannot be ({_BUG_HINT})"
+            )
+        if r["kv_bytes"] > r["free_bytes"]:
+            refuse.append(f"reference rank {r['rank']}: suggested KV bytes {r['kv_bytes']} exceed the free memory {r['free_bytes']} it was measured with")
+
+    # ---- rank layout
+    ref_ranks = set(ref_by_rank)
+    missing_hosts: list[str] = []
+    for name, host in hosts.items():
+        seen = [r[0] for r in host["ranks"]]
+        host_ranks = set(seen)
+        if len(seen) != len(host_ranks):
+            raise PlanError(f"hosts.{name}: a rank appears twice")
+        if host_ranks != ref_ranks:
+            extra = sorted(host_ranks - ref_ranks)
+            lack = sorted(ref_ranks - host_ranks)
+            bits = []
+            if extra:
+                bits.append(f"ranks {extra} have no reference rank")
+            if lack:
+                bits.append(f"reference ranks {lack} are missing")
+            missing_hosts.append(f"{name} ({'; '.join(bits)})")
+    if missing_hosts:
+        refuse.append(
+            f"rank layout differs from the reference ({len(ref_ranks)} ranks {sorted(ref_ranks)}): {_names(missing_hosts)}; "
+            "plan such hosts in their own class with their own reference"
+        )
+
+    # ---- mixed GPUs / keys
+    def mixed(label: str, ref_value: Any, per_host: dict[str, Any]) -> None:
+        groups: dict[str, list[str]] = {}
+        for host_name, value in per_host.items():
+            if value is not None:
+                groups.setdefault(str(value), []).append(host_name)
+        if ref_value is not None and groups and set(groups) != {str(ref_value)}:
+            other = {v: h for v, h in groups.items() if v != str(ref_value)}
+            text = "; ".join(f"{v}: {_names(h)}" for v, h in sorted(other.items()))
+            refuse.append(f"{label} differs from the reference ({ref_value}): {text}; profile these hosts separately")
+        elif len(groups) > 1:
+            text = "; ".join(f"{v}: {_names(h)}" for v, h in sorted(groups.items()))
+            refuse.append(f"mixed {label} within class {host_class}: {text}; split the class by {label}")
+
+    names: dict[str, Any] = {}
+    totals: dict[str, Any] = {}
+    for name, host in hosts.items():
+        rank_names = {r[4] for r in host["ranks"] if r[4] is not None}
+        rank_totals = {int(r[5]) for r in host["ranks"] if r[5] is not None}
+        if host["gpu_name"] is not None:
+            rank_names.add(host["gpu_name"])
+        if host["total_bytes"] is not None:
+            rank_totals.add(_size(host["total_bytes"], f"hosts.{name}.total_bytes"))
+        if len(rank_names) > 1:
+            refuse.append(f"host {name} mixes GPU models {sorted(rank_names)} in one engine")
+        if len(rank_totals) > 1:
+            refuse.append(f"host {name} mixes GPU memory sizes {sorted(rank_totals)} in one engine")
+        names[name] = next(iter(rank_names)) if len(rank_names) == 1 else None
+        totals[name] = next(iter(rank_totals)) if len(rank_totals) == 1 else None
+    mixed("GPU name", ref.get("gpu_name"), names)
+    mixed("GPU total memory", ref.get("total_bytes"), totals)
+    mixed("compatibility key hash", ref.get("compat_hash"), {n: h["compat_hash"] for n, h in hosts.items()})
+
+    # ---- drift, weakest rank
+    launch: int | None = None
+    weakest: tuple[str, int] | None = None
+    host_min: dict[str, int] = {}
+    rows: list[tuple[str, int, int, int, int, bool, int | None]] = []
+    min_headroom: int | None = None
+    max_headroom = 0
+    headroom_ranks = 0
+    unstable: list[dict[str, Any]] = []
+    share_limit = unstable_share * guard
+    for name, host in hosts.items():
+        hmin: int | None = None
+        for rank, free, fmin, fmax, _gname, _total, r_unstable in host["ranks"]:
+            reference = ref_by_rank.get(rank)
+            if reference is None:
+                continue
+            drift = reference["free_bytes"] - free
+            adjusted = reference["kv_bytes"] - (drift if drift > 0 else 0) - guard
+            head = -drift if drift < 0 else 0
+            spread = None if fmin is None or fmax is None else fmax - fmin
+            is_unstable = r_unstable or (spread is not None and spread > share_limit)
+            rows.append((name, rank, free, drift, adjusted, is_unstable, spread))
+            if is_unstable:
+                unstable.append({"host": name, "rank": rank, "spread_bytes": spread, "flagged": r_unstable})
+            if head:
+                headroom_ranks += 1
+                if head > max_headroom:
+                    max_headroom = head
+            if min_headroom is None or head < min_headroom:
+                min_headroom = head
+            if hmin is None or adjusted < hmin:
+                hmin = adjusted
+            if launch is None or adjusted < launch:
+                launch, weakest = adjusted, (name, rank)
+        if hmin is not None:
+            host_min[name] = hmin
+        if host["unstable"]:
+            unstable.append({"host": name, "rank": None, "spread_bytes": None, "flagged": True})
+
+    if launch is None or weakest is None:
+        refuse.append(f"class {host_class}: no host rank matches a reference rank")
+        result["reasons"] = refuse + reasons
+        return result
+
+    result["max_safe_bytes"] = launch
+    result["weakest"] = {"host": weakest[0], "rank": weakest[1], "adjusted_bytes": launch}
+    if launch <= 0:
+        refuse.append(
+            f"the weakest rank (host {weakest[0]} rank {weakest[1]}) leaves no KV memory ({launch} bytes) after drift and "
+            f"guard {human_bytes(guard)}: free memory there is far below the reference; find the co-tenant or re-profile"
+        )
+
+    # ---- geometry and admission
+    geo, geo_why = _geometry(ref)
+    block_size = geo.block_size if geo else ref["block_size"]
+    result["block_size"] = block_size
+    result["bytes_per_block"] = geo.bytes_per_block if geo else None
+    need = _admission_need(spec.get("admission"), block_size)
+    one_req_blocks = cdiv(max_model_len, block_size) + 1 if max_model_len else None
+    if need and one_req_blocks and need[1] < one_req_blocks:
+        need = (max(need[0], max_model_len or 0), one_req_blocks)
+
+    # ---- budget
+    budget = max(0, launch)
+    if budget_mode == "fit_admission":
+        if need is None:
+            raise PlanError("budget_mode fit_admission needs admission ({tokens: N} or {concurrency: C, tokens_per_request: L})")
+        if geo is None:
+            refuse.append(f"budget_mode fit_admission needs a predictable KV geometry: {geo_why}")
+        else:
+            launch_blocks = budget // geo.bytes_per_block
+            target = need[1] + math.ceil(need[1] * fit_headroom)
+            blocks = min(target, launch_blocks)
+            budget = blocks * geo.bytes_per_block
+            result["fit"] = {
+                "required_blocks": need[1],
+                "target_blocks": target,
+                "blocks": blocks,
+                "budget_bytes": budget,
+                "max_safe_bytes": max(0, launch),
+                "left_free_bytes_per_gpu": max(0, launch) - budget,
+                "capped_at_max_safe": target > launch_blocks,
+            }
+            reasons.append(
+                f"fit_admission: {blocks} blocks ({human_bytes(budget)}) instead of the max safe {human_bytes(max(0, launch))}, "
+                f"leaving {human_bytes(max(0, launch) - budget)} per GPU for other work"
+            )
+    result["kv_cache_memory_bytes"] = budget
+
+    # ---- floors and startup utilization
+    floors = {r["rank"]: r["free_bytes"] - (r["kv_bytes"] - guard - budget) for r in ref["ranks"]}
+    result["free_floor_bytes"] = floors
+    host_totals = {v for v in totals.values() if v is not None}
+    total = ref.get("total_bytes") or (host_totals.pop() if len(host_totals) == 1 else None)
+    if total:
+        util, source, vfloors = startup_utilization(ref["ranks"], total, budget, guard, ref["vllm_free"], cuda_ctx)
+        result["gpu_memory_utilization"] = util
+        result["utilization_source"] = source
+        result["vllm_floor_bytes"] = vfloors
+        if source == "nvml":
+            reasons.append(
+                f"startup utilization {util} comes from the NVML floor minus a {human_bytes(cuda_ctx)} CUDA-context allowance: "
+                "the reference has no vLLM-logged free memory for every rank (record it from the profiled canary's log for a tighter value)"
+            )
+        if util <= 0:
+            refuse.append(f"no --gpu-memory-utilization lets vLLM's startup check pass at the free floor (floor {human_bytes(min(vfloors.values()))})")
+    else:
+        reasons.append("no GPU total memory in the reference or the hosts: --gpu-memory-utilization not computed")
+
+    # ---- capacity
+    capacity_source = None
+    num_blocks = tokens = None
+    if geo is not None:
+        num_blocks = geo.num_blocks(budget)
+        tokens = geo.tokens(num_blocks)
+        capacity_source = "geometry"
+    elif ref.get("num_blocks") and ref.get("kv_cache_tokens"):
+        engine_bytes = ref.get("engine_kv_bytes") or min(r["kv_bytes"] for r in ref["ranks"])
+        if engine_bytes > 0:
+            num_blocks = ref["num_blocks"] * budget // engine_bytes
+            tokens = ref["kv_cache_tokens"] * budget // engine_bytes
+            capacity_source = "engine_scaled"
+            reasons.append(
+                f"KV geometry not predictable ({geo_why}); blocks and tokens scaled from the engine's measured "
+                f"{ref['num_blocks']} blocks / {ref['kv_cache_tokens']} tokens at {human_bytes(engine_bytes)}: verify with the manual canary"
+            )
+    else:
+        reasons.append(f"blocks and tokens not computed: {geo_why}; record the engine's num_blocks and kv_cache_tokens in the reference")
+    result.update(num_blocks=num_blocks, kv_cache_tokens=tokens, capacity_source=capacity_source)
+    if num_blocks is not None and max_model_len:
+        per_req = cdiv(max_model_len, block_size)
+        result["max_concurrency"] = max(0, num_blocks - 1) // per_req
+        result["max_concurrency_vllm"] = round(num_blocks / per_req, 2)
+        result["one_request_bytes"] = geo.bytes_for_one_request(max_model_len) if geo else None
+        if num_blocks < per_req + 1:
+            have = human_bytes(budget)
+            refuse.append(
+                f"the budget {have} ({num_blocks} blocks) cannot hold one request of max_model_len {max_model_len} "
+                f"({per_req} blocks + the null block): vLLM would refuse to start; lower max_model_len or free memory on "
+                f"host {weakest[0]} rank {weakest[1]}"
+            )
+    elif num_blocks is not None:
+        reasons.append("max_model_len not given: max concurrency and the one-request check were skipped")
+
+    if need is not None and num_blocks is not None:
+        short_blocks = max(0, need[1] - num_blocks)
+        result["admission"] = {
+            "required_tokens": need[0],
+            "required_blocks": need[1],
+            "available_blocks": num_blocks,
+            "available_tokens": tokens,
+            "shortfall_blocks": short_blocks,
+            "shortfall_tokens": short_blocks * block_size,
+            "ok": short_blocks == 0,
+        }
+        if short_blocks:
+            reasons.append(
+                f"admission shortfall: the plan needs {need[1]} blocks ({need[0]} tokens + null block) but the budget gives "
+                f"{num_blocks}; {short_blocks * block_size} tokens short (deployable, but requests will queue or be preempted; "
+                "lower the admission plan, use fp8 KV, or split off the weak hosts)"
+            )
+
+    # ---- what if fp8
+    if geo is not None and geo.dtype_bytes == 2:
+        bpb8 = geo.bytes_per_block // 2
+        blocks8 = max(0, launch) // bpb8
+        fp8: dict[str, Any] = {
+            "kv_cache_dtype": "fp8",
+            "bytes_per_block": bpb8,
+            "bytes_per_token": geo.bytes_per_token // 2,
+            "num_blocks": blocks8,
+            "kv_cache_tokens": blocks8 * block_size,
+            "max_concurrency": (max(0, blocks8 - 1) // cdiv(max_model_len, block_size)) if max_model_len else None,
+        }
+        if need is not None:
+            fp8["admission_bytes"] = need[1] * bpb8
+        result["what_if_fp8"] = fp8
+
+    # ---- headroom / re-profile
+    threshold = spec.get("reprofile_headroom")
+    threshold = _size(threshold, "reprofile_headroom") if threshold is not None else max(1, min(max(1, r["kv_bytes"]) for r in ref["ranks"]) // 10)
+    min_head = min_headroom or 0
+    result["headroom"] = {
+        "min_bytes": min_head,
+        "max_bytes": max_headroom,
+        "ranks_with_headroom": headroom_ranks,
+        "reprofile_threshold_bytes": threshold,
+    }
+    reprofile = False
+    if min_head >= threshold:
+        reprofile = True
+        reasons.append(
+            f"every rank has at least {human_bytes(min_head)} more free memory than the reference (threshold "
+            f"{human_bytes(threshold)}): a fresh profiled canary would give a larger budget"
+        )
+    elif headroom_ranks:
+        reasons.append(
+            f"{headroom_ranks} rank(s) have up to {human_bytes(max_headroom)} more free memory than the reference; "
+            "the budget is capped at B_ref - G: re-profile the class to use it"
+        )
+
+    # ---- split
+    split_groups: list[dict[str, Any]] = []
+    values = sorted(host_min.values())
+    mid = len(values) // 2
+    median = values[mid] if len(values) % 2 else (values[mid - 1] + values[mid]) // 2
+    limit = (1.0 - max_loss) * median
+    outliers = [n for n, v in host_min.items() if v < limit]
+    result["capacity"] = {
+        "median_host_bytes": median,
+        "loss_share": round(1.0 - launch / median, 4) if median > 0 else None,
+        "max_capacity_loss": max_loss,
+        "threshold_bytes": int(limit),
+        "outlier_hosts": outliers,
+    }
+    if launch < limit and outliers:
+        keep = [n for n in host_min if n not in set(outliers)]
+        keep_budget = min(host_min[n] for n in keep) if keep else None
+        split_groups = [
+            {"name": f"{host_class}-main", "hosts": keep, "kv_cache_memory_bytes": keep_budget},
+            {"name": f"{host_class}-low", "hosts": outliers, "kv_cache_memory_bytes": launch},
+        ]
+        reasons.append(
+            f"the weakest hosts cost {round(100 * (1 - launch / median), 1)}% of the typical host's budget "
+            f"({human_bytes(launch)} vs median {human_bytes(median)}, allowed {round(100 * max_loss, 1)}%): split outliers "
+            f"{_names(outliers)} into their own class ({human_bytes(launch)}); the rest could run "
+            f"{human_bytes(keep_budget) if keep_budget is not None else 'n/a'}"
+        )
+    result["split"] = split_groups
+
+    # ---- instability
+    result["unstable"] = unstable
+    if unstable:
+        shown = [f"{u['host']}" + (f" rank {u['rank']}" if u["rank"] is not None else "") + (f" (moves {human_bytes(u['spread_bytes'])})" if u["spread_bytes"] is not None else " (flagged unstable)") for u in unstable]
+        unstable_reason = (
+            f"free memory is not steady on {_names(shown)} (limit {human_bytes(int(share_limit))} = "
+            f"{unstable_share} x guard): a fixed byte budget is the wrong tool there; use automatic profiling "
+            f"(--gpu-memory-utilization) for this class"
+        )
+    # ---- per rank table
+    weakest_key = weakest
+    per_rank = []
+    for name, rank, free, drift, adjusted, is_unstable, spread in rows:
+        floor = floors[rank]
+        per_rank.append(
+            {
+                "host": name,
+                "rank": rank,
+                "boot_free_bytes": free,
+                "drift_bytes": drift,
+                "adjusted_bytes": adjusted,
+                "headroom_bytes": -drift if drift < 0 else 0,
+                "floor_bytes": floor,
+                "margin_bytes": free - floor,
+                "weakest": (name, rank) == weakest_key,
+                "unstable": is_unstable,
+                "spread_bytes": spread,
+            }
+        )
+    result["per_rank"] = per_rank
+
+    # ---- decision
+    if refuse:
+        decision = "refuse"
+        reasons[:0] = refuse
+    elif unstable:
+        decision = "auto_profile"
+        reasons.insert(0, unstable_reason)
+    elif split_groups:
+        decision = "split"
+    elif reprofile:
+        decision = "reprofile"
+    else:
+        decision = "deploy"
+        reasons.insert(
+            0,
+            f"deploy {human_bytes(budget)} ({budget} bytes) on every GPU of class {host_class}: the weakest rank is "
+            f"host {weakest[0]} rank {weakest[1]}; every boot needs NVML free memory >= the floor "
+            + ", ".join(f"rank {r}: {human_bytes(v)}" for r, v in sorted(floors.items())[:8]),
+        )
+    result["decision"] = decision
+    result["human"] = {
+        "kv_cache_memory_bytes": _hb(budget),
+        "max_safe_bytes": _hb(launch),
+        "guard_bytes": _hb(guard),
+        "free_floor_bytes": {r: human_bytes(v) for r, v in floors.items()},
+    }
+    return result

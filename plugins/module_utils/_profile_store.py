@@ -1,0 +1,299 @@
+# Copyright (c) gpufleet maintainers
+# GNU General Public License v3.0+ (see LICENSES/GPL-3.0-or-later.txt or https://www.gnu.org/licenses/gpl-3.0.txt)
+# SPDX-License-Identifier: GPL-3.0-or-later
+"""Reference profile store: one YAML file per recorded profile, never overwritten.
+
+Plain Python, no Ansible import (PyYAML is needed; it ships with ansible-core
+on the controller, where the store lives).
+
+Layout::
+
+    <store>/.lock                                   flock(2) lock file
+    <store>/<host_class>/<host_class>--<key hash>--<UTC timestamp>--<random>.yml
+
+A record file holds::
+
+    format: 1
+    host_class: <name>
+    key_hash: <16 hex digits, see _compat>
+    compat: {canonical key fields}
+    recorded_at: 2026-11-29T21:04:09.123456Z
+    profile: {the recorded data, e.g. ranks/vllm_free_bytes/total_bytes/...}
+
+Writes take an exclusive lock on ``<store>/.lock``, write a temporary file in
+the class directory, fsync it and hard-link it to its final name (which fails
+rather than replace an existing file), then remove the temporary name. Reads
+take a shared lock. A file that cannot be read or parsed is reported (path and
+reason) and skipped; it never hides the other profiles and is never rewritten.
+"""
+
+from __future__ import annotations
+
+import datetime
+import errno
+import fcntl
+import os
+import re
+import secrets
+import tempfile
+from contextlib import contextmanager
+from typing import Any, Iterator, Mapping
+
+from ._compat import CompatError, CompatKey, compat_key, diff_keys
+
+try:
+    import yaml
+except ImportError:  # pragma: no cover - PyYAML is an ansible-core dependency
+    yaml = None
+
+__all__ = ["ProfileStore", "ProfileStoreError", "FORMAT", "validate_host_class"]
+
+FORMAT = 1
+_CLASS_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
+
+
+class ProfileStoreError(ValueError):
+    """The store or one of its files cannot be used (message names the path)."""
+
+
+def validate_host_class(host_class: object) -> str:
+    if not isinstance(host_class, str) or not _CLASS_RE.match(host_class):
+        raise ProfileStoreError(
+            f"host_class {host_class!r}: use 1-128 letters, digits, '.', '_' or '-', starting with a letter or digit"
+        )
+    return host_class
+
+
+def _utc_now() -> datetime.datetime:
+    return datetime.datetime.now(datetime.timezone.utc)
+
+
+class ProfileStore:
+    """Directory of reference profiles keyed by host class and compatibility key."""
+
+    def __init__(self, path: str, clock=_utc_now) -> None:
+        if yaml is None:  # pragma: no cover
+            raise ProfileStoreError("the profile store needs PyYAML (python3-yaml)")
+        if not isinstance(path, str) or not path:
+            raise ProfileStoreError(f"profile store path must be a non-empty string, got {path!r}")
+        self.path = os.path.abspath(path)
+        self._clock = clock
+
+    # ------------------------------------------------------------ locking
+    @contextmanager
+    def _locked(self, exclusive: bool) -> Iterator[None]:
+        if exclusive:
+            try:
+                os.makedirs(self.path, mode=0o755, exist_ok=True)
+            except OSError as exc:
+                raise ProfileStoreError(f"profile store {self.path}: cannot create: {exc.strerror or exc}") from None
+        elif not os.path.isdir(self.path):
+            yield
+            return
+        lock_path = os.path.join(self.path, ".lock")
+        try:
+            fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as exc:
+            if not exclusive and exc.errno in (errno.EACCES, errno.EROFS):
+                # read-only store: readers still work without the lock file
+                yield
+                return
+            raise ProfileStoreError(f"profile store {self.path}: cannot open lock file: {exc.strerror or exc}") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+            yield
+        finally:
+            os.close(fd)
+
+    # ------------------------------------------------------------ reading
+    def _class_dir(self, host_class: str) -> str:
+        return os.path.join(self.path, validate_host_class(host_class))
+
+    def _load(self, path: str, host_class: str) -> dict[str, Any]:
+        try:
+            with open(path, encoding="utf-8") as handle:
+                data = yaml.safe_load(handle)
+        except OSError as exc:
+            raise ProfileStoreError(f"{path}: cannot read: {exc.strerror or exc}") from None
+        except yaml.YAMLError as exc:
+            reason = " ".join(str(exc).split())
+            raise ProfileStoreError(f"{path}: not valid YAML: {reason}") from None
+        if not isinstance(data, dict):
+            raise ProfileStoreError(f"{path}: expected a mapping with format/host_class/key_hash/compat/profile")
+        if data.get("format") != FORMAT:
+            raise ProfileStoreError(f"{path}: unsupported format {data.get('format')!r} (expected {FORMAT})")
+        missing = [k for k in ("host_class", "key_hash", "compat", "recorded_at", "profile") if k not in data]
+        if missing:
+            raise ProfileStoreError(f"{path}: missing {', '.join(missing)}")
+        if data["host_class"] != host_class:
+            raise ProfileStoreError(f"{path}: records host_class {data['host_class']!r}, found under {host_class!r}")
+        if not isinstance(data["profile"], dict) or not isinstance(data["compat"], dict):
+            raise ProfileStoreError(f"{path}: compat and profile must be mappings")
+        try:
+            key = compat_key(data["compat"])
+        except CompatError as exc:
+            raise ProfileStoreError(f"{path}: {exc}") from None
+        if key.hash != data["key_hash"]:
+            raise ProfileStoreError(f"{path}: key_hash {data['key_hash']!r} does not match its compat fields ({key.hash}); the file was edited")
+        data["recorded_at"] = str(data["recorded_at"])
+        data["path"] = path
+        return data
+
+    def scan(self, host_class: str) -> tuple[list[dict[str, Any]], list[dict[str, str]]]:
+        """All readable records of a class, newest first, and the unreadable files (``path``, ``error``)."""
+        directory = self._class_dir(host_class)
+        records: list[dict[str, Any]] = []
+        corrupt: list[dict[str, str]] = []
+        with self._locked(exclusive=False):
+            try:
+                names = os.listdir(directory)
+            except FileNotFoundError:
+                return [], []
+            except OSError as exc:
+                raise ProfileStoreError(f"{directory}: cannot list: {exc.strerror or exc}") from None
+            for name in names:
+                if name.startswith(".") or not name.endswith(".yml"):
+                    continue
+                path = os.path.join(directory, name)
+                try:
+                    records.append(self._load(path, host_class))
+                except ProfileStoreError as exc:
+                    corrupt.append({"path": path, "error": str(exc)})
+        records.sort(key=lambda r: (r["recorded_at"], os.path.basename(r["path"])), reverse=True)
+        corrupt.sort(key=lambda c: c["path"], reverse=True)
+        return records, corrupt
+
+    def history(self, host_class: str) -> list[dict[str, Any]]:
+        """Readable records of a class, newest first (see :meth:`scan` for the unreadable ones)."""
+        return self.scan(host_class)[0]
+
+    def query(self, host_class: str, key: Mapping[str, Any] | CompatKey) -> dict[str, Any]:
+        """Newest profile of ``host_class`` recorded under ``key``.
+
+        Returns ``status`` ``found`` (``profile`` is that record), ``mismatch``
+        (profiles exist for the class but none under this key: ``profile`` is
+        the newest of the class and ``differences`` lists the fields that differ
+        from it, reference = stored, current = asked) or ``missing``; plus
+        ``key_hash``, ``corrupt`` (unreadable files, never fatal) and ``count``.
+        """
+        wanted = compat_key(key)
+        records, corrupt = self.scan(host_class)
+        result: dict[str, Any] = {
+            "status": "missing",
+            "profile": None,
+            "differences": [],
+            "key_hash": wanted.hash,
+            "corrupt": corrupt,
+            "count": len(records),
+        }
+        for record in records:
+            if record["key_hash"] == wanted.hash:
+                result.update(status="found", profile=record)
+                return result
+        if records:
+            newest = records[0]
+            result.update(status="mismatch", profile=newest, differences=diff_keys(newest["compat"], wanted))
+        return result
+
+    # ------------------------------------------------------------ writing
+    def build_record(self, profile: Mapping[str, Any]) -> dict[str, Any]:
+        """The record :meth:`record` would write (no ``path``), for check mode and diffs."""
+        if not isinstance(profile, Mapping):
+            raise ProfileStoreError(f"profile must be a mapping, got {type(profile).__name__}")
+        host_class = validate_host_class(profile.get("host_class"))
+        if "compat" not in profile:
+            raise ProfileStoreError("profile needs compat (the compatibility key fields)")
+        try:
+            key = compat_key(profile["compat"])
+        except CompatError as exc:
+            raise ProfileStoreError(str(exc)) from None
+        if not key.fields:
+            raise ProfileStoreError("compat is empty: a profile must be keyed by at least one field")
+        data = profile.get("profile")
+        if data is None:
+            data = {k: v for k, v in profile.items() if k not in ("host_class", "compat")}
+        if not isinstance(data, Mapping) or not data:
+            raise ProfileStoreError("profile data must be a non-empty mapping")
+        now = self._clock()
+        return {
+            "format": FORMAT,
+            "host_class": host_class,
+            "key_hash": key.hash,
+            "compat": key.fields,
+            "recorded_at": now.strftime("%Y-%m-%dT%H:%M:%S.%fZ"),
+            "profile": _plain(data),
+        }
+
+    def dump(self, record: Mapping[str, Any]) -> str:
+        body = {k: v for k, v in record.items() if k != "path"}
+        return yaml.safe_dump(body, sort_keys=False, default_flow_style=False, allow_unicode=False)
+
+    def record(self, profile: Mapping[str, Any]) -> dict[str, Any]:
+        """Write a new record (``profile`` has ``host_class``, ``compat`` and ``profile``); return it with ``path``."""
+        record = self.build_record(profile)
+        host_class = record["host_class"]
+        stamp = datetime.datetime.strptime(record["recorded_at"], "%Y-%m-%dT%H:%M:%S.%fZ").strftime("%Y%m%dT%H%M%S%fZ")
+        text = self.dump(record)
+        with self._locked(exclusive=True):
+            directory = self._class_dir(host_class)
+            try:
+                os.makedirs(directory, mode=0o755, exist_ok=True)
+            except OSError as exc:
+                raise ProfileStoreError(f"{directory}: cannot create: {exc.strerror or exc}") from None
+            fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".yml", dir=directory)
+            try:
+                with os.fdopen(fd, "w", encoding="utf-8") as handle:
+                    handle.write(text)
+                    handle.flush()
+                    os.fsync(handle.fileno())
+                os.chmod(tmp, 0o644)
+                for _attempt in range(8):
+                    name = f"{host_class}--{record['key_hash']}--{stamp}--{secrets.token_hex(4)}.yml"
+                    final = os.path.join(directory, name)
+                    try:
+                        os.link(tmp, final)  # fails instead of replacing an existing file
+                        break
+                    except FileExistsError:
+                        continue
+                else:  # pragma: no cover - 8 collisions of 32 random bits
+                    raise ProfileStoreError(f"{directory}: could not find a free file name")
+            except OSError as exc:
+                raise ProfileStoreError(f"{directory}: cannot write profile: {exc.strerror or exc}") from None
+            finally:
+                try:
+                    os.unlink(tmp)
+                except FileNotFoundError:
+                    pass
+            _fsync_dir(directory)
+        record["path"] = final
+        return record
+
+
+def _fsync_dir(directory: str) -> None:
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:  # pragma: no cover
+        return
+    try:
+        os.fsync(fd)
+    except OSError:  # pragma: no cover
+        pass
+    finally:
+        os.close(fd)
+
+
+def _plain(value: Any) -> Any:
+    """Deep copy into plain YAML-safe types (Ansible hands over its own str/dict subclasses)."""
+    if isinstance(value, Mapping):
+        return {(_plain(k) if isinstance(k, (str, int)) else str(k)): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if isinstance(value, bool) or value is None:
+        return value
+    if isinstance(value, int):
+        return int(value)
+    if isinstance(value, float):
+        return float(value)
+    if isinstance(value, str):
+        return str(value)
+    return str(value)

@@ -1,0 +1,156 @@
+# Copyright (c) gpufleet maintainers
+# GNU General Public License v3.0+ (see LICENSES/GPL-3.0-or-later.txt or https://www.gnu.org/licenses/gpl-3.0.txt)
+# SPDX-License-Identifier: GPL-3.0-or-later
+"""Byte sizes: parse operator input, render human-readable figures.
+
+Plain Python, no Ansible import.
+
+Accepted units (case matters, as in vLLM's ``human_readable_int``):
+
+* none or ``B``: bytes;
+* binary ``KiB`` ``MiB`` ``GiB`` ``TiB`` and vLLM's single letters ``K`` ``M`` ``G`` ``T``:
+  powers of 1024;
+* decimal ``kB``/``KB`` ``MB`` ``GB`` ``TB`` and vLLM's lowercase ``k`` ``m`` ``g`` ``t``:
+  powers of 1000.
+
+A fractional number is allowed only when the result is a whole number of
+bytes (``"0.5GiB"`` is fine, ``"0.3B"`` is not).
+"""
+
+from __future__ import annotations
+
+import re
+from decimal import Decimal, InvalidOperation
+
+__all__ = ["SizeError", "parse_size", "human_bytes", "UNITS"]
+
+
+class SizeError(ValueError):
+    """A size value that cannot be turned into a whole, non-negative number of bytes."""
+
+
+KIB = 1024
+UNITS: dict[str, int] = {
+    "": 1,
+    "B": 1,
+    "KiB": KIB,
+    "MiB": KIB**2,
+    "GiB": KIB**3,
+    "TiB": KIB**4,
+    "PiB": KIB**5,
+    "K": KIB,
+    "M": KIB**2,
+    "G": KIB**3,
+    "T": KIB**4,
+    "kB": 1000,
+    "KB": 1000,
+    "MB": 1000**2,
+    "GB": 1000**3,
+    "TB": 1000**4,
+    "k": 1000,
+    "m": 1000**2,
+    "g": 1000**3,
+    "t": 1000**4,
+}
+
+_SIZE_RE = re.compile(r"^\s*(?P<num>[+-]?(?:\d[\d_]*(?:\.\d*)?|\.\d+)(?:[eE][+-]?\d+)?)\s*(?P<unit>[A-Za-z]*)\s*$")
+
+_BINARY_RENDER = (("PiB", KIB**5), ("TiB", KIB**4), ("GiB", KIB**3), ("MiB", KIB**2), ("KiB", KIB))
+_DECIMAL_RENDER = (("TB", 1000**4), ("GB", 1000**3), ("MB", 1000**2), ("kB", 1000))
+
+
+def _fail(field: str, value: object, why: str) -> SizeError:
+    return SizeError(f"{field}: invalid size {value!r}: {why}")
+
+
+def parse_size(value: object, field: str = "size") -> int:
+    """Return ``value`` as a whole, non-negative number of bytes.
+
+    ``value`` may be an ``int``, a whole-valued ``float`` or a string such as
+    ``"28.25GiB"``, ``"30G"`` (binary, as vLLM), ``"30g"`` (decimal, as vLLM)
+    or ``"100000000"``. Raises :class:`SizeError` (a ``ValueError``) naming
+    ``field`` and the value for booleans, ``None``, negatives, unknown units
+    and anything that is not a whole number of bytes.
+    """
+    if value is None:
+        raise _fail(field, value, "a size is required")
+    if isinstance(value, bool):
+        raise _fail(field, value, "a boolean is not a size")
+    if isinstance(value, int):
+        if value < 0:
+            raise _fail(field, value, "must not be negative")
+        return value
+    if isinstance(value, float):
+        if value != value or value in (float("inf"), float("-inf")):
+            raise _fail(field, value, "not a finite number")
+        if not value.is_integer():
+            raise _fail(field, value, "not a whole number of bytes")
+        if value < 0:
+            raise _fail(field, value, "must not be negative")
+        return int(value)
+    if not isinstance(value, str):
+        raise _fail(field, value, f"expected an integer or a string, got {type(value).__name__}")
+    match = _SIZE_RE.match(value)
+    if not match:
+        raise _fail(field, value, "expected a number with an optional unit such as 512MiB, 0.5GiB, 30G or 30g")
+    unit = match.group("unit")
+    if unit not in UNITS:
+        raise _fail(field, value, f"unknown unit {unit!r} (use B, KiB, MiB, GiB, TiB, K, M, G, T, kB, MB, GB, TB, k, m, g, t)")
+    try:
+        number = Decimal(match.group("num").replace("_", ""))
+    except InvalidOperation:  # pragma: no cover - the regex only lets numbers through
+        raise _fail(field, value, "not a number") from None
+    if number < 0:
+        raise _fail(field, value, "must not be negative")
+    result = number * UNITS[unit]
+    if result != result.to_integral_value():
+        raise _fail(field, value, "not a whole number of bytes")
+    return int(result)
+
+
+def _exact_decimal(n: int, unit: int) -> str:
+    """Exact decimal rendering of ``n / unit`` (always finite for powers of 2 and 10)."""
+    text = format(Decimal(n) / Decimal(unit), "f")
+    if "." in text:
+        text = text.rstrip("0").rstrip(".")
+    return text
+
+
+def human_bytes(n: int, precision: int = 2, exact: bool = False) -> str:
+    """Render a byte count.
+
+    Default mode: the largest binary unit not above ``n``, rounded to
+    ``precision`` decimals with trailing zeros dropped (``30333206528`` ->
+    ``"28.25GiB"``, ``512`` -> ``"512B"``). Rounded figures are for people.
+
+    Exact mode (``exact=True``): the shortest text that :func:`parse_size`
+    turns back into exactly ``n``: a binary unit whenever the exact quotient
+    is short (``"28.25GiB"``), a decimal unit when ``n`` is a multiple of it
+    (``"100MB"``), else the plain integer. ``parse_size(human_bytes(n,
+    exact=True)) == n`` for every non-negative ``n``.
+
+    Negative values (for instance a drift) are rendered with a leading ``-``.
+    """
+    if isinstance(n, bool) or not isinstance(n, int):
+        raise SizeError(f"human_bytes: expected an integer number of bytes, got {n!r}")
+    if n < 0:
+        return "-" + human_bytes(-n, precision, exact)
+    if exact:
+        candidates = [str(n)]
+        for name, unit in _BINARY_RENDER:
+            if n >= unit:
+                candidates.append(_exact_decimal(n, unit) + name)
+        for name, unit in _DECIMAL_RENDER:
+            if n >= unit and n % unit == 0:
+                candidates.append(str(n // unit) + name)
+        # shortest wins; on a tie prefer the earlier (plain, then binary) form
+        return min(candidates, key=len)
+    if precision < 0:
+        raise SizeError(f"human_bytes: precision must be >= 0, got {precision}")
+    for name, unit in _BINARY_RENDER:
+        if n >= unit:
+            text = f"{n / unit:.{precision}f}"
+            if "." in text:
+                text = text.rstrip("0").rstrip(".")
+            return text + name
+    return f"{n}B"
