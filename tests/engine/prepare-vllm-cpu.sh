@@ -26,10 +26,12 @@ KEY="$(cat "$HERE/prepare-vllm-cpu.sh" "$HERE/make_tiny_model.py" \
        | sha256sum | cut -d' ' -f1)"
 
 if [ -f "$DEST/.stamp" ] && [ "$(cat "$DEST/.stamp")" = "$KEY" ] \
-   && "$DEST/venv/bin/vllm" --version >/dev/null 2>&1 \
    && [ -f "$DEST/model/config.json" ]; then
-    echo "prepare-vllm-cpu: $DEST is up to date (vllm $("$DEST/venv/bin/vllm" --version 2>/dev/null | tail -n1))"
-    exit 0
+    current="$("$DEST/venv/bin/vllm" --version 2>/dev/null | tail -n1 || true)"
+    if [ -n "$current" ]; then
+        echo "prepare-vllm-cpu: $DEST is up to date (vllm $current)"
+        exit 0
+    fi
 fi
 
 mkdir -p "$(dirname "$DEST")"
