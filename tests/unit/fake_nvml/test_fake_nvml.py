@@ -1,0 +1,390 @@
+# Copyright (c) gpufleet.vllm contributors
+# GNU General Public License v3.0+ (see https://www.gnu.org/licenses/gpl-3.0.txt)
+"""The fake libnvidia-ml.so.1, driven through the REAL pynvml binding.
+
+Each check runs in a fresh Python process whose LD_LIBRARY_PATH points at the built
+library, so pynvml's plain ``CDLL("libnvidia-ml.so.1")`` finds it exactly as it would
+find a driver's library.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ansible_collections.gpufleet.vllm.tests.fake_nvml import nvml_state
+
+ROOT = Path(__file__).resolve().parents[3]
+CACHE = Path(os.environ.get("GPUFLEET_CACHE") or ROOT / ".cache")
+LIBDIR = CACHE / "fake-nvml"
+LIB = LIBDIR / "libnvidia-ml.so.1"
+GIB = 1 << 30
+
+pytestmark = pytest.mark.skipif(not LIB.exists(), reason=f"fake NVML library not built ({LIB}); run `make fake-nvml`")
+
+PRELUDE = """
+import json, os, sys, ctypes
+import pynvml as n
+sys.path.insert(0, {fake_dir!r})
+import nvml_state
+STATE = os.environ["FAKE_NVML_STATE"]
+out = {{}}
+def err(fn, *a, **k):
+    try:
+        fn(*a, **k)
+    except n.NVMLError as e:
+        return [e.value, type(e).__name__]
+    except Exception as e:
+        return [None, type(e).__name__]
+    return None
+"""
+
+
+def run_nvml(tmp_path: Path, code: str, state: dict[str, Any] | str | None) -> dict[str, Any]:
+    """Run ``code`` (which fills ``out``) against ``state`` in a fresh interpreter."""
+    path = tmp_path / "state"
+    if isinstance(state, dict):
+        nvml_state.save(path, state)
+    elif isinstance(state, str):
+        path.write_text(state)
+    env = dict(os.environ, LD_LIBRARY_PATH=str(LIBDIR), FAKE_NVML_STATE=str(path))
+    script = PRELUDE.format(fake_dir=str(ROOT / "tests" / "fake_nvml")) + textwrap.dedent(code) + "\nprint(json.dumps(out))\n"
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=60, check=False)
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def fleet_state(n_gpus: int = 3) -> dict[str, Any]:
+    state = nvml_state.new_state()
+    state["system"].update(driver="560.35.03", cuda=12060, nvml="12.560.35.03")
+    state["gpus"] = [
+        nvml_state.make_gpu(i, 150754820096, reserved=566231040, name="NVIDIA H200 NVL", cc="9.0")
+        for i in range(n_gpus)
+    ]
+    return state
+
+
+def test_loaded_through_plain_dlopen(tmp_path):
+    out = run_nvml(tmp_path, """
+        n.nvmlInit()
+        out["name"] = n.nvmlLib._name
+        out["maps"] = [l.split()[-1] for l in open("/proc/self/maps") if "libnvidia-ml" in l][:1]
+        n.nvmlShutdown()
+    """, fleet_state())
+    assert out["name"] == "libnvidia-ml.so.1"
+    assert out["maps"] == [str(LIB)]
+
+
+def test_system_and_device_identity(tmp_path):
+    out = run_nvml(tmp_path, """
+        n.nvmlInit()
+        out["driver"] = n.nvmlSystemGetDriverVersion()
+        out["cuda"] = n.nvmlSystemGetCudaDriverVersion()
+        out["cuda_v2"] = n.nvmlSystemGetCudaDriverVersion_v2()
+        out["nvml"] = n.nvmlSystemGetNVMLVersion()
+        out["count"] = n.nvmlDeviceGetCount()
+        out["gpus"] = []
+        for i in range(out["count"]):
+            h = n.nvmlDeviceGetHandleByIndex(i)
+            pci = n.nvmlDeviceGetPciInfo(h)
+            uuid = n.nvmlDeviceGetUUID(h)
+            h2 = n.nvmlDeviceGetHandleByUUID(uuid)
+            out["gpus"].append({
+                "name": n.nvmlDeviceGetName(h), "uuid": uuid, "index": n.nvmlDeviceGetIndex(h2),
+                "busId": str(pci.busId), "legacy": str(pci.busIdLegacy),
+                "domain": pci.domain, "bus": pci.bus, "device": pci.device,
+                "cc": list(n.nvmlDeviceGetCudaComputeCapability(h)),
+            })
+        out["by_uuid_missing"] = err(n.nvmlDeviceGetHandleByUUID, "GPU-nope")
+        out["bad_index"] = err(n.nvmlDeviceGetHandleByIndex, 3)
+        out["strings"] = [n.nvmlErrorString(c) for c in (0, 7, 13, 15, 16, 25, 12345)]
+        n.nvmlShutdown()
+    """, fleet_state(3))
+    assert out["driver"] == "560.35.03" and out["nvml"] == "12.560.35.03"
+    assert out["cuda"] == out["cuda_v2"] == 12060
+    assert out["count"] == 3
+    assert [g["index"] for g in out["gpus"]] == [0, 1, 2]
+    gpu1 = out["gpus"][1]
+    assert gpu1["name"] == "NVIDIA H200 NVL"  # percent-decoded space
+    assert gpu1["uuid"] == "GPU-00000000-0000-4000-8000-000000000001"
+    assert gpu1["busId"] == "00000000:19:00.0" and gpu1["legacy"] == "0000:19:00.0"
+    assert (gpu1["domain"], gpu1["bus"], gpu1["device"]) == (0, 0x19, 0)
+    assert gpu1["cc"] == [9, 0]
+    assert out["by_uuid_missing"] == [6, "NVMLError_NotFound"]
+    assert out["bad_index"] == [2, "NVMLError_InvalidArgument"]
+    assert out["strings"] == ["Success", "Insufficient Size", "Function Not Found", "GPU is lost",
+                              "GPU requires restart", "Argument version mismatch", "Unknown Error"]
+
+
+def test_memory_v1_and_v2(tmp_path):
+    state = fleet_state(2)
+    state["gpus"][0]["base_used"] = 300 << 20
+    nvml_state.add_process(state, gpu=0, pid=4242, used=4 * GIB, name="python3")
+    out = run_nvml(tmp_path, """
+        n.nvmlInit()
+        h = n.nvmlDeviceGetHandleByIndex(0)
+        m2 = n.nvmlDeviceGetMemoryInfo(h, version=n.nvmlMemory_v2)
+        m1 = n.nvmlDeviceGetMemoryInfo(h)
+        out["v2"] = [m2.total, m2.reserved, m2.free, m2.used]
+        out["v1"] = [m1.total, m1.free, m1.used]
+        out["bad_version"] = err(n.nvmlDeviceGetMemoryInfo, h, version=0x01000028)
+        out["size"] = [ctypes.sizeof(n.c_nvmlMemory_v2_t), ctypes.sizeof(n.c_nvmlMemory_t)]
+        h1 = n.nvmlDeviceGetHandleByIndex(1)
+        m = n.nvmlDeviceGetMemoryInfo(h1, version=n.nvmlMemory_v2)
+        out["idle"] = [m.free, m.used]
+        n.nvmlShutdown()
+    """, state)
+    total, reserved, used = 150754820096, 566231040, (300 << 20) + 4 * GIB
+    assert out["v2"] == [total, reserved, total - reserved - used, used]
+    assert out["v1"] == [total, total - reserved - used, reserved + used]
+    assert out["bad_version"] == [25, "NVMLError_ArgumentVersionMismatch"]
+    assert out["size"] == [40, 24]
+    assert out["idle"] == [total - reserved, 0]
+
+
+def test_free_override_is_reported_verbatim(tmp_path):
+    state = fleet_state(1)
+    state["gpus"][0]["free_override"] = 200 * GIB
+    out = run_nvml(tmp_path, """
+        n.nvmlInit()
+        out["free"] = n.nvmlDeviceGetMemoryInfo(n.nvmlDeviceGetHandleByIndex(0), version=n.nvmlMemory_v2).free
+        n.nvmlShutdown()
+    """, state)
+    assert out["free"] == 200 * GIB
+
+
+def test_processes_two_call_protocol_and_struct(tmp_path):
+    state = fleet_state(2)
+    nvml_state.add_process(state, gpu=0, pid=101, used=GIB, kind="compute")
+    nvml_state.add_process(state, gpu=0, pid=102, used=2 * GIB, kind="compute")
+    nvml_state.add_process(state, gpu=0, pid=103, used=64 << 20, kind="graphics", name="Xorg")
+    nvml_state.add_process(state, gpu=0, pid=104, used=128 << 20, kind="both")
+    out = run_nvml(tmp_path, """
+        n.nvmlInit()
+        h = n.nvmlDeviceGetHandleByIndex(0)
+        def rows(procs):
+            return [[p.pid, p.usedGpuMemory, p.gpuInstanceId, p.computeInstanceId] for p in procs]
+        out["compute"] = rows(n.nvmlDeviceGetComputeRunningProcesses(h))
+        out["graphics"] = rows(n.nvmlDeviceGetGraphicsRunningProcesses(h))
+        out["compute_v2"] = rows(n.nvmlDeviceGetComputeRunningProcesses_v2(h))
+        out["graphics_v2"] = rows(n.nvmlDeviceGetGraphicsRunningProcesses_v2(h))
+        out["none"] = rows(n.nvmlDeviceGetComputeRunningProcesses(n.nvmlDeviceGetHandleByIndex(1)))
+        fn = n._nvmlGetFunctionPointer("nvmlDeviceGetComputeRunningProcesses_v3")
+        count = ctypes.c_uint(0)
+        out["query"] = [fn(h, ctypes.byref(count), None), count.value]
+        arr = (n.c_nvmlProcessInfo_v3_t * 3)()
+        count.value = 2
+        out["short"] = [fn(h, ctypes.byref(count), arr), count.value]
+        count.value = 3
+        out["fill"] = [fn(h, ctypes.byref(count), arr), count.value, [arr[i].pid for i in range(3)]]
+        out["struct"] = ctypes.sizeof(n.c_nvmlProcessInfo_v3_t)
+        n.nvmlShutdown()
+    """, state)
+    na = 0xFFFFFFFF
+    assert out["compute"] == [[101, GIB, na, na], [102, 2 * GIB, na, na], [104, 128 << 20, na, na]]
+    assert out["graphics"] == [[103, 64 << 20, na, na], [104, 128 << 20, na, na]]
+    assert out["compute_v2"] == out["compute"] and out["graphics_v2"] == out["graphics"]
+    assert out["none"] == []
+    assert out["query"] == [7, 3]
+    assert out["short"] == [7, 3]
+    assert out["fill"] == [0, 3, [101, 102, 104]]
+    assert out["struct"] == 24
+
+
+def test_state_is_read_again_on_every_call_and_noise_cycles(tmp_path):
+    state = fleet_state(1)
+    state["gpus"][0]["noise"] = [0, 100 << 20, 300 << 20]
+    out = run_nvml(tmp_path, """
+        n.nvmlInit()
+        h = n.nvmlDeviceGetHandleByIndex(0)
+        out["frees"] = [n.nvmlDeviceGetMemoryInfo(h, version=n.nvmlMemory_v2).free for _ in range(4)]
+        out["used"] = [n.nvmlDeviceGetMemoryInfo(h, version=n.nvmlMemory_v2).used for _ in range(3)]
+        with nvml_state.locked(STATE):
+            s = nvml_state.load(STATE)
+            s["gpus"][0]["noise"] = []
+            nvml_state.add_process(s, gpu=0, pid=77, used=1 << 30)
+            s["system"]["driver"] = "999.1"
+            nvml_state.save(STATE, s)
+        out["after"] = n.nvmlDeviceGetMemoryInfo(h, version=n.nvmlMemory_v2).used
+        out["procs"] = [p.pid for p in n.nvmlDeviceGetComputeRunningProcesses(h)]
+        out["driver"] = n.nvmlSystemGetDriverVersion()
+        n.nvmlShutdown()
+    """, state)
+    base = 150754820096 - 566231040
+    assert out["frees"] == [base, base - (100 << 20), base - (300 << 20), base]
+    assert out["used"] == [100 << 20, 300 << 20, 0]
+    assert out["after"] == GIB
+    assert out["procs"] == [77]
+    assert out["driver"] == "999.1"
+
+
+@pytest.mark.parametrize(("code", "name"), [
+    (9, "NVMLError_DriverNotLoaded"),
+    (4, "NVMLError_NoPermission"),
+    (18, "NVMLError_LibRmVersionMismatch"),
+])
+def test_init_error(tmp_path, code, name):
+    state = fleet_state(1)
+    state["system"]["init_error"] = code
+    out = run_nvml(tmp_path, """
+        out["init"] = err(n.nvmlInit)
+        out["init_v2"] = n.nvmlLib.nvmlInit_v2()
+    """, state)
+    assert out["init"] == [code, name]
+    assert out["init_v2"] == code
+
+
+def test_missing_state_file_means_driver_not_loaded(tmp_path):
+    out = run_nvml(tmp_path, """
+        out["init"] = err(n.nvmlInit)
+    """, None)
+    assert out["init"] == [9, "NVMLError_DriverNotLoaded"]
+
+
+def test_malformed_state_is_an_unknown_error(tmp_path):
+    out = run_nvml(tmp_path, """
+        out["init"] = err(n.nvmlInit)
+    """, "system driver=1\ngpu index=0 total=notanumber\n")
+    assert out["init"] == [999, "NVMLError_Unknown"]
+
+
+def test_calls_after_shutdown_are_uninitialized(tmp_path):
+    out = run_nvml(tmp_path, """
+        n.nvmlInit()
+        n.nvmlInit()
+        n.nvmlShutdown()
+        out["still"] = n.nvmlDeviceGetCount()
+        n.nvmlShutdown()
+        out["after"] = err(n.nvmlDeviceGetCount)
+        out["shutdown_again"] = err(n.nvmlShutdown)
+    """, fleet_state(2))
+    assert out["still"] == 2
+    assert out["after"] == [1, "NVMLError_Uninitialized"]
+    assert out["shutdown_again"] == [1, "NVMLError_Uninitialized"]
+
+
+def test_per_gpu_errors(tmp_path):
+    state = fleet_state(3)
+    state["gpus"][1]["error"] = 15
+    state["gpus"][2]["error"] = 16
+    out = run_nvml(tmp_path, """
+        n.nvmlInit()
+        out["count"] = n.nvmlDeviceGetCount()
+        out["gpu0"] = n.nvmlDeviceGetName(n.nvmlDeviceGetHandleByIndex(0))
+        out["lost"] = err(n.nvmlDeviceGetHandleByIndex, 1)
+        out["reset"] = err(n.nvmlDeviceGetHandleByIndex, 2)
+        out["by_uuid"] = err(n.nvmlDeviceGetHandleByUUID, "GPU-00000000-0000-4000-8000-000000000001")
+        h0 = n.nvmlDeviceGetHandleByIndex(0)
+        with nvml_state.locked(STATE):
+            s = nvml_state.load(STATE)
+            s["gpus"][0]["error"] = 15
+            nvml_state.save(STATE, s)
+        out["later"] = [err(f, h0) for f in (n.nvmlDeviceGetName, n.nvmlDeviceGetUUID, n.nvmlDeviceGetPciInfo,
+                                             n.nvmlDeviceGetMemoryInfo, n.nvmlDeviceGetCudaComputeCapability,
+                                             n.nvmlDeviceGetComputeRunningProcesses)]
+        out["mem_v2"] = err(n.nvmlDeviceGetMemoryInfo, h0, version=n.nvmlMemory_v2)
+        n.nvmlShutdown()
+    """, state)
+    assert out["count"] == 3 and out["gpu0"] == "NVIDIA H200 NVL"
+    assert out["lost"] == [15, "NVMLError_GpuIsLost"]
+    assert out["reset"] == [16, "NVMLError_ResetRequired"]
+    assert out["by_uuid"] == [15, "NVMLError_GpuIsLost"]
+    assert out["later"] == [[15, "NVMLError_GpuIsLost"]] * 6
+    assert out["mem_v2"] == [15, "NVMLError_GpuIsLost"]
+
+
+def test_missing_functions_return_function_not_found(tmp_path):
+    state = fleet_state(1)
+    state["system"]["missing"] = ["nvmlDeviceGetMemoryInfo_v2", "nvmlDeviceGetComputeRunningProcesses_v3",
+                                  "nvmlSystemGetCudaDriverVersion_v2", "nvmlDeviceGetPciInfo_v3"]
+    out = run_nvml(tmp_path, """
+        n.nvmlInit()
+        h = n.nvmlDeviceGetHandleByIndex(0)
+        out["v2"] = err(n.nvmlDeviceGetMemoryInfo, h, version=n.nvmlMemory_v2)
+        out["v1"] = n.nvmlDeviceGetMemoryInfo(h).total
+        out["procs"] = err(n.nvmlDeviceGetComputeRunningProcesses, h)
+        out["procs_v2"] = n.nvmlDeviceGetComputeRunningProcesses_v2(h)
+        out["cuda_v2"] = err(n.nvmlSystemGetCudaDriverVersion_v2)
+        out["cuda"] = n.nvmlSystemGetCudaDriverVersion()
+        out["pci"] = err(n.nvmlDeviceGetPciInfo, h)
+        n.nvmlShutdown()
+    """, state)
+    assert out["v2"] == [13, "NVMLError_FunctionNotFound"]
+    assert out["v1"] == 150754820096
+    # pynvml turns a missing unversioned-call target into its own mismatch error
+    assert out["procs"] == [None, "NVMLLibraryMismatchError"]
+    assert out["procs_v2"] == []
+    assert out["cuda_v2"] == [13, "NVMLError_FunctionNotFound"]
+    assert out["cuda"] == 12060
+    assert out["pci"] == [13, "NVMLError_FunctionNotFound"]
+
+
+def test_missing_init_function(tmp_path):
+    state = fleet_state(1)
+    state["system"]["missing"] = ["nvmlInitWithFlags"]
+    out = run_nvml(tmp_path, """
+        out["init"] = err(n.nvmlInit)
+    """, state)
+    assert out["init"] == [13, "NVMLError_FunctionNotFound"]
+
+
+def test_zero_gpus(tmp_path):
+    out = run_nvml(tmp_path, """
+        n.nvmlInit()
+        out["count"] = n.nvmlDeviceGetCount()
+        out["handle"] = err(n.nvmlDeviceGetHandleByIndex, 0)
+        n.nvmlShutdown()
+    """, nvml_state.new_state())
+    assert out["count"] == 0
+    assert out["handle"] == [2, "NVMLError_InvalidArgument"]
+
+
+def test_short_buffers_are_insufficient_size(tmp_path):
+    out = run_nvml(tmp_path, """
+        n.nvmlInit()
+        h = n.nvmlDeviceGetHandleByIndex(0)
+        buf = ctypes.create_string_buffer(10)
+        out["name"] = n._nvmlGetFunctionPointer("nvmlDeviceGetName")(h, buf, ctypes.c_uint(8))
+        out["driver"] = n._nvmlGetFunctionPointer("nvmlSystemGetDriverVersion")(buf, ctypes.c_uint(4))
+        out["exact"] = n._nvmlGetFunctionPointer("nvmlSystemGetDriverVersion")(buf, ctypes.c_uint(10))
+        out["value"] = buf.value.decode()
+        n.nvmlShutdown()
+    """, fleet_state(1))
+    assert out["name"] == 7 and out["driver"] == 7
+    assert out["exact"] == 0 and out["value"] == "560.35.03"
+
+
+def test_probe_end_to_end_through_real_pynvml(tmp_path):
+    """The collection's probe on top of real pynvml and the fake library."""
+    state = fleet_state(2)
+    state["gpus"][1]["noise"] = [0, 50 << 20]
+    nvml_state.add_process(state, gpu=0, pid=4242, used=6 * GIB, name="embedder")
+    out = run_nvml(tmp_path, """
+        sys.path.insert(0, os.environ["PYTHONPATH"].split(os.pathsep)[0])
+        from ansible_collections.gpufleet.vllm.plugins.module_utils._nvml_probe import probe
+        with nvml_state.locked(STATE):
+            s = nvml_state.load(STATE)
+            nvml_state.add_process(s, gpu=1, pid=os.getpid(), used=10 << 30, name="me")
+            nvml_state.save(STATE, s)
+        r = probe(n, samples=3, interval=0.0, service_pids=[os.getpid()], host="t")
+        out["gpus"] = [{k: g[k] for k in ("index", "free_bytes", "boot_free_bytes", "free_min_bytes",
+                        "free_max_bytes", "reserved_bytes")} | {"own": [p["own"] for p in g["processes"]],
+                        "names": [p["name"] for p in g["processes"]]} for g in r["gpus"]]
+        out["cuda"] = r["cuda_driver_version"]
+        out["me"] = open("/proc/self/comm").read().strip()
+    """, state)
+    total, reserved = 150754820096, 566231040
+    gpu0, gpu1 = out["gpus"]
+    assert out["cuda"] == "12.6"
+    assert gpu0["free_bytes"] == gpu0["boot_free_bytes"] == total - reserved - 6 * GIB
+    assert gpu0["own"] == [False]
+    assert gpu1["own"] == [True] and gpu1["names"] == [out["me"]]
+    assert gpu1["free_max_bytes"] - gpu1["free_min_bytes"] == 50 << 20
+    assert gpu1["boot_free_bytes"] == gpu1["free_bytes"] + (10 << 30)
+    assert gpu1["reserved_bytes"] == reserved
