@@ -1,0 +1,912 @@
+# -*- coding: utf-8 -*-
+# Copyright (c) gpufleet maintainers
+# GNU General Public License v3.0+ (see LICENSES/GPL-3.0-or-later.txt or https://www.gnu.org/licenses/gpl-3.0.txt)
+# SPDX-License-Identifier: GPL-3.0-or-later
+
+"""Run one vLLM engine on loopback and judge it.
+
+Plain Python (no Ansible import): ``vllm serve`` argv rendering, process
+start/stop by process group, health wait that notices a dying engine, the
+canary driver (boot, warm-up, load test, ``/metrics`` scrape, log parse,
+stop), the canary verdict and its comparison with a profiled reference, and
+the post-restart boot check used by ``vllm_boot_check``.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import math
+import os
+import signal
+import socket
+import subprocess
+import tempfile
+import threading
+import time
+import typing as t
+from dataclasses import dataclass, field
+
+from ._load_test import LoadSpec, run_load_test
+from ._vllm_log import EngineLog, parse_engine_log
+from ._vllm_metrics import EngineMetrics, MetricsParseError, parse_metrics
+
+# Options the canary sets itself; a caller must not pass them in serve_args.
+CONTROLLED_OPTIONS = frozenset(
+    {
+        "kv-cache-memory-bytes",
+        "kv-cache-memory",
+        "host",
+        "port",
+        "gpu-memory-utilization",
+    }
+)
+
+# Environment variables that silently replace a manual KV byte budget.
+BUDGET_OVERRIDING_ENV = ("VLLM_CPU_KVCACHE_SPACE",)
+
+LOOPBACK = "127.0.0.1"
+GIB = 1 << 30
+# vLLM prints GiB figures with two decimals: a logged value is exact to half a unit.
+LOG_GIB_ROUNDING = GIB // 200
+
+
+class EngineSpecError(ValueError):
+    """An argument the caller gave cannot produce a valid ``vllm serve`` call."""
+
+
+# --------------------------------------------------------------------- argv
+
+
+def option_name(key: str) -> str:
+    """``max_model_len`` / ``--max-model-len`` -> ``max-model-len``."""
+    name = str(key).strip()
+    while name.startswith("-"):
+        name = name[1:]
+    return name.replace("_", "-")
+
+
+def render_serve_args(serve_args: t.Mapping[str, t.Any] | None) -> list[str]:
+    """Render a dict of ``vllm serve`` options as argv words.
+
+    ``True`` gives a bare flag, ``False``/``None`` omit the option, a list gives
+    the flag followed by its items (vLLM's ``nargs='+'`` options), a dict gives
+    compact JSON (``--compilation-config '{...}'``), anything else ``str()``.
+    Options the canary controls itself are refused.
+    """
+    argv: list[str] = []
+    for key in sorted((serve_args or {}).keys(), key=str):
+        value = (serve_args or {})[key]
+        name = option_name(key)
+        if not name:
+            raise EngineSpecError(f"serve_args: empty option name {key!r}")
+        if name in CONTROLLED_OPTIONS:
+            raise EngineSpecError(
+                f"serve_args: option {key!r} is set by the module itself "
+                f"(use the module's own argument, not serve_args)"
+            )
+        flag = "--" + name
+        if value is None or value is False:
+            continue
+        if value is True:
+            argv.append(flag)
+        elif isinstance(value, (list, tuple)):
+            if not value:
+                raise EngineSpecError(f"serve_args: option {key!r} is an empty list")
+            argv.append(flag)
+            argv.extend(_scalar(v, key) for v in value)
+        elif isinstance(value, dict):
+            argv.extend([flag, json.dumps(value, sort_keys=True, separators=(",", ":"))])
+        else:
+            argv.extend([flag, _scalar(value, key)])
+    return argv
+
+
+def _scalar(value: t.Any, key: str) -> str:
+    if isinstance(value, (dict, list, tuple)):
+        return json.dumps(value, sort_keys=True, separators=(",", ":"))
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, float) and not math.isfinite(value):
+        raise EngineSpecError(f"serve_args: option {key!r} has a non-finite value")
+    return str(value)
+
+
+def build_argv(
+    executable: str,
+    model: str,
+    *,
+    mode: str,
+    port: int,
+    kv_cache_memory_bytes: int | None = None,
+    gpu_memory_utilization: float | None = None,
+    serve_args: t.Mapping[str, t.Any] | None = None,
+    host: str = LOOPBACK,
+) -> list[str]:
+    """The full ``vllm serve`` argv of one canary boot."""
+    if mode not in ("profiled", "manual"):
+        raise EngineSpecError(f"mode must be 'profiled' or 'manual', not {mode!r}")
+    if not executable:
+        raise EngineSpecError("executable is required")
+    if not model:
+        raise EngineSpecError("model is required")
+    if not 0 < int(port) < 65536:
+        raise EngineSpecError(f"port {port} is out of range")
+    argv = [str(executable), "serve", str(model), "--host", host, "--port", str(int(port))]
+    if mode == "manual":
+        if kv_cache_memory_bytes is None:
+            raise EngineSpecError("mode=manual needs kv_cache_memory_bytes")
+        if int(kv_cache_memory_bytes) <= 0:
+            raise EngineSpecError(
+                f"kv_cache_memory_bytes must be positive (vLLM treats {kv_cache_memory_bytes} as unset)"
+            )
+        argv += ["--kv-cache-memory-bytes", str(int(kv_cache_memory_bytes))]
+    elif kv_cache_memory_bytes is not None:
+        raise EngineSpecError("kv_cache_memory_bytes is only valid with mode=manual")
+    if gpu_memory_utilization is not None:
+        util = float(gpu_memory_utilization)
+        if not 0.0 < util <= 1.0:
+            raise EngineSpecError(f"gpu_memory_utilization must be in (0, 1], got {util}")
+        argv += ["--gpu-memory-utilization", repr(util)]
+    argv += render_serve_args(serve_args)
+    return argv
+
+
+def engine_env(
+    extra: t.Mapping[str, t.Any] | None,
+    *,
+    mode: str,
+    cuda_visible_devices: str | None = None,
+    base: t.Mapping[str, str] | None = None,
+) -> dict[str, str]:
+    """Child environment: inherited + ``extra`` (+ ``CUDA_VISIBLE_DEVICES``).
+
+    In manual mode a variable that silently replaces the byte budget is refused
+    when given explicitly and dropped when merely inherited.
+    """
+    env = dict(os.environ if base is None else base)
+    extra = dict(extra or {})
+    if mode == "manual":
+        for name in BUDGET_OVERRIDING_ENV:
+            if name in extra:
+                raise EngineSpecError(
+                    f"env: {name} overrides --kv-cache-memory-bytes silently; "
+                    "it cannot be used with mode=manual"
+                )
+            env.pop(name, None)
+    for key, value in extra.items():
+        if not isinstance(key, str) or not key or "=" in key:
+            raise EngineSpecError("env: invalid variable name")
+        env[key] = "" if value is None else str(value)
+    if cuda_visible_devices is not None:
+        env["CUDA_VISIBLE_DEVICES"] = str(cuda_visible_devices)
+    return env
+
+
+def free_port(host: str = LOOPBACK) -> int:
+    """A TCP port that is free on ``host`` right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+def port_in_use(port: int, host: str = LOOPBACK) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.settimeout(0.5)
+        return sock.connect_ex((host, int(port))) == 0
+
+
+# ------------------------------------------------------------------ process
+
+
+def _proc_stat(pid: int) -> tuple[str, int, int] | None:
+    """(state, pgrp, session) of a live pid, from ``/proc/<pid>/stat``."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as handle:
+            raw = handle.read().decode("ascii", "replace")
+    except OSError:
+        return None
+    # comm may hold spaces/parentheses: split after the last ')'.
+    rest = raw[raw.rfind(")") + 2:].split()
+    try:
+        return rest[0], int(rest[2]), int(rest[3])
+    except (IndexError, ValueError):
+        return None
+
+
+def group_members(pgid: int) -> list[int]:
+    """Live (non-zombie) pids whose process group or session is ``pgid``."""
+    members = []
+    try:
+        names = os.listdir("/proc")
+    except OSError:
+        return members
+    for name in names:
+        if not name.isdigit():
+            continue
+        stat = _proc_stat(int(name))
+        if stat is None:
+            continue
+        state, pgrp, session = stat
+        if state in ("Z", "X"):
+            continue
+        if pgrp == pgid or session == pgid:
+            members.append(int(name))
+    return sorted(members)
+
+
+@dataclass
+class StopResult:
+    signal_used: str
+    seconds: float
+    returncode: int | None
+    leftover_pids: list[int]
+
+
+class EngineProcess:
+    """One ``vllm serve`` process started in its own session/process group."""
+
+    def __init__(self, argv: list[str], env: dict[str, str], log_file: str) -> None:
+        self.argv = list(argv)
+        self.env = env
+        self.log_file = log_file
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.started_at: float | None = None
+        self.stopped: StopResult | None = None
+
+    @property
+    def pid(self) -> int | None:
+        return None if self.proc is None else self.proc.pid
+
+    def start(self) -> None:
+        fd = os.open(self.log_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            self.proc = subprocess.Popen(  # pylint: disable=consider-using-with
+                self.argv,
+                stdin=subprocess.DEVNULL,
+                stdout=fd,
+                stderr=subprocess.STDOUT,
+                env=self.env,
+                start_new_session=True,
+                close_fds=True,
+            )
+        except OSError as exc:
+            raise EngineSpecError(f"cannot start {self.argv[0]}: {exc.strerror or exc}") from exc
+        finally:
+            os.close(fd)
+        self.started_at = time.monotonic()
+
+    def poll(self) -> int | None:
+        return None if self.proc is None else self.proc.poll()
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def read_log(self, limit: int | None = None) -> str:
+        try:
+            with open(self.log_file, "rb") as handle:
+                if limit is not None:
+                    handle.seek(0, os.SEEK_END)
+                    size = handle.tell()
+                    handle.seek(max(0, size - limit))
+                data = handle.read()
+        except OSError:
+            return ""
+        return data.decode("utf-8", "replace")
+
+    def kill_group(self, sig: int) -> None:
+        if self.proc is None:
+            return
+        try:
+            os.killpg(self.proc.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+        # Members that left the group but stayed in the session.
+        for pid in group_members(self.proc.pid):
+            try:
+                os.kill(pid, sig)
+            except (ProcessLookupError, PermissionError):
+                pass
+
+    def stop(self, timeout: float = 30.0) -> StopResult:
+        """SIGTERM the whole group, SIGKILL after ``timeout``; verify nothing remains."""
+        if self.stopped is not None:
+            return self.stopped
+        start = time.monotonic()
+        if self.proc is None:
+            self.stopped = StopResult("none", 0.0, None, [])
+            return self.stopped
+        pgid = self.proc.pid
+        used = "none"
+        if self.proc.poll() is None or group_members(pgid):
+            used = "SIGTERM"
+            try:
+                os.killpg(pgid, signal.SIGTERM)
+            except (ProcessLookupError, PermissionError):
+                pass
+            deadline = start + timeout
+            while time.monotonic() < deadline:
+                self.proc.poll()
+                if self.proc.returncode is not None and not group_members(pgid):
+                    break
+                time.sleep(0.1)
+            if self.proc.poll() is None or group_members(pgid):
+                used = "SIGKILL"
+                self.kill_group(signal.SIGKILL)
+                kill_deadline = time.monotonic() + 10.0
+                while time.monotonic() < kill_deadline:
+                    self.proc.poll()
+                    if self.proc.returncode is not None and not group_members(pgid):
+                        break
+                    time.sleep(0.05)
+        try:
+            self.proc.wait(timeout=1.0)
+        except subprocess.TimeoutExpired:
+            pass
+        self.stopped = StopResult(
+            used, round(time.monotonic() - start, 3), self.proc.returncode, group_members(pgid)
+        )
+        return self.stopped
+
+
+# ------------------------------------------------------------------- health
+
+
+def http_get(host: str, port: int, path: str, timeout: float = 5.0) -> tuple[int, str]:
+    """``GET`` on the engine; returns (status, body). Raises ``OSError`` when unreachable."""
+    conn = http.client.HTTPConnection(host, int(port), timeout=timeout)
+    try:
+        conn.request("GET", path, headers={"Accept": "*/*"})
+        response = conn.getresponse()
+        body = response.read().decode("utf-8", "replace")
+        return response.status, body
+    except http.client.HTTPException as exc:
+        raise OSError(f"bad HTTP response from {host}:{port}{path}: {exc}") from exc
+    finally:
+        conn.close()
+
+
+@dataclass
+class HealthResult:
+    status: str  # healthy | exited | timeout | failed_state
+    seconds: float
+    returncode: int | None = None
+    detail: str = ""
+
+
+def wait_healthy(
+    host: str,
+    port: int,
+    *,
+    timeout: float,
+    is_alive: t.Callable[[], bool] | None = None,
+    returncode: t.Callable[[], int | None] | None = None,
+    failed_state: t.Callable[[], str | None] | None = None,
+    interval: float = 0.5,
+    clock: t.Callable[[], float] = time.monotonic,
+) -> HealthResult:
+    """Poll ``/health`` until 200, the deadline, or the engine giving up.
+
+    ``is_alive`` (a process we started) or ``failed_state`` (a systemd unit:
+    returns a description when the unit failed) are checked on every poll, so
+    an engine that dies while booting is reported at once, not at the deadline.
+    """
+    start = clock()
+    deadline = start + float(timeout)
+    last = ""
+    while True:
+        if is_alive is not None and not is_alive():
+            return HealthResult(
+                "exited", round(clock() - start, 3), returncode() if returncode else None,
+                "engine process exited before it became healthy",
+            )
+        if failed_state is not None:
+            state = failed_state()
+            if state:
+                return HealthResult("failed_state", round(clock() - start, 3), None, state)
+        try:
+            status, _body = http_get(host, port, "/health", timeout=min(5.0, max(0.5, interval * 4)))
+            if status == 200:
+                return HealthResult("healthy", round(clock() - start, 3))
+            last = f"/health answered HTTP {status}"
+        except OSError as exc:
+            last = f"/health unreachable: {exc}"
+        if clock() >= deadline:
+            return HealthResult("timeout", round(clock() - start, 3), None, last)
+        time.sleep(interval)
+
+
+# ------------------------------------------------------------ log / metrics
+
+
+def summarise_log(log: EngineLog) -> dict[str, t.Any]:
+    """Per-rank figures, capacity and errors of a parsed engine log, as plain data."""
+    ranks = []
+    for rank, figs in sorted(log.ranks.items()):
+        reserved = figs.reserved_kv_bytes
+        if reserved is None and figs.cpu_kv_mode == "explicit":
+            reserved = figs.cpu_kv_bytes
+        ranks.append(
+            {
+                "rank": rank,
+                "initial_free_bytes": figs.initial_free_bytes,
+                "total_bytes": figs.total_bytes,
+                "suggested_kv_bytes_fit": figs.suggested_kv_bytes_fit,
+                "suggested_kv_bytes_full": figs.suggested_kv_bytes_full,
+                "reserved_kv_bytes": reserved,
+                "current_kv_bytes": figs.current_kv_bytes,
+                "auto_kv_bytes": figs.cpu_kv_bytes if figs.cpu_kv_mode == "auto" else None,
+                "requested_bytes": figs.requested_bytes,
+                "consumed_bytes": figs.consumed_bytes,
+            }
+        )
+    capacity = log.capacity
+    return {
+        "recognised": log.recognised,
+        "version": log.version,
+        "ranks": ranks,
+        "kv_cache_tokens": capacity.tokens if capacity else None,
+        "max_concurrency": capacity.max_concurrency if capacity else None,
+        "max_model_len": capacity.max_model_len if capacity else None,
+        "device": capacity.device if capacity else None,
+        "block_size": log.block_size,
+        "num_blocks": log.num_gpu_blocks,
+        "server_started": log.server_started,
+        "errors": [
+            {"kind": e.kind, "rank": e.rank, "message": e.message, "details": dict(e.details)}
+            for e in log.errors
+        ],
+        "suggestion_problems": [
+            {"rank": p.rank, "kind": p.kind, "message": p.message} for p in log.suggestion_problems
+        ],
+        "init_engine_seconds": log.timings.init_engine_seconds,
+    }
+
+
+def primary_error(errors: t.Sequence[t.Mapping[str, t.Any]]) -> str | None:
+    """The engine's own root-cause message (a specific kind before the generic one)."""
+    specific = [e for e in errors if e.get("kind") != "engine_init_failed"]
+    chosen = (specific or list(errors))[:1]
+    if not chosen:
+        return None
+    err = chosen[0]
+    return f"rank {err.get('rank', 0)}: {err.get('message')}"
+
+
+def scrape_metrics(host: str, port: int, timeout: float = 10.0) -> tuple[EngineMetrics | None, str]:
+    """``GET /metrics`` and parse it; (None, why) when that is not possible."""
+    try:
+        status, body = http_get(host, port, "/metrics", timeout=timeout)
+    except OSError as exc:
+        return None, f"/metrics unreachable: {exc}"
+    if status != 200:
+        return None, f"/metrics answered HTTP {status}"
+    try:
+        return parse_metrics(body), ""
+    except MetricsParseError as exc:
+        return None, f"/metrics is not Prometheus text: {exc}"
+
+
+def capacity_figures(log: dict[str, t.Any], metrics: EngineMetrics | None) -> dict[str, t.Any]:
+    """Blocks, block size, tokens and concurrency: ``/metrics`` (exact) first, then the log."""
+    out: dict[str, t.Any] = {
+        "num_blocks": None,
+        "block_size": None,
+        "kv_cache_tokens": None,
+        "max_concurrency": None,
+        "kv_cache_memory_bytes": None,
+        "source": None,
+    }
+    if metrics is not None and metrics.cache_config:
+        out.update(
+            num_blocks=metrics.num_gpu_blocks,
+            block_size=metrics.block_size,
+            kv_cache_tokens=metrics.kv_cache_size_tokens,
+            max_concurrency=metrics.kv_cache_max_concurrency,
+            kv_cache_memory_bytes=metrics.kv_cache_memory_bytes,
+            source="metrics",
+        )
+    for key, log_key in (
+        ("num_blocks", "num_blocks"),
+        ("block_size", "block_size"),
+        ("kv_cache_tokens", "kv_cache_tokens"),
+        ("max_concurrency", "max_concurrency"),
+    ):
+        if out[key] is None and log.get(log_key) is not None:
+            out[key] = log[log_key]
+            out["source"] = out["source"] or "log"
+    if out["num_blocks"] is None and out["kv_cache_tokens"] and out["block_size"]:
+        out["num_blocks"] = out["kv_cache_tokens"] // out["block_size"]
+    return out
+
+
+# ------------------------------------------------------------------ verdict
+
+
+@dataclass
+class Tolerances:
+    token_ratio: float = 0.9
+    latency_ratio: float = 1.5
+    preemptions: int = 0
+
+    @classmethod
+    def from_dict(cls, data: t.Mapping[str, t.Any] | None) -> Tolerances:
+        data = {k: v for k, v in (data or {}).items() if v is not None}
+        tol = cls(**data)
+        if not 0.0 <= tol.token_ratio:
+            raise EngineSpecError("tolerances.token_ratio must not be negative")
+        if tol.latency_ratio <= 0:
+            raise EngineSpecError("tolerances.latency_ratio must be positive")
+        if tol.preemptions < 0:
+            raise EngineSpecError("tolerances.preemptions must not be negative")
+        return tol
+
+
+def _ratio(value: t.Any, ref: t.Any) -> float | None:
+    if not isinstance(value, (int, float)) or not isinstance(ref, (int, float)) or ref <= 0:
+        return None
+    return round(float(value) / float(ref), 4)
+
+
+def compare_with_reference(
+    result: t.Mapping[str, t.Any],
+    reference: t.Mapping[str, t.Any],
+    tolerances: Tolerances,
+) -> dict[str, t.Any]:
+    """Compare a canary with a profiled canary under the same request mix.
+
+    Returns ``{"verdict": pass|fail|inconclusive, "reasons": [...], ...figures}``.
+    """
+    fails: list[str] = []
+    unsure: list[str] = []
+    load = result.get("load") or {}
+    ref_load = reference.get("load") or {}
+    out: dict[str, t.Any] = {
+        "reference_mode": reference.get("mode"),
+        "token_ratio": _ratio(result.get("kv_cache_tokens"), reference.get("kv_cache_tokens")),
+        "ttft_p95_ratio": _ratio(load.get("ttft_p95"), ref_load.get("ttft_p95")),
+        "e2e_p95_ratio": _ratio(load.get("e2e_p95"), ref_load.get("e2e_p95")),
+        "preemptions": result.get("preemptions"),
+        "reference_preemptions": reference.get("preemptions"),
+        "tolerances": {
+            "token_ratio": tolerances.token_ratio,
+            "latency_ratio": tolerances.latency_ratio,
+            "preemptions": tolerances.preemptions,
+        },
+    }
+    if reference.get("mode") not in (None, "profiled"):
+        unsure.append(f"the reference is a {reference.get('mode')} canary, not a profiled one")
+    if reference.get("verdict") not in (None, "pass"):
+        unsure.append(f"the reference canary's own verdict is {reference.get('verdict')!r}")
+    mix = ("requests", "concurrency", "prompt_tokens", "max_tokens")
+    diff = [f"{k} {load.get(k)} vs {ref_load.get(k)}" for k in mix if load.get(k) != ref_load.get(k)]
+    if diff:
+        unsure.append("request mix differs from the reference: " + ", ".join(diff))
+    ratio = out["token_ratio"]
+    if ratio is None:
+        unsure.append("KV cache tokens missing here or in the reference")
+    elif ratio < tolerances.token_ratio:
+        fails.append(
+            f"KV cache tokens {result.get('kv_cache_tokens')} are {ratio:.4f} of the reference's "
+            f"{reference.get('kv_cache_tokens')}, below the tolerated {tolerances.token_ratio}"
+        )
+    if isinstance(load.get("failed"), int) and isinstance(ref_load.get("failed"), int):
+        if load["failed"] > ref_load["failed"]:
+            fails.append(f"{load['failed']} failed requests, the reference had {ref_load['failed']}")
+    pre, ref_pre = result.get("preemptions"), reference.get("preemptions")
+    if isinstance(pre, (int, float)) and isinstance(ref_pre, (int, float)):
+        if pre > ref_pre + tolerances.preemptions:
+            fails.append(
+                f"{int(pre)} preemptions against the reference's {int(ref_pre)} "
+                f"(tolerated extra: {tolerances.preemptions})"
+            )
+    else:
+        unsure.append("preemption counts missing here or in the reference")
+    for name, label in (("ttft_p95_ratio", "TTFT p95"), ("e2e_p95_ratio", "e2e latency p95")):
+        value = out[name]
+        if value is None:
+            unsure.append(f"{label} missing here or in the reference")
+        elif value > tolerances.latency_ratio:
+            fails.append(
+                f"{label} is {value:.2f}x the reference's, above the tolerated {tolerances.latency_ratio}x"
+            )
+    out["verdict"] = "fail" if fails else ("inconclusive" if unsure else "pass")
+    out["reasons"] = fails + unsure
+    return out
+
+
+def judge_canary(
+    result: t.Mapping[str, t.Any],
+    *,
+    requested_kv_bytes: int | None,
+    tolerances: Tolerances,
+    reference: t.Mapping[str, t.Any] | None = None,
+) -> tuple[str, list[str], dict[str, t.Any] | None]:
+    """Verdict of one canary run from its figures: (verdict, reasons, comparison)."""
+    fails: list[str] = []
+    unsure: list[str] = []
+    health = result.get("health")
+    errors = result.get("engine_errors") or []
+    root = primary_error(errors)
+    if health != "healthy":
+        what = {
+            "exited": f"the engine exited while booting (exit code {result.get('exit_code')})",
+            "timeout": f"the engine was not healthy within {result.get('startup_timeout')} s",
+        }.get(str(health), f"the engine did not become healthy ({health})")
+        fails.append(what + (f": {root}" if root else ""))
+        return "fail", fails, None
+    if root:
+        fails.append(f"the engine reported an error: {root}")
+    for problem in result.get("suggestion_problems") or []:
+        fails.append(problem.get("message", ""))
+    if result.get("died_during_load"):
+        fails.append(f"the engine died during the load test (exit code {result.get('exit_code')})")
+    load = result.get("load") or {}
+    if load.get("failed"):
+        fails.append(f"{load['failed']} of {load.get('requests')} load-test requests failed: "
+                     + "; ".join((load.get("errors") or [])[:3]))
+    pre = result.get("preemptions")
+    if isinstance(pre, (int, float)) and pre > tolerances.preemptions:
+        fails.append(f"{int(pre)} preemptions during the load test (tolerated: {tolerances.preemptions})")
+    if requested_kv_bytes is not None:
+        exact = result.get("kv_cache_memory_bytes")
+        if exact is not None and int(exact) != int(requested_kv_bytes):
+            fails.append(
+                f"/metrics reports kv_cache_memory_bytes={exact}, the canary requested {requested_kv_bytes}"
+            )
+        for rank in result.get("ranks") or []:
+            reserved = rank.get("reserved_kv_bytes")
+            if reserved is not None and abs(int(reserved) - int(requested_kv_bytes)) > LOG_GIB_ROUNDING:
+                fails.append(
+                    f"rank {rank.get('rank')}: the log reports {reserved} bytes reserved for KV cache, "
+                    f"the canary requested {requested_kv_bytes}"
+                )
+        if exact is None and not any(r.get("reserved_kv_bytes") is not None for r in result.get("ranks") or []):
+            unsure.append("neither /metrics nor the log confirmed the reserved KV bytes")
+    if result.get("kv_cache_tokens") is None:
+        unsure.append("the KV cache size (tokens) was found neither in /metrics nor in the log")
+    if not load.get("requests"):
+        unsure.append("no load test was run")
+    elif not load.get("completed") and not load.get("failed"):
+        unsure.append("the load test produced no result")
+    if result.get("preemptions") is None and load.get("requests"):
+        unsure.append("preemptions unknown (/metrics not readable before and after the load test)")
+    comparison = None
+    if reference:
+        comparison = compare_with_reference(result, reference, tolerances)
+        if comparison["verdict"] == "fail":
+            fails.extend(comparison["reasons"])
+        elif comparison["verdict"] == "inconclusive":
+            unsure.extend(comparison["reasons"])
+    if fails:
+        return "fail", fails + unsure, comparison
+    if unsure:
+        return "inconclusive", unsure, comparison
+    return "pass", [], comparison
+
+
+# ------------------------------------------------------------------- canary
+
+_SECRET_WORDS = ("key", "token", "secret", "password", "passwd", "credential")
+
+
+def is_secret_option(name: str) -> bool:
+    low = option_name(name).lower()
+    return any(word in low for word in _SECRET_WORDS)
+
+
+def redact_argv(argv: t.Sequence[str]) -> list[str]:
+    """argv with the value of every secret-looking option replaced."""
+    out: list[str] = []
+    hide_next = False
+    for word in argv:
+        if hide_next:
+            out.append("********")
+            hide_next = False
+            continue
+        if word.startswith("--") and is_secret_option(word):
+            if "=" in word:
+                out.append(word.split("=", 1)[0] + "=********")
+                continue
+            hide_next = True
+        out.append(word)
+    return out
+
+
+def api_key_of(serve_args: t.Mapping[str, t.Any] | None, env: t.Mapping[str, t.Any] | None) -> str | None:
+    """The API key the engine will demand on ``/v1`` routes, if any."""
+    for key, value in (serve_args or {}).items():
+        if option_name(key) == "api-key" and value:
+            return str(value[0] if isinstance(value, (list, tuple)) else value)
+    value = (env or {}).get("VLLM_API_KEY")
+    return str(value) if value else None
+
+
+@dataclass
+class CanarySpec:
+    executable: str
+    model: str
+    mode: str = "profiled"
+    kv_cache_memory_bytes: int | None = None
+    gpu_memory_utilization: float | None = None
+    serve_args: dict[str, t.Any] = field(default_factory=dict)
+    env: dict[str, t.Any] = field(default_factory=dict)
+    port: int | None = None
+    startup_timeout: float = 900.0
+    stop_timeout: float = 30.0
+    load: LoadSpec = field(default_factory=LoadSpec)
+    reference: dict[str, t.Any] | None = None
+    tolerances: Tolerances = field(default_factory=Tolerances)
+    log_path: str | None = None
+    cuda_visible_devices: str | None = None
+    host: str = LOOPBACK
+    health_interval: float = 0.5
+
+
+def canary_argv(spec: CanarySpec, port: int) -> list[str]:
+    return build_argv(
+        spec.executable,
+        spec.model,
+        mode=spec.mode,
+        port=port,
+        kv_cache_memory_bytes=spec.kv_cache_memory_bytes,
+        gpu_memory_utilization=spec.gpu_memory_utilization,
+        serve_args=spec.serve_args,
+        host=spec.host,
+    )
+
+
+def _tail(text: str, lines: int = 60, limit: int = 12000) -> str:
+    tail = "\n".join(text.splitlines()[-lines:])
+    return tail[-limit:]
+
+
+def _place_log(partial: str, final: str) -> str | None:
+    """Move the finished log to ``final`` atomically; keep an existing one as ``.previous``."""
+    previous = None
+    if os.path.lexists(final):
+        previous = final + ".previous"
+        os.replace(final, previous)
+    os.replace(partial, final)
+    return previous
+
+
+def run_canary(
+    spec: CanarySpec,
+    *,
+    after_healthy: t.Callable[[EngineProcess, int], None] | None = None,
+    during_load: t.Callable[[EngineProcess], None] | None = None,
+) -> dict[str, t.Any]:
+    """Boot one engine on loopback, warm it up, load it, scrape it, stop it, judge it.
+
+    Nothing is left running whatever happens (the process group is stopped in
+    ``finally``). ``after_healthy`` runs once the engine answers ``/health``;
+    ``during_load`` runs in a thread when the measured load starts.
+    """
+    spec.load.validate()
+    wall_start = time.monotonic()
+    port = int(spec.port) if spec.port else free_port(spec.host)
+    if port_in_use(port, spec.host):
+        raise EngineSpecError(f"port {port} on {spec.host} is already in use")
+    argv = canary_argv(spec, port)
+    env = engine_env(spec.env, mode=spec.mode, cuda_visible_devices=spec.cuda_visible_devices)
+    headers = None
+    key = api_key_of(spec.serve_args, spec.env)
+    if key:
+        headers = {"Authorization": f"Bearer {key}"}
+
+    if spec.log_path:
+        directory = os.path.dirname(os.path.abspath(spec.log_path))
+        if not os.path.isdir(directory):
+            raise EngineSpecError(f"log_path: directory {directory} does not exist")
+        partial = f"{spec.log_path}.{os.getpid()}.partial"
+    else:
+        handle, partial = tempfile.mkstemp(prefix="vllm-canary-", suffix=".log")
+        os.close(handle)
+
+    result: dict[str, t.Any] = {
+        "mode": spec.mode,
+        "argv": redact_argv(argv),
+        "port": port,
+        "startup_timeout": spec.startup_timeout,
+        "requested_kv_cache_memory_bytes": spec.kv_cache_memory_bytes,
+        "load": {**spec.load.shape(), "completed": 0, "failed": 0},
+        "preemptions": None,
+        "died_during_load": False,
+    }
+    engine = EngineProcess(argv, env, partial)
+    metrics_after: EngineMetrics | None = None
+    metrics_notes: list[str] = []
+    load_seconds = 0.0
+    try:
+        engine.start()
+        result["pid"] = engine.pid
+        health = wait_healthy(
+            spec.host, port, timeout=spec.startup_timeout, is_alive=engine.alive,
+            returncode=engine.poll, interval=spec.health_interval,
+        )
+        result["health"] = health.status
+        result["startup_seconds"] = health.seconds
+        if health.status == "healthy":
+            if after_healthy is not None:
+                after_healthy(engine, port)
+            before, why = scrape_metrics(spec.host, port)
+            if why:
+                metrics_notes.append("before load: " + why)
+
+            def start_hook() -> None:
+                if during_load is not None:
+                    threading.Thread(target=during_load, args=(engine,), daemon=True).start()
+
+            load_start = time.monotonic()
+            load = run_load_test(spec.host, port, spec.model, spec.load, on_start=start_hook, headers=headers)
+            load_seconds = time.monotonic() - load_start
+            result["load"] = load.as_dict()
+            result["died_during_load"] = not engine.alive()
+            metrics_after, why = scrape_metrics(spec.host, port)
+            if why:
+                metrics_notes.append("after load: " + why)
+            if (
+                before is not None and metrics_after is not None
+                and before.preemptions_total is not None and metrics_after.preemptions_total is not None
+            ):
+                result["preemptions"] = int(metrics_after.preemptions_total - before.preemptions_total)
+        else:
+            result["health_detail"] = health.detail
+    finally:
+        stop = engine.stop(spec.stop_timeout)
+        result["stop"] = {
+            "signal": stop.signal_used,
+            "seconds": stop.seconds,
+            "leftover_pids": stop.leftover_pids,
+        }
+        result["exit_code"] = stop.returncode if stop.returncode is not None else engine.poll()
+        text = engine.read_log()
+        if spec.log_path:
+            result["log_path"] = spec.log_path
+            result["previous_log_path"] = _place_log(partial, spec.log_path)
+        else:
+            try:
+                os.unlink(partial)
+            except OSError:
+                pass
+
+    log = summarise_log(parse_engine_log(text))
+    result["log_recognised"] = log["recognised"]
+    result["vllm_version"] = log["version"]
+    result["ranks"] = [
+        {k: r[k] for k in ("rank", "initial_free_bytes", "suggested_kv_bytes_fit",
+                            "suggested_kv_bytes_full", "reserved_kv_bytes", "auto_kv_bytes", "total_bytes")}
+        for r in log["ranks"]
+    ]
+    result["engine_errors"] = log["errors"]
+    result["suggestion_problems"] = log["suggestion_problems"]
+    capacity = capacity_figures(log, metrics_after)
+    result.update(
+        num_blocks=capacity["num_blocks"],
+        block_size=capacity["block_size"],
+        kv_cache_tokens=capacity["kv_cache_tokens"],
+        max_concurrency=capacity["max_concurrency"],
+        kv_cache_memory_bytes=capacity["kv_cache_memory_bytes"],
+        capacity_source=capacity["source"],
+        log_kv_cache_tokens=log["kv_cache_tokens"],
+    )
+    if metrics_notes:
+        result["metrics_notes"] = metrics_notes
+    if stop.leftover_pids:
+        result.setdefault("engine_errors", []).append(
+            {"kind": "leftover_processes", "rank": None, "details": {},
+             "message": f"processes {stop.leftover_pids} of the engine survived SIGKILL"}
+        )
+    verdict, reasons, comparison = judge_canary(
+        result, requested_kv_bytes=spec.kv_cache_memory_bytes if spec.mode == "manual" else None,
+        tolerances=spec.tolerances, reference=spec.reference,
+    )
+    result["verdict"] = verdict
+    result["reasons"] = reasons
+    result["comparison"] = comparison
+    result["load_seconds"] = round(load_seconds, 3)
+    result["wall_seconds"] = round(time.monotonic() - wall_start, 3)
+    if verdict != "pass":
+        result["log_tail"] = _tail(text)
+    return result
