@@ -33,7 +33,7 @@ attributes:
     description: Nothing is changed, so there is no diff.
   facts:
     support: full
-    description: Sets C(ansible_facts.gpufleet_gpus).
+    description: Sets C(ansible_facts.gpufleet_gpus) (the GPU list) and C(ansible_facts.gpufleet_nvml) (versions, own pids, host).
 options:
   devices:
     description:
@@ -88,7 +88,7 @@ EXAMPLES = r"""
 
 - name: Show the boot-time free memory per GPU
   ansible.builtin.debug:
-    msg: "{{ ansible_facts.gpufleet_gpus.gpus | map(attribute='boot_free_bytes') | list }}"
+    msg: "{{ ansible_facts.gpufleet_gpus | map(attribute='boot_free_bytes') | list }}"
 """
 
 RETURN = r"""
@@ -138,10 +138,16 @@ ansible_facts:
   type: dict
   contains:
     gpufleet_gpus:
-      description: The same content as the module result (V(gpus), versions, V(own_pids), V(host)).
+      description: The same list as RV(gpus), one entry per GPU read (what the planner reads per host).
+      type: list
+      elements: dict
+      returned: success
+      sample: [{index: 0, uuid: GPU-6f0c0d1e-0000-4000-8000-000000000000, total_bytes: 150754820096, boot_free_bytes: 149114847232}]
+    gpufleet_nvml:
+      description: The host-level part of the result, with the host name NVML was read on.
       type: dict
       returned: success
-      sample: {host: gpu-a1, gpus: [], driver_version: "550.127.05", cuda_driver_version: "12.4", nvml_version: "12.550.127.05", own_pids: []}
+      sample: {host: gpu-a1, driver_version: "550.127.05", cuda_driver_version: "12.4", nvml_version: "12.550.127.05", own_pids: []}
 """
 
 import platform
@@ -180,8 +186,10 @@ def run_module(module: AnsibleModule, binding: Any) -> dict[str, Any]:
         run_command=run_command,
     )
     warnings = result.pop("warnings")
-    facts = dict(result, host=host)
-    return {"changed": False, "ansible_facts": {"gpufleet_gpus": facts}, "warnings": warnings, **result}
+    nvml_facts = {key: result[key] for key in ("driver_version", "cuda_driver_version", "nvml_version", "own_pids")}
+    nvml_facts["host"] = host
+    facts = {"gpufleet_gpus": result["gpus"], "gpufleet_nvml": nvml_facts}
+    return {"changed": False, "ansible_facts": facts, "warnings": warnings, **result}
 
 
 def main() -> None:

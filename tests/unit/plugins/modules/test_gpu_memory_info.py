@@ -33,11 +33,11 @@ def test_reports_gpus_and_facts(monkeypatch, capsys):
     assert out["changed"] is False
     assert [g["index"] for g in out["gpus"]] == [0, 1]
     assert out["driver_version"] == "550.127.05" and out["cuda_driver_version"] == "12.4"
-    facts = out["ansible_facts"]["gpufleet_gpus"]
-    assert facts["host"] == "gpu-a1"
-    assert facts["gpus"] == out["gpus"]
+    assert out["ansible_facts"]["gpufleet_gpus"] == out["gpus"]
+    host_facts = out["ansible_facts"]["gpufleet_nvml"]
+    assert host_facts["host"] == "gpu-a1"
     for key in ("driver_version", "cuda_driver_version", "nvml_version", "own_pids"):
-        assert facts[key] == out[key]
+        assert host_facts[key] == out[key]
     assert out["gpus"][1]["processes"][0]["pid"] == 4242
     assert out["gpus"][0]["samples"] == 2
     assert "warnings" not in out
