@@ -123,10 +123,11 @@ def human_bytes(n: int, precision: int = 2, exact: bool = False) -> str:
     ``precision`` decimals with trailing zeros dropped (``30333206528`` ->
     ``"28.25GiB"``, ``512`` -> ``"512B"``). Rounded figures are for people.
 
-    Exact mode (``exact=True``): the shortest text that :func:`parse_size`
-    turns back into exactly ``n``: a binary unit whenever the exact quotient
-    is short (``"28.25GiB"``), a decimal unit when ``n`` is a multiple of it
-    (``"100MB"``), else the plain integer. ``parse_size(human_bytes(n,
+    Exact mode (``exact=True``): a text that :func:`parse_size` turns back
+    into exactly ``n``. Candidates are every binary unit whose exact quotient
+    has at most two decimals (``"28.25GiB"``, ``"1.5KiB"``), every decimal
+    unit that divides ``n`` (``"100MB"``) and the plain integer; the one with
+    the fewest digits wins (ties: binary, then decimal, then plain). ``parse_size(human_bytes(n,
     exact=True)) == n`` for every non-negative ``n``.
 
     Negative values (for instance a drift) are rendered with a leading ``-``.
@@ -136,21 +137,32 @@ def human_bytes(n: int, precision: int = 2, exact: bool = False) -> str:
     if n < 0:
         return "-" + human_bytes(-n, precision, exact)
     if exact:
-        candidates = [str(n)]
+        # candidates in order of preference on a tie: binary, decimal, plain
+        candidates = []
         for name, unit in _BINARY_RENDER:
             if n >= unit:
-                candidates.append(_exact_decimal(n, unit) + name)
+                text = _exact_decimal(n, unit)
+                if len(text.partition(".")[2]) <= 2:
+                    candidates.append(text + name)
         for name, unit in _DECIMAL_RENDER:
             if n >= unit and n % unit == 0:
                 candidates.append(str(n // unit) + name)
-        # shortest wins; on a tie prefer the earlier (plain, then binary) form
-        return min(candidates, key=len)
+        candidates.append(str(n))
+        # fewest digits wins (the most readable exact form)
+        return min(candidates, key=lambda c: sum(ch.isdigit() for ch in c))
     if precision < 0:
         raise SizeError(f"human_bytes: precision must be >= 0, got {precision}")
-    for name, unit in _BINARY_RENDER:
+    units = (("B", 1),) + tuple(reversed(_BINARY_RENDER))
+    pick = 0
+    for i, (_name, unit) in enumerate(units):
         if n >= unit:
-            text = f"{n / unit:.{precision}f}"
-            if "." in text:
-                text = text.rstrip("0").rstrip(".")
-            return text + name
-    return f"{n}B"
+            pick = i
+    name, unit = units[pick]
+    text = f"{n / unit:.{precision}f}" if unit > 1 else str(n)
+    if float(text) >= 1024 and pick + 1 < len(units):
+        # 1023.999KiB rounds to 1024KiB: show 1MiB instead
+        name, unit = units[pick + 1]
+        text = f"{n / unit:.{precision}f}"
+    if "." in text:
+        text = text.rstrip("0").rstrip(".")
+    return text + name

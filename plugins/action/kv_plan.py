@@ -1,0 +1,127 @@
+# Copyright (c) gpufleet maintainers
+# GNU General Public License v3.0+ (see https://www.gnu.org/licenses/gpl-3.0.txt)
+# SPDX-License-Identifier: GPL-3.0-or-later
+"""Action plugin for gpufleet.vllm.kv_plan: plan one host class on the controller."""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+from ansible.errors import AnsibleActionFail
+from ansible.plugins.action import ActionBase
+
+from ansible_collections.gpufleet.vllm.plugins.module_utils._plan import PlanError, plan_class
+
+ARGUMENT_SPEC: dict[str, Any] = {
+    "host_class": {"type": "str"},
+    "reference": {"type": "dict"},
+    "hosts": {"type": "dict"},
+    "hosts_from": {"type": "str"},
+    "guard_bytes": {"type": "raw", "default": "512MiB"},
+    "admission": {"type": "dict"},
+    "max_model_len": {"type": "int"},
+    "budget_mode": {"type": "str", "default": "max_safe", "choices": ["max_safe", "fit_admission"]},
+    "fit_headroom": {"type": "float", "default": 0.1},
+    "max_capacity_loss": {"type": "float", "default": 0.05},
+    "reprofile_headroom": {"type": "raw"},
+    "unstable_share": {"type": "float", "default": 0.5},
+    "cuda_context_bytes": {"type": "raw", "default": "1GiB"},
+}
+
+DEFAULT_INSTANCE = "vllm"
+
+
+def _facts_gpus(hostvars: Mapping[str, Any]) -> list[Mapping[str, Any]] | None:
+    gpus = hostvars.get("gpufleet_gpus")
+    if gpus is None:
+        facts = hostvars.get("ansible_facts") or {}
+        gpus = facts.get("gpufleet_gpus") if isinstance(facts, Mapping) else None
+    return gpus if isinstance(gpus, list) else None
+
+
+def members_from_group(group: str, task_vars: Mapping[str, Any]) -> dict[str, list[dict[str, Any]]]:
+    """``{"<host>/<instance>": [rank entries]}`` from the ``gpufleet_gpus`` facts of a group.
+
+    Each instance of ``gpufleet_instances`` (default: one instance ``vllm`` on
+    every GPU) is one member; its ranks are its GPUs in the order listed.
+    """
+    groups = task_vars.get("groups") or {}
+    if group not in groups:
+        raise AnsibleActionFail(f"hosts_from: inventory group {group!r} does not exist")
+    hostvars = task_vars.get("hostvars") or {}
+    members: dict[str, list[dict[str, Any]]] = {}
+    no_facts: list[str] = []
+    for host in groups[group]:
+        hv = hostvars.get(host) or {}
+        gpus = _facts_gpus(hv)
+        if not gpus:
+            no_facts.append(host)
+            continue
+        by_index = {}
+        for pos, gpu in enumerate(gpus):
+            by_index[int(gpu.get("index", pos))] = gpu
+        instances = hv.get("gpufleet_instances") or [{"name": DEFAULT_INSTANCE, "gpus": sorted(by_index)}]
+        if not isinstance(instances, list):
+            raise AnsibleActionFail(f"host {host}: gpufleet_instances must be a list of {{name, gpus, port}}")
+        for inst in instances:
+            if not isinstance(inst, Mapping) or not inst.get("name"):
+                raise AnsibleActionFail(f"host {host}: every gpufleet_instances entry needs a name")
+            indices = inst.get("gpus")
+            if indices is None:
+                indices = sorted(by_index)
+            ranks = []
+            for rank, index in enumerate(indices):
+                try:
+                    gpu = by_index[int(index)]
+                except (KeyError, TypeError, ValueError):
+                    raise AnsibleActionFail(
+                        f"host {host} instance {inst['name']}: GPU {index!r} is not in its gpufleet_gpus facts (indices {sorted(by_index)})"
+                    ) from None
+                entry = {
+                    "rank": rank,
+                    "boot_free_bytes": gpu.get("boot_free_bytes", gpu.get("free_bytes")),
+                    "free_min_bytes": gpu.get("free_min_bytes"),
+                    "free_max_bytes": gpu.get("free_max_bytes"),
+                    "gpu_name": gpu.get("name"),
+                    "total_bytes": gpu.get("total_bytes"),
+                }
+                ranks.append({k: v for k, v in entry.items() if v is not None})
+            members[f"{host}/{inst['name']}"] = ranks
+    if no_facts:
+        shown = ", ".join(no_facts[:10]) + (f" and {len(no_facts) - 10} more" if len(no_facts) > 10 else "")
+        raise AnsibleActionFail(f"hosts_from {group}: no gpufleet_gpus facts for {shown}; run gpufleet.vllm.gpu_memory_info on them first")
+    return members
+
+
+class ActionModule(ActionBase):
+    """Plan a host class: launch bytes, floor, utilization, capacity, decision."""
+
+    TRANSFERS_FILES = False
+    _VALID_ARGS = frozenset(ARGUMENT_SPEC)
+    _requires_connection = False
+
+    def run(self, tmp: str | None = None, task_vars: dict[str, Any] | None = None) -> dict[str, Any]:
+        task_vars = task_vars or {}
+        result = super().run(tmp, task_vars)
+        del tmp
+        _validation, args = self.validate_argument_spec(
+            argument_spec=ARGUMENT_SPEC,
+            required_one_of=[["hosts", "hosts_from"]],
+        )
+        hosts: dict[str, Any] = dict(args.get("hosts") or {})
+        if args.get("hosts_from"):
+            for name, ranks in members_from_group(args["hosts_from"], task_vars).items():
+                if name in hosts:
+                    raise AnsibleActionFail(f"host {name} is given both in hosts and by hosts_from")
+                hosts[name] = ranks
+        spec = {k: v for k, v in args.items() if k not in ("hosts_from",)}
+        spec["hosts"] = hosts
+        try:
+            plan = plan_class(spec)
+        except PlanError as exc:
+            result.update(failed=True, msg=f"kv_plan ({args.get('host_class') or 'class'}): {exc}")
+            return result
+        result.update(plan)
+        result["changed"] = False
+        result["msg"] = f"{plan['decision']}: {plan['reasons'][0]}" if plan["reasons"] else plan["decision"]
+        return result

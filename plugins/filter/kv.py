@@ -1,0 +1,64 @@
+# Copyright (c) gpufleet maintainers
+# GNU General Public License v3.0+ (see https://www.gnu.org/licenses/gpl-3.0.txt)
+# SPDX-License-Identifier: GPL-3.0-or-later
+"""Filters: to_bytes, human_bytes, kv_bytes_per_token (documentation in the YAML files beside this one)."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Mapping
+
+from ansible.errors import AnsibleFilterError
+
+from ansible_collections.gpufleet.vllm.plugins.module_utils._geometry import GeometryError, geometry_from_config
+from ansible_collections.gpufleet.vllm.plugins.module_utils._sizes import SizeError
+from ansible_collections.gpufleet.vllm.plugins.module_utils._sizes import human_bytes as _human_bytes
+from ansible_collections.gpufleet.vllm.plugins.module_utils._sizes import parse_size
+
+
+def to_bytes(value: Any, field: str = "value") -> int:
+    """``"28.25GiB"`` -> ``30333206528``."""
+    try:
+        return parse_size(value, field)
+    except SizeError as exc:
+        raise AnsibleFilterError(f"to_bytes: {exc}") from None
+
+
+def human_bytes(value: Any, precision: int = 2, exact: bool = False) -> str:
+    """``30333206528`` -> ``"28.25GiB"``; ``exact=true`` renders text that parses back to the same byte."""
+    if isinstance(value, str):
+        try:
+            value = parse_size(value, "human_bytes input")
+        except SizeError as exc:
+            raise AnsibleFilterError(f"human_bytes: {exc}") from None
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise AnsibleFilterError(f"human_bytes: expected an integer number of bytes, got {value!r}")
+    try:
+        return _human_bytes(value, int(precision), exact=bool(exact))
+    except (SizeError, ValueError) as exc:
+        raise AnsibleFilterError(f"human_bytes: {exc}") from None
+
+
+def kv_bytes_per_token(config: Any, serve_args: Mapping[str, Any] | None = None, per: str = "token") -> int:
+    """KV bytes per token (or per block with ``per='block'``) of one rank, from a HF config and serve args."""
+    if per not in ("token", "block"):
+        raise AnsibleFilterError(f"kv_bytes_per_token: per must be 'token' or 'block', got {per!r}")
+    if serve_args is not None and not isinstance(serve_args, Mapping):
+        raise AnsibleFilterError("kv_bytes_per_token: serve_args must be a mapping of vllm serve options")
+    try:
+        geo = geometry_from_config(config, serve_args or {})
+    except GeometryError as exc:
+        raise AnsibleFilterError(f"kv_bytes_per_token: {exc}") from None
+    return geo.bytes_per_token if per == "token" else geo.bytes_per_block
+
+
+class FilterModule:
+    """gpufleet.vllm size and KV geometry filters."""
+
+    def filters(self) -> dict[str, Callable[..., Any]]:
+        return {
+            "to_bytes": to_bytes,
+            "human_bytes": human_bytes,
+            "kv_bytes_per_token": kv_bytes_per_token,
+        }

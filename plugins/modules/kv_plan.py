@@ -1,0 +1,289 @@
+#!/usr/bin/python
+# Copyright (c) gpufleet maintainers
+# GNU General Public License v3.0+ (see https://www.gnu.org/licenses/gpl-3.0.txt)
+# SPDX-License-Identifier: GPL-3.0-or-later
+# This file only documents the action plugin of the same name.
+from __future__ import annotations
+
+DOCUMENTATION = r"""
+---
+module: kv_plan
+short_description: Plan a safe vLLM KV-cache byte budget for one host class
+version_added: 1.0.0
+description:
+  - Runs on the controller. From one reference profile (a profiled vLLM boot) and the free GPU memory
+    every rank of every host of the class will see at boot, computes the byte budget for
+    C(--kv-cache-memory-bytes) that is safe on every rank, the free-memory floor each boot must meet,
+    the C(--gpu-memory-utilization) that lets vLLM's startup check pass at that floor, the resulting
+    blocks, tokens and concurrency, and a decision with reasons.
+  - "Drift per rank: B_adj = B_ref - max(0, F_ref - F_boot) - G, never above C(B_ref - G).
+    The weakest rank sets the budget: B_launch = min(B_adj) over all ranks of all hosts."
+  - "Free floor per reference rank: F_floor = F_ref - (B_ref - G - budget); a boot is safe while
+    its NVML free memory is at least the floor."
+  - "Startup utilization: floor4(min(vllm_free_ref - (B_ref - G - budget) - 0.005GiB) / total) from vLLM's own
+    logged free memory (lower than NVML's); without it, the NVML floor minus O(cuda_context_bytes) is used
+    and the reasons say so."
+  - "Decisions, first that applies: V(refuse) (no reference, rank layout differs, mixed GPU models, memory
+    sizes or compatibility keys, vLLM suggestions that are not positive or where fit > full, a budget that
+    cannot hold one O(max_model_len) request), V(auto_profile) (free memory moves more than
+    O(unstable_share) x guard between samples, or a host flagged C(unstable)), V(split) (the weakest hosts
+    cost more than O(max_capacity_loss) of the median host's budget), V(reprofile) (every rank has at least
+    O(reprofile_headroom) more free memory than the reference), else V(deploy)."
+  - An admission shortfall (fewer blocks than the admission plan needs, but at least one full request) is
+    deployable; it is reported in RV(admission) and RV(reasons).
+  - Never changes anything.
+author:
+  - gpufleet maintainers
+extends_documentation_fragment:
+  - gpufleet.vllm.attributes
+  - gpufleet.vllm.attributes.ACTION_PLUGIN
+  - gpufleet.vllm.attributes.INFO_MODULE
+  - gpufleet.vllm.attributes.ACTIONGROUP_VLLM
+options:
+  host_class:
+    description: Name of the host class, used in messages and split group names.
+    type: str
+  reference:
+    description:
+      - The reference profile, as recorded by M(gpufleet.vllm.kv_profile) (the whole record or its C(profile) part).
+      - C(ranks) is a list of C({rank, free_bytes, kv_bytes}) with optional C(kv_bytes_full) (vLLM's
+        "fully utilize" suggestion, used to reject impossible figures); C(free_bytes) is NVML free memory
+        just before the profiled boot, C(kv_bytes) vLLM's "fit into requested memory" suggestion.
+      - Optional keys are C(vllm_free_bytes) (rank to vLLM's logged initial free memory), C(total_bytes),
+        C(block_size) (default 16), C(bytes_per_block) or C(geometry) (C({config, serve_args}), the model's
+        C(config.json) path or content and the C(vllm serve) options), C(kv_dtype_bytes), C(gpu_name),
+        C(compat_hash), and for models whose geometry cannot be predicted the engine's measured
+        C(num_blocks), C(kv_cache_tokens) and the C(engine_kv_bytes) behind them.
+      - Sizes accept integers or strings such as V(0.5GiB).
+      - Omitted or empty means there is no reference, and the decision is V(refuse).
+    type: dict
+  hosts:
+    description:
+      - Mapping of host (or C(host/instance)) to its ranks, each C({rank, boot_free_bytes}) with optional
+        C(free_min_bytes), C(free_max_bytes), C(gpu_name), C(total_bytes), C(unstable).
+      - A host may instead be a mapping with C(ranks) and host-level C(unstable), C(gpu_name), C(total_bytes),
+        C(compat_hash).
+      - At least one of O(hosts) and O(hosts_from) is required.
+    type: dict
+  hosts_from:
+    description:
+      - Inventory group whose hosts' C(gpufleet_gpus) facts (from M(gpufleet.vllm.gpu_memory_info)) are planned.
+      - Each entry of the host's C(gpufleet_instances) (default one instance C(vllm) on every GPU) becomes a member
+        C(<host>/<instance>) whose ranks are the instance's GPUs in order.
+      - A host of the group without those facts is an error.
+    type: str
+  guard_bytes:
+    description: Guard C(G) subtracted from every rank's budget (integer or size string).
+    type: raw
+    default: 512MiB
+  admission:
+    description:
+      - "The tokens the class must hold at once, C({tokens: N}) or C({concurrency: C, tokens_per_request: L})."
+      - At least one O(max_model_len) request plus the null block is always required.
+    type: dict
+  max_model_len:
+    description:
+      - vLLM's C(max_model_len); used for the one-request check and the concurrency figures.
+      - Defaults to C(max_model_len) of the reference geometry's C(serve_args).
+    type: int
+  budget_mode:
+    description:
+      - V(max_safe) deploys C(B_launch).
+      - V(fit_admission) deploys the whole blocks the admission plan needs plus O(fit_headroom), never more than
+        C(B_launch), and reports the VRAM left free per GPU. Needs O(admission) and a predictable geometry.
+    type: str
+    choices: [max_safe, fit_admission]
+    default: max_safe
+  fit_headroom:
+    description: With O(budget_mode=fit_admission), share of extra blocks on top of what the admission plan needs.
+    type: float
+    default: 0.1
+  max_capacity_loss:
+    description:
+      - Split threshold. When C(B_launch) is below (1 - max_capacity_loss) x median of the hosts' own weakest
+        budgets, the decision is V(split) and the outlier hosts are named.
+    type: float
+    default: 0.05
+  reprofile_headroom:
+    description:
+      - When every rank has at least this much more free memory than the reference, the decision is V(reprofile)
+        (a fresh profiled canary would give a larger budget). Smaller headroom is only reported.
+      - Default is 10% of the smallest reference suggestion C(B_ref).
+    type: raw
+  unstable_share:
+    description:
+      - A rank whose free memory moved by more than O(unstable_share) x O(guard_bytes) between samples
+        (C(free_max_bytes - free_min_bytes)) makes the decision V(auto_profile).
+    type: float
+    default: 0.5
+  cuda_context_bytes:
+    description:
+      - Allowance for vLLM's CUDA context used for the startup utilization when the reference has no vLLM-logged
+        free memory for every rank.
+    type: raw
+    default: 1GiB
+seealso:
+  - module: gpufleet.vllm.kv_profile
+  - module: gpufleet.vllm.gpu_memory_info
+"""
+
+EXAMPLES = r"""
+- name: Plan the class from probed facts
+  gpufleet.vllm.kv_plan:
+    host_class: h200-llama8b
+    reference: "{{ gpufleet_reference.profile }}"
+    hosts_from: h200_llama8b
+    guard_bytes: 0.5GiB
+    max_model_len: 8192
+    admission:
+      concurrency: 16
+      tokens_per_request: 8192
+  register: gpufleet_plan
+  run_once: true
+
+- name: Plan from explicit figures (seed example, 28.25 GiB)
+  gpufleet.vllm.kv_plan:
+    host_class: demo
+    reference:
+      ranks:
+        - {rank: 0, free_bytes: 42GiB, kv_bytes: 30GiB}
+      total_bytes: 141GiB
+      bytes_per_block: 2097152
+    hosts:
+      gpu-a: [{rank: 0, boot_free_bytes: 40.75GiB}]
+    guard_bytes: 0.5GiB
+    max_model_len: 8192
+  register: gpufleet_plan
+
+- name: Reserve only what 4 long-context requests need
+  gpufleet.vllm.kv_plan:
+    host_class: h200-longctx
+    reference: "{{ gpufleet_reference.profile }}"
+    hosts_from: h200_longctx
+    max_model_len: 131072
+    budget_mode: fit_admission
+    admission: {concurrency: 4, tokens_per_request: 131072}
+"""
+
+RETURN = r"""
+decision:
+  description: V(deploy), V(reprofile), V(split), V(auto_profile) or V(refuse).
+  returned: always
+  type: str
+  sample: deploy
+reasons:
+  description: Why, first the reason for the decision, then notes a person can act on.
+  returned: always
+  type: list
+  elements: str
+kv_cache_memory_bytes:
+  description: Budget to deploy per GPU (C(--kv-cache-memory-bytes)); V(null) when there is nothing to plan.
+  returned: always
+  type: int
+  sample: 30333206528
+max_safe_bytes:
+  description: C(B_launch), the weakest rank's adjusted budget.
+  returned: always
+  type: int
+free_floor_bytes:
+  description: Reference rank to the lowest NVML free memory at which that rank is still safe with the budget.
+  returned: always
+  type: dict
+  sample: {"0": 43754979328}
+gpu_memory_utilization:
+  description: Value for C(--gpu-memory-utilization) so that vLLM's startup check passes at the floor.
+  returned: always
+  type: float
+  sample: 0.2854
+utilization_source:
+  description: V(vllm) (vLLM's logged free memory) or V(nvml) (NVML floor minus the CUDA-context allowance).
+  returned: always
+  type: str
+vllm_floor_bytes:
+  description: Per reference rank, the free memory vLLM would log at a boot on the floor.
+  returned: always
+  type: dict
+block_size:
+  description: KV block size in tokens.
+  returned: always
+  type: int
+bytes_per_block:
+  description: KV bytes per block on the largest pipeline stage (V(null) when the geometry is unknown).
+  returned: always
+  type: int
+num_blocks:
+  description: Blocks vLLM makes from the budget.
+  returned: always
+  type: int
+kv_cache_tokens:
+  description: Tokens vLLM reports for those blocks.
+  returned: always
+  type: int
+max_concurrency:
+  description: Whole O(max_model_len) requests that fit at once (the null block excluded).
+  returned: always
+  type: int
+max_concurrency_vllm:
+  description: The concurrency figure vLLM logs (blocks / blocks per request).
+  returned: always
+  type: float
+capacity_source:
+  description: V(geometry) or V(engine_scaled) (the reference engine's figures scaled by bytes).
+  returned: always
+  type: str
+per_rank:
+  description: One entry per host rank.
+  returned: always
+  type: list
+  elements: dict
+  contains:
+    host: {description: Host or host/instance., type: str}
+    rank: {description: Rank number., type: int}
+    boot_free_bytes: {description: Free memory at boot (NVML)., type: int}
+    drift_bytes: {description: C(F_ref - F_boot) (negative when more is free)., type: int}
+    adjusted_bytes: {description: C(B_adj) of this rank., type: int}
+    headroom_bytes: {description: Free memory above the reference., type: int}
+    floor_bytes: {description: Free floor of this rank., type: int}
+    margin_bytes: {description: C(boot_free_bytes - floor_bytes)., type: int}
+    weakest: {description: Whether this rank sets the budget., type: bool}
+    unstable: {description: Whether this rank's free memory moves too much., type: bool}
+    spread_bytes: {description: C(free_max_bytes - free_min_bytes) when sampled., type: int}
+weakest:
+  description: The rank that sets the budget (C(host), C(rank), C(adjusted_bytes)).
+  returned: always
+  type: dict
+split:
+  description: Suggested sub-classes (C(name), C(hosts), C(kv_cache_memory_bytes)) when the decision is V(split), else empty.
+  returned: always
+  type: list
+  elements: dict
+capacity:
+  description: Median host budget, capacity lost to the weakest host, threshold and outlier hosts.
+  returned: always
+  type: dict
+unstable:
+  description: Ranks or hosts whose free memory is not steady.
+  returned: always
+  type: list
+  elements: dict
+admission:
+  description: Required and available blocks and tokens, shortfall, C(ok).
+  returned: when O(admission) is given and capacity is known
+  type: dict
+fit:
+  description: With V(fit_admission), the blocks chosen, the budget and C(left_free_bytes_per_gpu) versus the max safe budget.
+  returned: always
+  type: dict
+what_if_fp8:
+  description: Blocks, tokens and concurrency of the max safe budget with a 1-byte (fp8) KV cache, when the cache is 16-bit.
+  returned: always
+  type: dict
+headroom:
+  description: Free memory above the reference (C(min_bytes), C(max_bytes), C(ranks_with_headroom), C(reprofile_threshold_bytes)).
+  returned: always
+  type: dict
+human:
+  description: The main figures rendered like V(28.25GiB).
+  returned: always
+  type: dict
+"""

@@ -1,0 +1,149 @@
+#!/usr/bin/python
+# Copyright (c) gpufleet maintainers
+# GNU General Public License v3.0+ (see https://www.gnu.org/licenses/gpl-3.0.txt)
+# SPDX-License-Identifier: GPL-3.0-or-later
+# This file only documents the action plugin of the same name.
+from __future__ import annotations
+
+DOCUMENTATION = r"""
+---
+module: kv_profile
+short_description: Read or record vLLM reference profiles in a profile store
+version_added: 1.0.0
+description:
+  - Runs on the controller. A profile store is a directory of YAML files, one per recorded reference
+    profile, under C(<store>/<host_class>/). Files are named
+    C(<host_class>--<key hash>--<UTC timestamp>--<random>.yml), written atomically under an exclusive
+    lock, and never overwritten; the history is kept.
+  - The compatibility key (O(compat)) is canonicalised and hashed (first 16 hex digits of the SHA-256 of its
+    canonical JSON). A profile only serves the exact key it was recorded under.
+  - With O(state=query), returns the newest profile of O(host_class) under the key (RV(status=found)); if
+    the class only has profiles under other keys, RV(status=mismatch) and RV(differences) names the fields
+    that differ from the newest one; else RV(status=missing).
+  - Unreadable or edited files are skipped and reported in RV(corrupt) and as warnings; they never hide the
+    other profiles and are never rewritten.
+author:
+  - gpufleet maintainers
+extends_documentation_fragment:
+  - gpufleet.vllm.attributes
+  - gpufleet.vllm.attributes.ACTION_PLUGIN
+  - gpufleet.vllm.attributes.ACTIONGROUP_VLLM
+attributes:
+  check_mode:
+    support: full
+    details:
+      - With O(state=present) nothing is written; the result shows the record that would be written and C(changed=true).
+  diff_mode:
+    support: full
+    details:
+      - With O(state=present) the diff shows the new file.
+  idempotent:
+    support: partial
+    details:
+      - O(state=query) never changes anything. O(state=present) records a new profile every time.
+options:
+  store:
+    description: Directory of the profile store on the controller (created when recording).
+    type: path
+    required: true
+  state:
+    description: V(query) reads, V(present) records O(profile) as a new file.
+    type: str
+    choices: [query, present]
+    default: query
+  host_class:
+    description: Host class name (letters, digits, C(.), C(_), C(-); at most 128 characters).
+    type: str
+    required: true
+  compat:
+    description:
+      - Compatibility key fields, for example C(model), C(model_revision), C(vllm_version), C(vllm_commit),
+        C(torch_version), C(cuda_version), C(gpu_name), C(total_bytes), C(compute_capability), C(driver_version),
+        C(world_size), C(rank_count), C(kv_cache_dtype), C(dtype), C(quantization), C(tensor_parallel_size),
+        C(pipeline_parallel_size), C(data_parallel_size), C(enforce_eager), C(compilation_config),
+        C(cuda_graph_sizes), C(max_model_len), C(max_num_batched_tokens), C(max_num_seqs), C(block_size),
+        C(enable_sleep_mode), C(pytorch_cuda_alloc_conf), C(kv_offloading_backend), C(kv_offloading_size),
+        C(kv_transfer_config), C(cpu_offload_gb), C(limit_mm_per_prompt). Other names are kept as given.
+      - Integer and boolean fields are canonicalised (V("8192") equals V(8192)); V(null) fields are left out.
+    type: dict
+    required: true
+  profile:
+    description:
+      - Data to record with O(state=present), in the shape M(gpufleet.vllm.kv_plan) reads as its reference
+        (C(ranks) with C(rank), C(free_bytes), C(kv_bytes); C(vllm_free_bytes), C(total_bytes), C(block_size), ...).
+    type: dict
+seealso:
+  - module: gpufleet.vllm.kv_plan
+"""
+
+EXAMPLES = r"""
+- name: Find the reference profile of the class
+  gpufleet.vllm.kv_profile:
+    store: /var/lib/gpufleet/profiles
+    host_class: h200-llama8b
+    compat:
+      model: meta-llama/Llama-3.1-8B-Instruct
+      model_revision: 0e9e39f249a16976918f6564b8830bc894c89659
+      vllm_version: 0.33.0
+      gpu_name: NVIDIA H200
+      total_bytes: 150754820096
+      tensor_parallel_size: 1
+      max_model_len: 8192
+  register: gpufleet_reference
+  run_once: true
+
+- name: Record the profiled canary's figures
+  gpufleet.vllm.kv_profile:
+    store: /var/lib/gpufleet/profiles
+    state: present
+    host_class: h200-llama8b
+    compat: "{{ gpufleet_compat }}"
+    profile:
+      ranks:
+        - {rank: 0, free_bytes: 45097156608, kv_bytes: 32212254720}
+      vllm_free_bytes: {0: 44560285696}
+      total_bytes: 150754820096
+      block_size: 16
+  run_once: true
+"""
+
+RETURN = r"""
+status:
+  description: With O(state=query), V(found), V(mismatch) or V(missing).
+  returned: state is query
+  type: str
+  sample: found
+profile:
+  description:
+    - The stored record (C(format), C(host_class), C(key_hash), C(compat), C(recorded_at), C(profile), C(path)).
+    - For V(mismatch), the newest record of the class; V(null) for V(missing).
+  returned: always
+  type: dict
+differences:
+  description: Key fields that differ from the newest profile of the class (C(field), C(reference), C(current)).
+  returned: state is query
+  type: list
+  elements: dict
+key_hash:
+  description: Hash of the canonical O(compat).
+  returned: always
+  type: str
+  sample: 3f2a9c0e5b7d1a44
+compat:
+  description: The canonical key fields.
+  returned: state is query
+  type: dict
+count:
+  description: Readable profiles of the class.
+  returned: state is query
+  type: int
+corrupt:
+  description: Files skipped because they cannot be read, parsed or trusted (C(path), C(error)).
+  returned: state is query
+  type: list
+  elements: dict
+record:
+  description: The record written (C(path) is V(null) in check mode).
+  returned: state is present
+  type: dict
+"""

@@ -1,0 +1,116 @@
+# Copyright (c) gpufleet maintainers
+# GNU General Public License v3.0+ (see https://www.gnu.org/licenses/gpl-3.0.txt)
+from __future__ import annotations
+
+import hashlib
+import json
+
+import pytest
+
+from ansible_collections.gpufleet.vllm.plugins.module_utils._compat import (
+    KNOWN_FIELDS,
+    CompatError,
+    CompatKey,
+    compat_key,
+    diff_keys,
+)
+
+BASE = {
+    "model": "meta-llama/Llama-3.1-8B-Instruct",
+    "model_revision": "0e9e39f2",
+    "vllm_version": "0.33.0",
+    "gpu_name": "NVIDIA H200",
+    "total_bytes": 150754820096,
+    "compute_capability": "9.0",
+    "tensor_parallel_size": 1,
+    "max_model_len": 8192,
+    "enforce_eager": False,
+    "compilation_config": {"level": 3, "cudagraph_capture_sizes": [1, 2, 4]},
+}
+
+
+def test_hash_is_sha256_prefix_of_canonical_json():
+    key = compat_key(BASE)
+    canon = json.dumps(key.fields, sort_keys=True, separators=(",", ":"))
+    assert key.full_hash == hashlib.sha256(canon.encode()).hexdigest()
+    assert key.hash == key.full_hash[:16]
+    assert len(key.hash) == 16
+    assert key.as_dict()["hash"] == key.hash
+
+
+def test_canonicalisation_makes_equivalent_inputs_equal():
+    variant = dict(BASE)
+    variant.update(
+        total_bytes="150754820096",
+        tensor_parallel_size="1",
+        max_model_len=8192.0,
+        enforce_eager="false",
+        compute_capability=[9, 0],
+        compilation_config={"cudagraph_capture_sizes": [1, 2, 4], "level": 3},
+        quantization=None,  # null fields are left out
+        model=" meta-llama/Llama-3.1-8B-Instruct ",
+    )
+    assert compat_key(variant).hash == compat_key(BASE).hash
+    assert compat_key(compat_key(BASE)) == compat_key(BASE)
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("model_revision", "deadbeef"),
+        ("vllm_version", "0.33.1"),
+        ("total_bytes", 150754820095),
+        ("enforce_eager", True),
+        ("compilation_config", {"level": 3, "cudagraph_capture_sizes": [1, 2, 8]}),
+        ("kv_cache_dtype", "fp8"),
+        ("world_size", 2),
+    ],
+)
+def test_any_change_changes_the_hash_and_is_named(field, value):
+    changed = dict(BASE, **{field: value})
+    assert compat_key(changed).hash != compat_key(BASE).hash
+    diff = diff_keys(BASE, changed)
+    assert [d["field"] for d in diff] == [field]
+    assert diff[0]["current"] == compat_key(changed).fields[field]
+    assert diff[0]["reference"] == compat_key(BASE).fields.get(field)
+
+
+def test_diff_reports_added_and_removed_fields():
+    a = dict(BASE, quantization="awq")
+    b = {k: v for k, v in BASE.items() if k != "model_revision"}
+    diff = {d["field"]: d for d in diff_keys(a, b)}
+    assert set(diff) == {"quantization", "model_revision"}
+    assert diff["quantization"] == {"field": "quantization", "reference": "awq", "current": None}
+    assert diff["model_revision"]["current"] is None
+    assert diff_keys(BASE, dict(BASE)) == []
+
+
+def test_bool_vs_int_differs():
+    assert diff_keys({"x": 1}, {"x": True}) != []
+
+
+@pytest.mark.parametrize(
+    "fields, match",
+    [
+        ({"tensor_parallel_size": "two"}, "tensor_parallel_size"),
+        ({"total_bytes": True}, "total_bytes"),
+        ({"enforce_eager": "maybe"}, "enforce_eager"),
+        ({"x": object()}, "unsupported"),
+        ({"x": float("inf")}, "finite"),
+        ({"": 1}, "empty field name"),
+    ],
+)
+def test_bad_values(fields, match):
+    with pytest.raises(CompatError, match=match):
+        compat_key(fields)
+
+
+def test_not_a_mapping():
+    with pytest.raises(CompatError):
+        compat_key(["model"])  # type: ignore[arg-type]
+
+
+def test_known_fields_cover_design_and_startup_plan_keys():
+    for name in ("compute_capability", "torch_version", "cuda_version", "world_size", "rank_count", "gpu_name", "total_bytes"):
+        assert name in KNOWN_FIELDS
+    assert isinstance(compat_key({}), CompatKey)
