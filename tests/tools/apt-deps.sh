@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# apt-deps.sh: install the Debian/Ubuntu packages every test stage needs.
+# Idempotent: asks dpkg first and runs `apt-get update` only when something is missing.
+set -euo pipefail
+
+PACKAGES=(
+    systemd-container   # systemd-nspawn: the test hosts
+    debootstrap         # builds the test hosts' root file system
+    iproute2            # ip netns / veth for the test hosts' networks
+    openssh-client      # Ansible reaches the test hosts over SSH
+    shellcheck          # ansible-test sanity lints shell scripts with it
+    gcc                 # builds the fake NVML library
+    make
+    rsync
+    python3-venv        # the development and engine virtual environments
+)
+
+missing=()
+for pkg in "${PACKAGES[@]}"; do
+    status=$(dpkg-query -W -f='${db:Status-Status}' "$pkg" 2>/dev/null || true)
+    if [ "$status" != "installed" ]; then
+        missing+=("$pkg")
+    fi
+done
+
+if [ "${#missing[@]}" -eq 0 ]; then
+    echo "apt-deps: all ${#PACKAGES[@]} packages already installed"
+    exit 0
+fi
+
+if [ "$(id -u)" -ne 0 ]; then
+    echo "apt-deps: missing packages: ${missing[*]} (run as root to install them)" >&2
+    exit 1
+fi
+
+echo "apt-deps: installing ${missing[*]}"
+export DEBIAN_FRONTEND=noninteractive
+apt-get update -qq
+apt-get install -y -qq --no-install-recommends "${missing[@]}"
