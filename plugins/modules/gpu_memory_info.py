@@ -24,16 +24,17 @@ requirements:
   - C(nvidia-ml-py) (the C(pynvml) module) importable by the Python interpreter that runs
     the module on the target, and the NVIDIA driver's C(libnvidia-ml.so.1). The vLLM virtual
     environment already ships C(nvidia-ml-py); point C(ansible_python_interpreter) at it.
+extends_documentation_fragment:
+  - gpufleet.vllm.attributes
+  - gpufleet.vllm.attributes.FACTS
+  - gpufleet.vllm.attributes.INFO_MODULE
+  - gpufleet.vllm.attributes.PLATFORM_LINUX
+  - gpufleet.vllm.attributes.ACTIONGROUP_VLLM
 attributes:
-  check_mode:
-    support: full
-    description: The module only reads; it runs normally in check mode.
-  diff_mode:
-    support: none
-    description: Nothing is changed, so there is no diff.
   facts:
     support: full
-    description: Sets C(ansible_facts.gpufleet_gpus) (the GPU list) and C(ansible_facts.gpufleet_nvml) (versions, own pids, host).
+    details:
+      - Sets C(ansible_facts.gpufleet_gpus) (the GPU list) and C(ansible_facts.gpufleet_nvml) (versions, own pids, host).
 options:
   devices:
     description:
