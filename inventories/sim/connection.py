@@ -1,0 +1,47 @@
+#!/usr/bin/env python
+"""Dynamic part of the simulated fleet's inventory: how to reach each host.
+
+The simulated hosts are systemd-nspawn guests whose addresses are handed out
+when they boot, so the static ``hosts.yml`` beside this script names the hosts
+and their classes, and this script adds the connection variables of every
+simulated host (name starting with ``sim-``) that is up, as recorded by the
+test host harness.  Hosts that are down get no connection variables and show
+up as unreachable.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(os.path.dirname(HERE))
+PREFIX = "sim-"
+
+
+def connection_vars() -> dict[str, dict[str, object]]:
+    sys.path.insert(0, os.path.join(REPO, "tests", "hosts"))
+    try:
+        import testhosts  # pylint: disable=import-error,import-outside-toplevel
+    except ImportError:
+        return {}
+    harness = testhosts.Harness()
+    try:
+        data = harness.inventory_data()
+    except testhosts.HarnessError:
+        return {}
+    return {name: hv for name, hv in data["all"]["hosts"].items() if name.startswith(PREFIX)}
+
+
+def main(argv: list[str]) -> int:
+    hostvars = connection_vars()
+    if len(argv) > 2 and argv[1] == "--host":
+        print(json.dumps(hostvars.get(argv[2], {})))
+        return 0
+    print(json.dumps({"_meta": {"hostvars": hostvars}, "all": {"hosts": sorted(hostvars)}}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))
