@@ -515,9 +515,9 @@ class Harness:
                 found.append(Leftover("mount", owner, point))
         return found
 
-    def check_clean(self) -> None:
-        """Raise HarnessError naming every leftover, if any."""
-        left = self.leftovers()
+    def check_clean(self, names: t.Sequence[str] = ()) -> None:
+        """Raise HarnessError naming every leftover (only those of ``names`` when given)."""
+        left = [x for x in self.leftovers() if not names or x.owner in names]
         if left:
             raise HarnessError("test host leftovers: " + "; ".join(str(x) for x in left))
 
@@ -531,8 +531,9 @@ class Harness:
     @staticmethod
     def _parse_bind(spec: str, option: str) -> str:
         src, sep, dst = spec.partition(":")
-        if not sep or not src or not dst.startswith("/") or not os.path.isabs(src):
-            raise HarnessError(f"{option} {spec!r}: expected HOST_PATH:GUEST_PATH, both absolute")
+        if not sep or not src or not dst.startswith("/"):
+            raise HarnessError(f"{option} {spec!r}: expected HOST_PATH:GUEST_PATH (guest path absolute)")
+        src = os.path.abspath(src)
         if not os.path.exists(src):
             raise HarnessError(f"{option} {spec!r}: {src} does not exist on the controller")
         return f"{os.path.realpath(src)}:{dst}"
@@ -780,6 +781,14 @@ class Harness:
         atomic_write(path, text)
         return path
 
+    def instance_config(self, names: t.Sequence[str]) -> list[dict[str, t.Any]]:
+        """Molecule delegated-driver instance config entries for the named hosts (all must be up)."""
+        return [
+            {"instance": info.name, "address": info.address, "user": info.user, "port": info.port,
+             "identity_file": info.identity_file}
+            for info in (self.get(n) for n in names)
+        ]
+
     def memory(self, name: str) -> dict[str, int]:
         """Memory the guest's processes hold: summed PSS and RSS in bytes, and the process count."""
         info = self.get(name)
@@ -936,7 +945,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("names", nargs="*", metavar="NAME")
     p.add_argument("--all", action="store_true", help="every registered host and every leftover")
     sub.add_parser("leftovers", help="list namespaces, links, processes and mounts of test hosts")
-    sub.add_parser("check-clean", help="exit 1 naming any leftover")
+    p = sub.add_parser("check-clean", help="exit 1 naming any leftover (of the named hosts only, if named)")
+    p.add_argument("names", nargs="*", metavar="NAME")
     sub.add_parser("list", help="hosts that are up, as JSON")
     p = sub.add_parser("stats", help="boot time and memory of hosts that are up, as JSON")
     p.add_argument("names", nargs="*", metavar="NAME")
@@ -944,6 +954,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True)
     p.add_argument("--group", nargs="+", action="append", default=[], metavar=("GROUP", "NAME"),
                    help="a group and its hosts; repeatable")
+    p = sub.add_parser("instance-config", help="write molecule's instance config for hosts that are up")
+    p.add_argument("--out", required=True)
+    p.add_argument("names", nargs="+", metavar="NAME")
     p = sub.add_parser("exec", help="run a command in a guest via nsenter: exec NAME -- CMD...")
     p.add_argument("name")
     p.add_argument("argv", nargs=argparse.REMAINDER)
@@ -970,7 +983,7 @@ def main(argv: t.Sequence[str] | None = None) -> int:
             for item in h.leftovers():
                 print(item)
         elif args.cmd == "check-clean":
-            h.check_clean()
+            h.check_clean(args.names)
         elif args.cmd == "list":
             print(json.dumps({n: dataclasses.asdict(i) for n, i in h.hosts().items()}, indent=2))
         elif args.cmd == "stats":
@@ -980,6 +993,10 @@ def main(argv: t.Sequence[str] | None = None) -> int:
         elif args.cmd == "inventory":
             groups = {g[0]: g[1:] for g in args.group}
             print(h.inventory(args.out, groups=groups))
+        elif args.cmd == "instance-config":
+            entries = h.instance_config(args.names)
+            text = yaml.safe_dump(entries, sort_keys=False) if yaml is not None else json.dumps(entries) + "\n"
+            atomic_write(Path(args.out), text, mode=0o600)
         elif args.cmd == "exec":
             cmd = args.argv[1:] if args.argv[:1] == ["--"] else args.argv
             if not cmd:
