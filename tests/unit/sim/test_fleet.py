@@ -1,0 +1,128 @@
+# GNU General Public License v3.0+ (see https://www.gnu.org/licenses/gpl-3.0.txt)
+"""The fleet description, what fleetctl writes from it, and the sim inventory agree."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[3]
+INVENTORY = ROOT / "inventories" / "sim"
+GiB = 1 << 30
+
+
+def _load_fleetctl():
+    spec = importlib.util.spec_from_file_location("gpufleet_sim_fleetctl", ROOT / "sim" / "fleetctl.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+fleetctl = _load_fleetctl()
+
+
+@pytest.fixture(scope="module")
+def fleet() -> dict:
+    return fleetctl.load_fleet(ROOT / "sim" / "fleet.yml")
+
+
+@pytest.fixture(scope="module")
+def inventory() -> tuple[dict, dict]:
+    hosts = yaml.safe_load((INVENTORY / "hosts.yml").read_text())
+    groups = hosts["all"]["children"]["gpufleet"]["children"]
+    group_vars = {p.stem: yaml.safe_load(p.read_text()) for p in (INVENTORY / "group_vars").glob("*.yml")}
+    return groups, group_vars
+
+
+def test_fleet_shape_meets_the_demo_needs(fleet) -> None:
+    assert len(fleet["classes"]) >= 2
+    assert len(fleet["hosts"]) >= 6
+    gpus = [fleet["classes"][h["class"]]["gpus"] for h in fleet["hosts"].values()]
+    assert min(gpus) >= 2 and max(gpus) <= 8
+    assert any(h.get("cotenants") for h in fleet["hosts"].values()), "no host with a weak rank"
+
+
+def test_inventory_lists_the_fleet_hosts_by_class(fleet, inventory) -> None:
+    groups, group_vars = inventory
+    inv_hosts = {h: g for g, spec in groups.items() for h in spec["hosts"]}
+    assert set(inv_hosts) == set(fleet["hosts"])
+    for host, group in inv_hosts.items():
+        assert group_vars[group]["gpufleet_host_class"] == fleet["hosts"][host]["class"]
+
+
+def test_instances_fit_the_class_gpus(fleet, inventory) -> None:
+    groups, group_vars = inventory
+    multi = False
+    for group in groups:
+        gv = group_vars[group]
+        cls = fleet["classes"][gv["gpufleet_host_class"]]
+        used = [g for inst in gv["gpufleet_instances"] for g in inst["gpus"]]
+        assert len(used) == len(set(used)) and set(used) <= set(range(cls["gpus"]))
+        ports = [inst["port"] for inst in gv["gpufleet_instances"]]
+        assert len(ports) == len(set(ports))
+        tp = gv["gpufleet_serve_args"].get("tensor_parallel_size", 1) * gv["gpufleet_serve_args"].get(
+            "pipeline_parallel_size", 1)
+        assert all(len(inst["gpus"]) == tp for inst in gv["gpufleet_instances"])
+        assert gv["gpufleet_model"] == f"/srv/models/{cls['model']}"
+        assert gv["gpufleet_model_config"].endswith(f"sim/models/{cls['model']}/config.json")
+        multi = multi or len(gv["gpufleet_instances"]) > 1
+    assert multi, "no class with several instances per host"
+
+
+def test_state_written_for_each_host_is_valid(fleet) -> None:
+    nvml_state = fleetctl.nvml_state
+    uuids = set()
+    for host, spec in fleet["hosts"].items():
+        state = fleetctl.build_state(fleet, host)
+        text = nvml_state.dumps(state)
+        back = nvml_state.loads(text)
+        assert len(back["gpus"]) == fleet["classes"][spec["class"]]["gpus"]
+        uuids |= {g["uuid"] for g in back["gpus"]}
+        assert len(back["procs"]) == len(spec.get("cotenants") or [])
+    assert len(uuids) == sum(fleet["classes"][s["class"]]["gpus"] for s in fleet["hosts"].values())
+    weak = fleetctl.build_state(fleet, "sim-h200-3")
+    assert weak["procs"] == [{"gpu": 2, "pid": 61002, "used": int(1.5 * GiB), "kind": "compute",
+                              "name": "dcgm-exporter"}]
+
+
+def test_sim_config_sizes_are_bytes(fleet) -> None:
+    cfg = fleetctl.build_sim_config(fleet, "sim-h200-1")
+    assert cfg["costs"]["cuda_context_bytes"] == 500 * (1 << 20)
+    assert cfg["costs"]["peak_activation_bytes"] == int(1.25 * GiB)
+    assert cfg["boot_delay_s"] == 2 and cfg["fail_next_boot"] is None
+
+
+@pytest.mark.parametrize(("text", "value"), [("1.5GiB", int(1.5 * GiB)), ("300MiB", 300 << 20), (4096, 4096),
+                                             ("4GB", 4 * 10**9), ("0", 0)])
+def test_parse_size(text, value) -> None:
+    assert fleetctl.parse_size(text) == value
+
+
+@pytest.mark.parametrize("bad", ["1.5 furlongs", "-1", True, "GiB"])
+def test_parse_size_rejects(bad) -> None:
+    with pytest.raises(fleetctl.FleetError):
+        fleetctl.parse_size(bad)
+
+
+def test_fleet_errors_name_the_field(tmp_path, fleet) -> None:
+    broken = dict(fleet, hosts=dict(fleet["hosts"]))
+    broken["hosts"]["sim-h200-1"] = dict(broken["hosts"]["sim-h200-1"], base_used=[0, 0])
+    path = tmp_path / "fleet.yml"
+    path.write_text(yaml.safe_dump(broken))
+    with pytest.raises(fleetctl.FleetError, match=r"hosts\.sim-h200-1\.base_used: 2 entries for 4 GPUs"):
+        fleetctl.load_fleet(path)
+
+
+def test_report_summary_reads_class_sections() -> None:
+    report = {"classes": {"h200-tp2": {"plan": {"decision": "deploy", "kv_cache_memory_bytes": 30 * GiB,
+                                                 "kv_cache_tokens": 196608, "free_floor_bytes": {"0": 40 * GiB}},
+                                        "hosts_rolled_out": ["a", "b"]}}}
+    (line,) = fleetctl.summarize_report(report)
+    assert "decision=deploy" in line and "tokens=196608" in line and "30.00 GiB" in line
+    assert "floor=40.00 GiB" in line and "hosts_rolled_out=2" in line
