@@ -1,0 +1,259 @@
+#!/usr/bin/python
+# -*- coding: utf-8 -*-
+
+# Copyright (c) gpufleet maintainers
+# GNU General Public License v3.0+ (see LICENSES/GPL-3.0-or-later.txt or https://www.gnu.org/licenses/gpl-3.0.txt)
+# SPDX-License-Identifier: GPL-3.0-or-later
+
+from __future__ import annotations
+
+DOCUMENTATION = r"""
+module: vllm_boot_check
+short_description: Check a vLLM boot against its planned KV budget, free-memory floor and tokens
+version_added: 1.0.0
+description:
+  - After a vLLM systemd unit was (re)started, waits for C(/health) and fails at once if the unit enters the
+    failed state (or restarts) instead of waiting for the timeout.
+  - Reads this boot's log (the unit's journal since its main process started, or the latest boot in a log file),
+    parses it per rank and checks that every rank reserved exactly O(expected_kv_cache_memory_bytes), that the
+    free memory vLLM logged at startup is at least O(free_floor_bytes), that the cache holds at least
+    O(min_tokens) tokens and that no failure line was logged.
+  - Cross-checks C(/metrics) C(vllm:cache_config_info) (C(kv_cache_memory_bytes) exactly, tokens against the log).
+  - Fails with a message naming the rank and the figures.
+author:
+  - gpufleet maintainers
+extends_documentation_fragment:
+  - gpufleet.vllm.attributes
+  - gpufleet.vllm.attributes.PLATFORM_LINUX
+  - gpufleet.vllm.attributes.ACTIONGROUP_VLLM
+attributes:
+  check_mode:
+    support: full
+    details:
+      - The module never changes anything. In check mode it contacts nothing (in a dry run the unit was not
+        restarted, so there is no new boot to check) and returns the list of checks it would make in RV(checks).
+  diff_mode:
+    support: N/A
+    details:
+      - The module does not change state.
+  idempotent:
+    support: full
+    details:
+      - The module does not change state.
+options:
+  unit:
+    description: systemd unit running the engine, for example V(vllm-main.service).
+    type: str
+  url:
+    description: Base URL of the engine (V(http://host:port)); overrides O(port).
+    type: str
+  port:
+    description: Port of the engine on 127.0.0.1.
+    type: int
+    default: 8000
+  expected_kv_cache_memory_bytes:
+    description: The budget the unit was started with (integer or size string); each rank must have reserved it.
+    type: raw
+  free_floor_bytes:
+    description:
+      - Least initial free memory vLLM may log at startup, for every rank (integer or size string) or per rank
+        (dictionary rank -> size).
+      - Compared with vLLM's own logged figure (two decimals of GiB, so half a unit, 0.005 GiB, is allowed).
+    type: raw
+  min_tokens:
+    description: Least KV cache size in tokens.
+    type: int
+  timeout:
+    description: Seconds to wait for C(/health).
+    type: int
+    default: 900
+  journal:
+    description:
+      - Read the unit's journal (C(journalctl -u UNIT --since <ExecMainStartTimestamp> -o cat)).
+      - Set V(false) and give O(log_path) for an engine that logs to a file.
+    type: bool
+    default: true
+  log_path:
+    description: Engine log file; the part written by the latest boot (from its last C(non-default args) line) is checked.
+    type: path
+requirements:
+  - systemd (C(systemctl), C(journalctl)) when O(unit) is set.
+seealso:
+  - module: gpufleet.vllm.vllm_canary
+"""
+
+EXAMPLES = r"""
+- name: Check the boot of the restarted unit
+  gpufleet.vllm.vllm_boot_check:
+    unit: vllm-main.service
+    port: 8000
+    expected_kv_cache_memory_bytes: "{{ plan.kv_cache_memory_bytes }}"
+    free_floor_bytes: "{{ plan.free_floor_bytes }}"
+    min_tokens: "{{ plan.kv_cache_tokens }}"
+    timeout: 600
+
+- name: Check an engine that logs to a file
+  gpufleet.vllm.vllm_boot_check:
+    port: 8001
+    journal: false
+    log_path: /var/log/vllm/embedder.log
+    expected_kv_cache_memory_bytes: 2GiB
+"""
+
+RETURN = r"""
+ok:
+  description: Whether every check passed.
+  returned: when not in check mode
+  type: bool
+reasons:
+  description: Failed checks, each naming the rank and the figures.
+  returned: when not in check mode
+  type: list
+  elements: str
+checks:
+  description: Every check made (or, in check mode, that would be made), with its figures.
+  returned: always
+  type: list
+  elements: dict
+health:
+  description: V(healthy), V(timeout) or V(failed_state) (the unit failed or restarted while booting).
+  returned: when not in check mode
+  type: str
+ranks:
+  description: Per rank figures parsed from this boot's log.
+  returned: when not in check mode
+  type: list
+  elements: dict
+kv_cache_tokens:
+  description: KV cache size in tokens (from C(/metrics), else the log).
+  returned: when the engine became healthy
+  type: int
+kv_cache_memory_bytes:
+  description: The budget C(/metrics) reports.
+  returned: when the engine became healthy
+  type: int
+engine_errors:
+  description: Failures the engine logged in this boot.
+  returned: when not in check mode
+  type: list
+  elements: dict
+log_source:
+  description: Which log was read.
+  returned: when not in check mode
+  type: str
+log_tail:
+  description: Last lines of this boot's log.
+  returned: on failure
+  type: str
+"""
+
+import traceback
+from urllib.parse import urlsplit
+
+from ansible.module_utils.basic import AnsibleModule
+from ansible.module_utils.common.text.converters import to_native
+
+from ansible_collections.gpufleet.vllm.plugins.module_utils._sizes import SizeError, parse_size
+from ansible_collections.gpufleet.vllm.plugins.module_utils._vllm_engine import (
+    BootCheckSpec,
+    EngineSpecError,
+    Systemd,
+    run_boot_check,
+)
+
+
+def _floor(value: object) -> int | dict | None:
+    if value is None:
+        return None
+    if isinstance(value, dict):
+        out = {}
+        for key, size in value.items():
+            try:
+                rank = int(key)
+            except (TypeError, ValueError):
+                raise EngineSpecError(f"free_floor_bytes: rank {key!r} is not an integer") from None
+            out[rank] = parse_size(size, f"free_floor_bytes[{rank}]")
+        return out
+    return parse_size(value, "free_floor_bytes")
+
+
+def build_spec(params: dict) -> BootCheckSpec:
+    host, port = "127.0.0.1", params["port"]
+    if params["url"]:
+        parts = urlsplit(params["url"])
+        if parts.scheme != "http" or not parts.hostname:
+            raise EngineSpecError(f"url {params['url']!r}: only http://host[:port] is supported")
+        host, port = parts.hostname, parts.port or 80
+    expected = None
+    if params["expected_kv_cache_memory_bytes"] is not None:
+        expected = parse_size(params["expected_kv_cache_memory_bytes"], "expected_kv_cache_memory_bytes")
+    return BootCheckSpec(
+        unit=params["unit"],
+        host=host,
+        port=port,
+        expected_kv_cache_memory_bytes=expected,
+        free_floor_bytes=_floor(params["free_floor_bytes"]),
+        min_tokens=params["min_tokens"],
+        timeout=float(params["timeout"]),
+        journal=params["journal"],
+        log_path=params["log_path"],
+    )
+
+
+def planned_checks(spec: BootCheckSpec) -> list[dict]:
+    checks = [{"check": "health", "url": f"http://{spec.host}:{spec.port}/health", "timeout": spec.timeout}]
+    checks.append({"check": "engine_error", "log": f"journal of {spec.unit}" if spec.journal else spec.log_path})
+    if spec.expected_kv_cache_memory_bytes is not None:
+        checks.append({"check": "reserved_kv_bytes", "expected": spec.expected_kv_cache_memory_bytes})
+        checks.append({"check": "metrics_kv_cache_memory_bytes", "expected": spec.expected_kv_cache_memory_bytes})
+    if spec.free_floor_bytes is not None:
+        checks.append({"check": "free_floor", "floor": spec.free_floor_bytes})
+    if spec.min_tokens is not None:
+        checks.append({"check": "min_tokens", "expected": spec.min_tokens})
+    return checks
+
+
+def main() -> None:
+    module = AnsibleModule(
+        argument_spec=dict(
+            unit=dict(type="str"),
+            url=dict(type="str"),
+            port=dict(type="int", default=8000),
+            expected_kv_cache_memory_bytes=dict(type="raw"),
+            free_floor_bytes=dict(type="raw"),
+            min_tokens=dict(type="int"),
+            timeout=dict(type="int", default=900),
+            journal=dict(type="bool", default=True),
+            log_path=dict(type="path"),
+        ),
+        required_if=[("journal", True, ("unit",)), ("journal", False, ("log_path",))],
+        supports_check_mode=True,
+    )
+    try:
+        spec = build_spec(module.params)
+        if module.check_mode:
+            module.exit_json(changed=False, checks=planned_checks(spec))
+        systemctl = journalctl = None
+        if spec.unit:
+            systemctl = module.get_bin_path("systemctl", required=True)
+            if spec.journal:
+                journalctl = module.get_bin_path("journalctl", required=True)
+        def runner(argv: list[str]) -> tuple[int, str, str]:
+            rc, out, err = module.run_command(argv)
+            return rc, out, err
+
+        systemd = Systemd(runner, systemctl or "systemctl", journalctl or "journalctl")
+        result = run_boot_check(spec, systemd)
+    except (EngineSpecError, SizeError, ValueError) as exc:
+        module.fail_json(msg=to_native(exc))
+    except Exception as exc:  # pylint: disable=broad-exception-caught
+        module.fail_json(msg=f"vllm_boot_check failed unexpectedly: {to_native(exc)}", exception=traceback.format_exc())
+
+    if not result["ok"]:
+        where = spec.unit or result.get("url")
+        module.fail_json(msg=f"vLLM boot check of {where} failed: " + "; ".join(result["reasons"]), **result)
+    module.exit_json(changed=False, **result)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,516 @@
+# Copyright (c) gpufleet maintainers
+# GNU General Public License v3.0+ (see LICENSES/GPL-3.0-or-later.txt or https://www.gnu.org/licenses/gpl-3.0.txt)
+# SPDX-License-Identifier: GPL-3.0-or-later
+"""Unit tests of the engine core: argv, process group handling, health wait, load test, verdicts.
+
+Process and HTTP behaviour is exercised against FAKE_ENGINE below: a small
+stdlib HTTP server that is a unit-test double standing in for ``vllm serve``
+(it prints a few log lines in the CPU build's wording and answers /health,
+/metrics, /tokenize and streamed /v1/completions). It is not an engine; the
+integration tests run the real one.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from ansible_collections.gpufleet.vllm.plugins.module_utils import _vllm_engine as eng
+from ansible_collections.gpufleet.vllm.plugins.module_utils._load_test import (
+    LoadSpec,
+    build_prompt,
+    percentile,
+)
+from ansible_collections.gpufleet.vllm.plugins.module_utils._vllm_metrics import parse_metrics
+
+FAKE_ENGINE = textwrap.dedent(
+    r'''
+    """Unit-test double for `vllm serve` (not an engine)."""
+    import json, os, signal, subprocess, sys, time
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    args = sys.argv[1:]
+    def opt(name, default=None):
+        return args[args.index(name) + 1] if name in args else default
+    port = int(opt("--port"))
+    kv = opt("--kv-cache-memory-bytes")
+    behaviour = os.environ.get("FAKE_ENGINE", "healthy")
+    pid = os.getpid()
+    def log(proc, msg, level="INFO"):
+        print(f"({proc} pid={pid}) {level} 11-29 21:04:09 [fake.py:1] {msg}", flush=True)
+
+    log("APIServer", "non-default args: {'port': %d, 'kv_cache_memory_bytes': %s}" % (port, kv))
+    if os.environ.get("FAKE_SECRET_ECHO"):
+        log("APIServer", "env seen")
+    if behaviour == "die_at_boot":
+        time.sleep(0.3)
+        log("Worker", "ValueError: Available memory on node 0 (8.59/10.09 GiB) on startup is less than "
+            "desired CPU memory utilization (0.92, 9.28 GiB). On the CPU backend, ...", "ERROR")
+        sys.exit(1)
+    if behaviour in ("never_healthy", "stubborn"):
+        if behaviour == "stubborn":
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            subprocess.Popen([sys.executable, "-c",
+                "import signal,time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(300)"])
+        time.sleep(300)
+        sys.exit(0)
+    if kv:
+        log("Worker", "Explicitly set (%.2f/9.59) GiB for KV cache on node 0." % (int(kv) / 2**30))
+    else:
+        log("Worker", "Auto set (2.12/9.59) GiB for KV cache on node 0, with 2.88 GiB requested memory "
+            "for the worker. 0.76 GiB memory was consumed by non-kv usages.")
+    tokens = (int(kv) // 65536) * 128 if kv else 4446464
+    log("EngineCore", "CPU KV cache size: {:,} tokens, Maximum concurrency for 256 tokens per request: 762.50x".format(tokens))
+    state = {"preemptions": 0}
+
+    class H(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+        def log_message(self, *a):
+            pass
+        def send(self, code, body, ctype="application/json"):
+            data = body.encode()
+            self.send_response(code)
+            self.send_header("Content-Type", ctype)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+        def do_GET(self):
+            if self.path == "/health":
+                self.send(200, "")
+            elif self.path == "/metrics":
+                labels = 'block_size="128",num_gpu_blocks="%d",kv_cache_memory_bytes="%s",kv_cache_size_tokens="%d"' % (
+                    tokens // 128, kv or "None", tokens)
+                self.send(200, "vllm:cache_config_info{%s} 1.0\n"
+                          "vllm:num_preemptions_total{engine=\"0\"} %d\n" % (labels, state["preemptions"]), "text/plain")
+            else:
+                self.send(404, "{}")
+        def do_POST(self):
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            if self.path == "/tokenize":
+                n = len(body["prompt"].split()) + 1  # BOS
+                self.send(200, json.dumps({"count": n, "tokens": list(range(n))}))
+                return
+            if self.path != "/v1/completions":
+                self.send(404, "{}")
+                return
+            if behaviour == "preempt":
+                state["preemptions"] += 1
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.send_header("Connection", "close")
+            self.end_headers()
+            n = len(body["prompt"].split()) + 1
+            for i in range(body["max_tokens"]):
+                time.sleep(0.002)
+                chunk = {"choices": [{"index": 0, "text": " t%d" % i}], "usage": None}
+                self.wfile.write(("data: " + json.dumps(chunk) + "\n\n").encode())
+                self.wfile.flush()
+            usage = {"prompt_tokens": n, "completion_tokens": body["max_tokens"]}
+            self.wfile.write(("data: " + json.dumps({"choices": [], "usage": usage}) + "\n\n").encode())
+            self.wfile.write(b"data: [DONE]\n\n")
+            self.close_connection = True
+
+    if behaviour == "slow_boot":
+        time.sleep(float(os.environ.get("FAKE_BOOT_DELAY", "1")))
+    log("APIServer", "Starting vLLM server on http://127.0.0.1:%d" % port)
+    ThreadingHTTPServer(("127.0.0.1", port), H).serve_forever()
+    '''
+)
+
+
+@pytest.fixture
+def fake_vllm(tmp_path: Path) -> str:
+    """An executable `vllm` whose `serve` subcommand runs the unit-test double."""
+    script = tmp_path / "fake_engine.py"
+    script.write_text(FAKE_ENGINE)
+    exe = tmp_path / "vllm"
+    exe.write_text(f'#!/bin/sh\nshift 2\nexec "{sys.executable}" "{script}" "$@"\n')
+    exe.chmod(0o755)
+    return str(exe)
+
+
+def spec_for(exe: str, **kw) -> eng.CanarySpec:
+    base = dict(
+        executable=exe, model="tiny", mode="manual", kv_cache_memory_bytes=100_000_000,
+        startup_timeout=20, stop_timeout=3, health_interval=0.05,
+        load=LoadSpec(requests=6, concurrency=3, prompt_tokens=16, max_tokens=4, warmup=1),
+    )
+    base.update(kw)
+    return eng.CanarySpec(**base)
+
+
+def no_process_with(marker: str) -> bool:
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            cmd = Path(f"/proc/{name}/cmdline").read_bytes().decode(errors="replace")
+            state = Path(f"/proc/{name}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if marker in cmd and state != "Z":
+            return False
+    return True
+
+
+# ------------------------------------------------------------------ argv
+
+
+def test_render_serve_args_types():
+    argv = eng.render_serve_args({
+        "max_model_len": 8192, "enforce_eager": True, "disable_log_stats": False, "quantization": None,
+        "--served-model-name": ["a", "b"], "compilation_config": {"level": 0, "cudagraph_capture_sizes": [1, 2]},
+        "dtype": "bfloat16", "swap_space": 0.5,
+    })
+    assert argv == [
+        "--compilation-config", '{"cudagraph_capture_sizes":[1,2],"level":0}',
+        "--dtype", "bfloat16", "--enforce-eager", "--max-model-len", "8192",
+        "--served-model-name", "a", "b", "--swap-space", "0.5",
+    ]
+
+
+@pytest.mark.parametrize("key", ["kv_cache_memory_bytes", "kv-cache-memory", "host", "--port", "gpu_memory_utilization"])
+def test_render_serve_args_refuses_controlled_options(key):
+    with pytest.raises(eng.EngineSpecError, match="set by the module"):
+        eng.render_serve_args({key: 1})
+
+
+def test_build_argv_manual_and_profiled():
+    argv = eng.build_argv("/v/vllm", "/m", mode="manual", port=8123, kv_cache_memory_bytes=100000000,
+                          gpu_memory_utilization=0.3, serve_args={"max_model_len": 256})
+    assert argv == ["/v/vllm", "serve", "/m", "--host", "127.0.0.1", "--port", "8123",
+                    "--kv-cache-memory-bytes", "100000000", "--gpu-memory-utilization", "0.3",
+                    "--max-model-len", "256"]
+    assert "--kv-cache-memory-bytes" not in eng.build_argv("/v/vllm", "/m", mode="profiled", port=1)
+    with pytest.raises(eng.EngineSpecError, match="needs kv_cache_memory_bytes"):
+        eng.build_argv("v", "m", mode="manual", port=1)
+    with pytest.raises(eng.EngineSpecError, match="treats 0 as unset"):
+        eng.build_argv("v", "m", mode="manual", port=1, kv_cache_memory_bytes=0)
+    with pytest.raises(eng.EngineSpecError, match="only valid with mode=manual"):
+        eng.build_argv("v", "m", mode="profiled", port=1, kv_cache_memory_bytes=5)
+    with pytest.raises(eng.EngineSpecError, match=r"\(0, 1\]"):
+        eng.build_argv("v", "m", mode="profiled", port=1, gpu_memory_utilization=1.5)
+
+
+def test_redact_argv_and_api_key():
+    argv = ["vllm", "serve", "m", "--api-key", "s3cret", "--hf-token=abc", "--max-model-len", "8"]
+    assert eng.redact_argv(argv) == ["vllm", "serve", "m", "--api-key", "********", "--hf-token=********",
+                                     "--max-model-len", "8"]
+    assert eng.api_key_of({"api_key": "k1"}, {}) == "k1"
+    assert eng.api_key_of({}, {"VLLM_API_KEY": "k2"}) == "k2"
+    assert eng.api_key_of({}, {}) is None
+
+
+def test_engine_env_manual_budget_override():
+    env = eng.engine_env({"A": 1}, mode="manual", cuda_visible_devices="2,3",
+                         base={"VLLM_CPU_KVCACHE_SPACE": "4", "PATH": "/bin"})
+    assert env == {"A": "1", "CUDA_VISIBLE_DEVICES": "2,3", "PATH": "/bin"}
+    with pytest.raises(eng.EngineSpecError, match="VLLM_CPU_KVCACHE_SPACE"):
+        eng.engine_env({"VLLM_CPU_KVCACHE_SPACE": "4"}, mode="manual", base={})
+    assert eng.engine_env({}, mode="profiled", base={"VLLM_CPU_KVCACHE_SPACE": "4"}) == {"VLLM_CPU_KVCACHE_SPACE": "4"}
+
+
+# ------------------------------------------------------------------ load-test helpers
+
+
+def test_percentile_interpolates():
+    assert percentile([], 50) is None
+    assert percentile([3.0], 95) == 3.0
+    assert percentile([1, 2, 3, 4], 50) == 2.5
+    assert percentile(list(range(1, 101)), 95) == pytest.approx(95.05)
+
+
+def test_build_prompt_solves_for_token_count():
+    # A tokenizer with a BOS and two tokens per word.
+    def count(text):
+        return 1 + 2 * len(text.split())
+    prompt, measured = build_prompt(41, count)
+    assert measured == 41 and len(prompt.split()) == 20
+    # Without /tokenize: one word per token, count unknown.
+    prompt, measured = build_prompt(7, lambda _text: None)
+    assert measured is None and len(prompt.split()) == 7
+
+
+# ------------------------------------------------------------------ process + health
+
+
+def test_health_wait_notices_dead_engine_at_once(tmp_path, fake_vllm):
+    env = dict(os.environ, FAKE_ENGINE="die_at_boot")
+    port = eng.free_port()
+    proc = eng.EngineProcess([fake_vllm, "serve", "m", "--port", str(port)], env, str(tmp_path / "log"))
+    proc.start()
+    try:
+        start = time.monotonic()
+        health = eng.wait_healthy("127.0.0.1", port, timeout=60, is_alive=proc.alive, returncode=proc.poll,
+                                  interval=0.05)
+        assert health.status == "exited"
+        assert health.returncode == 1
+        assert time.monotonic() - start < 10  # not the 60 s deadline
+    finally:
+        proc.stop(2)
+
+
+def test_health_wait_times_out_and_unit_failure_is_fast():
+    port = eng.free_port()
+    health = eng.wait_healthy("127.0.0.1", port, timeout=0.3, interval=0.05)
+    assert health.status == "timeout" and "unreachable" in health.detail
+    calls = []
+
+    def failed():
+        calls.append(1)
+        return "unit vllm.service is failed (failed)" if len(calls) > 2 else None
+    health = eng.wait_healthy("127.0.0.1", port, timeout=60, failed_state=failed, interval=0.01)
+    assert health.status == "failed_state" and "failed" in health.detail
+
+
+def test_stop_escalates_to_sigkill_and_leaves_no_process(tmp_path, fake_vllm):
+    marker = f"marker-{os.getpid()}-{time.time_ns()}"
+    env = dict(os.environ, FAKE_ENGINE="stubborn")
+    proc = eng.EngineProcess([fake_vllm, "serve", marker, "--port", "1"], env, str(tmp_path / "log"))
+    proc.start()
+    deadline = time.monotonic() + 10
+    while len(eng.group_members(proc.pid)) < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert len(eng.group_members(proc.pid)) >= 2  # the double and its child
+    result = proc.stop(timeout=0.5)
+    assert result.signal_used == "SIGKILL"
+    assert result.leftover_pids == []
+    assert result.returncode == -signal.SIGKILL
+    assert eng.group_members(proc.pid) == []
+    assert no_process_with(marker)
+
+
+# ------------------------------------------------------------------ canary on the unit-test double
+
+
+def test_canary_manual_pass(tmp_path, fake_vllm):
+    log_path = tmp_path / "canary.log"
+    log_path.write_text("old log\n")
+    result = eng.run_canary(spec_for(fake_vllm, log_path=str(log_path), env={"FAKE_ENGINE": "healthy"}))
+    assert result["verdict"] == "pass", result["reasons"]
+    assert result["health"] == "healthy"
+    assert result["kv_cache_memory_bytes"] == 100_000_000
+    assert result["kv_cache_tokens"] == (100_000_000 // 65536) * 128
+    assert result["num_blocks"] == 100_000_000 // 65536
+    assert result["capacity_source"] == "metrics"
+    assert result["load"]["completed"] == 6 and result["load"]["failed"] == 0
+    assert result["load"]["prompt_tokens_seen"] == 16
+    assert result["load"]["ttft_p50"] <= result["load"]["e2e_p50"]
+    assert result["preemptions"] == 0
+    assert result["stop"]["leftover_pids"] == []
+    assert "Explicitly set" in log_path.read_text()
+    assert Path(result["previous_log_path"]).read_text() == "old log\n"
+    assert not list(tmp_path.glob("*.partial"))
+
+
+def test_canary_dead_boot_is_fail_with_engine_error(tmp_path, fake_vllm):
+    result = eng.run_canary(spec_for(fake_vllm, env={"FAKE_ENGINE": "die_at_boot"}))
+    assert result["verdict"] == "fail"
+    assert result["health"] == "exited"
+    assert result["engine_errors"][0]["kind"] == "startup_memory_check"
+    assert "Available memory on node 0" in result["reasons"][0]
+    assert "log_tail" in result
+    assert result["load"]["completed"] == 0
+
+
+def test_canary_health_timeout_stops_engine(tmp_path, fake_vllm):
+    marker = f"m{time.time_ns()}"
+    result = eng.run_canary(spec_for(fake_vllm, model=marker, startup_timeout=0.5,
+                                     env={"FAKE_ENGINE": "never_healthy"}))
+    assert result["verdict"] == "fail" and result["health"] == "timeout"
+    assert "not healthy within 0.5 s" in result["reasons"][0]
+    assert result["stop"]["signal"] == "SIGTERM" and result["stop"]["leftover_pids"] == []
+    assert no_process_with(marker)
+
+
+def test_canary_preemptions_fail(tmp_path, fake_vllm):
+    result = eng.run_canary(spec_for(fake_vllm, env={"FAKE_ENGINE": "preempt"}))
+    assert result["verdict"] == "fail"
+    assert result["preemptions"] == 6
+    assert any("6 preemptions" in r for r in result["reasons"])
+
+
+def test_canary_killed_during_load(tmp_path, fake_vllm):
+    marker = f"k{time.time_ns()}"
+
+    def kill(engine):
+        engine.kill_group(signal.SIGKILL)
+    result = eng.run_canary(spec_for(fake_vllm, model=marker, env={"FAKE_ENGINE": "healthy"},
+                                     load=LoadSpec(requests=40, concurrency=2, prompt_tokens=8, max_tokens=50,
+                                                   warmup=0)),
+                            during_load=kill)
+    assert result["verdict"] == "fail"
+    assert result["died_during_load"] is True
+    assert result["load"]["failed"] > 0
+    assert any("died during the load test" in r for r in result["reasons"])
+    assert no_process_with(marker)
+
+
+def test_canary_refuses_busy_port(fake_vllm):
+    import socket
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen(1)
+        port = sock.getsockname()[1]
+        with pytest.raises(eng.EngineSpecError, match="already in use"):
+            eng.run_canary(spec_for(fake_vllm, port=port))
+
+
+# ------------------------------------------------------------------ verdict logic
+
+
+def _result(**kw):
+    base = {
+        "health": "healthy", "mode": "manual", "engine_errors": [], "ranks": [{"rank": 0, "reserved_kv_bytes": 100}],
+        "kv_cache_memory_bytes": 100, "kv_cache_tokens": 1000, "preemptions": 0,
+        "load": {"requests": 4, "concurrency": 2, "prompt_tokens": 8, "max_tokens": 4, "completed": 4, "failed": 0,
+                 "ttft_p95": 0.1, "e2e_p95": 1.0},
+    }
+    base.update(kw)
+    return base
+
+
+def test_judge_pass_fail_inconclusive():
+    tol = eng.Tolerances()
+    assert eng.judge_canary(_result(), requested_kv_bytes=100, tolerances=tol)[0] == "pass"
+    verdict, reasons, _ = eng.judge_canary(_result(kv_cache_memory_bytes=99), requested_kv_bytes=100, tolerances=tol)
+    assert verdict == "fail" and "kv_cache_memory_bytes=99" in reasons[0]
+    verdict, reasons, _ = eng.judge_canary(_result(load={"requests": 0}), requested_kv_bytes=100, tolerances=tol)
+    assert verdict == "inconclusive" and "no load test" in reasons[0]
+    verdict, reasons, _ = eng.judge_canary(
+        _result(engine_errors=[{"kind": "cuda_oom", "rank": 1, "message": "CUDA out of memory"}]),
+        requested_kv_bytes=100, tolerances=tol)
+    assert verdict == "fail" and "rank 1: CUDA out of memory" in reasons[0]
+
+
+def test_compare_with_reference():
+    tol = eng.Tolerances(token_ratio=0.9, latency_ratio=1.5, preemptions=0)
+    ref = _result(mode="profiled", verdict="pass", kv_cache_tokens=1050)
+    cmp_ = eng.compare_with_reference(_result(), ref, tol)
+    assert cmp_["verdict"] == "pass" and cmp_["token_ratio"] == pytest.approx(1000 / 1050, abs=1e-4)
+    slow = _result(load={**_result()["load"], "e2e_p95": 2.0})
+    cmp_ = eng.compare_with_reference(slow, ref, tol)
+    assert cmp_["verdict"] == "fail" and "e2e latency p95 is 2.00x" in cmp_["reasons"][0]
+    cmp_ = eng.compare_with_reference(_result(kv_cache_tokens=800), ref, tol)
+    assert cmp_["verdict"] == "fail" and "0.7619" in cmp_["reasons"][0]
+    other_mix = _result(load={**_result()["load"], "prompt_tokens": 9})
+    cmp_ = eng.compare_with_reference(other_mix, ref, tol)
+    assert cmp_["verdict"] == "inconclusive" and "prompt_tokens 9 vs 8" in cmp_["reasons"][0]
+    verdict, reasons, comparison = eng.judge_canary(_result(preemptions=0), requested_kv_bytes=100,
+                                                    tolerances=tol, reference=_result(mode="profiled", preemptions=0,
+                                                                                      kv_cache_tokens=2000))
+    assert verdict == "fail" and comparison["token_ratio"] == 0.5
+
+
+# ------------------------------------------------------------------ boot check
+
+
+def _log(**kw):
+    base = {"recognised": True, "errors": [], "kv_cache_tokens": 195200,
+            "ranks": [{"rank": 0, "initial_free_bytes": 40 * 2**30, "reserved_kv_bytes": 100_000_000},
+                      {"rank": 1, "initial_free_bytes": 39 * 2**30, "reserved_kv_bytes": 100_000_000}]}
+    base.update(kw)
+    return base
+
+
+METRICS = parse_metrics(
+    'vllm:cache_config_info{block_size="128",kv_cache_memory_bytes="100000000",kv_cache_size_tokens="195200",'
+    'num_gpu_blocks="1525"} 1.0\n'
+)
+
+
+def test_evaluate_boot_pass_and_rank_named_failures():
+    ok = eng.evaluate_boot(_log(), METRICS, expected_kv_cache_memory_bytes=100_000_000,
+                           free_floor_bytes={0: 39 * 2**30, "1": 38 * 2**30}, min_tokens=195200)
+    assert ok["ok"], ok["reasons"]
+    bad = eng.evaluate_boot(_log(), METRICS, expected_kv_cache_memory_bytes=100_000_000,
+                            free_floor_bytes=39.5 * 2**30, min_tokens=200000)
+    assert not bad["ok"]
+    assert any(r.startswith("rank 1: initial free memory 41875931136 bytes") for r in bad["reasons"])
+    assert any("195200 tokens, fewer than the 200000" in r for r in bad["reasons"])
+    wrong = eng.evaluate_boot(_log(), METRICS, expected_kv_cache_memory_bytes=200_000_000)
+    assert any(r.startswith("rank 0: reserved 100000000 bytes") for r in wrong["reasons"])
+    assert any("kv_cache_memory_bytes=100000000, expected 200000000" in r for r in wrong["reasons"])
+
+
+def test_evaluate_boot_missing_figures_fail_closed():
+    res = eng.evaluate_boot(_log(ranks=[{"rank": 0, "initial_free_bytes": None, "reserved_kv_bytes": None}]),
+                            None, expected_kv_cache_memory_bytes=1, free_floor_bytes=1, min_tokens=1,
+                            metrics_error="/metrics unreachable")
+    text = " | ".join(res["reasons"])
+    assert "did not use the manual budget" in text
+    assert "cannot cross-check kv_cache_memory_bytes: /metrics unreachable" in text
+    assert "cannot verify the floor" in text
+    errs = eng.evaluate_boot(_log(errors=[{"kind": "cuda_oom", "rank": 2, "message": "CUDA out of memory"}]), METRICS)
+    assert errs["reasons"] == ["rank 2: engine error (cuda_oom): CUDA out of memory"]
+
+
+def test_last_boot_takes_latest_start():
+    text = "(APIServer pid=1) INFO x [api_utils.py:286] non-default args: {}\nold line\n" \
+           "(APIServer pid=2) INFO x [api_utils.py:347] banner\n" \
+           "(APIServer pid=2) INFO x [api_utils.py:286] non-default args: {'port': 1}\nnew line\n"
+    assert eng.last_boot(text).splitlines() == text.splitlines()[2:]
+
+
+class FakeSystemd:
+    """Records systemctl/journalctl calls; answers from a script of states."""
+
+    def __init__(self, states, journal_text):
+        self.states = list(states)
+        self.journal_text = journal_text
+        self.calls = []
+
+    def __call__(self, argv):
+        self.calls.append(argv)
+        if argv[0] == "systemctl":
+            state = self.states.pop(0) if len(self.states) > 1 else self.states[0]
+            return 0, state + "\nExecMainStartTimestamp=@1764450249\n", ""
+        return 0, self.journal_text, ""
+
+
+def test_boot_check_unit_failure_is_fast_and_names_engine_error(tmp_path):
+    journal = ("(Worker pid=5) ERROR 11-29 21:05:50 [x.py:1] ValueError: Free memory on device cuda:0 "
+               "(10.5/79.19 GiB) on startup is less than desired GPU memory utilization (0.9, 71.27 GiB). Decrease\n")
+    fake = FakeSystemd(["LoadState=loaded\nActiveState=activating\nSubState=start",
+                        "LoadState=loaded\nActiveState=activating\nSubState=auto-restart\nResult=exit-code"], journal)
+    spec = eng.BootCheckSpec(unit="vllm-main.service", port=eng.free_port(), timeout=60, interval=0.01)
+    start = time.monotonic()
+    result = eng.run_boot_check(spec, eng.Systemd(fake))
+    assert time.monotonic() - start < 10
+    assert result["ok"] is False and result["health"] == "failed_state"
+    assert "auto-restart" in result["reasons"][0]
+    assert "Free memory on device cuda:0 (10.5/79.19 GiB)" in result["reasons"][0]
+    journal_call = [c for c in fake.calls if c[0] == "journalctl"][0]
+    assert journal_call == ["journalctl", "-u", "vllm-main.service", "-o", "cat", "--no-pager",
+                            "--since", "@1764450249"]
+
+
+def test_boot_check_against_double_with_log_file(tmp_path, fake_vllm):
+    port = eng.free_port()
+    log_file = tmp_path / "engine.log"
+    log_file.write_text("(APIServer pid=1) INFO x [a.py:1] non-default args: {}\n"
+                        "(Worker pid=1) ERROR x [a.py:1] torch.OutOfMemoryError: CUDA out of memory. old boot\n")
+    proc = eng.EngineProcess([fake_vllm, "serve", "m", "--port", str(port), "--kv-cache-memory-bytes", "100000000"],
+                             dict(os.environ, FAKE_ENGINE="healthy"), str(tmp_path / "new.log"))
+    proc.start()
+    try:
+        eng.wait_healthy("127.0.0.1", port, timeout=20, is_alive=proc.alive, interval=0.05)
+        log_file.write_text(log_file.read_text() + proc.read_log())
+        spec = eng.BootCheckSpec(port=port, journal=False, log_path=str(log_file), timeout=5,
+                                 expected_kv_cache_memory_bytes=100_000_000, min_tokens=195000)
+        result = eng.run_boot_check(spec)
+        assert result["ok"], result["reasons"]
+        assert result["engine_errors"] == []  # the old boot's OOM is not this boot's
+        assert result["kv_cache_memory_bytes"] == 100_000_000
+        spec.expected_kv_cache_memory_bytes = 300_000_000
+        result = eng.run_boot_check(spec)
+        assert not result["ok"]
+        assert any("rank 0: reserved" in r and "expected 300000000" in r for r in result["reasons"])
+    finally:
+        proc.stop(3)
