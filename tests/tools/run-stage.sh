@@ -52,9 +52,16 @@ esac
 summary=$(summary_of "$tool" "$log")
 [ -n "$summary" ] || summary="(no $tool summary line found; see $log)"
 
+# One line per stage: a rerun of a stage replaces its previous line.
+stages="$cache/stages.txt"
+if [ -f "$stages" ]; then
+    grep -v -E "^$stage " "$stages" > "$stages.tmp" || true
+    mv "$stages.tmp" "$stages"
+fi
+
 if [ "$rc" -ne 0 ]; then
     echo "FAILED stage $stage (exit $rc) after ${secs}s: $*" >&2
-    printf '%-12s FAILED  %4ss  %s\n' "$stage" "$secs" "$summary" >> "$cache/stages.txt"
+    printf '%-12s FAILED  %4ss  %s\n' "$stage" "$secs" "$summary" >> "$stages"
     exit "$rc"
 fi
-printf '%-12s ok      %4ss  %s\n' "$stage" "$secs" "$summary" >> "$cache/stages.txt"
+printf '%-12s ok      %4ss  %s\n' "$stage" "$secs" "$summary" >> "$stages"
