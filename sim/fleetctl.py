@@ -239,8 +239,10 @@ class Fleet:
             raise FleetError(f"booting the fleet failed: {exc}") from None
         for host in names:
             self._provision(fleet, host, reset_state)
-        record = {"fleet_file": str(self.fleet_path), "hosts": names, "created_at": time.time()}
-        atomic_write(record_path(), json.dumps(record, indent=2) + "\n")
+        record = self._record()
+        record["hosts"] = sorted(set(record.get("hosts") or []) | set(names))
+        record.setdefault("fleet_files", {})[str(self.fleet_path)] = {"hosts": names, "created_at": time.time()}
+        atomic_write(record_path(), json.dumps(record, indent=2, sort_keys=True) + "\n")
         print(f"fleet up: {len(names)} hosts in {time.monotonic() - t0:.1f}s")
         return names
 
@@ -290,10 +292,13 @@ class Fleet:
 
     # -------------------------------------------------------------- destroy
     def destroy(self, all_hosts: bool = False) -> list[str]:
-        names = set(self._record().get("hosts") or [])
+        """Stop this fleet file's hosts; with ``all_hosts`` every simulated host ever created."""
+        record = self._record()
+        names: set[str] = set()
         with contextlib.suppress(FleetError):
             names |= set(self.fleet["hosts"])
         if all_hosts:
+            names |= set(record.get("hosts") or [])
             names |= {n for n in self.h.registry() if n.startswith(HOST_PREFIX)}
         names = {n for n in names if n.startswith(HOST_PREFIX)}
         if not names:
@@ -303,8 +308,15 @@ class Fleet:
             done = self.h.down(sorted(names))
         except testhosts.HarnessError as exc:
             raise FleetError(f"destroy: {exc}") from None
-        with contextlib.suppress(FileNotFoundError):
-            record_path().unlink()
+        left = sorted(set(record.get("hosts") or []) - set(done))
+        if left:
+            record["hosts"] = left
+            record["fleet_files"] = {k: v for k, v in (record.get("fleet_files") or {}).items()
+                                     if set(v.get("hosts") or []) & set(left)}
+            atomic_write(record_path(), json.dumps(record, indent=2, sort_keys=True) + "\n")
+        else:
+            with contextlib.suppress(FileNotFoundError):
+                record_path().unlink()
         print(f"destroyed: {', '.join(done)}")
         return done
 
@@ -434,7 +446,7 @@ def summarize_report(report: Any) -> list[str]:
         floor = _first(plan, "free_floor_bytes")
         if isinstance(floor, dict) and floor:
             floor = min(int(v) for v in floor.values())
-        rolled = _first(c, "hosts_rolled_out", "rolled_out", "deployed_hosts")
+        rolled = _first(c, "hosts_rolled_out", "rolled_out", "deployed_hosts", "hosts")
         if isinstance(rolled, list):
             rolled = len(rolled)
         budget = _first(plan, "kv_cache_memory_bytes")
@@ -444,7 +456,8 @@ def summarize_report(report: Any) -> list[str]:
             f"{' (' + human(int(budget)) + ')' if isinstance(budget, int) else ''} "
             f"tokens={_first(plan, 'kv_cache_tokens')} "
             f"floor={human(int(floor)) if isinstance(floor, int) else floor} "
-            f"hosts_rolled_out={rolled}")
+            f"hosts={rolled}"
+            f"{'' if c.get('failed') is None else ' failed=' + str(c.get('failed'))}")
     return lines
 
 

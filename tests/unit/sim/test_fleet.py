@@ -125,4 +125,4 @@ def test_report_summary_reads_class_sections() -> None:
                                         "hosts_rolled_out": ["a", "b"]}}}
     (line,) = fleetctl.summarize_report(report)
     assert "decision=deploy" in line and "tokens=196608" in line and "30.00 GiB" in line
-    assert "floor=40.00 GiB" in line and "hosts_rolled_out=2" in line
+    assert "floor=40.00 GiB" in line and "hosts=2" in line
