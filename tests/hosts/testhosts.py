@@ -743,8 +743,15 @@ class Harness:
         return run(self.ssh_argv(self.get(name), command), check=False, **kwargs)
 
     def inventory_data(self, groups: t.Mapping[str, t.Sequence[str]] | None = None,
-                       hostvars: t.Mapping[str, t.Mapping[str, t.Any]] | None = None) -> dict[str, t.Any]:
+                       hostvars: t.Mapping[str, t.Mapping[str, t.Any]] | None = None,
+                       names: t.Sequence[str] | None = None) -> dict[str, t.Any]:
+        """The inventory as a dict: every host that is up (or only ``names``, which must be up)."""
         up = self.hosts()
+        if names is not None:
+            missing = [n for n in names if n not in up]
+            if missing:
+                raise HarnessError(f"inventory: hosts not up: {', '.join(missing)}")
+            up = {n: up[n] for n in names}
         if not up:
             raise HarnessError("inventory: no test host is up")
         hosts: dict[str, dict[str, t.Any]] = {}
@@ -773,9 +780,10 @@ class Harness:
         return data
 
     def inventory(self, out: str | os.PathLike[str], groups: t.Mapping[str, t.Sequence[str]] | None = None,
-                  hostvars: t.Mapping[str, t.Mapping[str, t.Any]] | None = None) -> Path:
-        """Write an Ansible YAML inventory of the hosts that are up; return its path."""
-        data = self.inventory_data(groups, hostvars)
+                  hostvars: t.Mapping[str, t.Mapping[str, t.Any]] | None = None,
+                  names: t.Sequence[str] | None = None) -> Path:
+        """Write an Ansible YAML inventory of the hosts that are up (or only ``names``); return its path."""
+        data = self.inventory_data(groups, hostvars, names)
         text = yaml.safe_dump(data, sort_keys=False) if yaml is not None else json.dumps(data, indent=2) + "\n"
         path = Path(out)
         atomic_write(path, text)
