@@ -1,0 +1,190 @@
+# Copyright (c) gpufleet maintainers
+# GNU General Public License v3.0+ (see LICENSES/GPL-3.0-or-later.txt or https://www.gnu.org/licenses/gpl-3.0.txt)
+# SPDX-License-Identifier: GPL-3.0-or-later
+"""The vllm_service unit template: ExecStart for manual, auto_profile and multi-instance
+plans, quoting, hardening, and `systemd-analyze verify` on the rendered units.
+
+The template is rendered by ansible-playbook itself (the real template engine and
+filters), with the role's defaults loaded first, as the role does.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import shlex
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[3]
+ROLE = ROOT / "roles" / "vllm_service"
+BIN = pathlib.Path(sys.executable).parent
+
+PLAN_MANUAL = {
+    "decision": "deploy",
+    "kv_cache_memory_bytes": 30333206528,
+    "gpu_memory_utilization": 0.2854,
+    "free_floor_bytes": {"0": 43754979328, "1": 43754979328},
+    "kv_cache_tokens": 231424,
+    "num_blocks": 14464,
+}
+PLAN_AUTO = {"decision": "auto_profile", "kv_cache_memory_bytes": None, "gpu_memory_utilization": None, "reasons": ["moves"]}
+
+CASES = {
+    "manual": {
+        "vllm_service_instance": {"name": "vllm", "gpus": [0, 1], "port": 8000},
+        "vllm_service_plan": PLAN_MANUAL,
+        "vllm_service_serve_args": {
+            "tensor_parallel_size": 2,
+            "max_model_len": 8192,
+            "enforce_eager": True,
+            "enable_prefix_caching": False,
+            "compilation_config": {"cudagraph_capture_sizes": [1, 2, 4]},
+            "served_model_name": ["llama", "llama 8b"],
+        },
+        "vllm_service_env": {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True", "NOTE": "50% $HOME"},
+    },
+    "auto": {
+        "vllm_service_instance": {"name": "vllm", "gpus": [0], "port": 8000},
+        "vllm_service_plan": PLAN_AUTO,
+        "vllm_service_serve_args": {"max_model_len": 4096},
+    },
+    "multi_a": {
+        "vllm_service_instance": {"name": "a", "gpus": [0, 1], "port": 8000},
+        "vllm_service_plan": PLAN_MANUAL,
+        "vllm_service_serve_args": {"tensor_parallel_size": 2},
+    },
+    "multi_b": {
+        "vllm_service_instance": {"name": "b", "gpus": [2, 3], "port": 8001},
+        "vllm_service_plan": PLAN_MANUAL,
+        "vllm_service_serve_args": {"tensor_parallel_size": 2},
+    },
+}
+
+
+@pytest.fixture(scope="module")
+def rendered(tmp_path_factory):
+    """Render every case in one ansible-playbook run; return {case: unit text}."""
+    playbook_bin = BIN / "ansible-playbook"
+    if not playbook_bin.exists():
+        playbook_bin = pathlib.Path(shutil.which("ansible-playbook") or "ansible-playbook")
+    out = tmp_path_factory.mktemp("units")
+    exe = out / "vllm"
+    exe.write_text("#!/bin/sh\nexit 0\n")
+    exe.chmod(0o755)
+    tasks = [{"name": "Load the role defaults", "ansible.builtin.include_vars": str(ROLE / "defaults" / "main.yml")}]
+    for case, facts in CASES.items():
+        facts = dict(facts, vllm_service_executable=str(exe), vllm_service_model="/srv/models/llama 3")
+        tasks.append({"name": f"Facts {case}", "ansible.builtin.set_fact": facts})
+        tasks.append(
+            {
+                "name": f"Render {case}",
+                "ansible.builtin.template": {
+                    "src": str(ROLE / "templates" / "vllm.service.j2"),
+                    "dest": str(out / f"{case}.service"),
+                    "mode": "0644",
+                },
+            }
+        )
+    play = [{"hosts": "localhost", "connection": "local", "gather_facts": False, "tasks": tasks}]
+    pb = out / "render.yml"
+    pb.write_text(json.dumps(play))
+    env = dict(os.environ, ANSIBLE_NOCOLOR="1", ANSIBLE_LOCALHOST_WARNING="0", ANSIBLE_INVENTORY_UNPARSED_WARNING="0")
+    proc = subprocess.run([str(playbook_bin), "-i", "localhost,", "-e", f"ansible_python_interpreter={sys.executable}", str(pb)], capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return {case: (out / f"{case}.service").read_text() for case in CASES}, out
+
+
+def exec_start(text: str) -> list[str]:
+    """The ExecStart words (continuation lines joined, systemd's quoting undone)."""
+    joined = text.replace("\\\n", " ")
+    line = next(l for l in joined.splitlines() if l.startswith("ExecStart="))
+    return shlex.split(line[len("ExecStart="):].replace("%%", "%").replace("$$", "$"))
+
+
+def option(words: list[str], flag: str) -> str | None:
+    return words[words.index(flag) + 1] if flag in words else None
+
+
+def test_manual_budget_exec_start(rendered):
+    units, out = rendered
+    words = exec_start(units["manual"])
+    assert words[0] == str(out / "vllm")
+    assert words[1:3] == ["serve", "/srv/models/llama 3"]
+    assert option(words, "--kv-cache-memory-bytes") == "30333206528"
+    assert option(words, "--gpu-memory-utilization") == "0.2854"
+    assert option(words, "--host") == "0.0.0.0" and option(words, "--port") == "8000"
+    assert option(words, "--tensor-parallel-size") == "2"
+    assert option(words, "--max-model-len") == "8192"
+    assert "--enforce-eager" in words
+    assert "--enable-prefix-caching" not in words
+    assert json.loads(option(words, "--compilation-config")) == {"cudagraph_capture_sizes": [1, 2, 4]}
+    i = words.index("--served-model-name")
+    assert words[i + 1 : i + 3] == ["llama", "llama 8b"]
+    assert "Environment=CUDA_VISIBLE_DEVICES=0,1" in units["manual"]
+    assert "Environment=CUDA_DEVICE_ORDER=PCI_BUS_ID" in units["manual"]
+    assert 'Environment="NOTE=50%% $HOME"' in units["manual"]
+
+
+def test_auto_profile_has_no_byte_budget(rendered):
+    units, _ = rendered
+    words = exec_start(units["auto"])
+    assert "--kv-cache-memory-bytes" not in words
+    assert option(words, "--gpu-memory-utilization") == "0.9"
+    assert "plan decision: auto_profile" in units["auto"]
+
+
+def test_multi_instance_units_differ_in_gpus_and_port(rendered):
+    units, _ = rendered
+    a, b = exec_start(units["multi_a"]), exec_start(units["multi_b"])
+    assert option(a, "--port") == "8000" and option(b, "--port") == "8001"
+    assert "Environment=CUDA_VISIBLE_DEVICES=0,1" in units["multi_a"]
+    assert "Environment=CUDA_VISIBLE_DEVICES=2,3" in units["multi_b"]
+    assert "EnvironmentFile=/etc/gpufleet/vllm-a.env" in units["multi_a"]
+    assert "EnvironmentFile=/etc/gpufleet/vllm-b.env" in units["multi_b"]
+    assert option(a, "--kv-cache-memory-bytes") == option(b, "--kv-cache-memory-bytes") == "30333206528"
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_hardening_and_restart_policy(rendered, case):
+    text = rendered[0][case]
+    for line in (
+        "User=vllm",
+        "NoNewPrivileges=yes",
+        "ProtectSystem=strict",
+        "ReadWritePaths=/var/lib/vllm",
+        "ProtectHome=yes",
+        "PrivateTmp=yes",
+        "DevicePolicy=closed",
+        "DeviceAllow=char-nvidia* rw",
+        "Restart=on-failure",
+        "StartLimitBurst=3",
+        "CapabilityBoundingSet=",
+    ):
+        assert line in text.splitlines(), f"{case}: missing {line}"
+
+
+@pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze is not installed")
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_systemd_analyze_verify_accepts_the_unit(rendered, case):
+    _, out = rendered
+    unit = out / f"vllm-{case.replace('_', '-')}.service"
+    shutil.copy(out / f"{case}.service", unit)
+    proc = subprocess.run(["systemd-analyze", "verify", str(unit)], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    problems = [l for l in proc.stderr.splitlines() if str(unit.name) in l or "Unknown" in l or "Invalid" in l]
+    assert not problems, problems
+
+
+@pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze is not installed")
+def test_systemd_analyze_verify_rejects_a_broken_unit(rendered):
+    _, out = rendered
+    bad = out / "vllm-broken.service"
+    bad.write_text(rendered[0]["manual"].replace(f"ExecStart={out / 'vllm'}", "ExecStart=relative/vllm"))
+    proc = subprocess.run(["systemd-analyze", "verify", str(bad)], capture_output=True, text=True, timeout=60)
+    assert proc.returncode != 0
+    assert "relative/vllm" in proc.stderr
