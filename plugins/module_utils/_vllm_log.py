@@ -27,6 +27,8 @@ Rank mapping (from the process prefix ``(<proc> pid=N)``):
 from __future__ import annotations
 
 import ast
+import copy
+import dataclasses
 import re
 from dataclasses import dataclass, field
 
@@ -228,7 +230,7 @@ _NUM_GPU_BLOCKS = re.compile(r"# (?:GPU|CPU|XPU|NPU) blocks: (\d+)")
 _VERSION = re.compile(
     r"(?:Initializing a V\d LLM engine \(v?([\w.+-]+)\)"
     r"|vLLM API server version ([\w.+-]+)"
-    r"|\bversion (\d+\.\d+\.\d+[\w.+-]*))"
+    r"|█\s+version (\d+\.\d+\.\d+[\w.+-]*))"
 )
 _TP = re.compile(r"\btensor_parallel_size=(\d+)")
 _PP = re.compile(r"\bpipeline_parallel_size=(\d+)")
@@ -284,8 +286,9 @@ class LogParser:
     def __init__(self, tp_size: int | None = None) -> None:
         self._tp_override = tp_size
         self._procs: dict[tuple[str, int | None], dict[str, object]] = {}
-        self._errors: list[tuple[EngineError, tuple[str, int | None]]] = []
-        self._seen_errors: set[tuple[str, str]] = set()
+        # (error, process key, sentence) in order of appearance
+        self._errors: list[tuple[EngineError, tuple[str, int | None], str]] = []
+        self._seen_errors: set[tuple[str, str, str, int | None]] = set()
         self._log = EngineLog()
         self._capacity = Capacity()
         self._max_tp_index = -1
@@ -486,7 +489,7 @@ class LogParser:
             if isinstance(value, dict):
                 log.non_default_args = {str(k): v for k, v in value.items()}
             return
-        if "LLM engine" in msg or "vLLM API server version" in msg or "version" in msg:
+        if "LLM engine" in msg or "version" in msg:
             vm = _VERSION.search(msg)
             if vm and log.version is None:
                 self._hit()
@@ -503,10 +506,11 @@ class LogParser:
     ) -> None:
         self._hit()
         text = msg.strip()
-        # Same exception text printed by the worker, the engine core and the
-        # final traceback: keep the first one (it carries the rank).
-        sentence = text[m.start():] if m.start() < len(text) else text
-        dedupe = (kind, sentence)
+        # The same exception is often printed by the worker, the engine core
+        # and the final traceback: one entry per process here, duplicates
+        # across processes are dropped in result() once ranks are known.
+        sentence = text[text.find(m.group(0)):]
+        dedupe = (kind, sentence, key[0], key[1])
         if dedupe in self._seen_errors:
             return
         self._seen_errors.add(dedupe)
@@ -518,18 +522,15 @@ class LogParser:
                 "gpu_memory_utilization": float(m.group(4)),
                 "requested_bytes": gib_to_bytes(m.group(5)),
             }
-            f = self._figs(key)
-            f.setdefault("initial_free_bytes", details["free_bytes"])
-            f.setdefault("total_bytes", details["total_bytes"])
-            f.setdefault("gpu_memory_utilization", details["gpu_memory_utilization"])
-            f.setdefault("requested_bytes", details["requested_bytes"])
         elif m.re is _NOT_FIT:
             details = {
                 "max_model_len": int(m.group(1)),
                 "needed_bytes": gib_to_bytes(m.group(2)),
                 "available_bytes": gib_to_bytes(m.group(3)),
             }
-        self._errors.append((EngineError(kind=kind, message=text, rank=0, details=details), key))
+        self._errors.append(
+            (EngineError(kind=kind, message=text, rank=0, details=details), key, sentence)
+        )
 
     # ------------------------------------------------------------------ output
     def _tp_size(self) -> int:
@@ -574,16 +575,42 @@ class LogParser:
                 rf = ranks[rank] = RankFigures(rank=rank, proc=proc)
             for name, value in figs.items():
                 setattr(rf, name, value)
-        log.ranks = dict(sorted(ranks.items()))
         log.errors = []
-        for err, (proc, explicit) in self._errors:
-            err.rank = self.rank_of(proc, explicit)
-            log.errors.append(err)
+        worker_sentences = {
+            (err.kind, sentence) for err, key, sentence in self._errors if "Worker" in key[0]
+        }
+        prefixed_sentences = {(err.kind, sentence) for err, key, sentence in self._errors if key[0]}
+        emitted: set[tuple[str, str, int]] = set()
+        for err, (proc, explicit), sentence in self._errors:
+            ident = (err.kind, sentence)
+            if not proc and ident in prefixed_sentences:
+                continue  # the traceback repeating a logged error
+            if proc and "Worker" not in proc and ident in worker_sentences:
+                continue  # the engine core repeating a worker's error
+            rank = self.rank_of(proc, explicit)
+            if (err.kind, sentence, rank) in emitted:
+                continue
+            emitted.add((err.kind, sentence, rank))
+            log.errors.append(dataclasses.replace(err, rank=rank))
+            if err.kind == "startup_memory_check":
+                # The failed check still tells what this rank saw at startup.
+                rf = ranks.get(rank)
+                if rf is None:
+                    rf = ranks[rank] = RankFigures(rank=rank, proc=proc)
+                for name, detail in (
+                    ("initial_free_bytes", "free_bytes"),
+                    ("total_bytes", "total_bytes"),
+                    ("gpu_memory_utilization", "gpu_memory_utilization"),
+                    ("requested_bytes", "requested_bytes"),
+                ):
+                    if getattr(rf, name) is None:
+                        setattr(rf, name, err.details[detail])
+        log.ranks = dict(sorted(ranks.items()))
         log.capacity = self._capacity if self._capacity.tokens is not None or (
             self._capacity.max_concurrency is not None
         ) else None
         log.suggestion_problems = _suggestion_problems(log.ranks)
-        return log
+        return copy.deepcopy(log)
 
 
 def _suggestion_problems(ranks: dict[int, RankFigures]) -> list[SuggestionProblem]:

@@ -251,6 +251,29 @@ def test_gpu_startup_check_names_the_failing_rank() -> None:
     assert 0 not in log.ranks
 
 
+def test_same_error_on_two_ranks_is_reported_per_rank() -> None:
+    msg = "ValueError: No available memory for the cache blocks. Try increasing `gpu_memory_utilization`."
+    text = "\n".join([
+        f"(Worker_TP0 pid=11) ERROR 11-29 13:20:55 [multiproc_executor.py:953] {msg}",
+        f"(Worker_TP1 pid=12) ERROR 11-29 13:20:55 [multiproc_executor.py:953] {msg}",
+        f"(Worker_TP1 pid=12) ERROR 11-29 13:20:55 [multiproc_executor.py:953] {msg}",
+        f"(EngineCore_DP0 pid=10) ERROR 11-29 13:20:55 [core.py:1510] {msg}",
+        msg,
+    ])
+    log = parse_engine_log(text)
+    assert [(e.kind, e.rank) for e in log.errors] == [("no_cache_memory", 0), ("no_cache_memory", 1)]
+
+
+def test_result_is_a_snapshot() -> None:
+    p = LogParser()
+    p.feed("(EngineCore pid=1) INFO 11-29 10:00:00 [x.py:1] GPU KV cache size: 1,024 tokens")
+    first = p.result()
+    p.feed("(EngineCore pid=1) INFO 11-29 10:00:01 [core.py:1] init engine (profile, create kv cache, warmup model) took 3.50 s")
+    assert first.timings.init_engine_seconds is None
+    assert p.result().timings.init_engine_seconds == 3.5
+    assert p.result().capacity == first.capacity
+
+
 @pytest.mark.parametrize(
     "name, kind",
     [
