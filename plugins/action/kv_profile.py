@@ -59,7 +59,7 @@ class ActionModule(ActionBase):
                 return result
 
             payload = {"host_class": args["host_class"], "compat": key.fields, "profile": args["profile"]}
-            if self._play_context.check_mode:
+            if self._task.check_mode:
                 record = store.build_record(payload)
                 record["path"] = None
                 result["msg"] = "check mode: a new profile would be recorded"

@@ -34,7 +34,8 @@ Rules:
 from __future__ import annotations
 
 import math
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from ._geometry import GeometryError, KVGeometry, UnpredictableGeometry, cdiv, geometry_from_config
 from ._sizes import SizeError, human_bytes, parse_size
@@ -244,6 +245,12 @@ def _parse_reference(raw: Any) -> dict[str, Any] | None:
     return out
 
 
+def _flag(value: Any) -> bool:
+    if isinstance(value, str):
+        return value.strip().lower() in ("true", "yes", "on", "1")
+    return bool(value)
+
+
 def _parse_hosts(raw: Any) -> dict[str, dict[str, Any]]:
     if raw is None:
         return {}
@@ -259,33 +266,34 @@ def _parse_hosts(raw: Any) -> dict[str, dict[str, Any]]:
         if not isinstance(value, list):
             raise PlanError(f"hosts.{host}: expected a list of ranks (or a mapping with ranks)")
         ranks = []
+        append = ranks.append
         for i, entry in enumerate(value):
-            if not isinstance(entry, Mapping):
+            if type(entry) is not dict and not isinstance(entry, Mapping):
                 raise PlanError(f"hosts.{host}[{i}]: expected a mapping with rank and boot_free_bytes")
-            rank = entry.get("rank", i)
-            rank = rank if type(rank) is int and rank >= 0 else _rank_no(rank, f"hosts.{host}[{i}].rank")
-            free = entry.get("boot_free_bytes")
-            field = "boot_free_bytes"
+            get = entry.get
+            rank = get("rank", i)
+            if type(rank) is not int or rank < 0:
+                rank = _rank_no(rank, f"hosts.{host}[{i}].rank")
+            free = get("boot_free_bytes")
             if free is None:
-                free, field = entry.get("free_bytes"), "free_bytes"
-            if free is None:
-                raise PlanError(f"hosts.{host}[{i}] (rank {rank}): boot_free_bytes is required")
-            fmin = entry.get("free_min_bytes")
-            fmax = entry.get("free_max_bytes")
-            ranks.append(
-                (
-                    rank,
-                    _size(free, f"hosts.{host}[{i}].{field}"),
-                    None if fmin is None else _size(fmin, f"hosts.{host}[{i}].free_min_bytes"),
-                    None if fmax is None else _size(fmax, f"hosts.{host}[{i}].free_max_bytes"),
-                    entry.get("gpu_name") or entry.get("name"),
-                    entry.get("total_bytes"),
-                    bool(entry.get("unstable", False)),
-                )
-            )
+                free = get("free_bytes")
+                if free is None:
+                    raise PlanError(f"hosts.{host}[{i}] (rank {rank}): boot_free_bytes is required")
+                if type(free) is not int or free < 0:
+                    free = _size(free, f"hosts.{host}[{i}].free_bytes")
+            elif type(free) is not int or free < 0:
+                free = _size(free, f"hosts.{host}[{i}].boot_free_bytes")
+            fmin = get("free_min_bytes")
+            if fmin is not None and (type(fmin) is not int or fmin < 0):
+                fmin = _size(fmin, f"hosts.{host}[{i}].free_min_bytes")
+            fmax = get("free_max_bytes")
+            if fmax is not None and (type(fmax) is not int or fmax < 0):
+                fmax = _size(fmax, f"hosts.{host}[{i}].free_max_bytes")
+            flagged = get("unstable", False)
+            append((rank, free, fmin, fmax, get("gpu_name") or get("name"), get("total_bytes"), flagged if type(flagged) is bool else _flag(flagged)))
         hosts[host] = {
             "ranks": ranks,
-            "unstable": bool(attrs.get("unstable", False)),
+            "unstable": _flag(attrs.get("unstable", False)),
             "gpu_name": attrs.get("gpu_name"),
             "total_bytes": attrs.get("total_bytes"),
             "compat_hash": attrs.get("compat_hash"),
@@ -492,7 +500,7 @@ def plan_class(spec: Mapping[str, Any]) -> dict[str, Any]:
     totals: dict[str, Any] = {}
     for name, host in hosts.items():
         rank_names = {r[4] for r in host["ranks"] if r[4] is not None}
-        rank_totals = {int(r[5]) for r in host["ranks"] if r[5] is not None}
+        rank_totals = {_size(r[5], f"hosts.{name} rank {r[0]} total_bytes") for r in host["ranks"] if r[5] is not None}
         if host["gpu_name"] is not None:
             rank_names.add(host["gpu_name"])
         if host["total_bytes"] is not None:

@@ -1,0 +1,69 @@
+# Copyright (c) gpufleet maintainers
+# GNU General Public License v3.0+ (see https://www.gnu.org/licenses/gpl-3.0.txt)
+from __future__ import annotations
+
+import json
+
+import pytest
+from ansible.errors import AnsibleFilterError
+
+from ansible_collections.gpufleet.vllm.plugins.filter.kv import FilterModule
+
+F = FilterModule().filters()
+LLAMA_8B = {"hidden_size": 4096, "num_attention_heads": 32, "num_hidden_layers": 32, "num_key_value_heads": 8, "torch_dtype": "bfloat16"}
+
+
+def test_filter_names():
+    assert set(F) == {"to_bytes", "human_bytes", "kv_bytes_per_token"}
+
+
+def test_to_bytes():
+    assert F["to_bytes"]("28.25GiB") == 30333206528
+    assert F["to_bytes"]("30g") == 30 * 10**9
+    assert F["to_bytes"](512) == 512
+
+
+def test_to_bytes_error_names_field():
+    with pytest.raises(AnsibleFilterError, match="to_bytes: guard: invalid size '-1GiB': must not be negative"):
+        F["to_bytes"]("-1GiB", "guard")
+
+
+def test_human_bytes():
+    assert F["human_bytes"](30333206528) == "28.25GiB"
+    assert F["human_bytes"](100000000, 1) == "95.4MiB"
+    assert F["human_bytes"](100000000, exact=True) == "100MB"
+    assert F["human_bytes"]("0.5GiB") == "512MiB"
+    assert F["human_bytes"](1024.0) == "1KiB"
+    with pytest.raises(AnsibleFilterError, match="integer number of bytes"):
+        F["human_bytes"](1.5)
+    with pytest.raises(AnsibleFilterError, match="human_bytes"):
+        F["human_bytes"]("lots")
+
+
+def test_round_trip_through_both_filters():
+    for n in (0, 1, 1000, 30333206528, 123456789012):
+        assert F["to_bytes"](F["human_bytes"](n, exact=True)) == n
+
+
+def test_kv_bytes_per_token(tmp_path):
+    assert F["kv_bytes_per_token"](LLAMA_8B) == 131072
+    assert F["kv_bytes_per_token"](LLAMA_8B, {"kv_cache_dtype": "fp8", "tensor_parallel_size": 2}) == 32768
+    assert F["kv_bytes_per_token"](LLAMA_8B, {}, "block") == 131072 * 16
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(LLAMA_8B))
+    assert F["kv_bytes_per_token"](str(path)) == 131072
+    assert F["kv_bytes_per_token"](str(tmp_path), {"block_size": 128}, "block") == 131072 * 128
+
+
+@pytest.mark.parametrize(
+    "args, match",
+    [
+        ((dict(LLAMA_8B, sliding_window=4096),), "sliding"),
+        (("/nonexistent/config.json",), "cannot read"),
+        ((LLAMA_8B, {}, "page"), "per must be"),
+        ((LLAMA_8B, ["tp"]), "serve_args must be a mapping"),
+    ],
+)
+def test_kv_bytes_per_token_errors(args, match):
+    with pytest.raises(AnsibleFilterError, match=match):
+        F["kv_bytes_per_token"](*args)
