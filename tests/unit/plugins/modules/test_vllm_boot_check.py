@@ -1,0 +1,124 @@
+# Copyright (c) gpufleet maintainers
+# GNU General Public License v3.0+ (see LICENSES/GPL-3.0-or-later.txt or https://www.gnu.org/licenses/gpl-3.0.txt)
+# SPDX-License-Identifier: GPL-3.0-or-later
+"""The vllm_boot_check module shell.
+
+systemctl/journalctl are small scripts on PATH and the engine is the
+unit-test double of `vllm serve` from test_vllm_engine (not an engine).
+"""
+from __future__ import annotations
+
+import json
+import os
+import textwrap
+from typing import Any
+
+import pytest
+from ansible.module_utils.testing import patch_module_args
+
+from ansible_collections.gpufleet.vllm.plugins.module_utils import _vllm_engine as eng
+from ansible_collections.gpufleet.vllm.plugins.modules import vllm_boot_check
+from ansible_collections.gpufleet.vllm.tests.unit.plugins.module_utils.test_vllm_engine import (  # noqa: F401
+    fake_vllm,
+)
+
+
+def run(capsys, args: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+    with patch_module_args(args), pytest.raises(SystemExit) as exc:
+        vllm_boot_check.main()
+    return exc.value.code or 0, json.loads(capsys.readouterr().out)
+
+
+@pytest.fixture
+def engine(tmp_path, fake_vllm):
+    port = eng.free_port()
+    proc = eng.EngineProcess([fake_vllm, "serve", "m", "--port", str(port), "--kv-cache-memory-bytes", "100000000"],
+                             dict(os.environ, FAKE_ENGINE="serving"), str(tmp_path / "engine.log"))
+    proc.start()
+    health = eng.wait_healthy("127.0.0.1", port, timeout=20, is_alive=proc.alive, interval=0.05)
+    assert health.status == "healthy"
+    yield proc, port
+    proc.stop(3)
+
+
+@pytest.fixture
+def systemd_bin(tmp_path, monkeypatch):
+    """systemctl/journalctl stand-ins on PATH; journalctl prints $FAKE_JOURNAL and logs its argv."""
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    (bindir / "systemctl").write_text(textwrap.dedent("""\
+        #!/bin/sh
+        printf 'LoadState=loaded\\nActiveState=%s\\nSubState=%s\\nResult=success\\nNRestarts=0\\n' \\
+            "${FAKE_ACTIVE:-active}" "${FAKE_SUB:-running}"
+        printf 'ExecMainStartTimestamp=@1764450249\\n'
+        """))
+    (bindir / "journalctl").write_text('#!/bin/sh\necho "$@" > "$FAKE_JOURNAL.args"\ncat "$FAKE_JOURNAL"\n')
+    for name in ("systemctl", "journalctl"):
+        (bindir / name).chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bindir}:{os.environ['PATH']}")
+    return bindir
+
+
+def test_check_mode_lists_checks_and_contacts_nothing(capsys):
+    rc, out = run(capsys, {"_ansible_check_mode": True, "unit": "vllm-main.service", "port": 1,
+                           "expected_kv_cache_memory_bytes": "1GiB", "free_floor_bytes": {"0": "40GiB", "1": 1},
+                           "min_tokens": 4096})
+    assert rc == 0 and out["changed"] is False
+    names = [c["check"] for c in out["checks"]]
+    assert names == ["health", "engine_error", "reserved_kv_bytes", "metrics_kv_cache_memory_bytes", "free_floor",
+                     "min_tokens"]
+    assert out["checks"][2]["expected"] == 1 << 30
+    assert out["checks"][4]["floor"] == {"0": 40 << 30, "1": 1}
+
+
+def test_journal_boot_check_passes(capsys, engine, systemd_bin, tmp_path, monkeypatch):
+    proc, port = engine
+    journal = tmp_path / "journal.txt"
+    journal.write_text(proc.read_log())
+    monkeypatch.setenv("FAKE_JOURNAL", str(journal))
+    rc, out = run(capsys, {"unit": "vllm-main.service", "port": port, "expected_kv_cache_memory_bytes": 100000000,
+                           "min_tokens": 195000, "timeout": 10})
+    assert rc == 0, out.get("msg")
+    assert out["ok"] is True and out["changed"] is False
+    assert out["kv_cache_tokens"] == (100_000_000 // 65536) * 128
+    assert (tmp_path / "journal.txt.args").read_text().split() == [
+        "-u", "vllm-main.service", "-o", "cat", "--no-pager", "--since", "@1764450249"]
+
+
+def test_journal_boot_check_names_rank_and_figures(capsys, engine, systemd_bin, tmp_path, monkeypatch):
+    proc, port = engine
+    journal = tmp_path / "journal.txt"
+    journal.write_text(proc.read_log())
+    monkeypatch.setenv("FAKE_JOURNAL", str(journal))
+    rc, out = run(capsys, {"unit": "vllm-main.service", "url": f"http://127.0.0.1:{port}",
+                           "expected_kv_cache_memory_bytes": "0.5GiB", "free_floor_bytes": "1GiB", "timeout": 10})
+    assert rc == 1 and out["failed"] is True
+    assert out["msg"].startswith("vLLM boot check of vllm-main.service failed: rank 0: reserved")
+    assert "expected 536870912" in out["msg"]
+    assert "rank 0: the log shows no initial free memory; cannot verify the floor of 1073741824 bytes" in out["msg"]
+
+
+def test_failed_unit_fails_fast(capsys, systemd_bin, tmp_path, monkeypatch):
+    journal = tmp_path / "journal.txt"
+    journal.write_text("(EngineCore pid=3) ERROR 11-29 21:16:27 [core.py:1510] ValueError: To serve at least one "
+                       "request with the model's max seq len (256), (0.0 GiB KV cache is needed, which is larger "
+                       "than the available KV cache memory (0.0 GiB). Try increasing\n")
+    monkeypatch.setenv("FAKE_JOURNAL", str(journal))
+    monkeypatch.setenv("FAKE_ACTIVE", "failed")
+    monkeypatch.setenv("FAKE_SUB", "failed")
+    rc, out = run(capsys, {"unit": "vllm-main.service", "port": eng.free_port(), "timeout": 600})
+    assert rc == 1 and out["health"] == "failed_state"
+    assert "unit vllm-main.service is failed (failed)" in out["msg"]
+    assert "To serve at least one request with the model's max seq len (256)" in out["msg"]
+
+
+@pytest.mark.parametrize("args, message", [
+    ({"journal": True}, "journal is True but all of the following are missing: unit"),
+    ({"journal": False}, "journal is False but all of the following are missing: log_path"),
+    ({"unit": "u", "url": "https://h:1"}, "only http://host[:port] is supported"),
+    ({"unit": "u", "free_floor_bytes": {"zero": 1}}, "free_floor_bytes: rank 'zero' is not an integer"),
+    ({"unit": "u", "expected_kv_cache_memory_bytes": "1.5XB"}, "expected_kv_cache_memory_bytes: invalid size"),
+])
+def test_bad_arguments(capsys, args, message):
+    rc, out = run(capsys, args)
+    assert rc == 1 and message in out["msg"]

@@ -1,0 +1,96 @@
+# Copyright (c) gpufleet maintainers
+# GNU General Public License v3.0+ (see LICENSES/GPL-3.0-or-later.txt or https://www.gnu.org/licenses/gpl-3.0.txt)
+# SPDX-License-Identifier: GPL-3.0-or-later
+"""The vllm_canary module shell: arguments, check mode, failures, secrets.
+
+Boots use the unit-test double of `vllm serve` from test_vllm_engine (not an
+engine); the real engine is exercised by the integration tests.
+"""
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+from ansible.module_utils.testing import patch_module_args
+
+from ansible_collections.gpufleet.vllm.plugins.modules import vllm_canary
+from ansible_collections.gpufleet.vllm.tests.unit.plugins.module_utils.test_vllm_engine import (  # noqa: F401
+    fake_vllm,
+)
+
+SMALL_LOAD = {"requests": 4, "concurrency": 2, "prompt_tokens": 8, "max_tokens": 3, "warmup": 1}
+
+
+def run(capsys, args: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+    with patch_module_args(args), pytest.raises(SystemExit) as exc:
+        vllm_canary.main()
+    return exc.value.code or 0, json.loads(capsys.readouterr().out)
+
+
+def test_check_mode_returns_argv_and_starts_nothing(capsys, tmp_path):
+    rc, out = run(capsys, {
+        "_ansible_check_mode": True, "executable": str(tmp_path / "missing-vllm"), "model": "/m", "mode": "manual",
+        "kv_cache_memory_bytes": "0.5GiB", "port": 18123, "gpu_memory_utilization": 0.8,
+        "serve_args": {"max_model_len": 8192, "enforce_eager": True, "api_key": "k-secret"},
+    })
+    assert rc == 0 and out["changed"] is False
+    assert out["argv"] == [str(tmp_path / "missing-vllm"), "serve", "/m", "--host", "127.0.0.1", "--port", "18123",
+                           "--kv-cache-memory-bytes", "536870912", "--gpu-memory-utilization", "0.8",
+                           "--api-key", "********", "--enforce-eager", "--max-model-len", "8192"]
+    assert "verdict" not in out
+    assert "k-secret" not in json.dumps(out)
+
+
+@pytest.mark.parametrize("args, message", [
+    ({"mode": "manual"}, "missing: kv_cache_memory_bytes"),
+    ({"mode": "manual", "kv_cache_memory_bytes": "30GB!"}, "kv_cache_memory_bytes: invalid size"),
+    ({"mode": "manual", "kv_cache_memory_bytes": 0}, "treats 0 as unset"),
+    ({"serve_args": {"port": 1}}, "option 'port' is set by the module itself"),
+    ({"env": {"VLLM_CPU_KVCACHE_SPACE": "4"}, "mode": "manual", "kv_cache_memory_bytes": 10}, "VLLM_CPU_KVCACHE_SPACE"),
+    ({"load": {"concurrency": 0}}, "load.concurrency must be an integer >= 1"),
+])
+def test_bad_arguments_fail_clearly(capsys, args, message):
+    rc, out = run(capsys, {"executable": "/nonexistent/vllm", "model": "m", **args})
+    assert rc == 1 and out["failed"] is True
+    assert message in out["msg"]
+    assert "exception" not in out
+
+
+def test_pass_through_double_hides_env(capsys, fake_vllm, tmp_path):
+    log = tmp_path / "engine.log"
+    rc, out = run(capsys, {
+        "executable": fake_vllm, "model": "m", "mode": "manual", "kv_cache_memory_bytes": "100000000",
+        "env": {"HF_TOKEN": "tok-should-not-leak"}, "load": SMALL_LOAD,
+        "startup_timeout": 20, "stop_timeout": 3, "log_path": str(log),
+    })
+    assert rc == 0, out.get("msg")
+    assert out["verdict"] == "pass" and out["changed"] is True
+    assert out["kv_cache_tokens"] == (100_000_000 // 65536) * 128
+    assert out["load"]["completed"] == 4
+    assert out["log_path"] == str(log) and log.exists()
+    assert "tok-should-not-leak" not in json.dumps(out)
+
+
+def test_refused_boot_fails_task_with_engine_error(capsys, fake_vllm):
+    rc, out = run(capsys, {
+        "executable": fake_vllm, "model": "m", "mode": "manual", "kv_cache_memory_bytes": 100000000,
+        "env": {"FAKE_ENGINE": "die_at_boot"}, "load": SMALL_LOAD, "startup_timeout": 20, "fail_on": [],
+    })
+    assert rc == 1 and out["failed"] is True
+    assert out["verdict"] == "fail"
+    assert out["msg"].startswith("vLLM canary (manual) did not boot: the engine exited while booting (exit code 1)")
+    assert "Available memory on node 0 (8.59/10.09 GiB)" in out["msg"]
+    assert out["engine_error"].startswith("rank 0: ValueError: Available memory")
+
+
+def test_fail_on_controls_task_result(capsys, fake_vllm):
+    common = {"executable": fake_vllm, "model": "m", "env": {"FAKE_ENGINE": "preempting"}, "load": SMALL_LOAD,
+              "startup_timeout": 20, "stop_timeout": 3}
+    rc, out = run(capsys, common)
+    assert rc == 1 and out["verdict"] == "fail" and "4 preemptions" in out["msg"]
+    rc, out = run(capsys, dict(common, fail_on=[]))
+    assert rc == 0 and out["verdict"] == "fail"
+    rc, out = run(capsys, dict(common, env={}, load=dict(SMALL_LOAD, requests=0),
+                               fail_on=["fail", "inconclusive"]))
+    assert rc == 1 and out["verdict"] == "inconclusive" and "no load test was run" in out["msg"]
