@@ -97,40 +97,50 @@ def process_name(pid: int, proc_root: str = "/proc") -> str | None:
     return comm.strip() if comm is not None else None
 
 
-def parent_map(proc_root: str = "/proc") -> dict[int, int]:
-    """pid -> parent pid for every process visible under ``proc_root``."""
-    parents: dict[int, int] = {}
-    try:
-        entries = os.listdir(proc_root)
-    except OSError:
-        return parents
-    for entry in entries:
-        if not entry.isdigit():
-            continue
-        stat = _read(os.path.join(proc_root, entry, "stat"))
-        if not stat:
-            continue
-        # comm may hold spaces and parentheses: the fields after the last ')' are fixed.
-        fields = stat.rsplit(")", 1)[-1].split()
-        if len(fields) >= 2 and fields[1].isdigit():
-            parents[int(entry)] = int(fields[1])
-    return parents
+def parent_pid(pid: int, proc_root: str = "/proc") -> int | None:
+    """The parent pid from ``/proc/<pid>/stat``, or None when the process is gone."""
+    stat = _read(os.path.join(proc_root, str(pid), "stat"))
+    if not stat:
+        return None
+    # comm may hold spaces and parentheses: the fields after the last ')' are fixed.
+    fields = stat.rsplit(")", 1)[-1].split()
+    return int(fields[1]) if len(fields) >= 2 and fields[1].isdigit() else None
 
 
-def descendants(roots: Iterable[int], parents: dict[int, int]) -> set[int]:
-    """``roots`` and every process below them in the ``parents`` tree."""
-    children: dict[int, list[int]] = {}
-    for pid, ppid in parents.items():
-        children.setdefault(ppid, []).append(pid)
-    found: set[int] = set()
-    stack = [pid for pid in roots if pid > 0]
-    while stack:
-        pid = stack.pop()
-        if pid in found:
-            continue
-        found.add(pid)
-        stack.extend(children.get(pid, ()))
-    return found
+class OwnProcesses:
+    """Which pids belong to this host's own engine: the roots (unit control-group members,
+    unit main pids, explicit pids) and every process below one of them.
+
+    Only the pids asked about are resolved, by walking up their parent chain in /proc,
+    so the cost follows the number of GPU processes, not of all processes on the host.
+    """
+
+    def __init__(self, roots: Iterable[int], proc_root: str = "/proc") -> None:
+        self.roots = {int(pid) for pid in roots if int(pid) > 0}
+        self.proc_root = proc_root
+        self._known: dict[int, bool] = {pid: True for pid in self.roots}
+
+    def __contains__(self, pid: object) -> bool:
+        if not isinstance(pid, int) or pid <= 0:
+            return False
+        chain: list[int] = []
+        current: int | None = pid
+        verdict = False
+        while current is not None and current > 0 and len(chain) < 4096:
+            if current in self._known:
+                verdict = self._known[current]
+                break
+            if current == 1:  # init is nobody's descendant
+                break
+            chain.append(current)
+            current = parent_pid(current, self.proc_root)
+        for seen in chain:
+            self._known[seen] = verdict
+        return verdict
+
+    def found(self) -> list[int]:
+        """Roots and every pid found to be below one, sorted."""
+        return sorted(pid for pid, own in self._known.items() if own)
 
 
 def cgroup_pids(control_group: str, cgroup_root: str = "/sys/fs/cgroup") -> set[int]:
@@ -174,20 +184,18 @@ def unit_processes(unit: str, run_command: RunCommand | None = None,
     return main_pid, (cgroup_pids(group, cgroup_root) if group else set())
 
 
-def own_pids(service_units: Sequence[str] = (), service_pids: Sequence[int] = (),
-             run_command: RunCommand | None = None, proc_root: str = "/proc",
-             cgroup_root: str = "/sys/fs/cgroup") -> set[int]:
-    """Pids that belong to this host's own engine: unit cgroups, their main pids and the
-    explicit pids, each with all of its descendants."""
+def own_processes(service_units: Sequence[str] = (), service_pids: Sequence[int] = (),
+                  run_command: RunCommand | None = None, proc_root: str = "/proc",
+                  cgroup_root: str = "/sys/fs/cgroup") -> OwnProcesses:
+    """This host's own engine processes: the units' control-group members and main pids
+    and the explicit pids, each with every process below it."""
     roots: set[int] = {int(pid) for pid in service_pids if int(pid) > 0}
     for unit in service_units:
         main_pid, members = unit_processes(unit, run_command, cgroup_root)
         if main_pid > 0:
             roots.add(main_pid)
         roots |= members
-    if not roots:
-        return set()
-    return descendants(roots, parent_map(proc_root)) | roots
+    return OwnProcesses(roots, proc_root)
 
 
 # ---------------------------------------------------------------- probe
@@ -320,7 +328,7 @@ _PROCESS_CALLS = (
 )
 
 
-def _processes(session: _Session, handle: Any, label: str, own: set[int],
+def _processes(session: _Session, handle: Any, label: str, own: OwnProcesses,
                proc_root: str) -> list[dict[str, Any]] | None:
     by_pid: dict[int, dict[str, Any]] = {}
     listed_any = False
@@ -371,7 +379,7 @@ def probe(nvml: Any, devices: Sequence[Any] | None = None, samples: int = 1, int
         raise NvmlProbeError(f"interval must be >= 0 seconds, got {interval!r}")
     if devices is not None:
         devices = list(devices)
-    own = own_pids(service_units, service_pids, run_command, proc_root, cgroup_root)
+    own = own_processes(service_units, service_pids, run_command, proc_root, cgroup_root)
 
     warnings: list[str] = []
     session = _Session(nvml, host, warnings)
@@ -390,13 +398,13 @@ def probe(nvml: Any, devices: Sequence[Any] | None = None, samples: int = 1, int
             nvml.nvmlShutdown()
         except Exception:  # pylint: disable=broad-except  # shutdown failure must not hide the result
             pass
-    result["own_pids"] = sorted(own)
+    result["own_pids"] = own.found()
     result["warnings"] = warnings
     return result
 
 
 def _probe(session: _Session, devices: Sequence[Any] | None, samples: int, interval: float,
-           own: set[int], proc_root: str, sleep: Callable[[float], None]) -> dict[str, Any]:
+           own: OwnProcesses, proc_root: str, sleep: Callable[[float], None]) -> dict[str, Any]:
     host = session.host
     driver = session.optional("nvmlSystemGetDriverVersion", field="driver_version")
     cuda = None
@@ -428,7 +436,7 @@ def _probe(session: _Session, devices: Sequence[Any] | None, samples: int, inter
         gpus.append(gpu)
         handles.append((handle, label, True))
 
-    readings: list[list[dict[str, int | None]]] = [[] for _ in gpus]
+    readings: list[list[dict[str, int | None]]] = [[] for _gpu in gpus]
     for sample in range(samples):
         if sample and interval:
             sleep(interval)

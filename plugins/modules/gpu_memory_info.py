@@ -14,12 +14,12 @@ description:
     the processes holding GPU memory, and the driver, CUDA driver and NVML versions.
   - Counts the GPU memory held by this host's own engine processes (the systemd units in
     O(service_units), their descendants, and O(service_pids)) and reports
-    RV(gpus[].boot_free_bytes), the free memory that engine would see if it booted now.
+    C(boot_free_bytes), the free memory that engine would see if it booted now.
   - With O(samples) greater than one, reads memory repeatedly O(interval) seconds apart and
     reports the lowest and highest free figure, to spot GPUs whose free memory moves.
   - Never changes anything; always returns C(changed=false).
 author:
-  - gpufleet.vllm contributors
+  - gpufleet maintainers
 requirements:
   - C(nvidia-ml-py) (the C(pynvml) module) importable by the Python interpreter that runs
     the module on the target, and the NVIDIA driver's C(libnvidia-ml.so.1). The vLLM virtual
@@ -118,7 +118,7 @@ gpus:
     samples: {description: Number of readings taken., type: int, returned: always, sample: 1}
     own_used_bytes: {description: GPU memory held by this host's own engine processes., type: int, returned: always, sample: 0}
     boot_free_bytes:
-      description: V(free_bytes) plus O(own_used_bytes), the free memory the engine would see if it booted now (capped at total).
+      description: C(free_bytes) plus C(own_used_bytes), the free memory the engine would see if it booted now (capped at total).
       type: int
       returned: always
       sample: 149114847232

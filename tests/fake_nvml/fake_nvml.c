@@ -149,7 +149,10 @@ struct fake_handle {
 static struct fake_handle g_handles[MAX_GPUS];
 
 static pthread_mutex_t g_lock = PTHREAD_MUTEX_INITIALIZER;
-static struct fake_state g_state;
+/* Two buffers: a read parses into the spare one and swaps it in only when it is valid. */
+static struct fake_state g_buffers[2];
+static int g_current;
+#define g_state (g_buffers[g_current])
 static int g_init_count;
 static unsigned long long g_noise_reads[MAX_GPUS];
 
@@ -417,8 +420,14 @@ static nvmlReturn_t load_state(void)
     FILE *f = fopen(path, "r");
     if (!f)
         return errno == ENOENT ? NVML_ERROR_DRIVER_NOT_LOADED : NVML_ERROR_UNKNOWN;
-    static struct fake_state st;
-    memset(&st, 0, sizeof st);
+    struct fake_state *spare = &g_buffers[1 - g_current];
+#define st (*spare)
+    st.n_missing = 0;
+    st.n_gpus = 0;
+    st.n_procs = 0;
+    st.init_error = 0;
+    for (int i = 0; i < MAX_GPUS; i++)
+        st.gpus[i].present = 0;
     strcpy(st.driver, "550.127.05");
     strcpy(st.nvml, "12.550.127.05");
     st.cuda = 12040;
@@ -444,8 +453,9 @@ static nvmlReturn_t load_state(void)
             return NVML_ERROR_UNKNOWN;
         }
     }
-    g_state = st;
+    g_current = 1 - g_current;
     return NVML_SUCCESS;
+#undef st
 }
 
 static int is_missing(const char *fn)
@@ -740,7 +750,7 @@ API nvmlReturn_t nvmlDeviceGetPciInfo_v3(void *handle, nvmlPciInfo_t *pci)
     pci_fields(g, &pci->domain, &pci->bus, &pci->device);
     snprintf(pci->busIdLegacy, sizeof pci->busIdLegacy, "%04x:%02x:%02x.0",
              pci->domain & 0xffffu, pci->bus & 0xffu, pci->device & 0xffu);
-    snprintf(pci->busId, sizeof pci->busId, "%s", g->pci);
+    snprintf(pci->busId, sizeof pci->busId, "%.31s", g->pci);
     pci->pciDeviceId = g->pci_id;
     RETURN(NVML_SUCCESS);
 }

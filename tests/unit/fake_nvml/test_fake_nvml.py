@@ -388,3 +388,43 @@ def test_probe_end_to_end_through_real_pynvml(tmp_path):
     assert gpu1["free_max_bytes"] - gpu1["free_min_bytes"] == 50 << 20
     assert gpu1["boot_free_bytes"] == gpu1["free_bytes"] + (10 << 30)
     assert gpu1["reserved_bytes"] == reserved
+
+
+def test_real_gpu_check_script_runs_on_the_fake_library(tmp_path):
+    """The prepared real-GPU check script, here on the fake library (no nvidia-smi)."""
+    state = fleet_state(2)
+    nvml_state.add_process(state, gpu=1, pid=4242, used=3 * GIB, kind="both")
+    path = tmp_path / "state"
+    nvml_state.save(path, state)
+    out_dir = tmp_path / "out"
+    env = dict(os.environ, LD_LIBRARY_PATH=str(LIBDIR), FAKE_NVML_STATE=str(path), OUT=str(out_dir),
+               PATH="/nonexistent", NVML_CHECK_RUNS="5", NVML_CHECK_INTERVAL="0")
+    done = subprocess.run([sys.executable, str(ROOT / "tests" / "device" / "nvml_real_check.py")], env=env,
+                          capture_output=True, text=True, timeout=120, check=False)
+    report = json.loads(done.stdout)
+    assert done.returncode == 0, [c for c in report["checks"] if not c["ok"]]
+    assert report["ok"] is True and "error" not in report
+    assert json.loads((out_dir / "nvml_real.json").read_text()) == report
+    assert report["nvidia_smi"] == {"present": False} and report["nvidia_smi_timing"] is None
+    assert report["probe_timing"]["runs"] == 5
+    assert [g["samples"] for g in report["probe_sampled"]["gpus"]] == [5, 5]
+    assert report["raw"][1]["compute"][0]["pid"] == 4242
+    names = {c["check"] for c in report["checks"]}
+    assert {"gpu0_memory_v2", "gpu1_v1_used_includes_reserved", "gpu1_processes_match_binding"} <= names
+
+
+def test_real_gpu_check_script_reports_failures(tmp_path):
+    """A driver without the v2 memory call makes the script fail, with the reason in the JSON."""
+    state = fleet_state(1)
+    state["system"]["missing"] = ["nvmlDeviceGetMemoryInfo_v2"]
+    path = tmp_path / "state"
+    nvml_state.save(path, state)
+    env = dict(os.environ, LD_LIBRARY_PATH=str(LIBDIR), FAKE_NVML_STATE=str(path), PATH="/nonexistent",
+               NVML_CHECK_RUNS="2", NVML_CHECK_INTERVAL="0")
+    env.pop("OUT", None)
+    done = subprocess.run([sys.executable, str(ROOT / "tests" / "device" / "nvml_real_check.py")], env=env,
+                          capture_output=True, text=True, timeout=120, check=False)
+    report = json.loads(done.stdout)
+    assert done.returncode == 1 and report["ok"] is False
+    failed = {c["check"] for c in report["checks"] if not c["ok"]}
+    assert failed == {"gpu0_memory_v2", "gpu0_figures_sum", "gpu0_v2_available"}

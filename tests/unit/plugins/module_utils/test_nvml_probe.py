@@ -282,15 +282,17 @@ def test_service_unit_cgroup_and_main_pid_descendants(no_proc, tmp_path):
         commands.append(list(argv))
         return 0, "MainPID=500\nControlGroup=/system.slice/vllm-main.service\n", ""
 
-    own = probe_mod.own_pids(["vllm-main.service"], [], run, no_proc, str(cg))
-    assert own == {500, 510, 511, 520}
+    own = probe_mod.own_processes(["vllm-main.service"], [], run, no_proc, str(cg))
+    assert own.roots == {500, 510, 511}
+    assert 520 in own and 600 not in own and 1 not in own and 0 not in own and 999 not in own
+    assert own.found() == [500, 510, 511, 520]
     assert commands == [["systemctl", "show", "-p", "ControlGroup,MainPID", "--", "vllm-main.service"]]
 
 
 def test_stopped_unit_has_no_processes(no_proc, tmp_path):
-    own = probe_mod.own_pids(["vllm-main.service"], [], lambda argv: (0, "MainPID=0\nControlGroup=\n", ""),
-                             no_proc, str(tmp_path))
-    assert own == set()
+    own = probe_mod.own_processes(["vllm-main.service"], [], lambda argv: (0, "MainPID=0\nControlGroup=\n", ""),
+                                  no_proc, str(tmp_path))
+    assert own.roots == set() and own.found() == []
 
 
 def test_cgroup_v1_systemd_hierarchy(tmp_path):
@@ -306,10 +308,19 @@ def test_systemctl_failure_names_the_unit(no_proc):
               run_command=lambda argv: (1, "", "Failed to connect to bus"))
 
 
-def test_parent_map_handles_comm_with_parentheses(no_proc):
+def test_parent_pid_handles_comm_with_parentheses(no_proc):
     add_proc_entry(no_proc, 7, 3, "we (ird) name")
-    assert probe_mod.parent_map(no_proc) == {7: 3}
-    assert probe_mod.parent_map(os.path.join(no_proc, "absent")) == {}
+    assert probe_mod.parent_pid(7, no_proc) == 3
+    assert probe_mod.parent_pid(8, no_proc) is None
+
+
+def test_own_processes_walk_up_deep_chains_once(no_proc):
+    for pid in range(10, 60):
+        add_proc_entry(no_proc, pid, pid - 1, f"p{pid}")
+    own = probe_mod.OwnProcesses([20], no_proc)
+    assert 59 in own and 21 in own and 19 not in own and 10 not in own
+    assert "20" not in own and -1 not in own
+    assert own.found() == list(range(20, 60))
 
 
 def test_devices_filter_keeps_the_given_order(no_proc):
