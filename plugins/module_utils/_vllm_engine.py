@@ -774,6 +774,27 @@ def _place_log(partial: str, final: str) -> str | None:
     return previous
 
 
+class Terminated(Exception):
+    """The canary itself was asked to stop (SIGTERM/SIGHUP) while an engine ran."""
+
+
+def _raise_on_termination() -> t.Callable[[], None]:
+    """Turn SIGTERM/SIGHUP into an exception so ``finally`` stops the engine; returns the restorer."""
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+
+    def handler(signum: int, _frame: t.Any) -> None:
+        raise Terminated(f"the canary received signal {signum}; the engine was stopped")
+
+    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGHUP)}
+
+    def restore() -> None:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+
+    return restore
+
+
 def run_canary(
     spec: CanarySpec,
     *,
@@ -821,6 +842,7 @@ def run_canary(
     metrics_after: EngineMetrics | None = None
     metrics_notes: list[str] = []
     load_seconds = 0.0
+    restore = _raise_on_termination()
     try:
         engine.start()
         result["pid"] = engine.pid
@@ -862,6 +884,7 @@ def run_canary(
             result["health_detail"] = health.detail
     finally:
         stop = engine.stop(spec.stop_timeout)
+        restore()
         result["stop"] = {
             "signal": stop.signal_used,
             "seconds": stop.seconds,

@@ -130,7 +130,7 @@ def fake_vllm(tmp_path: Path) -> str:
     script = tmp_path / "fake_engine.py"
     script.write_text(FAKE_ENGINE)
     exe = tmp_path / "vllm"
-    exe.write_text(f'#!/bin/sh\nshift 2\nexec "{sys.executable}" "{script}" "$@"\n')
+    exe.write_text(f'#!/bin/sh\nexec "{sys.executable}" "{script}" "$@"\n')
     exe.chmod(0o755)
     return str(exe)
 
@@ -143,6 +143,21 @@ def spec_for(exe: str, **kw) -> eng.CanarySpec:
     )
     base.update(kw)
     return eng.CanarySpec(**base)
+
+
+def test_no_process_with_sees_a_live_marker(tmp_path, fake_vllm):
+    marker = f"live{time.time_ns()}"
+    proc = eng.EngineProcess([fake_vllm, "serve", marker, "--port", "1"], dict(os.environ, FAKE_ENGINE="stubborn"),
+                             str(tmp_path / "log"))
+    proc.start()
+    try:
+        deadline = time.monotonic() + 5
+        while no_process_with(marker) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not no_process_with(marker)
+    finally:
+        proc.stop(0.2)
+    assert no_process_with(marker)
 
 
 def no_process_with(marker: str) -> bool:
@@ -514,3 +529,18 @@ def test_boot_check_against_double_with_log_file(tmp_path, fake_vllm):
         assert any("rank 0: reserved" in r and "expected 300000000" in r for r in result["reasons"])
     finally:
         proc.stop(3)
+
+
+def test_canary_terminated_stops_engine(fake_vllm):
+    """SIGTERM to the canary itself still stops the engine's whole process group."""
+    marker = f"t{time.time_ns()}"
+
+    def terminate_self(engine, port):
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(5)  # the handler raises before this ends
+
+    previous = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(eng.Terminated):
+        eng.run_canary(spec_for(fake_vllm, model=marker), after_healthy=terminate_self)
+    assert signal.getsignal(signal.SIGTERM) is previous
+    assert no_process_with(marker)
