@@ -29,7 +29,6 @@ import argparse
 import contextlib
 import dataclasses
 import fcntl
-import hashlib
 import json
 import os
 import re
@@ -134,6 +133,17 @@ def run(argv: t.Sequence[str], check: bool = True, **kwargs: t.Any) -> subproces
     return proc
 
 
+@contextlib.contextmanager
+def signals_deferred() -> t.Iterator[None]:
+    """Hold SIGINT/SIGTERM/SIGHUP while cleaning up; they are delivered when the block ends."""
+    blocked = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP}
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, blocked)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
 def read_mountinfo() -> list[str]:
     """Mount points of this mount namespace, unescaped, in mount order."""
     points = []
@@ -175,7 +185,7 @@ def read_status(pid: int) -> dict[str, str]:
     try:
         with open(f"/proc/{pid}/status", encoding="utf-8") as fh:
             for line in fh:
-                key, _, value = line.partition(":")
+                key, _sep, value = line.partition(":")
                 out[key] = value.strip()
     except OSError:
         pass
@@ -342,7 +352,7 @@ class Harness:
                 for stanza in re.split(r"\n\s*\n", text):
                     fields = dict(
                         (k.strip().lower(), v.strip())
-                        for k, _, v in (ln.partition(":") for ln in stanza.splitlines() if not ln.startswith("#"))
+                        for k, _sep, v in (ln.partition(":") for ln in stanza.splitlines() if not ln.startswith("#"))
                         if v
                     )
                     if SUITE in fields.get("suites", "").split():
@@ -587,19 +597,20 @@ class Harness:
                 for name in new:
                     index = self._free_index(taken)
                     taken.add(index)
+                    started.append(name)  # first: a half-made host is torn down too
                     self._launch(name, index, binds, binds_ro)
-                    started.append(name)
                 deadline = time.monotonic() + timeout
                 for name in new:
                     self._wait_ready(name, deadline)
                 ok = True
             finally:
                 if not ok:
-                    for name in reversed(started or new):
-                        try:
-                            self._down_one(name)
-                        except HarnessError as exc:
-                            log(f"{name}: cleanup after failed start: {exc}")
+                    with signals_deferred():
+                        for name in reversed(started):
+                            try:
+                                self._down_one(name)
+                            except HarnessError as exc:
+                                log(f"{name}: cleanup after failed start: {exc}")
             current = self.hosts()
             return [current[n] for n in names]
 
@@ -838,8 +849,9 @@ class Harness:
                 targets = set(names)
             for name in targets:
                 self._check_name(name)
-            for name in sorted(targets):
-                self._down_one(name)
+            with signals_deferred():
+                for name in sorted(targets):
+                    self._down_one(name)
             if all_hosts:
                 for x in self.leftovers():
                     if x.kind == "link":
@@ -860,7 +872,7 @@ class Harness:
                     continue
                 with open(f"/proc/{pid}/mountinfo", encoding="utf-8") as fh:
                     for line in fh:
-                        left, _, right = line.partition(" - ")
+                        left, _sep, right = line.partition(" - ")
                         if left.split()[4] != "/":
                             continue
                         fstype, source, options = (right.split() + ["", "", ""])[:3]

@@ -170,7 +170,7 @@ def test_sigterm_during_up_cleans_up(harness: testhosts.Harness) -> None:
             time.sleep(0.005)
         assert booting, "the host never reached the booting state"
         os.kill(proc.pid, signal.SIGTERM)
-        _, err = proc.communicate(timeout=60)
+        err = proc.communicate(timeout=60)[1]
         assert proc.returncode == 128 + signal.SIGTERM, err
         assert not _owned(harness, name)
     finally:
