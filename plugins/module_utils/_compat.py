@@ -87,14 +87,19 @@ _FALSE = {"false", "no", "off", "0"}
 
 
 def _generic(value: Any, where: str) -> Any:
-    if value is None or isinstance(value, (bool, str)):
-        return value.strip() if isinstance(value, str) else value
+    # exact built-in types out, whatever subclasses came in (Ansible tags its values)
+    if value is None:
+        return None
+    if isinstance(value, bool):
+        return bool(value)
+    if isinstance(value, str):
+        return str.__str__(value.strip())
     if isinstance(value, int):
-        return value
+        return int(value)
     if isinstance(value, float):
         if value != value or value in (float("inf"), float("-inf")):
             raise CompatError(f"compat.{where}: not a finite number: {value!r}")
-        return int(value) if value.is_integer() else value
+        return int(value) if value.is_integer() else float(value)
     if isinstance(value, Mapping):
         return {str(k): _generic(v, f"{where}.{k}") for k, v in sorted(value.items(), key=lambda kv: str(kv[0])) if v is not None}
     if isinstance(value, (list, tuple)):
@@ -112,10 +117,10 @@ def _canonical_value(name: str, value: Any) -> Any:
             return int(value)
         if not isinstance(value, int):
             raise CompatError(f"compat.{name}: expected an integer, got {value!r}")
-        return value
+        return int(value)
     if name in BOOL_FIELDS:
         if isinstance(value, bool):
-            return value
+            return bool(value)
         text = str(value).strip().lower()
         if text in _TRUE:
             return True
@@ -155,7 +160,7 @@ def compat_key(fields: Mapping[str, Any] | CompatKey) -> CompatKey:
         raise CompatError(f"compat: expected a dict of key fields, got {type(fields).__name__}")
     canon: dict[str, Any] = {}
     for raw_name, value in fields.items():
-        name = str(raw_name).strip()
+        name = str.__str__(str(raw_name).strip())
         if not name:
             raise CompatError("compat: empty field name")
         if value is None:

@@ -23,7 +23,8 @@ A record file holds::
 Writes take an exclusive lock on ``<store>/.lock``, write a temporary file in
 the class directory, fsync it and hard-link it to its final name (which fails
 rather than replace an existing file), then remove the temporary name. Reads
-take a shared lock. A file that cannot be read or parsed is reported (path and
+take a shared lock. Size strings under keys ending in ``_bytes`` are stored
+as integers (``"42GiB"`` -> ``45097156608``). A file that cannot be read or parsed is reported (path and
 reason) and skipped; it never hides the other profiles and is never rewritten.
 """
 
@@ -40,6 +41,7 @@ from contextlib import contextmanager
 from typing import Any, Iterator, Mapping
 
 from ._compat import CompatError, CompatKey, compat_key, diff_keys
+from ._sizes import SizeError, parse_size
 
 try:
     import yaml
@@ -214,15 +216,21 @@ class ProfileStore:
             data = {k: v for k, v in profile.items() if k not in ("host_class", "compat")}
         if not isinstance(data, Mapping) or not data:
             raise ProfileStoreError("profile data must be a non-empty mapping")
+        try:
+            data = _sizes_to_ints(data, "profile")
+        except SizeError as exc:
+            raise ProfileStoreError(str(exc)) from None
         now = self._clock()
-        return {
-            "format": FORMAT,
-            "host_class": host_class,
-            "key_hash": key.hash,
-            "compat": key.fields,
-            "recorded_at": now.strftime("%Y-%m-%dT%H:%M:%S.%fZ"),
-            "profile": _plain(data),
-        }
+        return _plain(
+            {
+                "format": FORMAT,
+                "host_class": host_class,
+                "key_hash": key.hash,
+                "compat": key.fields,
+                "recorded_at": now.strftime("%Y-%m-%dT%H:%M:%S.%fZ"),
+                "profile": data,
+            }
+        )
 
     def dump(self, record: Mapping[str, Any]) -> str:
         body = {k: v for k, v in record.items() if k != "path"}
@@ -282,10 +290,29 @@ def _fsync_dir(directory: str) -> None:
         os.close(fd)
 
 
+def _sizes_to_ints(value: Any, where: str) -> Any:
+    """Size strings (``"42GiB"``) under keys ending in ``_bytes`` become integers, at any depth."""
+    if isinstance(value, Mapping):
+        out = {}
+        for key, item in value.items():
+            name = f"{where}.{key}"
+            if str(key).endswith("_bytes") and isinstance(item, Mapping):
+                out[key] = {k: (parse_size(v, f"{name}.{k}") if isinstance(v, str) else v) for k, v in item.items()}
+            elif str(key).endswith("_bytes") and isinstance(item, str):
+                text = item.strip()
+                out[key] = -parse_size(text[1:], name) if text.startswith("-") else parse_size(text, name)
+            else:
+                out[key] = _sizes_to_ints(item, name)
+        return out
+    if isinstance(value, (list, tuple)):
+        return [_sizes_to_ints(v, f"{where}[{i}]") for i, v in enumerate(value)]
+    return value
+
+
 def _plain(value: Any) -> Any:
     """Deep copy into plain YAML-safe types (Ansible hands over its own str/dict subclasses)."""
     if isinstance(value, Mapping):
-        return {(_plain(k) if isinstance(k, (str, int)) else str(k)): _plain(v) for k, v in value.items()}
+        return {(_plain(k) if isinstance(k, (str, int)) else str.__str__(str(k))): _plain(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
         return [_plain(v) for v in value]
     if isinstance(value, bool) or value is None:
@@ -295,5 +322,5 @@ def _plain(value: Any) -> Any:
     if isinstance(value, float):
         return float(value)
     if isinstance(value, str):
-        return str(value)
-    return str(value)
+        return str.__str__(value)  # an exact str, whatever subclass the caller used
+    return str.__str__(str(value))

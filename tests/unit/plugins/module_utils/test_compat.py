@@ -114,3 +114,15 @@ def test_known_fields_cover_design_and_startup_plan_keys():
     for name in ("compute_capability", "torch_version", "cuda_version", "world_size", "rank_count", "gpu_name", "total_bytes"):
         assert name in KNOWN_FIELDS
     assert isinstance(compat_key({}), CompatKey)
+
+
+def test_subclassed_values_canonicalise_to_builtin_types():
+    class TaggedInt(int):
+        pass
+
+    class TaggedStr(str):
+        pass
+
+    key = compat_key({TaggedStr("max_model_len"): TaggedInt(8192), "model": TaggedStr("m"), "extra": TaggedInt(3)})
+    assert [type(v) for v in key.fields.values()] == [int, int, str]
+    assert diff_keys(key, {"max_model_len": 8192, "model": "m", "extra": 3}) == []

@@ -168,3 +168,19 @@ def test_lock_file_and_unwritable_store(tmp_path):
         ProfileStore(str(blocker / "sub")).record({"host_class": "h200", "compat": KEY, "profile": DATA})
     with pytest.raises(ProfileStoreError):
         ProfileStore("")
+
+
+def test_size_strings_are_stored_as_integers(store):
+    data = {
+        "ranks": [{"rank": 0, "free_bytes": "42GiB", "kv_bytes": "-1GiB", "name": "GPU-1"}],
+        "vllm_free_bytes": {0: "41.5GiB"},
+        "total_bytes": "141GiB",
+        "block_size": 16,
+    }
+    rec = store.record({"host_class": "h200", "compat": KEY, "profile": data})
+    stored = yaml.safe_load(open(rec["path"]))["profile"]
+    assert stored["ranks"][0] == {"rank": 0, "free_bytes": 42 * 1024**3, "kv_bytes": -(1024**3), "name": "GPU-1"}
+    assert stored["vllm_free_bytes"] == {0: int(41.5 * 1024**3)}
+    assert stored["total_bytes"] == 141 * 1024**3
+    with pytest.raises(ProfileStoreError, match=r"profile.ranks\[0\].free_bytes"):
+        store.record({"host_class": "h200", "compat": KEY, "profile": {"ranks": [{"rank": 0, "free_bytes": "lots"}]}})
