@@ -19,7 +19,7 @@ description:
     reports the lowest and highest free figure, to spot GPUs whose free memory moves.
   - Never changes anything; always returns C(changed=false).
 author:
-  - gpufleet maintainers
+  - gpufleet maintainers (@gpufleet)
 requirements:
   - C(nvidia-ml-py) (the C(pynvml) module) importable by the Python interpreter that runs
     the module on the target, and the NVIDIA driver's C(libnvidia-ml.so.1). The vLLM virtual
