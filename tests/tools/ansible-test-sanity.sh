@@ -93,9 +93,21 @@ if [ -n "$ignores" ]; then
     die "sanity ignore files are not allowed, fix the findings instead: $(echo "$ignores" | tr '\n' ' ')"
 fi
 
-write_get_pip
-
 # ---------------------------------------------------------------- collection copy
+# One run at a time per user: a second run would delete the copy under the first, and
+# ansible-test shares its sanity virtual environments (~/.ansible/test/venv) between runs
+# without locking them while it creates them.
+lock="$HOME/.ansible/test/gpufleet-vllm-sanity.lock"
+mkdir -p "$(dirname "$lock")"
+exec 9>"$lock"
+if ! flock -n 9; then
+    echo "ansible-test-sanity: waiting for another sanity run to finish ($lock)"
+    flock 9
+fi
+# ansible-test finds the collection from its own working directory; a collections path
+# from the environment (make sets one for the unit tests) would shadow the copy.
+unset PYTHONPATH ANSIBLE_COLLECTIONS_PATH ANSIBLE_COLLECTIONS_PATHS
+write_get_pip
 WORK="$CACHE/ansible-test/ansible_collections/$NAMESPACE/$NAME"
 rm -rf "$WORK"
 mkdir -p "$WORK"
