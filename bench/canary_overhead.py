@@ -1,4 +1,4 @@
-#!/usr/bin/env python3
+#!/usr/bin/env python
 # Copyright (c) gpufleet maintainers
 # GNU General Public License v3.0+ (see LICENSES/GPL-3.0-or-later.txt or https://www.gnu.org/licenses/gpl-3.0.txt)
 # SPDX-License-Identifier: GPL-3.0-or-later
@@ -53,7 +53,7 @@ def main() -> int:
         return 2
 
     runs = []
-    for _ in range(args.runs):
+    for _run in range(args.runs):
         spec = eng.CanarySpec(
             executable=args.executable, model=args.model, mode="manual",
             kv_cache_memory_bytes=args.kv_cache_memory_bytes,

@@ -174,7 +174,7 @@ def build_prompt(
     prompt = " ".join([word] * repeats)
     measured = count(prompt)
     # Adjust by single words if the tokenizer merged or split differently.
-    for _ in range(4):
+    for _attempt in range(4):
         if measured is None or measured == target_tokens:
             break
         repeats = max(1, repeats + (1 if measured < target_tokens else -1))
@@ -287,7 +287,7 @@ def run_load_test(
     result.prompt_tokens_sent = measured
 
     warm_start = time.monotonic()
-    for _ in range(spec.warmup):
+    for _warm in range(spec.warmup):
         warm = send(prompt, spec.max_tokens, spec.request_timeout)
         if not warm.ok:
             result.errors.append(f"warm-up: {warm.error}")
@@ -311,7 +311,7 @@ def run_load_test(
     if on_start is not None:
         on_start()
     start = time.monotonic()
-    threads = [threading.Thread(target=worker, daemon=True) for _ in range(min(spec.concurrency, spec.requests))]
+    threads = [threading.Thread(target=worker, daemon=True) for _slot in range(min(spec.concurrency, spec.requests))]
     for thread in threads:
         thread.start()
     for thread in threads:

@@ -906,7 +906,7 @@ def run_canary(
     result["vllm_version"] = log["version"]
     result["ranks"] = [
         {k: r[k] for k in ("rank", "initial_free_bytes", "suggested_kv_bytes_fit",
-                            "suggested_kv_bytes_full", "reserved_kv_bytes", "auto_kv_bytes", "total_bytes")}
+                           "suggested_kv_bytes_full", "reserved_kv_bytes", "auto_kv_bytes", "total_bytes")}
         for r in log["ranks"]
     ]
     result["engine_errors"] = log["errors"]

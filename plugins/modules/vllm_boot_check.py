@@ -21,7 +21,7 @@ description:
   - Cross-checks C(/metrics) C(vllm:cache_config_info) (C(kv_cache_memory_bytes) exactly, tokens against the log).
   - Fails with a message naming the rank and the figures.
 author:
-  - gpufleet maintainers
+  - gpufleet maintainers (@gpufleet)
 extends_documentation_fragment:
   - gpufleet.vllm.attributes
   - gpufleet.vllm.attributes.PLATFORM_LINUX
@@ -221,7 +221,7 @@ def main() -> None:
             port=dict(type="int", default=8000),
             expected_kv_cache_memory_bytes=dict(type="raw"),
             free_floor_bytes=dict(type="raw"),
-            min_tokens=dict(type="int"),
+            min_tokens=dict(type="int", no_log=False),
             timeout=dict(type="int", default=900),
             journal=dict(type="bool", default=True),
             log_path=dict(type="path"),
@@ -238,6 +238,7 @@ def main() -> None:
             systemctl = module.get_bin_path("systemctl", required=True)
             if spec.journal:
                 journalctl = module.get_bin_path("journalctl", required=True)
+
         def runner(argv: list[str]) -> tuple[int, str, str]:
             rc, out, err = module.run_command(argv)
             return rc, out, err

@@ -20,10 +20,10 @@ description:
     per-rank suggestions. In O(mode=manual) the engine gets O(kv_cache_memory_bytes) and the module checks that
     exactly that budget was reserved.
   - The verdict is V(pass), V(fail) or V(inconclusive). A boot the engine refuses, an engine that dies, or one that
-    is not healthy within O(startup_timeout) always fails the task, with the engine's own error in RV(msg).
+    is not healthy within O(startup_timeout) always fails the task, with the engine's own error in the task's C(msg).
   - Nothing is left running after the module returns, whatever happened.
 author:
-  - gpufleet maintainers
+  - gpufleet maintainers (@gpufleet)
 extends_documentation_fragment:
   - gpufleet.vllm.attributes
   - gpufleet.vllm.attributes.PLATFORM_LINUX
@@ -381,8 +381,8 @@ def main() -> None:
                 options=dict(
                     requests=dict(type="int", default=16),
                     concurrency=dict(type="int", default=4),
-                    prompt_tokens=dict(type="int", default=32),
-                    max_tokens=dict(type="int", default=16),
+                    prompt_tokens=dict(type="int", default=32, no_log=False),
+                    max_tokens=dict(type="int", default=16, no_log=False),
                     warmup=dict(type="int", default=2),
                     request_timeout=dict(type="int", default=120),
                 ),
@@ -392,7 +392,7 @@ def main() -> None:
                 type="dict",
                 default={},
                 options=dict(
-                    token_ratio=dict(type="float", default=0.9),
+                    token_ratio=dict(type="float", default=0.9, no_log=False),
                     latency_ratio=dict(type="float", default=1.5),
                     preemptions=dict(type="int", default=0),
                 ),

@@ -47,6 +47,7 @@ TOLERANCES = {"token_ratio": 0.01, "latency_ratio": 20.0, "preemptions": 0}
 PROFILED_UTILIZATION = 0.15
 BOOT_TIMEOUT = 600
 
+
 @pytest.fixture(scope="session", autouse=True)
 def engine_present():
     if not (VLLM.exists() and (MODEL / "config.json").exists()):

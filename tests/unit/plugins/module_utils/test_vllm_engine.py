@@ -124,15 +124,20 @@ FAKE_ENGINE = textwrap.dedent(
 )
 
 
-@pytest.fixture
-def fake_vllm(tmp_path: Path) -> str:
-    """An executable `vllm` whose `serve` subcommand runs the unit-test double."""
+def write_fake_vllm(tmp_path: Path) -> str:
+    """Write an executable `vllm` whose `serve` subcommand runs the unit-test double."""
     script = tmp_path / "fake_engine.py"
     script.write_text(FAKE_ENGINE)
     exe = tmp_path / "vllm"
     exe.write_text(f'#!/bin/sh\nexec "{sys.executable}" "{script}" "$@"\n')
     exe.chmod(0o755)
     return str(exe)
+
+
+@pytest.fixture
+def fake_vllm(tmp_path: Path) -> str:
+    """An executable `vllm` whose `serve` subcommand runs the unit-test double."""
+    return write_fake_vllm(tmp_path)
 
 
 def spec_for(exe: str, **kw) -> eng.CanarySpec:
@@ -394,11 +399,11 @@ def _result(**kw):
 def test_judge_pass_fail_inconclusive():
     tol = eng.Tolerances()
     assert eng.judge_canary(_result(), requested_kv_bytes=100, tolerances=tol)[0] == "pass"
-    verdict, reasons, _ = eng.judge_canary(_result(kv_cache_memory_bytes=99), requested_kv_bytes=100, tolerances=tol)
+    verdict, reasons, _cmp = eng.judge_canary(_result(kv_cache_memory_bytes=99), requested_kv_bytes=100, tolerances=tol)
     assert verdict == "fail" and "kv_cache_memory_bytes=99" in reasons[0]
-    verdict, reasons, _ = eng.judge_canary(_result(load={"requests": 0}), requested_kv_bytes=100, tolerances=tol)
+    verdict, reasons, _cmp = eng.judge_canary(_result(load={"requests": 0}), requested_kv_bytes=100, tolerances=tol)
     assert verdict == "inconclusive" and "no load test" in reasons[0]
-    verdict, reasons, _ = eng.judge_canary(
+    verdict, reasons, _cmp = eng.judge_canary(
         _result(engine_errors=[{"kind": "cuda_oom", "rank": 1, "message": "CUDA out of memory"}]),
         requested_kv_bytes=100, tolerances=tol)
     assert verdict == "fail" and "rank 1: CUDA out of memory" in reasons[0]

@@ -18,9 +18,13 @@ from ansible.module_utils.testing import patch_module_args
 
 from ansible_collections.gpufleet.vllm.plugins.module_utils import _vllm_engine as eng
 from ansible_collections.gpufleet.vllm.plugins.modules import vllm_boot_check
-from ansible_collections.gpufleet.vllm.tests.unit.plugins.module_utils.test_vllm_engine import (  # noqa: F401
-    fake_vllm,
-)
+from ansible_collections.gpufleet.vllm.tests.unit.plugins.module_utils.test_vllm_engine import write_fake_vllm
+
+
+@pytest.fixture
+def fake_vllm(tmp_path) -> str:
+    """`vllm` running the unit-test double (not an engine)."""
+    return write_fake_vllm(tmp_path)
 
 
 def run(capsys, args: dict[str, Any]) -> tuple[int, dict[str, Any]]:

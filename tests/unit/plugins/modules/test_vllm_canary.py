@@ -15,11 +15,15 @@ import pytest
 from ansible.module_utils.testing import patch_module_args
 
 from ansible_collections.gpufleet.vllm.plugins.modules import vllm_canary
-from ansible_collections.gpufleet.vllm.tests.unit.plugins.module_utils.test_vllm_engine import (  # noqa: F401
-    fake_vllm,
-)
+from ansible_collections.gpufleet.vllm.tests.unit.plugins.module_utils.test_vllm_engine import write_fake_vllm
 
 SMALL_LOAD = {"requests": 4, "concurrency": 2, "prompt_tokens": 8, "max_tokens": 3, "warmup": 1}
+
+
+@pytest.fixture
+def fake_vllm(tmp_path) -> str:
+    """`vllm` running the unit-test double (not an engine)."""
+    return write_fake_vllm(tmp_path)
 
 
 def run(capsys, args: dict[str, Any]) -> tuple[int, dict[str, Any]]:
