@@ -415,3 +415,35 @@ def test_lint_excluded_trees_hold_no_ansible_content(monkeypatch: pytest.MonkeyP
     assert not offenders, "Ansible content in a tree excluded from lint (remove it from exclude_paths):\n" + "\n".join(
         offenders
     )
+
+
+def test_changelog_release_lists_every_module(tmp_path: Path) -> None:
+    """A release of the current tree (in a copy) renders notes naming every module.
+
+    antsibull-changelog finds new plugins through ansible-doc, so this also proves that
+    every module's documentation loads from an installed-style collection tree.
+    """
+    listed = subprocess.run(
+        ["git", "ls-files", "-co", "--exclude-standard", "-z"],
+        cwd=REPO_ROOT, capture_output=True, check=True, timeout=60,
+    ).stdout.decode().split("\0")
+    dest = tmp_path / "ansible_collections" / "gpufleet" / "vllm"
+    for rel in filter(None, listed):
+        source = REPO_ROOT / rel
+        if source.is_file():
+            (dest / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(source, dest / rel)
+    galaxy = _load_yaml(REPO_ROOT / "galaxy.yml")
+    assert isinstance(galaxy, dict)
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "ANSIBLE_COLLECTIONS_PATH")}
+    env["PATH"] = f"{BIN}{os.pathsep}{env.get('PATH', '')}"
+    result = subprocess.run(
+        [_tool("antsibull-changelog"), "release", "--version", str(galaxy["version"]), "--date", "2026-01-01"],
+        cwd=dest, env=env, capture_output=True, text=True, timeout=300, check=False,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    notes = (dest / "CHANGELOG.rst").read_text(encoding="utf-8")
+    modules = sorted(p.stem for p in (REPO_ROOT / "plugins" / "modules").glob("*.py") if p.stem != "__init__")
+    assert modules, "no modules in plugins/modules"
+    missing = [m for m in modules if f"gpufleet.vllm.{m} - " not in notes]
+    assert not missing, f"release notes do not list these modules (broken documentation?): {missing}"
