@@ -128,7 +128,8 @@ def test_get_pip_stand_in_installs_pip_with_machine_config(tmp_path: Path) -> No
     """
     home = tmp_path / "home"
     home.mkdir()
-    env = dict(os.environ, HOME=str(home))
+    # A scratch HOME for ~/.ansible; the user's pip configuration stays where pip finds it.
+    env = dict(os.environ, HOME=str(home), XDG_CONFIG_HOME=os.environ.get("XDG_CONFIG_HOME", str(Path.home() / ".config")))
     wrote = subprocess.run(
         [str(SANITY), "--write-get-pip"], cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=60, check=False
     )
