@@ -1,0 +1,314 @@
+# Copyright (c) gpufleet maintainers
+# GNU General Public License v3.0+ (see LICENSES/GPL-3.0-or-later.txt or https://www.gnu.org/licenses/gpl-3.0.txt)
+# SPDX-License-Identifier: GPL-3.0-or-later
+"""playbooks/rollout.yml end to end, for real, over SSH, on a simulated three-host class.
+
+The hosts are systemd-nspawn guests (real systemd, real sshd) whose GPUs come from the
+fake NVML library and whose ``vllm`` is the simulated engine (sim/engine/vllm), set up
+by sim/fleetctl.py from a fleet file written here. Every test runs ansible-playbook
+and then checks, on every host, the unit file on disk, the kept previous unit and
+whether the service is active.
+
+The tests run in file order and build on each other's end state (one fleet per module,
+as booting and profiling cost most of the time):
+
+1. clean rollout (profiled canary, plan, manual canary, three serial batches);
+2. the same run again changes nothing;
+3. a co-tenant appears on the second host after planning: its gate stops the rollout
+   before its service is touched, the first batch keeps the new unit, the third never runs;
+4. the engine fails at boot on the second host: the previous unit is restored byte for
+   byte and active again, the run fails with the engine's error;
+5. an admission plan the class cannot hold stops the class before any host is touched;
+6. an unreachable host is left out, the others are rolled out, the run fails;
+7. a changed serve argument changes the compatibility key and forces a profiled canary.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "sim"))
+sys.path.insert(0, str(REPO / "tests" / "hosts"))
+
+import fleetctl  # noqa: E402  pylint: disable=wrong-import-position,import-error
+
+HOSTS = ["sim-ro-1", "sim-ro-2", "sim-ro-3"]
+UNIT = "/etc/systemd/system/vllm-main.service"
+PREVIOUS = "/etc/gpufleet/units/vllm-main.service.previous"
+PLAN = "/etc/gpufleet/main.plan.json"
+ROLLOUT = REPO / "playbooks" / "rollout.yml"
+
+FLEET = {
+    "engine": {
+        "boot_delay_s": 1,
+        "token_delay_s": 0.002,
+        "costs": {
+            "cuda_context_bytes": "500MiB",
+            "peak_activation_bytes": "1.25GiB",
+            "non_torch_bytes": "600MiB",
+            "cuda_graph_bytes": "0.75GiB",
+        },
+    },
+    "system": {"driver": "550.127.05", "cuda": 12040, "nvml": "12.550.127.05"},
+    "gpu_models": {"l40s": {"name": "NVIDIA L40S", "total": 48305799168, "reserved": 462422016, "cc": "8.9"}},
+    "classes": {"ro-l40s": {"gpu_model": "l40s", "gpus": 2, "model": "llama-3.1-8b-instruct"}},
+    "hosts": {
+        "sim-ro-1": {"class": "ro-l40s", "base_used": [0, 0]},
+        "sim-ro-2": {"class": "ro-l40s", "base_used": ["32MiB", 0]},
+        "sim-ro-3": {"class": "ro-l40s", "base_used": [0, "96MiB"]},
+    },
+}
+
+
+class Fleet:
+    """The three simulated hosts, their inventory and helpers to read their state."""
+
+    def __init__(self, workdir: Path, harness: Any) -> None:
+        self.workdir = workdir
+        self.harness = harness
+        fleet_file = workdir / "fleet.yml"
+        fleet_file.write_text(yaml.safe_dump(FLEET), encoding="utf-8")
+        self.sim = fleetctl.Fleet(fleet_file)
+        self.store = workdir / "profiles"
+        self.inventory = workdir / "inventory.yml"
+
+    def create(self) -> None:
+        self.sim.create(reset_state=True)
+        data = self.harness.inventory_data()
+        hosts = {name: data["all"]["hosts"][name] for name in HOSTS}
+        group_vars = {
+            "gpufleet_host_class": "ro-l40s",
+            "gpufleet_model": "/srv/models/llama-3.1-8b-instruct",
+            "gpufleet_model_config": str(REPO / "sim" / "models" / "llama-3.1-8b-instruct" / "config.json"),
+            "gpufleet_serve_args": {
+                "max_model_len": 8192,
+                "tensor_parallel_size": 2,
+                "max_num_seqs": 32,
+                "dtype": "bfloat16",
+                "block_size": 16,
+            },
+            "gpufleet_instances": [{"name": "main", "gpus": [0, 1], "port": 8000}],
+            "gpufleet_guard": "0.5GiB",
+            "gpufleet_admission": {"concurrency": 4, "tokens_per_request": 8192},
+            "gpufleet_profile_store": str(self.store),
+            "gpufleet_report_dir": str(self.workdir / "reports"),
+            "gpufleet_rollout_serial": [1, "10%", "50%"],
+            "gpufleet_canary_load": {"requests": 6, "concurrency": 3, "prompt_tokens": 32, "max_tokens": 8},
+            # the simulated engine records its GPU processes in the fake NVML state
+            "vllm_service_read_write_paths": ["/etc/fake-nvml"],
+            "vllm_service_boot_timeout": 120,
+        }
+        inventory = {"all": {"children": {"ro_l40s": {"hosts": hosts, "vars": group_vars}}}}
+        self.inventory.write_text(yaml.safe_dump(inventory), encoding="utf-8")
+
+    # ------------------------------------------------------------ running
+    def rollout(self, extra_vars: dict[str, Any] | None = None,
+                on_line: Callable[[str], None] | None = None, timeout: float = 600) -> tuple[int, str]:
+        env = dict(os.environ, ANSIBLE_NOCOLOR="1", ANSIBLE_PIPELINING="1", ANSIBLE_HOST_KEY_CHECKING="False",
+                   ANSIBLE_TIMEOUT="10")
+        argv = ["ansible-playbook", "-i", str(self.inventory), str(ROLLOUT)]
+        if extra_vars:
+            argv += ["--extra-vars", json.dumps(extra_vars)]
+        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=REPO)
+        lines: list[str] = []
+        timer = threading.Timer(timeout, proc.kill)
+        timer.start()
+        try:
+            assert proc.stdout is not None
+            for line in proc.stdout:
+                lines.append(line)
+                if on_line is not None:
+                    on_line(line)
+            rc = proc.wait()
+        finally:
+            timer.cancel()
+        return rc, "".join(lines)
+
+    # ------------------------------------------------------------ reading
+    def read(self, host: str, path: str) -> str | None:
+        proc = self.harness.exec(host, ["cat", path])
+        return proc.stdout if proc.returncode == 0 else None
+
+    def active(self, host: str) -> str:
+        return self.harness.exec(host, ["systemctl", "is-active", "vllm-main.service"]).stdout.strip()
+
+    def units(self) -> dict[str, str | None]:
+        return {h: self.read(h, UNIT) for h in HOSTS}
+
+    def plan(self, host: str) -> dict[str, Any]:
+        text = self.read(host, PLAN)
+        return json.loads(text) if text else {}
+
+    def profiles(self) -> list[Path]:
+        return sorted(self.store.glob("ro-l40s/*.yml"))
+
+
+def budget(unit_text: str | None) -> int | None:
+    match = re.search(r"--kv-cache-memory-bytes (\d+)", unit_text or "")
+    return int(match.group(1)) if match else None
+
+
+def recap(output: str) -> dict[str, dict[str, int]]:
+    """PLAY RECAP counters per host."""
+    out: dict[str, dict[str, int]] = {}
+    for host, counters in re.findall(r"^(\S+)\s+:\s+(ok=.*)$", output, flags=re.M):
+        out[host] = {k: int(v) for k, v in re.findall(r"(\w+)=(\d+)", counters)}
+    return out
+
+
+@pytest.fixture(scope="module")
+def fleet(harness, tmp_path_factory):  # harness: conftest (root + rootfs)
+    f = Fleet(tmp_path_factory.mktemp("rollout"), harness)
+    try:
+        f.create()
+        yield f
+    finally:
+        f.sim.destroy()
+
+
+@pytest.fixture(scope="module")
+def seen() -> dict[str, Any]:
+    """State carried from one test to the next (units after each step)."""
+    return {}
+
+
+def test_clean_rollout(fleet, seen):
+    assert all(u is None for u in fleet.units().values()), "the fleet must start without units"
+    rc, out = fleet.rollout()
+    assert rc == 0, out[-6000:]
+    units = fleet.units()
+    budgets = {h: budget(units[h]) for h in HOSTS}
+    assert len(set(budgets.values())) == 1 and None not in budgets.values(), budgets
+    for host in HOSTS:
+        assert fleet.active(host) == "active", host
+        assert "Environment=CUDA_VISIBLE_DEVICES=0,1" in units[host]
+        plan = fleet.plan(host)
+        assert plan["kv_cache_memory_bytes"] == budgets[host]
+        assert plan["decision"] == "deploy"
+        assert plan["unit"] == "vllm-main.service"
+        assert fleet.read(host, PREVIOUS) is None, f"{host}: first deploy keeps no previous unit"
+    # one profiled canary recorded, one manual canary that passed
+    assert len(fleet.profiles()) == 1
+    assert "Manual canary on sim-ro-1 passed" in out
+    # batches of one host each, in order
+    batches = re.findall(r"TASK \[Report what changes on this host\][^\n]*\nok: \[(\S+)\]", out)
+    assert batches == HOSTS, batches
+    seen["units_1"] = units
+
+
+def test_second_run_changes_nothing(fleet, seen):
+    before = fleet.units()
+    assert before == seen["units_1"]
+    rc, out = fleet.rollout()
+    assert rc == 0, out[-6000:]
+    counters = recap(out)
+    for host in HOSTS:
+        assert counters[host]["changed"] == 0, (host, counters[host])
+        assert counters[host]["failed"] == 0
+        assert fleet.active(host) == "active"
+    assert fleet.units() == before
+    assert "nothing to do" in out
+    assert len(fleet.profiles()) == 1, "a compatible profile exists: no new profiled canary"
+
+
+def test_cotenant_after_planning_stops_the_rollout(fleet, seen):
+    before = fleet.units()
+    injected = threading.Event()
+
+    def inject(line: str) -> None:
+        # planning is over once the serial play starts: the co-tenant is not in the plan
+        if line.startswith("PLAY [Roll out in serial batches]") and not injected.is_set():
+            fleet.sim.inject_cotenant("sim-ro-2", gpu=1, size=1 << 30, pid=None, remove=False)
+            injected.set()
+
+    rc, out = fleet.rollout({"gpufleet_guard": "1GiB"}, on_line=inject)
+    assert injected.is_set()
+    assert rc != 0, "a failed gate must fail the run"
+    assert re.search(r"Free-memory gate \(before stop\) failed on sim-ro-2: main rank 1 \(GPU 1\): boot-free", out), out[-6000:]
+    after = fleet.units()
+    # batch 1 moved to the new plan (a larger guard: a smaller budget)
+    assert budget(after["sim-ro-1"]) < budget(before["sim-ro-1"])
+    assert fleet.read("sim-ro-1", PREVIOUS) == before["sim-ro-1"], "the previous unit is kept byte for byte"
+    # sim-ro-2 was never touched, sim-ro-3 never reached
+    assert after["sim-ro-2"] == before["sim-ro-2"]
+    assert after["sim-ro-3"] == before["sim-ro-3"]
+    reached = re.findall(r"TASK \[Report what changes on this host\][^\n]*\nok: \[(\S+)\]", out)
+    assert reached == ["sim-ro-1", "sim-ro-2"], reached
+    for host in HOSTS:
+        assert fleet.active(host) == "active", host
+    fleet.sim.inject_cotenant("sim-ro-2", gpu=1, size=None, pid=None, remove=True)
+    seen["units_3"] = after
+
+
+def test_engine_failing_at_boot_is_rolled_back(fleet, seen):
+    before = fleet.units()
+    assert before == seen["units_3"]
+    fleet.sim.inject_fail_next_boot("sim-ro-2", "startup")
+    rc, out = fleet.rollout({"gpufleet_guard": "1GiB"})
+    assert rc != 0
+    # the engine's own error reaches the run's output
+    assert "on startup is less than desired GPU memory utilization" in out, out[-6000:]
+    assert "the previous units were restored and restarted" in out
+    after = fleet.units()
+    assert after["sim-ro-1"] == before["sim-ro-1"], "batch 1 already ran this plan"
+    assert after["sim-ro-2"] == before["sim-ro-2"], "sim-ro-2 is back on its previous unit, byte for byte"
+    assert after["sim-ro-3"] == before["sim-ro-3"], "sim-ro-3 is never reached"
+    for host in HOSTS:
+        assert fleet.active(host) == "active", host
+    # the restored plan file describes the restored unit
+    assert fleet.plan("sim-ro-2")["kv_cache_memory_bytes"] == budget(before["sim-ro-2"])
+
+
+def test_admission_shortfall_stops_the_class(fleet):
+    before = fleet.units()
+    rc, out = fleet.rollout({"gpufleet_guard": "1GiB", "gpufleet_admission": {"tokens": 50_000_000}})
+    assert rc != 0
+    assert "cannot hold its admission plan" in out, out[-6000:]
+    assert "Report what changes on this host" not in out, "no host may reach the serial batches"
+    assert fleet.units() == before
+    for host in HOSTS:
+        assert fleet.active(host) == "active", host
+
+
+def test_unreachable_host_is_left_out(fleet):
+    before = fleet.units()
+    fleet.sim.inject_unreachable("sim-ro-3", clear=False)
+    try:
+        rc, out = fleet.rollout({"gpufleet_guard": "1GiB"})
+    finally:
+        fleet.sim.inject_unreachable("sim-ro-3", clear=True)
+    assert rc != 0, "an unreachable host fails the run"
+    assert re.search(r"sim-ro-3\s+:.*unreachable=1", out), out[-4000:]
+    after = fleet.units()
+    assert after["sim-ro-1"] == before["sim-ro-1"]
+    assert budget(after["sim-ro-2"]) == budget(after["sim-ro-1"]), "sim-ro-2 now runs the new plan"
+    assert fleet.read("sim-ro-2", PREVIOUS) == before["sim-ro-2"]
+    assert after["sim-ro-3"] == before["sim-ro-3"], "the unreachable host was not touched"
+    for host in HOSTS:
+        assert fleet.active(host) == "active", host
+
+
+def test_compat_key_change_forces_a_profiled_canary(fleet):
+    assert len(fleet.profiles()) == 1
+    serve_args = {"max_model_len": 8192, "tensor_parallel_size": 2, "max_num_seqs": 48, "dtype": "bfloat16",
+                  "block_size": 16}
+    rc, out = fleet.rollout({"gpufleet_guard": "1GiB", "gpufleet_serve_args": serve_args})
+    assert rc == 0, out[-6000:]
+    assert "the compatibility key changed" in out and "max_num_seqs" in out
+    assert len(fleet.profiles()) == 2, "a new profile is recorded next to the old one"
+    units = fleet.units()
+    for host in HOSTS:
+        assert "--max-num-seqs 48" in units[host], host
+        assert fleet.active(host) == "active", host
+        assert fleet.plan(host)["compat_key_hash"] in fleet.profiles()[0].name + fleet.profiles()[1].name
