@@ -333,16 +333,20 @@ class Harness:
         return "nvidia-ml-py"
 
     @staticmethod
-    def debian_mirror() -> str:
-        """The Debian mirror from this machine's apt sources, else deb.debian.org."""
+    def debian_mirror(apt_dir: Path = Path("/etc/apt")) -> str:
+        """The Debian mirror for bookworm from the apt sources in ``apt_dir``, else deb.debian.org.
+
+        ``$GPUFLEET_DEBIAN_MIRROR`` overrides it. Both one-line (``.list``) and deb822
+        (``.sources``) formats are read; only URIs ending in ``/debian`` count.
+        """
         override = os.environ.get("GPUFLEET_DEBIAN_MIRROR")
         if override:
             return override
         candidates: list[str] = []
-        src = Path("/etc/apt/sources.list")
+        src = apt_dir / "sources.list"
         files = [src] if src.is_file() else []
-        files += sorted(Path("/etc/apt/sources.list.d").glob("*.list"))
-        files += sorted(Path("/etc/apt/sources.list.d").glob("*.sources"))
+        files += sorted((apt_dir / "sources.list.d").glob("*.list"))
+        files += sorted((apt_dir / "sources.list.d").glob("*.sources"))
         for path in files:
             try:
                 text = path.read_text(encoding="utf-8")
@@ -985,8 +989,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: t.Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    signal.signal(signal.SIGTERM, _raise_exit)
-    signal.signal(signal.SIGHUP, _raise_exit)
     h = Harness(args.cache)
     try:
         if args.cmd == "prepare":
@@ -1031,4 +1033,7 @@ def main(argv: t.Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    # SIGTERM/SIGHUP unwind like Ctrl-C, so a half-made host is torn down.
+    signal.signal(signal.SIGTERM, _raise_exit)
+    signal.signal(signal.SIGHUP, _raise_exit)
     sys.exit(main())

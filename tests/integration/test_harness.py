@@ -9,14 +9,19 @@ import signal
 import subprocess
 import sys
 import time
+import typing as t
 from pathlib import Path
 
 import pytest
 
-from conftest import REPO, TestHosts, testhosts  # pylint: disable=import-error
-
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "tests" / "hosts"))
 sys.path.insert(0, str(REPO / "tests" / "fake_nvml"))
 import nvml_state  # noqa: E402  pylint: disable=wrong-import-position,import-error
+import testhosts  # noqa: E402  pylint: disable=wrong-import-position,import-error
+
+if t.TYPE_CHECKING:
+    from conftest import TestHosts  # pylint: disable=import-error
 
 A, B, C = "it-harness-a", "it-harness-b", "it-harness-c"
 TESTHOSTS = [sys.executable, str(REPO / "tests" / "hosts" / "testhosts.py")]

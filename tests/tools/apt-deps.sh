@@ -6,6 +6,7 @@ set -euo pipefail
 PACKAGES=(
     systemd-container   # systemd-nspawn: the test hosts
     debootstrap         # builds the test hosts' root file system
+    debian-archive-keyring  # verifies the Debian archive debootstrap downloads (Ubuntu lacks it)
     iproute2            # ip netns / veth for the test hosts' networks
     openssh-client      # Ansible reaches the test hosts over SSH
     shellcheck          # ansible-test sanity lints shell scripts with it
