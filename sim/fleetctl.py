@@ -194,7 +194,7 @@ def build_sim_config(fleet: dict[str, Any], host: str) -> dict[str, Any]:
     per_host = fleet["hosts"][host].get("engine") or {}
     costs.update({k: parse_size(v, f"hosts.{host}.engine.costs.{k}") for k, v in (per_host.get("costs") or {}).items()})
     cfg = {"boot_delay_s": 2.0, "token_delay_s": 0.004, "fail_next_boot": None}
-    cfg.update({k: v for k, v in engine.items()})
+    cfg.update(engine)
     cfg.update({k: v for k, v in per_host.items() if k != "costs"})
     cfg["costs"] = costs
     return cfg

@@ -129,7 +129,7 @@ def test_nvml_shows_the_engine_while_it_runs_and_not_after(sim) -> None:
         pids = sim.h.exec(HOST, ["systemctl", "show", "-p", "MainPID", "--value", "sim-fid-run"]).stdout.strip()
         cgroup = sim.h.exec(HOST, ["cat", f"/proc/{pids}/cgroup"]).stdout
         assert "sim-fid-run.service" in cgroup
-        engine0 = [p for p in during[0]["procs"]]
+        engine0 = list(during[0]["procs"])
         engine1 = [p for p in during[1]["procs"] if p[0] != 61001]
         assert len(engine0) == 1 and len(engine1) == 1
         assert engine0[0][0] != engine1[0][0]                 # one process per rank

@@ -67,7 +67,7 @@ def test_log_prefix_matches_the_gpu_build(engine) -> None:
 
 
 def test_profiled_log_gives_the_plan_figures(engine) -> None:
-    _, plan = make_plan(engine)
+    plan = make_plan(engine)[1]
     parsed = parse_engine_log(render_success(engine, plan, 2, 32768), tp_size=2)
     assert parsed.errors == []
     assert sorted(parsed.ranks) == [0, 1]
@@ -85,7 +85,7 @@ def test_profiled_log_gives_the_plan_figures(engine) -> None:
 
 
 def test_manual_log_gives_reserved_bytes_and_initial_free(engine) -> None:
-    _, plan = make_plan(engine, kv=30 * GiB)
+    plan = make_plan(engine, kv=30 * GiB)[1]
     parsed = parse_engine_log(render_success(engine, plan, 2, 32768), tp_size=2)
     for rp in plan.ranks:
         fig = parsed.ranks[rp.rank]
@@ -109,7 +109,7 @@ FAILURES = {
 @pytest.mark.parametrize("tp", [1, 2])
 def test_failures_classify_like_the_real_engine(engine, fault: str, tp: int) -> None:
     frees = (TOTAL,) * tp
-    _, plan = make_plan(engine, kv=30 * GiB, frees=frees, fault=fault)
+    plan = make_plan(engine, kv=30 * GiB, frees=frees, fault=fault)[1]
     assert plan.error is not None
     out, err = io.StringIO(), io.StringIO()
     engine.print_failure(engine.Log(out), plan, 999, {r: 1000 + r for r in range(tp)}, tp, 1, err=err)
@@ -133,14 +133,14 @@ def test_real_failure_wordings_classify_the_same(engine) -> None:
     for name, kind in real.items():
         assert kind in parse_engine_log((LOG_FIXTURES / name).read_text()).error_kinds()
         sim_fault = {v: k for k, v in FAILURES.items()}[kind]
-        _, plan = make_plan(engine, kv=30 * GiB, fault=sim_fault)
+        plan = make_plan(engine, kv=30 * GiB, fault=sim_fault)[1]
         out = io.StringIO()
         engine.print_failure(engine.Log(out), plan, 999, {0: 1000, 1: 1001}, 2, 1, err=io.StringIO())
         assert kind in parse_engine_log(out.getvalue(), tp_size=2).error_kinds()
 
 
 def _sim_scrape(engine, kv=None) -> tuple[str, object]:
-    _, plan = make_plan(engine, kv=kv)
+    plan = make_plan(engine, kv=kv)[1]
     args = engine.parse_args(["serve", "/srv/models/x", "--served-model-name", "llama"]
                              + (["--kv-cache-memory-bytes", str(kv)] if kv else []))
     eng = engine.Engine(args, plan, "llama", 32768, 64, {"token_delay_s": 0.001},

@@ -119,9 +119,9 @@ def test_startup_check_uses_vllm_free_and_ceil(engine) -> None:
     total = H200_TOTAL - H200_RESERVED
     need = math.ceil(total * 0.92)
     ok_free = need + 500 * MiB                  # NVML free such that vLLM's free == requested
-    _, p = plan(engine, [rank(engine, 0, ok_free), rank(engine, 1, ok_free)], kv=20 * GiB)
+    p = plan(engine, [rank(engine, 0, ok_free), rank(engine, 1, ok_free)], kv=20 * GiB)[1]
     assert p.error is None
-    _, p = plan(engine, [rank(engine, 0, ok_free), rank(engine, 1, ok_free - 1)], kv=20 * GiB)
+    p = plan(engine, [rank(engine, 0, ok_free), rank(engine, 1, ok_free - 1)], kv=20 * GiB)[1]
     assert p.error_stage == "init_device" and p.error_rank == 1
     assert p.error.startswith("ValueError: Free memory on device cuda:1 (")
     assert "on startup is less than desired GPU memory utilization (0.92, " in p.error
@@ -129,7 +129,7 @@ def test_startup_check_uses_vllm_free_and_ceil(engine) -> None:
 
 def test_manual_budget_too_large_is_cuda_oom(engine) -> None:
     free = H200_TOTAL - H200_RESERVED
-    _, p = plan(engine, [rank(engine, 0, free), rank(engine, 1, free - 20 * GiB)], kv=70 * GiB, util=0.5)
+    p = plan(engine, [rank(engine, 0, free), rank(engine, 1, free - 20 * GiB)], kv=70 * GiB, util=0.5)[1]
     assert p.error_stage == "allocate" and p.error_rank == 1
     assert p.error.startswith("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate ")
 
@@ -141,15 +141,15 @@ def test_budget_below_one_request(engine) -> None:
     assert "To serve at least one request with the model's max seq len (131072)" in p.error
     # exactly one request + the null block fits
     need = (engine.cdiv(131072, 16) + 1) * geo.bytes_per_block(0)
-    _, p = plan(engine, [rank(engine, 0, free), rank(engine, 1, free)], kv=need, max_len=131072)
+    p = plan(engine, [rank(engine, 0, free), rank(engine, 1, free)], kv=need, max_len=131072)[1]
     assert p.error is None and p.num_blocks == engine.cdiv(131072, 16) + 1
-    _, p = plan(engine, [rank(engine, 0, free), rank(engine, 1, free)], kv=need - 1, max_len=131072)
+    p = plan(engine, [rank(engine, 0, free), rank(engine, 1, free)], kv=need - 1, max_len=131072)[1]
     assert p.error_stage == "kv_config"
 
 
 def test_no_memory_left_for_kv_when_profiled(engine) -> None:
     free = H200_TOTAL - H200_RESERVED
-    _, p = plan(engine, [rank(engine, 0, free)], util=0.5, tp=1)
+    p = plan(engine, [rank(engine, 0, free)], util=0.5, tp=1)[1]
     assert p.error_stage == "kv_config"
     assert p.error.startswith("ValueError: No available memory for the cache blocks.")
 
@@ -160,7 +160,7 @@ def test_injected_faults(engine) -> None:
     expectations = {"oom": "allocate", "startup": "init_device", "one_request": "kv_config",
                     "no_memory": "kv_config", "profiling_error": "profile", "gpu_lost": "init_device"}
     for fault, stage in expectations.items():
-        _, p = plan(engine, ranks, kv=30 * GiB, fault=fault)
+        p = plan(engine, ranks, kv=30 * GiB, fault=fault)[1]
         assert p.error_stage == stage, fault
 
 

@@ -120,9 +120,9 @@ def test_fleet_errors_name_the_field(tmp_path, fleet) -> None:
 
 
 def test_report_summary_reads_class_sections() -> None:
-    report = {"classes": {"h200-tp2": {"plan": {"decision": "deploy", "kv_cache_memory_bytes": 30 * GiB,
-                                                 "kv_cache_tokens": 196608, "free_floor_bytes": {"0": 40 * GiB}},
-                                        "hosts_rolled_out": ["a", "b"]}}}
+    plan = {"decision": "deploy", "kv_cache_memory_bytes": 30 * GiB, "kv_cache_tokens": 196608,
+            "free_floor_bytes": {"0": 40 * GiB}}
+    report = {"classes": {"h200-tp2": {"plan": plan, "hosts_rolled_out": ["a", "b"]}}}
     (line,) = fleetctl.summarize_report(report)
     assert "decision=deploy" in line and "tokens=196608" in line and "30.00 GiB" in line
     assert "floor=40.00 GiB" in line and "hosts=2" in line
