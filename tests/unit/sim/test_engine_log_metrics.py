@@ -178,7 +178,7 @@ def test_metrics_have_the_real_cache_config_labels(engine) -> None:
 
 
 def test_metrics_profiled_boot_has_no_kv_bytes(engine) -> None:
-    text, _ = _sim_scrape(engine)
+    text = _sim_scrape(engine)[0]
     assert parse_metrics(text).kv_cache_memory_bytes is None
 
 
