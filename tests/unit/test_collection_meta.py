@@ -447,3 +447,18 @@ def test_changelog_release_lists_every_module(tmp_path: Path) -> None:
     assert modules, "no modules in plugins/modules"
     missing = [m for m in modules if f"gpufleet.vllm.{m} - " not in notes]
     assert not missing, f"release notes do not list these modules (broken documentation?): {missing}"
+
+
+def test_no_file_hard_codes_the_checkout_location() -> None:
+    """Files must work from any checkout: none may contain this checkout's absolute path."""
+    listed = subprocess.run(
+        ["git", "ls-files", "-co", "--exclude-standard", "-z"],
+        cwd=REPO_ROOT, capture_output=True, check=True, timeout=60,
+    ).stdout.decode().split("\0")
+    needle = str(REPO_ROOT).encode()
+    offenders = []
+    for rel in filter(None, listed):
+        path = REPO_ROOT / rel
+        if path.is_file() and not path.is_symlink() and needle in path.read_bytes():
+            offenders.append(rel)
+    assert not offenders, f"files containing {REPO_ROOT}: {offenders}"
