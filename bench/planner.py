@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 # Copyright (c) gpufleet maintainers
 # GNU General Public License v3.0+ (see https://www.gnu.org/licenses/gpl-3.0.txt)
 """Time the class planner on synthetic fleets of 100, 1,000 and 10,000 hosts x 8 GPUs.
@@ -39,7 +38,16 @@ def fleet(hosts: int, gpus: int, seed: int) -> dict:
         ranks = []
         for r in range(gpus):
             free = 140 * GIB - rng.randrange(2 * GIB)
-            ranks.append({"rank": r, "boot_free_bytes": free, "free_min_bytes": free - rng.randrange(64 * 1024**2), "free_max_bytes": free, "gpu_name": "NVIDIA H200", "total_bytes": 150754820096})
+            ranks.append(
+                {
+                    "rank": r,
+                    "boot_free_bytes": free,
+                    "free_min_bytes": free - rng.randrange(64 * 1024**2),
+                    "free_max_bytes": free,
+                    "gpu_name": "NVIDIA H200",
+                    "total_bytes": 150754820096,
+                }
+            )
         members[f"gpu-{h:05d}/vllm"] = ranks
     return {
         "host_class": f"bench-{hosts}",
@@ -77,7 +85,7 @@ def main() -> int:
         times = []
         cpu = []
         plan = None
-        for _ in range(args.repeat):
+        for _run in range(args.repeat):
             start, start_cpu = time.perf_counter(), time.process_time()
             plan = plan_class(spec)
             times.append(time.perf_counter() - start)

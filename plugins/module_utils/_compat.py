@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
@@ -97,7 +98,7 @@ def _generic(value: Any, where: str) -> Any:
     if isinstance(value, int):
         return int(value)
     if isinstance(value, float):
-        if value != value or value in (float("inf"), float("-inf")):
+        if not math.isfinite(value):
             raise CompatError(f"compat.{where}: not a finite number: {value!r}")
         return int(value) if value.is_integer() else float(value)
     if isinstance(value, Mapping):

@@ -88,7 +88,7 @@ def _hb(n: int | None) -> str | None:
 
 
 def _size(value: Any, field: str) -> int:
-    if type(value) is int and value >= 0:  # fast path for large fleets
+    if isinstance(value, int) and value >= 0 and not isinstance(value, bool):  # fast path for large fleets
         return value
     try:
         return parse_size(value, field)
@@ -115,7 +115,7 @@ def _number(spec: Mapping[str, Any], key: str, low: float, high: float | None, l
         number = float(value)
     except (TypeError, ValueError):
         raise PlanError(f"{key}: expected a number, got {value!r}") from None
-    if number != number or (number <= low if low_open else number < low) or (high is not None and number >= high):
+    if math.isnan(number) or (number <= low if low_open else number < low) or (high is not None and number >= high):
         bound = f"> {low}" if low_open else f">= {low}"
         raise PlanError(f"{key}: must be {bound}" + (f" and < {high}" if high is not None else "") + f", got {value!r}")
     return number
@@ -268,29 +268,30 @@ def _parse_hosts(raw: Any) -> dict[str, dict[str, Any]]:
         ranks = []
         append = ranks.append
         for i, entry in enumerate(value):
-            if type(entry) is not dict and not isinstance(entry, Mapping):
+            if not isinstance(entry, Mapping):
                 raise PlanError(f"hosts.{host}[{i}]: expected a mapping with rank and boot_free_bytes")
             get = entry.get
             rank = get("rank", i)
-            if type(rank) is not int or rank < 0:
+            if not isinstance(rank, int) or rank < 0 or isinstance(rank, bool):
                 rank = _rank_no(rank, f"hosts.{host}[{i}].rank")
             free = get("boot_free_bytes")
             if free is None:
                 free = get("free_bytes")
                 if free is None:
                     raise PlanError(f"hosts.{host}[{i}] (rank {rank}): boot_free_bytes is required")
-                if type(free) is not int or free < 0:
+                if not isinstance(free, int) or free < 0 or isinstance(free, bool):
                     free = _size(free, f"hosts.{host}[{i}].free_bytes")
-            elif type(free) is not int or free < 0:
+            elif not isinstance(free, int) or free < 0 or isinstance(free, bool):
                 free = _size(free, f"hosts.{host}[{i}].boot_free_bytes")
             fmin = get("free_min_bytes")
-            if fmin is not None and (type(fmin) is not int or fmin < 0):
+            if fmin is not None and (not isinstance(fmin, int) or fmin < 0 or isinstance(fmin, bool)):
                 fmin = _size(fmin, f"hosts.{host}[{i}].free_min_bytes")
             fmax = get("free_max_bytes")
-            if fmax is not None and (type(fmax) is not int or fmax < 0):
+            if fmax is not None and (not isinstance(fmax, int) or fmax < 0 or isinstance(fmax, bool)):
                 fmax = _size(fmax, f"hosts.{host}[{i}].free_max_bytes")
             flagged = get("unstable", False)
-            append((rank, free, fmin, fmax, get("gpu_name") or get("name"), get("total_bytes"), flagged if type(flagged) is bool else _flag(flagged)))
+            flagged = flagged if isinstance(flagged, bool) else _flag(flagged)
+            append((rank, free, fmin, fmax, get("gpu_name") or get("name"), get("total_bytes"), flagged))
         hosts[host] = {
             "ranks": ranks,
             "unstable": _flag(attrs.get("unstable", False)),
@@ -439,7 +440,6 @@ def plan_class(spec: Mapping[str, Any]) -> dict[str, Any]:
     if refuse:
         result["reasons"] = refuse + reasons
         return result
-    assert ref is not None
 
     ref_by_rank = {r["rank"]: r for r in ref["ranks"]}
     result["rank_count"] = sum(len(h["ranks"]) for h in hosts.values())
@@ -748,7 +748,12 @@ def plan_class(spec: Mapping[str, Any]) -> dict[str, Any]:
     # ---- instability
     result["unstable"] = unstable
     if unstable:
-        shown = [f"{u['host']}" + (f" rank {u['rank']}" if u["rank"] is not None else "") + (f" (moves {human_bytes(u['spread_bytes'])})" if u["spread_bytes"] is not None else " (flagged unstable)") for u in unstable]
+        shown = [
+            u["host"]
+            + (f" rank {u['rank']}" if u["rank"] is not None else "")
+            + (f" (moves {human_bytes(u['spread_bytes'])})" if u["spread_bytes"] is not None else " (flagged unstable)")
+            for u in unstable
+        ]
         unstable_reason = (
             f"free memory is not steady on {_names(shown)} (limit {human_bytes(int(share_limit))} = "
             f"{unstable_share} x guard): a fixed byte budget is the wrong tool there; use automatic profiling "

@@ -60,9 +60,7 @@ class ProfileStoreError(ValueError):
 
 def validate_host_class(host_class: object) -> str:
     if not isinstance(host_class, str) or not _CLASS_RE.match(host_class):
-        raise ProfileStoreError(
-            f"host_class {host_class!r}: use 1-128 letters, digits, '.', '_' or '-', starting with a letter or digit"
-        )
+        raise ProfileStoreError(f"host_class {host_class!r}: use 1-128 letters, digits, '.', '_' or '-', starting with a letter or digit")
     return host_class
 
 

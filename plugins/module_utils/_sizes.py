@@ -19,6 +19,7 @@ bytes (``"0.5GiB"`` is fine, ``"0.3B"`` is not).
 
 from __future__ import annotations
 
+import math
 import re
 from decimal import Decimal, InvalidOperation
 
@@ -81,7 +82,7 @@ def parse_size(value: object, field: str = "size") -> int:
             raise _fail(field, value, "must not be negative")
         return value
     if isinstance(value, float):
-        if value != value or value in (float("inf"), float("-inf")):
+        if not math.isfinite(value):
             raise _fail(field, value, "not a finite number")
         if not value.is_integer():
             raise _fail(field, value, "not a whole number of bytes")

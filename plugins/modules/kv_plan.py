@@ -33,7 +33,7 @@ description:
     deployable; it is reported in RV(admission) and RV(reasons).
   - Never changes anything.
 author:
-  - gpufleet maintainers
+  - gpufleet maintainers (@gpufleet)
 extends_documentation_fragment:
   - gpufleet.vllm.attributes
   - gpufleet.vllm.attributes.ACTION_PLUGIN

@@ -23,7 +23,7 @@ description:
   - Unreadable or edited files are skipped and reported in RV(corrupt) and as warnings; they never hide the
     other profiles and are never rewritten.
 author:
-  - gpufleet maintainers
+  - gpufleet maintainers (@gpufleet)
 extends_documentation_fragment:
   - gpufleet.vllm.attributes
   - gpufleet.vllm.attributes.ACTION_PLUGIN

@@ -30,7 +30,15 @@ def _collections_path(tmp_root: Path) -> str:
 
 def _inventory(path: Path) -> Path:
     def gpu(index: int, free: int) -> dict:
-        return {"index": index, "name": "NVIDIA H200", "total_bytes": 141 * GIB, "free_bytes": free, "boot_free_bytes": free, "free_min_bytes": free, "free_max_bytes": free}
+        return {
+            "index": index,
+            "name": "NVIDIA H200",
+            "total_bytes": 141 * GIB,
+            "free_bytes": free,
+            "boot_free_bytes": free,
+            "free_min_bytes": free,
+            "free_max_bytes": free,
+        }
 
     inventory = {
         "all": {

@@ -120,7 +120,9 @@ PROFILE = {"ranks": [{"rank": 0, "free_bytes": 45 * GIB, "kv_bytes": 30 * GIB}]}
 
 def test_kv_profile_present_check_mode_writes_nothing(tmp_path):
     store = str(tmp_path / "store")
-    result = action(KvProfile, {"store": store, "state": "present", "host_class": "c", "compat": COMPAT, "profile": PROFILE}, check_mode=True, diff=True).run(task_vars={})
+    result = action(KvProfile, {"store": store, "state": "present", "host_class": "c", "compat": COMPAT, "profile": PROFILE}, check_mode=True, diff=True).run(
+        task_vars={}
+    )
     assert result["changed"] is True
     assert result["record"]["path"] is None
     assert "kv_bytes: 32212254720" in result["diff"]["after"]

@@ -184,7 +184,10 @@ def test_tiny_cpu_engine_figures():
         "reference": {
             "ranks": [{"rank": 0, "free_bytes": 100_000_000 + 2 * MIB, "kv_bytes": 100_000_000 + MIB}],
             "total_bytes": 10297266176,
-            "geometry": {"config": {"hidden_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 2, "torch_dtype": "bfloat16"}, "serve_args": {"block_size": 128}},
+            "geometry": {
+                "config": {"hidden_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 2, "torch_dtype": "bfloat16"},
+                "serve_args": {"block_size": 128},
+            },
         },
         "hosts": {"cpu": [{"rank": 0, "boot_free_bytes": 100_000_000 + 2 * MIB}]},
         "guard_bytes": MIB,
@@ -309,15 +312,24 @@ def test_refuse_missing_ranks_names_hosts():
     "hosts, word",
     [
         (
-            {"a": [{"rank": 0, "boot_free_bytes": "42GiB", "gpu_name": "NVIDIA H200"}], "b": [{"rank": 0, "boot_free_bytes": "42GiB", "gpu_name": "NVIDIA H100 80GB HBM3"}]},
+            {
+                "a": [{"rank": 0, "boot_free_bytes": "42GiB", "gpu_name": "NVIDIA H200"}],
+                "b": [{"rank": 0, "boot_free_bytes": "42GiB", "gpu_name": "NVIDIA H100 80GB HBM3"}],
+            },
             "mixed GPU name",
         ),
         (
-            {"a": {"ranks": [{"rank": 0, "boot_free_bytes": "42GiB"}], "total_bytes": "141GiB"}, "b": {"ranks": [{"rank": 0, "boot_free_bytes": "42GiB"}], "total_bytes": "80GiB"}},
+            {
+                "a": {"ranks": [{"rank": 0, "boot_free_bytes": "42GiB"}], "total_bytes": "141GiB"},
+                "b": {"ranks": [{"rank": 0, "boot_free_bytes": "42GiB"}], "total_bytes": "80GiB"},
+            },
             "GPU total memory differs from the reference",
         ),
         (
-            {"a": {"ranks": [{"rank": 0, "boot_free_bytes": "42GiB"}], "compat_hash": "aaaa"}, "b": {"ranks": [{"rank": 0, "boot_free_bytes": "42GiB"}], "compat_hash": "bbbb"}},
+            {
+                "a": {"ranks": [{"rank": 0, "boot_free_bytes": "42GiB"}], "compat_hash": "aaaa"},
+                "b": {"ranks": [{"rank": 0, "boot_free_bytes": "42GiB"}], "compat_hash": "bbbb"},
+            },
             "mixed compatibility key hash",
         ),
     ],
@@ -332,7 +344,10 @@ def test_refuse_mixed_classes_naming_hosts(hosts, word):
 
 def test_refuse_host_mixing_gpus_in_one_engine():
     s = spec(
-        reference={"ranks": [{"rank": 0, "free_bytes": "42GiB", "kv_bytes": "30GiB"}, {"rank": 1, "free_bytes": "42GiB", "kv_bytes": "30GiB"}], "bytes_per_block": BPB},
+        reference={
+            "ranks": [{"rank": 0, "free_bytes": "42GiB", "kv_bytes": "30GiB"}, {"rank": 1, "free_bytes": "42GiB", "kv_bytes": "30GiB"}],
+            "bytes_per_block": BPB,
+        },
         hosts={"a": [{"rank": 0, "boot_free_bytes": "42GiB", "total_bytes": 80 * GIB}, {"rank": 1, "boot_free_bytes": "42GiB", "total_bytes": 141 * GIB}]},
     )
     plan = plan_class(s)
@@ -493,13 +508,22 @@ FREE = st.integers(min_value=20 * GIB, max_value=60 * GIB)
 def fleets(draw):
     ranks = draw(st.integers(min_value=1, max_value=4))
     ref = [
-        {"rank": r, "free_bytes": draw(st.integers(min_value=40 * GIB, max_value=50 * GIB)), "kv_bytes": draw(st.integers(min_value=25 * GIB, max_value=35 * GIB))}
+        {
+            "rank": r,
+            "free_bytes": draw(st.integers(min_value=40 * GIB, max_value=50 * GIB)),
+            "kv_bytes": draw(st.integers(min_value=25 * GIB, max_value=35 * GIB)),
+        }
         for r in range(ranks)
     ]
     n_hosts = draw(st.integers(min_value=1, max_value=6))
     hosts = {f"h{i}": [{"rank": r, "boot_free_bytes": draw(FREE)} for r in range(ranks)] for i in range(n_hosts)}
     guard = draw(st.integers(min_value=0, max_value=2 * GIB))
-    return {"reference": {"ranks": ref, "total_bytes": 141 * GIB, "bytes_per_block": BPB, "kv_dtype_bytes": 2}, "hosts": hosts, "guard_bytes": guard, "max_model_len": 8192}
+    return {
+        "reference": {"ranks": ref, "total_bytes": 141 * GIB, "bytes_per_block": BPB, "kv_dtype_bytes": 2},
+        "hosts": hosts,
+        "guard_bytes": guard,
+        "max_model_len": 8192,
+    }
 
 
 @settings(max_examples=150, deadline=None)

@@ -62,7 +62,7 @@ def test_never_overwrites_and_keeps_history(store):
 def test_same_timestamp_records_get_distinct_files(tmp_path):
     fixed = datetime.datetime(2026, 1, 1, tzinfo=datetime.timezone.utc)
     store = ProfileStore(str(tmp_path), clock=lambda: fixed)
-    paths = {store.record({"host_class": "c", "compat": KEY, "profile": DATA})["path"] for _ in range(5)}
+    paths = {store.record({"host_class": "c", "compat": KEY, "profile": DATA})["path"] for _i in range(5)}
     assert len(paths) == 5
 
 
