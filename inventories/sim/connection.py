@@ -3,10 +3,10 @@
 
 The simulated hosts are systemd-nspawn guests whose addresses are handed out
 when they boot, so the static ``hosts.yml`` beside this script names the hosts
-and their classes, and this script adds the connection variables of every
-simulated host (name starting with ``sim-``) that is up, as recorded by the
-test host harness.  Hosts that are down get no connection variables and show
-up as unreachable.
+and their classes, and this script adds the connection variables of those of
+them that are up, as recorded by the test host harness.  Hosts that are down
+get no connection variables and show up as unreachable; other test hosts are
+never added.
 """
 
 from __future__ import annotations
@@ -17,7 +17,25 @@ import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))
-PREFIX = "sim-"
+
+
+def _names(node: object) -> set[str]:
+    """Every host name under a YAML inventory node (``hosts:`` of any group, nested)."""
+    found: set[str] = set()
+    if isinstance(node, dict):
+        for key, value in node.items():
+            if key == "hosts" and isinstance(value, dict):
+                found |= set(value)
+            else:
+                found |= _names(value)
+    return found
+
+
+def inventory_hosts() -> set[str]:
+    import yaml  # pylint: disable=import-outside-toplevel
+
+    with open(os.path.join(HERE, "hosts.yml"), encoding="utf-8") as handle:
+        return _names(yaml.safe_load(handle))
 
 
 def connection_vars() -> dict[str, dict[str, object]]:
@@ -31,7 +49,8 @@ def connection_vars() -> dict[str, dict[str, object]]:
         data = harness.inventory_data()
     except testhosts.HarnessError:
         return {}
-    return {name: hv for name, hv in data["all"]["hosts"].items() if name.startswith(PREFIX)}
+    wanted = inventory_hosts()
+    return {name: hv for name, hv in data["all"]["hosts"].items() if name in wanted}
 
 
 def main(argv: list[str]) -> int:

@@ -126,3 +126,13 @@ def test_report_summary_reads_class_sections() -> None:
     (line,) = fleetctl.summarize_report(report)
     assert "decision=deploy" in line and "tokens=196608" in line and "30.00 GiB" in line
     assert "floor=40.00 GiB" in line and "hosts=2" in line
+
+
+def test_connection_script_adds_only_the_inventory_hosts(fleet) -> None:
+    spec = importlib.util.spec_from_file_location("gpufleet_sim_connection", INVENTORY / "connection.py")
+    assert spec is not None and spec.loader is not None
+    connection = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(connection)
+    assert connection.inventory_hosts() == set(fleet["hosts"])
+    assert connection._names({"all": {"children": {"g": {"hosts": {"a": None}, "children": {  # pylint: disable=protected-access
+        "h": {"hosts": {"b": {}}}}}}}}) == {"a", "b"}
