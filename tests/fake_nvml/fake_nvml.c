@@ -217,15 +217,15 @@ static int parse_int(const char *s, int *out)
     return 0;
 }
 
+/* List values are decoded first, then split on ',' (writers may or may not encode the commas). */
 static int parse_noise(const char *s, struct fake_gpu *g)
 {
     char buf[4096];
     g->n_noise = 0;
     if (!*s)
         return 0;
-    if (strlen(s) >= sizeof buf)
+    if (pct_decode(s, buf, sizeof buf))
         return -1;
-    strcpy(buf, s);
     char *save = NULL;
     for (char *tok = strtok_r(buf, ",", &save); tok; tok = strtok_r(NULL, ",", &save)) {
         if (g->n_noise >= MAX_NOISE || parse_ull(tok, &g->noise[g->n_noise]))
@@ -241,13 +241,13 @@ static int parse_missing(const char *s, struct fake_state *st)
     st->n_missing = 0;
     if (!*s)
         return 0;
-    if (strlen(s) >= sizeof buf)
+    if (pct_decode(s, buf, sizeof buf))
         return -1;
-    strcpy(buf, s);
     char *save = NULL;
     for (char *tok = strtok_r(buf, ",", &save); tok; tok = strtok_r(NULL, ",", &save)) {
-        if (st->n_missing >= MAX_MISSING || pct_decode(tok, st->missing[st->n_missing], STR))
+        if (st->n_missing >= MAX_MISSING || strlen(tok) >= STR)
             return -1;
+        strcpy(st->missing[st->n_missing], tok);
         st->n_missing++;
     }
     return 0;

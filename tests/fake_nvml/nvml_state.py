@@ -135,6 +135,9 @@ def _enc(value: Any) -> str:
 
 
 def _enc_list(values: list[Any]) -> str:
+    for value in values:
+        if "," in str(value):
+            raise StateError(f"list item {value!r} must not contain ','")
     return ",".join(_enc(v) for v in values)
 
 
@@ -238,7 +241,7 @@ def loads(text: str, source: str = "<state>") -> dict[str, Any]:
                 elif key in ("cuda", "init_error"):
                     system[key] = _to_int(unquote(value), f"{where}: {key}")
                 elif key == "missing":
-                    system[key] = [unquote(v) for v in value.split(",") if v]
+                    system[key] = [v for v in unquote(value).split(",") if v]
         elif rtype == "gpu":
             gpu: dict[str, Any] = dict(GPU_DEFAULTS, noise=[])
             if "index" not in fields:
@@ -249,7 +252,7 @@ def loads(text: str, source: str = "<state>") -> dict[str, Any]:
                 elif key == "free_override":
                     gpu[key] = _to_int(unquote(value), f"{where}: {key}") if value else None
                 elif key == "noise":
-                    gpu[key] = [_to_int(v, f"{where}: noise") for v in value.split(",") if v]
+                    gpu[key] = [_to_int(v, f"{where}: noise") for v in unquote(value).split(",") if v]
                 else:
                     gpu[key] = unquote(value)
             state["gpus"].append(gpu)

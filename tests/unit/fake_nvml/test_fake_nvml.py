@@ -428,3 +428,17 @@ def test_real_gpu_check_script_reports_failures(tmp_path):
     assert done.returncode == 1 and report["ok"] is False
     failed = {c["check"] for c in report["checks"] if not c["ok"]}
     assert failed == {"gpu0_memory_v2", "gpu0_figures_sum", "gpu0_v2_available"}
+
+
+def test_list_values_with_encoded_commas(tmp_path):
+    out = run_nvml(tmp_path, """
+        n.nvmlInit()
+        h = n.nvmlDeviceGetHandleByIndex(0)
+        out["frees"] = [n.nvmlDeviceGetMemoryInfo(h).free for _ in range(2)]
+        out["v2"] = err(n.nvmlDeviceGetMemoryInfo, h, version=n.nvmlMemory_v2)
+        out["name"] = err(n.nvmlDeviceGetName, h)
+        n.nvmlShutdown()
+    """, "system missing=nvmlDeviceGetMemoryInfo_v2%2CnvmlDeviceGetName\ngpu index=0 total=1000 noise=0%2C100\n")
+    assert out["frees"] == [1000, 900]
+    assert out["v2"] == [13, "NVMLError_FunctionNotFound"]
+    assert out["name"] == [13, "NVMLError_FunctionNotFound"]

@@ -115,3 +115,13 @@ def test_cli_validates(tmp_path, capsys):
     path.write_text("gpu index=3 total=1\n")
     assert nvml_state.main([str(path)]) == 1
     assert "indices must be" in capsys.readouterr().err
+
+
+def test_list_values_with_encoded_commas_are_read():
+    state = nvml_state.loads("system missing=nvmlA%2CnvmlB\ngpu index=0 total=10 noise=1%2C2\n")
+    assert state["system"]["missing"] == ["nvmlA", "nvmlB"]
+    assert state["gpus"][0]["noise"] == [1, 2]
+    bad = nvml_state.new_state()
+    bad["system"]["missing"] = ["a,b"]
+    with pytest.raises(nvml_state.StateError, match="must not contain"):
+        nvml_state.dumps(bad)
