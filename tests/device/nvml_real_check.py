@@ -7,8 +7,10 @@ the collection's ``_nvml_probe.py`` by file path.  It
 
 - probes every GPU with samples=5 (interval 0.2 s) and records the full result;
 - times one in-process probe (samples=1), 20 runs, reporting median / p95 / min;
-- reads ``nvidia-smi --query-gpu=memory.total,memory.free,memory.used`` right after
-  a probe and compares the figures (nvidia-smi rounds to MiB), timing it as well;
+- reads ``nvidia-smi --query-gpu=index,uuid,memory.total,memory.free,memory.used
+  --format=csv,noheader,nounits`` right after a probe and compares the figures
+  (nvidia-smi rounds to MiB), timing it as well (5 runs);
+- times NVML initialisation alone (part of every probe; slow without persistence mode);
 - reads memory with both the v1 and v2 NVML calls and lists compute/graphics
   processes with the raw binding, checking they agree with the probe.
 
@@ -77,7 +79,7 @@ def nvidia_smi() -> dict[str, Any]:
         if len(parts) == 5 and parts[0].isdigit():
             rows.append({"index": int(parts[0]), "uuid": parts[1], "total_mib": int(parts[2]),
                          "free_mib": int(parts[3]), "used_mib": int(parts[4])})
-    return {"present": True, "path": exe, "rc": done.returncode, "seconds": elapsed, "gpus": rows,
+    return {"present": True, "path": exe, "argv": argv[1:], "rc": done.returncode, "seconds": elapsed, "gpus": rows,
             "stderr": done.stderr.strip()[-500:]}
 
 
@@ -174,6 +176,14 @@ def main() -> int:
             probe_mod.probe(pynvml, samples=1, host=report["host"])
             durations.append(time.perf_counter() - start)
         report["probe_timing"] = timing(durations)
+        # NVML initialisation alone (slow without persistence mode): part of every probe
+        init_durations = []
+        for _run in range(5):
+            start = time.perf_counter()
+            pynvml.nvmlInit()
+            pynvml.nvmlShutdown()
+            init_durations.append(time.perf_counter() - start)
+        report["nvml_init_timing"] = timing(init_durations)
         if smi.get("present"):
             smi_durations = [smi["seconds"]] + [nvidia_smi()["seconds"] for _run in range(4)]
             report["nvidia_smi_timing"] = timing(smi_durations)
