@@ -225,7 +225,8 @@ def geometry_from_config(config: Mapping[str, Any] | str, serve_args: Mapping[st
     ``serve_args`` keys used: ``dtype`` (default: the config's ``torch_dtype``/``dtype``;
     ``float32`` models run in ``bfloat16`` as vLLM's ``auto``), ``kv_cache_dtype``
     (``auto`` = model dtype, ``fp8*`` = 1 byte), ``tensor_parallel_size``,
-    ``pipeline_parallel_size``, ``block_size`` (default 16; vLLM's CPU engine uses 128).
+    ``pipeline_parallel_size``, ``block_size`` (default 16, or 128 with ``device: cpu`` as
+    vLLM's CPU engine).
     """
     serve_args = dict(serve_args or {})
     top = load_config(config)
@@ -236,7 +237,8 @@ def geometry_from_config(config: Mapping[str, Any] | str, serve_args: Mapping[st
 
     tp = _serve_int(serve_args, "tensor_parallel_size", 1)
     pp = _serve_int(serve_args, "pipeline_parallel_size", 1)
-    block_size = _serve_int(serve_args, "block_size", 16)
+    default_block = 128 if str(serve_args.get("device") or "").lower() == "cpu" else 16
+    block_size = _serve_int(serve_args, "block_size", default_block)
     num_layers = _positive_int(cfg, "num_hidden_layers", where)
     layers_on_rank = _pp_max_layers(num_layers, pp)
 

@@ -375,6 +375,7 @@ def _empty_result(host_class: str, budget_mode: str) -> dict[str, Any]:
         "vllm_floor_bytes": {},
         "block_size": None,
         "bytes_per_block": None,
+        "bytes_per_token": None,
         "num_blocks": None,
         "kv_cache_tokens": None,
         "max_concurrency": None,
@@ -572,6 +573,7 @@ def plan_class(spec: Mapping[str, Any]) -> dict[str, Any]:
     block_size = geo.block_size if geo else ref["block_size"]
     result["block_size"] = block_size
     result["bytes_per_block"] = geo.bytes_per_block if geo else None
+    result["bytes_per_token"] = geo.bytes_per_token if geo else None
     need = _admission_need(spec.get("admission"), block_size)
     one_req_blocks = cdiv(max_model_len, block_size) + 1 if max_model_len else None
     if need and one_req_blocks and need[1] < one_req_blocks:

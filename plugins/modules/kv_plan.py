@@ -211,6 +211,10 @@ bytes_per_block:
   description: KV bytes per block on the largest pipeline stage (V(null) when the geometry is unknown).
   returned: always
   type: int
+bytes_per_token:
+  description: KV bytes per token on the largest pipeline stage (V(null) when the geometry is unknown).
+  returned: always
+  type: int
 num_blocks:
   description: Blocks vLLM makes from the budget.
   returned: always

@@ -164,3 +164,8 @@ def test_block_helpers():
     assert geo.num_blocks(geo.bytes_per_block - 1) == 0
     assert geo.tokens(10) == 160
     assert geo.as_dict()["bytes_per_token"] == 131072
+
+
+def test_cpu_device_defaults_to_block_128():
+    assert geometry_from_config(TINY, {"device": "cpu"}).block_size == 128
+    assert geometry_from_config(TINY, {"device": "cpu", "block_size": 64}).block_size == 64

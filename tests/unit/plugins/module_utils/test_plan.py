@@ -170,6 +170,7 @@ def test_blocks_tokens_concurrency_from_geometry():
     del s["max_model_len"]
     plan = plan_class(s)
     assert plan["bytes_per_block"] == BPB
+    assert plan["bytes_per_token"] == 131072
     assert plan["num_blocks"] == int(28.25 * GIB) // BPB == 14464
     assert plan["kv_cache_tokens"] == 14464 * 16
     assert plan["max_concurrency"] == (14464 - 1) // 512 == 28
