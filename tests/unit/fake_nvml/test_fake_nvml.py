@@ -442,3 +442,31 @@ def test_list_values_with_encoded_commas(tmp_path):
     assert out["frees"] == [1000, 900]
     assert out["v2"] == [13, "NVMLError_FunctionNotFound"]
     assert out["name"] == [13, "NVMLError_FunctionNotFound"]
+
+
+def test_real_gpu_check_script_compares_with_nvidia_smi(tmp_path):
+    """With an nvidia-smi on PATH the script compares its figures with the probe's."""
+    state = fleet_state(2)
+    path = tmp_path / "state"
+    nvml_state.save(path, state)
+    total_mib = 150754820096 // (1 << 20)
+    free_mib = (150754820096 - 566231040) // (1 << 20)
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    smi = bindir / "nvidia-smi"
+    rows = [f"0, GPU-00000000-0000-4000-8000-000000000000, {total_mib}, {free_mib}, 540",
+            # GPU 1: nvidia-smi sees 1 GiB less free than NVML said: beyond the 64 MiB tolerance
+            f"1, GPU-00000000-0000-4000-8000-000000000001, {total_mib}, {free_mib - 1024}, 1564"]
+    smi.write_text("#!/bin/sh\n" + "".join(f"echo '{r}'\n" for r in rows))
+    smi.chmod(0o755)
+    env = dict(os.environ, LD_LIBRARY_PATH=str(LIBDIR), FAKE_NVML_STATE=str(path), PATH=f"{bindir}:/usr/bin:/bin",
+               NVML_CHECK_RUNS="2", NVML_CHECK_INTERVAL="0")
+    env.pop("OUT", None)
+    done = subprocess.run([sys.executable, str(ROOT / "tests" / "device" / "nvml_real_check.py")], env=env,
+                          capture_output=True, text=True, timeout=120, check=False)
+    report = json.loads(done.stdout)
+    checks = {c["check"]: c for c in report["checks"]}
+    assert checks["gpu0_smi_free"]["ok"] and checks["gpu0_smi_total"]["ok"] and checks["gpu0_smi_uuid"]["ok"]
+    assert checks["gpu1_smi_free"]["ok"] is False and checks["gpu1_smi_free"]["detail"] == 1024.0
+    assert report["nvidia_smi_timing"]["runs"] == 5
+    assert done.returncode == 1 and report["ok"] is False
