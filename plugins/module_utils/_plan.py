@@ -513,7 +513,11 @@ def plan_class(spec: Mapping[str, Any]) -> dict[str, Any]:
         names[name] = next(iter(rank_names)) if len(rank_names) == 1 else None
         totals[name] = next(iter(rank_totals)) if len(rank_totals) == 1 else None
     mixed("GPU name", ref.get("gpu_name"), names)
-    mixed("GPU total memory", ref.get("total_bytes"), totals)
+    ref_total = ref.get("total_bytes")
+    if ref_total is not None and all(v is None or abs(v - ref_total) <= 2 * VLLM_LOG_ROUNDING for v in totals.values()):
+        # a reference total taken from vLLM's log is rounded to 0.01 GiB: NVML's exact figure matches it
+        ref_total = None
+    mixed("GPU total memory", ref_total, totals)
     mixed("compatibility key hash", ref.get("compat_hash"), {n: h["compat_hash"] for n, h in hosts.items()})
 
     # ---- drift, weakest rank
@@ -609,8 +613,9 @@ def plan_class(spec: Mapping[str, Any]) -> dict[str, Any]:
     # ---- floors and startup utilization
     floors = {r["rank"]: r["free_bytes"] - (r["kv_bytes"] - guard - budget) for r in ref["ranks"]}
     result["free_floor_bytes"] = floors
+    # NVML's exact total from the hosts when they agree, else the reference's
     host_totals = {v for v in totals.values() if v is not None}
-    total = ref.get("total_bytes") or (host_totals.pop() if len(host_totals) == 1 else None)
+    total = host_totals.pop() if len(host_totals) == 1 else ref.get("total_bytes")
     if total:
         util, source, vfloors = startup_utilization(ref["ranks"], total, budget, guard, ref["vllm_free"], cuda_ctx)
         result["gpu_memory_utilization"] = util

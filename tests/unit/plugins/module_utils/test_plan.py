@@ -584,3 +584,16 @@ def test_fit_admission_never_above_launch(s, tokens, headroom):
     plan = plan_class(s)
     assert plan["kv_cache_memory_bytes"] <= max(0, plan["max_safe_bytes"])
     assert plan["kv_cache_memory_bytes"] % BPB == 0
+
+
+def test_reference_total_rounded_like_vllm_log_is_accepted():
+    exact = 150754820096  # NVML
+    logged = round(exact / GIB, 2) * GIB  # "140.40 GiB" in vLLM's log
+    s = spec(hosts={"a": {"ranks": [{"rank": 0, "boot_free_bytes": "40.75GiB"}], "total_bytes": exact}})
+    s["reference"]["total_bytes"] = int(logged)
+    plan = plan_class(s)
+    assert plan["decision"] == "deploy"
+    nvml_floor = int(40.75 * GIB) - GIB
+    assert plan["gpu_memory_utilization"] == floor_utilization(nvml_floor, exact)  # NVML's exact total is used
+    s["hosts"]["a"]["total_bytes"] = exact + GIB
+    assert plan_class(s)["decision"] == "refuse"
