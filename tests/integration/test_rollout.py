@@ -104,7 +104,9 @@ class Fleet:
             "gpufleet_profile_store": str(self.store),
             "gpufleet_report_dir": str(self.workdir / "reports"),
             "gpufleet_rollout_serial": [1, "10%", "50%"],
-            "gpufleet_canary_load": {"requests": 6, "concurrency": 3, "prompt_tokens": 32, "max_tokens": 8},
+            "gpufleet_canary_load": {"requests": 8, "concurrency": 4, "prompt_tokens": 32, "max_tokens": 8},
+            # latency on a shared two-core test machine is noise, not a property of the budget
+            "gpufleet_canary_tolerances": {"latency_ratio": 20.0},
             # the simulated engine records its GPU processes in the fake NVML state
             "vllm_service_read_write_paths": ["/etc/fake-nvml"],
             "vllm_service_boot_timeout": 120,
