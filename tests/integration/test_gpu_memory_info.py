@@ -225,3 +225,51 @@ def test_role_groups_hosts_and_keeps_going(hosts: TestHosts, tmp_path: Path) -> 
     assert seen["error_b"].startswith(f"{B}: NVIDIA driver not loaded")
     assert [g["index"] for g in seen["gpus"]] == [0, 1]
     assert seen["gpus"][1]["used_bytes"] == 2 * GIB and seen["gpus"][1]["samples"] == 2
+
+
+def test_role_installs_the_binding_into_a_venv(tmp_path: Path) -> None:
+    """gpu_probe_install_binding on a local host: venv + pip from a local wheel, then the
+    probe runs with that venv's python (the fake library found through LD_LIBRARY_PATH)."""
+    cache = Path(os.environ.get("GPUFLEET_CACHE") or REPO / ".cache")
+    wheels = sorted((cache / "wheels").glob("nvidia_ml_py-*.whl"))
+    assert wheels, f"no nvidia-ml-py wheel in {cache / 'wheels'} (made by `make rootfs`)"
+    state_path = tmp_path / "state"
+    state = nvml_state.new_state()
+    state["gpus"] = [nvml_state.make_gpu(i, TOTAL, reserved=RESERVED) for i in range(2)]
+    nvml_state.add_process(state, gpu=0, pid=os.getpid(), used=GIB)
+    nvml_state.save(state_path, state)
+    venv = tmp_path / "nvml-venv"
+    out = tmp_path / "facts.json"
+    playbook = tmp_path / "install.yml"
+    playbook.write_text(f"""
+- name: Install the binding and probe
+  hosts: localhost
+  connection: local
+  gather_facts: false
+  vars:
+    ansible_python_interpreter: "{{{{ ansible_playbook_python }}}}"
+  roles:
+    - role: gpufleet.vllm.gpu_probe
+      vars:
+        gpu_probe_python: /usr/bin/python3
+        gpu_probe_install_binding: true
+        gpu_probe_binding_package: {wheels[-1]}
+        gpu_probe_binding_venv: {venv}
+        gpu_probe_pip_extra_args: --no-index
+        gpu_probe_fail_on_error: true
+  post_tasks:
+    - name: Keep the facts
+      ansible.builtin.copy:
+        dest: {out}
+        mode: "0600"
+        content: "{{{{ {{'gpus': gpufleet_gpus, 'interpreter': gpu_probe_interpreter}} | to_json }}}}"
+""")
+    env = dict(os.environ, LD_LIBRARY_PATH=str(cache / "fake-nvml"), FAKE_NVML_STATE=str(state_path))
+    proc = subprocess.run(["ansible-playbook", "-i", "localhost,", str(playbook)], capture_output=True, text=True,
+                          env=env, timeout=600, check=False, cwd=REPO)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    seen = json.loads(out.read_text())
+    assert seen["interpreter"] == f"{venv}/bin/python"
+    assert (venv / "bin" / "python").exists()
+    assert [g["index"] for g in seen["gpus"]] == [0, 1]
+    assert seen["gpus"][0]["used_bytes"] == GIB
