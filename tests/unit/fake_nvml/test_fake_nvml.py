@@ -470,3 +470,29 @@ def test_real_gpu_check_script_compares_with_nvidia_smi(tmp_path):
     assert checks["gpu1_smi_free"]["ok"] is False and checks["gpu1_smi_free"]["detail"] == 1024.0
     assert report["nvidia_smi_timing"]["runs"] == 5
     assert done.returncode == 1 and report["ok"] is False
+
+
+def test_probe_without_any_nvml_library_says_so(tmp_path):
+    """No libnvidia-ml.so.1 on the search path: the real pynvml reports it, the probe explains it."""
+    script = textwrap.dedent("""
+        import json, sys
+        sys.path.insert(0, sys.argv[1])
+        import pynvml
+        from ansible_collections.gpufleet.vllm.plugins.module_utils._nvml_probe import NvmlProbeError, probe
+        try:
+            probe(pynvml, host="nodriver")
+        except NvmlProbeError as exc:
+            print(json.dumps({"msg": exc.message, "code": exc.code}))
+    """)
+    env = {k: v for k, v in os.environ.items() if k != "LD_LIBRARY_PATH"}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+    system_nvml = subprocess.run([sys.executable, "-c", "import ctypes; ctypes.CDLL('libnvidia-ml.so.1')"],
+                                 env=env, capture_output=True, timeout=60, check=False)
+    if system_nvml.returncode == 0:
+        pytest.skip("this machine has a real libnvidia-ml.so.1 on the default search path")
+    done = subprocess.run([sys.executable, "-c", script, ""], env=env,
+                          capture_output=True, text=True, timeout=60, check=False)
+    assert done.stdout.strip(), f"the probe did not report the missing library: {done.stderr[-2000:]}"
+    out = json.loads(done.stdout)
+    assert out == {"msg": "nodriver: NVML library libnvidia-ml.so.1 not found: is the NVIDIA driver installed?",
+                   "code": 12}
