@@ -618,6 +618,10 @@ def compare_with_reference(
     return out
 
 
+def _seconds(value: t.Any) -> str:
+    return f"{value:g}" if isinstance(value, (int, float)) else str(value)
+
+
 def judge_canary(
     result: t.Mapping[str, t.Any],
     *,
@@ -634,7 +638,7 @@ def judge_canary(
     if health != "healthy":
         what = {
             "exited": f"the engine exited while booting (exit code {result.get('exit_code')})",
-            "timeout": f"the engine was not healthy within {result.get('startup_timeout')} s",
+            "timeout": f"the engine was not healthy within {_seconds(result.get('startup_timeout'))} s",
         }.get(str(health), f"the engine did not become healthy ({health})")
         fails.append(what + (f": {root}" if root else ""))
         return "fail", fails, None

@@ -200,7 +200,7 @@ def test_manual_canary_matches_geometry_and_boot_check(profiled, tmp_path):
     assert rc == 0 and ok["ok"] is True, ok.get("msg")
     assert ok["kv_cache_memory_bytes"] == budget and ok["kv_cache_tokens"] == predicted_tokens
     rc, wrong = boot_checks["wrong"]
-    assert rc != 0 and wrong.get("failed") is True
+    assert rc != 0 and wrong["ok"] is False
     assert "rank 0: reserved" in wrong["msg"] and "expected 200000000" in wrong["msg"]
     assert "kv_cache_memory_bytes=100000000, expected 200000000" in wrong["msg"]
     assert f"fewer than the {predicted_tokens + 128}" in wrong["msg"]
@@ -210,7 +210,7 @@ def test_budget_too_small_for_one_request_fails_with_engine_error():
     marker = uuid.uuid4().hex
     rc, result = ansible_module("vllm_canary", canary_args(marker, mode="manual", kv_cache_memory_bytes=100_000))
     assert_nothing_left(marker, result.get("port"))
-    assert rc != 0 and result.get("failed") is True
+    assert rc != 0
     assert result["verdict"] == "fail"
     assert result["health"] == "exited"
     assert "did not boot" in result["msg"]
@@ -235,9 +235,16 @@ def _startup_utilization() -> tuple[float | None, str]:
 
 
 def test_startup_memory_check_failure():
+    """vLLM's startup free-memory check refuses the boot.
+
+    Profiled mode: unlike the GPU worker, the CPU build's worker skips this
+    check when kv_cache_memory_bytes is set (it booted with manual bytes and
+    the default 0.92 while node 0 had 55 % free), so the refusal is tested
+    where the CPU build runs the check.
+    """
     marker = uuid.uuid4().hex
     util, why = _startup_utilization()
-    args = canary_args(marker, mode="manual", kv_cache_memory_bytes=100_000_000)
+    args = canary_args(marker, mode="profiled")
     if util is not None:
         args["gpu_memory_utilization"] = util
     rc, result = ansible_module("vllm_canary", args)
