@@ -377,8 +377,7 @@ def probe(nvml: Any, devices: Sequence[Any] | None = None, samples: int = 1, int
         raise NvmlProbeError(f"samples must be an integer >= 1, got {samples!r}")
     if interval < 0:
         raise NvmlProbeError(f"interval must be >= 0 seconds, got {interval!r}")
-    if devices is not None:
-        devices = list(devices)
+    devices = list(devices) if devices else None  # none or empty: every GPU
     own = own_processes(service_units, service_pids, run_command, proc_root, cgroup_root)
 
     warnings: list[str] = []

@@ -39,7 +39,7 @@ options:
   devices:
     description:
       - GPUs to read, by index (V(0)) or UUID (V(GPU-...)), in the order given
-        (like C(CUDA_VISIBLE_DEVICES)). Omit to read every GPU in index order.
+        (like C(CUDA_VISIBLE_DEVICES)). Omit (or give an empty list) to read every GPU in index order.
       - An unknown or repeated GPU is an error.
     type: list
     elements: str

@@ -327,6 +327,7 @@ def test_devices_filter_keeps_the_given_order(no_proc):
     nvml = FakeNvml(make_state(4))
     result = probe(nvml, devices=["GPU-00000003-aaaa", "1", 0], host="h1", proc_root=no_proc)
     assert [g["index"] for g in result["gpus"]] == [3, 1, 0]
+    assert [g["index"] for g in probe(nvml, devices=[], host="h1", proc_root=no_proc)["gpus"]] == [0, 1, 2, 3]
 
 
 @pytest.mark.parametrize(("devices", "message"), [
