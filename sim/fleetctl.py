@@ -2,10 +2,11 @@
 """Create, fault and demo the simulated GPU fleet (run on the controller, as root).
 
     fleetctl.py create  [--fleet sim/fleet.yml] [--reset-state]
-    fleetctl.py destroy [--all]
+    fleetctl.py destroy [--fleet FILE] [--all]
     fleetctl.py inject HOST cotenant --gpu N --bytes SIZE [--pid PID] [--remove]
     fleetctl.py inject HOST gpu-lost --gpu N [--clear]
     fleetctl.py inject HOST fail-next-boot [--kind oom|startup|one_request|no_memory|profiling_error|gpu_lost|hang|crash]
+                                           [--clear]
     fleetctl.py inject HOST unreachable [--clear]
     fleetctl.py status
     fleetctl.py demo    [--fleet sim/fleet.yml] [--playbook playbooks/rollout.yml]
@@ -239,10 +240,12 @@ class Fleet:
             raise FleetError(f"booting the fleet failed: {exc}") from None
         for host in names:
             self._provision(fleet, host, reset_state)
-        record = self._record()
-        record["hosts"] = sorted(set(record.get("hosts") or []) | set(names))
-        record.setdefault("fleet_files", {})[str(self.fleet_path)] = {"hosts": names, "created_at": time.time()}
-        atomic_write(record_path(), json.dumps(record, indent=2, sort_keys=True) + "\n")
+        record_path().parent.mkdir(parents=True, exist_ok=True)
+        with file_lock(record_path()):
+            record = self._record()
+            record["hosts"] = sorted(set(record.get("hosts") or []) | set(names))
+            record.setdefault("fleet_files", {})[str(self.fleet_path)] = {"hosts": names, "created_at": time.time()}
+            atomic_write(record_path(), json.dumps(record, indent=2, sort_keys=True) + "\n")
         print(f"fleet up: {len(names)} hosts in {time.monotonic() - t0:.1f}s")
         return names
 
@@ -299,7 +302,6 @@ class Fleet:
             names |= set(self.fleet["hosts"])
         if all_hosts:
             names |= set(record.get("hosts") or [])
-            names |= {n for n in self.h.registry() if n.startswith(HOST_PREFIX)}
         names = {n for n in names if n.startswith(HOST_PREFIX)}
         if not names:
             print("no simulated host to destroy")
@@ -308,15 +310,14 @@ class Fleet:
             done = self.h.down(sorted(names))
         except testhosts.HarnessError as exc:
             raise FleetError(f"destroy: {exc}") from None
-        left = sorted(set(record.get("hosts") or []) - set(done))
-        if left:
+        record_path().parent.mkdir(parents=True, exist_ok=True)
+        with file_lock(record_path()):
+            record = self._record()
+            left = sorted(set(record.get("hosts") or []) - set(done))
             record["hosts"] = left
             record["fleet_files"] = {k: v for k, v in (record.get("fleet_files") or {}).items()
                                      if set(v.get("hosts") or []) & set(left)}
             atomic_write(record_path(), json.dumps(record, indent=2, sort_keys=True) + "\n")
-        else:
-            with contextlib.suppress(FileNotFoundError):
-                record_path().unlink()
         print(f"destroyed: {', '.join(done)}")
         return done
 
@@ -358,16 +359,17 @@ class Fleet:
         self._edit_state(host, mutate)
         print(f"{host}: GPU {gpu} {'back' if clear else 'lost (NVML error 15)'}")
 
-    def inject_fail_next_boot(self, host: str, kind: str) -> None:
+    def inject_fail_next_boot(self, host: str, kind: str | None) -> None:
+        """Make the next engine boot on ``host`` fail with ``kind`` (None: cancel a pending fault)."""
         path = self.sim_file(host)
         with file_lock(path):
             data = json.loads(path.read_text(encoding="utf-8")) if path.exists() else {}
-            data["fail_next_boot"] = {"kind": kind}
+            data["fail_next_boot"] = {"kind": kind} if kind else None
             st = path.stat() if path.exists() else None
             atomic_write(path, json.dumps(data, indent=2, sort_keys=True) + "\n", mode=0o664)
             if st is not None:
                 os.chown(path, st.st_uid, st.st_gid)
-        print(f"{host}: the next engine boot fails ({kind})")
+        print(f"{host}: the next engine boot fails ({kind})" if kind else f"{host}: no pending boot failure")
 
     def inject_unreachable(self, host: str, clear: bool) -> None:
         info = self.info(host)
@@ -499,7 +501,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--reset-state", action="store_true", help="rewrite NVML state and sim.json even if present")
     p = sub.add_parser("destroy", help="stop the fleet's hosts")
     p.add_argument("--fleet", default=str(DEFAULT_FLEET))
-    p.add_argument("--all", action="store_true", help="also every other simulated (sim-*) test host")
+    p.add_argument("--all", action="store_true", help="also every host any fleet file created")
     p = sub.add_parser("inject", help="inject a fault into one host")
     p.add_argument("host")
     kinds = p.add_subparsers(dest="fault", required=True)
@@ -513,6 +515,7 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--clear", action="store_true")
     k = kinds.add_parser("fail-next-boot")
     k.add_argument("--kind", default="oom", choices=FAULT_KINDS)
+    k.add_argument("--clear", action="store_true", help="cancel a pending boot failure")
     k = kinds.add_parser("unreachable")
     k.add_argument("--clear", action="store_true")
     sub.add_parser("status", help="hosts, GPUs, processes and pending faults as JSON")
@@ -544,7 +547,7 @@ def main(argv: list[str] | None = None) -> int:
             elif args.fault == "gpu-lost":
                 fleet.inject_gpu_lost(args.host, args.gpu, args.clear)
             elif args.fault == "fail-next-boot":
-                fleet.inject_fail_next_boot(args.host, args.kind)
+                fleet.inject_fail_next_boot(args.host, None if args.clear else args.kind)
             elif args.fault == "unreachable":
                 fleet.inject_unreachable(args.host, args.clear)
     except (FleetError, testhosts.HarnessError, nvml_state.StateError) as exc:
