@@ -1,0 +1,62 @@
+# Copyright (c) gpufleet maintainers
+# GNU General Public License v3.0+ (see https://www.gnu.org/licenses/gpl-3.0.txt)
+# SPDX-License-Identifier: GPL-3.0-or-later
+"""Action plugin for gpufleet.vllm.rollout_report: write a run report directory on the controller."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ansible.errors import AnsibleActionFail
+from ansible.plugins.action import ActionBase
+
+from ansible_collections.gpufleet.vllm.plugins.module_utils._report import (
+    KINDS,
+    ReportError,
+    build_report,
+    summary_line,
+    write_run_dir,
+)
+
+ARGUMENT_SPEC: dict[str, Any] = {
+    "report_dir": {"type": "path"},
+    "kind": {"type": "str", "default": "rollout", "choices": list(KINDS)},
+    "data": {"type": "dict", "required": True},
+}
+
+
+class ActionModule(ActionBase):
+    """Build the run report, write report.json/.md/.html into a new run directory."""
+
+    TRANSFERS_FILES = False
+    _VALID_ARGS = frozenset(ARGUMENT_SPEC)
+    _requires_connection = False
+
+    def run(self, tmp: str | None = None, task_vars: dict[str, Any] | None = None) -> dict[str, Any]:
+        task_vars = task_vars or {}
+        result = super().run(tmp, task_vars)
+        del tmp
+        _validation, args = self.validate_argument_spec(argument_spec=ARGUMENT_SPEC)
+        try:
+            report = build_report(args["data"], args["kind"])
+        except ReportError as exc:
+            raise AnsibleActionFail(f"rollout_report ({args['kind']}): {exc}") from None
+        result.update(
+            report=report,
+            summary=summary_line(report),
+            failed_hosts=report["failed_hosts"],
+            path=None,
+            changed=False,
+        )
+        if not args.get("report_dir"):
+            result["msg"] = f"{result['summary']} (no report_dir: nothing written)"
+            return result
+        if self._task.check_mode:
+            result["msg"] = f"{result['summary']} (check mode: nothing written to {args['report_dir']})"
+            return result
+        try:
+            path = write_run_dir(args["report_dir"], report)
+        except (ReportError, OSError) as exc:
+            raise AnsibleActionFail(f"rollout_report: cannot write the report under {args['report_dir']}: {exc}") from None
+        result.update(path=path, changed=True, msg=f"{result['summary']}; report: {path}/report.html")
+        return result

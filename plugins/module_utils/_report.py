@@ -1,0 +1,784 @@
+# Copyright (c) gpufleet maintainers
+# GNU General Public License v3.0+ (see https://www.gnu.org/licenses/gpl-3.0.txt)
+# SPDX-License-Identifier: GPL-3.0-or-later
+"""Run reports behind ``gpufleet.vllm.rollout_report``.
+
+Plain Python, no Ansible import.
+
+* :func:`build_report` turns what a playbook collected (per class state with
+  the plan and the canaries, per host outcome facts, the batch records) into a
+  report of schema version :data:`SCHEMA_VERSION`;
+* :func:`load_report` reads a stored ``report.json`` of any known schema
+  version (version 0 is the flat summary older playbooks wrote) and upgrades it;
+* :func:`render_markdown` and :func:`render_html` render a report (the HTML is
+  self-contained: inline CSS and SVG, no external asset, no script);
+* :func:`write_run_dir` writes ``<dir>/<kind>-<UTC timestamp>/`` with
+  ``report.json``, ``report.md`` and ``report.html`` atomically (a temporary
+  directory renamed into place) and never replaces an existing run directory.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import html
+import json
+import math
+import os
+import shutil
+import tempfile
+from collections.abc import Mapping
+from typing import Any
+
+from ._sizes import SizeError, human_bytes, parse_size
+
+__all__ = [
+    "SCHEMA_VERSION",
+    "KINDS",
+    "OUTCOMES",
+    "ReportError",
+    "build_report",
+    "load_report",
+    "render_markdown",
+    "render_html",
+    "render_svg",
+    "summary_line",
+    "write_run_dir",
+]
+
+SCHEMA_VERSION = 1
+KINDS = ("rollout", "plan", "probe")
+# Per host outcome of a run, worst first (the summary counts them).
+OUTCOMES = ("rolled_back", "failed", "not_reached", "skipped", "deployed", "unchanged", "planned")
+
+_CANARY_FIELDS = (
+    "verdict",
+    "kv_cache_tokens",
+    "num_blocks",
+    "max_concurrency",
+    "preemptions",
+    "startup_seconds",
+    "completed",
+    "failed",
+    "ttft_p50",
+    "ttft_p95",
+    "e2e_p50",
+    "e2e_p95",
+)
+_PLAN_FIELDS = (
+    "budget_mode",
+    "kv_cache_memory_bytes",
+    "max_safe_bytes",
+    "gpu_memory_utilization",
+    "utilization_source",
+    "num_blocks",
+    "kv_cache_tokens",
+    "max_concurrency",
+    "block_size",
+    "bytes_per_block",
+    "guard_bytes",
+)
+
+
+class ReportError(ValueError):
+    """Report input or a stored report that cannot be used (message names the field)."""
+
+
+# ---------------------------------------------------------------- small helpers
+def _int(value: Any, field: str) -> int | None:
+    """An integer byte figure from an int or a size string; None stays None."""
+    if value is None or value == "":
+        return None
+    if isinstance(value, bool):
+        raise ReportError(f"{field}: expected a byte count, got {value!r}")
+    if isinstance(value, int):
+        return value
+    if isinstance(value, float):
+        if math.isnan(value) or math.isinf(value):
+            raise ReportError(f"{field}: expected a byte count, got {value!r}")
+        return int(value)
+    try:
+        return parse_size(value, field)
+    except SizeError as exc:
+        if isinstance(value, str) and value.lstrip("-").isdigit():
+            return int(value)
+        raise ReportError(str(exc)) from None
+
+
+def _num(value: Any) -> float | int | None:
+    if value is None or value == "" or isinstance(value, bool):
+        return None
+    if isinstance(value, (int, float)):
+        return value
+    try:
+        out = float(value)
+    except (TypeError, ValueError):
+        return None
+    return int(out) if out.is_integer() and "." not in str(value) else out
+
+
+def _rank_map(value: Any, field: str) -> dict[str, int]:
+    """``{rank: bytes}`` with string keys (JSON keys are strings)."""
+    if not value:
+        return {}
+    if not isinstance(value, Mapping):
+        raise ReportError(f"{field}: expected a mapping of rank to bytes, got {type(value).__name__}")
+    out: dict[str, int] = {}
+    for rank, nbytes in value.items():
+        converted = _int(nbytes, f"{field}[{rank}]")
+        if converted is not None:
+            out[str(rank)] = converted
+    return dict(sorted(out.items(), key=lambda kv: (len(kv[0]), kv[0])))
+
+
+def _hb(value: Any) -> str:
+    if value is None:
+        return "-"
+    try:
+        return human_bytes(int(value))
+    except (TypeError, ValueError):
+        return str(value)
+
+
+def _signed_hb(value: Any) -> str:
+    if value is None:
+        return "-"
+    value = int(value)
+    return ("-" if value < 0 else "+") + human_bytes(abs(value))
+
+
+def _text(value: Any) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return str(value)
+
+
+def _str_list(value: Any) -> list[str]:
+    if value is None:
+        return []
+    if isinstance(value, (list, tuple)):
+        return [str(v) for v in value if v is not None and str(v) != ""]
+    return [str(value)]
+
+
+def _parse_time(value: Any) -> _dt.datetime | None:
+    if not value:
+        return None
+    try:
+        stamp = _dt.datetime.fromisoformat(str(value).replace("Z", "+00:00"))
+    except ValueError:
+        return None
+    return stamp if stamp.tzinfo else stamp.replace(tzinfo=_dt.timezone.utc)
+
+
+def _seconds_between(start: Any, end: Any) -> float | None:
+    begin, finish = _parse_time(start), _parse_time(end)
+    if begin is None or finish is None:
+        return None
+    return round((finish - begin).total_seconds(), 1)
+
+
+def _utc_now() -> _dt.datetime:
+    return _dt.datetime.now(_dt.timezone.utc)
+
+
+# ---------------------------------------------------------------- building a report
+def _canary(raw: Any) -> dict[str, Any] | None:
+    """The figures of one canary result (vllm_canary's return or a stored canary record)."""
+    if not isinstance(raw, Mapping) or not raw:
+        return None
+    out: dict[str, Any] = {}
+    load = raw.get("load") if isinstance(raw.get("load"), Mapping) else {}
+    for field in _CANARY_FIELDS:
+        value = raw.get(field)
+        if value is None and field in ("completed", "failed", "ttft_p50", "ttft_p95", "e2e_p50", "e2e_p95"):
+            value = load.get(field)
+        if field == "failed" and isinstance(value, bool):
+            value = None  # the task's failed flag, not a request count
+        out[field] = value if field == "verdict" else _num(value)
+    out["reasons"] = _str_list(raw.get("reasons"))[:10]
+    out["engine_errors"] = [
+        str(e.get("message", e)) if isinstance(e, Mapping) else str(e) for e in (raw.get("engine_errors") or [])
+    ][:5]
+    return out
+
+
+def _per_rank(rows: Any) -> list[dict[str, Any]]:
+    out = []
+    for pos, row in enumerate(rows or []):
+        if not isinstance(row, Mapping):
+            raise ReportError(f"plan.per_rank[{pos}]: expected a mapping")
+        free = _int(row.get("boot_free_bytes"), f"per_rank[{pos}].boot_free_bytes")
+        floor = _int(row.get("floor_bytes"), f"per_rank[{pos}].floor_bytes")
+        margin = _int(row.get("margin_bytes"), f"per_rank[{pos}].margin_bytes")
+        if margin is None and free is not None and floor is not None:
+            margin = free - floor
+        out.append(
+            {
+                "host": str(row.get("host", "?")),
+                "rank": row.get("rank"),
+                "boot_free_bytes": free,
+                "floor_bytes": floor,
+                "drift_bytes": _int(row.get("drift_bytes"), f"per_rank[{pos}].drift_bytes"),
+                "adjusted_bytes": _int(row.get("adjusted_bytes"), f"per_rank[{pos}].adjusted_bytes"),
+                "margin_bytes": margin,
+                "weakest": bool(row.get("weakest")),
+                "unstable": bool(row.get("unstable")),
+            }
+        )
+    return out
+
+
+def _fit(plan: Mapping[str, Any]) -> dict[str, Any] | None:
+    fit = plan.get("fit")
+    if not isinstance(fit, Mapping):
+        return None
+    return {
+        "blocks": _num(fit.get("blocks")),
+        "required_blocks": _num(fit.get("required_blocks")),
+        "budget_bytes": _int(fit.get("budget_bytes"), "fit.budget_bytes"),
+        "max_safe_bytes": _int(fit.get("max_safe_bytes"), "fit.max_safe_bytes"),
+        "left_free_bytes_per_gpu": _int(fit.get("left_free_bytes_per_gpu"), "fit.left_free_bytes_per_gpu"),
+        "capped_at_max_safe": bool(fit.get("capped_at_max_safe")),
+    }
+
+
+def _what_if_fp8(plan: Mapping[str, Any]) -> dict[str, Any] | None:
+    fp8 = plan.get("what_if_fp8")
+    if not isinstance(fp8, Mapping):
+        return None
+    return {
+        "kv_cache_tokens": _num(fp8.get("kv_cache_tokens")),
+        "num_blocks": _num(fp8.get("num_blocks")),
+        "max_concurrency": _num(fp8.get("max_concurrency")),
+        "bytes_per_block": _int(fp8.get("bytes_per_block"), "what_if_fp8.bytes_per_block"),
+    }
+
+
+def _class_entry(name: str, state: Mapping[str, Any], hosts: list[str]) -> dict[str, Any]:
+    plan = state.get("plan") if isinstance(state.get("plan"), Mapping) else {}
+    plan = plan or {}
+    failed = bool(state.get("failed"))
+    ok = bool(state.get("ok")) and not failed
+    weakest = plan.get("weakest") if isinstance(plan.get("weakest"), Mapping) else None
+    canaries_raw = state.get("canaries") if isinstance(state.get("canaries"), Mapping) else {}
+    entry: dict[str, Any] = {
+        "name": name,
+        "status": "failed" if failed else ("deployable" if ok else "skipped"),
+        "decision": plan.get("decision") or state.get("decision"),
+        "reasons": _str_list(state.get("reasons") or plan.get("reasons")),
+        "key_hash": str(state.get("key_hash") or ""),
+        "plan": {field: plan.get(field) for field in _PLAN_FIELDS},
+        "free_floor_bytes": _rank_map(plan.get("free_floor_bytes"), f"class {name}: free_floor_bytes"),
+        "vllm_floor_bytes": _rank_map(plan.get("vllm_floor_bytes"), f"class {name}: vllm_floor_bytes"),
+        "weakest": (
+            {"host": str(weakest.get("host")), "rank": weakest.get("rank"), "adjusted_bytes": _int(weakest.get("adjusted_bytes"), "weakest")}
+            if weakest
+            else None
+        ),
+        "what_if_fp8": _what_if_fp8(plan),
+        "fit": _fit(plan),
+        "admission": plan.get("admission") if isinstance(plan.get("admission"), Mapping) else None,
+        "split": [
+            {"name": str(g.get("name")), "hosts": _str_list(g.get("hosts")), "kv_cache_memory_bytes": _int(g.get("kv_cache_memory_bytes"), "split")}
+            for g in plan.get("split") or []
+            if isinstance(g, Mapping)
+        ],
+        "per_rank": _per_rank(plan.get("per_rank")),
+        "manual_canary": str(state.get("manual_canary") or "not run"),
+        "canaries": {
+            "profiled": _canary(canaries_raw.get("profiled")),
+            "manual": _canary(canaries_raw.get("manual")),
+        },
+        "hosts": sorted(hosts),
+    }
+    for field in ("kv_cache_memory_bytes", "max_safe_bytes", "guard_bytes", "bytes_per_block"):
+        entry["plan"][field] = _int(entry["plan"][field], f"class {name}: {field}")
+    for field in ("num_blocks", "kv_cache_tokens", "max_concurrency", "block_size", "gpu_memory_utilization"):
+        entry["plan"][field] = _num(entry["plan"][field])
+    return entry
+
+
+def _host_outcome(kind: str, host: Mapping[str, Any], class_entry: dict[str, Any] | None) -> str:
+    if class_entry is not None and class_entry["status"] == "failed":
+        return "failed"
+    if host.get("error") is not None and host.get("batch") is not None:
+        return "rolled_back" if host.get("touched") else "failed"
+    if class_entry is None or class_entry["status"] != "deployable":
+        return "skipped"
+    if kind != "rollout":
+        return "planned"
+    if host.get("batch") is None:
+        return "not_reached"
+    return "deployed" if host.get("pending") else "unchanged"
+
+
+def build_report(data: Mapping[str, Any], kind: str = "rollout", generated: _dt.datetime | None = None) -> dict[str, Any]:
+    """Turn what a playbook collected into a report of schema version :data:`SCHEMA_VERSION`.
+
+    ``data`` keys (all optional but ``classes``):
+
+    * ``started``/``finished``: ISO 8601 times of the run;
+    * ``classes``: ``{name: state}`` where ``state`` is the class state the
+      rollout keeps (``ok``, ``failed``, ``plan`` as ``kv_plan`` returns it,
+      ``key_hash``, ``manual_canary``, ``reasons``) plus optional ``canaries``
+      (``{profiled: <vllm_canary result>, manual: <vllm_canary result>}``);
+    * ``hosts``: ``{host: {class, batch, pending, touched, error, failed_task}}``;
+      ``batch`` is the batch number the host ran in, ``pending`` the instances
+      that changed, ``error`` the message of the failure that stopped it;
+    * ``batches``: ``[{index, total, hosts, started, finished}]``.
+    """
+    if kind not in KINDS:
+        raise ReportError(f"kind: expected one of {', '.join(KINDS)}, got {kind!r}")
+    if not isinstance(data, Mapping):
+        raise ReportError("data: expected a mapping")
+    classes_raw = data.get("classes") or {}
+    if not isinstance(classes_raw, Mapping):
+        raise ReportError("data.classes: expected a mapping of class name to class state")
+    hosts_raw = data.get("hosts") or {}
+    if not isinstance(hosts_raw, Mapping):
+        raise ReportError("data.hosts: expected a mapping of host name to its facts")
+    members: dict[str, list[str]] = {}
+    for host, facts in hosts_raw.items():
+        if not isinstance(facts, Mapping):
+            raise ReportError(f"data.hosts.{host}: expected a mapping")
+        members.setdefault(str(facts.get("class") or ""), []).append(str(host))
+    classes = []
+    for name, state in sorted(classes_raw.items()):
+        if not isinstance(state, Mapping):
+            raise ReportError(f"data.classes.{name}: expected a mapping")
+        classes.append(_class_entry(str(name), state, members.get(str(name), [])))
+    by_name = {c["name"]: c for c in classes}
+
+    hosts = []
+    for host, facts in sorted(hosts_raw.items()):
+        cls = by_name.get(str(facts.get("class") or ""))
+        pending = _str_list(facts.get("pending"))
+        batch = facts.get("batch")
+        error = facts.get("error")
+        hosts.append(
+            {
+                "host": str(host),
+                "class": str(facts.get("class") or ""),
+                "batch": int(batch) if batch not in (None, "") else None,
+                "pending": pending,
+                "outcome": _host_outcome(kind, {**facts, "pending": pending, "batch": batch if batch != "" else None}, cls),
+                "failed_task": str(facts["failed_task"]) if facts.get("failed_task") else None,
+                "error": str(error) if error is not None else None,
+            }
+        )
+    finished = data.get("finished") or (generated or _utc_now()).isoformat()
+    batches = []
+    for pos, raw in enumerate(data.get("batches") or []):
+        if not isinstance(raw, Mapping):
+            raise ReportError(f"data.batches[{pos}]: expected a mapping")
+        index = int(raw.get("index", pos + 1))
+        names = _str_list(raw.get("hosts"))
+        outcomes = {h["host"]: h["outcome"] for h in hosts if h["batch"] == index}
+        bad = [n for n in names if outcomes.get(n) in ("rolled_back", "failed")]
+        batches.append(
+            {
+                "index": index,
+                "total": _num(raw.get("total")),
+                "hosts": [{"host": n, "outcome": outcomes.get(n, "unknown")} for n in names],
+                "started": raw.get("started"),
+                "finished": raw.get("finished"),
+                "seconds": _seconds_between(raw.get("started"), raw.get("finished") or finished),
+                "outcome": "failed" if bad else ("ok" if raw.get("finished") else "stopped"),
+            }
+        )
+    rolled_back = [
+        {"host": h["host"], "class": h["class"], "batch": h["batch"], "failed_task": h["failed_task"], "error": h["error"]}
+        for h in hosts
+        if h["outcome"] == "rolled_back"
+    ]
+    stamp = generated or _utc_now()
+    report = {
+        "schema_version": SCHEMA_VERSION,
+        "kind": kind,
+        "generated": stamp.isoformat(),
+        "started": data.get("started") or None,
+        "finished": finished,
+        "classes": classes,
+        "hosts": hosts,
+        "batches": batches,
+        "rolled_back": rolled_back,
+        "failed_hosts": [h["host"] for h in hosts if h["outcome"] in ("rolled_back", "failed")],
+        "upgraded_from": None,
+    }
+    report["summary"] = _summary(report)
+    return report
+
+
+def _summary(report: Mapping[str, Any]) -> dict[str, Any]:
+    counts = {o: 0 for o in OUTCOMES}
+    for host in report["hosts"]:
+        counts[host["outcome"]] = counts.get(host["outcome"], 0) + 1
+    return {
+        "classes": len(report["classes"]),
+        "deployable_classes": sum(1 for c in report["classes"] if c["status"] == "deployable"),
+        "failed_classes": [c["name"] for c in report["classes"] if c["status"] == "failed"],
+        "hosts": len(report["hosts"]),
+        "outcomes": {k: v for k, v in counts.items() if v},
+        "ok": not report["failed_hosts"] and not any(c["status"] == "failed" for c in report["classes"]),
+    }
+
+
+# ---------------------------------------------------------------- reading stored reports
+def _upgrade_v0(old: Mapping[str, Any]) -> dict[str, Any]:
+    """Version 0: ``{started, classes: {name: flat summary with hosts: [{host, pending_before}]}}``."""
+    classes: dict[str, Any] = {}
+    hosts: dict[str, Any] = {}
+    classes_raw = old.get("classes") or {}
+    if not isinstance(classes_raw, Mapping):
+        raise ReportError("report.json (schema 0): classes must be a mapping")
+    for name, flat in classes_raw.items():
+        if not isinstance(flat, Mapping):
+            raise ReportError(f"report.json (schema 0): classes.{name} must be a mapping")
+        plan = {k: flat.get(k) for k in ("decision", "kv_cache_memory_bytes", "gpu_memory_utilization", "free_floor_bytes", "kv_cache_tokens", "weakest")}
+        classes[name] = {
+            "ok": flat.get("ok"),
+            "failed": flat.get("failed"),
+            "plan": plan,
+            "key_hash": flat.get("key_hash"),
+            "manual_canary": flat.get("manual_canary"),
+            "reasons": flat.get("reasons"),
+        }
+        for host in flat.get("hosts") or []:
+            if isinstance(host, Mapping) and host.get("host"):
+                hosts[str(host["host"])] = {"class": name, "pending": host.get("pending_before") or []}
+    return {"started": old.get("started"), "classes": classes, "hosts": hosts}
+
+
+def load_report(obj: Any) -> dict[str, Any]:
+    """A stored report (parsed JSON) of any known schema version, as a current one."""
+    if not isinstance(obj, Mapping):
+        raise ReportError("report.json: expected a JSON object")
+    version = obj.get("schema_version", 0)
+    if version == SCHEMA_VERSION:
+        missing = [k for k in ("kind", "classes", "hosts", "batches", "summary") if k not in obj]
+        if missing:
+            raise ReportError(f"report.json (schema 1): missing {', '.join(missing)}")
+        return dict(obj)
+    if version == 0:
+        kind = obj.get("kind") or "rollout"
+        stamp = _parse_time(obj.get("started")) or _utc_now()
+        report = build_report(_upgrade_v0(obj), kind if kind in KINDS else "rollout", generated=stamp)
+        # A v0 summary holds no batch record: say "unknown", never "not reached".
+        for host in report["hosts"]:
+            if host["outcome"] == "not_reached":
+                host["outcome"] = "unknown"
+        report["summary"] = _summary(report)
+        report["finished"] = None
+        report["upgraded_from"] = 0
+        return report
+    raise ReportError(f"report.json: unknown schema_version {version!r} (this collection reads 0 and {SCHEMA_VERSION})")
+
+
+# ---------------------------------------------------------------- renderers
+def summary_line(report: Mapping[str, Any]) -> str:
+    """One line: classes, host outcomes, failed hosts."""
+    summ = report["summary"]
+    parts = [f"{report['kind']}: {summ['classes']} class(es), {summ['deployable_classes']} deployable"]
+    if summ["failed_classes"]:
+        parts.append("failed classes " + ", ".join(summ["failed_classes"]))
+    if summ["outcomes"]:
+        parts.append(", ".join(f"{n} {k.replace('_', ' ')}" for k, n in summ["outcomes"].items()))
+    if report["failed_hosts"]:
+        parts.append("failed hosts " + ", ".join(report["failed_hosts"]))
+    return "; ".join(parts)
+
+
+def _class_budget_line(cls: Mapping[str, Any]) -> list[tuple[str, str]]:
+    plan = cls["plan"]
+    rows = [
+        ("decision", _text(cls["decision"])),
+        ("status", cls["status"]),
+        ("KV cache bytes (launch)", f"{_hb(plan['kv_cache_memory_bytes'])} ({_text(plan['kv_cache_memory_bytes'])} bytes)"),
+        ("max safe bytes", _hb(plan.get("max_safe_bytes"))),
+        ("blocks / tokens", f"{_text(plan['num_blocks'])} / {_text(plan['kv_cache_tokens'])}"),
+        ("max concurrency", _text(plan.get("max_concurrency"))),
+        ("startup --gpu-memory-utilization", _text(plan["gpu_memory_utilization"])),
+        ("free floor (NVML) per rank", ", ".join(f"rank {r}: {_hb(v)}" for r, v in cls["free_floor_bytes"].items()) or "-"),
+        ("weakest", f"{cls['weakest']['host']} rank {cls['weakest']['rank']}" if cls["weakest"] else "-"),
+        ("compatibility key", cls["key_hash"] or "-"),
+    ]
+    fp8 = cls.get("what_if_fp8")
+    if fp8:
+        rows.append(("what if fp8 KV", f"{_text(fp8['kv_cache_tokens'])} tokens, max concurrency {_text(fp8['max_concurrency'])}"))
+    fit = cls.get("fit")
+    if fit:
+        rows.append(
+            (
+                "right-size (fit_admission)",
+                f"{_hb(fit['budget_bytes'])} instead of {_hb(fit['max_safe_bytes'])}: "
+                f"{_hb(fit['left_free_bytes_per_gpu'])} per GPU left free for other work",
+            )
+        )
+    adm = cls.get("admission")
+    if adm:
+        rows.append(
+            (
+                "admission plan",
+                f"needs {_text(adm.get('required_blocks'))} blocks, has {_text(adm.get('available_blocks'))}"
+                + (f"; {_text(adm.get('shortfall_tokens'))} tokens short" if adm.get("shortfall_blocks") else ": ok"),
+            )
+        )
+    for group in cls.get("split") or []:
+        rows.append((f"split {group['name']}", f"{', '.join(group['hosts'])}: {_hb(group['kv_cache_memory_bytes'])}"))
+    return rows
+
+
+_CANARY_COLUMNS = (
+    ("verdict", "verdict"),
+    ("kv_cache_tokens", "tokens"),
+    ("preemptions", "preemptions"),
+    ("failed", "failed requests"),
+    ("ttft_p50", "TTFT p50 s"),
+    ("ttft_p95", "TTFT p95 s"),
+    ("e2e_p50", "e2e p50 s"),
+    ("e2e_p95", "e2e p95 s"),
+)
+
+
+def _md_cell(value: Any) -> str:
+    return _text(value).replace("|", "\\|").replace("\n", " ")
+
+
+def render_markdown(report: Mapping[str, Any]) -> str:
+    """The report as Markdown."""
+    out = [f"# gpufleet.vllm {report['kind']} report", ""]
+    out.append(f"- started: {_text(report.get('started'))}")
+    out.append(f"- finished: {_text(report.get('finished'))}")
+    out.append(f"- summary: {summary_line(report)}")
+    if report.get("upgraded_from") is not None:
+        out.append(f"- read from a schema {report['upgraded_from']} report: per-rank figures, canaries and batches were not recorded")
+    out.append("")
+    for cls in report["classes"]:
+        out += [f"## Class {cls['name']}", "", "| | |", "|---|---|"]
+        out += [f"| {_md_cell(k)} | {_md_cell(v)} |" for k, v in _class_budget_line(cls)]
+        out.append("")
+        if cls["reasons"]:
+            out += ["Reasons:", ""] + [f"- {r}" for r in cls["reasons"]] + [""]
+        if cls["per_rank"]:
+            out += [
+                "| host | rank | boot free | floor | drift | adjusted | margin |",
+                "|---|---|---|---|---|---|---|",
+            ]
+            for row in cls["per_rank"]:
+                out.append(
+                    f"| {_md_cell(row['host'])}{' (weakest)' if row['weakest'] else ''} | {row['rank']} | {_hb(row['boot_free_bytes'])} | "
+                    f"{_hb(row['floor_bytes'])} | {_signed_hb(-row['drift_bytes'] if row['drift_bytes'] is not None else None)} | "
+                    f"{_hb(row['adjusted_bytes'])} | {_signed_hb(row['margin_bytes'])} |"
+                )
+            out.append("")
+        canaries = [(n, c) for n, c in cls["canaries"].items() if c]
+        out.append(f"Manual canary: {cls['manual_canary']}")
+        out.append("")
+        if canaries:
+            out += ["| canary | " + " | ".join(h for _k, h in _CANARY_COLUMNS) + " |", "|---" * (len(_CANARY_COLUMNS) + 1) + "|"]
+            for name, can in canaries:
+                out.append(f"| {name} | " + " | ".join(_md_cell(can.get(k)) for k, _h in _CANARY_COLUMNS) + " |")
+            out.append("")
+    if report["batches"]:
+        out += ["## Batches", "", "| batch | hosts | seconds | outcome |", "|---|---|---|---|"]
+        for b in report["batches"]:
+            hosts = ", ".join(f"{h['host']} ({h['outcome'].replace('_', ' ')})" for h in b["hosts"])
+            total = f" of {b['total']}" if b.get("total") else ""
+            out.append(f"| {b['index']}{total} | {_md_cell(hosts)} | {_text(b['seconds'])} | {b['outcome']} |")
+        out.append("")
+    if report["hosts"]:
+        out += ["## Hosts", "", "| host | class | batch | outcome | changed instances |", "|---|---|---|---|---|"]
+        for h in report["hosts"]:
+            out.append(
+                f"| {_md_cell(h['host'])} | {_md_cell(h['class'])} | {_text(h['batch'])} | {h['outcome'].replace('_', ' ')} | "
+                f"{_md_cell(', '.join(h['pending']) or '-')} |"
+            )
+        out.append("")
+    if report["rolled_back"]:
+        out += ["## Rolled back", ""]
+        for rb in report["rolled_back"]:
+            out.append(f"- **{rb['host']}** (class {rb['class']}, batch {_text(rb['batch'])}): {rb['error']}")
+        out.append("")
+    return "\n".join(out).rstrip("\n") + "\n"
+
+
+# SVG chart: one row per host/rank; bar = boot free memory, tick = floor, label = drift.
+_ROW_H = 26
+_LABEL_W = 230
+_BAR_W = 560
+_NOTE_W = 290
+
+
+def render_svg(cls: Mapping[str, Any]) -> str:
+    """Inline SVG: per host/rank, boot free memory (bar) against the free floor (black tick), with the drift."""
+    rows = [r for r in cls.get("per_rank") or [] if r.get("boot_free_bytes") is not None]
+    if not rows:
+        return ""
+    top = max(max(r["boot_free_bytes"], r["floor_bytes"] or 0) for r in rows) or 1
+    width = _LABEL_W + _BAR_W + _NOTE_W
+    height = _ROW_H * len(rows) + 30
+    esc = html.escape
+    parts = [
+        f'<svg xmlns="http://www.w3.org/2000/svg" role="img" width="{width}" height="{height}" viewBox="0 0 {width} {height}">',
+        f"<title>{esc(cls['name'])}: boot free memory vs floor per host and rank</title>",
+    ]
+    for i, row in enumerate(rows):
+        y = 10 + i * _ROW_H
+        free_w = round(_BAR_W * row["boot_free_bytes"] / top, 1)
+        ok = row["margin_bytes"] is None or row["margin_bytes"] >= 0
+        color = "#2e7d32" if ok else "#c62828"
+        label = f"{row['host']} rank {row['rank']}{' *' if row['weakest'] else ''}"
+        parts.append(f'<text x="{_LABEL_W - 8}" y="{y + 16}" text-anchor="end" font-size="12">{esc(label)}</text>')
+        parts.append(f'<rect x="{_LABEL_W}" y="{y + 3}" width="{free_w}" height="{_ROW_H - 8}" fill="{color}" fill-opacity="0.75"/>')
+        if row["floor_bytes"] is not None:
+            fx = round(_LABEL_W + _BAR_W * row["floor_bytes"] / top, 1)
+            parts.append(f'<line x1="{fx}" x2="{fx}" y1="{y}" y2="{y + _ROW_H - 2}" stroke="#000" stroke-width="3"/>')
+        note = f"free {_hb(row['boot_free_bytes'])}, floor {_hb(row['floor_bytes'])}, drift {_hb(row['drift_bytes'])}"
+        parts.append(f'<text x="{_LABEL_W + _BAR_W + 8}" y="{y + 16}" font-size="11">{esc(note)}</text>')
+    parts.append(
+        f'<text x="{_LABEL_W}" y="{height - 4}" font-size="11">bar: NVML free memory at boot (red: below the floor);'
+        " black tick: free floor; * weakest rank</text>"
+    )
+    parts.append("</svg>")
+    return "\n".join(parts)
+
+
+_CSS = """
+body{font-family:sans-serif;margin:24px;color:#222;background:#fff}
+h1{font-size:24px}h2{font-size:20px;border-bottom:2px solid #ccc;margin-top:28px}
+table{border-collapse:collapse;margin:8px 0}td,th{border:1px solid #bbb;padding:4px 8px;font-size:13px;text-align:left}
+th{background:#eef}.ok{color:#2e7d32;font-weight:bold}.bad{color:#c62828;font-weight:bold}
+.summary{padding:8px 12px;border-left:6px solid #2e7d32;background:#f1f8e9}.summary.fail{border-color:#c62828;background:#ffebee}
+code{background:#f4f4f4;padding:1px 3px}
+"""
+
+
+def _html_table(header: list[str], rows: list[list[str]], raw: bool = False) -> str:
+    esc = html.escape
+    head = "".join(f"<th>{esc(h)}</th>" for h in header)
+    body = "".join("<tr>" + "".join(f"<td>{c if raw else esc(c)}</td>" for c in row) + "</tr>" for row in rows)
+    return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+
+
+def _outcome_html(outcome: str) -> str:
+    cls = "bad" if outcome in ("rolled_back", "failed", "fail") else ("ok" if outcome in ("deployed", "unchanged", "pass", "ok") else "")
+    return f'<span class="{cls}">{html.escape(outcome.replace("_", " "))}</span>'
+
+
+def render_html(report: Mapping[str, Any]) -> str:
+    """The report as one self-contained HTML page (inline CSS and SVG, no script, no external asset)."""
+    esc = html.escape
+    ok = report["summary"]["ok"]
+    out = [
+        "<!DOCTYPE html>",
+        '<html lang="en"><head><meta charset="utf-8">',
+        f"<title>gpufleet.vllm {esc(report['kind'])} report</title>",
+        f"<style>{_CSS}</style></head><body>",
+        f"<h1>gpufleet.vllm {esc(report['kind'])} report</h1>",
+        f"<p>started {esc(_text(report.get('started')))}, finished {esc(_text(report.get('finished')))}</p>",
+        f'<p class="summary{"" if ok else " fail"}" id="summary">{esc(summary_line(report))}</p>',
+    ]
+    if report.get("upgraded_from") is not None:
+        out.append(f"<p>Read from a schema {report['upgraded_from']} report: per-rank figures, canaries and batches were not recorded.</p>")
+    for cls in report["classes"]:
+        out.append(f'<h2 id="class-{esc(cls["name"])}">Class {esc(cls["name"])}</h2>')
+        out.append(_html_table(["", ""], [[k, v] for k, v in _class_budget_line(cls)]))
+        if cls["reasons"]:
+            out.append("<ul>" + "".join(f"<li>{esc(r)}</li>" for r in cls["reasons"]) + "</ul>")
+        if cls["per_rank"]:
+            out.append(render_svg(cls))
+            rows = [
+                [
+                    esc(r["host"]) + (" <b>(weakest)</b>" if r["weakest"] else ""),
+                    esc(_text(r["rank"])),
+                    esc(_hb(r["boot_free_bytes"])),
+                    esc(_hb(r["floor_bytes"])),
+                    esc(_hb(r["drift_bytes"])),
+                    esc(_hb(r["adjusted_bytes"])),
+                    _outcome_html("ok") if (r["margin_bytes"] or 0) >= 0 else _outcome_html("fail"),
+                ]
+                for r in cls["per_rank"]
+            ]
+            out.append(_html_table(["host", "rank", "boot free", "floor", "drift", "adjusted", "vs floor"], rows, raw=True))
+        out.append(f"<p>Manual canary: {esc(cls['manual_canary'])}</p>")
+        canaries = [(n, c) for n, c in cls["canaries"].items() if c]
+        if canaries:
+            rows = [[esc(n)] + [_outcome_html(str(c.get(k))) if k == "verdict" else esc(_text(c.get(k))) for k, _h in _CANARY_COLUMNS] for n, c in canaries]
+            out.append(_html_table(["canary"] + [h for _k, h in _CANARY_COLUMNS], rows, raw=True))
+    if report["batches"]:
+        out.append("<h2>Batches</h2>")
+        rows = [
+            [
+                esc(f"{b['index']}" + (f" of {b['total']}" if b.get("total") else "")),
+                ", ".join(f"{esc(h['host'])} ({_outcome_html(h['outcome'])})" for h in b["hosts"]),
+                esc(_text(b["seconds"])),
+                _outcome_html(b["outcome"]),
+            ]
+            for b in report["batches"]
+        ]
+        out.append(_html_table(["batch", "hosts", "seconds", "outcome"], rows, raw=True))
+    if report["hosts"]:
+        out.append("<h2>Hosts</h2>")
+        rows = [
+            [esc(h["host"]), esc(h["class"]), esc(_text(h["batch"])), _outcome_html(h["outcome"]), esc(", ".join(h["pending"]) or "-")]
+            for h in report["hosts"]
+        ]
+        out.append(_html_table(["host", "class", "batch", "outcome", "changed instances"], rows, raw=True))
+    if report["rolled_back"]:
+        out.append("<h2>Rolled back</h2><ul>")
+        out += [
+            f"<li><b>{esc(rb['host'])}</b> (class {esc(rb['class'])}, batch {esc(_text(rb['batch']))}): <code>{esc(_text(rb['error']))}</code></li>"
+            for rb in report["rolled_back"]
+        ]
+        out.append("</ul>")
+    out.append("</body></html>")
+    return "\n".join(out) + "\n"
+
+
+# ---------------------------------------------------------------- writing
+def _stamp(moment: _dt.datetime) -> str:
+    return moment.astimezone(_dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+
+
+def write_run_dir(report_dir: str, report: Mapping[str, Any], moment: _dt.datetime | None = None) -> str:
+    """Write ``<report_dir>/<kind>-<UTC timestamp>/{report.json,report.md,report.html}``; returns its path.
+
+    Files are written into a temporary directory next to the target, then the
+    directory is renamed into place. An existing run directory is never
+    replaced: a later name (``-2``, ``-3``...) is taken instead.
+    """
+    if not report_dir:
+        raise ReportError("report_dir: empty path")
+    if not os.path.isdir(report_dir):
+        raise ReportError(f"report_dir {report_dir}: not a directory")
+    base = f"{report['kind']}-{_stamp(moment or _utc_now())}"
+    tmp = tempfile.mkdtemp(prefix=f".{base}.", dir=report_dir)
+    try:
+        files = {
+            "report.json": json.dumps(report, indent=2, sort_keys=True) + "\n",
+            "report.md": render_markdown(report),
+            "report.html": render_html(report),
+        }
+        for name, text in files.items():
+            with open(os.path.join(tmp, name), "w", encoding="utf-8") as handle:
+                handle.write(text)
+                handle.flush()
+                os.fsync(handle.fileno())
+        os.chmod(tmp, 0o755)
+        for attempt in range(1, 1000):
+            target = os.path.join(report_dir, base if attempt == 1 else f"{base}-{attempt}")
+            if os.path.lexists(target):
+                continue
+            try:
+                os.rename(tmp, target)
+            except OSError:
+                if os.path.lexists(target):
+                    continue  # another run took this name in between
+                raise
+            return target
+        raise ReportError(f"report_dir {report_dir}: no free name for {base}")
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise

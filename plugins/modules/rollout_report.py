@@ -1,0 +1,129 @@
+#!/usr/bin/python
+# Copyright (c) gpufleet maintainers
+# GNU General Public License v3.0+ (see https://www.gnu.org/licenses/gpl-3.0.txt)
+# SPDX-License-Identifier: GPL-3.0-or-later
+# This file only documents the action plugin of the same name.
+from __future__ import annotations
+
+DOCUMENTATION = r"""
+---
+module: rollout_report
+short_description: Write the report of a gpufleet.vllm run (JSON, Markdown, HTML)
+version_added: 1.0.0
+description:
+  - Runs on the controller. Builds the report of a rollout, plan or probe run from what the playbook
+    collected and writes it into a new directory C(<report_dir>/<kind>-<UTC timestamp>/) holding
+    C(report.json) (versioned, C(schema_version) 1), C(report.md) and C(report.html).
+  - C(report.html) is one self-contained page (inline CSS and SVG, no script, no external asset) with,
+    per class, the decision and reasons, the launch bytes, blocks and tokens, the free-memory floor, the
+    startup C(--gpu-memory-utilization), the weakest host and rank, the fp8 what-if, the right-size saving,
+    a per host/rank chart and table of boot free memory against the floor and the drift, and the profiled
+    and manual canaries side by side; then the batch timeline with each host's outcome and the rolled-back
+    hosts with the engine's error.
+  - The files are written into a temporary directory that is then renamed into place, so a run directory
+    is complete or absent. An existing run directory is never replaced; a later name (C(-2), C(-3)...) is
+    taken instead.
+  - Reports written by older versions of the collection (schema 0, the flat JSON summary) are read by the
+    same renderer.
+author:
+  - gpufleet maintainers (@gpufleet)
+extends_documentation_fragment:
+  - gpufleet.vllm.attributes
+  - gpufleet.vllm.attributes.ACTION_PLUGIN
+attributes:
+  check_mode:
+    support: full
+    details:
+      - In check mode the report is built and returned but nothing is written.
+  diff_mode:
+    support: none
+  idempotent:
+    support: none
+    details:
+      - Every run writes a new run directory.
+options:
+  report_dir:
+    description:
+      - Controller directory under which the run directory is created. It must exist and be writable.
+      - Omitted or empty means the report is only returned, not written.
+    type: path
+  kind:
+    description: What kind of run this is; the run directory name starts with it.
+    type: str
+    choices: [rollout, plan, probe]
+    default: rollout
+  data:
+    description:
+      - What the playbook collected.
+      - C(started), C(finished) are ISO 8601 times of the run.
+      - C(classes) maps each class name to its class state (C(ok), C(failed), C(plan) as
+        M(gpufleet.vllm.kv_plan) returns it, C(key_hash), C(manual_canary), C(reasons)) and optionally
+        C(canaries), C({profiled, manual}) results of M(gpufleet.vllm.vllm_canary).
+      - C(hosts) maps each host to C({class, batch, pending, touched, error, failed_task}); C(batch) is the
+        number of the serial batch the host ran in, C(pending) the instances that changed, C(touched) whether
+        its units were stopped, C(error) the message of the failure that stopped it.
+      - C(batches) is a list of C({index, total, hosts, started, finished}).
+    type: dict
+    required: true
+notes:
+  - The playbooks of this collection call this action in their last play; set C(gpufleet_report_dir) to
+    keep the reports.
+seealso:
+  - module: gpufleet.vllm.kv_plan
+  - module: gpufleet.vllm.vllm_canary
+"""
+
+EXAMPLES = r"""
+- name: Write the rollout report
+  gpufleet.vllm.rollout_report:
+    report_dir: /var/lib/gpufleet/reports
+    kind: rollout
+    data:
+      started: "2026-11-29T10:00:00+00:00"
+      classes:
+        h200-tp1:
+          ok: true
+          failed: false
+          key_hash: 3f2a9c0d11e4b7a2
+          manual_canary: pass
+          reasons: []
+          plan:
+            decision: deploy
+            kv_cache_memory_bytes: 30333206528
+            kv_cache_tokens: 925696
+            free_floor_bytes: {0: 43754463232}
+            gpu_memory_utilization: 0.2847
+            per_rank: []
+      hosts:
+        gpu-a: {class: h200-tp1, batch: 1, pending: [vllm], touched: true}
+      batches:
+        - {index: 1, total: 1, hosts: [gpu-a], started: "2026-11-29T10:05:00+00:00"}
+  register: report
+
+- name: Show where it is
+  ansible.builtin.debug:
+    msg: "{{ report.summary }} -> {{ report.path }}/report.html"
+"""
+
+RETURN = r"""
+path:
+  description: The run directory written; null when nothing was written (no O(report_dir), check mode).
+  returned: always
+  type: str
+  sample: /var/lib/gpufleet/reports/rollout-20261129T100912Z
+summary:
+  description: One line summary (classes, host outcomes, failed hosts).
+  returned: always
+  type: str
+  sample: "rollout: 1 class(es), 1 deployable; 3 deployed"
+failed_hosts:
+  description: Hosts that failed or were rolled back.
+  returned: always
+  type: list
+  elements: str
+  sample: []
+report:
+  description: The report as written to C(report.json) (schema version 1).
+  returned: always
+  type: dict
+"""

@@ -1,0 +1,276 @@
+# Copyright (c) gpufleet maintainers
+# GNU General Public License v3.0+ (see https://www.gnu.org/licenses/gpl-3.0.txt)
+from __future__ import annotations
+
+import datetime as dt
+import json
+import os
+import re
+from html.parser import HTMLParser
+from pathlib import Path
+
+import pytest
+
+from ansible_collections.gpufleet.vllm.plugins.module_utils import _report
+from ansible_collections.gpufleet.vllm.plugins.module_utils._plan import plan_class
+from ansible_collections.gpufleet.vllm.plugins.module_utils._report import (
+    SCHEMA_VERSION,
+    ReportError,
+    build_report,
+    load_report,
+    render_html,
+    render_markdown,
+    summary_line,
+    write_run_dir,
+)
+
+GIB = 1024**3
+FIXTURES = Path(__file__).resolve().parents[2] / "fixtures" / "report"
+WHEN = dt.datetime(2026, 11, 29, 10, 9, 12, tzinfo=dt.timezone.utc)
+
+
+def seed_plan(**over):
+    """The design's seed example on two hosts: F_ref 42 GiB, B_ref 30 GiB, G 0.5 GiB, weakest 40.75 GiB -> 28.25 GiB."""
+    spec = {
+        "host_class": "h200",
+        "reference": {
+            "ranks": [{"rank": 0, "free_bytes": "42GiB", "kv_bytes": "30GiB"}],
+            "total_bytes": "141GiB",
+            "bytes_per_block": 16 * 131072,
+            "kv_dtype_bytes": 2,
+        },
+        "hosts": {"gpu-a/vllm": [{"rank": 0, "boot_free_bytes": "40.75GiB"}], "gpu-b/vllm": [{"rank": 0, "boot_free_bytes": "41.5GiB"}]},
+        "guard_bytes": "0.5GiB",
+        "max_model_len": 8192,
+        "max_capacity_loss": 0.5,
+    }
+    spec.update(over)
+    return plan_class(spec)
+
+
+CANARY_PROFILED = {
+    "verdict": "pass",
+    "kv_cache_tokens": 246640,
+    "num_blocks": 15415,
+    "preemptions": 0,
+    "load": {"completed": 16, "failed": 0, "ttft_p50": 0.041, "ttft_p95": 0.087, "e2e_p50": 0.61, "e2e_p95": 0.93},
+    "reasons": [],
+}
+CANARY_MANUAL = dict(CANARY_PROFILED, verdict="pass", kv_cache_tokens=231424, load=dict(CANARY_PROFILED["load"], ttft_p95=0.091))
+
+
+def rollout_data(plan=None, failed_b=False):
+    plan = plan or seed_plan()
+    hosts = {
+        "gpu-a": {"class": "h200", "batch": 1, "pending": ["vllm"], "touched": True},
+        "gpu-b": {"class": "h200", "batch": 2, "pending": ["vllm"], "touched": True},
+        "gpu-c": {"class": "h200", "batch": None, "pending": []},
+    }
+    batches = [
+        {"index": 1, "total": 3, "hosts": ["gpu-a"], "started": "2026-11-29T10:05:00+00:00", "finished": "2026-11-29T10:06:30+00:00"},
+        {"index": 2, "total": 3, "hosts": ["gpu-b"], "started": "2026-11-29T10:06:31+00:00"},
+    ]
+    if failed_b:
+        hosts["gpu-b"].update(
+            error="vllm-vllm.service: boot check failed: ValueError: No available memory for the cache blocks.",
+            failed_task="Start and check the new units",
+        )
+    else:
+        batches[1]["finished"] = "2026-11-29T10:07:31+00:00"
+        hosts["gpu-c"].update(batch=3)
+        batches.append({"index": 3, "total": 3, "hosts": ["gpu-c"], "started": "2026-11-29T10:07:32+00:00", "finished": "2026-11-29T10:08:00+00:00"})
+    return {
+        "started": "2026-11-29T10:00:00+00:00",
+        "finished": "2026-11-29T10:09:00+00:00",
+        "classes": {
+            "h200": {
+                "ok": True,
+                "failed": False,
+                "plan": plan,
+                "key_hash": "3f2a9c0d11e4b7a2",
+                "manual_canary": "pass",
+                "reasons": plan["reasons"],
+                "canaries": {"profiled": CANARY_PROFILED, "manual": CANARY_MANUAL},
+            }
+        },
+        "hosts": hosts,
+        "batches": batches,
+    }
+
+
+class _Text(HTMLParser):
+    def __init__(self):
+        super().__init__()
+        self.chunks = []
+        self.tags = []
+
+    def handle_starttag(self, tag, attrs):
+        self.tags.append((tag, dict(attrs)))
+
+    def handle_data(self, data):
+        self.chunks.append(data)
+
+
+def html_text(page):
+    parser = _Text()
+    parser.feed(page)
+    return " ".join(" ".join(parser.chunks).split()), parser.tags
+
+
+def test_seed_example_figures_reach_every_renderer():
+    plan = seed_plan()
+    assert plan["kv_cache_memory_bytes"] == int(28.25 * GIB)
+    report = build_report(rollout_data(plan), "rollout", generated=WHEN)
+    assert report["schema_version"] == SCHEMA_VERSION == 1
+    cls = report["classes"][0]
+    assert cls["plan"]["kv_cache_memory_bytes"] == int(28.25 * GIB)
+    assert cls["weakest"] == {"host": "gpu-a/vllm", "rank": 0, "adjusted_bytes": int(28.25 * GIB)}
+    # F_floor = F_ref - (B_ref - G - B_launch) = 42 - (30 - 0.5 - 28.25) = 40.75 GiB
+    assert cls["free_floor_bytes"] == {"0": int(40.75 * GIB)}
+    assert cls["what_if_fp8"]["kv_cache_tokens"] == 2 * plan["kv_cache_tokens"]
+    md = render_markdown(report)
+    assert "28.25GiB (30333206528 bytes)" in md
+    assert "rank 0: 40.75GiB" in md
+    assert "| gpu-a/vllm (weakest) | 0 | 40.75GiB | 40.75GiB | -1.25GiB | 28.25GiB | +0B |" in md
+    assert "| manual | pass | 231424 | 0 | 0 | 0.041 | 0.091 | 0.61 | 0.93 |" in md
+    text, _tags = html_text(render_html(report))
+    assert "28.25GiB (30333206528 bytes)" in text
+    assert "gpu-a/vllm rank 0 *" in text  # SVG label of the weakest rank
+
+
+def test_outcomes_batches_and_rolled_back_hosts():
+    report = build_report(rollout_data(failed_b=True), "rollout", generated=WHEN)
+    outcome = {h["host"]: h["outcome"] for h in report["hosts"]}
+    assert outcome == {"gpu-a": "deployed", "gpu-b": "rolled_back", "gpu-c": "not_reached"}
+    assert report["failed_hosts"] == ["gpu-b"]
+    assert report["rolled_back"][0]["error"].endswith("No available memory for the cache blocks.")
+    assert [(b["index"], b["outcome"], b["seconds"]) for b in report["batches"]] == [(1, "ok", 90.0), (2, "failed", 149.0)]
+    assert report["summary"]["ok"] is False
+    assert summary_line(report) == "rollout: 1 class(es), 1 deployable; 1 rolled back, 1 not reached, 1 deployed; failed hosts gpu-b"
+    md = render_markdown(report)
+    assert "## Rolled back" in md and "**gpu-b** (class h200, batch 2): vllm-vllm.service: boot check failed" in md
+    assert "| 2 of 3 | gpu-b (rolled back) | 149 | failed |" in md
+    text, _tags = html_text(render_html(report))
+    assert "No available memory for the cache blocks." in text
+
+
+def test_clean_rollout_is_ok_and_untouched_host_is_unchanged():
+    data = rollout_data()
+    data["hosts"]["gpu-c"]["pending"] = []
+    report = build_report(data, "rollout", generated=WHEN)
+    assert {h["host"]: h["outcome"] for h in report["hosts"]} == {"gpu-a": "deployed", "gpu-b": "deployed", "gpu-c": "unchanged"}
+    assert report["summary"]["ok"] is True and report["rolled_back"] == []
+    assert [b["outcome"] for b in report["batches"]] == ["ok", "ok", "ok"]
+
+
+def test_failed_and_skipped_classes_and_plan_kind():
+    data = {
+        "classes": {
+            "a100": {"ok": False, "failed": True, "plan": {}, "reasons": ["class a100 stopped on x: profiled canary failed"]},
+            "l40s": {"ok": False, "failed": False, "plan": {"decision": "refuse"}, "reasons": ["no reference"]},
+            "h200": {"ok": True, "failed": False, "plan": seed_plan(), "reasons": []},
+        },
+        "hosts": {"x": {"class": "a100"}, "y": {"class": "l40s"}, "z": {"class": "h200"}},
+    }
+    report = build_report(data, "plan", generated=WHEN)
+    assert [(c["name"], c["status"]) for c in report["classes"]] == [("a100", "failed"), ("h200", "deployable"), ("l40s", "skipped")]
+    assert {h["host"]: h["outcome"] for h in report["hosts"]} == {"x": "failed", "y": "skipped", "z": "planned"}
+    assert report["summary"]["failed_classes"] == ["a100"]
+
+
+def test_fit_admission_saving_is_reported():
+    plan = seed_plan(budget_mode="fit_admission", admission={"tokens": 65536}, fit_headroom=0.1)
+    report = build_report(rollout_data(plan), "rollout", generated=WHEN)
+    fit = report["classes"][0]["fit"]
+    assert fit["budget_bytes"] == plan["kv_cache_memory_bytes"] < int(28.25 * GIB)
+    assert fit["left_free_bytes_per_gpu"] == int(28.25 * GIB) - fit["budget_bytes"]
+    assert f"{_report.human_bytes(fit['left_free_bytes_per_gpu'])} per GPU left free for other work" in render_markdown(report)
+
+
+def test_svg_marks_ranks_below_the_floor():
+    plan = seed_plan()
+    plan["per_rank"][0]["boot_free_bytes"] = int(39 * GIB)
+    plan["per_rank"][0]["margin_bytes"] = int(39 * GIB) - plan["per_rank"][0]["floor_bytes"]
+    svg = _report.render_svg(build_report(rollout_data(plan), "rollout", generated=WHEN)["classes"][0])
+    assert svg.count("<rect") == 2
+    assert 'fill="#c62828"' in svg and 'fill="#2e7d32"' in svg
+    # floor tick sits at 40.75/41.5 of the bar width for the row scaled to the largest figure
+    ticks = [float(x) for x in re.findall(r'<line x1="([0-9.]+)"', svg)]
+    assert ticks[0] == pytest.approx(230 + 560 * 40.75 / 41.5, abs=0.1)
+
+
+def test_html_is_self_contained_and_escaped():
+    data = rollout_data(failed_b=True)
+    data["hosts"]["gpu-b"]["error"] = "<script>alert(1)</script> & failed"
+    page = render_html(build_report(data, "rollout", generated=WHEN))
+    assert "<script>" not in page and "&lt;script&gt;" in page
+    assert not re.search(r'(src|href)\s*=\s*"(https?:|//)', page)
+    assert "<link" not in page and "@import" not in page and "url(" not in page
+    _text, tags = html_text(page)
+    assert ("svg", {"xmlns": "http://www.w3.org/2000/svg", "role": "img", "width": "1080", "height": "82", "viewbox": "0 0 1080 82"}) in tags
+
+
+def test_bad_input_names_the_field():
+    with pytest.raises(ReportError, match="kind"):
+        build_report({"classes": {}}, "deploy")
+    with pytest.raises(ReportError, match="data.classes"):
+        build_report({"classes": ["h200"]})
+    with pytest.raises(ReportError, match=r"data.hosts.gpu-a"):
+        build_report({"classes": {}, "hosts": {"gpu-a": "x"}})
+    with pytest.raises(ReportError, match="free_floor_bytes"):
+        build_report({"classes": {"h200": {"plan": {"free_floor_bytes": {"0": "lots"}}}}})
+
+
+def test_v0_report_still_renders():
+    old = json.loads((FIXTURES / "rollout-v0.json").read_text(encoding="utf-8"))
+    assert "schema_version" not in old
+    report = load_report(old)
+    assert report["upgraded_from"] == 0 and report["schema_version"] == 1
+    cls = report["classes"][0]
+    assert cls["name"] == "ro-l40s" and cls["decision"] == "deploy"
+    assert cls["plan"]["kv_cache_memory_bytes"] == old["classes"]["ro-l40s"]["kv_cache_memory_bytes"]
+    assert cls["free_floor_bytes"] == {k: v for k, v in old["classes"]["ro-l40s"]["free_floor_bytes"].items()}
+    assert [h["host"] for h in report["hosts"]] == ["sim-ro-1", "sim-ro-2", "sim-ro-3"]
+    assert {h["outcome"] for h in report["hosts"]} == {"unknown"}
+    md = render_markdown(report)
+    assert "read from a schema 0 report" in md
+    assert _report.human_bytes(old["classes"]["ro-l40s"]["kv_cache_memory_bytes"]) in md
+    text, _tags = html_text(render_html(report))
+    assert "sim-ro-3/main rank 1" in text
+
+
+def test_load_report_round_trip_and_unknown_version():
+    report = build_report(rollout_data(), "rollout", generated=WHEN)
+    again = load_report(json.loads(json.dumps(report)))
+    assert render_markdown(again) == render_markdown(report)
+    with pytest.raises(ReportError, match="unknown schema_version 7"):
+        load_report({"schema_version": 7})
+    with pytest.raises(ReportError, match="missing"):
+        load_report({"schema_version": 1, "kind": "rollout"})
+
+
+def test_write_run_dir_is_atomic_and_never_overwrites(tmp_path):
+    report = build_report(rollout_data(), "rollout", generated=WHEN)
+    first = write_run_dir(str(tmp_path), report, WHEN)
+    second = write_run_dir(str(tmp_path), report, WHEN)
+    assert os.path.basename(first) == "rollout-20261129T100912Z"
+    assert os.path.basename(second) == "rollout-20261129T100912Z-2"
+    assert sorted(os.listdir(tmp_path)) == ["rollout-20261129T100912Z", "rollout-20261129T100912Z-2"]  # no temp dir left
+    for run in (first, second):
+        assert sorted(os.listdir(run)) == ["report.html", "report.json", "report.md"]
+        stored = json.loads(Path(run, "report.json").read_text(encoding="utf-8"))
+        assert stored["schema_version"] == 1 and stored["kind"] == "rollout"
+
+
+def test_write_run_dir_leaves_nothing_on_failure(tmp_path, monkeypatch):
+    report = build_report(rollout_data(), "rollout", generated=WHEN)
+
+    def broken(_report_obj):
+        raise RuntimeError("renderer broke")
+
+    monkeypatch.setattr(_report, "render_html", broken)
+    with pytest.raises(RuntimeError):
+        write_run_dir(str(tmp_path), report, WHEN)
+    assert not os.listdir(tmp_path)
+    with pytest.raises(ReportError, match="not a directory"):
+        write_run_dir(str(tmp_path / "missing"), report, WHEN)
