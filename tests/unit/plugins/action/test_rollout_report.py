@@ -1,0 +1,62 @@
+# Copyright (c) gpufleet maintainers
+# GNU General Public License v3.0+ (see https://www.gnu.org/licenses/gpl-3.0.txt)
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from unittest.mock import MagicMock
+
+import pytest
+from ansible.errors import AnsibleActionFail
+
+from ansible_collections.gpufleet.vllm.plugins.action.rollout_report import ActionModule
+
+DATA = {
+    "started": "2026-11-29T10:00:00+00:00",
+    "classes": {"h200": {"ok": True, "failed": False, "plan": {"decision": "deploy", "kv_cache_memory_bytes": 30333206528}, "reasons": []}},
+    "hosts": {
+        "gpu-a": {"class": "h200", "batch": 1, "pending": ["vllm"], "touched": True},
+        "gpu-b": {"class": "h200", "batch": 1, "pending": ["vllm"], "touched": True, "error": "boot check: engine refused to start"},
+    },
+    "batches": [{"index": 1, "total": 1, "hosts": ["gpu-a", "gpu-b"], "started": "2026-11-29T10:01:00+00:00"}],
+}
+
+
+def action(args, check_mode=False):
+    task = MagicMock()
+    task.args = args
+    task.async_val = 0
+    task.check_mode = check_mode
+    task.diff = False
+    connection = MagicMock()
+    connection._shell.tmpdir = "/nonexistent"
+    return ActionModule(task, connection, MagicMock(check_mode=check_mode), MagicMock(), MagicMock(), MagicMock())
+
+
+def test_writes_a_run_directory(tmp_path):
+    result = action({"report_dir": str(tmp_path), "kind": "rollout", "data": DATA}).run(task_vars={})
+    assert result["changed"] is True and not result.get("failed")
+    path = Path(result["path"])
+    assert path.parent == tmp_path and path.name.startswith("rollout-")
+    assert sorted(os.listdir(path)) == ["report.html", "report.json", "report.md"]
+    assert json.loads((path / "report.json").read_text(encoding="utf-8"))["rolled_back"][0]["host"] == "gpu-b"
+    assert result["failed_hosts"] == ["gpu-b"]
+    assert result["msg"].endswith(f"report: {path}/report.html")
+
+
+def test_check_mode_and_no_dir_write_nothing(tmp_path):
+    result = action({"report_dir": str(tmp_path), "kind": "plan", "data": DATA}, check_mode=True).run(task_vars={})
+    assert result["changed"] is False and result["path"] is None and "check mode" in result["msg"]
+    assert not os.listdir(tmp_path)
+    result = action({"kind": "plan", "data": DATA}).run(task_vars={})
+    assert result["path"] is None and result["report"]["kind"] == "plan"
+
+
+def test_errors_are_clear(tmp_path):
+    with pytest.raises(AnsibleActionFail, match=r"cannot write the report under .*missing: .*not a directory"):
+        action({"report_dir": str(tmp_path / "missing"), "data": DATA}).run(task_vars={})
+    with pytest.raises(AnsibleActionFail, match=r"rollout_report \(rollout\): data.classes"):
+        action({"report_dir": str(tmp_path), "data": {"classes": ["h200"]}}).run(task_vars={})
+    with pytest.raises(AnsibleActionFail, match="kind must be one of: rollout, plan, probe"):
+        action({"report_dir": str(tmp_path), "kind": "deploy", "data": DATA}).run(task_vars={})
