@@ -168,10 +168,11 @@ def _default_run(argv: Sequence[str]) -> tuple[int, str, str]:
 
 
 def unit_processes(unit: str, run_command: RunCommand | None = None,
-                   cgroup_root: str = "/sys/fs/cgroup") -> tuple[int, set[int]]:
-    """(MainPID, pids of the unit's control group) of one systemd unit."""
+                   cgroup_root: str = "/sys/fs/cgroup", warnings: list[str] | None = None) -> tuple[int, set[int]]:
+    """(MainPID, pids of the unit's control group) of one systemd unit; a unit systemd
+    does not know adds a warning (its memory cannot be counted as own)."""
     run = run_command or _default_run
-    rc, out, err = run(["systemctl", "show", "-p", "ControlGroup,MainPID", "--", unit])
+    rc, out, err = run(["systemctl", "show", "-p", "ControlGroup,MainPID,LoadState", "--", unit])
     if rc != 0:
         raise NvmlProbeError(f"cannot read systemd unit {unit!r} (systemctl show rc={rc}): {err.strip() or out.strip()}")
     props: dict[str, str] = {}
@@ -181,17 +182,19 @@ def unit_processes(unit: str, run_command: RunCommand | None = None,
             props[key.strip()] = value.strip()
     main_pid = int(props["MainPID"]) if props.get("MainPID", "").isdigit() else 0
     group = props.get("ControlGroup", "")
+    if props.get("LoadState") == "not-found" and warnings is not None:
+        warnings.append(f"systemd unit {unit!r} not found: no process counts as own through it")
     return main_pid, (cgroup_pids(group, cgroup_root) if group else set())
 
 
 def own_processes(service_units: Sequence[str] = (), service_pids: Sequence[int] = (),
                   run_command: RunCommand | None = None, proc_root: str = "/proc",
-                  cgroup_root: str = "/sys/fs/cgroup") -> OwnProcesses:
+                  cgroup_root: str = "/sys/fs/cgroup", warnings: list[str] | None = None) -> OwnProcesses:
     """This host's own engine processes: the units' control-group members and main pids
     and the explicit pids, each with every process below it."""
     roots: set[int] = {int(pid) for pid in service_pids if int(pid) > 0}
     for unit in service_units:
-        main_pid, members = unit_processes(unit, run_command, cgroup_root)
+        main_pid, members = unit_processes(unit, run_command, cgroup_root, warnings)
         if main_pid > 0:
             roots.add(main_pid)
         roots |= members
@@ -378,9 +381,10 @@ def probe(nvml: Any, devices: Sequence[Any] | None = None, samples: int = 1, int
     if interval < 0:
         raise NvmlProbeError(f"interval must be >= 0 seconds, got {interval!r}")
     devices = list(devices) if devices else None  # none or empty: every GPU
-    own = own_processes(service_units, service_pids, run_command, proc_root, cgroup_root)
-
     warnings: list[str] = []
+    unit_warnings: list[str] = []
+    own = own_processes(service_units, service_pids, run_command, proc_root, cgroup_root, unit_warnings)
+    warnings.extend(f"{host}: {text}" for text in unit_warnings)
     session = _Session(nvml, host, warnings)
     try:
         init = getattr(nvml, "nvmlInit")

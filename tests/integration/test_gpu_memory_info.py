@@ -273,3 +273,11 @@ def test_role_installs_the_binding_into_a_venv(tmp_path: Path) -> None:
     assert (venv / "bin" / "python").exists()
     assert [g["index"] for g in seen["gpus"]] == [0, 1]
     assert seen["gpus"][0]["used_bytes"] == GIB
+
+
+def test_unknown_unit_is_a_warning_not_an_error(hosts: TestHosts) -> None:
+    write_state(hosts, B, gpus=1)
+    result = adhoc(hosts, B, "service_units=vllm-typo.service")[B]
+    assert result["failed"] is False, result.get("msg")
+    assert result["own_pids"] == []
+    assert "systemd unit 'vllm-typo.service' not found" in " ".join(result["_output"].split())

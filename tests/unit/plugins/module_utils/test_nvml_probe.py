@@ -286,13 +286,20 @@ def test_service_unit_cgroup_and_main_pid_descendants(no_proc, tmp_path):
     assert own.roots == {500, 510, 511}
     assert 520 in own and 600 not in own and 1 not in own and 0 not in own and 999 not in own
     assert own.found() == [500, 510, 511, 520]
-    assert commands == [["systemctl", "show", "-p", "ControlGroup,MainPID", "--", "vllm-main.service"]]
+    assert commands == [["systemctl", "show", "-p", "ControlGroup,MainPID,LoadState", "--", "vllm-main.service"]]
 
 
 def test_stopped_unit_has_no_processes(no_proc, tmp_path):
     own = probe_mod.own_processes(["vllm-main.service"], [], lambda argv: (0, "MainPID=0\nControlGroup=\n", ""),
                                   no_proc, str(tmp_path))
     assert own.roots == set() and own.found() == []
+
+
+def test_unknown_unit_warns(no_proc):
+    result = probe(FakeNvml(make_state(1)), service_units=["vllm-typo.service"], host="h1", proc_root=no_proc,
+                   run_command=lambda argv: (0, "MainPID=0\nControlGroup=\nLoadState=not-found\n", ""))
+    assert result["warnings"] == ["h1: systemd unit 'vllm-typo.service' not found: no process counts as own through it"]
+    assert result["own_pids"] == []
 
 
 def test_cgroup_v1_systemd_hierarchy(tmp_path):
