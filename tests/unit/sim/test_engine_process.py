@@ -115,7 +115,7 @@ def test_manual_boot_registers_ranks_serves_and_cleans_up(host) -> None:
     assert log.errors == []
     assert log.ranks[0].manual and log.ranks[1].manual
     # vLLM's logged free is NVML's free minus the CUDA context; the co-tenant shows on rank 1
-    gpu0 = H200 - 566231040 - 500 * MiB
+    gpu0 = H200 - 566231040 - 650969088                   # the engine's default CUDA context cost
     assert log.ranks[0].initial_free_bytes == pytest.approx(gpu0, abs=0.006 * GiB)
     assert log.ranks[1].initial_free_bytes == pytest.approx(gpu0 - 1.5 * GiB, abs=0.006 * GiB)
     assert log.capacity.tokens == m.kv_cache_size_tokens

