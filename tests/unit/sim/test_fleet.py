@@ -136,3 +136,7 @@ def test_connection_script_adds_only_the_inventory_hosts(fleet) -> None:
     assert connection.inventory_hosts() == set(fleet["hosts"])
     assert connection._names({"all": {"children": {"g": {"hosts": {"a": None}, "children": {  # pylint: disable=protected-access
         "h": {"hosts": {"b": {}}}}}}}}) == {"a", "b"}
+
+
+def test_fault_kinds_agree_with_the_engine(engine) -> None:
+    assert set(fleetctl.FAULT_KINDS) == set(engine.FAULT_KINDS)
