@@ -1,0 +1,251 @@
+#!/usr/bin/env python
+# Copyright (c) gpufleet maintainers
+# GNU General Public License v3.0+ (see LICENSES/GPL-3.0-or-later.txt or https://www.gnu.org/licenses/gpl-3.0.txt)
+# SPDX-License-Identifier: GPL-3.0-or-later
+"""Rollout overhead per host on the simulated fleet (8 and 32 hosts by default).
+
+For each fleet size: writes a fleet file (one class, 2 GPUs per host, Llama-3.1-8B
+TP=2 on the simulated engine), creates the fleet with ``sim/fleetctl.py``'s
+``Fleet``, runs ``ansible-playbook playbooks/rollout.yml`` on it, and destroys it
+again (always, try/finally). Every output line of the playbook is time-stamped
+on arrival, so the run splits into
+
+* the fixed part: validation, probe, profiled + manual canary, plan;
+* the serial batches of the roll-out play (one ``PLAY [Roll out in serial batches]``
+  header per batch), each with its hosts.
+
+The engine's boot-to-healthy time is read per host from the guest's journal
+(systemd's ``Started vllm-<instance>.service`` to the engine's ``Application
+startup complete.``). Per batch, ``overhead = batch wall - the slowest
+boot-to-healthy of its hosts`` (the hosts of a batch boot in parallel); the
+per-host overhead is the sum over batches divided by the hosts (goal < 5 s).
+The marginal cost of a host, ``(batches wall at 32 - at 8) / 24``, is reported too.
+
+Run as root. Prints one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+CACHE = Path(os.environ.get("GPUFLEET_CACHE") or REPO / ".cache")
+sys.path.insert(0, str(REPO / "sim"))
+sys.path.insert(0, str(REPO / "tests" / "hosts"))
+
+import fleetctl  # noqa: E402  pylint: disable=wrong-import-position,import-error
+import testhosts  # noqa: E402  pylint: disable=wrong-import-position,import-error
+
+GOAL_SECONDS = 5.0
+PLAYBOOK = REPO / "playbooks" / "rollout.yml"
+ROLLOUT_PLAY = "Roll out in serial batches"
+CLASS = "bench-l40s"
+INSTANCE = "main"
+HOST_RE = re.compile(r"^(?:ok|changed|failed|fatal|skipping|unreachable): \[([^\]]+)\]")
+
+
+def fleet_file(names: list[str], boot_delay: float) -> dict[str, Any]:
+    return {
+        "engine": {
+            "boot_delay_s": boot_delay,
+            "token_delay_s": 0.002,
+            "costs": {"cuda_context_bytes": "500MiB", "peak_activation_bytes": "1.25GiB",
+                      "non_torch_bytes": "600MiB", "cuda_graph_bytes": "0.75GiB"},
+        },
+        "system": {"driver": "550.127.05", "cuda": 12040, "nvml": "12.550.127.05"},
+        "gpu_models": {"l40s": {"name": "NVIDIA L40S", "total": 48305799168, "reserved": 462422016, "cc": "8.9"}},
+        "classes": {CLASS: {"gpu_model": "l40s", "gpus": 2, "model": "llama-3.1-8b-instruct"}},
+        # small per-host differences, as on a real class
+        "hosts": {n: {"class": CLASS, "base_used": [f"{(i * 8) % 96}MiB", f"{(i * 24) % 64}MiB"]} for i, n in enumerate(names)},
+    }
+
+
+def group_vars(workdir: Path, serial: list[Any]) -> dict[str, Any]:
+    return {
+        "gpufleet_host_class": CLASS,
+        "gpufleet_model": "/srv/models/llama-3.1-8b-instruct",
+        "gpufleet_model_config": str(REPO / "sim" / "models" / "llama-3.1-8b-instruct" / "config.json"),
+        "gpufleet_serve_args": {"max_model_len": 8192, "tensor_parallel_size": 2, "max_num_seqs": 32,
+                                "dtype": "bfloat16", "block_size": 16},
+        "gpufleet_instances": [{"name": INSTANCE, "gpus": [0, 1], "port": 8000}],
+        "gpufleet_guard": "0.5GiB",
+        "gpufleet_admission": {"concurrency": 4, "tokens_per_request": 8192},
+        "gpufleet_profile_store": str(workdir / "profiles"),
+        "gpufleet_report_dir": str(workdir / "reports"),
+        "gpufleet_rollout_serial": serial,
+        "gpufleet_canary_load": {"requests": 8, "concurrency": 4, "prompt_tokens": 32, "max_tokens": 8},
+        "gpufleet_canary_tolerances": {"latency_ratio": 20.0},
+        "vllm_service_read_write_paths": ["/etc/fake-nvml"],
+        "vllm_service_boot_timeout": 120,
+    }
+
+
+def run_playbook(inventory: Path, forks: int, timeout: float) -> tuple[int, list[tuple[float, str]], float]:
+    """ansible-playbook with every line time-stamped (seconds since start)."""
+    env = dict(os.environ, ANSIBLE_NOCOLOR="1", ANSIBLE_PIPELINING="1", ANSIBLE_HOST_KEY_CHECKING="False",
+               ANSIBLE_TIMEOUT="20", ANSIBLE_COLLECTIONS_PATH=str(CACHE / "collections"), ANSIBLE_FORKS=str(forks))
+    playbook = shutil.which("ansible-playbook", path=str(CACHE / "venv" / "bin") + os.pathsep + env.get("PATH", ""))
+    if playbook is None:
+        raise RuntimeError("no ansible-playbook command (make venv)")
+    argv = [playbook, "-i", str(inventory), str(PLAYBOOK)]
+    start = time.monotonic()
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=str(REPO))
+    lines: list[tuple[float, str]] = []
+    timer = threading.Timer(timeout, proc.kill)
+    timer.start()
+    try:
+        if proc.stdout is None:
+            raise RuntimeError("ansible-playbook: no output pipe")
+        for line in proc.stdout:
+            lines.append((time.monotonic() - start, line.rstrip("\n")))
+        rc = proc.wait()
+    finally:
+        timer.cancel()
+    return rc, lines, time.monotonic() - start
+
+
+def split_batches(lines: list[tuple[float, str]], hosts: list[str]) -> tuple[float | None, list[dict[str, Any]]]:
+    """(start of the first batch, batches with their start, end and hosts)."""
+    batches: list[dict[str, Any]] = []
+    current: dict[str, Any] | None = None
+    for stamp, line in lines:
+        if line.startswith("PLAY ["):
+            if current is not None:
+                current["end"] = stamp
+                current = None
+            if line.startswith(f"PLAY [{ROLLOUT_PLAY}]"):
+                current = {"start": stamp, "end": None, "hosts": []}
+                batches.append(current)
+            continue
+        if current is not None:
+            match = HOST_RE.match(line)
+            if match and match.group(1) in hosts and match.group(1) not in current["hosts"]:
+                current["hosts"].append(match.group(1))
+    if current is not None and current["end"] is None:
+        current["end"] = lines[-1][0] if lines else current["start"]
+    return (batches[0]["start"] if batches else None), batches
+
+
+def boot_to_healthy(harness: testhosts.Harness, host: str) -> float | None:
+    """Seconds from systemd starting the unit to the engine's ``Application startup complete.``, last boot."""
+    proc = harness.exec(host, ["journalctl", "-u", f"vllm-{INSTANCE}.service", "-o", "short-unix", "--no-pager"])
+    started = None
+    healthy = None
+    for line in proc.stdout.splitlines():
+        stamp, _sep, text = line.partition(" ")
+        try:
+            when = float(stamp)
+        except ValueError:
+            continue
+        if f"Started vllm-{INSTANCE}.service" in text:
+            started, healthy = when, None
+        elif "Application startup complete." in text and started is not None and healthy is None:
+            healthy = when
+    return None if started is None or healthy is None else round(healthy - started, 3)
+
+
+def measure(size: int, prefix: str, boot_delay: float, serial: list[Any], forks: int, timeout: float) -> dict[str, Any]:
+    names = [f"{prefix}-{i:02d}" for i in range(1, size + 1)]
+    workdir = CACHE / "bench" / f"rollout-{size}"
+    shutil.rmtree(workdir, ignore_errors=True)
+    workdir.mkdir(parents=True)
+    path = workdir / "fleet.yml"
+    path.write_text(yaml.safe_dump(fleet_file(names, boot_delay)), encoding="utf-8")
+    sim = fleetctl.Fleet(path)
+    out: dict[str, Any] = {"hosts": size, "serial": serial, "forks": forks, "engine_boot_delay_s": boot_delay}
+    try:
+        start = time.monotonic()
+        with contextlib.redirect_stdout(sys.stderr):  # keep stdout for the JSON result
+            sim.create(reset_state=True)
+        out["fleet_create_seconds"] = round(time.monotonic() - start, 2)
+        inv = {"all": {"children": {CLASS.replace("-", "_"): {
+            "hosts": {n: sim.h.inventory_data(names=names)["all"]["hosts"][n] for n in names},
+            "vars": group_vars(workdir, serial)}}}}
+        inventory = workdir / "inventory.yml"
+        inventory.write_text(yaml.safe_dump(inv), encoding="utf-8")
+        rc, lines, wall = run_playbook(inventory, forks, timeout)
+        out["rc"] = rc
+        out["playbook_seconds"] = round(wall, 2)
+        first, batches = split_batches(lines, names)
+        recap = [ln for _t, ln in lines if re.match(r"^\S+\s+: ok=", ln)]
+        out["recap_failed_hosts"] = [ln.split()[0] for ln in recap if not re.search(r"failed=0\s", ln) or "unreachable=0" not in ln]
+        boots = {n: boot_to_healthy(sim.h, n) for n in names}
+        out["boot_to_healthy_seconds"] = boots
+        known = [b for b in boots.values() if b is not None]
+        out["boot_to_healthy_median_s"] = round(sorted(known)[len(known) // 2], 3) if known else None
+        out["fixed_seconds"] = round(first, 2) if first is not None else None
+        rows = []
+        overhead = 0.0
+        for b in batches:
+            b_boots = [boots[h] for h in b["hosts"] if boots.get(h) is not None]
+            slowest = max(b_boots) if b_boots else 0.0
+            wall_b = b["end"] - b["start"]
+            rows.append({"hosts": len(b["hosts"]), "wall_s": round(wall_b, 2), "slowest_boot_s": slowest,
+                         "overhead_s": round(wall_b - slowest, 2)})
+            overhead += wall_b - slowest
+        out["batches"] = rows
+        out["batches_seconds"] = round(sum(r["wall_s"] for r in rows), 2)
+        deployed = sum(r["hosts"] for r in rows)
+        out["hosts_in_batches"] = deployed
+        out["missing_boot_times"] = sorted(n for n, b in boots.items() if b is None)
+        if rc == 0 and deployed == size and not out["missing_boot_times"]:
+            out["overhead_per_host_s"] = round(overhead / size, 3)
+            out["within_goal"] = overhead / size < GOAL_SECONDS
+        else:
+            out["error"] = (f"rollout did not complete on every host (rc {rc}, {deployed}/{size} hosts in batches, "
+                            f"no boot time for {out['missing_boot_times'] or 'none'})")
+            out["output_tail"] = [ln for _t, ln in lines[-40:]]
+    except (fleetctl.FleetError, testhosts.HarnessError, RuntimeError, OSError) as exc:
+        out["error"] = str(exc)
+    finally:
+        try:
+            with contextlib.redirect_stdout(sys.stderr):
+                sim.destroy()
+            leftovers = [str(x) for x in sim.h.leftovers() if x.owner in names]
+            out["teardown"] = "clean" if not leftovers else "leftovers: " + "; ".join(leftovers)
+        except (fleetctl.FleetError, testhosts.HarnessError) as exc:
+            out["teardown"] = f"failed: {exc}"
+    return out
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", default="8,32")
+    parser.add_argument("--prefix", default="sim-bro")
+    parser.add_argument("--boot-delay", type=float, default=2.0, help="simulated engine boot delay (s)")
+    parser.add_argument("--serial", default='[1, "10%", "50%"]', help="rollout serial batches (JSON)")
+    parser.add_argument("--forks", type=int, default=16)
+    parser.add_argument("--timeout", type=float, default=900)
+    args = parser.parse_args()
+    if os.geteuid() != 0:
+        print(json.dumps({"error": "run as root: test hosts use systemd-nspawn and network namespaces"}))
+        return 2
+    serial = json.loads(args.serial)
+    runs = [measure(int(s), args.prefix, args.boot_delay, serial, args.forks, args.timeout) for s in args.sizes.split(",")]
+    out: dict[str, Any] = {"benchmark": "rollout_overhead", "goal_seconds": GOAL_SECONDS, "runs": runs,
+                           "command": "ansible-playbook -i INVENTORY playbooks/rollout.yml"}
+    ok = [r for r in runs if "overhead_per_host_s" in r]
+    if len(ok) >= 2:
+        small, large = ok[0], ok[-1]
+        if large["hosts"] > small["hosts"]:
+            out["marginal_seconds_per_host"] = round(
+                (large["batches_seconds"] - small["batches_seconds"]) / (large["hosts"] - small["hosts"]), 3)
+    print(json.dumps(out, indent=2))
+    return 0 if len(ok) == len(runs) and all(r.get("teardown") == "clean" for r in runs) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
