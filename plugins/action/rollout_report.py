@@ -14,6 +14,7 @@ from ansible_collections.gpufleet.vllm.plugins.module_utils._report import (
     KINDS,
     ReportError,
     build_report,
+    class_artifacts,
     summary_line,
     write_run_dir,
 )
@@ -45,6 +46,7 @@ class ActionModule(ActionBase):
             report=report,
             summary=summary_line(report),
             failed_hosts=report["failed_hosts"],
+            classes=class_artifacts(report),
             path=None,
             changed=False,
         )

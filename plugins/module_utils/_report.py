@@ -42,6 +42,7 @@ __all__ = [
     "render_html",
     "render_svg",
     "summary_line",
+    "class_artifacts",
     "write_run_dir",
 ]
 
@@ -423,6 +424,26 @@ def _summary(report: Mapping[str, Any]) -> dict[str, Any]:
         "outcomes": {k: v for k, v in counts.items() if v},
         "ok": not report["failed_hosts"] and not any(c["status"] == "failed" for c in report["classes"]),
     }
+
+
+def class_artifacts(report: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
+    """Per class, the compact plan and verdicts published as job artifacts (``set_stats``)."""
+    out = {}
+    for cls in report["classes"]:
+        plan = cls["plan"]
+        out[cls["name"]] = {
+            "status": cls["status"],
+            "decision": cls["decision"],
+            "kv_cache_memory_bytes": plan.get("kv_cache_memory_bytes"),
+            "kv_cache_tokens": plan.get("kv_cache_tokens"),
+            "gpu_memory_utilization": plan.get("gpu_memory_utilization"),
+            "free_floor_bytes": cls["free_floor_bytes"],
+            "weakest": cls["weakest"],
+            "manual_canary": cls["manual_canary"],
+            "canary_verdicts": {name: (c or {}).get("verdict") for name, c in cls["canaries"].items() if c},
+            "hosts": {h["host"]: h["outcome"] for h in report["hosts"] if h["class"] == cls["name"]},
+        }
+    return out
 
 
 # ---------------------------------------------------------------- reading stored reports

@@ -122,6 +122,14 @@ failed_hosts:
   type: list
   elements: str
   sample: []
+classes:
+  description:
+    - Per class, the compact plan and verdicts the playbooks publish as job artifacts
+      (C(status), C(decision), C(kv_cache_memory_bytes), C(kv_cache_tokens), C(gpu_memory_utilization),
+      C(free_floor_bytes), C(weakest), C(manual_canary), C(canary_verdicts), C(hosts) with each host's outcome).
+  returned: always
+  type: dict
+  sample: {"h200-tp1": {"status": "deployable", "decision": "deploy", "kv_cache_memory_bytes": 30333206528}}
 report:
   description: The report as written to C(report.json) (schema version 1).
   returned: always

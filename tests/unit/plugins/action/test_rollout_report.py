@@ -42,6 +42,7 @@ def test_writes_a_run_directory(tmp_path):
     assert sorted(os.listdir(path)) == ["report.html", "report.json", "report.md"]
     assert json.loads((path / "report.json").read_text(encoding="utf-8"))["rolled_back"][0]["host"] == "gpu-b"
     assert result["failed_hosts"] == ["gpu-b"]
+    assert result["classes"]["h200"]["hosts"] == {"gpu-a": "deployed", "gpu-b": "rolled_back"}
     assert result["msg"].endswith(f"report: {path}/report.html")
 
 

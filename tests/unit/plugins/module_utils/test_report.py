@@ -274,3 +274,12 @@ def test_write_run_dir_leaves_nothing_on_failure(tmp_path, monkeypatch):
     assert not os.listdir(tmp_path)
     with pytest.raises(ReportError, match="not a directory"):
         write_run_dir(str(tmp_path / "missing"), report, WHEN)
+
+
+def test_class_artifacts_are_compact():
+    report = build_report(rollout_data(failed_b=True), "rollout", generated=WHEN)
+    arts = _report.class_artifacts(report)
+    assert arts["h200"]["kv_cache_memory_bytes"] == int(28.25 * GIB)
+    assert arts["h200"]["canary_verdicts"] == {"profiled": "pass", "manual": "pass"}
+    assert arts["h200"]["hosts"] == {"gpu-a": "deployed", "gpu-b": "rolled_back", "gpu-c": "not_reached"}
+    assert "per_rank" not in arts["h200"]
