@@ -234,12 +234,14 @@ class Fleet:
         fleet = self.fleet
         names = list(fleet["hosts"])
         t0 = time.monotonic()
+        already_up = set(self.h.hosts())
         try:
             self.h.up(names, timeout=timeout)
         except testhosts.HarnessError as exc:
             raise FleetError(f"booting the fleet failed: {exc}") from None
         for host in names:
-            self._provision(fleet, host, reset_state)
+            # a host that was down has no engine running: files left by an earlier life are stale
+            self._provision(fleet, host, reset_state or host not in already_up)
         record_path().parent.mkdir(parents=True, exist_ok=True)
         with file_lock(record_path()):
             record = self._record()
