@@ -452,7 +452,7 @@ def main(argv: list[str] | None = None) -> int:
             if entry.get("error"):
                 failed.append(name)
     seconds = time.monotonic() - t0
-    shown = ["python", "bench/run.py"] + [a for a in (argv if argv is not None else sys.argv[1:])]
+    shown = ["python", "bench/run.py"] + list(argv if argv is not None else sys.argv[1:])
     info = machine()
     load = (load_start, os.getloadavg()[0])
     atomic_write(Path(args.json), json.dumps({"started": started, "argv": shown, "seconds": seconds, "load": load,

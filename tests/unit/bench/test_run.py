@@ -1,0 +1,52 @@
+# Copyright (c) gpufleet maintainers
+# GNU General Public License v3.0+ (see LICENSES/GPL-3.0-or-later.txt or https://www.gnu.org/licenses/gpl-3.0.txt)
+# SPDX-License-Identifier: GPL-3.0-or-later
+"""The benchmark runner's report: ratios against the same run's baseline, skipped parts carry no figure."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "bench"))
+
+import run as bench_run  # noqa: E402  pylint: disable=wrong-import-position,import-error
+
+INFO = {"nproc": 2, "cpu_model": "CPU", "memory_gib": 1.0, "os": "Debian", "kernel": "k", "python": "3.11", "ansible": "ansible [core 2.19]"}
+
+
+def planner_entry(seconds: list[float]) -> dict:
+    runs = [{"hosts": h, "ranks": h * 8, "best_seconds": s, "best_cpu_seconds": s, "peak_traced_mib": 1.0, "decision": "deploy"}
+            for h, s in zip((100, 1000, 10000), seconds)]
+    return {"planner": {"command": "python bench/planner.py", "rc": 0, "seconds": 1.0, "result": {"runs": runs}}}
+
+
+def test_parse_json_takes_the_object_after_other_output() -> None:
+    assert bench_run.parse_json('fleet up: 3 hosts\n{"a": 1,\n "b": [2]}\n') == {"a": 1, "b": [2]}
+    assert bench_run.parse_json("no json here") is None
+
+
+def test_planner_ratios_and_goals() -> None:
+    lines, goals = bench_run.render_planner(planner_entry([0.01, 0.1, 0.5]))
+    text = "\n".join(lines)
+    assert "| 10,000 | 80,000 | 0.5 | 0.5 | 50.00x | 5x |" in text
+    assert ("planner: 10,000 hosts x 8 GPUs < 1 s", "0.5 s wall, 0.5 s CPU", "**met**") in goals
+    _lines, goals = bench_run.render_planner(planner_entry([0.01, 0.2, 3.0]))
+    assert ("planner: 10,000 hosts x 8 GPUs < 1 s", "3.0 s wall, 3.0 s CPU", "**not met**") in goals
+    assert ("planner: linear (growth per 10x hosts <= 12x)", "worst 20.0x", "**not met**") in goals
+
+
+def test_skipped_and_failed_parts_report_no_figures() -> None:
+    results = {
+        "probe": {"probe_inprocess": {"command": "python bench/probe_inprocess.py", "rc": 2, "seconds": 0.1,
+                                      "result": {"error": "fake NVML library not built"}, "error": "fake NVML library not built"},
+                  "probe_vs_ping": bench_run.skipped("needs root (systemd-nspawn test hosts)")},
+        "rollout": {"rollout": bench_run.skipped("no test host rootfs (run `make rootfs`)")},
+    }
+    text = bench_run.render(results, INFO, ["python", "bench/run.py"], "2026-01-01 00:00:00", 1.0, (0.1, 0.2))
+    assert "Skipped: needs root (systemd-nspawn test hosts). No figures from this part in this run." in text
+    assert "**Failed**: fake NVML library not built" in text
+    assert "| probe over SSH within 1.3x of ping | no figures | n/a |" in text
+    assert "| rollout: < 5 s per host beyond boot-to-healthy | no figures | n/a |" in text
+    assert "Not selected in this run (`--only`)." in text  # planner, canary, drift
+    assert "**met**" not in text
