@@ -117,8 +117,12 @@ class Fleet:
     # ------------------------------------------------------------ running
     def rollout(self, extra_vars: dict[str, Any] | None = None,
                 on_line: Callable[[str], None] | None = None, timeout: float = 600) -> tuple[int, str]:
+        # A host whose link goes down keeps a stale SSH control master; keep-alives make
+        # sessions multiplexed over it fail instead of waiting for ever.
         env = dict(os.environ, ANSIBLE_NOCOLOR="1", ANSIBLE_PIPELINING="1", ANSIBLE_HOST_KEY_CHECKING="False",
-                   ANSIBLE_TIMEOUT="10")
+                   ANSIBLE_TIMEOUT="10",
+                   ANSIBLE_SSH_ARGS="-C -o ControlMaster=auto -o ControlPersist=60s "
+                                    "-o ServerAliveInterval=5 -o ServerAliveCountMax=2")
         argv = ["ansible-playbook", "-i", str(self.inventory), str(ROLLOUT)]
         if extra_vars:
             argv += ["--extra-vars", json.dumps(extra_vars)]
