@@ -42,6 +42,7 @@ class LoadSpec:
 
     def shape(self) -> dict[str, int]:
         return {
+            "warmup": self.warmup,
             "requests": self.requests,
             "concurrency": self.concurrency,
             "prompt_tokens": self.prompt_tokens,
@@ -66,6 +67,7 @@ class LoadResult:
     failed: int = 0
     seconds: float = 0.0
     warmup_seconds: float = 0.0
+    warmup_ok: bool = True
     ttft_p50: float | None = None
     ttft_p95: float | None = None
     e2e_p50: float | None = None
@@ -86,6 +88,8 @@ class LoadResult:
             "completed": self.completed,
             "failed": self.failed,
             "seconds": round(self.seconds, 3),
+            "warmup": self.spec.get("warmup"),
+            "warmup_ok": self.warmup_ok,
             "warmup_seconds": round(self.warmup_seconds, 3),
             "ttft_p50": _r(self.ttft_p50),
             "ttft_p95": _r(self.ttft_p95),
@@ -290,6 +294,7 @@ def run_load_test(
     for _warm in range(spec.warmup):
         warm = send(prompt, spec.max_tokens, spec.request_timeout)
         if not warm.ok:
+            result.warmup_ok = False
             result.errors.append(f"warm-up: {warm.error}")
             break
     result.warmup_seconds = time.monotonic() - warm_start

@@ -649,6 +649,8 @@ def judge_canary(
     if result.get("died_during_load"):
         fails.append(f"the engine died during the load test (exit code {result.get('exit_code')})")
     load = result.get("load") or {}
+    if load.get("warmup_ok") is False:
+        fails.append("a warm-up request failed: " + "; ".join((load.get("errors") or [])[:1]))
     if load.get("failed"):
         fails.append(f"{load['failed']} of {load.get('requests')} load-test requests failed: "
                      + "; ".join((load.get("errors") or [])[:3]))

@@ -288,6 +288,9 @@ load:
     throughput_rps:
       description: Completed requests per second.
       type: float
+    warmup_ok:
+      description: Whether every warm-up request succeeded (a failed warm-up fails the verdict).
+      type: bool
 preemptions:
   description: Preemptions counted by C(/metrics) during the load test (delta).
   returned: when not in check mode

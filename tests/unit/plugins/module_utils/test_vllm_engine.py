@@ -320,6 +320,7 @@ def test_canary_manual_pass(tmp_path, fake_vllm):
     assert result["num_blocks"] == 100_000_000 // 65536
     assert result["capacity_source"] == "metrics"
     assert result["load"]["completed"] == 6 and result["load"]["failed"] == 0
+    assert result["load"]["warmup"] == 1 and result["load"]["warmup_ok"] is True
     assert result["load"]["prompt_tokens_seen"] == 16
     assert result["load"]["ttft_p50"] <= result["load"]["e2e_p50"]
     assert result["preemptions"] == 0
@@ -401,6 +402,9 @@ def test_judge_pass_fail_inconclusive():
     assert eng.judge_canary(_result(), requested_kv_bytes=100, tolerances=tol)[0] == "pass"
     verdict, reasons, _cmp = eng.judge_canary(_result(kv_cache_memory_bytes=99), requested_kv_bytes=100, tolerances=tol)
     assert verdict == "fail" and "kv_cache_memory_bytes=99" in reasons[0]
+    cold = _result(load={**_result()["load"], "warmup_ok": False, "errors": ["warm-up: HTTP 500: boom"]})
+    verdict, reasons, _cmp = eng.judge_canary(cold, requested_kv_bytes=100, tolerances=tol)
+    assert verdict == "fail" and reasons == ["a warm-up request failed: warm-up: HTTP 500: boom"]
     verdict, reasons, _cmp = eng.judge_canary(_result(load={"requests": 0}), requested_kv_bytes=100, tolerances=tol)
     assert verdict == "inconclusive" and "no load test" in reasons[0]
     verdict, reasons, _cmp = eng.judge_canary(
