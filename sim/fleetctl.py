@@ -424,6 +424,7 @@ def find_playbook(explicit: str | None) -> Path:
 
 
 def newest_report(report_dir: Path, since: float) -> Path | None:
+    """The newest JSON report written since ``since`` (``<run>/report.json`` or ``<run>.json``)."""
     files = [Path(p) for p in glob.glob(str(report_dir / "**" / "*.json"), recursive=True)]
     files = [p for p in files if p.stat().st_mtime >= since - 1]
     return max(files, key=lambda p: p.stat().st_mtime) if files else None
@@ -437,31 +438,57 @@ def _first(d: dict[str, Any], *keys: str) -> Any:
 
 
 def summarize_report(report: Any) -> list[str]:
-    """One line per host class from a run report (whatever nesting: classes as dict or list)."""
+    """One line per host class from a run report: decision, budget, tokens, floor, hosts deployed.
+
+    Reads the classes as a list (``name``) or a mapping, figures at class level or under
+    ``plan``, and per-host outcomes from the top-level ``hosts`` list when present.
+    """
+    if not isinstance(report, dict):
+        return []
+    src = report.get("classes")
     classes: list[tuple[str, dict[str, Any]]] = []
-    src = report.get("classes") if isinstance(report, dict) else None
     if isinstance(src, dict):
         classes = [(str(k), v) for k, v in src.items() if isinstance(v, dict)]
     elif isinstance(src, list):
-        classes = [(str(v.get("host_class") or v.get("name") or i), v) for i, v in enumerate(src) if isinstance(v, dict)]
+        classes = [(str(v.get("name") or v.get("host_class") or i), v) for i, v in enumerate(src) if isinstance(v, dict)]
+    outcomes: dict[str, list[str]] = {}
+    for entry in report.get("hosts") or []:
+        if isinstance(entry, dict) and entry.get("class"):
+            outcomes.setdefault(str(entry["class"]), []).append(str(entry.get("outcome")))
     lines = []
     for name, c in classes:
-        plan = c.get("plan") if isinstance(c.get("plan"), dict) else c
-        floor = _first(plan, "free_floor_bytes")
-        if isinstance(floor, dict) and floor:
+        plan = c.get("plan") if isinstance(c.get("plan"), dict) else {}
+        both = [c, plan]
+
+        def pick(*keys: str, sources: list[dict[str, Any]] = both) -> Any:
+            for src_d in sources:
+                value = _first(src_d, *keys)
+                if value not in (None, {}, []):
+                    return value
+            return None
+
+        floor = pick("free_floor_bytes")
+        if isinstance(floor, dict):
             floor = min(int(v) for v in floor.values())
-        rolled = _first(c, "hosts_rolled_out", "rolled_out", "deployed_hosts", "hosts")
-        if isinstance(rolled, list):
-            rolled = len(rolled)
-        budget = _first(plan, "kv_cache_memory_bytes")
+        budget = pick("kv_cache_memory_bytes")
+        if name in outcomes:
+            hosts = f"deployed={outcomes[name].count('deployed')}/{len(outcomes[name])}"
+        else:
+            rolled = pick("hosts_rolled_out", "rolled_out", "deployed_hosts", "hosts")
+            hosts = f"hosts={len(rolled) if isinstance(rolled, list) else rolled}"
+        status = pick("status")
+        if status is None and c.get("failed") is not None:
+            status = "failed" if c.get("failed") else "ok"
         lines.append(
-            f"  {name:<12} decision={_first(plan, 'decision')} "
+            f"  {name:<12} decision={pick('decision')} "
             f"bytes={budget if budget is not None else '-'}"
             f"{' (' + human(int(budget)) + ')' if isinstance(budget, int) else ''} "
-            f"tokens={_first(plan, 'kv_cache_tokens')} "
-            f"floor={human(int(floor)) if isinstance(floor, int) else floor} "
-            f"hosts={rolled}"
-            f"{'' if c.get('failed') is None else ' failed=' + str(c.get('failed'))}")
+            f"tokens={pick('kv_cache_tokens')} "
+            f"floor={human(int(floor)) if isinstance(floor, int) else '-'} "
+            f"{hosts} status={status}")
+        if status == "failed":
+            for reason in (c.get("reasons") or [])[:2]:
+                lines.append(f"      {str(reason)[:300]}")
     return lines
 
 
@@ -490,7 +517,8 @@ def demo(fleet: Fleet, playbook: str | None) -> int:
         print("per class:" if lines else "per class: (report has no `classes` section)")
         for line in lines:
             print(line)
-        print(f"report: {report.relative_to(REPO)}")
+        others = sorted(p.name for p in report.parent.glob("report.*") if p != report)
+        print(f"report: {report.relative_to(REPO)}" + (f" (also {', '.join(others)})" if others else ""))
     return rc
 
 

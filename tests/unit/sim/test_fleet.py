@@ -128,6 +128,26 @@ def test_report_summary_reads_class_sections() -> None:
     assert "floor=40.00 GiB" in line and "hosts=2" in line
 
 
+def test_report_summary_reads_the_rollout_report_schema() -> None:
+    report = {
+        "classes": [
+            {"name": "h200-tp2", "decision": "deploy", "status": "deployable",
+             "free_floor_bytes": {"0": 41 * GiB, "1": 40 * GiB}, "hosts": ["a", "b"],
+             "plan": {"kv_cache_memory_bytes": 28 * GiB, "kv_cache_tokens": 180000}},
+            {"name": "l40s-tp2", "decision": None, "status": "failed", "free_floor_bytes": {},
+             "reasons": ["class l40s-tp2 stopped: canary failed"], "hosts": ["c"], "plan": {}},
+        ],
+        "hosts": [{"host": "a", "class": "h200-tp2", "outcome": "deployed"},
+                  {"host": "b", "class": "h200-tp2", "outcome": "rolled_back"},
+                  {"host": "c", "class": "l40s-tp2", "outcome": "failed"}],
+    }
+    lines = fleetctl.summarize_report(report)
+    assert lines[0].split() == ["h200-tp2", "decision=deploy", f"bytes={28 * GiB}", "(28.00", "GiB)",
+                                "tokens=180000", "floor=40.00", "GiB", "deployed=1/2", "status=deployable"]
+    assert "decision=None" in lines[1] and "bytes=-" in lines[1] and "deployed=0/1" in lines[1]
+    assert lines[2].strip() == "class l40s-tp2 stopped: canary failed"
+
+
 def test_connection_script_adds_only_the_inventory_hosts(fleet) -> None:
     spec = importlib.util.spec_from_file_location("gpufleet_sim_connection", INVENTORY / "connection.py")
     assert spec is not None and spec.loader is not None
