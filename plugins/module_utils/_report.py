@@ -584,13 +584,13 @@ def render_markdown(report: Mapping[str, Any]) -> str:
             out += ["Reasons:", ""] + [f"- {r}" for r in cls["reasons"]] + [""]
         if cls["per_rank"]:
             out += [
-                "| host | rank | boot free | floor | drift | adjusted | margin |",
+                "| host | rank | boot free | floor | drift (F_ref - F_boot) | adjusted | margin |",
                 "|---|---|---|---|---|---|---|",
             ]
             for row in cls["per_rank"]:
                 out.append(
                     f"| {_md_cell(row['host'])}{' (weakest)' if row['weakest'] else ''} | {row['rank']} | {_hb(row['boot_free_bytes'])} | "
-                    f"{_hb(row['floor_bytes'])} | {_signed_hb(-row['drift_bytes'] if row['drift_bytes'] is not None else None)} | "
+                    f"{_hb(row['floor_bytes'])} | {_signed_hb(row['drift_bytes'])} | "
                     f"{_hb(row['adjusted_bytes'])} | {_signed_hb(row['margin_bytes'])} |"
                 )
             out.append("")
@@ -656,7 +656,7 @@ def render_svg(cls: Mapping[str, Any]) -> str:
         if row["floor_bytes"] is not None:
             fx = round(_LABEL_W + _BAR_W * row["floor_bytes"] / top, 1)
             parts.append(f'<line x1="{fx}" x2="{fx}" y1="{y}" y2="{y + _ROW_H - 2}" stroke="#000" stroke-width="3"/>')
-        note = f"free {_hb(row['boot_free_bytes'])}, floor {_hb(row['floor_bytes'])}, drift {_hb(row['drift_bytes'])}"
+        note = f"free {_hb(row['boot_free_bytes'])}, floor {_hb(row['floor_bytes'])}, drift {_signed_hb(row['drift_bytes'])}"
         parts.append(f'<text x="{_LABEL_W + _BAR_W + 8}" y="{y + 16}" font-size="11">{esc(note)}</text>')
     parts.append(
         f'<text x="{_LABEL_W}" y="{height - 4}" font-size="11">bar: NVML free memory at boot (red: below the floor);'
@@ -716,13 +716,13 @@ def render_html(report: Mapping[str, Any]) -> str:
                     esc(_text(r["rank"])),
                     esc(_hb(r["boot_free_bytes"])),
                     esc(_hb(r["floor_bytes"])),
-                    esc(_hb(r["drift_bytes"])),
+                    esc(_signed_hb(r["drift_bytes"])),
                     esc(_hb(r["adjusted_bytes"])),
                     _outcome_html("ok") if (r["margin_bytes"] or 0) >= 0 else _outcome_html("fail"),
                 ]
                 for r in cls["per_rank"]
             ]
-            out.append(_html_table(["host", "rank", "boot free", "floor", "drift", "adjusted", "vs floor"], rows, raw=True))
+            out.append(_html_table(["host", "rank", "boot free", "floor", "drift (F_ref - F_boot)", "adjusted", "vs floor"], rows, raw=True))
         out.append(f"<p>Manual canary: {esc(cls['manual_canary'])}</p>")
         canaries = [(n, c) for n, c in cls["canaries"].items() if c]
         if canaries:

@@ -131,7 +131,7 @@ def test_seed_example_figures_reach_every_renderer():
     md = render_markdown(report)
     assert "28.25GiB (30333206528 bytes)" in md
     assert "rank 0: 40.75GiB" in md
-    assert "| gpu-a/vllm (weakest) | 0 | 40.75GiB | 40.75GiB | -1.25GiB | 28.25GiB | +0B |" in md
+    assert "| gpu-a/vllm (weakest) | 0 | 40.75GiB | 40.75GiB | +1.25GiB | 28.25GiB | +0B |" in md
     assert "| manual | pass | 231424 | 0 | 0 | 0.041 | 0.091 | 0.61 | 0.93 |" in md
     text, _tags = html_text(render_html(report))
     assert "28.25GiB (30333206528 bytes)" in text
