@@ -22,7 +22,8 @@ Boot rules (the ones vLLM applies):
 
 The collection's policies also pass the rollout gate first: a host whose
 ``F_boot`` is below the plan's free floor on any rank is not touched ("gated":
-it keeps its previous unit and the rollout stops there).
+it keeps its previous unit). The real rollout then stops every later batch; here
+the other hosts are still booted so that the budgets can be compared.
 
 The policies: copy the reference bytes unchanged; average-rank adjustment;
 vLLM's per-host startup plan (reuse the bytes only when every rank has at least
@@ -267,6 +268,8 @@ def _deploy_plan(out: Outcome, model: Model, fleet: Fleet, names: list[str], pla
         return
     floors = {int(r): int(v) for r, v in plan["free_floor_bytes"].items()}
     util = plan["gpu_memory_utilization"]
+    margin = min(f - floors[r] for name in names for r, f in enumerate(fleet.plan_free[name]))
+    out.detail["min_plan_margin_bytes"] = min(margin, out.detail.get("min_plan_margin_bytes", margin))
     for name in names:
         free = fleet.boot_free[name]
         if any(f < floors[r] for r, f in enumerate(free)):
@@ -401,6 +404,8 @@ def summarize(per_seed: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
         free = [r["free_left_gib_per_booted_gpu"] for r in runs if r["free_left_gib_per_booted_gpu"] is not None]
         row["free_left_gib_per_booted_gpu"] = round(statistics.mean(free), 3) if free else None
         row["decisions"] = sorted({r["decision"] for r in runs if r.get("decision")})
+        margins = [r["min_plan_margin_bytes"] for r in runs if r.get("min_plan_margin_bytes") is not None]
+        row["min_plan_margin_bytes"] = min(margins) if margins else None
         rows.append(row)
     return rows
 

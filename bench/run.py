@@ -352,7 +352,8 @@ def render_drift(res: dict[str, Any]) -> tuple[list[str], list[tuple[str, str, s
     lines += ["", "Boot rules: vLLM's startup check `free - ctx >= ceil(total * utilization)` (else it refuses to start), then "
               "OOM when `ctx + non_KV + budget > free` on any rank. Profiled boots size KV as `floor(total * u) - non_KV - 150 MiB`. "
               "The collection's policies pass the rollout gate first (boot free >= the plan's floor on every rank, else the host "
-              "is not touched: *gated*). Safe maximum per host: `min(free at boot) - ctx - non_KV`. "
+              "is not touched: *gated*; the real rollout then stops its later batches, here the other hosts still boot so that "
+              "the budgets compare). Safe maximum per host: `min(free at boot) - ctx - non_KV`. "
               "Baseline for the ratios: copying the reference bytes, same fleets.", "",
               "| policy | boot failures (min-max) | OOM | refused at startup | gated | re-profiles | KV tokens deployed | "
               "share of safe max | tokens vs copy | VRAM left free GiB/GPU | planner decision |",
@@ -365,6 +366,11 @@ def render_drift(res: dict[str, Any]) -> tuple[list[str], list[tuple[str, str, s
             f"{fmt(x['oom'])} | {fmt(x['startup_refused'])} | {fmt(x['gated'])} | {fmt(x['reprofiles'])} | "
             f"{x['tokens_deployed']:,.0f} | {x['tokens_share_of_safe_max']:.1%} | {ratio(x['tokens_deployed'], base['tokens_deployed'])} | "
             f"{fmt(x['free_left_gib_per_booted_gpu'])} | {', '.join(x['decisions']) or '-'} |")
+    margins = [(x["policy"], x["min_plan_margin_bytes"]) for x in rows if x.get("min_plan_margin_bytes") is not None]
+    if margins:
+        lines += ["", "Smallest margin between a rank's free memory at planning and the plan's floor (any seed): "
+                  + "; ".join(f"{p}: {m / 1024**2:,.0f} MiB" for p, m in margins)
+                  + ". A rank with no margin is gated by any drop of its free memory between planning and boot."]
     lines += ["", f"Simulation time: {r['seconds']} s for all seeds and policies.", ""]
     ours = next((x for x in rows if x["key"] == "max_safe"), None)
     if ours:

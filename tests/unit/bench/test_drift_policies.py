@@ -82,6 +82,8 @@ def test_collection_weakest_rank_gate_and_boot() -> None:
     assert out.detail["budget_bytes"] == int(64.5 * GIB)
     assert (out.booted, out.gated, out.boot_failures) == (1, 1, 0)
     assert out.tokens_deployed == 64 * 16
+    # the weakest rank sits exactly on the floor at planning time: no margin for any drop
+    assert out.detail["min_plan_margin_bytes"] == 0
     # the same boot without the late drop passes the gate and boots
     out = dp.policy_collection(MODEL, ref(0.8), fleet([85, 90], [85, 90]), guard=GIB // 2,
                                budget_mode="max_safe", admission={"tokens": 16})
