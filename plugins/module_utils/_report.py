@@ -65,6 +65,7 @@ _CANARY_FIELDS = (
     "e2e_p50",
     "e2e_p95",
 )
+_LOAD_FIELDS = ("completed", "failed", "ttft_p50", "ttft_p95", "e2e_p50", "e2e_p95")
 _PLAN_FIELDS = (
     "budget_mode",
     "kv_cache_memory_bytes",
@@ -192,11 +193,11 @@ def _canary(raw: Any) -> dict[str, Any] | None:
     out: dict[str, Any] = {}
     load = raw.get("load") if isinstance(raw.get("load"), Mapping) else {}
     for field in _CANARY_FIELDS:
-        value = raw.get(field)
-        if value is None and field in ("completed", "failed", "ttft_p50", "ttft_p95", "e2e_p50", "e2e_p95"):
-            value = load.get(field)
-        if field == "failed" and isinstance(value, bool):
-            value = None  # the task's failed flag, not a request count
+        if field in _LOAD_FIELDS:
+            # the load test's figures; a top-level "failed" is the task's flag, not a request count
+            value = load.get(field, None if field == "failed" else raw.get(field))
+        else:
+            value = raw.get(field)
         out[field] = value if field == "verdict" else _num(value)
     out["reasons"] = _str_list(raw.get("reasons"))[:10]
     out["engine_errors"] = [

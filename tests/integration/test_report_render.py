@@ -149,8 +149,9 @@ def run_playbook(tmp_path: Path, fail_host: str) -> tuple[subprocess.CompletedPr
     env["ANSIBLE_PYTHON_INTERPRETER"] = "auto_silent"
     env["ANSIBLE_NOCOLOR"] = "1"
     extra = json.dumps({"report_dir": str(reports), "fail_host": fail_host})
+    binary = shutil.which("ansible-playbook") or str(Path(sys.executable).parent / "ansible-playbook")
     proc = subprocess.run(
-        [shutil.which("ansible-playbook") or str(Path(sys.executable).parent / "ansible-playbook"), "-i", str(tmp_path / "hosts.yml"), str(tmp_path / "play.yml"), "-e", extra],
+        [binary, "-i", str(tmp_path / "hosts.yml"), str(tmp_path / "play.yml"), "-e", extra],
         capture_output=True, text=True, env=env, timeout=600, check=False, cwd=tmp_path,
     )
     return proc, reports

@@ -283,3 +283,12 @@ def test_class_artifacts_are_compact():
     assert arts["h200"]["canary_verdicts"] == {"profiled": "pass", "manual": "pass"}
     assert arts["h200"]["hosts"] == {"gpu-a": "deployed", "gpu-b": "rolled_back", "gpu-c": "not_reached"}
     assert "per_rank" not in arts["h200"]
+
+
+def test_canary_failed_flag_is_not_a_request_count():
+    manual = dict(CANARY_MANUAL, failed=False, load=dict(CANARY_MANUAL["load"], failed=2))
+    data = rollout_data()
+    data["classes"]["h200"]["canaries"] = {"manual": manual, "profiled": dict(CANARY_PROFILED, failed=True, load={})}
+    cls = build_report(data, "rollout", generated=WHEN)["classes"][0]
+    assert cls["canaries"]["manual"]["failed"] == 2
+    assert cls["canaries"]["profiled"]["failed"] is None and cls["canaries"]["profiled"]["ttft_p50"] is None
