@@ -458,9 +458,9 @@ def summarize_report(report: Any) -> list[str]:
     lines = []
     for name, c in classes:
         plan = c.get("plan") if isinstance(c.get("plan"), dict) else {}
-        both = [c, plan]
+        both = (c, plan)
 
-        def pick(*keys: str, sources: list[dict[str, Any]] = both) -> Any:
+        def pick(*keys: str, sources: tuple[dict[str, Any], ...] = both) -> Any:
             for src_d in sources:
                 value = _first(src_d, *keys)
                 if value not in (None, {}, []):
