@@ -228,7 +228,7 @@ def main() -> int:
     parser.add_argument("--boot-delay", type=float, default=2.0, help="simulated engine boot delay (s)")
     parser.add_argument("--serial", default='[1, "10%", "50%"]', help="rollout serial batches (JSON)")
     parser.add_argument("--forks", type=int, default=16)
-    parser.add_argument("--timeout", type=float, default=900)
+    parser.add_argument("--timeout", type=float, default=2400, help="limit per playbook run (s)")
     args = parser.parse_args()
     if os.geteuid() != 0:
         print(json.dumps({"error": "run as root: test hosts use systemd-nspawn and network namespaces"}))
