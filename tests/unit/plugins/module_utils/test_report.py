@@ -229,7 +229,7 @@ def test_v0_report_still_renders():
     cls = report["classes"][0]
     assert cls["name"] == "ro-l40s" and cls["decision"] == "deploy"
     assert cls["plan"]["kv_cache_memory_bytes"] == old["classes"]["ro-l40s"]["kv_cache_memory_bytes"]
-    assert cls["free_floor_bytes"] == {k: v for k, v in old["classes"]["ro-l40s"]["free_floor_bytes"].items()}
+    assert cls["free_floor_bytes"] == dict(old["classes"]["ro-l40s"]["free_floor_bytes"])
     assert [h["host"] for h in report["hosts"]] == ["sim-ro-1", "sim-ro-2", "sim-ro-3"]
     assert {h["outcome"] for h in report["hosts"]} == {"unknown"}
     md = render_markdown(report)
