@@ -472,7 +472,8 @@ def summarize_report(report: Any) -> list[str]:
             floor = min(int(v) for v in floor.values())
         budget = pick("kv_cache_memory_bytes")
         if name in outcomes:
-            hosts = f"deployed={outcomes[name].count('deployed')}/{len(outcomes[name])}"
+            counts = {o: outcomes[name].count(o) for o in sorted(set(outcomes[name]))}
+            hosts = "hosts " + ",".join(f"{o}={n}" for o, n in counts.items())
         else:
             rolled = pick("hosts_rolled_out", "rolled_out", "deployed_hosts", "hosts")
             hosts = f"hosts={len(rolled) if isinstance(rolled, list) else rolled}"

@@ -143,8 +143,9 @@ def test_report_summary_reads_the_rollout_report_schema() -> None:
     }
     lines = fleetctl.summarize_report(report)
     assert lines[0].split() == ["h200-tp2", "decision=deploy", f"bytes={28 * GiB}", "(28.00", "GiB)",
-                                "tokens=180000", "floor=40.00", "GiB", "deployed=1/2", "status=deployable"]
-    assert "decision=None" in lines[1] and "bytes=-" in lines[1] and "deployed=0/1" in lines[1]
+                                "tokens=180000", "floor=40.00", "GiB", "hosts", "deployed=1,rolled_back=1",
+                                "status=deployable"]
+    assert "decision=None" in lines[1] and "bytes=-" in lines[1] and "hosts failed=1" in lines[1]
     assert lines[2].strip() == "class l40s-tp2 stopped: canary failed"
 
 
