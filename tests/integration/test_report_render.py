@@ -108,7 +108,8 @@ PLAYBOOK = """
 
         - name: Start and check the new units
           ansible.builtin.fail:
-            msg: "vllm-vllm.service: boot check failed: ValueError: No available memory for the cache blocks."
+            msg: "{{ item }}: boot check failed: ValueError: No available memory for the cache blocks."
+          loop: [vllm-vllm.service]
           when: inventory_hostname == fail_host
       rescue:
         - name: Write the run report with this failure
@@ -268,7 +269,8 @@ def test_failed_host_report_and_chromium_rendering(tmp_path, chromium):
     run = run_dir(reports)
     report = json.loads((run / "report.json").read_text(encoding="utf-8"))
     assert {h["host"]: h["outcome"] for h in report["hosts"]} == {"gpu-a": "deployed", "gpu-b": "rolled_back", "gpu-c": "not_reached"}
-    assert report["rolled_back"][0]["error"].endswith("No available memory for the cache blocks.")
+    assert report["rolled_back"][0]["error"] == (
+        "One or more items failed: vllm-vllm.service: boot check failed: ValueError: No available memory for the cache blocks.")
     assert [(b["index"], b["outcome"]) for b in report["batches"]] == [(1, "ok"), (2, "failed")]
     assert "failed hosts gpu-b" in proc.stdout
 
