@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import struct
 import subprocess
@@ -147,7 +148,7 @@ def run_playbook(tmp_path: Path, fail_host: str) -> tuple[subprocess.CompletedPr
     env = dict(os.environ)
     paths = [str(Path(p).resolve()) for p in env.get("ANSIBLE_COLLECTIONS_PATH", "").split(":") if p]
     env["ANSIBLE_COLLECTIONS_PATH"] = ":".join(paths or [str(REPO / ".cache" / "collections")])
-    env["ANSIBLE_PYTHON_INTERPRETER"] = "auto_silent"
+    env["ANSIBLE_PYTHON_INTERPRETER"] = sys.executable
     env["ANSIBLE_NOCOLOR"] = "1"
     extra = json.dumps({"report_dir": str(reports), "fail_host": fail_host})
     binary = shutil.which("ansible-playbook") or str(Path(sys.executable).parent / "ansible-playbook")
@@ -298,3 +299,67 @@ def test_failed_host_report_and_chromium_rendering(tmp_path, chromium):
         "462848",
     ):
         assert needle in text, f"{needle!r} not in the rendered DOM"
+
+
+# ---------------------------------------------------------------- parts/validate.yml: report directory and survey answers
+VALIDATE_PLAY = """
+- name: Check the inputs
+  ansible.builtin.import_playbook: REPO/playbooks/parts/validate.yml
+
+- name: Show the run settings
+  hosts: localhost
+  gather_facts: false
+  tasks:
+    - name: Print them as JSON
+      ansible.builtin.debug:
+        msg: "RUN={{ gpufleet_run | to_json }}"
+"""
+VALIDATE_INVENTORY = """
+all:
+  hosts:
+    localhost: {ansible_connection: local}
+    gpu-a: {ansible_connection: local, gpufleet_host_class: h200, gpufleet_model: m, gpufleet_rollout_serial: [2, "20%"]}
+"""
+
+
+def run_validate(tmp_path: Path, extra: dict) -> tuple[subprocess.CompletedProcess[str], dict | None]:
+    (tmp_path / "validate.yml").write_text(VALIDATE_PLAY.replace("REPO/", f"{REPO}/"), encoding="utf-8")
+    (tmp_path / "hosts.yml").write_text(VALIDATE_INVENTORY, encoding="utf-8")
+    env = dict(os.environ, ANSIBLE_NOCOLOR="1", ANSIBLE_PYTHON_INTERPRETER=sys.executable)
+    paths = [str(Path(p).resolve()) for p in env.get("ANSIBLE_COLLECTIONS_PATH", "").split(":") if p]
+    env["ANSIBLE_COLLECTIONS_PATH"] = ":".join(paths or [str(REPO / ".cache" / "collections")])
+    binary = shutil.which("ansible-playbook") or str(Path(sys.executable).parent / "ansible-playbook")
+    proc = subprocess.run(
+        [binary, "-i", str(tmp_path / "hosts.yml"), str(tmp_path / "validate.yml"), "-e", json.dumps(extra)],
+        capture_output=True, text=True, env=env, timeout=300, check=False, cwd=tmp_path,
+    )
+    found = re.search(r'"msg": "RUN=(.*)"\n', proc.stdout)
+    return proc, (json.loads(found.group(1).replace('\\"', '"')) if found else None)
+
+
+def test_unwritable_report_dir_stops_the_run_up_front(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory\n", encoding="utf-8")
+    proc, run = run_validate(tmp_path, {"gpufleet_profile_store": str(tmp_path / "store"), "gpufleet_report_dir": str(blocker / "reports")})
+    assert proc.returncode != 0 and run is None
+    assert f"gpufleet_report_dir {blocker / 'reports'} cannot be created or written on the controller" in proc.stdout, proc.stdout[-3000:]
+
+
+def test_survey_answers_as_text(tmp_path):
+    reports = tmp_path / "reports"
+    proc, run = run_validate(tmp_path, {
+        "gpufleet_profile_store": str(tmp_path / "store"), "gpufleet_report_dir": str(reports),
+        "gpufleet_rollout_serial": "1,10%,50%", "gpufleet_classes": "h200", "gpufleet_force_profile": "true",
+        "gpufleet_split_policy": "fail",
+    })
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    assert run["serial"] == ["1", "10%", "50%"] and run["classes"] == ["h200"] and run["force_profile"] is True
+    assert run["split_policy"] == "fail" and reports.is_dir() and not list(reports.iterdir())  # write test file removed
+    # blank answers mean "not given": the defaults apply (an extra var hides the inventory value everywhere)
+    proc, run = run_validate(tmp_path, {"gpufleet_profile_store": str(tmp_path / "store"), "gpufleet_rollout_serial": "",
+                                        "gpufleet_classes": "", "gpufleet_report_dir": ""})
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    assert run["serial"] == [1, "10%", "50%"] and run["classes"] == ["h200"] and run["report_dir"] == ""
+    # no answer at all: the inventory's value
+    proc, run = run_validate(tmp_path, {"gpufleet_profile_store": str(tmp_path / "store")})
+    assert run["serial"] == [2, "20%"]
