@@ -216,3 +216,16 @@ def test_parse_args_namespace_is_complete_for_labels(engine) -> None:
     args = engine.parse_args(["serve", "m"])
     assert isinstance(args, argparse.Namespace)
     assert args.swap_space == 4 and str(args.swap_space) == "4"
+
+
+def test_first_token_waits_for_the_prefill(engine) -> None:
+    sched = engine.Scheduler(num_blocks=100, block_size=16, max_num_seqs=8, token_delay=0.001,
+                             prefill_base=0.05, prefill_token=0.001)
+    try:
+        req = engine.Request("r", 20, 3, engine.time.monotonic())
+        sched.submit(req)
+        assert req.done.wait(10)
+        assert req.first_token_at - req.arrived >= 0.05 + 0.02
+        assert sched.hist["vllm:time_to_first_token_seconds"].sum >= 0.07
+    finally:
+        sched.stop()
