@@ -638,7 +638,17 @@ def render_svg(cls: Mapping[str, Any]) -> str:
     rows = [r for r in cls.get("per_rank") or [] if r.get("boot_free_bytes") is not None]
     if not rows:
         return ""
-    top = max(max(r["boot_free_bytes"], r["floor_bytes"] or 0) for r in rows) or 1
+    # The axis is zoomed on the figures (free and floor are close, often within a GiB of
+    # each other): from half a span below the lowest to a tenth above the highest.
+    values = [r["boot_free_bytes"] for r in rows] + [r["floor_bytes"] for r in rows if r["floor_bytes"] is not None]
+    low, high = min(values), max(values)
+    span = max(high - low, high // 50, 1)
+    axis_low = max(0, low - span // 2)
+    axis_high = high + span // 10 + 1
+
+    def xpos(nbytes: int) -> float:
+        return round(_LABEL_W + _BAR_W * (nbytes - axis_low) / (axis_high - axis_low), 1)
+
     width = _LABEL_W + _BAR_W + _NOTE_W
     height = _ROW_H * len(rows) + 30
     esc = html.escape
@@ -648,20 +658,20 @@ def render_svg(cls: Mapping[str, Any]) -> str:
     ]
     for i, row in enumerate(rows):
         y = 10 + i * _ROW_H
-        free_w = round(_BAR_W * row["boot_free_bytes"] / top, 1)
+        free_w = round(xpos(row["boot_free_bytes"]) - _LABEL_W, 1)
         ok = row["margin_bytes"] is None or row["margin_bytes"] >= 0
         color = "#2e7d32" if ok else "#c62828"
         label = f"{row['host']} rank {row['rank']}{' *' if row['weakest'] else ''}"
         parts.append(f'<text x="{_LABEL_W - 8}" y="{y + 16}" text-anchor="end" font-size="12">{esc(label)}</text>')
         parts.append(f'<rect x="{_LABEL_W}" y="{y + 3}" width="{free_w}" height="{_ROW_H - 8}" fill="{color}" fill-opacity="0.75"/>')
         if row["floor_bytes"] is not None:
-            fx = round(_LABEL_W + _BAR_W * row["floor_bytes"] / top, 1)
+            fx = xpos(row["floor_bytes"])
             parts.append(f'<line x1="{fx}" x2="{fx}" y1="{y}" y2="{y + _ROW_H - 2}" stroke="#000" stroke-width="3"/>')
         note = f"free {_hb(row['boot_free_bytes'])}, floor {_hb(row['floor_bytes'])}, drift {_signed_hb(row['drift_bytes'])}"
         parts.append(f'<text x="{_LABEL_W + _BAR_W + 8}" y="{y + 16}" font-size="11">{esc(note)}</text>')
     parts.append(
         f'<text x="{_LABEL_W}" y="{height - 4}" font-size="11">bar: NVML free memory at boot (red: below the floor);'
-        " black tick: free floor; * weakest rank</text>"
+        f" black tick: free floor; * weakest rank; axis {esc(_hb(axis_low))} to {esc(_hb(axis_high))}</text>"
     )
     parts.append("</svg>")
     return "\n".join(parts)

@@ -194,9 +194,12 @@ def test_svg_marks_ranks_below_the_floor():
     svg = _report.render_svg(build_report(rollout_data(plan), "rollout", generated=WHEN)["classes"][0])
     assert svg.count("<rect") == 2
     assert 'fill="#c62828"' in svg and 'fill="#2e7d32"' in svg
-    # floor tick sits at 40.75/41.5 of the bar width for the row scaled to the largest figure
+    # zoomed axis: lowest 39, highest 41.5 GiB, span 2.5 GiB -> axis 37.75 .. 41.75 GiB
     ticks = [float(x) for x in re.findall(r'<line x1="([0-9.]+)"', svg)]
-    assert ticks[0] == pytest.approx(230 + 560 * 40.75 / 41.5, abs=0.1)
+    assert ticks == [pytest.approx(230 + 560 * 3 / 4, abs=0.1)] * 2
+    widths = [float(x) for x in re.findall(r'<rect x="230" y="[0-9.]+" width="([0-9.]+)"', svg)]
+    assert widths == [pytest.approx(560 * 1.25 / 4, abs=0.1), pytest.approx(560 * 3.75 / 4, abs=0.1)]
+    assert "axis 37.75GiB to 41.75GiB" in svg
 
 
 def test_html_is_self_contained_and_escaped():
