@@ -165,11 +165,13 @@ def measure(size: int, prefix: str, boot_delay: float, serial: list[Any], forks:
     path = workdir / "fleet.yml"
     path.write_text(yaml.safe_dump(fleet_file(names, boot_delay)), encoding="utf-8")
     sim = fleetctl.Fleet(path)
-    out: dict[str, Any] = {"hosts": size, "serial": serial, "forks": forks, "engine_boot_delay_s": boot_delay}
+    out: dict[str, Any] = {"hosts": size, "serial": serial, "forks": forks, "engine_boot_delay_s": boot_delay,
+                           "measured_at": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime())}
     try:
         start = time.monotonic()
         with contextlib.redirect_stdout(sys.stderr):  # keep stdout for the JSON result
-            sim.create(reset_state=True)
+            # hosts boot one after the other; on a loaded machine 32 take minutes
+            sim.create(reset_state=True, timeout=120 + 15 * size)
         out["fleet_create_seconds"] = round(time.monotonic() - start, 2)
         inv = {"all": {"children": {CLASS.replace("-", "_"): {
             "hosts": {n: sim.h.inventory_data(names=names)["all"]["hosts"][n] for n in names},
