@@ -308,12 +308,15 @@ def render_rollout(res: dict[str, Any]) -> tuple[list[str], list[tuple[str, str,
                      f"{run.get('overhead_per_host_s', 'n/a')} | {ratio(run.get('overhead_per_host_s'), run.get('boot_to_healthy_median_s'))} |")
     lines.append("")
     for run in result["runs"]:
+        if run.get("separate_run"):
+            lines.append(f"- {run['hosts']} hosts: measured by a separate `python bench/rollout_overhead.py --sizes {run['hosts']}` "
+                         f"at {run.get('measured_at', 'n/a')} UTC (not in the run above).")
         if run.get("batches"):
             lines.append(f"- {run['hosts']} hosts, batches (hosts / wall s / overhead s): "
                          + "; ".join(f"{b['hosts']} / {b['wall_s']} / {b['overhead_s']}" for b in run["batches"])
                          + f". Teardown: {run.get('teardown')}.")
         if run.get("error"):
-            lines.append(f"- {run['hosts']} hosts: **failed**: {run['error']}")
+            lines.append(f"- {run['hosts']} hosts: **failed**: {run['error'].splitlines()[0]}")
             tail = run.get("output_tail") or []
             if tail:
                 lines += ["", "  ```", *("  " + ln for ln in tail[-15:]), "  ```"]
@@ -406,7 +409,28 @@ def render(results: dict[str, Any], info: dict[str, Any], argv: list[str], start
     lines += ["## Goals", "", "| goal | measured | status |", "|---|---|---|"]
     lines += [f"| {g} | {m} | {s} |" for g, m, s in goals] or ["| (no part ran) | | |"]
     lines += [""] + body
-    return "\n".join(lines).rstrip("\n") + "\n"
+    text = "\n".join(lines).rstrip("\n") + "\n"
+    # error texts quote paths of the machine that ran the benchmark: show them relative to the checkout
+    return text.replace(str(REPO) + "/", "").replace(str(REPO), ".")
+
+
+def add_rollout_runs(results: dict[str, Any], extra: dict[str, Any]) -> None:
+    """Put the runs of a separate ``rollout_overhead.py`` result in place of the same sizes' runs."""
+    entry = results.setdefault("rollout", {}).setdefault("rollout", {})
+    result = entry.get("result") or {"benchmark": "rollout_overhead", "goal_seconds": extra.get("goal_seconds"), "runs": []}
+    by_size = {r["hosts"]: r for r in result.get("runs", [])}
+    for run in extra.get("runs", []):
+        run["separate_run"] = True
+        by_size[run["hosts"]] = run
+    result["runs"] = [by_size[k] for k in sorted(by_size)]
+    ok = [r for r in result["runs"] if "overhead_per_host_s" in r]
+    result.pop("marginal_seconds_per_host", None)
+    if len(ok) >= 2 and ok[-1]["hosts"] > ok[0]["hosts"]:
+        result["marginal_seconds_per_host"] = round(
+            (ok[-1]["batches_seconds"] - ok[0]["batches_seconds"]) / (ok[-1]["hosts"] - ok[0]["hosts"]), 3)
+    entry["result"] = result
+    if len(ok) == len(result["runs"]):
+        entry.pop("error", None)
 
 
 def atomic_write(path: Path, text: str) -> None:
@@ -430,9 +454,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", default=",".join(PARTS), help=f"comma-separated parts: {', '.join(PARTS)}")
     parser.add_argument("--quick", action="store_true", help="fewer repeats, seeds and hosts")
     parser.add_argument("--from-json", help="render the report again from a previous run's results JSON (measures nothing)")
+    parser.add_argument("--add-rollout", help="with --from-json: a separate rollout_overhead.py JSON whose runs replace "
+                        "the same sizes' runs (the report says when they were measured)")
     args = parser.parse_args(argv)
+    if args.add_rollout and not args.from_json:
+        parser.error("--add-rollout needs --from-json")
     if args.from_json:
         saved = json.loads(Path(args.from_json).read_text(encoding="utf-8"))
+        if args.add_rollout:
+            add_rollout_runs(saved["results"], json.loads(Path(args.add_rollout).read_text(encoding="utf-8")))
         text = render(saved["results"], saved["machine"], saved["argv"], saved["started"], saved["seconds"], tuple(saved["load"]))
         atomic_write(Path(args.out), text)
         print(f"bench: rendered {args.out} from {args.from_json} (run of {saved['started']} UTC)", file=sys.stderr)

@@ -50,3 +50,28 @@ def test_skipped_and_failed_parts_report_no_figures() -> None:
     assert "| rollout: < 5 s per host beyond boot-to-healthy | no figures | n/a |" in text
     assert "Not selected in this run (`--only`)." in text  # planner, canary, drift
     assert "**met**" not in text
+
+
+def rollout_run(hosts: int, batches: float, **extra: object) -> dict:
+    return {"hosts": hosts, "rc": 0, "batches_seconds": batches, "overhead_per_host_s": 1.0, "within_goal": True,
+            "boot_to_healthy_median_s": 2.0, "batches": [], **extra}
+
+
+def test_add_rollout_replaces_the_failed_size_and_says_when_it_was_measured() -> None:
+    results = {"rollout": {"rollout": {"command": "python bench/rollout_overhead.py --sizes 8,32", "rc": 1, "seconds": 9.0,
+                                       "error": "exit status 1",
+                                       "result": {"runs": [rollout_run(8, 80.0), {"hosts": 32, "error": "boot timed out"}]}}}}
+    bench_run.add_rollout_runs(results, {"runs": [rollout_run(32, 320.0, measured_at="2026-01-01 01:00:00")]})
+    entry = results["rollout"]["rollout"]
+    assert "error" not in entry
+    assert [r["hosts"] for r in entry["result"]["runs"]] == [8, 32]
+    assert entry["result"]["marginal_seconds_per_host"] == 10.0
+    text = bench_run.render(results, INFO, ["python", "bench/run.py"], "2026-01-01 00:00:00", 1.0, (0.1, 0.2))
+    assert "measured by a separate `python bench/rollout_overhead.py --sizes 32` at 2026-01-01 01:00:00 UTC" in text
+
+
+def test_render_shows_checkout_paths_relative() -> None:
+    results = {"rollout": {"rollout": bench_run.skipped(f"no rootfs at {bench_run.REPO}/.cache/rootfs")}}
+    text = bench_run.render(results, INFO, ["python", "bench/run.py"], "2026-01-01 00:00:00", 1.0, (0.1, 0.2))
+    assert str(bench_run.REPO) not in text
+    assert "no rootfs at .cache/rootfs" in text
