@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 # Copyright (c) gpufleet.vllm contributors
 # GNU General Public License v3.0+ (see https://www.gnu.org/licenses/gpl-3.0.txt)
 """Watch a real co-tenant move NVML free memory, and measure the CUDA-context gap.
