@@ -132,7 +132,7 @@ def test_manual_budget_exec_start(rendered):
 
 
 def test_auto_profile_has_no_byte_budget(rendered):
-    units, _ = rendered
+    units = rendered[0]
     words = exec_start(units["auto"])
     assert "--kv-cache-memory-bytes" not in words
     assert option(words, "--gpu-memory-utilization") == "0.9"
@@ -140,7 +140,7 @@ def test_auto_profile_has_no_byte_budget(rendered):
 
 
 def test_multi_instance_units_differ_in_gpus_and_port(rendered):
-    units, _ = rendered
+    units = rendered[0]
     a, b = exec_start(units["multi_a"]), exec_start(units["multi_b"])
     assert option(a, "--port") == "8000" and option(b, "--port") == "8001"
     assert "Environment=CUDA_VISIBLE_DEVICES=0,1" in units["multi_a"]
@@ -172,7 +172,7 @@ def test_hardening_and_restart_policy(rendered, case):
 @pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze is not installed")
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_systemd_analyze_verify_accepts_the_unit(rendered, case):
-    _, out = rendered
+    out = rendered[1]
     unit = out / f"vllm-{case.replace('_', '-')}.service"
     shutil.copy(out / f"{case}.service", unit)
     proc = subprocess.run(["systemd-analyze", "verify", str(unit)], capture_output=True, text=True, timeout=60, check=False)
@@ -183,7 +183,7 @@ def test_systemd_analyze_verify_accepts_the_unit(rendered, case):
 
 @pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze is not installed")
 def test_systemd_analyze_verify_rejects_a_broken_unit(rendered):
-    _, out = rendered
+    out = rendered[1]
     bad = out / "vllm-broken.service"
     bad.write_text(rendered[0]["manual"].replace(f"ExecStart={out / 'vllm'}", "ExecStart=relative/vllm"))
     proc = subprocess.run(["systemd-analyze", "verify", str(bad)], capture_output=True, text=True, timeout=60, check=False)
