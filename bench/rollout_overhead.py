@@ -157,6 +157,14 @@ def boot_to_healthy(harness: testhosts.Harness, host: str) -> float | None:
     return None if started is None or healthy is None else round(healthy - started, 3)
 
 
+def inotify_instances() -> int | None:
+    try:
+        with open("/proc/sys/fs/inotify/max_user_instances", encoding="utf-8") as fh:
+            return int(fh.read().strip())
+    except (OSError, ValueError):
+        return None
+
+
 def measure(size: int, prefix: str, boot_delay: float, serial: list[Any], forks: int, timeout: float) -> dict[str, Any]:
     names = [f"{prefix}-{i:02d}" for i in range(1, size + 1)]
     workdir = CACHE / "bench" / f"rollout-{size}"
@@ -166,7 +174,8 @@ def measure(size: int, prefix: str, boot_delay: float, serial: list[Any], forks:
     path.write_text(yaml.safe_dump(fleet_file(names, boot_delay)), encoding="utf-8")
     sim = fleetctl.Fleet(path)
     out: dict[str, Any] = {"hosts": size, "serial": serial, "forks": forks, "engine_boot_delay_s": boot_delay,
-                           "measured_at": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime())}
+                           "measured_at": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()),
+                           "inotify_max_user_instances": inotify_instances()}
     try:
         start = time.monotonic()
         with contextlib.redirect_stdout(sys.stderr):  # keep stdout for the JSON result
@@ -212,6 +221,10 @@ def measure(size: int, prefix: str, boot_delay: float, serial: list[Any], forks:
             out["output_tail"] = [ln for _t, ln in lines[-40:]]
     except (fleetctl.FleetError, testhosts.HarnessError, RuntimeError, OSError) as exc:
         out["error"] = str(exc)
+        limit = inotify_instances()
+        if "not ready before the timeout" in out["error"] and limit is not None and limit < 16 * size:
+            out["error"] = (f"{out['error'].splitlines()[0]} (fs.inotify.max_user_instances is {limit}: every guest's systemd "
+                            f"needs inotify instances of the same user; raise it, e.g. to {max(1024, 16 * size)}, for {size} hosts)")
     finally:
         try:
             with contextlib.redirect_stdout(sys.stderr):
