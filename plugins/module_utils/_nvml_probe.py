@@ -456,7 +456,8 @@ def _probe(session: _Session, devices: Sequence[Any] | None, samples: int, inter
         processes = _processes(session, handle, label, own, proc_root)
         own_used = sum(p["used_bytes"] or 0 for p in processes or () if p["own"])
         total = int(last["total"] or 0)
-        boot_free = int(last["free"] or 0) + own_used
+        # The lowest sample, not the last: a dip seen while sampling is what a boot may meet.
+        boot_free = min(frees) + own_used
         if boot_free > total:
             session.warnings.append(f"{session.where(label)}: free + own processes ({boot_free}) exceeds total "
                                     f"({total}); boot_free_bytes capped at total")

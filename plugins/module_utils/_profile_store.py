@@ -246,7 +246,10 @@ class ProfileStore:
                 os.makedirs(directory, mode=0o755, exist_ok=True)
             except OSError as exc:
                 raise ProfileStoreError(f"{directory}: cannot create: {exc.strerror or exc}") from None
-            fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".yml", dir=directory)
+            try:
+                fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".yml", dir=directory)
+            except OSError as exc:
+                raise ProfileStoreError(f"{directory}: cannot write: {exc.strerror or exc}") from None
             try:
                 with os.fdopen(fd, "w", encoding="utf-8") as handle:
                     handle.write(text)

@@ -14,7 +14,7 @@ description:
     the processes holding GPU memory, and the driver, CUDA driver and NVML versions.
   - Counts the GPU memory held by this host's own engine processes (the systemd units in
     O(service_units), their descendants, and O(service_pids)) and reports
-    C(boot_free_bytes), the free memory that engine would see if it booted now.
+    C(boot_free_bytes), the free memory that engine would see if it booted now (from the lowest sample).
   - With O(samples) greater than one, reads memory repeatedly O(interval) seconds apart and
     reports the lowest and highest free figure, to spot GPUs whose free memory moves.
   - Never changes anything; always returns C(changed=false).
@@ -118,7 +118,7 @@ gpus:
     samples: {description: Number of readings taken., type: int, returned: always, sample: 1}
     own_used_bytes: {description: GPU memory held by this host's own engine processes., type: int, returned: always, sample: 0}
     boot_free_bytes:
-      description: C(free_bytes) plus C(own_used_bytes), the free memory the engine would see if it booted now (capped at total).
+      description: C(free_min_bytes) plus C(own_used_bytes), the free memory the engine would see if it booted now (capped at total); the lowest sample, because a dip seen while sampling is what a boot may meet.
       type: int
       returned: always
       sample: 149114847232

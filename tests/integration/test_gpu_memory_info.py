@@ -149,6 +149,7 @@ def test_sampling_sees_free_memory_move(hosts: TestHosts) -> None:
     assert g0["free_min_bytes"] == g0["free_max_bytes"]
     assert g1["free_max_bytes"] - g1["free_min_bytes"] == 700 << 20
     assert g1["samples"] == 4
+    assert g1["boot_free_bytes"] == g1["free_min_bytes"]  # no own process: the dip bounds the boot
 
 
 @pytest.mark.parametrize(("setup", "message"), [
