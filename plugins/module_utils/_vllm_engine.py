@@ -69,7 +69,9 @@ def option_name(key: str) -> str:
 def render_serve_args(serve_args: t.Mapping[str, t.Any] | None) -> list[str]:
     """Render a dict of ``vllm serve`` options as argv words.
 
-    ``True`` gives a bare flag, ``False``/``None`` omit the option, a list gives
+    ``True`` gives a bare flag, ``False`` gives ``--no-<flag>`` (vLLM's boolean options
+    are ``BooleanOptionalAction``s, and several default to on, e.g. prefix caching, so
+    omitting a ``False`` would silently keep the default), ``None`` omits the option, a list gives
     the flag followed by its items (vLLM's ``nargs='+'`` options), a dict gives
     compact JSON (``--compilation-config '{...}'``), anything else ``str()``.
     Options the canary controls itself are refused.
@@ -89,10 +91,12 @@ def render_serve_args(serve_args: t.Mapping[str, t.Any] | None) -> list[str]:
                 f"(use the module's own argument, not serve_args)"
             )
         flag = "--" + name
-        if value is None or value is False:
+        if value is None:
             continue
         if value is True:
             argv.append(flag)
+        elif value is False:
+            argv.append("--no-" + name)
         elif isinstance(value, (list, tuple)):
             if not value:
                 raise EngineSpecError(f"serve_args: option {key!r} is an empty list")

@@ -68,7 +68,7 @@ options:
   serve_args:
     description:
       - Other C(vllm serve) options. Keys use underscores or dashes (V(max_model_len) becomes C(--max-model-len)).
-      - V(true) gives a bare flag, V(false) or V(null) omit the option, a list gives the flag followed by its items,
+      - V(true) gives a bare flag, V(false) gives C(--no-<flag>) (vLLM boolean options), V(null) omits the option, a list gives the flag followed by its items,
         a dictionary is passed as JSON.
       - C(host), C(port), C(gpu_memory_utilization) and C(kv_cache_memory_bytes) are refused here, the module sets them.
       - Values of options whose name looks secret (C(api_key)...) are masked in RV(argv) and everywhere in the

@@ -184,13 +184,13 @@ def no_process_with(marker: str) -> bool:
 
 def test_render_serve_args_types():
     argv = eng.render_serve_args({
-        "max_model_len": 8192, "enforce_eager": True, "disable_log_stats": False, "quantization": None,
+        "max_model_len": 8192, "enforce_eager": True, "enable_prefix_caching": False, "quantization": None,
         "--served-model-name": ["a", "b"], "compilation_config": {"level": 0, "cudagraph_capture_sizes": [1, 2]},
         "dtype": "bfloat16", "swap_space": 0.5,
     })
     assert argv == [
         "--compilation-config", '{"cudagraph_capture_sizes":[1,2],"level":0}',
-        "--dtype", "bfloat16", "--enforce-eager", "--max-model-len", "8192",
+        "--dtype", "bfloat16", "--no-enable-prefix-caching", "--enforce-eager", "--max-model-len", "8192",
         "--served-model-name", "a", "b", "--swap-space", "0.5",
     ]
 
