@@ -93,7 +93,12 @@ def rendered(tmp_path_factory):
     play = [{"hosts": "localhost", "connection": "local", "gather_facts": False, "tasks": tasks}]
     pb = out / "render.yml"
     pb.write_text(json.dumps(play))
-    env = dict(os.environ, ANSIBLE_NOCOLOR="1", ANSIBLE_LOCALHOST_WARNING="0", ANSIBLE_INVENTORY_UNPARSED_WARNING="0")
+    # The template uses the collection's filters: make this checkout gpufleet.vllm.
+    collections = out / "collections"
+    (collections / "ansible_collections" / "gpufleet").mkdir(parents=True)
+    os.symlink(ROOT, collections / "ansible_collections" / "gpufleet" / "vllm")
+    env = dict(os.environ, ANSIBLE_COLLECTIONS_PATH=str(collections), ANSIBLE_NOCOLOR="1",
+               ANSIBLE_LOCALHOST_WARNING="0", ANSIBLE_INVENTORY_UNPARSED_WARNING="0")
     argv = [str(playbook_bin), "-i", "localhost,", "-e", f"ansible_python_interpreter={sys.executable}", str(pb)]
     proc = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=120, check=False)
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -122,7 +127,9 @@ def test_manual_budget_exec_start(rendered):
     assert option(words, "--tensor-parallel-size") == "2"
     assert option(words, "--max-model-len") == "8192"
     assert "--enforce-eager" in words
+    # false is rendered, not dropped: prefix caching defaults to on in vLLM.
     assert "--enable-prefix-caching" not in words
+    assert "--no-enable-prefix-caching" in words
     assert json.loads(option(words, "--compilation-config")) == {"cudagraph_capture_sizes": [1, 2, 4]}
     i = words.index("--served-model-name")
     assert words[i + 1 : i + 3] == ["llama", "llama 8b"]
