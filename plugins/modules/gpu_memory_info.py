@@ -118,7 +118,9 @@ gpus:
     samples: {description: Number of readings taken., type: int, returned: always, sample: 1}
     own_used_bytes: {description: GPU memory held by this host's own engine processes., type: int, returned: always, sample: 0}
     boot_free_bytes:
-      description: C(free_min_bytes) plus C(own_used_bytes), the free memory the engine would see if it booted now (capped at total); the lowest sample, because a dip seen while sampling is what a boot may meet.
+      description:
+        - C(free_min_bytes) plus C(own_used_bytes), the free memory the engine would see if it booted now (capped at total).
+        - The lowest sample counts, because a dip seen while sampling is what a boot may meet.
       type: int
       returned: always
       sample: 149114847232
