@@ -44,7 +44,7 @@ def ansible_doc(collections_path: Path, plugin_type: str, names: list[str]) -> d
 
 def test_plugins_found():
     assert "rollout_report" in MODULES and "kv_plan" in MODULES and "gpu_memory_info" in MODULES
-    assert FILTERS == ["human_bytes", "kv_bytes_per_token", "to_bytes"]
+    assert FILTERS == ["human_bytes", "kv_bytes_per_token", "to_bytes", "vllm_secret_options", "vllm_serve_argv"]
 
 
 def test_module_docs_and_examples(collections_path):
