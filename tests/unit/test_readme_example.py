@@ -1,0 +1,37 @@
+# Copyright (c) gpufleet maintainers
+# GNU General Public License v3.0+ (see https://www.gnu.org/licenses/gpl-3.0.txt)
+"""The README's worked example is what the planner computes, not typed-in figures."""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from ansible_collections.gpufleet.vllm.plugins.module_utils._plan import plan_class
+from ansible_collections.gpufleet.vllm.plugins.module_utils._sizes import human_bytes
+
+README = Path(__file__).resolve().parents[2] / "README.md"
+LLAMA_8B = {"model_type": "llama", "hidden_size": 4096, "num_attention_heads": 32, "num_hidden_layers": 32,
+            "num_key_value_heads": 8, "torch_dtype": "bfloat16"}
+
+
+def worked_example() -> str:
+    text = README.read_text(encoding="utf-8")
+    start = text.index("### Worked example")
+    return text[start:text.index("\n## ", start)]
+
+
+def test_readme_worked_example_matches_the_planner() -> None:
+    plan = plan_class({
+        "host_class": "readme",
+        "reference": {"ranks": [{"rank": 0, "free_bytes": "42GiB", "kv_bytes": "30GiB"}], "total_bytes": "141GiB",
+                      "geometry": {"config": LLAMA_8B, "serve_args": {"max_model_len": 8192}}},
+        "hosts": {"a": [{"rank": 0, "boot_free_bytes": "40.75GiB"}]},
+        "guard_bytes": "0.5GiB",
+    })
+    section = worked_example()
+    assert re.search(r"B_adj\s+= 30 - max\(0, 42 - 40\.75\) - 0\.5 = (\S+) GiB", section).group(1) + "GiB" \
+        == human_bytes(plan["kv_cache_memory_bytes"])
+    floor = re.search(r"F_floor = 42 - \(30 - 0\.5 - 28\.25\) = (\S+) GiB", section).group(1)
+    assert floor + "GiB" == human_bytes(plan["free_floor_bytes"][0])
+    assert f"{plan['bytes_per_token']:,} bytes per token" in section
+    assert f"{plan['num_blocks']:,} blocks, {plan['kv_cache_tokens']:,} tokens" in section
