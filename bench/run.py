@@ -386,6 +386,30 @@ def render_drift(res: dict[str, Any]) -> tuple[list[str], list[tuple[str, str, s
 RENDER = {"planner": render_planner, "probe": render_probe, "canary": render_canary, "rollout": render_rollout, "drift": render_drift}
 
 
+def render_recorded_gpu(measurements: Path = REPO / "docs" / "measurements") -> list[str]:
+    """The real-GPU probe figures recorded by ``tests/device/nvml_real_check.py``.
+
+    No GPU is reachable from this runner, so these are never measured by ``make bench``:
+    they are shown as recorded, with their date and source file, and only when present."""
+    lines: list[str] = []
+    for path in sorted(measurements.glob("*-nvml_real.json")):
+        data = json.loads(path.read_text(encoding="utf-8"))
+        probe, smi = data.get("probe_timing") or {}, data.get("nvidia_smi_timing") or {}
+        if not probe.get("median_ms") or not smi.get("median_ms"):
+            continue
+        gpus = (data.get("probe_single") or {}).get("gpus") or [{}]
+        lines += [f"| {path.name} | {gpus[0].get('name', '?')} x{len(gpus)} | {probe['median_ms']} ({probe['runs']} runs) "
+                  f"| {smi['median_ms']} ({smi['runs']} runs) | {ratio(probe['median_ms'], smi['median_ms'])} |"]
+    if not lines:
+        return []
+    return ["## Real GPU (recorded, not measured by this run)", "",
+            "`python3 tests/device/nvml_real_check.py` on a machine with a real NVIDIA GPU: one in-process probe "
+            "(`samples=1`) against one `nvidia-smi --query-gpu=... --format=csv` call, medians in ms, in the same "
+            "run of that script. Details: `docs/measurements.md`.", "",
+            "| recorded in | GPUs | probe median ms | nvidia-smi median ms | probe vs nvidia-smi |",
+            "|---|---|---:|---:|---:|", *lines, ""]
+
+
 def render(results: dict[str, Any], info: dict[str, Any], argv: list[str], started: str, seconds: float,
            load: tuple[float, float]) -> str:
     lines = ["# Benchmarks", "",
@@ -409,7 +433,7 @@ def render(results: dict[str, Any], info: dict[str, Any], argv: list[str], start
         goals += part_goals
     lines += ["## Goals", "", "| goal | measured | status |", "|---|---|---|"]
     lines += [f"| {g} | {m} | {s} |" for g, m, s in goals] or ["| (no part ran) | | |"]
-    lines += [""] + body
+    lines += [""] + body + render_recorded_gpu()
     text = "\n".join(lines).rstrip("\n") + "\n"
     # error texts quote paths of the machine that ran the benchmark: show them relative to the checkout
     return text.replace(str(REPO) + "/", "").replace(str(REPO), ".")

@@ -75,3 +75,16 @@ def test_render_shows_checkout_paths_relative() -> None:
     text = bench_run.render(results, INFO, ["python", "bench/run.py"], "2026-01-01 00:00:00", 1.0, (0.1, 0.2))
     assert str(bench_run.REPO) not in text
     assert "no rootfs at .cache/rootfs" in text
+
+
+def test_recorded_gpu_section_only_from_recorded_files(tmp_path):
+    assert not bench_run.render_recorded_gpu(tmp_path)
+    (tmp_path / "gpu-2026-01-01-nvml_real.json").write_text(
+        '{"probe_timing": {"median_ms": 10.0, "runs": 20}, "nvidia_smi_timing": {"median_ms": 40.0, "runs": 5},'
+        ' "probe_single": {"gpus": [{"name": "NVIDIA H200"}, {"name": "NVIDIA H200"}]}}', encoding="utf-8")
+    (tmp_path / "broken-nvml_real.json").write_text('{"probe_timing": {}}', encoding="utf-8")
+    lines = bench_run.render_recorded_gpu(tmp_path)
+    assert lines[0] == "## Real GPU (recorded, not measured by this run)"
+    rows = [line for line in lines if line.startswith("| gpu-")]
+    assert rows == ["| gpu-2026-01-01-nvml_real.json | NVIDIA H200 x2 | 10.0 (20 runs) | 40.0 (5 runs) | 0.25x |"]
+    assert not [line for line in lines if "broken" in line]
