@@ -5,6 +5,7 @@
     fleetctl.py destroy [--fleet FILE] [--all]
     fleetctl.py inject HOST cotenant --gpu N --bytes SIZE [--pid PID] [--remove]
     fleetctl.py inject HOST gpu-lost --gpu N [--clear]
+    fleetctl.py inject HOST noise --gpu N --bytes A,B,... [--clear]
     fleetctl.py inject HOST fail-next-boot [--kind oom|startup|one_request|no_memory|profiling_error|gpu_lost|hang|crash]
                                            [--clear]
     fleetctl.py inject HOST unreachable [--clear]
@@ -136,6 +137,8 @@ def load_fleet(path: Path) -> dict[str, Any]:
             raise FleetError(f"{where}: host names must start with {HOST_PREFIX!r} and use a-z, 0-9, '-'")
         if host.get("class") not in data["classes"]:
             raise FleetError(f"{where}.class: {host.get('class')!r} is not in classes")
+        if host.get("gpu_model") is not None and host["gpu_model"] not in data["gpu_models"]:
+            raise FleetError(f"{where}.gpu_model: {host['gpu_model']!r} is not in gpu_models")
         ngpu = data["classes"][host["class"]]["gpus"]
         base = host.get("base_used", [0] * ngpu)
         if len(base) != ngpu:
@@ -146,7 +149,22 @@ def load_fleet(path: Path) -> dict[str, Any]:
             if not isinstance(co.get("gpu"), int) or not 0 <= co["gpu"] < ngpu:
                 raise FleetError(f"{where}.cotenants[{i}].gpu: expected 0-{ngpu - 1}")
             parse_size(co.get("bytes"), f"{where}.cotenants[{i}].bytes")
+        noise = host.get("noise")
+        if noise is not None:
+            if not isinstance(noise, list) or len(noise) != ngpu:
+                raise FleetError(f"{where}.noise: expected a list of {ngpu} lists (one per GPU)")
+            for i, values in enumerate(noise):
+                if not isinstance(values, list):
+                    raise FleetError(f"{where}.noise[{i}]: expected a list of sizes")
+                for j, val in enumerate(values):
+                    parse_size(val, f"{where}.noise[{i}][{j}]")
     return data
+
+
+def host_gpu_model(fleet: dict[str, Any], host: str) -> str:
+    """The GPU model of a host: its own ``gpu_model``, else its class's."""
+    spec = fleet["hosts"][host]
+    return str(spec.get("gpu_model") or fleet["classes"][spec["class"]]["gpu_model"])
 
 
 def gpu_uuid(host: str, index: int) -> str:
@@ -158,15 +176,16 @@ def build_state(fleet: dict[str, Any], host: str) -> dict[str, Any]:
     """The fake NVML state of one host, in nvml_state's dict shape."""
     spec = fleet["hosts"][host]
     cls = fleet["classes"][spec["class"]]
-    model = fleet["gpu_models"][cls["gpu_model"]]
+    model = fleet["gpu_models"][host_gpu_model(fleet, host)]
     state = nvml_state.new_state()
     state["system"].update({k: v for k, v in (fleet.get("system") or {}).items() if k in state["system"]})
     base = spec.get("base_used", [0] * cls["gpus"])
+    noise = spec.get("noise") or [[] for _gpu in range(cls["gpus"])]
     for i in range(cls["gpus"]):
         state["gpus"].append(nvml_state.make_gpu(
             i, parse_size(model["total"]), name=model["name"], uuid=gpu_uuid(host, i),
             reserved=parse_size(model.get("reserved", 0)), cc=str(model.get("cc", "9.0")),
-            base_used=parse_size(base[i])))
+            base_used=parse_size(base[i]), noise=[parse_size(v) for v in noise[i]]))
     for n, co in enumerate(spec.get("cotenants") or []):
         nvml_state.add_process(state, gpu=co["gpu"], pid=int(co.get("pid") or COTENANT_PID_BASE + n),
                                used=parse_size(co["bytes"]), name=str(co.get("name", "python3")))
@@ -279,7 +298,7 @@ class Fleet:
             os.chown(path, uid, gid)
             os.chmod(path, 0o664)
         print(f"{host}: {info.address} class {fleet['hosts'][host]['class']} {cls['gpus']}x "
-              f"{fleet['gpu_models'][cls['gpu_model']]['name']} model {cls['model']}")
+              f"{fleet['gpu_models'][host_gpu_model(fleet, host)]['name']} model {cls['model']}")
 
     # -------------------------------------------------------------- destroy
     def destroy(self, all_hosts: bool = False) -> list[str]:
@@ -347,6 +366,26 @@ class Fleet:
         self._edit_state(host, mutate)
         print(f"{host}: GPU {gpu} {'back' if clear else 'lost (NVML error 15)'}")
 
+    def inject_noise(self, host: str, gpu: int, values: list[int] | None) -> None:
+        """Make free memory of one GPU move between reads (None or []: steady again).
+
+        NVML readers on the host (the probe, the gate) see ``free`` lowered by the
+        values in turn, one per memory read of their process (the fake library's
+        ``noise``); the simulated engine reads the state file itself and is not
+        affected.
+        """
+        def mutate(state: dict[str, Any]) -> None:
+            for g in state["gpus"]:
+                if g["index"] == gpu:
+                    g["noise"] = list(values or [])
+                    return
+            raise FleetError(f"{host}: no GPU {gpu} (it has {len(state['gpus'])})")
+        self._edit_state(host, mutate)
+        if values:
+            print(f"{host}: GPU {gpu} free memory moves by {', '.join(human(v) for v in values)} between reads")
+        else:
+            print(f"{host}: GPU {gpu} free memory steady")
+
     def inject_fail_next_boot(self, host: str, kind: str | None) -> None:
         """Make the next engine boot on ``host`` fail with ``kind`` (None: cancel a pending fault)."""
         path = self.sim_file(host)
@@ -385,7 +424,7 @@ class Fleet:
                     used: dict[int, int] = {}
                     for p in state["procs"]:
                         used[p["gpu"]] = used.get(p["gpu"], 0) + p["used"]
-                    entry["gpus"] = [{"index": g["index"], "name": g["name"], "error": g["error"],
+                    entry["gpus"] = [{"index": g["index"], "name": g["name"], "error": g["error"], "noise": g["noise"],
                                       "free": g["total"] - g["reserved"] - g["base_used"] - used.get(g["index"], 0)}
                                      for g in state["gpus"]]
                     entry["processes"] = state["procs"]
@@ -530,6 +569,10 @@ def build_parser() -> argparse.ArgumentParser:
     k = kinds.add_parser("gpu-lost")
     k.add_argument("--gpu", type=int, required=True)
     k.add_argument("--clear", action="store_true")
+    k = kinds.add_parser("noise", help="free memory of a GPU moves between reads (unstable free memory)")
+    k.add_argument("--gpu", type=int, required=True)
+    k.add_argument("--bytes", dest="values", help="comma-separated sizes taken from free on successive reads")
+    k.add_argument("--clear", action="store_true")
     k = kinds.add_parser("fail-next-boot")
     k.add_argument("--kind", default="oom", choices=FAULT_KINDS)
     k.add_argument("--clear", action="store_true", help="cancel a pending boot failure")
@@ -563,6 +606,11 @@ def main(argv: list[str] | None = None) -> int:
                 fleet.inject_cotenant(args.host, args.gpu, size, args.pid, args.remove)
             elif args.fault == "gpu-lost":
                 fleet.inject_gpu_lost(args.host, args.gpu, args.clear)
+            elif args.fault == "noise":
+                if not args.clear and not args.values:
+                    raise FleetError("noise: --bytes A,B,... is required (unless --clear)")
+                values = None if args.clear else [parse_size(v.strip(), "--bytes") for v in args.values.split(",") if v.strip()]
+                fleet.inject_noise(args.host, args.gpu, values)
             elif args.fault == "fail-next-boot":
                 fleet.inject_fail_next_boot(args.host, None if args.clear else args.kind)
             elif args.fault == "unreachable":

@@ -119,6 +119,65 @@ def test_fleet_errors_name_the_field(tmp_path, fleet) -> None:
         fleetctl.load_fleet(path)
 
 
+def _small_fleet(**host_fields) -> dict:
+    return {
+        "gpu_models": {"l40s": {"name": "NVIDIA L40S", "total": 48 * GiB, "reserved": "441MiB"},
+                       "l40": {"name": "NVIDIA L40", "total": 48 * GiB, "reserved": "441MiB"}},
+        "classes": {"c": {"gpu_model": "l40s", "gpus": 2, "model": "llama-3.1-8b-instruct"}},
+        "hosts": {"sim-x-1": {"class": "c"}, "sim-x-2": dict({"class": "c"}, **host_fields)},
+    }
+
+
+def test_host_gpu_model_and_noise_reach_the_state(tmp_path) -> None:
+    path = tmp_path / "fleet.yml"
+    path.write_text(yaml.safe_dump(_small_fleet(gpu_model="l40", noise=[[], [0, "384MiB"]])))
+    fleet = fleetctl.load_fleet(path)
+    same, other = fleetctl.build_state(fleet, "sim-x-1"), fleetctl.build_state(fleet, "sim-x-2")
+    assert [g["name"] for g in same["gpus"]] == ["NVIDIA L40S"] * 2
+    assert [g["noise"] for g in same["gpus"]] == [[], []]
+    assert [g["name"] for g in other["gpus"]] == ["NVIDIA L40"] * 2
+    assert [g["noise"] for g in other["gpus"]] == [[], [0, 384 << 20]]
+    back = fleetctl.nvml_state.loads(fleetctl.nvml_state.dumps(other))
+    assert back["gpus"][1]["noise"] == [0, 384 << 20]
+
+
+@pytest.mark.parametrize(("fields", "message"), [
+    ({"gpu_model": "a100"}, r"hosts\.sim-x-2\.gpu_model: 'a100' is not in gpu_models"),
+    ({"noise": [[0, 1]]}, r"hosts\.sim-x-2\.noise: expected a list of 2 lists"),
+    ({"noise": [[], ["lots"]]}, r"hosts\.sim-x-2\.noise\[1\]\[0\]"),
+])
+def test_host_gpu_model_and_noise_errors_name_the_field(tmp_path, fields, message) -> None:
+    path = tmp_path / "fleet.yml"
+    path.write_text(yaml.safe_dump(_small_fleet(**fields)))
+    with pytest.raises(fleetctl.FleetError, match=message):
+        fleetctl.load_fleet(path)
+
+
+def test_inject_noise_sets_and_clears_one_gpu(tmp_path, monkeypatch) -> None:
+    path = tmp_path / "fleet.yml"
+    path.write_text(yaml.safe_dump(_small_fleet()))
+    sim = fleetctl.Fleet(path)
+    state = tmp_path / "state"
+    fleetctl.nvml_state.save(str(state), fleetctl.build_state(sim.fleet, "sim-x-2"))
+    monkeypatch.setattr(sim, "state_file", lambda host: state)
+    sim.inject_noise("sim-x-2", 1, [0, 384 << 20])
+    assert [g["noise"] for g in fleetctl.nvml_state.load(str(state))["gpus"]] == [[], [0, 384 << 20]]
+    sim.inject_noise("sim-x-2", 1, None)
+    assert [g["noise"] for g in fleetctl.nvml_state.load(str(state))["gpus"]] == [[], []]
+    with pytest.raises(fleetctl.FleetError, match="sim-x-2: no GPU 2"):
+        sim.inject_noise("sim-x-2", 2, [1])
+
+
+def test_noise_command_line(monkeypatch) -> None:
+    calls = []
+    monkeypatch.setattr(fleetctl.os, "geteuid", lambda: 0)
+    monkeypatch.setattr(fleetctl.Fleet, "inject_noise", lambda self, host, gpu, values: calls.append((host, gpu, values)))
+    assert fleetctl.main(["inject", "sim-x-2", "noise", "--gpu", "1", "--bytes", "0, 384MiB"]) == 0
+    assert fleetctl.main(["inject", "sim-x-2", "noise", "--gpu", "1", "--clear"]) == 0
+    assert fleetctl.main(["inject", "sim-x-2", "noise", "--gpu", "1"]) == 1
+    assert calls == [("sim-x-2", 1, [0, 384 << 20]), ("sim-x-2", 1, None)]
+
+
 def test_report_summary_reads_class_sections() -> None:
     plan = {"decision": "deploy", "kv_cache_memory_bytes": 30 * GiB, "kv_cache_tokens": 196608,
             "free_floor_bytes": {"0": 40 * GiB}}
