@@ -69,13 +69,16 @@ def judge(tokens: int, min_tokens: int, ttft: float = 0.2) -> tuple[str, list[st
     return verdict, reasons
 
 
-def test_playbook_passes_the_planned_tokens_only_for_fit_admission():
+def test_playbook_passes_the_planned_tokens_only_for_fit_admission_and_split():
     tasks = yaml.safe_load((ROOT / "playbooks" / "parts" / "plan_classes.yml").read_text())[0]["tasks"]
     expr = find_task(tasks, "Run the manual canary with the planned budget")["vars"]["vllm_canary_min_tokens"]
-    fit = {"kv_plan_result": {"budget_mode": "fit_admission", "kv_cache_tokens": PLAN_TOKENS}}
-    safe = {"kv_plan_result": {"budget_mode": "max_safe", "kv_cache_tokens": 490000}}
+    fit = {"kv_plan_result": {"budget_mode": "fit_admission", "decision": "deploy", "kv_cache_tokens": PLAN_TOKENS}}
+    safe = {"kv_plan_result": {"budget_mode": "max_safe", "decision": "deploy", "kv_cache_tokens": 490000}}
+    # split_policy warn deploys the weakest host's budget on the whole class
+    split = {"kv_plan_result": {"budget_mode": "max_safe", "decision": "split", "kv_cache_tokens": 416000}}
     assert int(render(expr, fit)) == PLAN_TOKENS
     assert int(render(expr, safe)) == 0
+    assert int(render(expr, split)) == 416000
 
 
 def test_right_sized_canary_reaching_the_plan_passes():

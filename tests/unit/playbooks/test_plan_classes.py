@@ -1,0 +1,74 @@
+# Copyright (c) gpufleet maintainers
+# GNU General Public License v3.0+ (see LICENSES/GPL-3.0-or-later.txt or https://www.gnu.org/licenses/gpl-3.0.txt)
+# SPDX-License-Identifier: GPL-3.0-or-later
+"""The class state parts/plan_classes.yml keeps when a class stops.
+
+The expressions are the ones in the playbook (read from its file and templated by
+Ansible's own templar).
+"""
+
+from __future__ import annotations
+
+import pathlib
+import typing as t
+
+import yaml
+from ansible.parsing.dataloader import DataLoader
+from ansible.template import Templar, trust_as_template
+
+ROOT = pathlib.Path(__file__).resolve().parents[3]
+
+SPLIT_PLAN = {
+    "decision": "split",
+    "kv_cache_memory_bytes": 27 * 2**30,
+    "reasons": ["split outliers h3/main into their own class"],
+    "split": [{"name": "c-main", "hosts": ["h1/main", "h2/main"], "kv_cache_memory_bytes": 31 * 2**30},
+              {"name": "c-low", "hosts": ["h3/main"], "kv_cache_memory_bytes": 27 * 2**30}],
+}
+
+
+def find_task(tasks: list[dict[str, t.Any]], name: str) -> dict[str, t.Any]:
+    for task in tasks:
+        if task.get("name") == name:
+            return task
+        for key in ("block", "rescue", "always"):
+            if key in task:
+                try:
+                    return find_task(task[key], name)
+                except KeyError:
+                    pass
+    raise KeyError(name)
+
+
+def failed_class_state(variables: dict[str, t.Any]) -> dict[str, t.Any]:
+    plays = yaml.safe_load((ROOT / "playbooks" / "parts" / "plan_classes.yml").read_text(encoding="utf-8"))
+    state = find_task(plays[0]["tasks"], "Keep the failure of the class")["ansible.builtin.set_fact"]["gpufleet_class_state"]
+    variables = dict(variables, gpufleet_host_class="c", inventory_hostname="h1",
+                     ansible_failed_task={"name": "Stop the class on a split (split_policy fail), class c"},
+                     ansible_failed_result={"msg": "kv_plan: class c should be split"})
+    templar = Templar(loader=DataLoader(), variables=variables)
+
+    def render(value: t.Any) -> t.Any:
+        if isinstance(value, str):
+            return templar.template(trust_as_template(value))
+        if isinstance(value, list):
+            return [render(v) for v in value]
+        if isinstance(value, dict):
+            return {k: render(v) for k, v in value.items()}
+        return value
+
+    return render(state)
+
+
+def test_a_class_stopped_after_planning_keeps_its_plan() -> None:
+    state = failed_class_state({"kv_plan_result": SPLIT_PLAN})
+    assert state["ok"] is False and state["failed"] is True
+    assert state["plan"] == SPLIT_PLAN
+    assert state["reasons"] == ["class c stopped on h1: Stop the class on a split (split_policy fail), class c: "
+                                "kv_plan: class c should be split"]
+
+
+def test_a_class_stopped_before_planning_has_no_plan() -> None:
+    state = failed_class_state({})
+    assert state["plan"] == {}
+    assert state["failed"] is True
