@@ -6,9 +6,10 @@
 
 For each fleet size: writes a fleet file (one class, 2 GPUs per host, Llama-3.1-8B
 TP=2 on the simulated engine), creates the fleet with ``sim/fleetctl.py``'s
-``Fleet``, runs ``ansible-playbook playbooks/rollout.yml`` on it, and destroys it
-again (always, try/finally). Every output line of the playbook is time-stamped
-on arrival, so the run splits into
+``Fleet``, runs ``ansible-playbook playbooks/rollout.yml`` on it twice - the first
+install on fresh hosts, then an update (a larger guard: a new budget on every host,
+the rollout operators repeat) - and destroys it again (always, try/finally). Every
+output line of the playbook is time-stamped on arrival, so each run splits into
 
 * the fixed part: validation, probe, profiled + manual canary, plan;
 * the serial batches of the roll-out play (one ``PLAY [Roll out in serial batches]``
@@ -19,7 +20,8 @@ The engine's boot-to-healthy time is read per host from the guest's journal
 startup complete.``). Per batch, ``overhead = batch wall - the slowest
 boot-to-healthy of its hosts`` (the hosts of a batch boot in parallel); the
 per-host overhead is the sum over batches divided by the hosts (goal < 5 s).
-The marginal cost of a host, ``(batches wall at 32 - at 8) / 24``, is reported too.
+The marginal cost of a host, ``(batches wall at 32 - at 8) / 24`` (installs), is
+reported too.
 
 Run as root. Prints one JSON object.
 """
@@ -93,7 +95,8 @@ def group_vars(workdir: Path, serial: list[Any]) -> dict[str, Any]:
     }
 
 
-def run_playbook(inventory: Path, forks: int, timeout: float) -> tuple[int, list[tuple[float, str]], float]:
+def run_playbook(inventory: Path, forks: int, timeout: float,
+                 extra_vars: dict[str, Any] | None = None) -> tuple[int, list[tuple[float, str]], float]:
     """ansible-playbook with every line time-stamped (seconds since start)."""
     env = dict(os.environ, ANSIBLE_NOCOLOR="1", ANSIBLE_PIPELINING="1", ANSIBLE_HOST_KEY_CHECKING="False",
                ANSIBLE_TIMEOUT="20", ANSIBLE_COLLECTIONS_PATH=str(CACHE / "collections"), ANSIBLE_FORKS=str(forks))
@@ -101,6 +104,8 @@ def run_playbook(inventory: Path, forks: int, timeout: float) -> tuple[int, list
     if playbook is None:
         raise RuntimeError("no ansible-playbook command (make venv)")
     argv = [playbook, "-i", str(inventory), str(PLAYBOOK)]
+    if extra_vars:
+        argv += ["--extra-vars", json.dumps(extra_vars)]
     start = time.monotonic()
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=str(REPO))
     lines: list[tuple[float, str]] = []
@@ -165,7 +170,52 @@ def inotify_instances() -> int | None:
         return None
 
 
-def measure(size: int, prefix: str, boot_delay: float, serial: list[Any], forks: int, timeout: float) -> dict[str, Any]:
+def measure_rollout(sim: fleetctl.Fleet, inventory: Path, names: list[str], kind: str, forks: int, timeout: float,
+                    extra_vars: dict[str, Any] | None = None) -> dict[str, Any]:
+    """One ``rollout.yml`` run on the fleet, split into its fixed part and its batches."""
+    out: dict[str, Any] = {"kind": kind, "extra_vars": extra_vars or {}}
+    rc, lines, wall = run_playbook(inventory, forks, timeout, extra_vars)
+    out["rc"] = rc
+    out["playbook_seconds"] = round(wall, 2)
+    first, batches = split_batches(lines, names)
+    recap = [ln for _t, ln in lines if re.match(r"^\S+\s+: ok=", ln)]
+    out["recap_failed_hosts"] = [ln.split()[0] for ln in recap if not re.search(r"failed=0\s", ln) or "unreachable=0" not in ln]
+    boots = {n: boot_to_healthy(sim.h, n) for n in names}
+    out["boot_to_healthy_seconds"] = boots
+    known = [b for b in boots.values() if b is not None]
+    out["boot_to_healthy_median_s"] = round(sorted(known)[len(known) // 2], 3) if known else None
+    out["fixed_seconds"] = round(first, 2) if first is not None else None
+    rows = []
+    overhead = 0.0
+    for b in batches:
+        b_boots = [boots[h] for h in b["hosts"] if boots.get(h) is not None]
+        slowest = max(b_boots) if b_boots else 0.0
+        wall_b = b["end"] - b["start"]
+        rows.append({"hosts": len(b["hosts"]), "wall_s": round(wall_b, 2), "slowest_boot_s": slowest,
+                     "overhead_s": round(wall_b - slowest, 2)})
+        overhead += wall_b - slowest
+    out["batches"] = rows
+    out["batches_seconds"] = round(sum(r["wall_s"] for r in rows), 2)
+    deployed = sum(r["hosts"] for r in rows)
+    out["hosts_in_batches"] = deployed
+    out["missing_boot_times"] = sorted(n for n, b in boots.items() if b is None)
+    size = len(names)
+    if rc == 0 and deployed == size and not out["missing_boot_times"]:
+        out["overhead_per_host_s"] = round(overhead / size, 3)
+        out["within_goal"] = overhead / size < GOAL_SECONDS
+    else:
+        out["error"] = (f"rollout did not complete on every host (rc {rc}, {deployed}/{size} hosts in batches, "
+                        f"no boot time for {out['missing_boot_times'] or 'none'})")
+        out["output_tail"] = [ln for _t, ln in lines[-40:]]
+    return out
+
+
+def measure(size: int, prefix: str, boot_delay: float, serial: list[Any], forks: int, timeout: float) -> list[dict[str, Any]]:
+    """Two rollouts on one fresh fleet of ``size`` hosts: the first install, then a budget update.
+
+    The update (a larger guard, so a new budget on every host) is the rollout an operator
+    runs again and again: hosts that already run vLLM under this collection.
+    """
     names = [f"{prefix}-{i:02d}" for i in range(1, size + 1)]
     workdir = CACHE / "bench" / f"rollout-{size}"
     shutil.rmtree(workdir, ignore_errors=True)
@@ -173,67 +223,45 @@ def measure(size: int, prefix: str, boot_delay: float, serial: list[Any], forks:
     path = workdir / "fleet.yml"
     path.write_text(yaml.safe_dump(fleet_file(names, boot_delay)), encoding="utf-8")
     sim = fleetctl.Fleet(path)
-    out: dict[str, Any] = {"hosts": size, "serial": serial, "forks": forks, "engine_boot_delay_s": boot_delay,
-                           "measured_at": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()),
-                           "inotify_max_user_instances": inotify_instances()}
+    common: dict[str, Any] = {"hosts": size, "serial": serial, "forks": forks, "engine_boot_delay_s": boot_delay,
+                              "measured_at": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()),
+                              "inotify_max_user_instances": inotify_instances()}
+    runs: list[dict[str, Any]] = []
     try:
         start = time.monotonic()
         with contextlib.redirect_stdout(sys.stderr):  # keep stdout for the JSON result
             # hosts boot one after the other; on a loaded machine 32 take minutes
             sim.create(reset_state=True, timeout=120 + 15 * size)
-        out["fleet_create_seconds"] = round(time.monotonic() - start, 2)
+        common["fleet_create_seconds"] = round(time.monotonic() - start, 2)
         inv = {"all": {"children": {CLASS.replace("-", "_"): {
             "hosts": {n: sim.h.inventory_data(names=names)["all"]["hosts"][n] for n in names},
             "vars": group_vars(workdir, serial)}}}}
         inventory = workdir / "inventory.yml"
         inventory.write_text(yaml.safe_dump(inv), encoding="utf-8")
-        rc, lines, wall = run_playbook(inventory, forks, timeout)
-        out["rc"] = rc
-        out["playbook_seconds"] = round(wall, 2)
-        first, batches = split_batches(lines, names)
-        recap = [ln for _t, ln in lines if re.match(r"^\S+\s+: ok=", ln)]
-        out["recap_failed_hosts"] = [ln.split()[0] for ln in recap if not re.search(r"failed=0\s", ln) or "unreachable=0" not in ln]
-        boots = {n: boot_to_healthy(sim.h, n) for n in names}
-        out["boot_to_healthy_seconds"] = boots
-        known = [b for b in boots.values() if b is not None]
-        out["boot_to_healthy_median_s"] = round(sorted(known)[len(known) // 2], 3) if known else None
-        out["fixed_seconds"] = round(first, 2) if first is not None else None
-        rows = []
-        overhead = 0.0
-        for b in batches:
-            b_boots = [boots[h] for h in b["hosts"] if boots.get(h) is not None]
-            slowest = max(b_boots) if b_boots else 0.0
-            wall_b = b["end"] - b["start"]
-            rows.append({"hosts": len(b["hosts"]), "wall_s": round(wall_b, 2), "slowest_boot_s": slowest,
-                         "overhead_s": round(wall_b - slowest, 2)})
-            overhead += wall_b - slowest
-        out["batches"] = rows
-        out["batches_seconds"] = round(sum(r["wall_s"] for r in rows), 2)
-        deployed = sum(r["hosts"] for r in rows)
-        out["hosts_in_batches"] = deployed
-        out["missing_boot_times"] = sorted(n for n, b in boots.items() if b is None)
-        if rc == 0 and deployed == size and not out["missing_boot_times"]:
-            out["overhead_per_host_s"] = round(overhead / size, 3)
-            out["within_goal"] = overhead / size < GOAL_SECONDS
-        else:
-            out["error"] = (f"rollout did not complete on every host (rc {rc}, {deployed}/{size} hosts in batches, "
-                            f"no boot time for {out['missing_boot_times'] or 'none'})")
-            out["output_tail"] = [ln for _t, ln in lines[-40:]]
+        runs.append(dict(common, **measure_rollout(sim, inventory, names, "install", forks, timeout)))
+        if "error" not in runs[-1]:
+            runs.append(dict(common, **measure_rollout(sim, inventory, names, "update", forks, timeout,
+                                                       {"gpufleet_guard": "1GiB"})))
     except (fleetctl.FleetError, testhosts.HarnessError, RuntimeError, OSError) as exc:
-        out["error"] = str(exc)
+        failed = dict(common, kind="install" if not runs else "update")
+        failed["error"] = str(exc)
         limit = inotify_instances()
-        if "not ready before the timeout" in out["error"] and limit is not None and limit < 16 * size:
-            out["error"] = (f"{out['error'].splitlines()[0]} (fs.inotify.max_user_instances is {limit}: every guest's systemd "
-                            f"needs inotify instances of the same user; raise it, e.g. to {max(1024, 16 * size)}, for {size} hosts)")
+        if "not ready before the timeout" in failed["error"] and limit is not None and limit < 16 * size:
+            failed["error"] = (f"{failed['error'].splitlines()[0]} (fs.inotify.max_user_instances is {limit}: every guest's "
+                               f"systemd needs inotify instances of the same user; raise it, e.g. to {max(1024, 16 * size)}, "
+                               f"for {size} hosts)")
+        runs.append(failed)
     finally:
         try:
             with contextlib.redirect_stdout(sys.stderr):
                 sim.destroy()
             leftovers = [str(x) for x in sim.h.leftovers() if x.owner in names]
-            out["teardown"] = "clean" if not leftovers else "leftovers: " + "; ".join(leftovers)
+            teardown = "clean" if not leftovers else "leftovers: " + "; ".join(leftovers)
         except (fleetctl.FleetError, testhosts.HarnessError) as exc:
-            out["teardown"] = f"failed: {exc}"
-    return out
+            teardown = f"failed: {exc}"
+        for run in runs:
+            run["teardown"] = teardown
+    return runs
 
 
 def main() -> int:
@@ -249,17 +277,19 @@ def main() -> int:
         print(json.dumps({"error": "run as root: test hosts use systemd-nspawn and network namespaces"}))
         return 2
     serial = json.loads(args.serial)
-    runs = [measure(int(s), args.prefix, args.boot_delay, serial, args.forks, args.timeout) for s in args.sizes.split(",")]
+    runs = [run for size in args.sizes.split(",")
+            for run in measure(int(size), args.prefix, args.boot_delay, serial, args.forks, args.timeout)]
     out: dict[str, Any] = {"benchmark": "rollout_overhead", "goal_seconds": GOAL_SECONDS, "runs": runs,
                            "command": "ansible-playbook -i INVENTORY playbooks/rollout.yml"}
-    ok = [r for r in runs if "overhead_per_host_s" in r]
+    ok = [r for r in runs if "overhead_per_host_s" in r and r["kind"] == "install"]
     if len(ok) >= 2:
         small, large = ok[0], ok[-1]
         if large["hosts"] > small["hosts"]:
             out["marginal_seconds_per_host"] = round(
                 (large["batches_seconds"] - small["batches_seconds"]) / (large["hosts"] - small["hosts"]), 3)
     print(json.dumps(out, indent=2))
-    return 0 if len(ok) == len(runs) and all(r.get("teardown") == "clean" for r in runs) else 1
+    complete = all("overhead_per_host_s" in r for r in runs) and len(runs) == 2 * len(args.sizes.split(","))
+    return 0 if complete and all(r.get("teardown") == "clean" for r in runs) else 1
 
 
 if __name__ == "__main__":

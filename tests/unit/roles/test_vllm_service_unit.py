@@ -80,16 +80,17 @@ def rendered(tmp_path_factory):
     for case, facts in CASES.items():
         facts = dict(facts, vllm_service_executable=str(exe), vllm_service_model="/srv/models/llama 3")
         tasks.append({"name": f"Facts {case}", "ansible.builtin.set_fact": facts})
-        tasks.append(
-            {
-                "name": f"Render {case}",
-                "ansible.builtin.template": {
-                    "src": str(ROLE / "templates" / "vllm.service.j2"),
-                    "dest": str(out / f"{case}.service"),
-                    "mode": "0644",
-                },
-            }
-        )
+        # as the role renders it (tasks/render.yml, the content vllm_unit writes)
+        tasks.append({"name": f"Render {case}",
+                      "ansible.builtin.include_role": {"name": "gpufleet.vllm.vllm_service", "tasks_from": "render"},
+                      "vars": {"vllm_service_instances": [facts["vllm_service_instance"]]}})
+        tasks.append({"name": f"Write {case}",
+                      "ansible.builtin.copy": {"content": "{{ vllm_service_rendered[0].unit }}",
+                                               "dest": str(out / f"{case}.service"), "mode": "0644"}})
+        # as the template module renders it (units written by earlier releases)
+        tasks.append({"name": f"Render {case} with the template module",
+                      "ansible.builtin.template": {"src": str(ROLE / "templates" / "vllm.service.j2"),
+                                                   "dest": str(out / f"{case}.template.service"), "mode": "0644"}})
     play = [{"hosts": "localhost", "connection": "local", "gather_facts": False, "tasks": tasks}]
     pb = out / "render.yml"
     pb.write_text(json.dumps(play))
@@ -103,6 +104,13 @@ def rendered(tmp_path_factory):
     proc = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=120, check=False)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return {case: (out / f"{case}.service").read_text() for case in CASES}, out
+
+
+def test_role_renders_as_the_template_module(rendered):
+    """A unit deployed by the template module is byte-equal to the role's rendering: no spurious redeploy."""
+    units, out = rendered
+    for case, text in units.items():
+        assert text == (out / f"{case}.template.service").read_text(), case
 
 
 def exec_start(text: str) -> list[str]:

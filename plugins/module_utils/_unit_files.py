@@ -1,0 +1,426 @@
+# -*- coding: utf-8 -*-
+# Copyright (c) gpufleet maintainers
+# GNU General Public License v3.0+ (see LICENSES/GPL-3.0-or-later.txt or https://www.gnu.org/licenses/gpl-3.0.txt)
+# SPDX-License-Identifier: GPL-3.0-or-later
+
+"""The files of vLLM instances on one host, and the snapshot a rollback restores.
+
+Plain Python (no Ansible import), used by the ``vllm_unit`` module. Per instance
+``NAME`` there are three files:
+
+* the unit ``<unit_dir>/vllm-NAME.service`` (root, 0644);
+* the plan record ``<state_dir>/NAME.plan.json`` (root:<plan group>, 0640): the plan
+  the running unit passed its boot check with, and the checksum of that unit;
+* the secret environment file ``<state_dir>/vllm-NAME.env`` (root, 0600).
+
+A snapshot keeps, under ``<state_dir>/units/``, for each of those files either a copy
+``<file>.previous`` or a marker ``<file>.absent``, plus ``vllm-NAME.service.inactive``
+when the service was not running. Restoring puts back the copies byte for byte,
+removes the files marked absent (stopping and disabling a unit that did not exist),
+leaves alone what the snapshot knows nothing about, and restarts a restored unit
+only if it was running when the snapshot was taken.
+
+Every write goes through a temporary file in the target directory and ``os.replace``,
+so a reader (or an interrupted run) sees the old file or the new one, never a part.
+"""
+
+from __future__ import annotations
+
+import grp
+import hashlib
+import json
+import os
+import pwd
+import stat
+import tempfile
+import typing as t
+from dataclasses import dataclass
+
+KINDS = ("unit", "plan", "env")
+SHOW_PROPERTIES = ("LoadState", "ActiveState", "NeedDaemonReload")
+# systemctl show of several units: one block of properties per unit, in argument order.
+ShowRunner = t.Callable[[t.List[str]], t.Dict[str, t.Dict[str, str]]]
+SystemctlRunner = t.Callable[[t.List[str]], t.Tuple[int, str, str]]
+
+
+class UnitFilesError(Exception):
+    """A file cannot be read or written, or an input is wrong; the message names it."""
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where the files live and who owns them."""
+
+    unit_dir: str = "/etc/systemd/system"
+    state_dir: str = "/etc/gpufleet"
+    uid: int = 0
+    gid: int = 0
+    plan_gid: int = 0
+
+    @property
+    def kept_dir(self) -> str:
+        return os.path.join(self.state_dir, "units")
+
+    def unit_name(self, name: str) -> str:
+        return f"vllm-{name}.service"
+
+    def path(self, name: str, kind: str) -> str:
+        if kind == "unit":
+            return os.path.join(self.unit_dir, self.unit_name(name))
+        if kind == "plan":
+            return os.path.join(self.state_dir, f"{name}.plan.json")
+        if kind == "env":
+            return os.path.join(self.state_dir, f"vllm-{name}.env")
+        raise UnitFilesError(f"unknown file kind {kind!r}")
+
+    def kept(self, name: str, kind: str) -> str:
+        return os.path.join(self.kept_dir, os.path.basename(self.path(name, kind)))
+
+    def inactive_marker(self, name: str) -> str:
+        return os.path.join(self.kept_dir, self.unit_name(name) + ".inactive")
+
+    def owner(self, kind: str) -> tuple[int, int, int]:
+        """(uid, gid, mode) of a live file of this kind."""
+        if kind == "unit":
+            return self.uid, self.gid, 0o644
+        if kind == "plan":
+            return self.uid, self.plan_gid, 0o640
+        return self.uid, self.gid, 0o600
+
+
+def validate_name(name: object) -> str:
+    if not isinstance(name, str) or not name or not all(c.isalnum() or c in "_.-" for c in name) or name in (".", ".."):
+        raise UnitFilesError(f"instance name {name!r}: use letters, digits, '_', '.' and '-' only")
+    return name
+
+
+def sha1(data: bytes) -> str:
+    """The checksum ansible.builtin.stat reports (recorded in plan files)."""
+    return hashlib.sha1(data).hexdigest()  # nosec - a content fingerprint, not a security control
+
+
+def read_bytes(path: str) -> bytes | None:
+    try:
+        with open(path, "rb") as fh:
+            return fh.read()
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        raise UnitFilesError(f"{path}: cannot read: {exc.strerror or exc}") from None
+
+
+def _matches(path: str, data: bytes, uid: int, gid: int, mode: int) -> bool:
+    """The file exists with exactly this content, owner and mode."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return False
+    except OSError as exc:
+        raise UnitFilesError(f"{path}: cannot stat: {exc.strerror or exc}") from None
+    if (st.st_uid, st.st_gid, stat.S_IMODE(st.st_mode)) != (uid, gid, mode):
+        return False
+    return read_bytes(path) == data
+
+
+def _fsync_dir(directory: str) -> None:
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:  # pragma: no cover - a directory that cannot be opened cannot be synced either
+        return
+    try:
+        os.fsync(fd)
+    except OSError:  # pragma: no cover
+        pass
+    finally:
+        os.close(fd)
+
+
+def atomic_write(path: str, data: bytes, uid: int, gid: int, mode: int) -> None:
+    """Write ``path`` through a temporary file in its directory (owner and mode set before the rename)."""
+    directory = os.path.dirname(path) or "."
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", dir=directory)
+    except OSError as exc:
+        raise UnitFilesError(f"{path}: cannot write: {exc.strerror or exc}") from None
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fchmod(fh.fileno(), mode)
+            if (os.getuid(), os.getgid()) != (uid, gid):
+                os.fchown(fh.fileno(), uid, gid)
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except OSError as exc:
+        raise UnitFilesError(f"{path}: cannot write: {exc.strerror or exc}") from None
+    finally:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+    _fsync_dir(directory)
+
+
+def ensure_file(path: str, data: bytes, uid: int, gid: int, mode: int, check: bool) -> bool:
+    """Make ``path`` hold ``data`` with this owner and mode; True if it had to change."""
+    if _matches(path, data, uid, gid, mode):
+        return False
+    if not check:
+        atomic_write(path, data, uid, gid, mode)
+    return True
+
+
+def ensure_absent(path: str, check: bool) -> bool:
+    if not os.path.lexists(path):
+        return False
+    if not check:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            return False
+        except OSError as exc:
+            raise UnitFilesError(f"{path}: cannot remove: {exc.strerror or exc}") from None
+        _fsync_dir(os.path.dirname(path))
+    return True
+
+
+def ensure_dir(path: str, uid: int, gid: int, mode: int, check: bool) -> bool:
+    """Make ``path`` a directory with this owner and mode; True if it had to change."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        st = None
+    except OSError as exc:
+        raise UnitFilesError(f"{path}: cannot stat: {exc.strerror or exc}") from None
+    if st is not None and not stat.S_ISDIR(st.st_mode):
+        raise UnitFilesError(f"{path}: exists and is not a directory")
+    if st is not None and (st.st_uid, st.st_gid, stat.S_IMODE(st.st_mode)) == (uid, gid, mode):
+        return False
+    if not check:
+        try:
+            if st is None:
+                os.mkdir(path, mode)
+            os.chmod(path, mode)
+            if (os.getuid(), os.getgid()) != (uid, gid) or st is not None:
+                os.chown(path, uid, gid)
+        except OSError as exc:
+            raise UnitFilesError(f"{path}: cannot create: {exc.strerror or exc}") from None
+    return True
+
+
+def parse_show(output: str, units: t.Sequence[str]) -> dict[str, dict[str, str]]:
+    """``systemctl show U1 U2 --property=...``: one blank-line separated block per unit, in order."""
+    blocks: list[dict[str, str]] = [{}]
+    for line in output.splitlines():
+        if not line.strip():
+            if blocks[-1]:
+                blocks.append({})
+            continue
+        key, sep, value = line.partition("=")
+        if sep:
+            blocks[-1][key] = value
+    blocks = [b for b in blocks if b]
+    if len(blocks) != len(units):
+        raise UnitFilesError(f"systemctl show: expected {len(units)} blocks of properties, got {len(blocks)}")
+    return dict(zip(units, blocks))
+
+
+def systemctl_show(runner: SystemctlRunner, systemctl: str = "systemctl") -> ShowRunner:
+    def show(units: list[str]) -> dict[str, dict[str, str]]:
+        if not units:
+            return {}
+        rc, out, err = runner([systemctl, "show", *units, "--property=" + ",".join(SHOW_PROPERTIES)])
+        if rc != 0:
+            raise UnitFilesError(f"systemctl show {' '.join(units)} failed (rc {rc}): {err.strip()}")
+        return parse_show(out, units)
+
+    return show
+
+
+def _text(data: bytes | None) -> str:
+    return "" if data is None else data.decode("utf-8", errors="replace")
+
+
+def status(layout: Layout, instances: t.Sequence[t.Mapping[str, t.Any]], show: ShowRunner,
+           want_diff: bool = False) -> list[dict[str, t.Any]]:
+    """Per instance: does its unit, environment file or running state differ from the desired ones?
+
+    ``instances``: ``{name, unit?, env?}`` with the desired contents (text). The reasons
+    use the same words as the rollout's output. Never changes anything.
+    """
+    names = [validate_name(i["name"]) for i in instances]
+    props = show([layout.unit_name(n) for n in names])
+    out = []
+    for inst, name in zip(instances, names):
+        reasons: list[str] = []
+        unit_path = layout.path(name, "unit")
+        on_disk = read_bytes(unit_path)
+        entry: dict[str, t.Any] = {"name": name, "unit": layout.unit_name(name)}
+        if inst.get("unit") is not None:
+            want = inst["unit"].encode("utf-8")
+            entry["unit_checksum"] = sha1(want)
+            uid, gid, mode = layout.owner("unit")
+            if not _matches(unit_path, want, uid, gid, mode):
+                reasons.append("unit differs from the plan")
+                if want_diff:
+                    entry["diff"] = {"before_header": unit_path, "after_header": unit_path,
+                                     "before": _text(on_disk), "after": inst["unit"]}
+        if inst.get("env") is not None:
+            uid, gid, mode = layout.owner("env")
+            if not _matches(layout.path(name, "env"), inst["env"].encode("utf-8"), uid, gid, mode):
+                reasons.append("environment file differs")
+        unit_props = props.get(layout.unit_name(name), {})
+        active = unit_props.get("ActiveState", "unknown")
+        entry["active_state"] = active
+        if active != "active":
+            reasons.append(f"service is {active}")
+        if unit_props.get("NeedDaemonReload") == "yes":
+            reasons.append("systemd has not loaded the unit on disk")
+        applied = read_plan(layout, name)
+        if on_disk is None or applied.get("unit_checksum") != sha1(on_disk):
+            reasons.append("the unit on disk has not passed a boot check")
+        entry["reasons"] = reasons
+        entry["pending"] = bool(reasons)
+        out.append(entry)
+    return out
+
+
+def account_ready(user: str, group: str, home: str, home_mode: int = 0o750) -> bool:
+    """The service user and group exist and own the home directory with this mode (what setup creates)."""
+    try:
+        uid = pwd.getpwnam(user).pw_uid
+        gid = grp.getgrnam(group).gr_gid
+        st = os.stat(home)
+    except (KeyError, OSError):
+        return False
+    return stat.S_ISDIR(st.st_mode) and (st.st_uid, st.st_gid, stat.S_IMODE(st.st_mode)) == (uid, gid, home_mode)
+
+
+def read_plan(layout: Layout, name: str) -> dict[str, t.Any]:
+    """The recorded plan of an instance ({} when there is none or it cannot be parsed)."""
+    data = read_bytes(layout.path(name, "plan"))
+    if data is None:
+        return {}
+    try:
+        doc = json.loads(data)
+    except ValueError:
+        return {}
+    return doc if isinstance(doc, dict) else {}
+
+
+def snapshot(layout: Layout, names: t.Sequence[str], show: ShowRunner, check: bool) -> list[dict[str, t.Any]]:
+    """Keep the unit, plan and environment files of ``names`` as they are now, and whether each runs."""
+    names = [validate_name(n) for n in names]
+    props = show([layout.unit_name(n) for n in names])
+    changed_dir = False
+    if not os.path.isdir(layout.state_dir):  # a first deploy; write() sets the state directory's group
+        changed_dir = ensure_dir(layout.state_dir, layout.uid, layout.plan_gid, 0o750, check)
+    if not (check and changed_dir):
+        changed_dir |= ensure_dir(layout.kept_dir, layout.uid, layout.gid, 0o700, check)
+    out = []
+    for name in names:
+        kept, absent, changed = [], [], changed_dir
+        for kind in KINDS:
+            live = read_bytes(layout.path(name, kind))
+            base = layout.kept(name, kind)
+            if live is None:
+                changed |= ensure_absent(base + ".previous", check)
+                changed |= ensure_file(base + ".absent", b"", layout.uid, layout.gid, 0o600, check)
+                absent.append(kind)
+            else:
+                # the copy first: a crash in between leaves both, and restore prefers the copy
+                changed |= ensure_file(base + ".previous", live, layout.uid, layout.gid, 0o600, check)
+                changed |= ensure_absent(base + ".absent", check)
+                kept.append(kind)
+        active = props.get(layout.unit_name(name), {}).get("ActiveState", "unknown")
+        marker = layout.inactive_marker(name)
+        if active == "active":
+            changed |= ensure_absent(marker, check)
+        else:
+            changed |= ensure_file(marker, (active + "\n").encode(), layout.uid, layout.gid, 0o600, check)
+        out.append({"name": name, "kept": kept, "absent": absent, "active_state": active, "changed": changed})
+    return out
+
+
+def write(layout: Layout, instances: t.Sequence[t.Mapping[str, t.Any]], check: bool,
+          want_diff: bool = False) -> list[dict[str, t.Any]]:
+    """Write the given unit and environment files (``{name, unit?, env?}``); unchanged files are left alone."""
+    out = []
+    changed_dir = ensure_dir(layout.state_dir, layout.uid, layout.plan_gid, 0o750, check)
+    for inst in instances:
+        name = validate_name(inst["name"])
+        entry: dict[str, t.Any] = {"name": name, "written": [], "changed": False}
+        for kind in ("env", "unit"):  # the environment first: a unit never starts without its file
+            if inst.get(kind) is None:
+                continue
+            path = layout.path(name, kind)
+            want = inst[kind].encode("utf-8")
+            before = read_bytes(path) if (kind == "unit" and want_diff) else None
+            uid, gid, mode = layout.owner(kind)
+            if ensure_file(path, want, uid, gid, mode, check):
+                entry["written"].append(kind)
+                if kind == "unit" and want_diff:
+                    entry["diff"] = {"before_header": path, "after_header": path,
+                                     "before": _text(before), "after": inst[kind]}
+            if kind == "unit":
+                entry["unit_checksum"] = sha1(want)
+        entry["changed"] = bool(entry["written"]) or changed_dir
+        out.append(entry)
+    return out
+
+
+def record(layout: Layout, instances: t.Sequence[t.Mapping[str, t.Any]], check: bool) -> list[dict[str, t.Any]]:
+    """Write each plan record (``{name, plan: mapping}``) with the checksum of the unit now on disk."""
+    out = []
+    for inst in instances:
+        name = validate_name(inst["name"])
+        plan = inst.get("plan")
+        if not isinstance(plan, t.Mapping):
+            raise UnitFilesError(f"instance {name}: plan must be a mapping to record")
+        unit = read_bytes(layout.path(name, "unit"))
+        if unit is None:
+            raise UnitFilesError(f"instance {name}: no unit at {layout.path(name, 'unit')} to record a plan for")
+        doc = dict(plan)
+        doc["unit_checksum"] = sha1(unit)
+        data = (json.dumps(doc, indent=4, sort_keys=True, ensure_ascii=False) + "\n").encode("utf-8")
+        uid, gid, mode = layout.owner("plan")
+        changed = ensure_file(layout.path(name, "plan"), data, uid, gid, mode, check)
+        out.append({"name": name, "unit_checksum": doc["unit_checksum"], "changed": changed})
+    return out
+
+
+def restore(layout: Layout, names: t.Sequence[str], systemctl: SystemctlRunner | None, check: bool,
+            systemctl_bin: str = "systemctl") -> list[dict[str, t.Any]]:
+    """Put back what the last snapshot kept; see the module docstring for the rules."""
+    out = []
+    for name in (validate_name(n) for n in names):
+        entry: dict[str, t.Any] = {"name": name, "restored": [], "removed": [], "unknown": [], "changed": False}
+        unit_absent = not os.path.exists(layout.kept(name, "unit") + ".previous") and \
+            os.path.exists(layout.kept(name, "unit") + ".absent")
+        if unit_absent and os.path.lexists(layout.path(name, "unit")) and systemctl is not None:
+            # A unit that did not exist before the change: stop and disable it while its file is there.
+            if not check:
+                rc, _out, err = systemctl([systemctl_bin, "disable", "--now", layout.unit_name(name)])
+                if rc != 0 and "does not exist" not in err and "not loaded" not in err:
+                    raise UnitFilesError(f"systemctl disable --now {layout.unit_name(name)} failed (rc {rc}): {err.strip()}")
+            entry["stopped"] = True
+        for kind in KINDS:
+            base = layout.kept(name, kind)
+            copy = read_bytes(base + ".previous")
+            if copy is not None:
+                uid, gid, mode = layout.owner(kind)
+                if ensure_file(layout.path(name, kind), copy, uid, gid, mode, check):
+                    entry["restored"].append(kind)
+            elif os.path.exists(base + ".absent"):
+                if ensure_absent(layout.path(name, kind), check):
+                    entry["removed"].append(kind)
+            else:
+                entry["unknown"].append(kind)
+        has_copy = os.path.exists(layout.kept(name, "unit") + ".previous")
+        was_running = not os.path.exists(layout.inactive_marker(name))
+        # the restored unit runs again only if it ran before the change; else it is stopped
+        entry["restart"] = has_copy and was_running
+        entry["stop"] = has_copy and not was_running
+        entry["changed"] = bool(entry["restored"] or entry["removed"] or entry.get("stopped"))
+        out.append(entry)
+    return out

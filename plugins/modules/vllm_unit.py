@@ -1,0 +1,331 @@
+#!/usr/bin/python
+# -*- coding: utf-8 -*-
+
+# Copyright (c) gpufleet maintainers
+# GNU General Public License v3.0+ (see LICENSES/GPL-3.0-or-later.txt or https://www.gnu.org/licenses/gpl-3.0.txt)
+# SPDX-License-Identifier: GPL-3.0-or-later
+
+from __future__ import annotations
+
+DOCUMENTATION = r"""
+module: vllm_unit
+short_description: Compare, write, snapshot and restore the unit, plan record and secret environment of vLLM instances
+version_added: 1.1.0
+description:
+  - Manages, in one round trip for all instances of a host, the three files of each vLLM instance C(NAME)
+    that the P(gpufleet.vllm.vllm_service#role) role deploys - the systemd unit C(<unit_dir>/vllm-NAME.service)
+    (root, 0644), the plan record C(<state_dir>/NAME.plan.json) (root and O(plan_group), 0640) and the secret
+    environment file C(<state_dir>/vllm-NAME.env) (root, 0600) - and the snapshot of them a rollback restores.
+  - O(state=status) compares the desired unit and environment file with the files on disk and reads the
+    services' state (C(systemctl show)); an instance is pending when its unit or environment differ, its service
+    is not active, systemd has not loaded the unit on disk, or the plan record does not name the unit on disk
+    (the unit has not passed a boot check).
+  - O(state=snapshot) keeps, under C(<state_dir>/units/), a copy C(<file>.previous) of each of the three files,
+    or a marker C(<file>.absent) for a file that does not exist, and a marker C(vllm-NAME.service.inactive)
+    when the service is not running.
+  - O(state=present) writes the given unit and environment files (the environment file first) and creates
+    O(state_dir) if it is missing; files already as desired are left alone.
+  - O(state=recorded) writes each plan record with the checksum of the unit now on disk. Record a plan only
+    after the unit passed its boot check (M(gpufleet.vllm.vllm_boot_check)).
+  - O(state=restored) puts back the last snapshot - copies byte for byte, files marked absent removed (a unit
+    that did not exist is stopped and disabled first), files the snapshot knows nothing about left alone - and
+    returns which units to restart (RV(instances[].restart) - kept and running at the snapshot) and which to stop
+    (RV(instances[].stop) - kept and not running at the snapshot). Restarting
+    and C(daemon-reload) are left to M(ansible.builtin.systemd_service).
+  - Every file is written through a temporary file in its directory and renamed, so an interrupted run leaves
+    the old file or the new one.
+author:
+  - gpufleet maintainers (@gpufleet)
+extends_documentation_fragment:
+  - gpufleet.vllm.attributes
+  - gpufleet.vllm.attributes.PLATFORM_LINUX
+  - gpufleet.vllm.attributes.ACTIONGROUP_VLLM
+attributes:
+  check_mode:
+    support: full
+    details:
+      - O(state=status) never changes anything; the other states report what they would change.
+  diff_mode:
+    support: full
+    details:
+      - The unit files (never the secret environment files) are shown before and after for O(state=status)
+        and O(state=present).
+  idempotent:
+    support: full
+options:
+  state:
+    description: What to do; see the description.
+    type: str
+    required: true
+    choices: [status, snapshot, present, recorded, restored]
+  instances:
+    description:
+      - The instances. O(state=snapshot) and O(state=restored) need only their names.
+    type: list
+    elements: dict
+    required: true
+    suboptions:
+      name:
+        description: Instance name (letters, digits, C(_), C(.), C(-)); the unit is C(vllm-NAME.service).
+        type: str
+        required: true
+      unit:
+        description: Desired unit file content (O(state=status), O(state=present)).
+        type: str
+      env:
+        description: Desired secret environment file content (O(state=status), O(state=present)); never returned or logged.
+        type: str
+      plan:
+        description: Plan to record (O(state=recorded)); C(unit_checksum) is added.
+        type: dict
+  unit_dir:
+    description: Directory of the systemd units.
+    type: path
+    default: /etc/systemd/system
+  state_dir:
+    description: Directory of the plan records, environment files and the snapshot (C(units/)).
+    type: path
+    default: /etc/gpufleet
+  plan_group:
+    description: Group of the plan records, so that an application embedding vLLM can read them.
+    type: str
+    default: root
+  account:
+    description:
+      - With O(state=status), also report in RV(account_ready) whether this service user and group exist and own
+        this home directory with mode 0750, so that creating them can be skipped.
+    type: dict
+    suboptions:
+      user:
+        description: Service user.
+        type: str
+        required: true
+      group:
+        description: Service group.
+        type: str
+        required: true
+      home:
+        description: Home directory of the service.
+        type: path
+        required: true
+requirements:
+  - systemd (C(systemctl)) for O(state=status), O(state=snapshot) and O(state=restored).
+seealso:
+  - module: gpufleet.vllm.vllm_boot_check
+  - module: ansible.builtin.systemd_service
+"""
+
+EXAMPLES = r"""
+- name: Find which instances differ from the desired units
+  gpufleet.vllm.vllm_unit:
+    state: status
+    instances:
+      - name: main
+        unit: "{{ lookup('ansible.builtin.template', 'vllm.service.j2') }}"
+  register: vllm_status
+
+- name: Keep the files of instance main before stopping it
+  gpufleet.vllm.vllm_unit:
+    state: snapshot
+    instances:
+      - name: main
+  when: "'main' in vllm_status.pending"
+
+- name: Write a unit and its secret environment file
+  gpufleet.vllm.vllm_unit:
+    state: present
+    instances:
+      - name: main
+        unit: "{{ lookup('ansible.builtin.template', 'vllm.service.j2') }}"
+        env: "HF_TOKEN={{ hf_token | to_json }}\n"
+    plan_group: vllm
+
+- name: Record the plan the unit passed its boot check with
+  gpufleet.vllm.vllm_unit:
+    state: recorded
+    instances:
+      - name: main
+        plan: {decision: deploy, kv_cache_memory_bytes: 59465973760}
+    plan_group: vllm
+
+- name: Put back the last snapshot
+  gpufleet.vllm.vllm_unit:
+    state: restored
+    instances:
+      - name: main
+  register: vllm_restored
+"""
+
+RETURN = r"""
+instances:
+  description: One entry per instance, in the order given.
+  returned: always
+  type: list
+  elements: dict
+  contains:
+    name:
+      description: Instance name.
+      type: str
+    pending:
+      description: Whether the instance needs a change (O(state=status)).
+      type: bool
+    reasons:
+      description: Why it is pending, for example V(unit differs from the plan) or V(service is failed) (O(state=status)).
+      type: list
+      elements: str
+    active_state:
+      description: The service's C(ActiveState) (O(state=status), O(state=snapshot)).
+      type: str
+    unit_checksum:
+      description: SHA-1 of the desired unit (O(state=status), O(state=present)) or of the recorded one (O(state=recorded)).
+      type: str
+    kept:
+      description: Files kept as copies, by kind (V(unit), V(plan), V(env)) (O(state=snapshot)).
+      type: list
+      elements: str
+    absent:
+      description: Files recorded as absent (O(state=snapshot)).
+      type: list
+      elements: str
+    written:
+      description: Files written (O(state=present)).
+      type: list
+      elements: str
+    restored:
+      description: Files put back from their copy (O(state=restored)).
+      type: list
+      elements: str
+    removed:
+      description: Files removed because they did not exist at the snapshot (O(state=restored)).
+      type: list
+      elements: str
+    unknown:
+      description: Files the snapshot has neither a copy nor an absent marker of, left alone (O(state=restored)).
+      type: list
+      elements: str
+    restart:
+      description: Whether the restored unit should be restarted - it was kept and its service was running (O(state=restored)).
+      type: bool
+    stop:
+      description: Whether the restored unit should be stopped - it was kept and its service was not running (O(state=restored)).
+      type: bool
+  sample:
+    - name: main
+      pending: true
+      reasons: [unit differs from the plan, the unit on disk has not passed a boot check]
+      active_state: active
+      unit_checksum: 0b2c6ab4a3f5bb2f1a0f1c3e5b8b1c9a7b3f0e11
+account_ready:
+  description: Whether the service user, group and home given in O(account) exist as set up (O(state=status)).
+  returned: when O(state=status) and O(account) is given
+  type: bool
+pending:
+  description: Names of the pending instances (O(state=status)).
+  returned: when O(state=status)
+  type: list
+  elements: str
+  sample: [main]
+"""
+
+import grp
+import traceback
+
+from ansible.module_utils.basic import AnsibleModule
+from ansible.module_utils.common.text.converters import to_native
+
+from ansible_collections.gpufleet.vllm.plugins.module_utils._unit_files import (
+    Layout,
+    account_ready,
+    UnitFilesError,
+    record,
+    restore,
+    snapshot,
+    status,
+    systemctl_show,
+    write,
+)
+
+
+def _group_id(name: str) -> int:
+    try:
+        return grp.getgrnam(name).gr_gid
+    except KeyError:
+        raise UnitFilesError(f"plan_group {name!r} does not exist on this host") from None
+
+
+def main() -> None:
+    module = AnsibleModule(
+        argument_spec=dict(
+            state=dict(type="str", required=True, choices=["status", "snapshot", "present", "recorded", "restored"]),
+            instances=dict(
+                type="list",
+                elements="dict",
+                required=True,
+                options=dict(
+                    name=dict(type="str", required=True),
+                    unit=dict(type="str"),
+                    env=dict(type="str", no_log=True),
+                    plan=dict(type="dict"),
+                ),
+            ),
+            unit_dir=dict(type="path", default="/etc/systemd/system"),
+            state_dir=dict(type="path", default="/etc/gpufleet"),
+            plan_group=dict(type="str", default="root"),
+            account=dict(
+                type="dict",
+                options=dict(
+                    user=dict(type="str", required=True),
+                    group=dict(type="str", required=True),
+                    home=dict(type="path", required=True),
+                ),
+            ),
+        ),
+        supports_check_mode=True,
+    )
+    state = module.params["state"]
+    instances = module.params["instances"]
+    check = module.check_mode
+
+    def runner(argv: list[str]) -> tuple[int, str, str]:
+        rc, out, err = module.run_command(argv)
+        return rc, out, err
+
+    result: dict = {"changed": False}
+    try:
+        # the group may not exist yet when a first deploy is only being compared or snapshotted
+        plan_gid = _group_id(module.params["plan_group"]) if state in ("present", "recorded", "restored") else 0
+        layout = Layout(unit_dir=module.params["unit_dir"], state_dir=module.params["state_dir"], plan_gid=plan_gid)
+        names = [i["name"] for i in instances]
+        if state in ("status", "snapshot", "restored"):
+            systemctl = module.get_bin_path("systemctl", required=True)
+        if state == "status":
+            entries = status(layout, instances, systemctl_show(runner, systemctl), want_diff=module._diff)
+            result["pending"] = [e["name"] for e in entries if e["pending"]]
+            if module.params["account"]:
+                acct = module.params["account"]
+                result["account_ready"] = account_ready(acct["user"], acct["group"], acct["home"])
+        elif state == "snapshot":
+            entries = snapshot(layout, names, systemctl_show(runner, systemctl), check)
+        elif state == "present":
+            entries = write(layout, instances, check, want_diff=module._diff)
+        elif state == "recorded":
+            entries = record(layout, instances, check)
+        else:
+            entries = restore(layout, names, runner, check, systemctl_bin=systemctl)
+    except UnitFilesError as exc:
+        module.fail_json(msg=f"vllm_unit ({state}): {to_native(exc)}")
+    except Exception as exc:  # pylint: disable=broad-exception-caught
+        module.fail_json(msg=f"vllm_unit ({state}) failed unexpectedly: {to_native(exc)}", exception=traceback.format_exc())
+
+    diffs = [e.pop("diff") for e in entries if "diff" in e]
+    if diffs:
+        result["diff"] = diffs
+    changes = [e.pop("changed", False) for e in entries]
+    if state != "status":
+        result["changed"] = any(changes)
+    result["instances"] = entries
+    module.exit_json(**result)
+
+
+if __name__ == "__main__":
+    main()

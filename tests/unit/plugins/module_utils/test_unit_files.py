@@ -1,0 +1,283 @@
+# Copyright (c) gpufleet maintainers
+# GNU General Public License v3.0+ (see LICENSES/GPL-3.0-or-later.txt or https://www.gnu.org/licenses/gpl-3.0.txt)
+# SPDX-License-Identifier: GPL-3.0-or-later
+"""_unit_files: status, snapshot, write, record and restore of the files of vLLM instances.
+
+A rollback restores exactly what was on disk before the instances were stopped: the
+unit (even when it did not change, e.g. the service had failed), the plan file and the
+secret environment file, and the running state; it removes only the files that did not
+exist then (stopping and disabling such a unit), and leaves alone files a snapshot
+knows nothing about. systemctl is a recorded fake here; the role runs it for real on
+systemd hosts (molecule scenario vllm_service, tests/integration/test_rollout.py).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+
+import pytest
+
+from ansible_collections.gpufleet.vllm.plugins.module_utils._unit_files import (
+    Layout,
+    UnitFilesError,
+    atomic_write,
+    parse_show,
+    record,
+    restore,
+    sha1,
+    snapshot,
+    status,
+    validate_name,
+    write,
+)
+
+UNIT_A = "[Service]\nExecStart=/opt/vllm/venv/bin/vllm serve m --kv-cache-memory-bytes 1000\n"
+UNIT_B = "[Service]\nExecStart=/opt/vllm/venv/bin/vllm serve m --kv-cache-memory-bytes 2000\n"
+ENV_A = 'HF_TOKEN="hf_old_secret"\n'
+ENV_B = 'HF_TOKEN="hf_new_secret"\n'
+
+
+class FakeSystemd:
+    """ActiveState/NeedDaemonReload per unit, and a log of systemctl calls."""
+
+    def __init__(self) -> None:
+        self.active: dict[str, str] = {}
+        self.reload: dict[str, str] = {}
+        self.calls: list[list[str]] = []
+
+    def show(self, units: list[str]) -> dict[str, dict[str, str]]:
+        self.calls.append(["show", *units])
+        return {u: {"LoadState": "loaded", "ActiveState": self.active.get(u, "inactive"),
+                    "NeedDaemonReload": self.reload.get(u, "no")} for u in units}
+
+    def run(self, argv: list[str]) -> tuple[int, str, str]:
+        self.calls.append(argv[1:])
+        return 0, "", ""
+
+
+@pytest.fixture()
+def layout(tmp_path) -> Layout:
+    (tmp_path / "systemd").mkdir()
+    return Layout(unit_dir=str(tmp_path / "systemd"), state_dir=str(tmp_path / "gpufleet"),
+                  uid=os.getuid(), gid=os.getgid(), plan_gid=os.getgid())
+
+
+def mode(path: str) -> int:
+    return stat.S_IMODE(os.stat(path).st_mode)
+
+
+def read(path: str) -> str | None:
+    try:
+        with open(path, encoding="utf-8") as fh:
+            return fh.read()
+    except FileNotFoundError:
+        return None
+
+
+def put(path: str, text: str, file_mode: int) -> None:
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    atomic_write(path, text.encode(), os.getuid(), os.getgid(), file_mode)
+
+
+def deployed(layout: Layout, systemd: FakeSystemd, name: str = "a", unit: str = UNIT_A, env: str = ENV_A) -> None:
+    """An instance as a successful deploy leaves it: files written, plan recorded, service active."""
+    write(layout, [{"name": name, "unit": unit, "env": env}], check=False)
+    record(layout, [{"name": name, "plan": {"instance": name, "kv_cache_memory_bytes": 1000}}], check=False)
+    systemd.active[layout.unit_name(name)] = "active"
+
+
+# ------------------------------------------------------------------ status
+def test_first_deploy_is_pending_for_every_reason(layout):
+    systemd = FakeSystemd()
+    (entry,) = status(layout, [{"name": "a", "unit": UNIT_A, "env": ENV_A}], systemd.show)
+    assert entry["pending"]
+    assert entry["reasons"] == ["unit differs from the plan", "environment file differs", "service is inactive",
+                                "the unit on disk has not passed a boot check"]
+    assert entry["unit_checksum"] == sha1(UNIT_A.encode())
+    assert systemd.calls == [["show", "vllm-a.service"]], "one systemctl call for all instances"
+
+
+def test_deployed_instance_is_not_pending_and_each_difference_is_named(layout):
+    systemd = FakeSystemd()
+    deployed(layout, systemd)
+    want = [{"name": "a", "unit": UNIT_A, "env": ENV_A}]
+    assert status(layout, want, systemd.show)[0]["pending"] is False
+
+    assert status(layout, [{"name": "a", "unit": UNIT_B, "env": ENV_A}], systemd.show)[0]["reasons"] == [
+        "unit differs from the plan"]
+    assert status(layout, [{"name": "a", "unit": UNIT_A, "env": ENV_B}], systemd.show)[0]["reasons"] == [
+        "environment file differs"]
+    os.chmod(layout.path("a", "env"), 0o644)  # a secret file readable by all is a difference too
+    assert status(layout, want, systemd.show)[0]["reasons"] == ["environment file differs"]
+    os.chmod(layout.path("a", "env"), 0o600)
+    systemd.reload["vllm-a.service"] = "yes"
+    assert status(layout, want, systemd.show)[0]["reasons"] == ["systemd has not loaded the unit on disk"]
+    systemd.reload.clear()
+    systemd.active["vllm-a.service"] = "failed"
+    assert status(layout, want, systemd.show)[0]["reasons"] == ["service is failed"]
+
+
+def test_a_unit_changed_by_hand_has_not_passed_a_boot_check(layout):
+    systemd = FakeSystemd()
+    deployed(layout, systemd)
+    put(layout.path("a", "unit"), UNIT_B, 0o644)
+    reasons = status(layout, [{"name": "a", "unit": UNIT_B, "env": ENV_A}], systemd.show)[0]["reasons"]
+    assert reasons == ["the unit on disk has not passed a boot check"]
+
+
+def test_diff_shows_the_unit_and_never_the_secret(layout):
+    systemd = FakeSystemd()
+    deployed(layout, systemd)
+    entries = status(layout, [{"name": "a", "unit": UNIT_B, "env": ENV_B}], systemd.show, want_diff=True)
+    assert entries[0]["diff"]["before"] == UNIT_A and entries[0]["diff"]["after"] == UNIT_B
+    assert "hf_" not in json.dumps(entries)
+    written = write(layout, [{"name": "a", "unit": UNIT_B, "env": ENV_B}], check=False, want_diff=True)
+    assert written[0]["written"] == ["env", "unit"]
+    assert written[0]["diff"]["before"] == UNIT_A
+    assert "hf_" not in json.dumps(written)
+
+
+# ------------------------------------------------------------------ write and record
+def test_write_is_idempotent_and_sets_owner_and_mode(layout):
+    first = write(layout, [{"name": "a", "unit": UNIT_A, "env": ENV_A}], check=False)
+    assert first[0]["changed"] and first[0]["written"] == ["env", "unit"]
+    assert mode(layout.path("a", "unit")) == 0o644 and mode(layout.path("a", "env")) == 0o600
+    assert mode(layout.state_dir) == 0o750
+    again = write(layout, [{"name": "a", "unit": UNIT_A, "env": ENV_A}], check=False)
+    assert not again[0]["changed"] and again[0]["written"] == []
+    assert not [p for p in os.listdir(layout.state_dir) if p.startswith(".")], "no temporary file left"
+
+
+def test_check_mode_writes_nothing(layout):
+    result = write(layout, [{"name": "a", "unit": UNIT_A, "env": ENV_A}], check=True)
+    assert result[0]["changed"]
+    assert not os.path.exists(layout.state_dir) and read(layout.path("a", "unit")) is None
+    assert snapshot(layout, ["a"], FakeSystemd().show, check=True)[0]["changed"]
+    assert not os.path.exists(layout.kept_dir)
+
+
+def test_record_names_the_unit_on_disk(layout):
+    write(layout, [{"name": "a", "unit": UNIT_A}], check=False)
+    (entry,) = record(layout, [{"name": "a", "plan": {"kv_cache_memory_bytes": 1000, "unit_checksum": "stale"}}],
+                      check=False)
+    doc = json.loads(read(layout.path("a", "plan")))
+    assert doc == {"kv_cache_memory_bytes": 1000, "unit_checksum": sha1(UNIT_A.encode())}
+    assert entry["changed"] and mode(layout.path("a", "plan")) == 0o640
+    assert not record(layout, [{"name": "a", "plan": {"kv_cache_memory_bytes": 1000}}], check=False)[0]["changed"]
+    with pytest.raises(UnitFilesError, match="no unit at .*vllm-b.service"):
+        record(layout, [{"name": "b", "plan": {}}], check=False)
+
+
+# ------------------------------------------------------------------ snapshot and restore
+def test_failed_service_with_an_unchanged_unit_keeps_its_unit_and_gets_its_env_back(layout):
+    systemd = FakeSystemd()
+    deployed(layout, systemd)
+    plan_before = read(layout.path("a", "plan"))
+    # A stale copy from an older change must not come back.
+    put(layout.kept("a", "unit") + ".previous", "[Service]\nExecStart=/old\n", 0o600)
+    systemd.active["vllm-a.service"] = "failed"
+
+    (taken,) = snapshot(layout, ["a"], systemd.show, check=False)
+    assert taken["kept"] == ["unit", "plan", "env"] and taken["absent"] == [] and taken["active_state"] == "failed"
+    assert read(layout.kept("a", "unit") + ".previous") == UNIT_A
+    assert read(layout.kept("a", "env") + ".previous") == ENV_A
+    assert mode(layout.kept("a", "env") + ".previous") == 0o600 and mode(layout.kept_dir) == 0o700
+
+    # The run changes the environment file, rewrites the same unit, then the boot fails.
+    write(layout, [{"name": "a", "unit": UNIT_A, "env": ENV_B}], check=False)
+    (back,) = restore(layout, ["a"], systemd.run, check=False)
+    assert back["restored"] == ["env"], "the unit is the same; only the environment file comes back"
+    assert read(layout.path("a", "unit")) == UNIT_A and read(layout.path("a", "env")) == ENV_A
+    assert read(layout.path("a", "plan")) == plan_before
+    assert mode(layout.path("a", "env")) == 0o600 and mode(layout.path("a", "unit")) == 0o644
+    # it was not running before the change: stopped, not restarted
+    assert back["restart"] is False and back["stop"] is True
+
+
+def test_a_running_service_is_restarted_after_restore(layout):
+    systemd = FakeSystemd()
+    deployed(layout, systemd)
+    snapshot(layout, ["a"], systemd.show, check=False)
+    write(layout, [{"name": "a", "unit": UNIT_B, "env": ENV_B}], check=False)
+    (back,) = restore(layout, ["a"], systemd.run, check=False)
+    assert sorted(back["restored"]) == ["env", "unit"]
+    assert back["restart"] is True and back["stop"] is False
+    assert read(layout.path("a", "unit")) == UNIT_A
+    assert not [c for c in systemd.calls if c[0] != "show"], "restarting is left to the role"
+    # restoring again changes nothing
+    assert restore(layout, ["a"], systemd.run, check=False)[0]["changed"] is False
+
+
+def test_new_instance_is_stopped_disabled_and_removed_and_an_unknown_one_left_alone(layout):
+    systemd = FakeSystemd()
+    # b is new in this run; c has a unit but no snapshot (it was not part of the change).
+    put(layout.path("c", "unit"), UNIT_A, 0o644)
+    (taken,) = snapshot(layout, ["b"], systemd.show, check=False)
+    assert taken["absent"] == ["unit", "plan", "env"]
+    assert sorted(os.listdir(layout.kept_dir)) == [
+        "b.plan.json.absent", "vllm-b.env.absent", "vllm-b.service.absent", "vllm-b.service.inactive"]
+
+    deployed(layout, systemd, name="b")
+    back = restore(layout, ["b", "c"], systemd.run, check=False)
+    assert back[0]["removed"] == ["unit", "plan", "env"] and back[0]["stopped"] is True
+    assert ["disable", "--now", "vllm-b.service"] in systemd.calls
+    assert back[0]["restart"] is False and back[0]["stop"] is False
+    for kind in ("unit", "plan", "env"):
+        assert read(layout.path("b", kind)) is None
+    assert back[1]["unknown"] == ["unit", "plan", "env"] and not back[1]["changed"]
+    assert read(layout.path("c", "unit")) == UNIT_A, "no snapshot of c: its unit stays"
+
+
+def test_a_later_snapshot_replaces_absent_markers(layout):
+    systemd = FakeSystemd()
+    snapshot(layout, ["a"], systemd.show, check=False)
+    assert os.path.exists(layout.kept("a", "unit") + ".absent")
+    # The first deploy succeeded; the next change snapshots the files that now exist.
+    write(layout, [{"name": "a", "unit": UNIT_A, "env": ENV_A}], check=False)
+    systemd.active["vllm-a.service"] = "active"
+    snapshot(layout, ["a"], systemd.show, check=False)
+    assert not os.path.exists(layout.kept("a", "unit") + ".absent")
+    assert not os.path.exists(layout.kept("a", "env") + ".absent")
+    assert os.path.exists(layout.kept("a", "plan") + ".absent"), "still no plan file"
+    assert not os.path.exists(layout.inactive_marker("a"))
+
+    write(layout, [{"name": "a", "unit": UNIT_B}], check=False)
+    record(layout, [{"name": "a", "plan": {}}], check=False)
+    (back,) = restore(layout, ["a"], systemd.run, check=False)
+    assert read(layout.path("a", "unit")) == UNIT_A and read(layout.path("a", "env")) == ENV_A
+    assert read(layout.path("a", "plan")) is None and back["removed"] == ["plan"]
+    assert back["restart"] is True
+
+
+def test_restore_in_check_mode_changes_nothing(layout):
+    systemd = FakeSystemd()
+    deployed(layout, systemd)
+    snapshot(layout, ["a"], systemd.show, check=False)
+    write(layout, [{"name": "a", "unit": UNIT_B}], check=False)
+    (back,) = restore(layout, ["a"], systemd.run, check=True)
+    assert back["restored"] == ["unit"] and back["changed"]
+    assert read(layout.path("a", "unit")) == UNIT_B
+
+
+# ------------------------------------------------------------------ inputs
+@pytest.mark.parametrize("name", ["", "..", "a/b", "../etc/x", "a b", 3])
+def test_bad_instance_names_are_refused(name):
+    with pytest.raises(UnitFilesError, match="instance name"):
+        validate_name(name)
+
+
+def test_systemctl_show_blocks_follow_the_units():
+    out = "LoadState=loaded\nActiveState=active\nNeedDaemonReload=no\n\nLoadState=not-found\nActiveState=inactive\n"
+    parsed = parse_show(out, ["vllm-a.service", "vllm-b.service"])
+    assert parsed["vllm-a.service"]["ActiveState"] == "active"
+    assert parsed["vllm-b.service"]["LoadState"] == "not-found"
+    with pytest.raises(UnitFilesError, match="expected 3 blocks"):
+        parse_show(out, ["a", "b", "c"])
+
+
+def test_unwritable_directory_is_a_clear_error(layout, tmp_path):
+    target = tmp_path / "missing" / "vllm-a.service"
+    with pytest.raises(UnitFilesError, match="cannot write"):
+        atomic_write(str(target), b"x", os.getuid(), os.getgid(), 0o644)
