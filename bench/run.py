@@ -312,8 +312,7 @@ def render_rollout(res: dict[str, Any]) -> tuple[list[str], list[tuple[str, str,
     for run in result["runs"]:
         if run.get("separate_run"):
             lines.append(f"- {run['hosts']} hosts: measured by a separate `python bench/rollout_overhead.py --sizes {run['hosts']}` "
-                         f"at {run.get('measured_at', 'n/a')} UTC, not in the run above (its fleet did not come up there); "
-                         "the two runs saw different machine load.")
+                         f"at {run.get('measured_at', 'n/a')} UTC, not in the run above; the two runs saw different machine load.")
         if run.get("batches"):
             lines.append(f"- {run['hosts']} hosts, {run.get('kind', 'install')}, batches (hosts / wall s / overhead s): "
                          + "; ".join(f"{b['hosts']} / {b['wall_s']} / {b['overhead_s']}" for b in run["batches"])
