@@ -38,8 +38,11 @@ class ActionModule(ActionBase):
         result = super().run(tmp, task_vars)
         del tmp
         _validation, args = self.validate_argument_spec(argument_spec=ARGUMENT_SPEC)
+        data = dict(args["data"])
+        # A dry run is recorded as one: ansible_check_mode stays true under a task's check_mode: false.
+        data.setdefault("check_mode", bool(task_vars.get("ansible_check_mode", False)))
         try:
-            report = build_report(args["data"], args["kind"])
+            report = build_report(data, args["kind"])
         except ReportError as exc:
             raise AnsibleActionFail(f"rollout_report ({args['kind']}): {exc}") from None
         result.update(

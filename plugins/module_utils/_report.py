@@ -6,10 +6,12 @@
 Plain Python, no Ansible import.
 
 * :func:`build_report` turns what a playbook collected (per class state with
-  the plan and the canaries, per host outcome facts, the batch records) into a
-  report of schema version :data:`SCHEMA_VERSION`;
+  the plan and the canaries, per host outcome facts, the batch records; for a
+  probe run, per host its GPUs and instances) into a report of schema version
+  :data:`SCHEMA_VERSION`;
 * :func:`load_report` reads a stored ``report.json`` of any known schema
-  version (version 0 is the flat summary older playbooks wrote) and upgrades it;
+  version (version 0 is the flat summary older playbooks wrote, version 1 has
+  no ``probe`` nor ``check_mode``) and upgrades it;
 * :func:`render_markdown` and :func:`render_html` render a report (the HTML is
   self-contained: inline CSS and SVG, no external asset, no script);
 * :func:`write_run_dir` writes ``<dir>/<kind>-<UTC timestamp>/`` with
@@ -46,10 +48,11 @@ __all__ = [
     "write_run_dir",
 ]
 
-SCHEMA_VERSION = 1
+# 2: ``probe`` (what a probe run read per host, GPU and instance) and ``check_mode``.
+SCHEMA_VERSION = 2
 KINDS = ("rollout", "plan", "probe")
 # Per host outcome of a run, worst first (the summary counts them).
-OUTCOMES = ("rolled_back", "failed", "not_reached", "skipped", "deployed", "unchanged", "planned")
+OUTCOMES = ("rolled_back", "failed", "not_reached", "skipped", "deployed", "unchanged", "planned", "probed")
 
 _CANARY_FIELDS = (
     "verdict",
@@ -172,6 +175,12 @@ def _parse_time(value: Any) -> _dt.datetime | None:
     except ValueError:
         return None
     return stamp if stamp.tzinfo else stamp.replace(tzinfo=_dt.timezone.utc)
+
+
+def _iso(value: Any) -> str | None:
+    """An ISO 8601 time with its offset (a time without one is UTC, as the playbooks take it)."""
+    stamp = _parse_time(value)
+    return stamp.isoformat() if stamp is not None else (str(value) if value else None)
 
 
 def _seconds_between(start: Any, end: Any) -> float | None:
@@ -302,6 +311,148 @@ def _class_entry(name: str, state: Mapping[str, Any], hosts: list[str]) -> dict[
     return entry
 
 
+_GPU_BYTES = (
+    "total_bytes",
+    "free_bytes",
+    "boot_free_bytes",
+    "free_min_bytes",
+    "free_max_bytes",
+    "used_bytes",
+    "reserved_bytes",
+    "own_used_bytes",
+)
+_INSTANCE_PLAN_FIELDS = (
+    "decision",
+    "kv_cache_memory_bytes",
+    "gpu_memory_utilization",
+    "num_blocks",
+    "kv_cache_tokens",
+    "max_concurrency",
+    "compat_key_hash",
+    "host_class",
+    "model",
+)
+
+
+def _mapping(value: Any, field: str) -> Mapping[str, Any]:
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping):
+        raise ReportError(f"{field}: expected a mapping, got {type(value).__name__}")
+    return value
+
+
+def _sequence(value: Any, field: str) -> list[Any]:
+    if value is None:
+        return []
+    if not isinstance(value, (list, tuple)):
+        raise ReportError(f"{field}: expected a list, got {type(value).__name__}")
+    return list(value)
+
+
+def _probe_gpu(raw: Any, where: str) -> dict[str, Any]:
+    gpu = _mapping(raw, where)
+    out: dict[str, Any] = {
+        "index": _num(gpu.get("index")),
+        "uuid": str(gpu.get("uuid") or "") or None,
+        "name": str(gpu.get("name") or "") or None,
+    }
+    for field in _GPU_BYTES:
+        out[field] = _int(gpu.get(field), f"{where}.{field}")
+    processes = []
+    for pos, proc_raw in enumerate(_sequence(gpu.get("processes"), f"{where}.processes")):
+        proc = _mapping(proc_raw, f"{where}.processes[{pos}]")
+        processes.append(
+            {
+                "pid": _num(proc.get("pid")),
+                "name": str(proc.get("name") or "") or None,
+                "used_bytes": _int(proc.get("used_bytes"), f"{where}.processes[{pos}].used_bytes"),
+                "own": bool(proc.get("own")),
+            }
+        )
+    out["processes"] = processes
+    out["processes_reported"] = bool(gpu.get("processes_reported", True))
+    return out
+
+
+def _probe_instance(raw: Any, where: str) -> dict[str, Any]:
+    inst = _mapping(raw, where)
+    name = str(inst.get("name") or "")
+    if not name:
+        raise ReportError(f"{where}: an instance needs a name")
+    plan_raw = inst.get("plan")
+    plan = None
+    if plan_raw:
+        plan_map = _mapping(plan_raw, f"{where}.plan")
+        plan = {field: plan_map.get(field) for field in _INSTANCE_PLAN_FIELDS}
+        plan["kv_cache_memory_bytes"] = _int(plan["kv_cache_memory_bytes"], f"{where}.plan.kv_cache_memory_bytes")
+        for field in ("gpu_memory_utilization", "num_blocks", "kv_cache_tokens", "max_concurrency"):
+            plan[field] = _num(plan[field])
+        plan["free_floor_bytes"] = _rank_map(plan_map.get("free_floor_bytes"), f"{where}.plan.free_floor_bytes")
+    gpus = [_num(g) for g in _sequence(inst.get("gpus"), f"{where}.gpus")]
+    return {
+        "name": name,
+        "unit": str(inst.get("unit") or f"vllm-{name}.service"),
+        "gpus": [g for g in gpus if g is not None],
+        "port": _num(inst.get("port")),
+        "load_state": str(inst.get("load_state") or "") or None,
+        "active_state": str(inst.get("active_state") or "") or None,
+        "sub_state": str(inst.get("sub_state") or "") or None,
+        "plan": plan,
+    }
+
+
+def _probe_section(raw: Any) -> dict[str, Any]:
+    """``data.probe``: ``{hosts: {host: {class, error, driver_version, ..., gpus: [...], instances: [...]}}}``."""
+    probe = _mapping(raw, "data.probe")
+    hosts_raw = _mapping(probe.get("hosts"), "data.probe.hosts")
+    hosts = []
+    for host, facts_raw in sorted(hosts_raw.items()):
+        where = f"data.probe.hosts.{host}"
+        facts = _mapping(facts_raw, where)
+        error = facts.get("error")
+        hosts.append(
+            {
+                "host": str(host),
+                "class": str(facts.get("class") or ""),
+                "ok": error is None,
+                "error": str(error) if error is not None else None,
+                "driver_version": str(facts.get("driver_version") or "") or None,
+                "cuda_driver_version": str(facts.get("cuda_driver_version") or "") or None,
+                "nvml_version": str(facts.get("nvml_version") or "") or None,
+                "gpus": [_probe_gpu(g, f"{where}.gpus[{pos}]") for pos, g in enumerate(_sequence(facts.get("gpus"), f"{where}.gpus"))],
+                "instances": [
+                    _probe_instance(i, f"{where}.instances[{pos}]") for pos, i in enumerate(_sequence(facts.get("instances"), f"{where}.instances"))
+                ],
+            }
+        )
+    return {"hosts": hosts}
+
+
+def _instance_state(inst: Mapping[str, Any]) -> str:
+    if inst.get("load_state") == "not-found":
+        return "not installed"
+    state = inst.get("active_state") or "unknown"
+    return f"{state} ({inst['sub_state']})" if inst.get("sub_state") else state
+
+
+def _probe_summary(probe: Mapping[str, Any]) -> dict[str, Any]:
+    gpus = [(h["host"], g) for h in probe["hosts"] for g in h["gpus"]]
+    instances = [i for h in probe["hosts"] for i in h["instances"]]
+    lowest = None
+    for host, gpu in gpus:
+        if gpu["boot_free_bytes"] is not None and (lowest is None or gpu["boot_free_bytes"] < lowest["bytes"]):
+            lowest = {"host": host, "index": gpu["index"], "bytes": gpu["boot_free_bytes"]}
+    return {
+        "hosts": len(probe["hosts"]),
+        "probed": sum(1 for h in probe["hosts"] if h["ok"]),
+        "gpus": len(gpus),
+        "instances": len(instances),
+        "active_instances": sum(1 for i in instances if i["active_state"] == "active"),
+        "lowest_boot_free": lowest,
+    }
+
+
 def _host_outcome(kind: str, host: Mapping[str, Any], class_entry: dict[str, Any] | None) -> str:
     if class_entry is not None and class_entry["status"] == "failed":
         return "failed"
@@ -329,7 +480,15 @@ def build_report(data: Mapping[str, Any], kind: str = "rollout", generated: _dt.
     * ``hosts``: ``{host: {class, batch, pending, touched, error, failed_task}}``;
       ``batch`` is the batch number the host ran in, ``pending`` the instances
       that changed, ``error`` the message of the failure that stopped it;
-    * ``batches``: ``[{index, total, hosts, started, finished}]``.
+    * ``batches``: ``[{index, total, hosts, started, finished}]``;
+    * ``check_mode``: whether the run was a dry run (``--check``);
+    * ``probe`` (required for ``kind="probe"``): ``{hosts: {host: {class,
+      error, driver_version, cuda_driver_version, nvml_version, gpus,
+      instances}}}`` where ``gpus`` are ``gpu_memory_info`` entries and each
+      instance is ``{name, unit, gpus, port, load_state, active_state,
+      sub_state, plan}`` (``plan``: the instance's plan file, or null).
+      A probe report's hosts come from this section (outcome ``probed``, or
+      ``failed`` with the ``error``).
     """
     if kind not in KINDS:
         raise ReportError(f"kind: expected one of {', '.join(KINDS)}, got {kind!r}")
@@ -341,6 +500,15 @@ def build_report(data: Mapping[str, Any], kind: str = "rollout", generated: _dt.
     hosts_raw = data.get("hosts") or {}
     if not isinstance(hosts_raw, Mapping):
         raise ReportError("data.hosts: expected a mapping of host name to its facts")
+    probe = None
+    if kind == "probe" or data.get("probe") is not None:
+        if not isinstance(data.get("probe"), Mapping):
+            raise ReportError("data.probe: a probe report needs the probe results, {hosts: {host: {gpus, instances, ...}}}")
+        probe = _probe_section(data["probe"])
+    if kind == "probe":
+        hosts_raw = {
+            h["host"]: {"class": h["class"], "error": h["error"]} for h in probe["hosts"]  # type: ignore[index]
+        }
     members: dict[str, list[str]] = {}
     for host, facts in hosts_raw.items():
         if not isinstance(facts, Mapping):
@@ -359,13 +527,17 @@ def build_report(data: Mapping[str, Any], kind: str = "rollout", generated: _dt.
         pending = _str_list(facts.get("pending"))
         batch = facts.get("batch")
         error = facts.get("error")
+        if kind == "probe":
+            outcome = "probed" if error is None else "failed"
+        else:
+            outcome = _host_outcome(kind, {**facts, "pending": pending, "batch": batch if batch != "" else None}, cls)
         hosts.append(
             {
                 "host": str(host),
                 "class": str(facts.get("class") or ""),
                 "batch": int(batch) if batch not in (None, "") else None,
                 "pending": pending,
-                "outcome": _host_outcome(kind, {**facts, "pending": pending, "batch": batch if batch != "" else None}, cls),
+                "outcome": outcome,
                 "failed_task": str(facts["failed_task"]) if facts.get("failed_task") else None,
                 "error": str(error) if error is not None else None,
             }
@@ -400,13 +572,15 @@ def build_report(data: Mapping[str, Any], kind: str = "rollout", generated: _dt.
         "schema_version": SCHEMA_VERSION,
         "kind": kind,
         "generated": stamp.isoformat(),
-        "started": data.get("started") or None,
+        "started": _iso(data.get("started")),
         "finished": finished,
         "classes": classes,
         "hosts": hosts,
         "batches": batches,
         "rolled_back": rolled_back,
         "failed_hosts": [h["host"] for h in hosts if h["outcome"] in ("rolled_back", "failed")],
+        "check_mode": bool(data.get("check_mode")),
+        "probe": probe,
         "upgraded_from": None,
     }
     report["summary"] = _summary(report)
@@ -417,7 +591,7 @@ def _summary(report: Mapping[str, Any]) -> dict[str, Any]:
     counts = {o: 0 for o in OUTCOMES}
     for host in report["hosts"]:
         counts[host["outcome"]] = counts.get(host["outcome"], 0) + 1
-    return {
+    out = {
         "classes": len(report["classes"]),
         "deployable_classes": sum(1 for c in report["classes"] if c["status"] == "deployable"),
         "failed_classes": [c["name"] for c in report["classes"] if c["status"] == "failed"],
@@ -425,6 +599,9 @@ def _summary(report: Mapping[str, Any]) -> dict[str, Any]:
         "outcomes": {k: v for k, v in counts.items() if v},
         "ok": not report["failed_hosts"] and not any(c["status"] == "failed" for c in report["classes"]),
     }
+    if report.get("probe") is not None:
+        out["probe"] = _probe_summary(report["probe"])
+    return out
 
 
 def class_artifacts(report: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
@@ -473,16 +650,25 @@ def _upgrade_v0(old: Mapping[str, Any]) -> dict[str, Any]:
     return {"started": old.get("started"), "classes": classes, "hosts": hosts}
 
 
+_REQUIRED_KEYS = ("kind", "classes", "hosts", "batches", "summary")
+
+
 def load_report(obj: Any) -> dict[str, Any]:
     """A stored report (parsed JSON) of any known schema version, as a current one."""
     if not isinstance(obj, Mapping):
         raise ReportError("report.json: expected a JSON object")
     version = obj.get("schema_version", 0)
-    if version == SCHEMA_VERSION:
-        missing = [k for k in ("kind", "classes", "hosts", "batches", "summary") if k not in obj]
+    if version in (1, SCHEMA_VERSION):
+        missing = [k for k in _REQUIRED_KEYS + (("probe",) if version == SCHEMA_VERSION and obj.get("kind") == "probe" else ()) if k not in obj]
         if missing:
-            raise ReportError(f"report.json (schema 1): missing {', '.join(missing)}")
-        return dict(obj)
+            raise ReportError(f"report.json (schema {version}): missing {', '.join(missing)}")
+        report = dict(obj)
+        if version == 1:
+            # Version 1 had no probe section nor check-mode flag; everything else is unchanged.
+            report.update(schema_version=SCHEMA_VERSION, probe=None, check_mode=False, upgraded_from=1)
+        report.setdefault("probe", None)
+        report.setdefault("check_mode", False)
+        return report
     if version == 0:
         kind = obj.get("kind") or "rollout"
         stamp = _parse_time(obj.get("started")) or _utc_now()
@@ -495,20 +681,36 @@ def load_report(obj: Any) -> dict[str, Any]:
         report["finished"] = None
         report["upgraded_from"] = 0
         return report
-    raise ReportError(f"report.json: unknown schema_version {version!r} (this collection reads 0 and {SCHEMA_VERSION})")
+    raise ReportError(f"report.json: unknown schema_version {version!r} (this collection reads 0 to {SCHEMA_VERSION})")
 
 
 # ---------------------------------------------------------------- renderers
 def summary_line(report: Mapping[str, Any]) -> str:
-    """One line: classes, host outcomes, failed hosts."""
+    """One line: classes, host outcomes, failed hosts (a probe: hosts, GPUs, instances, lowest boot free)."""
     summ = report["summary"]
+    if report["kind"] == "probe" and summ.get("probe"):
+        probe = summ["probe"]
+        parts = [
+            f"probe: {probe['probed']} of {probe['hosts']} host(s) probed, {probe['gpus']} GPU(s), "
+            f"{probe['active_instances']} of {probe['instances']} instance(s) active"
+        ]
+        low = probe.get("lowest_boot_free")
+        if low:
+            parts.append(f"lowest boot free {_hb(low['bytes'])} ({low['host']} GPU {_text(low['index'])})")
+        if report["failed_hosts"]:
+            parts.append("failed hosts " + ", ".join(report["failed_hosts"]))
+        return "; ".join(parts)
     parts = [f"{report['kind']}: {summ['classes']} class(es), {summ['deployable_classes']} deployable"]
     if summ["failed_classes"]:
         parts.append("failed classes " + ", ".join(summ["failed_classes"]))
     if summ["outcomes"]:
-        parts.append(", ".join(f"{n} {k.replace('_', ' ')}" for k, n in summ["outcomes"].items()))
+        # worst first, also for a stored report (report.json is written with sorted keys)
+        order = [o for o in OUTCOMES if o in summ["outcomes"]] + sorted(set(summ["outcomes"]) - set(OUTCOMES))
+        parts.append(", ".join(f"{summ['outcomes'][k]} {k.replace('_', ' ')}" for k in order))
     if report["failed_hosts"]:
         parts.append("failed hosts " + ", ".join(report["failed_hosts"]))
+    if report.get("check_mode"):
+        parts.append("check mode: nothing was changed on the hosts")
     return "; ".join(parts)
 
 
@@ -564,6 +766,13 @@ _CANARY_COLUMNS = (
 )
 
 
+def _canaries_in_order(cls: Mapping[str, Any]) -> list[tuple[str, Mapping[str, Any]]]:
+    """The class's canaries that ran, profiled first (also for a stored report, whose keys are sorted)."""
+    found = cls.get("canaries") or {}
+    names = [n for n in ("profiled", "manual") if n in found] + sorted(set(found) - {"profiled", "manual"})
+    return [(n, found[n]) for n in names if found[n]]
+
+
 def _md_cell(value: Any) -> str:
     return _text(value).replace("|", "\\|").replace("\n", " ")
 
@@ -574,9 +783,13 @@ def render_markdown(report: Mapping[str, Any]) -> str:
     out.append(f"- started: {_text(report.get('started'))}")
     out.append(f"- finished: {_text(report.get('finished'))}")
     out.append(f"- summary: {summary_line(report)}")
-    if report.get("upgraded_from") is not None:
-        out.append(f"- read from a schema {report['upgraded_from']} report: per-rank figures, canaries and batches were not recorded")
+    if report.get("check_mode"):
+        out.append("- dry run (check mode): nothing was changed on the hosts")
+    if report.get("upgraded_from") == 0:
+        out.append("- read from a schema 0 report: per-rank figures, canaries and batches were not recorded")
     out.append("")
+    if report.get("probe"):
+        out += _probe_markdown(report["probe"])
     for cls in report["classes"]:
         out += [f"## Class {cls['name']}", "", "| | |", "|---|---|"]
         out += [f"| {_md_cell(k)} | {_md_cell(v)} |" for k, v in _class_budget_line(cls)]
@@ -595,7 +808,7 @@ def render_markdown(report: Mapping[str, Any]) -> str:
                     f"{_hb(row['adjusted_bytes'])} | {_signed_hb(row['margin_bytes'])} |"
                 )
             out.append("")
-        canaries = [(n, c) for n, c in cls["canaries"].items() if c]
+        canaries = _canaries_in_order(cls)
         out.append(f"Manual canary: {cls['manual_canary']}")
         out.append("")
         if canaries:
@@ -610,7 +823,7 @@ def render_markdown(report: Mapping[str, Any]) -> str:
             total = f" of {b['total']}" if b.get("total") else ""
             out.append(f"| {b['index']}{total} | {_md_cell(hosts)} | {_text(b['seconds'])} | {b['outcome']} |")
         out.append("")
-    if report["hosts"]:
+    if report["hosts"] and not report.get("probe"):
         out += ["## Hosts", "", "| host | class | batch | outcome | changed instances |", "|---|---|---|---|---|"]
         for h in report["hosts"]:
             out.append(
@@ -624,6 +837,125 @@ def render_markdown(report: Mapping[str, Any]) -> str:
             out.append(f"- **{rb['host']}** (class {rb['class']}, batch {_text(rb['batch'])}): {rb['error']}")
         out.append("")
     return "\n".join(out).rstrip("\n") + "\n"
+
+
+_GPU_COLUMNS = ("GPU", "name", "total", "free", "boot free", "free min / max", "own engine", "other processes")
+_INSTANCE_COLUMNS = ("instance", "unit", "state", "GPUs", "port", "KV budget", "tokens", "utilization", "decision", "compatibility key")
+
+
+def _gpu_row(gpu: Mapping[str, Any]) -> list[str]:
+    others = [p for p in gpu["processes"] if not p["own"]]
+    other_bytes = sum(p["used_bytes"] or 0 for p in others)
+    return [
+        _text(gpu["index"]),
+        _text(gpu["name"]),
+        _hb(gpu["total_bytes"]),
+        _hb(gpu["free_bytes"]),
+        _hb(gpu["boot_free_bytes"]),
+        f"{_hb(gpu['free_min_bytes'])} / {_hb(gpu['free_max_bytes'])}",
+        _hb(gpu["own_used_bytes"]),
+        (f"{len(others)} ({_hb(other_bytes)})" if others else "none") if gpu["processes_reported"] else "not reported",
+    ]
+
+
+def _instance_row(inst: Mapping[str, Any]) -> list[str]:
+    plan = inst.get("plan") or {}
+    return [
+        inst["name"],
+        inst["unit"],
+        _instance_state(inst),
+        ", ".join(str(g) for g in inst["gpus"]) or "-",
+        _text(inst["port"]),
+        _hb(plan.get("kv_cache_memory_bytes")) if plan else "no plan file",
+        _text(plan.get("kv_cache_tokens")),
+        _text(plan.get("gpu_memory_utilization")),
+        _text(plan.get("decision")),
+        _text(plan.get("compat_key_hash")),
+    ]
+
+
+def _host_line(host: Mapping[str, Any]) -> str:
+    bits = [f"class {host['class']}" if host["class"] else "no class"]
+    if host["driver_version"]:
+        bits.append(f"driver {host['driver_version']}")
+    if host["cuda_driver_version"]:
+        bits.append(f"CUDA {host['cuda_driver_version']}")
+    if host["nvml_version"]:
+        bits.append(f"NVML {host['nvml_version']}")
+    return ", ".join(bits)
+
+
+def _probe_markdown(probe: Mapping[str, Any]) -> list[str]:
+    out: list[str] = []
+    for host in probe["hosts"]:
+        out += [f"## Host {host['host']}", "", f"- {_md_cell(_host_line(host))}"]
+        if host["error"]:
+            out.append(f"- probe failed: {_md_cell(host['error'])}")
+        out.append("")
+        if host["gpus"]:
+            out += ["| " + " | ".join(_GPU_COLUMNS) + " |", "|---" * len(_GPU_COLUMNS) + "|"]
+            out += ["| " + " | ".join(_md_cell(c) for c in _gpu_row(g)) + " |" for g in host["gpus"]]
+            out.append("")
+            procs = [(g["index"], p) for g in host["gpus"] for p in g["processes"]]
+            if procs:
+                out += ["| GPU | pid | process | used | own engine |", "|---|---|---|---|---|"]
+                for index, proc in procs:
+                    out.append(
+                        f"| {_text(index)} | {_text(proc['pid'])} | {_md_cell(proc['name'])} | {_hb(proc['used_bytes'])} | "
+                        f"{'yes' if proc['own'] else 'no'} |"
+                    )
+                out.append("")
+        if host["instances"]:
+            out += ["| " + " | ".join(_INSTANCE_COLUMNS) + " |", "|---" * len(_INSTANCE_COLUMNS) + "|"]
+            out += ["| " + " | ".join(_md_cell(c) for c in _instance_row(i)) + " |" for i in host["instances"]]
+            out.append("")
+    return out
+
+
+# SVG chart of a probed host: one stacked bar per GPU (reserved, other processes, own engine, free).
+_GPU_SEGMENTS = (
+    ("reserved", "#9e9e9e", "driver reserve"),
+    ("other", "#ef6c00", "other processes"),
+    ("own", "#1565c0", "own engine"),
+    ("free", "#2e7d32", "free"),
+)
+
+
+def render_gpu_svg(host: Mapping[str, Any]) -> str:
+    """Inline SVG: per GPU of a probed host, its memory split into reserve, other processes, own engine and free."""
+    gpus = [g for g in host.get("gpus") or [] if g.get("total_bytes")]
+    if not gpus:
+        return ""
+    width = _LABEL_W + _BAR_W + _NOTE_W
+    height = _ROW_H * len(gpus) + 30
+    esc = html.escape
+    parts = [
+        f'<svg xmlns="http://www.w3.org/2000/svg" role="img" width="{width}" height="{height}" viewBox="0 0 {width} {height}">',
+        f"<title>{esc(host['host'])}: memory of each GPU</title>",
+    ]
+    for i, gpu in enumerate(gpus):
+        y = 10 + i * _ROW_H
+        total = gpu["total_bytes"]
+        free = gpu["free_bytes"] or 0
+        reserved = gpu["reserved_bytes"] or 0
+        own = gpu["own_used_bytes"] or 0
+        sizes = {"reserved": reserved, "own": own, "free": free, "other": max(0, total - reserved - own - free)}
+        label = f"GPU {_text(gpu['index'])} {gpu['name'] or ''}".strip()
+        parts.append(f'<text x="{_LABEL_W - 8}" y="{y + 16}" text-anchor="end" font-size="12">{esc(label)}</text>')
+        x = float(_LABEL_W)
+        for key, color, _legend in _GPU_SEGMENTS:
+            seg = round(_BAR_W * sizes[key] / total, 1)
+            if seg > 0:
+                parts.append(
+                    f'<rect class="gpu-{key}" x="{round(x, 1)}" y="{y + 3}" width="{seg}" height="{_ROW_H - 8}" fill="{color}" fill-opacity="0.8"/>'
+                )
+            x += seg
+        note = f"free {_hb(free)} of {_hb(total)}, boot free {_hb(gpu['boot_free_bytes'])}"
+        parts.append(f'<text x="{_LABEL_W + _BAR_W + 8}" y="{y + 16}" font-size="11">{esc(note)}</text>')
+    legend = "bar, left to right: " + ", ".join(f"{text} ({color})" for _key, color, text in _GPU_SEGMENTS)
+    parts.append(f'<text x="{_LABEL_W}" y="{height - 4}" font-size="11">{esc(legend)}</text>')
+    parts.append("</svg>")
+    return "\n".join(parts)
 
 
 # SVG chart: one row per host/rank; bar = boot free memory, tick = floor, label = drift.
@@ -699,6 +1031,34 @@ def _outcome_html(outcome: str) -> str:
     return f'<span class="{cls}">{html.escape(outcome.replace("_", " "))}</span>'
 
 
+def _probe_html(probe: Mapping[str, Any]) -> list[str]:
+    esc = html.escape
+    out: list[str] = []
+    for host in probe["hosts"]:
+        out.append(f'<h2 id="host-{esc(host["host"])}">Host {esc(host["host"])}</h2>')
+        out.append(f"<p>{esc(_host_line(host))}</p>")
+        if host["error"]:
+            out.append(f'<p class="bad">probe failed: <code>{esc(host["error"])}</code></p>')
+        if host["gpus"]:
+            out.append(render_gpu_svg(host))
+            out.append(_html_table(list(_GPU_COLUMNS), [_gpu_row(g) for g in host["gpus"]]))
+            procs = [(g["index"], p) for g in host["gpus"] for p in g["processes"]]
+            if procs:
+                rows = [
+                    [_text(index), _text(proc["pid"]), _text(proc["name"]), _hb(proc["used_bytes"]), "yes" if proc["own"] else "no"]
+                    for index, proc in procs
+                ]
+                out.append(_html_table(["GPU", "pid", "process", "used", "own engine"], rows))
+        if host["instances"]:
+            rows = []
+            for inst in host["instances"]:
+                cells = [esc(c) for c in _instance_row(inst)]
+                cells[2] = f'<span class="{"ok" if inst["active_state"] == "active" else "bad"}">{cells[2]}</span>'
+                rows.append(cells)
+            out.append(_html_table(list(_INSTANCE_COLUMNS), rows, raw=True))
+    return out
+
+
 def render_html(report: Mapping[str, Any]) -> str:
     """The report as one self-contained HTML page (inline CSS and SVG, no script, no external asset)."""
     esc = html.escape
@@ -712,8 +1072,12 @@ def render_html(report: Mapping[str, Any]) -> str:
         f"<p>started {esc(_text(report.get('started')))}, finished {esc(_text(report.get('finished')))}</p>",
         f'<p class="summary{"" if ok else " fail"}" id="summary">{esc(summary_line(report))}</p>',
     ]
-    if report.get("upgraded_from") is not None:
-        out.append(f"<p>Read from a schema {report['upgraded_from']} report: per-rank figures, canaries and batches were not recorded.</p>")
+    if report.get("check_mode"):
+        out.append('<p id="check-mode">Dry run (check mode): nothing was changed on the hosts.</p>')
+    if report.get("upgraded_from") == 0:
+        out.append("<p>Read from a schema 0 report: per-rank figures, canaries and batches were not recorded.</p>")
+    if report.get("probe"):
+        out += _probe_html(report["probe"])
     for cls in report["classes"]:
         out.append(f'<h2 id="class-{esc(cls["name"])}">Class {esc(cls["name"])}</h2>')
         out.append(_html_table(["", ""], [[k, v] for k, v in _class_budget_line(cls)]))
@@ -735,7 +1099,7 @@ def render_html(report: Mapping[str, Any]) -> str:
             ]
             out.append(_html_table(["host", "rank", "boot free", "floor", "drift (F_ref - F_boot)", "adjusted", "vs floor"], rows, raw=True))
         out.append(f"<p>Manual canary: {esc(cls['manual_canary'])}</p>")
-        canaries = [(n, c) for n, c in cls["canaries"].items() if c]
+        canaries = _canaries_in_order(cls)
         if canaries:
             rows = [[esc(n)] + [_outcome_html(str(c.get(k))) if k == "verdict" else esc(_text(c.get(k))) for k, _h in _CANARY_COLUMNS] for n, c in canaries]
             out.append(_html_table(["canary"] + [h for _k, h in _CANARY_COLUMNS], rows, raw=True))
@@ -751,7 +1115,7 @@ def render_html(report: Mapping[str, Any]) -> str:
             for b in report["batches"]
         ]
         out.append(_html_table(["batch", "hosts", "seconds", "outcome"], rows, raw=True))
-    if report["hosts"]:
+    if report["hosts"] and not report.get("probe"):
         out.append("<h2>Hosts</h2>")
         rows = [
             [esc(h["host"]), esc(h["class"]), esc(_text(h["batch"])), _outcome_html(h["outcome"]), esc(", ".join(h["pending"]) or "-")]

@@ -253,7 +253,7 @@ def test_clean_rollout_report_from_the_report_play(tmp_path):
         assert f"batch {index} of 3 done in " in out and f"{host} deployed vllm" in out
     run = run_dir(reports)
     report = json.loads((run / "report.json").read_text(encoding="utf-8"))
-    assert report["schema_version"] == 1 and report["summary"]["ok"] is True
+    assert report["schema_version"] == 2 and report["summary"]["ok"] is True and report["check_mode"] is False
     assert {h["host"]: (h["outcome"], h["batch"]) for h in report["hosts"]} == {
         "gpu-a": ("deployed", 1), "gpu-b": ("deployed", 2), "gpu-c": ("deployed", 3)}
     assert [b["outcome"] for b in report["batches"]] == ["ok", "ok", "ok"]

@@ -61,3 +61,32 @@ def test_errors_are_clear(tmp_path):
         action({"report_dir": str(tmp_path), "data": {"classes": ["h200"]}}).run(task_vars={})
     with pytest.raises(AnsibleActionFail, match="kind must be one of: rollout, plan, probe"):
         action({"report_dir": str(tmp_path), "kind": "deploy", "data": DATA}).run(task_vars={})
+
+
+def test_a_dry_run_is_recorded_as_one(tmp_path):
+    # The playbooks write the report with check_mode: false under --check; ansible_check_mode stays true.
+    result = action({"report_dir": str(tmp_path), "kind": "plan", "data": DATA}).run(task_vars={"ansible_check_mode": True})
+    assert result["path"] and result["report"]["check_mode"] is True
+    stored = json.loads((Path(result["path"]) / "report.json").read_text(encoding="utf-8"))
+    assert stored["check_mode"] is True and "check mode: nothing was changed" in result["summary"]
+    result = action({"kind": "plan", "data": DATA}).run(task_vars={"ansible_check_mode": False})
+    assert result["report"]["check_mode"] is False
+
+
+def test_probe_report(tmp_path):
+    data = {
+        "probe": {
+            "hosts": {
+                "gpu-a": {"class": "h200", "gpus": [{"index": 0, "total_bytes": 150754820096, "free_bytes": 150109880320,
+                                                     "boot_free_bytes": 150109880320, "processes": []}],
+                          "instances": [{"name": "vllm", "gpus": [0], "port": 8000, "active_state": "inactive"}]},
+                "gpu-b": {"error": "unreachable"},
+            }
+        }
+    }
+    result = action({"report_dir": str(tmp_path), "kind": "probe", "data": data}).run(task_vars={})
+    assert Path(result["path"]).name.startswith("probe-")
+    assert result["failed_hosts"] == ["gpu-b"] and result["classes"] == {}
+    assert result["summary"].startswith("probe: 1 of 2 host(s) probed, 1 GPU(s), 0 of 1 instance(s) active; lowest boot free")
+    with pytest.raises(AnsibleActionFail, match=r"rollout_report \(probe\): data.probe"):
+        action({"kind": "probe", "data": {"classes": {}}}).run(task_vars={})

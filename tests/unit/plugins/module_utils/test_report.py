@@ -121,7 +121,8 @@ def test_seed_example_figures_reach_every_renderer():
     plan = seed_plan()
     assert plan["kv_cache_memory_bytes"] == int(28.25 * GIB)
     report = build_report(rollout_data(plan), "rollout", generated=WHEN)
-    assert report["schema_version"] == SCHEMA_VERSION == 1
+    assert report["schema_version"] == SCHEMA_VERSION == 2
+    assert report["probe"] is None and report["check_mode"] is False
     cls = report["classes"][0]
     assert cls["plan"]["kv_cache_memory_bytes"] == int(28.25 * GIB)
     assert cls["weakest"] == {"host": "gpu-a/vllm", "rank": 0, "adjusted_bytes": int(28.25 * GIB)}
@@ -228,7 +229,7 @@ def test_v0_report_still_renders():
     old = json.loads((FIXTURES / "rollout-v0.json").read_text(encoding="utf-8"))
     assert "schema_version" not in old
     report = load_report(old)
-    assert report["upgraded_from"] == 0 and report["schema_version"] == 1
+    assert report["upgraded_from"] == 0 and report["schema_version"] == SCHEMA_VERSION
     cls = report["classes"][0]
     assert cls["name"] == "ro-l40s" and cls["decision"] == "deploy"
     assert cls["plan"]["kv_cache_memory_bytes"] == old["classes"]["ro-l40s"]["kv_cache_memory_bytes"]
@@ -262,7 +263,7 @@ def test_write_run_dir_is_atomic_and_never_overwrites(tmp_path):
     for run in (first, second):
         assert sorted(os.listdir(run)) == ["report.html", "report.json", "report.md"]
         stored = json.loads(Path(run, "report.json").read_text(encoding="utf-8"))
-        assert stored["schema_version"] == 1 and stored["kind"] == "rollout"
+        assert stored["schema_version"] == SCHEMA_VERSION and stored["kind"] == "rollout"
 
 
 def test_write_run_dir_leaves_nothing_on_failure(tmp_path, monkeypatch):
@@ -295,3 +296,149 @@ def test_canary_failed_flag_is_not_a_request_count():
     cls = build_report(data, "rollout", generated=WHEN)["classes"][0]
     assert cls["canaries"]["manual"]["failed"] == 2
     assert cls["canaries"]["profiled"]["failed"] is None and cls["canaries"]["profiled"]["ttft_p50"] is None
+
+
+# ---------------------------------------------------------------- schema 2: probe reports, check mode, upgrades
+def probe_gpu(index, free, *, total=141 * GIB, reserved=GIB // 2, own=0, processes=()):
+    """One gpu_memory_info entry (free and boot free as the module reports them)."""
+    return {
+        "index": index,
+        "uuid": f"GPU-0000000{index}",
+        "name": "NVIDIA H200",
+        "total_bytes": total,
+        "free_bytes": free,
+        "free_min_bytes": free,
+        "free_max_bytes": free,
+        "used_bytes": total - reserved - free,
+        "reserved_bytes": reserved,
+        "own_used_bytes": own,
+        "boot_free_bytes": free + own,
+        "processes": list(processes),
+        "processes_reported": True,
+        "samples": 3,
+    }
+
+
+PLAN_FILE = {
+    "format": 1,
+    "instance": "main",
+    "unit": "vllm-main.service",
+    "host_class": "h200",
+    "compat_key_hash": "3f2a9c0d11e4b7a2",
+    "decision": "deploy",
+    "kv_cache_memory_bytes": 30333206528,
+    "gpu_memory_utilization": 0.2847,
+    "kv_cache_tokens": 231424,
+    "num_blocks": 14464,
+    "free_floor_bytes": {"0": int(40.75 * GIB)},
+}
+
+
+def probe_data():
+    engine = {"pid": 4242, "name": "python3", "used_bytes": 100 * GIB, "kinds": ["compute"], "own": True}
+    cotenant = {"pid": 61001, "name": "python3", "used_bytes": 2 * GIB, "kinds": ["compute"], "own": False}
+    return {
+        "started": "2026-11-29T10:00:00.123456",  # now(utc=true).isoformat() in a playbook: no offset
+        "probe": {
+            "hosts": {
+                "gpu-a": {
+                    "class": "h200",
+                    "driver_version": "580.159.04",
+                    "cuda_driver_version": "13.0",
+                    "nvml_version": "13.580.159.04",
+                    "gpus": [
+                        probe_gpu(0, int(40.5 * GIB), own=100 * GIB, processes=[engine]),
+                        probe_gpu(1, int(138.5 * GIB), processes=[cotenant]),
+                    ],
+                    "instances": [
+                        {"name": "main", "unit": "vllm-main.service", "gpus": [0], "port": 8000, "load_state": "loaded",
+                         "active_state": "active", "sub_state": "running", "plan": PLAN_FILE},
+                        {"name": "spare", "gpus": [1], "port": 8001, "load_state": "not-found", "active_state": "inactive",
+                         "sub_state": "dead", "plan": None},
+                    ],
+                },
+                "gpu-b": {"class": "h200", "error": "unreachable: ssh: connect to host gpu-b port 22: No route to host"},
+            }
+        },
+    }
+
+
+def test_probe_report_figures_reach_every_renderer():
+    report = build_report(probe_data(), "probe", generated=WHEN)
+    assert report["kind"] == "probe" and report["classes"] == [] and report["batches"] == []
+    assert report["started"] == "2026-11-29T10:00:00.123456+00:00"
+    assert {h["host"]: h["outcome"] for h in report["hosts"]} == {"gpu-a": "probed", "gpu-b": "failed"}
+    assert report["failed_hosts"] == ["gpu-b"] and report["summary"]["ok"] is False
+    hosts = {h["host"]: h for h in report["probe"]["hosts"]}
+    gpu0 = hosts["gpu-a"]["gpus"][0]
+    assert gpu0["boot_free_bytes"] == int(140.5 * GIB) and gpu0["processes"][0] == {
+        "pid": 4242, "name": "python3", "used_bytes": 100 * GIB, "own": True}
+    main = hosts["gpu-a"]["instances"][0]
+    assert main["plan"]["kv_cache_memory_bytes"] == 30333206528 and main["plan"]["free_floor_bytes"] == {"0": int(40.75 * GIB)}
+    assert hosts["gpu-a"]["instances"][1]["plan"] is None and hosts["gpu-b"]["ok"] is False
+    # gpu-a GPU 1: 138.5 GiB free, nothing own; GPU 0: 40.5 free + 100 own = 140.5 GiB boot free
+    assert report["summary"]["probe"] == {
+        "hosts": 2, "probed": 1, "gpus": 2, "instances": 2, "active_instances": 1,
+        "lowest_boot_free": {"host": "gpu-a", "index": 1, "bytes": int(138.5 * GIB)},
+    }
+    assert summary_line(report) == (
+        "probe: 1 of 2 host(s) probed, 2 GPU(s), 1 of 2 instance(s) active; lowest boot free 138.5GiB (gpu-a GPU 1); failed hosts gpu-b"
+    )
+    md = render_markdown(report)
+    assert "## Host gpu-a" in md and "- class h200, driver 580.159.04, CUDA 13.0, NVML 13.580.159.04" in md
+    assert "| 0 | NVIDIA H200 | 141GiB | 40.5GiB | 140.5GiB | 40.5GiB / 40.5GiB | 100GiB | none |" in md
+    assert "| 1 | NVIDIA H200 | 141GiB | 138.5GiB | 138.5GiB | 138.5GiB / 138.5GiB | 0B | 1 (2GiB) |" in md
+    assert "| 1 | 61001 | python3 | 2GiB | no |" in md
+    assert "| main | vllm-main.service | active (running) | 0 | 8000 | 28.25GiB | 231424 | 0.2847 | deploy | 3f2a9c0d11e4b7a2 |" in md
+    assert "| spare | vllm-spare.service | not installed | 1 | 8001 | no plan file | - | - | - | - |" in md
+    assert "- probe failed: unreachable: ssh: connect to host gpu-b port 22: No route to host" in md
+    assert "## Hosts" not in md, "a probe report shows each host in its own section"
+    page = render_html(report)
+    text, tags = html_text(page)
+    assert "Host gpu-a" in text and "not installed" in text and "No route to host" in text
+    # GPU 0 bar: reserve, own engine, free (no other process); GPU 1: reserve, co-tenant, free
+    rects = [attrs["class"] for tag, attrs in tags if tag == "rect"]
+    assert rects == ["gpu-reserved", "gpu-own", "gpu-free", "gpu-reserved", "gpu-other", "gpu-free"]
+    widths = [float(w) for w in re.findall(r'class="gpu-own" x="[0-9.]+" y="[0-9.]+" width="([0-9.]+)"', page)]
+    assert widths == [pytest.approx(560 * 100 / 141, abs=0.1)]
+    assert load_report(json.loads(json.dumps(report))) == report
+
+
+def test_probe_report_input_errors_name_the_field():
+    with pytest.raises(ReportError, match="data.probe: a probe report needs the probe results"):
+        build_report({}, "probe")
+    data = probe_data()
+    data["probe"]["hosts"]["gpu-a"]["gpus"][0]["free_bytes"] = "plenty"
+    with pytest.raises(ReportError, match=r"data.probe.hosts.gpu-a.gpus\[0\].free_bytes"):
+        build_report(data, "probe")
+    data = probe_data()
+    data["probe"]["hosts"]["gpu-a"]["instances"][1] = {"gpus": [1]}
+    with pytest.raises(ReportError, match=r"instances\[1\]: an instance needs a name"):
+        build_report(data, "probe")
+    with pytest.raises(ReportError, match=r"report.json \(schema 2\): missing probe"):
+        load_report({k: v for k, v in build_report(probe_data(), "probe").items() if k != "probe"})
+
+
+def test_check_mode_is_recorded_and_shown():
+    data = rollout_data()
+    data["check_mode"] = True
+    report = build_report(data, "plan", generated=WHEN)
+    assert report["check_mode"] is True
+    assert summary_line(report).endswith("; check mode: nothing was changed on the hosts")
+    assert "- dry run (check mode): nothing was changed on the hosts" in render_markdown(report)
+    text, _tags = html_text(render_html(report))
+    assert "Dry run (check mode): nothing was changed on the hosts." in text
+    assert "check mode" not in summary_line(build_report(rollout_data(), "plan", generated=WHEN))
+
+
+def test_v1_report_is_read_as_schema_2():
+    old = json.loads((FIXTURES / "rollout-v1.json").read_text(encoding="utf-8"))
+    assert old["schema_version"] == 1 and "probe" not in old and "check_mode" not in old
+    report = load_report(old)
+    assert report["schema_version"] == SCHEMA_VERSION and report["upgraded_from"] == 1
+    assert report["probe"] is None and report["check_mode"] is False
+    # Nothing is missing from a schema 1 report: it renders like the same run built now.
+    now = build_report(rollout_data(failed_b=True), "rollout", generated=WHEN)
+    assert render_markdown(report) == render_markdown(now)
+    assert "read from a schema" not in render_markdown(report).lower()
+    assert report["rolled_back"][0]["host"] == "gpu-b"
