@@ -153,16 +153,19 @@ EXAMPLES = r"""
       gpu-a: [{rank: 0, boot_free_bytes: 40.75GiB}]
     guard_bytes: 0.5GiB
     max_model_len: 8192
-  register: gpufleet_plan
+  register: seed_plan
+  run_once: true
 
-- name: Reserve only what 4 long-context requests need
+- name: Reserve only what the admission plan needs and leave the rest of the GPU free
   gpufleet.vllm.kv_plan:
-    host_class: h200-longctx
+    host_class: h200-llama8b
     reference: "{{ gpufleet_reference.profile }}"
-    hosts_from: h200_longctx
-    max_model_len: 131072
+    hosts_from: h200_llama8b
+    max_model_len: 8192
     budget_mode: fit_admission
-    admission: {concurrency: 4, tokens_per_request: 131072}
+    admission: {concurrency: 16, tokens_per_request: 8192}
+  register: gpufleet_fit_plan
+  run_once: true
 """
 
 RETURN = r"""

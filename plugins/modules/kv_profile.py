@@ -77,9 +77,26 @@ seealso:
 """
 
 EXAMPLES = r"""
+- name: Record the profiled canary's figures
+  gpufleet.vllm.kv_profile:
+    store: "{{ gpufleet_profile_store }}"
+    state: present
+    host_class: h200-llama8b
+    compat: "{{ gpufleet_compat }}"
+    profile:
+      ranks:
+        - {rank: 0, free_bytes: 45097156608, kv_bytes: 32212254720}
+      vllm_free_bytes: {0: 44560285696}
+      total_bytes: 150754820096
+      block_size: 16
+      bytes_per_block: 2097152
+      num_blocks: 15360
+      kv_cache_tokens: 245760
+  run_once: true
+
 - name: Find the reference profile of the class
   gpufleet.vllm.kv_profile:
-    store: /var/lib/gpufleet/profiles
+    store: "{{ gpufleet_profile_store }}"
     host_class: h200-llama8b
     compat:
       model: meta-llama/Llama-3.1-8B-Instruct
@@ -92,18 +109,12 @@ EXAMPLES = r"""
   register: gpufleet_reference
   run_once: true
 
-- name: Record the profiled canary's figures
-  gpufleet.vllm.kv_profile:
-    store: /var/lib/gpufleet/profiles
-    state: present
-    host_class: h200-llama8b
-    compat: "{{ gpufleet_compat }}"
-    profile:
-      ranks:
-        - {rank: 0, free_bytes: 45097156608, kv_bytes: 32212254720}
-      vllm_free_bytes: {0: 44560285696}
-      total_bytes: 150754820096
-      block_size: 16
+- name: Say whether the store holds a profile for this key
+  ansible.builtin.debug:
+    msg: >-
+      {{ gpufleet_reference.status }}
+      {{ gpufleet_reference.profile.path if gpufleet_reference.status == 'found'
+         else gpufleet_reference.differences | default([]) }}
   run_once: true
 """
 

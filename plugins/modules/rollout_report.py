@@ -13,18 +13,24 @@ version_added: 1.0.0
 description:
   - Runs on the controller. Builds the report of a rollout, plan or probe run from what the playbook
     collected and writes it into a new directory C(<report_dir>/<kind>-<UTC timestamp>/) holding
-    C(report.json) (versioned, C(schema_version) 1), C(report.md) and C(report.html).
+    C(report.json) (versioned, C(schema_version) 2), C(report.md) and C(report.html).
   - C(report.html) is one self-contained page (inline CSS and SVG, no script, no external asset) with,
     per class, the decision and reasons, the launch bytes, blocks and tokens, the free-memory floor, the
     startup C(--gpu-memory-utilization), the weakest host and rank, the fp8 what-if, the right-size saving,
     a per host/rank chart and table of boot free memory against the floor and the drift, and the profiled
     and manual canaries side by side; then the batch timeline with each host's outcome and the rolled-back
     hosts with the engine's error.
+  - A probe report (O(kind=probe)) shows, per host, its driver versions, each GPU's total, free and boot-free
+    memory with a chart of the driver reserve, other processes, this host's own engine and free memory, the
+    processes holding GPU memory, and each instance's unit state and the plan it runs with; hosts that could
+    not be probed are listed with their error.
+  - The report records whether the run was a dry run (C(check_mode), from C(ansible_check_mode) unless
+    O(data) gives it), and says so in the summary.
   - The files are written into a temporary directory that is then renamed into place, so a run directory
     is complete or absent. An existing run directory is never replaced; a later name (C(-2), C(-3)...) is
     taken instead.
-  - Reports written by older versions of the collection (schema 0, the flat JSON summary) are read by the
-    same renderer.
+  - Reports written by older versions of the collection (schema 0, the flat JSON summary, and schema 1,
+    without C(probe) and C(check_mode)) are read by the same renderer.
 author:
   - gpufleet maintainers (@gpufleet)
 extends_documentation_fragment:
@@ -34,7 +40,9 @@ attributes:
   check_mode:
     support: full
     details:
-      - In check mode the report is built and returned but nothing is written.
+      - In check mode the report is built and returned but nothing is written. The playbooks of this collection
+        set C(check_mode=false) on this task, so that a dry run (C(--check)) still leaves its report on the
+        controller.
   diff_mode:
     support: none
   idempotent:
@@ -63,6 +71,12 @@ options:
         number of the serial batch the host ran in, C(pending) the instances that changed, C(touched) whether
         its units were stopped, C(error) the message of the failure that stopped it.
       - C(batches) is a list of C({index, total, hosts, started, finished}).
+      - C(check_mode) says whether the run was a dry run (default C(ansible_check_mode)).
+      - "C(probe) (required with O(kind=probe)) maps C(hosts) to C({host: {class, error, driver_version,
+        cuda_driver_version, nvml_version, gpus, instances}}) where C(gpus) are the
+        RV(gpufleet.vllm.gpu_memory_info#module:gpus) entries and each instance is C({name, unit, gpus, port,
+        load_state, active_state, sub_state, plan}), C(plan) being the instance's plan file or null. A probe
+        report's hosts come from this section."
     type: dict
     required: true
 notes:
@@ -71,12 +85,13 @@ notes:
 seealso:
   - module: gpufleet.vllm.kv_plan
   - module: gpufleet.vllm.vllm_canary
+  - module: gpufleet.vllm.gpu_memory_info
 """
 
 EXAMPLES = r"""
 - name: Write the rollout report
   gpufleet.vllm.rollout_report:
-    report_dir: /var/lib/gpufleet/reports
+    report_dir: "{{ gpufleet_report_dir }}"
     kind: rollout
     data:
       started: "2026-11-29T10:00:00+00:00"
@@ -103,6 +118,38 @@ EXAMPLES = r"""
 - name: Show where it is
   ansible.builtin.debug:
     msg: "{{ report.summary }} -> {{ report.path }}/report.html"
+
+- name: Write a probe report (what playbooks/probe.yml collects)
+  gpufleet.vllm.rollout_report:
+    report_dir: "{{ gpufleet_report_dir }}"
+    kind: probe
+    data:
+      started: "2026-11-29T09:55:00+00:00"
+      probe:
+        hosts:
+          gpu-a:
+            class: h200-tp1
+            driver_version: "580.159.04"
+            gpus:
+              - index: 0
+                name: NVIDIA H200
+                total_bytes: 150754820096
+                free_bytes: 76544106496
+                boot_free_bytes: 149464956928
+                own_used_bytes: 72920850432
+                reserved_bytes: 644939776
+                processes: [{pid: 4242, name: python3, used_bytes: 72920850432, own: true}]
+            instances:
+              - name: vllm
+                gpus: [0]
+                port: 8000
+                active_state: active
+                sub_state: running
+                plan: {decision: deploy, kv_cache_memory_bytes: 30333206528, kv_cache_tokens: 925696}
+          gpu-b:
+            class: h200-tp1
+            error: "unreachable: ssh: connect to host gpu-b port 22: No route to host"
+  register: probe_report
 """
 
 RETURN = r"""
@@ -131,7 +178,7 @@ classes:
   type: dict
   sample: {"h200-tp1": {"status": "deployable", "decision": "deploy", "kv_cache_memory_bytes": 30333206528}}
 report:
-  description: The report as written to C(report.json) (schema version 1).
+  description: The report as written to C(report.json) (schema version 2).
   returned: always
   type: dict
 """

@@ -1,13 +1,18 @@
 # Copyright (c) gpufleet maintainers
 # GNU General Public License v3.0+ (see https://www.gnu.org/licenses/gpl-3.0.txt)
 """ansible-doc reads every module, action doc stub and filter of the collection, and their
-EXAMPLES are YAML tasks (modules) or YAML (filters) that use what they document."""
+EXAMPLES work as written.
+
+The examples are taken from ansible-doc's output (what a user reads) and run with
+ansible-playbook: the filters' examples as play variables, each checked against the
+result documented above it (``# => <value>``); the examples of the controller-side
+modules (kv_profile, kv_plan, rollout_report) on localhost with the inputs they name.
+The examples that need a GPU host run in tests/integration/test_doc_examples_hosts.py.
+"""
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -16,39 +21,35 @@ import pytest
 import yaml
 
 REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "tests" / "examples"))
+
+import doc_examples  # noqa: E402  pylint: disable=wrong-import-position,import-error
+
 MODULES = sorted(p.stem for p in (REPO / "plugins" / "modules").glob("*.py") if not p.name.startswith("_"))
 FILTERS = sorted(p.stem for p in (REPO / "plugins" / "filter").glob("*.yml"))
+# Modules whose examples run here (controller side); the others need a GPU host.
+CONTROLLER_MODULES = ["kv_plan", "kv_profile", "rollout_report"]
+HOST_MODULES = ["gpu_memory_info", "vllm_boot_check", "vllm_canary", "vllm_unit"]
+MODEL_CONFIG = REPO / "sim" / "models" / "llama-3.1-8b-instruct" / "config.json"
+GIB = 1024**3
 
 
 @pytest.fixture(scope="module")
 def collections_path():
     """A collections tree holding this checkout as gpufleet.vllm."""
     tree = Path(tempfile.mkdtemp(prefix="ansible-doc-"))
-    (tree / "ansible_collections" / "gpufleet").mkdir(parents=True)
-    os.symlink(REPO, tree / "ansible_collections" / "gpufleet" / "vllm")
-    yield tree
+    yield doc_examples.make_collections_tree(tree)
     shutil.rmtree(tree, ignore_errors=True)
-
-
-def ansible_doc(collections_path: Path, plugin_type: str, names: list[str]) -> dict:
-    binary = shutil.which("ansible-doc") or str(Path(sys.executable).parent / "ansible-doc")
-    env = dict(os.environ, ANSIBLE_COLLECTIONS_PATH=str(collections_path), ANSIBLE_NOCOLOR="1")
-    proc = subprocess.run(
-        [binary, "-t", plugin_type, "--json", *[f"gpufleet.vllm.{n}" for n in names]],
-        capture_output=True, text=True, env=env, timeout=300, check=False,
-    )
-    assert proc.returncode == 0, f"ansible-doc -t {plugin_type} failed (rc {proc.returncode}): {proc.stderr[-3000:]}"
-    assert "WARNING" not in proc.stderr and "ERROR" not in proc.stderr, proc.stderr[-3000:]
-    return json.loads(proc.stdout)
 
 
 def test_plugins_found():
     assert "rollout_report" in MODULES and "kv_plan" in MODULES and "gpu_memory_info" in MODULES
     assert FILTERS == ["human_bytes", "kv_bytes_per_token", "to_bytes", "vllm_secret_options", "vllm_serve_argv"]
+    assert sorted(CONTROLLER_MODULES + HOST_MODULES) == MODULES, "every module's examples run in one of the two tests"
 
 
 def test_module_docs_and_examples(collections_path):
-    docs = ansible_doc(collections_path, "module", MODULES)
+    docs = doc_examples.ansible_doc(collections_path, "module", MODULES)
     assert sorted(docs) == [f"gpufleet.vllm.{n}" for n in MODULES]
     problems = []
     for name, entry in sorted(docs.items()):
@@ -75,10 +76,97 @@ def test_module_docs_and_examples(collections_path):
 
 
 def test_filter_docs_and_examples(collections_path):
-    docs = ansible_doc(collections_path, "filter", FILTERS)
+    docs = doc_examples.ansible_doc(collections_path, "filter", FILTERS)
     assert sorted(docs) == [f"gpufleet.vllm.{n}" for n in FILTERS]
     for name, entry in docs.items():
         examples = entry.get("examples") or ""
         assert examples.strip(), f"{name}: no EXAMPLES"
-        yaml.safe_load(examples)
-        assert name.rsplit(".", 1)[1] in examples, f"{name}: the examples do not use the filter"
+        cases = doc_examples.filter_cases(examples)  # every variable documents its result
+        assert all(name in case.template for case in cases), f"{name}: an example does not use the filter"
+
+
+def test_filter_examples_return_what_they_document(collections_path, tmp_path):
+    texts = doc_examples.examples(collections_path, "filter", FILTERS)
+    # The inputs the examples name: the inventory's guard and the model's config.json.
+    inputs = {"gpufleet_guard": "0.5GiB", "gpufleet_model_config": str(MODEL_CONFIG)}
+    cases = {name: doc_examples.filter_cases(texts[name]) for name in FILTERS}
+    out = tmp_path / "results.json"
+    proc = doc_examples.run_playbook(doc_examples.filter_playbook(cases, inputs, out), tmp_path, collections_path)
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-2000:]
+    results = json.loads(out.read_text(encoding="utf-8"))
+    problems = []
+    for name in FILTERS:
+        got = results[name]
+        for case in cases[name]:
+            if case.error is not None:
+                error = got["errors"].get(case.key)
+                if error is None or case.error not in error:
+                    problems.append(f"{name} {case.key}: documented error {case.error!r}, got {error or got['results'].get(case.key)!r}")
+            elif case.key in got["errors"]:
+                problems.append(f"{name} {case.key}: failed: {got['errors'][case.key]}")
+            elif got["results"].get(case.key) != case.expected:
+                problems.append(f"{name} {case.key}: documented {case.expected!r}, got {got['results'].get(case.key)!r}")
+    assert not problems, "\n".join(problems)
+
+
+def test_profile_and_plan_examples_run_in_sequence(collections_path, tmp_path):
+    """kv_profile's examples record a profile and find it; kv_plan's examples plan from it."""
+    texts = doc_examples.examples(collections_path, "module", ["kv_profile", "kv_plan"])
+    compat = next(t for t in doc_examples.example_tasks(texts["kv_profile"])
+                  if t.get("gpufleet.vllm.kv_profile", {}).get("state", "query") == "query")["gpufleet.vllm.kv_profile"]["compat"]
+    store = tmp_path / "profiles"
+    out = tmp_path / "results.json"
+
+    def gpus(free_gib):
+        return [{"index": 0, "name": "NVIDIA H200", "total_bytes": 150754820096, "boot_free_bytes": int(free_gib * GIB),
+                 "free_bytes": int(free_gib * GIB), "free_min_bytes": int(free_gib * GIB), "free_max_bytes": int(free_gib * GIB)}]
+
+    # The class group kv_plan reads (hosts_from), with the facts gpu_memory_info leaves on each host.
+    inventory = tmp_path / "inventory.yml"
+    inventory.write_text(yaml.safe_dump({"all": {
+        "hosts": {"localhost": {"ansible_connection": "local", "ansible_python_interpreter": sys.executable}},
+        "children": {"h200_llama8b": {"hosts": {"gpu-a1": {"gpufleet_gpus": gpus(41.75)}, "gpu-a2": {"gpufleet_gpus": gpus(42)}}}},
+    }}), encoding="utf-8")
+    playbook = doc_examples.module_playbook(
+        texts["kv_profile"], "localhost", {"gpufleet_profile_store": str(store), "gpufleet_compat": compat}, connection="local")
+    playbook += doc_examples.module_playbook(texts["kv_plan"], "localhost", connection="local", post_tasks=[{
+        "name": "Keep the results",
+        "ansible.builtin.copy": {
+            "dest": str(out), "mode": "0644",
+            "content": "{{ {'reference': gpufleet_reference, 'plan': gpufleet_plan, 'seed': seed_plan, 'fit': gpufleet_fit_plan} | to_json }}",
+        },
+    }])
+    proc = doc_examples.run_playbook(playbook, tmp_path, collections_path, inventory=inventory)
+    doc_examples.assert_examples_ran(proc, texts["kv_profile"])
+    doc_examples.assert_examples_ran(proc, texts["kv_plan"])
+    got = json.loads(out.read_text(encoding="utf-8"))
+    assert got["reference"]["status"] == "found" and len(list(store.glob("h200-llama8b/*"))) == 1
+    # 30 GiB at 42 GiB free in the profile; weakest host 41.75 GiB free: 30 - 0.5 - 0.25 GiB
+    assert got["plan"]["decision"] == "deploy" and got["plan"]["kv_cache_memory_bytes"] == int(29.25 * GIB)
+    assert got["plan"]["weakest"]["host"] == "gpu-a1/vllm" and got["plan"]["admission"]["ok"] is True
+    assert got["seed"]["kv_cache_memory_bytes"] == int(28.25 * GIB), "the seed example's name says 28.25 GiB"
+    assert got["fit"]["budget_mode"] == "fit_admission" and got["fit"]["admission"]["ok"] is True
+    assert 16 * 8192 <= got["fit"]["kv_cache_tokens"] < got["plan"]["kv_cache_tokens"]
+
+
+def test_rollout_report_examples_write_their_reports(collections_path, tmp_path):
+    text = doc_examples.examples(collections_path, "module", ["rollout_report"])["rollout_report"]
+    reports = tmp_path / "reports"
+    reports.mkdir()  # the option says it must exist (the playbooks create it up front)
+    out = tmp_path / "results.json"
+    playbook = doc_examples.module_playbook(text, "localhost", {"gpufleet_report_dir": str(reports)}, connection="local", post_tasks=[{
+        "name": "Keep the results",
+        "ansible.builtin.copy": {"dest": str(out), "mode": "0644", "content": "{{ {'rollout': report, 'probe': probe_report} | to_json }}"},
+    }])
+    proc = doc_examples.run_playbook(playbook, tmp_path, collections_path)
+    doc_examples.assert_examples_ran(proc, text)
+    got = json.loads(out.read_text(encoding="utf-8"))
+    assert f"-> {got['rollout']['path']}/report.html" in proc.stdout
+    assert sorted(p.name.split("-")[0] for p in reports.iterdir()) == ["probe", "rollout"]
+    assert got["rollout"]["summary"] == "rollout: 1 class(es), 1 deployable; 1 deployed"
+    assert got["probe"]["failed_hosts"] == ["gpu-b"]
+    assert got["probe"]["summary"].startswith("probe: 1 of 2 host(s) probed, 1 GPU(s), 1 of 1 instance(s) active")
+    for kind in ("rollout", "probe"):
+        run = Path(got[kind]["path"])
+        assert sorted(p.name for p in run.iterdir()) == ["report.html", "report.json", "report.md"]
+        assert json.loads((run / "report.json").read_text(encoding="utf-8"))["kind"] == kind
