@@ -1,0 +1,182 @@
+# Copyright (c) gpufleet maintainers
+# GNU General Public License v3.0+ (see LICENSES/GPL-3.0-or-later.txt or https://www.gnu.org/licenses/gpl-3.0.txt)
+# SPDX-License-Identifier: GPL-3.0-or-later
+"""A simulated fleet for the rollout tests: fleet file, inventory, ansible-playbook runs, host state.
+
+:class:`SimFleet` writes a fleet file (``sim/fleetctl.py`` format), boots and provisions
+its hosts through ``fleetctl.Fleet``, writes Ansible inventories that put hosts in host
+classes, runs ``playbooks/rollout.yml`` and reads back what each host runs (unit file,
+kept previous unit, plan file, service state) and the run reports.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "sim"))
+sys.path.insert(0, str(REPO / "tests" / "hosts"))
+
+import fleetctl  # noqa: E402  pylint: disable=wrong-import-position,import-error
+
+ROLLOUT = REPO / "playbooks" / "rollout.yml"
+UNIT_DIR = "/etc/systemd/system"
+STATE_DIR = "/etc/gpufleet"
+
+BATCH_RE = re.compile(r"TASK \[Report what changes on this host\][^\n]*\nok: \[(\S+)\]")
+
+
+class SimFleet:
+    """Simulated hosts of one fleet file, with one vLLM instance per host.
+
+    ``group_vars`` are the inventory variables every host gets; the fleet adds
+    ``gpufleet_host_class``, ``gpufleet_profile_store`` and ``gpufleet_report_dir``.
+    """
+
+    def __init__(self, workdir: Path, harness: Any, fleet: Mapping[str, Any], group_vars: Mapping[str, Any],
+                 instance: str = "main") -> None:
+        self.workdir = workdir
+        self.harness = harness
+        self.spec = dict(fleet)
+        self.hosts = list(fleet["hosts"])
+        fleet_file = workdir / "fleet.yml"
+        fleet_file.write_text(yaml.safe_dump(self.spec), encoding="utf-8")
+        self.sim = fleetctl.Fleet(fleet_file)
+        self.store = workdir / "profiles"
+        self.report_dir = workdir / "reports"
+        self.inventory = workdir / "inventory.yml"
+        self.group_vars = dict(group_vars, gpufleet_profile_store=str(self.store),
+                               gpufleet_report_dir=str(self.report_dir))
+        self.instance = instance
+        self.unit_path = f"{UNIT_DIR}/vllm-{instance}.service"
+        self.previous_path = f"{STATE_DIR}/units/vllm-{instance}.service.previous"
+        self.plan_path = f"{STATE_DIR}/{instance}.plan.json"
+        self.runs = 0
+
+    def create(self, classes: Mapping[str, Sequence[str]] | None = None) -> None:
+        """Boot and provision every host (fresh NVML state), then write the inventory."""
+        self.sim.create(reset_state=True)
+        if classes is None:
+            classes = {}
+            for host, spec in self.spec["hosts"].items():
+                classes.setdefault(spec["class"], []).append(host)  # type: ignore[attr-defined]
+        self.write_inventory(classes)
+
+    def write_inventory(self, classes: Mapping[str, Sequence[str]], path: Path | None = None) -> Path:
+        """An inventory with one group per class (``gpufleet_host_class`` set); default path: ``self.inventory``."""
+        data = self.harness.inventory_data()
+        children = {}
+        for cls, names in classes.items():
+            children[re.sub(r"[^A-Za-z0-9_]", "_", cls)] = {
+                "hosts": {name: data["all"]["hosts"][name] for name in names},
+                "vars": dict(self.group_vars, gpufleet_host_class=cls),
+            }
+        path = path or self.inventory
+        path.write_text(yaml.safe_dump({"all": {"children": children}}), encoding="utf-8")
+        return path
+
+    # ------------------------------------------------------------ running
+    def rollout(self, extra_vars: Mapping[str, Any] | None = None,
+                on_line: Callable[[str], None] | None = None, timeout: float = 600,
+                inventory: Path | None = None,
+                on_start: Callable[[subprocess.Popen[str]], None] | None = None) -> tuple[int, str]:
+        """Run rollout.yml; returns (exit status, output).
+
+        The run is the leader of its own process group (``os.killpg`` stops it with its
+        workers and SSH clients, as a lost controller would); ``on_start`` gets the
+        process as soon as it runs, ``on_line`` every output line.
+        """
+        # A host whose link goes down keeps a stale SSH control master; keep-alives make
+        # sessions multiplexed over it fail instead of waiting for ever.
+        env = dict(os.environ, ANSIBLE_NOCOLOR="1", ANSIBLE_PIPELINING="1", ANSIBLE_HOST_KEY_CHECKING="False",
+                   ANSIBLE_TIMEOUT="10",
+                   ANSIBLE_SSH_ARGS="-C -o ControlMaster=auto -o ControlPersist=60s "
+                                    "-o ServerAliveInterval=5 -o ServerAliveCountMax=2")
+        argv = ["ansible-playbook", "-i", str(inventory or self.inventory), str(ROLLOUT)]
+        if extra_vars:
+            argv += ["--extra-vars", json.dumps(dict(extra_vars))]
+        lines: list[str] = []
+        with subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                              cwd=REPO, start_new_session=True) as proc:
+            timer = threading.Timer(timeout, proc.kill)
+            timer.start()
+            try:
+                if on_start is not None:
+                    on_start(proc)
+                assert proc.stdout is not None
+                for line in proc.stdout:
+                    lines.append(line)
+                    if on_line is not None:
+                        on_line(line)
+                rc = proc.wait()
+            finally:
+                timer.cancel()
+        output = "".join(lines)
+        # every run's whole output stays next to the fleet file, for a failed assertion's context
+        self.runs += 1
+        (self.workdir / f"rollout-{self.runs}.log").write_text(output, encoding="utf-8")
+        return rc, output
+
+    # ------------------------------------------------------------ reading
+    def read(self, host: str, path: str) -> str | None:
+        proc = self.harness.exec(host, ["cat", path])
+        return proc.stdout if proc.returncode == 0 else None
+
+    def guest_path(self, host: str, path: str) -> Path:
+        """``path`` of the guest as the controller sees it (the host's root mount): cheap to poll."""
+        return Path(self.sim.info(host).root) / path.lstrip("/")
+
+    def active(self, host: str) -> str:
+        return self.harness.exec(host, ["systemctl", "is-active", f"vllm-{self.instance}.service"]).stdout.strip()
+
+    def unit(self, host: str) -> str | None:
+        return self.read(host, self.unit_path)
+
+    def units(self, hosts: Sequence[str] | None = None) -> dict[str, str | None]:
+        return {h: self.unit(h) for h in (hosts or self.hosts)}
+
+    def previous(self, host: str) -> str | None:
+        return self.read(host, self.previous_path)
+
+    def plan(self, host: str) -> dict[str, Any]:
+        text = self.read(host, self.plan_path)
+        return json.loads(text) if text else {}
+
+    def profiles(self, host_class: str = "*") -> list[Path]:
+        return sorted(self.store.glob(f"{host_class}/*.yml"))
+
+    def reports(self) -> list[Path]:
+        return sorted(self.report_dir.glob("*/report.json"), key=lambda p: p.stat().st_mtime)
+
+    def last_report(self, since: int = 0) -> dict[str, Any] | None:
+        """The newest report.json if more than ``since`` reports exist now, else None."""
+        found = self.reports()
+        return json.loads(found[-1].read_text(encoding="utf-8")) if len(found) > since else None
+
+
+def budget(unit_text: str | None) -> int | None:
+    match = re.search(r"--kv-cache-memory-bytes (\d+)", unit_text or "")
+    return int(match.group(1)) if match else None
+
+
+def recap(output: str) -> dict[str, dict[str, int]]:
+    """PLAY RECAP counters per host."""
+    out: dict[str, dict[str, int]] = {}
+    for host, counters in re.findall(r"^(\S+)\s+:\s+(ok=.*)$", output, flags=re.M):
+        out[host] = {k: int(v) for k, v in re.findall(r"(\w+)=(\d+)", counters)}
+    return out
+
+
+def reached(output: str) -> list[str]:
+    """Hosts that reached the serial batches, in order."""
+    return BATCH_RE.findall(output)

@@ -1,0 +1,325 @@
+# Copyright (c) gpufleet maintainers
+# GNU General Public License v3.0+ (see LICENSES/GPL-3.0-or-later.txt or https://www.gnu.org/licenses/gpl-3.0.txt)
+# SPDX-License-Identifier: GPL-3.0-or-later
+"""playbooks/rollout.yml under injected faults, for real, over SSH, on a small simulated class.
+
+Three hosts of one class (two L40S each, one TP=2 instance) and a fourth host with a
+different GPU model, systemd-nspawn guests with the fake NVML library and the simulated
+engine (sim/engine/vllm), set up by sim/fleetctl.py from a fleet file written here. Every
+test runs ansible-playbook, checks its exit status and what it reported, and then checks,
+on every host, the unit file on disk, the kept previous unit, the plan file and whether
+the service is active.
+
+The tests run in file order and build on each other's end state (one fleet per module):
+
+1. a weak outlier host (a co-tenant on one rank) with ``gpufleet_split_policy: fail``: the
+   planner recommends a split and the class stops before any host is touched;
+2. the same with ``warn``: the class deploys the weakest host's budget everywhere and the
+   output and report name the outlier and the budget of each sub-class;
+3. a host with another GPU model put in the class: the class is refused, the host named,
+   no host touched;
+4. free memory that moves between samples on one host: the class is planned
+   ``auto_profile`` and deployed without a byte budget (vLLM's own profiling);
+5. a GPU lost on the second host once planning is over: its gate stops the rollout before
+   its service is touched, the first batch keeps the new unit, the third never runs;
+6. the controller killed (SIGKILL of the whole run) right after the second host's new unit
+   was written, before its boot check; the next run finishes the rollout.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import threading
+import time
+from typing import Any
+
+import pytest
+from ansible_collections.gpufleet.vllm.plugins.module_utils._sizes import human_bytes
+
+from simfleet import REPO, SimFleet, budget, reached, recap  # pylint: disable=import-error
+
+GIB = 1 << 30
+MIB = 1 << 20
+CLASS = "ft-l40s"
+HOSTS = ["sim-ft-1", "sim-ft-2", "sim-ft-3"]
+OTHER_GPU = "sim-ft-4"
+# a co-tenant this large on one rank costs that host far more than max_capacity_loss (5 %)
+# of the class's typical budget: the planner names it an outlier
+OUTLIER_COTENANT = 4 * GIB
+# free memory moving by more than unstable_share (0.5) x guard between samples is unsteady
+NOISE = [0, 384 * MIB]
+
+FLEET = {
+    "engine": {
+        "boot_delay_s": 0.5,
+        "token_delay_s": 0.002,
+        "costs": {
+            "cuda_context_bytes": "500MiB",
+            "peak_activation_bytes": "1.25GiB",
+            "non_torch_bytes": "600MiB",
+            "cuda_graph_bytes": "0.75GiB",
+        },
+    },
+    "system": {"driver": "550.127.05", "cuda": 12040, "nvml": "12.550.127.05"},
+    "gpu_models": {
+        "l40s": {"name": "NVIDIA L40S", "total": 48305799168, "reserved": 462422016, "cc": "8.9"},
+        # same memory, another GPU: only the name tells them apart
+        "l40": {"name": "NVIDIA L40", "total": 48305799168, "reserved": 462422016, "cc": "8.9"},
+    },
+    "classes": {CLASS: {"gpu_model": "l40s", "gpus": 2, "model": "llama-3.1-8b-instruct"}},
+    "hosts": {
+        "sim-ft-1": {"class": CLASS},
+        "sim-ft-2": {"class": CLASS},
+        "sim-ft-3": {"class": CLASS},
+        OTHER_GPU: {"class": CLASS, "gpu_model": "l40"},
+    },
+}
+
+GROUP_VARS = {
+    "gpufleet_model": "/srv/models/llama-3.1-8b-instruct",
+    "gpufleet_model_config": str(REPO / "sim" / "models" / "llama-3.1-8b-instruct" / "config.json"),
+    "gpufleet_serve_args": {
+        "max_model_len": 8192,
+        "tensor_parallel_size": 2,
+        "max_num_seqs": 32,
+        "dtype": "bfloat16",
+        "block_size": 16,
+    },
+    "gpufleet_instances": [{"name": "main", "gpus": [0, 1], "port": 8000}],
+    "gpufleet_guard": "0.5GiB",
+    "gpufleet_admission": {"concurrency": 4, "tokens_per_request": 8192},
+    "gpufleet_rollout_serial": [1],
+    "gpufleet_canary_load": {"requests": 4, "concurrency": 2, "prompt_tokens": 32, "max_tokens": 8},
+    # latency on a shared two-core test machine is noise, not a property of the budget
+    "gpufleet_canary_tolerances": {"latency_ratio": 20.0},
+    # the simulated engine records its GPU processes in the fake NVML state
+    "vllm_service_read_write_paths": ["/etc/fake-nvml"],
+    "vllm_service_boot_timeout": 120,
+}
+
+# the runs that deploy every host at once: one batch
+ONE_BATCH = {"gpufleet_rollout_serial": ["100%"]}
+
+
+@pytest.fixture(scope="module")
+def fleet(harness, tmp_path_factory):  # harness: conftest (root + rootfs)
+    f = SimFleet(tmp_path_factory.mktemp("faults"), harness, FLEET, GROUP_VARS)
+    try:
+        f.create({CLASS: HOSTS})
+        yield f
+    finally:
+        f.sim.destroy()
+
+
+@pytest.fixture(scope="module")
+def seen() -> dict[str, Any]:
+    """State carried from one test to the next."""
+    return {}
+
+
+def class_entry(report: dict[str, Any] | None, name: str = CLASS) -> dict[str, Any]:
+    assert report is not None, "the run wrote no report"
+    (entry,) = [c for c in report["classes"] if c["name"] == name]
+    return entry
+
+
+def outcomes(report: dict[str, Any] | None) -> dict[str, str]:
+    assert report is not None, "the run wrote no report"
+    return {h["host"]: h["outcome"] for h in report["hosts"]}
+
+
+def test_outlier_with_split_policy_fail_stops_the_class(fleet, seen):
+    assert all(u is None for u in fleet.units().values()), "the fleet must start without units"
+    fleet.sim.inject_cotenant("sim-ft-3", gpu=1, size=OUTLIER_COTENANT, pid=None, remove=False)
+    reports = len(fleet.reports())
+    rc, out = fleet.rollout({"gpufleet_split_policy": "fail"})
+    assert rc != 0, "a split with split_policy fail must fail the run"
+    assert re.search(r"class ft-l40s should be split .*split outliers sim-ft-3/main into their own class", out), out[-6000:]
+    assert reached(out) == [], "no host may reach the serial batches"
+    entry = class_entry(fleet.last_report(reports))
+    assert entry["decision"] == "split" and entry["status"] == "failed"
+    groups = {g["name"]: g for g in entry["split"]}
+    assert groups[f"{CLASS}-low"]["hosts"] == ["sim-ft-3/main"]
+    assert groups[f"{CLASS}-main"]["hosts"] == ["sim-ft-1/main", "sim-ft-2/main"]
+    assert groups[f"{CLASS}-main"]["kv_cache_memory_bytes"] > groups[f"{CLASS}-low"]["kv_cache_memory_bytes"]
+    # nothing was deployed: no unit, no plan file, no service
+    for host in HOSTS:
+        assert fleet.unit(host) is None, host
+        assert fleet.plan(host) == {}, host
+        assert fleet.active(host) != "active", host
+    assert len(fleet.profiles()) == 1, "the profiled canary ran and was recorded before planning"
+    seen["split_groups"] = groups
+
+
+def test_outlier_with_split_policy_warn_deploys_the_weakest_budget(fleet, seen):
+    reports = len(fleet.reports())
+    rc, out = fleet.rollout({"gpufleet_split_policy": "warn", **ONE_BATCH})
+    assert rc == 0, out[-6000:]
+    # the output names the outlier and what each sub-class could run
+    assert "split outliers sim-ft-3/main into their own class" in out, out[-6000:]
+    assert re.search(r"split: \[.*'ft-l40s-main'.*'sim-ft-1/main', 'sim-ft-2/main'.*'ft-l40s-low'.*'sim-ft-3/main'", out)
+    assert "Manual canary on sim-ft-1 passed" in out
+    entry = class_entry(fleet.last_report(reports))
+    assert entry["decision"] == "split" and entry["status"] == "deployable"
+    groups = {g["name"]: g for g in entry["split"]}
+    assert groups == seen["split_groups"], "the same fleet plans the same split"
+    low = groups[f"{CLASS}-low"]["kv_cache_memory_bytes"]
+    units = fleet.units()
+    for host in HOSTS:
+        # every host of the class runs the weakest host's budget
+        assert budget(units[host]) == low, host
+        assert fleet.active(host) == "active", host
+        plan = fleet.plan(host)
+        assert plan["decision"] == "split" and plan["kv_cache_memory_bytes"] == low, host
+        assert fleet.previous(host) is None, f"{host}: first deploy keeps no previous unit"
+    assert outcomes(fleet.last_report(reports)) == {h: "deployed" for h in HOSTS}
+    fleet.sim.inject_cotenant("sim-ft-3", gpu=1, size=None, pid=None, remove=True)
+    seen["units_split"] = units
+
+
+def test_mixed_gpu_types_refuse_the_class(fleet, seen):
+    before = fleet.units([*HOSTS, OTHER_GPU])
+    assert before[OTHER_GPU] is None
+    mixed = fleet.write_inventory({CLASS: [*HOSTS, OTHER_GPU]}, fleet.workdir / "inventory-mixed.yml")
+    reports = len(fleet.reports())
+    rc, out = fleet.rollout(inventory=mixed)
+    # a refused class is skipped, not failed: the run itself succeeds and says why
+    assert rc == 0, out[-6000:]
+    assert re.search(r"class ft-l40s is skipped: GPU name differs from the reference \(NVIDIA L40S\): "
+                     r"NVIDIA L40: sim-ft-4/main", out), out[-6000:]
+    assert reached(out) == [], "no host of a refused class may reach the serial batches"
+    report = fleet.last_report(reports)
+    entry = class_entry(report)
+    assert entry["decision"] == "refuse" and entry["status"] == "skipped"
+    assert outcomes(report) == {h: "skipped" for h in [*HOSTS, OTHER_GPU]}
+    assert fleet.units([*HOSTS, OTHER_GPU]) == before
+    for host in HOSTS:
+        assert fleet.active(host) == "active", host
+    assert fleet.active(OTHER_GPU) != "active"
+    assert recap(out)[OTHER_GPU]["changed"] == 0
+
+
+def test_unsteady_free_memory_deploys_with_automatic_profiling(fleet, seen):
+    before = fleet.units()
+    assert before == seen["units_split"]
+    fleet.sim.inject_noise("sim-ft-3", 1, NOISE)
+    reports = len(fleet.reports())
+    try:
+        rc, out = fleet.rollout(ONE_BATCH)
+    finally:
+        fleet.sim.inject_noise("sim-ft-3", 1, None)
+    assert rc == 0, out[-6000:]
+    # the probe's samples disagree by the injected noise
+    assert f"free memory is not steady on sim-ft-3/main rank 1 (moves {human_bytes(max(NOISE) - min(NOISE))})" in out, out[-6000:]
+    entry = class_entry(fleet.last_report(reports))
+    assert entry["decision"] == "auto_profile" and entry["status"] == "deployable"
+    assert "Manual canary on" not in out, "no manual budget: no manual canary"
+    units = fleet.units()
+    for host in HOSTS:
+        # vLLM profiles the KV cache itself: a utilization, no byte budget
+        assert budget(units[host]) is None and "--kv-cache-memory-bytes" not in units[host], host
+        assert re.search(r"--gpu-memory-utilization 0\.\d+", units[host]), host
+        assert fleet.active(host) == "active", host
+        plan = fleet.plan(host)
+        assert plan["decision"] == "auto_profile", host
+        assert plan.get("kv_cache_memory_bytes") is None, host
+        assert fleet.previous(host) == before[host], f"{host}: the split unit is kept byte for byte"
+    assert outcomes(fleet.last_report(reports)) == {h: "deployed" for h in HOSTS}
+    seen["units_auto"] = units
+
+
+def test_gpu_lost_mid_rollout_stops_before_the_host(fleet, seen):
+    before = fleet.units()
+    assert before == seen["units_auto"]
+    injected = threading.Event()
+
+    def inject(line: str) -> None:
+        # planning is over once the serial play starts: the GPU was there when it was probed
+        if line.startswith("PLAY [Roll out in serial batches]") and not injected.is_set():
+            fleet.sim.inject_gpu_lost("sim-ft-2", 1, clear=False)
+            injected.set()
+
+    reports = len(fleet.reports())
+    try:
+        rc, out = fleet.rollout({"gpufleet_guard": "1GiB"}, on_line=inject)
+    finally:
+        fleet.sim.inject_gpu_lost("sim-ft-2", 1, clear=True)
+    assert injected.is_set()
+    assert rc != 0, "a lost GPU must fail the run"
+    assert re.search(r"sim-ft-2: .*GPU 1\b.*NVML_ERROR_GPU_IS_LOST", out), out[-6000:]
+    assert reached(out) == ["sim-ft-1", "sim-ft-2"], reached(out)
+    after = fleet.units()
+    # batch 1 moved to the new manual plan, its previous unit kept byte for byte
+    assert budget(after["sim-ft-1"]) is not None
+    assert fleet.previous("sim-ft-1") == before["sim-ft-1"]
+    assert fleet.plan("sim-ft-1")["kv_cache_memory_bytes"] == budget(after["sim-ft-1"])
+    # sim-ft-2 was never touched, sim-ft-3 never reached
+    assert after["sim-ft-2"] == before["sim-ft-2"]
+    assert after["sim-ft-3"] == before["sim-ft-3"]
+    assert fleet.previous("sim-ft-2") == seen["units_split"]["sim-ft-2"], "the kept unit of sim-ft-2 is untouched"
+    for host in HOSTS:
+        assert fleet.active(host) == "active", host
+    assert outcomes(fleet.last_report(reports)) == {"sim-ft-1": "deployed", "sim-ft-2": "failed",
+                                                    "sim-ft-3": "not_reached"}
+    seen["units_lost"] = after
+
+
+def test_interrupted_rollout_is_finished_by_the_next_run(fleet, seen):
+    before = fleet.units()
+    assert before == seen["units_lost"]
+    unit_on_disk = fleet.guest_path("sim-ft-2", fleet.unit_path)
+    killed: dict[str, Any] = {}
+    done = threading.Event()
+
+    def kill_when_written(proc: subprocess.Popen[str]) -> None:
+        def watch() -> None:
+            while not done.is_set() and proc.poll() is None:
+                try:
+                    text = unit_on_disk.read_text(encoding="utf-8")
+                except OSError:
+                    text = None
+                if text != before["sim-ft-2"]:
+                    # the new unit is on disk: the controller goes away before the boot check
+                    os.killpg(proc.pid, signal.SIGKILL)
+                    killed["unit"] = text
+                    return
+                time.sleep(0.05)
+
+        threading.Thread(target=watch, daemon=True).start()
+
+    try:
+        rc, out = fleet.rollout({"gpufleet_guard": "1GiB"}, on_start=kill_when_written)
+    finally:
+        done.set()
+    assert killed, "the run ended before sim-ft-2's unit was written:\n" + out[-6000:]
+    assert rc == -signal.SIGKILL
+    assert reached(out) == ["sim-ft-1", "sim-ft-2"], reached(out)
+    # where it stopped: the new unit written, the boot check not passed (the plan file is the old one)
+    assert budget(killed["unit"]) == budget(before["sim-ft-1"])
+    assert fleet.plan("sim-ft-2")["decision"] == "auto_profile"
+    assert fleet.unit("sim-ft-3") == before["sim-ft-3"]
+
+    rc, out = fleet.rollout({"gpufleet_guard": "1GiB"})
+    assert rc == 0, out[-6000:]
+    after = fleet.units()
+    want = budget(before["sim-ft-1"])
+    assert after["sim-ft-1"] == before["sim-ft-1"], "batch 1 already ran this plan"
+    assert recap(out)["sim-ft-1"]["changed"] == 0
+    for host in HOSTS:
+        assert after[host] == after["sim-ft-1"], f"{host} runs the same unit as the rest of the class"
+        assert fleet.active(host) == "active", host
+        plan = fleet.plan(host)
+        assert plan["decision"] == "deploy" and plan["kv_cache_memory_bytes"] == want, host
+    assert fleet.previous("sim-ft-3") == before["sim-ft-3"]
+    seen["units_before_interrupt"] = before
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "vllm_service: the resumed run finds sim-ft-2 inactive with the interrupted run's new unit on disk and snapshots "
+    "that unit as the previous one, replacing the unit the host ran before the interrupted run"))
+def test_interrupted_rollout_keeps_the_original_previous_unit(fleet, seen):
+    """The unit kept for a rollback is the one the host ran before the interrupted run."""
+    assert fleet.previous("sim-ft-2") == seen["units_before_interrupt"]["sim-ft-2"]
