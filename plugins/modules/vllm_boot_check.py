@@ -83,13 +83,14 @@ seealso:
 """
 
 EXAMPLES = r"""
-- name: Check the boot of the restarted unit
+- name: Check the boot of the restarted unit against its plan (a kv_plan result)
   gpufleet.vllm.vllm_boot_check:
     unit: vllm-main.service
     port: 8000
-    expected_kv_cache_memory_bytes: "{{ plan.kv_cache_memory_bytes }}"
-    free_floor_bytes: "{{ plan.free_floor_bytes }}"
-    min_tokens: "{{ plan.kv_cache_tokens }}"
+    expected_kv_cache_memory_bytes: "{{ gpufleet_plan.kv_cache_memory_bytes }}"
+    # vLLM logs its own free memory: compare it with the floor in vLLM's terms
+    free_floor_bytes: "{{ gpufleet_plan.vllm_floor_bytes }}"
+    min_tokens: "{{ gpufleet_plan.kv_cache_tokens }}"
     timeout: 600
 
 - name: Check an engine that logs to a file
@@ -98,6 +99,11 @@ EXAMPLES = r"""
     journal: false
     log_path: /var/log/vllm/embedder.log
     expected_kv_cache_memory_bytes: 2GiB
+  register: embedder_boot
+
+- name: Show its cache
+  ansible.builtin.debug:
+    msg: "{{ embedder_boot.kv_cache_tokens }} tokens in {{ embedder_boot.kv_cache_memory_bytes | gpufleet.vllm.human_bytes }}"
 """
 
 RETURN = r"""

@@ -170,7 +170,7 @@ EXAMPLES = r"""
 - name: Profiled canary (vLLM sizes its own cache)
   gpufleet.vllm.vllm_canary:
     executable: /opt/vllm/venv/bin/vllm
-    model: /srv/models/llama-3.1-8b
+    model: /srv/models/llama-3.1-8b-instruct
     mode: profiled
     gpu_memory_utilization: 0.9
     serve_args:
@@ -178,18 +178,24 @@ EXAMPLES = r"""
     load: {requests: 32, concurrency: 8, prompt_tokens: 512, max_tokens: 64}
   register: profiled
 
-- name: Manual canary with the planned budget, compared with the profiled one
+- name: Manual canary with the budget vLLM suggested, compared with the profiled one
   gpufleet.vllm.vllm_canary:
     executable: /opt/vllm/venv/bin/vllm
-    model: /srv/models/llama-3.1-8b
+    model: /srv/models/llama-3.1-8b-instruct
     mode: manual
-    kv_cache_memory_bytes: 28.25GiB
-    gpu_memory_utilization: 0.85
+    # the budget that keeps the profiled boot's memory use (a plan gives kv_plan's kv_cache_memory_bytes)
+    kv_cache_memory_bytes: "{{ profiled.ranks | map(attribute='suggested_kv_bytes_fit') | min }}"
+    gpu_memory_utilization: 0.9
     serve_args:
       max_model_len: 8192
     load: {requests: 32, concurrency: 8, prompt_tokens: 512, max_tokens: 64}
     reference: "{{ profiled }}"
     tolerances: {token_ratio: 0.9, latency_ratio: 1.5, preemptions: 0}
+  register: manual
+
+- name: Show the verdict and the comparison
+  ansible.builtin.debug:
+    msg: "{{ manual.verdict }}: {{ manual.kv_cache_tokens }} tokens, {{ manual.comparison.token_ratio }} of the profiled boot's"
 """
 
 RETURN = r"""

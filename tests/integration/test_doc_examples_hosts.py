@@ -1,0 +1,211 @@
+# Copyright (c) gpufleet maintainers
+# GNU General Public License v3.0+ (see https://www.gnu.org/licenses/gpl-3.0.txt)
+"""The EXAMPLES of the modules that run on a GPU host, as ansible-doc shows them, run on a
+simulated GPU host.
+
+One systemd guest is created with sim/fleetctl.py: four H200 GPUs from the fake NVML
+library, the simulated engine at /opt/vllm/venv/bin/vllm and the model config under
+/srv/models (as tests/integration/test_sim_fidelity.py and test_rollout.py set them up).
+The test provides what the examples name and a real host would have: the vLLM
+virtual environment's interpreter (gpu_memory_info), engines already running as the
+units the examples check (vllm_boot_check, with the plan kv_plan gives), a unit
+template and a token (vllm_unit). Every example task must run and succeed.
+The controller-side examples run in tests/unit/test_doc_examples.py.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from ansible_collections.gpufleet.vllm.plugins.module_utils._geometry import geometry_from_config
+from ansible_collections.gpufleet.vllm.plugins.module_utils._plan import plan_class
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "tests" / "examples"))
+
+import doc_examples  # noqa: E402  pylint: disable=wrong-import-position,import-error
+
+HOST = "sim-docex"
+GIB = 1 << 30
+MODEL = "/srv/models/llama-3.1-8b-instruct"
+MODEL_CONFIG = REPO / "sim" / "models" / "llama-3.1-8b-instruct" / "config.json"
+TOTAL = 150754820096
+RESERVED = 644939776
+CUDA_CONTEXT = 650969088
+
+FLEET = {
+    "engine": {
+        "boot_delay_s": 0.5,
+        "token_delay_s": 0.004,
+        "costs": {"cuda_context_bytes": CUDA_CONTEXT, "peak_activation_bytes": "1.25GiB", "non_torch_bytes": "600MiB",
+                  "cuda_graph_bytes": "0.75GiB"},
+    },
+    "system": {"driver": "580.159.04", "cuda": 13000, "nvml": "13.580.159.04"},
+    "gpu_models": {"h200": {"name": "NVIDIA H200", "total": TOTAL, "reserved": RESERVED, "cc": "9.0"}},
+    "classes": {"docex-h200": {"gpu_model": "h200", "gpus": 4, "model": "llama-3.1-8b-instruct"}},
+    "hosts": {HOST: {"class": "docex-h200", "base_used": [0, 0, 0, 0]}},
+}
+
+# What vllm_unit's examples render with lookup('template', 'vllm.service.j2').
+UNIT_TEMPLATE = """[Unit]
+Description=vLLM instance main
+After=network-online.target
+
+[Service]
+User=vllm
+Environment=CUDA_VISIBLE_DEVICES=0
+EnvironmentFile=/etc/gpufleet/vllm-main.env
+ExecStart=/opt/vllm/venv/bin/vllm serve {model} --port 8000 --max-model-len 8192
+
+[Install]
+WantedBy=multi-user.target
+"""
+
+
+def _fleetctl():
+    spec = importlib.util.spec_from_file_location("gpufleet_sim_fleetctl_docex", REPO / "sim" / "fleetctl.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def collections_path(tmp_path_factory):
+    return doc_examples.make_collections_tree(tmp_path_factory.mktemp("collections"))
+
+
+@pytest.fixture(scope="module")
+def texts(collections_path) -> dict[str, str]:
+    return doc_examples.examples(collections_path, "module", ["gpu_memory_info", "vllm_boot_check", "vllm_canary", "vllm_unit"])
+
+
+@pytest.fixture(scope="module")
+def sim(harness, tmp_path_factory):  # harness: conftest (root + rootfs)
+    workdir = tmp_path_factory.mktemp("docex")
+    fleet_file = workdir / "fleet.yml"
+    fleet_file.write_text(yaml.safe_dump(FLEET), encoding="utf-8")
+    fleet = _fleetctl().Fleet(fleet_file)
+    try:
+        fleet.create(reset_state=True)
+        # A vLLM virtual environment ships nvidia-ml-py; the guest's one is the system interpreter's.
+        fleet.h.exec(HOST, ["ln", "-sf", "/usr/bin/python3", "/opt/vllm/venv/bin/python"], check=True)
+        inventory = workdir / "inventory.yml"
+        inventory.write_text(yaml.safe_dump(harness.inventory_data(names=[HOST])), encoding="utf-8")
+        fleet.inventory = inventory
+        yield fleet
+    finally:
+        fleet.destroy()
+
+
+def run(sim, collections_path, tmp_path, playbook: list[dict[str, Any]]):
+    return doc_examples.run_playbook(playbook, tmp_path, collections_path, inventory=sim.inventory,
+                                     env={"ANSIBLE_PIPELINING": "1"})
+
+
+def keep(path: Path, expression: str) -> dict[str, Any]:
+    """A task writing ``expression`` as JSON to ``path`` on the controller."""
+    return {
+        "name": f"Keep the results in {path.name}",
+        "ansible.builtin.copy": {"dest": str(path), "content": "{{ %s | to_json }}" % expression, "mode": "0644"},
+        "delegate_to": "localhost",
+    }
+
+
+def test_vllm_canary_examples(sim, collections_path, texts, tmp_path):
+    out = tmp_path / "canary.json"
+    playbook = doc_examples.module_playbook(texts["vllm_canary"], HOST, post_tasks=[keep(out, "{'profiled': profiled, 'manual': manual}")])
+    proc = run(sim, collections_path, tmp_path, playbook)
+    doc_examples.assert_examples_ran(proc, texts["vllm_canary"])
+    got = json.loads(out.read_text(encoding="utf-8"))
+    assert got["profiled"]["verdict"] == "pass" and got["manual"]["verdict"] == "pass", got["manual"]["reasons"]
+    assert got["manual"]["kv_cache_memory_bytes"] == min(r["suggested_kv_bytes_fit"] for r in got["profiled"]["ranks"])
+    assert got["manual"]["comparison"]["token_ratio"] >= 0.9
+    # nothing left running on the GPUs
+    state = json.loads(sim.h.exec(HOST, ["python3", "-c", NVML_PROCS], check=True).stdout)
+    assert state == [[], [], [], []]
+
+
+NVML_PROCS = """
+import json, pynvml
+pynvml.nvmlInit()
+print(json.dumps([[p.pid for p in pynvml.nvmlDeviceGetComputeRunningProcesses(pynvml.nvmlDeviceGetHandleByIndex(i))]
+                  for i in range(pynvml.nvmlDeviceGetCount())]))
+"""
+
+
+def test_vllm_unit_examples(sim, collections_path, texts, tmp_path):
+    (tmp_path / "templates").mkdir()
+    (tmp_path / "templates" / "vllm.service.j2").write_text(UNIT_TEMPLATE.format(model=MODEL), encoding="utf-8")
+    out = tmp_path / "unit.json"
+    playbook = doc_examples.module_playbook(texts["vllm_unit"], HOST, {"hf_token": "hf_example_token_0123456789"},
+                                            post_tasks=[keep(out, "{'status': vllm_status, 'restored': vllm_restored}")])
+    proc = run(sim, collections_path, tmp_path, playbook)
+    doc_examples.assert_examples_ran(proc, texts["vllm_unit"])
+    got = json.loads(out.read_text(encoding="utf-8"))
+    assert "main" in got["status"]["pending"]
+    assert "hf_example_token_0123456789" not in proc.stdout, "the secret environment is never shown"
+    # the snapshot was taken before the unit existed: restoring it removes what the examples wrote
+    for path in ("/etc/systemd/system/vllm-main.service", "/etc/gpufleet/vllm-main.env", "/etc/gpufleet/main.plan.json"):
+        assert sim.h.exec(HOST, ["test", "-e", path]).returncode != 0, path
+
+
+@pytest.fixture()
+def engines(sim):
+    """vllm-main.service on GPUs 2 and 3 with the plan kv_plan gives, and an engine on GPU 1 logging to a file."""
+    free = TOTAL - RESERVED
+    geometry = geometry_from_config(str(MODEL_CONFIG), {"tensor_parallel_size": 2, "block_size": 16})
+    # The reference a profiled canary of this class records (20 GiB of KV at this free memory).
+    reference = {"ranks": [{"rank": r, "free_bytes": free, "kv_bytes": 20 * GIB} for r in (0, 1)],
+                 "vllm_free_bytes": {0: free - CUDA_CONTEXT, 1: free - CUDA_CONTEXT},
+                 "total_bytes": TOTAL, "block_size": 16, "bytes_per_block": geometry.bytes_per_block}
+    plan = plan_class({"host_class": "docex-h200", "reference": reference, "guard_bytes": "0.5GiB", "max_model_len": 8192,
+                       "hosts": {f"{HOST}/main": [{"rank": 0, "boot_free_bytes": free}, {"rank": 1, "boot_free_bytes": free}]}})
+    assert plan["decision"] == "deploy", plan["reasons"]
+    sim.h.exec(HOST, ["install", "-d", "-o", "vllm", "-g", "vllm", "/var/log/vllm"], check=True)
+    sim.h.exec(HOST, ["systemctl", "daemon-reload"], check=True)
+    units = {
+        "vllm-main.service": ["--setenv=CUDA_VISIBLE_DEVICES=2,3", "/opt/vllm/venv/bin/vllm", "serve", MODEL, "--port", "8000",
+                              "-tp", "2", "--max-model-len", "8192", "--kv-cache-memory-bytes", str(plan["kv_cache_memory_bytes"])],
+        "vllm-embedder.service": ["-p", "StandardOutput=append:/var/log/vllm/embedder.log", "-p", "StandardError=append:/var/log/vllm/embedder.log",
+                                  "--setenv=CUDA_VISIBLE_DEVICES=1", "/opt/vllm/venv/bin/vllm", "serve", MODEL, "--port", "8001",
+                                  "--max-model-len", "8192", "--kv-cache-memory-bytes", str(2 * GIB)],
+    }
+    try:
+        for unit, argv in units.items():
+            sim.h.exec(HOST, ["systemd-run", f"--unit={unit}", "-p", "User=vllm", *argv], check=True)
+        yield plan
+    finally:
+        for unit in units:
+            sim.h.exec(HOST, ["systemctl", "stop", unit])
+            sim.h.exec(HOST, ["systemctl", "reset-failed", unit])
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and json.loads(sim.h.exec(HOST, ["python3", "-c", NVML_PROCS], check=True).stdout) != [[]] * 4:
+            time.sleep(0.2)
+
+
+def test_boot_check_and_gpu_memory_info_examples(sim, collections_path, texts, tmp_path, engines):
+    out = tmp_path / "gpus.json"
+    playbook = doc_examples.module_playbook(texts["vllm_boot_check"], HOST, {"gpufleet_plan": engines})
+    playbook += doc_examples.module_playbook(texts["gpu_memory_info"], HOST, post_tasks=[keep(out, "{'all': gpu.gpus, 'last': ansible_facts.gpufleet_gpus}")])
+    proc = run(sim, collections_path, tmp_path, playbook)
+    doc_examples.assert_examples_ran(proc, texts["vllm_boot_check"])
+    doc_examples.assert_examples_ran(proc, texts["gpu_memory_info"])
+    # the embedder's 2 GiB: 1024 blocks of 16 tokens of Llama-3.1-8B (2 MiB per block)
+    assert "16384 tokens in 2GiB" in proc.stdout, proc.stdout[-3000:]
+    got = json.loads(out.read_text(encoding="utf-8"))
+    # every GPU; then GPUs 2 and 3, where vllm-main.service's memory counts as this host's own
+    assert [g["index"] for g in got["all"]] == [0, 1, 2, 3] and [g["index"] for g in got["last"]] == [2, 3]
+    assert len(got["all"][1]["processes"]) == 1 and not got["all"][1]["processes"][0]["own"], "the embedder is not vllm-main"
+    for gpu in got["last"]:
+        assert gpu["own_used_bytes"] > engines["kv_cache_memory_bytes"] and all(p["own"] for p in gpu["processes"])
+        assert gpu["boot_free_bytes"] == TOTAL - RESERVED
