@@ -302,10 +302,12 @@ def render_rollout(res: dict[str, Any]) -> tuple[list[str], list[tuple[str, str,
     if not result:
         goals.append(("rollout: < 5 s per host beyond boot-to-healthy", "no figures", met(None)))
         return lines, goals
-    lines += ["| hosts | rollout | rc | playbook s | fixed part s | batches s | boot-to-healthy median s | overhead per host s | overhead / boot-to-healthy |",
+    lines += ["| hosts | rollout | rc | playbook s | fixed part s | batches s | boot-to-healthy median s | "
+              "overhead per host s | overhead / boot-to-healthy |",
               "|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
     for run in result["runs"]:
-        lines.append(f"| {run['hosts']} | {run.get('kind', 'install')} | {run.get('rc', 'n/a')} | {run.get('playbook_seconds', 'n/a')} | {run.get('fixed_seconds', 'n/a')} | "
+        lines.append(f"| {run['hosts']} | {run.get('kind', 'install')} | {run.get('rc', 'n/a')} | "
+                     f"{run.get('playbook_seconds', 'n/a')} | {run.get('fixed_seconds', 'n/a')} | "
                      f"{run.get('batches_seconds', 'n/a')} | {run.get('boot_to_healthy_median_s', 'n/a')} | "
                      f"{run.get('overhead_per_host_s', 'n/a')} | {ratio(run.get('overhead_per_host_s'), run.get('boot_to_healthy_median_s'))} |")
     lines.append("")

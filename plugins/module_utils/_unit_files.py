@@ -20,6 +20,12 @@ removes the files marked absent (stopping and disabling a unit that did not exis
 leaves alone what the snapshot knows nothing about, and restarts a restored unit
 only if it was running when the snapshot was taken.
 
+A snapshot also opens a change: the marker ``vllm-NAME.service.changing``, closed when
+the plan is recorded after a passed boot check or when the snapshot is restored. A run
+interrupted in between (a killed controller, a lost connection) leaves it open; the next
+run sees the instance as pending and does not snapshot again, so the kept files stay
+the ones from before the interrupted change instead of its half-applied unit.
+
 Every write goes through a temporary file in the target directory and ``os.replace``,
 so a reader (or an interrupted run) sees the old file or the new one, never a part.
 """
@@ -78,6 +84,9 @@ class Layout:
 
     def inactive_marker(self, name: str) -> str:
         return os.path.join(self.kept_dir, self.unit_name(name) + ".inactive")
+
+    def changing_marker(self, name: str) -> str:
+        return os.path.join(self.kept_dir, self.unit_name(name) + ".changing")
 
     def owner(self, kind: str) -> tuple[int, int, int]:
         """(uid, gid, mode) of a live file of this kind."""
@@ -279,6 +288,8 @@ def status(layout: Layout, instances: t.Sequence[t.Mapping[str, t.Any]], show: S
         applied = read_plan(layout, name)
         if on_disk is None or applied.get("unit_checksum") != sha1(on_disk):
             reasons.append("the unit on disk has not passed a boot check")
+        if os.path.exists(layout.changing_marker(name)):
+            reasons.append("an earlier change was interrupted")
         entry["reasons"] = reasons
         entry["pending"] = bool(reasons)
         out.append(entry)
@@ -319,6 +330,10 @@ def snapshot(layout: Layout, names: t.Sequence[str], show: ShowRunner, check: bo
         changed_dir |= ensure_dir(layout.kept_dir, layout.uid, layout.gid, 0o700, check)
     out = []
     for name in names:
+        if os.path.exists(layout.changing_marker(name)):
+            # an interrupted change: its snapshot holds what ran before it; keep that
+            out.append(dict(_kept_snapshot(layout, name), resumed=True, changed=changed_dir))
+            continue
         kept, absent, changed = [], [], changed_dir
         for kind in KINDS:
             live = read_bytes(layout.path(name, kind))
@@ -338,8 +353,20 @@ def snapshot(layout: Layout, names: t.Sequence[str], show: ShowRunner, check: bo
             changed |= ensure_absent(marker, check)
         else:
             changed |= ensure_file(marker, (active + "\n").encode(), layout.uid, layout.gid, 0o600, check)
-        out.append({"name": name, "kept": kept, "absent": absent, "active_state": active, "changed": changed})
+        # written last: a run interrupted before this line snapshots again, from files it did not touch yet
+        changed |= ensure_file(layout.changing_marker(name), b"", layout.uid, layout.gid, 0o600, check)
+        out.append({"name": name, "kept": kept, "absent": absent, "active_state": active, "resumed": False,
+                    "changed": changed})
     return out
+
+
+def _kept_snapshot(layout: Layout, name: str) -> dict[str, t.Any]:
+    """What the existing snapshot of an instance holds."""
+    kept = [k for k in KINDS if os.path.exists(layout.kept(name, k) + ".previous")]
+    absent = [k for k in KINDS if k not in kept and os.path.exists(layout.kept(name, k) + ".absent")]
+    inactive = read_bytes(layout.inactive_marker(name))
+    active = "active" if inactive is None else (inactive.decode("utf-8", errors="replace").strip() or "inactive")
+    return {"name": name, "kept": kept, "absent": absent, "active_state": active}
 
 
 def write(layout: Layout, instances: t.Sequence[t.Mapping[str, t.Any]], check: bool,
@@ -385,6 +412,7 @@ def record(layout: Layout, instances: t.Sequence[t.Mapping[str, t.Any]], check: 
         data = (json.dumps(doc, indent=4, sort_keys=True, ensure_ascii=False) + "\n").encode("utf-8")
         uid, gid, mode = layout.owner("plan")
         changed = ensure_file(layout.path(name, "plan"), data, uid, gid, mode, check)
+        changed |= ensure_absent(layout.changing_marker(name), check)  # the change is complete
         out.append({"name": name, "unit_checksum": doc["unit_checksum"], "changed": changed})
     return out
 
@@ -421,6 +449,7 @@ def restore(layout: Layout, names: t.Sequence[str], systemctl: SystemctlRunner |
         # the restored unit runs again only if it ran before the change; else it is stopped
         entry["restart"] = has_copy and was_running
         entry["stop"] = has_copy and not was_running
-        entry["changed"] = bool(entry["restored"] or entry["removed"] or entry.get("stopped"))
+        closed = ensure_absent(layout.changing_marker(name), check)  # the change is undone
+        entry["changed"] = bool(entry["restored"] or entry["removed"] or entry.get("stopped") or closed)
         out.append(entry)
     return out

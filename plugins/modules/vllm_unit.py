@@ -10,7 +10,7 @@ from __future__ import annotations
 DOCUMENTATION = r"""
 module: vllm_unit
 short_description: Compare, write, snapshot and restore the unit, plan record and secret environment of vLLM instances
-version_added: 1.1.0
+version_added: 1.0.0
 description:
   - Manages, in one round trip for all instances of a host, the three files of each vLLM instance C(NAME)
     that the P(gpufleet.vllm.vllm_service#role) role deploys - the systemd unit C(<unit_dir>/vllm-NAME.service)
@@ -22,11 +22,14 @@ description:
     (the unit has not passed a boot check).
   - O(state=snapshot) keeps, under C(<state_dir>/units/), a copy C(<file>.previous) of each of the three files,
     or a marker C(<file>.absent) for a file that does not exist, and a marker C(vllm-NAME.service.inactive)
-    when the service is not running.
+    when the service is not running. It also opens a change (marker C(vllm-NAME.service.changing)), which
+    O(state=recorded) and O(state=restored) close. While a change is open - a run was interrupted between the
+    snapshot and the boot check - the instance is pending (V(an earlier change was interrupted)) and a new
+    snapshot keeps the existing one (RV(instances[].resumed)), so a rollback still restores what ran before.
   - O(state=present) writes the given unit and environment files (the environment file first) and creates
     O(state_dir) if it is missing; files already as desired are left alone.
-  - O(state=recorded) writes each plan record with the checksum of the unit now on disk. Record a plan only
-    after the unit passed its boot check (M(gpufleet.vllm.vllm_boot_check)).
+  - O(state=recorded) writes each plan record with the checksum of the unit now on disk and closes the change.
+    Record a plan only after the unit passed its boot check (M(gpufleet.vllm.vllm_boot_check)).
   - O(state=restored) puts back the last snapshot - copies byte for byte, files marked absent removed (a unit
     that did not exist is stopped and disabled first), files the snapshot knows nothing about left alone - and
     returns which units to restart (RV(instances[].restart) - kept and running at the snapshot) and which to stop
@@ -187,6 +190,9 @@ instances:
       description: Files recorded as absent (O(state=snapshot)).
       type: list
       elements: str
+    resumed:
+      description: The snapshot of an interrupted change was kept instead of taking a new one (O(state=snapshot)).
+      type: bool
     written:
       description: Files written (O(state=present)).
       type: list

@@ -20,7 +20,8 @@ as booting and profiling cost most of the time):
    byte and active again, the run fails with the engine's error;
 5. an admission plan the class cannot hold stops the class before any host is touched;
 6. an unreachable host is left out, the others are rolled out, the run fails;
-7. a changed serve argument changes the compatibility key and forces a profiled canary.
+7. a changed serve argument changes the compatibility key and forces a profiled canary;
+8. wrong service inputs on the last host stop the run before the first batch.
 """
 
 from __future__ import annotations
@@ -322,3 +323,25 @@ def test_compat_key_change_forces_a_profiled_canary(fleet):
         assert "--max-num-seqs 48" in units[host], host
         assert fleet.active(host) == "active", host
         assert fleet.plan(host)["compat_key_hash"] in fleet.profiles()[0].name + fleet.profiles()[1].name
+
+
+def test_wrong_service_inputs_on_a_later_host_stop_the_run_before_any_host(fleet):
+    """The last host's own inventory gives its instance a port no unit can listen on: every
+    host's service inputs are checked before the first batch, so the run stops with that
+    host named and nothing touched."""
+    before = fleet.units()
+    host_vars = fleet.inventory.parent / "host_vars"
+    host_vars.mkdir(exist_ok=True)
+    (host_vars / "sim-ro-3.yml").write_text(yaml.safe_dump({"gpufleet_instances": [
+        {"name": "main", "gpus": [0, 1], "port": 70000}]}), encoding="utf-8")
+    try:
+        rc, out = fleet.rollout({"gpufleet_guard": "2GiB"})
+    finally:
+        (host_vars / "sim-ro-3.yml").unlink()
+    assert rc != 0
+    assert "vllm_service on sim-ro-3: instance main needs gpus (a non-empty list) and a port in 1..65535" in out, out[-6000:]
+    assert "no host was touched" in out
+    assert "Report what changes on this host" not in out, "no host may reach the serial batches"
+    assert fleet.units() == before
+    for host in HOSTS:
+        assert fleet.active(host) == "active", host

@@ -317,9 +317,6 @@ def test_interrupted_rollout_is_finished_by_the_next_run(fleet, seen):
     seen["units_before_interrupt"] = before
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "vllm_service: the resumed run finds sim-ft-2 inactive with the interrupted run's new unit on disk and snapshots "
-    "that unit as the previous one, replacing the unit the host ran before the interrupted run"))
 def test_interrupted_rollout_keeps_the_original_previous_unit(fleet, seen):
     """The unit kept for a rollback is the one the host ran before the interrupted run."""
     assert fleet.previous("sim-ft-2") == seen["units_before_interrupt"]["sim-ft-2"]

@@ -217,7 +217,8 @@ def test_new_instance_is_stopped_disabled_and_removed_and_an_unknown_one_left_al
     (taken,) = snapshot(layout, ["b"], systemd.show, check=False)
     assert taken["absent"] == ["unit", "plan", "env"]
     assert sorted(os.listdir(layout.kept_dir)) == [
-        "b.plan.json.absent", "vllm-b.env.absent", "vllm-b.service.absent", "vllm-b.service.inactive"]
+        "b.plan.json.absent", "vllm-b.env.absent", "vllm-b.service.absent", "vllm-b.service.changing",
+        "vllm-b.service.inactive"]
 
     deployed(layout, systemd, name="b")
     back = restore(layout, ["b", "c"], systemd.run, check=False)
@@ -234,20 +235,19 @@ def test_a_later_snapshot_replaces_absent_markers(layout):
     systemd = FakeSystemd()
     snapshot(layout, ["a"], systemd.show, check=False)
     assert os.path.exists(layout.kept("a", "unit") + ".absent")
-    # The first deploy succeeded; the next change snapshots the files that now exist.
-    write(layout, [{"name": "a", "unit": UNIT_A, "env": ENV_A}], check=False)
-    systemd.active["vllm-a.service"] = "active"
+    # The first deploy succeeded (its plan recorded); the next change snapshots the files that now exist.
+    deployed(layout, systemd)
     snapshot(layout, ["a"], systemd.show, check=False)
-    assert not os.path.exists(layout.kept("a", "unit") + ".absent")
-    assert not os.path.exists(layout.kept("a", "env") + ".absent")
-    assert os.path.exists(layout.kept("a", "plan") + ".absent"), "still no plan file"
+    for kind in ("unit", "plan", "env"):
+        assert not os.path.exists(layout.kept("a", kind) + ".absent"), kind
+        assert os.path.exists(layout.kept("a", kind) + ".previous"), kind
     assert not os.path.exists(layout.inactive_marker("a"))
 
+    plan_before = read(layout.path("a", "plan"))
     write(layout, [{"name": "a", "unit": UNIT_B}], check=False)
-    record(layout, [{"name": "a", "plan": {}}], check=False)
     (back,) = restore(layout, ["a"], systemd.run, check=False)
     assert read(layout.path("a", "unit")) == UNIT_A and read(layout.path("a", "env")) == ENV_A
-    assert read(layout.path("a", "plan")) is None and back["removed"] == ["plan"]
+    assert read(layout.path("a", "plan")) == plan_before and back["restored"] == ["unit"]
     assert back["restart"] is True
 
 
@@ -259,6 +259,40 @@ def test_restore_in_check_mode_changes_nothing(layout):
     (back,) = restore(layout, ["a"], systemd.run, check=True)
     assert back["restored"] == ["unit"] and back["changed"]
     assert read(layout.path("a", "unit")) == UNIT_B
+
+
+def test_an_interrupted_change_keeps_its_snapshot_until_it_completes(layout):
+    """A run killed after writing the new unit: the next run must not keep the half-applied unit as 'previous'."""
+    systemd = FakeSystemd()
+    deployed(layout, systemd)
+    want = [{"name": "a", "unit": UNIT_B, "env": ENV_A}]
+    assert snapshot(layout, ["a"], systemd.show, check=False)[0]["resumed"] is False
+    # the interrupted run stopped the service and wrote the new unit, then the controller died
+    systemd.active["vllm-a.service"] = "inactive"
+    write(layout, want, check=False)
+
+    entry = status(layout, want, systemd.show)[0]
+    assert "an earlier change was interrupted" in entry["reasons"]
+    again = snapshot(layout, ["a"], systemd.show, check=False)[0]
+    assert again["resumed"] is True and again["active_state"] == "active" and again["kept"] == ["unit", "plan", "env"]
+    assert read(layout.kept("a", "unit") + ".previous") == UNIT_A, "the unit from before the interrupted run"
+
+    # the resumed run passes its boot check: the change is complete, the next snapshot is a fresh one
+    record(layout, [{"name": "a", "plan": {"kv_cache_memory_bytes": 2000}}], check=False)
+    systemd.active["vllm-a.service"] = "active"
+    assert status(layout, want, systemd.show)[0]["pending"] is False
+    assert snapshot(layout, ["a"], systemd.show, check=False)[0]["resumed"] is False
+    assert read(layout.kept("a", "unit") + ".previous") == UNIT_B
+
+
+def test_a_rollback_closes_the_change(layout):
+    systemd = FakeSystemd()
+    deployed(layout, systemd)
+    snapshot(layout, ["a"], systemd.show, check=False)
+    write(layout, [{"name": "a", "unit": UNIT_B}], check=False)
+    assert restore(layout, ["a"], systemd.run, check=False)[0]["changed"]
+    assert not os.path.exists(layout.changing_marker("a"))
+    assert status(layout, [{"name": "a", "unit": UNIT_A, "env": ENV_A}], systemd.show)[0]["pending"] is False
 
 
 # ------------------------------------------------------------------ inputs
