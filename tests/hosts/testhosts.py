@@ -594,6 +594,7 @@ class Harness:
                 if name in running:
                     log(f"{name}: already up at {running[name].address}")
             self._install_authorized_key(self.rootfs)
+            self._ensure_inotify_instances(len(running) + len(new))
             started: list[str] = []
             ok = False
             try:
@@ -617,6 +618,28 @@ class Harness:
                                 log(f"{name}: cleanup after failed start: {exc}")
             current = self.hosts()
             return [current[n] for n in names]
+
+    # Every guest's systemd and its services open inotify instances as root, which all
+    # count against the host's per-user limit (128 by default): beyond about 20 guests,
+    # systemd in the later ones cannot start and never reaches SSH.
+    INOTIFY_LIMIT = Path("/proc/sys/fs/inotify/max_user_instances")
+    INOTIFY_PER_HOST = 16
+
+    def _ensure_inotify_instances(self, hosts: int) -> None:
+        """Raise fs.inotify.max_user_instances (never lower it) so that ``hosts`` guests can boot."""
+        want = 128 + self.INOTIFY_PER_HOST * hosts
+        try:
+            have = int(self.INOTIFY_LIMIT.read_text(encoding="ascii").strip())
+        except (OSError, ValueError):
+            return
+        if have >= want:
+            return
+        try:
+            self.INOTIFY_LIMIT.write_text(f"{want}\n", encoding="ascii")
+        except OSError as exc:
+            log(f"fs.inotify.max_user_instances is {have}, {hosts} hosts need about {want}, cannot raise it: {exc}")
+            return
+        log(f"fs.inotify.max_user_instances raised from {have} to {want} for {hosts} hosts")
 
     def _launch(self, name: str, index: int, binds: list[str], binds_ro: list[str]) -> None:
         hdir = self.host_dir(name)

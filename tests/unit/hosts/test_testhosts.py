@@ -150,3 +150,15 @@ def test_cli_errors_are_messages_not_tracebacks(tmp_path: Path, capsys: pytest.C
     err = capsys.readouterr().err
     assert rc == 1
     assert err.startswith("testhosts: error: ") and "Traceback" not in err
+
+
+def test_inotify_limit_is_raised_for_many_hosts_and_never_lowered(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    limit = tmp_path / "max_user_instances"
+    monkeypatch.setattr(testhosts.Harness, "INOTIFY_LIMIT", limit)
+    h = testhosts.Harness(tmp_path)
+    limit.write_text("128\n")
+    h._ensure_inotify_instances(32)  # pylint: disable=protected-access
+    assert int(limit.read_text()) == 128 + 16 * 32
+    limit.write_text("100000\n")
+    h._ensure_inotify_instances(32)  # pylint: disable=protected-access
+    assert int(limit.read_text()) == 100000
