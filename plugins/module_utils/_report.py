@@ -500,15 +500,14 @@ def build_report(data: Mapping[str, Any], kind: str = "rollout", generated: _dt.
     hosts_raw = data.get("hosts") or {}
     if not isinstance(hosts_raw, Mapping):
         raise ReportError("data.hosts: expected a mapping of host name to its facts")
-    probe = None
+    probe: dict[str, Any] | None = None
     if kind == "probe" or data.get("probe") is not None:
         if not isinstance(data.get("probe"), Mapping):
             raise ReportError("data.probe: a probe report needs the probe results, {hosts: {host: {gpus, instances, ...}}}")
         probe = _probe_section(data["probe"])
-    if kind == "probe":
-        hosts_raw = {
-            h["host"]: {"class": h["class"], "error": h["error"]} for h in probe["hosts"]  # type: ignore[index]
-        }
+        if kind == "probe":
+            # a probe report's hosts are the probed ones
+            hosts_raw = {h["host"]: {"class": h["class"], "error": h["error"]} for h in probe["hosts"]}
     members: dict[str, list[str]] = {}
     for host, facts in hosts_raw.items():
         if not isinstance(facts, Mapping):

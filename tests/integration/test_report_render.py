@@ -222,6 +222,11 @@ def color_share(rows: list[bytes], rgb: tuple[int, int, int], tol: int = 6) -> i
 @pytest.fixture(scope="session")
 def chromium() -> str:
     """Debian's chromium, installed with apt when missing (idempotent)."""
+    return find_chromium()
+
+
+def find_chromium() -> str:
+    """Debian's chromium, installed with apt when missing (idempotent)."""
     path = shutil.which("chromium")
     if path is None:
         env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
