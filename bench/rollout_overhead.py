@@ -277,10 +277,13 @@ def main() -> int:
         print(json.dumps({"error": "run as root: test hosts use systemd-nspawn and network namespaces"}))
         return 2
     serial = json.loads(args.serial)
+    started = time.monotonic()
     runs = [run for size in args.sizes.split(",")
             for run in measure(int(size), args.prefix, args.boot_delay, serial, args.forks, args.timeout)]
     out: dict[str, Any] = {"benchmark": "rollout_overhead", "goal_seconds": GOAL_SECONDS, "runs": runs,
-                           "command": "ansible-playbook -i INVENTORY playbooks/rollout.yml"}
+                           "command": "python bench/rollout_overhead.py " + " ".join(sys.argv[1:]),
+                           "playbook_command": "ansible-playbook -i INVENTORY playbooks/rollout.yml",
+                           "seconds": round(time.monotonic() - started, 1)}
     ok = [r for r in runs if "overhead_per_host_s" in r and r["kind"] == "install"]
     if len(ok) >= 2:
         small, large = ok[0], ok[-1]

@@ -191,7 +191,8 @@ def status_lines(entry: dict[str, Any]) -> list[str]:
     """Command and status of one script run (or why it was skipped)."""
     if "skipped" in entry:
         return [f"Skipped: {entry['skipped']}. No figures from this part in this run.", ""]
-    lines = ["```", entry["command"], "```", f"Took {entry['seconds']} s, exit status {entry['rc']}."]
+    took = f"Took {entry['seconds']} s" if entry.get("seconds") not in (None, "n/a") else "Wall time not recorded"
+    lines = ["```", entry["command"], "```", f"{took}, exit status {entry['rc']}."]
     if entry.get("error"):
         lines.append(f"**Failed**: {entry['error']}")
     lines.append("")
@@ -311,8 +312,15 @@ def render_rollout(res: dict[str, Any]) -> tuple[list[str], list[tuple[str, str,
                      f"{run.get('batches_seconds', 'n/a')} | {run.get('boot_to_healthy_median_s', 'n/a')} | "
                      f"{run.get('overhead_per_host_s', 'n/a')} | {ratio(run.get('overhead_per_host_s'), run.get('boot_to_healthy_median_s'))} |")
     lines.append("")
+    all_separate = all(run.get("separate_run") for run in result["runs"])
+    if all_separate:
+        times = sorted({run.get("measured_at", "n/a") for run in result["runs"]})
+        lines.append(f"- Measured by the command above from {times[0]} UTC, separately from the other parts of this page "
+                     "(different machine load).")
+    noted: set[int] = set()
     for run in result["runs"]:
-        if run.get("separate_run"):
+        if run.get("separate_run") and not all_separate and run["hosts"] not in noted:
+            noted.add(run["hosts"])
             lines.append(f"- {run['hosts']} hosts: measured by a separate `python bench/rollout_overhead.py --sizes {run['hosts']}` "
                          f"at {run.get('measured_at', 'n/a')} UTC, not in the run above; the two runs saw different machine load.")
         if run.get("batches"):
@@ -451,6 +459,12 @@ def add_rollout_runs(results: dict[str, Any], extra: dict[str, Any]) -> None:
         run["separate_run"] = True
         by_size[(run["hosts"], run.get("kind", "install"))] = run
     result["runs"] = [by_size[k] for k in sorted(by_size)]
+    if all(r.get("separate_run") for r in result["runs"]):
+        # nothing of the first run is shown: its command and status are the separate run's
+        entry["command"] = extra.get("command") or "python bench/rollout_overhead.py --sizes " + ",".join(
+            str(h) for h in sorted({r["hosts"] for r in result["runs"]}))
+        entry["seconds"] = extra.get("seconds", "n/a")
+        entry["rc"] = 0 if all("overhead_per_host_s" in r for r in result["runs"]) else 1
     ok = [r for r in result["runs"] if "overhead_per_host_s" in r and r.get("kind", "install") == "install"]
     result.pop("marginal_seconds_per_host", None)
     if len(ok) >= 2 and ok[-1]["hosts"] > ok[0]["hosts"]:

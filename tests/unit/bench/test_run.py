@@ -88,3 +88,19 @@ def test_recorded_gpu_section_only_from_recorded_files(tmp_path):
     rows = [line for line in lines if line.startswith("| gpu-")]
     assert rows == ["| gpu-2026-01-01-nvml_real.json | NVIDIA H200 x2 | 10.0 (20 runs) | 40.0 (5 runs) | 0.25x |"]
     assert not [line for line in lines if "broken" in line]
+
+
+def test_add_rollout_that_replaces_every_run_shows_its_own_command() -> None:
+    results = {"rollout": {"rollout": {"command": "python bench/rollout_overhead.py --sizes 8,32", "rc": 1, "seconds": 9.0,
+                                       "result": {"runs": [rollout_run(8, 80.0)]}}}}
+    extra = {"command": "python bench/rollout_overhead.py --sizes 8", "seconds": 70.5,
+             "runs": [rollout_run(8, 40.0, kind="install", measured_at="2026-01-01 01:00:00"),
+                      rollout_run(8, 30.0, kind="update", measured_at="2026-01-01 01:01:00")]}
+    bench_run.add_rollout_runs(results, extra)
+    entry = results["rollout"]["rollout"]
+    assert [(r["hosts"], r["kind"]) for r in entry["result"]["runs"]] == [(8, "install"), (8, "update")]
+    assert (entry["command"], entry["seconds"], entry["rc"]) == ("python bench/rollout_overhead.py --sizes 8", 70.5, 0)
+    text = bench_run.render(results, INFO, ["python", "bench/run.py"], "2026-01-01 00:00:00", 1.0, (0.1, 0.2))
+    assert "Took 70.5 s, exit status 0." in text
+    assert "Measured by the command above from 2026-01-01 01:00:00 UTC" in text
+    assert "| rollout (8 hosts, update): < 5 s per host beyond boot-to-healthy | 1.0 s | **met** |" in text
