@@ -456,8 +456,8 @@ def _probe_summary(probe: Mapping[str, Any]) -> dict[str, Any]:
 def _host_outcome(kind: str, host: Mapping[str, Any], class_entry: dict[str, Any] | None) -> str:
     if class_entry is not None and class_entry["status"] == "failed":
         return "failed"
-    if host.get("error") is not None and host.get("batch") is not None:
-        return "rolled_back" if host.get("touched") else "failed"
+    if host.get("error") is not None:  # failed in a batch, or in the check of every host's inputs before them
+        return "rolled_back" if host.get("touched") and host.get("batch") is not None else "failed"
     if class_entry is None or class_entry["status"] != "deployable":
         return "skipped"
     if kind != "rollout":

@@ -156,8 +156,7 @@ def atomic_write(path: str, data: bytes, uid: int, gid: int, mode: int) -> None:
             fh.write(data)
             fh.flush()
             os.fchmod(fh.fileno(), mode)
-            if (os.getuid(), os.getgid()) != (uid, gid):
-                os.fchown(fh.fileno(), uid, gid)
+            os.fchown(fh.fileno(), uid, gid)  # always: a setgid directory gives new files its own group
             os.fsync(fh.fileno())
         os.replace(tmp, path)
     except OSError as exc:
@@ -196,7 +195,7 @@ def ensure_absent(path: str, check: bool) -> bool:
 def ensure_dir(path: str, uid: int, gid: int, mode: int, check: bool) -> bool:
     """Make ``path`` a directory with this owner and mode; True if it had to change."""
     try:
-        st = os.lstat(path)
+        st = os.stat(path)  # a symlink to a directory is that directory
     except FileNotFoundError:
         st = None
     except OSError as exc:
@@ -210,8 +209,7 @@ def ensure_dir(path: str, uid: int, gid: int, mode: int, check: bool) -> bool:
             if st is None:
                 os.mkdir(path, mode)
             os.chmod(path, mode)
-            if (os.getuid(), os.getgid()) != (uid, gid) or st is not None:
-                os.chown(path, uid, gid)
+            os.chown(path, uid, gid)
         except OSError as exc:
             raise UnitFilesError(f"{path}: cannot create: {exc.strerror or exc}") from None
     return True
@@ -418,8 +416,13 @@ def record(layout: Layout, instances: t.Sequence[t.Mapping[str, t.Any]], check: 
 
 
 def restore(layout: Layout, names: t.Sequence[str], systemctl: SystemctlRunner | None, check: bool,
-            systemctl_bin: str = "systemctl") -> list[dict[str, t.Any]]:
-    """Put back what the last snapshot kept; see the module docstring for the rules."""
+            systemctl_bin: str = "systemctl", close: bool = True) -> list[dict[str, t.Any]]:
+    """Put back what the last snapshot kept; see the module docstring for the rules.
+
+    ``close=False`` leaves the change open: a rollback restores, restarts or stops what it
+    restored, and only then closes the change (a second call), so that a rollback cut off
+    before its restart still resumes from the snapshot.
+    """
     out = []
     for name in (validate_name(n) for n in names):
         entry: dict[str, t.Any] = {"name": name, "restored": [], "removed": [], "unknown": [], "changed": False}
@@ -449,7 +452,7 @@ def restore(layout: Layout, names: t.Sequence[str], systemctl: SystemctlRunner |
         # the restored unit runs again only if it ran before the change; else it is stopped
         entry["restart"] = has_copy and was_running
         entry["stop"] = has_copy and not was_running
-        closed = ensure_absent(layout.changing_marker(name), check)  # the change is undone
+        closed = ensure_absent(layout.changing_marker(name), check) if close else False  # the change is undone
         entry["changed"] = bool(entry["restored"] or entry["removed"] or entry.get("stopped") or closed)
         out.append(entry)
     return out

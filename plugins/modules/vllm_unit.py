@@ -26,8 +26,8 @@ description:
     O(state=recorded) and O(state=restored) close. While a change is open - a run was interrupted between the
     snapshot and the boot check - the instance is pending (V(an earlier change was interrupted)) and a new
     snapshot keeps the existing one (RV(instances[].resumed)), so a rollback still restores what ran before.
-  - O(state=present) writes the given unit and environment files (the environment file first) and creates
-    O(state_dir) if it is missing; files already as desired are left alone.
+  - O(state=present) writes the given unit and environment files (the environment file first) and makes
+    O(state_dir) a directory owned by root and O(plan_group) with mode 0750; files already as desired are left alone.
   - O(state=recorded) writes each plan record with the checksum of the unit now on disk and closes the change.
     Record a plan only after the unit passed its boot check (M(gpufleet.vllm.vllm_boot_check)).
   - O(state=restored) puts back the last snapshot - copies byte for byte, files marked absent removed (a unit
@@ -52,7 +52,8 @@ attributes:
     support: full
     details:
       - The unit files (never the secret environment files) are shown before and after for O(state=status)
-        and O(state=present).
+        and O(state=present). O(state=status) reports RV(ignore:changed=false); a task that wants the diff shown
+        (callbacks show diffs of changed results) sets C(changed_when) on RV(pending).
   idempotent:
     support: full
 options:
@@ -75,12 +76,21 @@ options:
       unit:
         description: Desired unit file content (O(state=status), O(state=present)).
         type: str
-      env:
-        description: Desired secret environment file content (O(state=status), O(state=present)); never returned or logged.
-        type: str
       plan:
         description: Plan to record (O(state=recorded)); C(unit_checksum) is added.
         type: dict
+  env_files:
+    description:
+      - Desired secret environment file content per instance name (O(state=status), O(state=present)).
+      - A separate option, not a key of O(instances), so that Ansible never logs it (also not in the host's journal).
+    type: dict
+  close_change:
+    description:
+      - With O(state=restored), close the change the snapshot opened. Restore with V(false) first, restart or stop
+        what was restored, then restore again with V(true), so that a rollback interrupted before its restart is
+        still known as an open change by the next run.
+    type: bool
+    default: true
   unit_dir:
     description: Directory of the systemd units.
     type: path
@@ -140,7 +150,8 @@ EXAMPLES = r"""
     instances:
       - name: main
         unit: "{{ lookup('ansible.builtin.template', 'vllm.service.j2') }}"
-        env: "HF_TOKEN={{ hf_token | to_json }}\n"
+    env_files:
+      main: "HF_TOKEN={{ hf_token | to_json }}\n"
     plan_group: vllm
 
 - name: Record the plan the unit passed its boot check with
@@ -209,6 +220,9 @@ instances:
       description: Files the snapshot has neither a copy nor an absent marker of, left alone (O(state=restored)).
       type: list
       elements: str
+    stopped:
+      description: A unit that did not exist before the change was stopped and disabled before its removal (O(state=restored)).
+      type: bool
     restart:
       description: Whether the restored unit should be restarted - it was kept and its service was running (O(state=restored)).
       type: bool
@@ -252,11 +266,14 @@ from ansible_collections.gpufleet.vllm.plugins.module_utils._unit_files import (
 )
 
 
-def _group_id(name: str) -> int:
+def _group_id(name: str, required: bool) -> int:
+    """The group's id; root's when it does not exist and nothing needs it (a restore, a dry run)."""
     try:
         return grp.getgrnam(name).gr_gid
     except KeyError:
-        raise UnitFilesError(f"plan_group {name!r} does not exist on this host") from None
+        if required:
+            raise UnitFilesError(f"plan_group {name!r} does not exist on this host") from None
+        return 0
 
 
 def main() -> None:
@@ -270,10 +287,11 @@ def main() -> None:
                 options=dict(
                     name=dict(type="str", required=True),
                     unit=dict(type="str"),
-                    env=dict(type="str", no_log=True),
                     plan=dict(type="dict"),
                 ),
             ),
+            env_files=dict(type="dict", no_log=True),
+            close_change=dict(type="bool", default=True),
             unit_dir=dict(type="path", default="/etc/systemd/system"),
             state_dir=dict(type="path", default="/etc/gpufleet"),
             plan_group=dict(type="str", default="root"),
@@ -289,8 +307,12 @@ def main() -> None:
         supports_check_mode=True,
     )
     state = module.params["state"]
-    instances = module.params["instances"]
+    env_files = module.params["env_files"] or {}
+    instances = [dict(i, env=env_files.get(i["name"])) for i in module.params["instances"]]
     check = module.check_mode
+    unknown = sorted(set(env_files) - {i["name"] for i in instances})
+    if unknown:
+        module.fail_json(msg=f"vllm_unit ({state}): env_files names instances that are not in instances: {', '.join(unknown)}")
 
     def runner(argv: list[str]) -> tuple[int, str, str]:
         rc, out, err = module.run_command(argv)
@@ -299,7 +321,8 @@ def main() -> None:
     result: dict = {"changed": False}
     try:
         # the group may not exist yet when a first deploy is only being compared or snapshotted
-        plan_gid = _group_id(module.params["plan_group"]) if state in ("present", "recorded", "restored") else 0
+        writes_plan_group = state in ("present", "recorded") and not check
+        plan_gid = _group_id(module.params["plan_group"], writes_plan_group) if state in ("present", "recorded", "restored") else 0
         layout = Layout(unit_dir=module.params["unit_dir"], state_dir=module.params["state_dir"], plan_gid=plan_gid)
         names = [i["name"] for i in instances]
         if state in ("status", "snapshot", "restored"):
@@ -317,7 +340,7 @@ def main() -> None:
         elif state == "recorded":
             entries = record(layout, instances, check)
         else:
-            entries = restore(layout, names, runner, check, systemctl_bin=systemctl)
+            entries = restore(layout, names, runner, check, systemctl_bin=systemctl, close=module.params["close_change"])
     except UnitFilesError as exc:
         module.fail_json(msg=f"vllm_unit ({state}): {to_native(exc)}")
     except Exception as exc:  # pylint: disable=broad-exception-caught

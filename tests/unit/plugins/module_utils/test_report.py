@@ -155,6 +155,19 @@ def test_outcomes_batches_and_rolled_back_hosts():
     assert "No available memory for the cache blocks." in text
 
 
+def test_a_host_failing_the_input_check_before_the_batches_fails_the_report():
+    data = rollout_data()
+    for name in data["hosts"]:
+        data["hosts"][name].update(batch=None, pending=[], touched=False)
+    data["batches"] = []
+    data["hosts"]["gpu-c"].update(error="vllm_service on gpu-c: instance main needs gpus (a non-empty list) and a port in 1..65535.",
+                                  failed_task="Check that every instance has GPUs and a port")
+    report = build_report(data, "rollout", generated=WHEN)
+    outcome = {h["host"]: h["outcome"] for h in report["hosts"]}
+    assert outcome == {"gpu-a": "not_reached", "gpu-b": "not_reached", "gpu-c": "failed"}
+    assert report["failed_hosts"] == ["gpu-c"] and report["summary"]["ok"] is False
+
+
 def test_clean_rollout_is_ok_and_untouched_host_is_unchanged():
     data = rollout_data()
     data["hosts"]["gpu-c"]["pending"] = []

@@ -285,12 +285,20 @@ def test_an_interrupted_change_keeps_its_snapshot_until_it_completes(layout):
     assert read(layout.kept("a", "unit") + ".previous") == UNIT_B
 
 
-def test_a_rollback_closes_the_change(layout):
+def test_a_rollback_closes_the_change_once_its_units_run_again(layout):
     systemd = FakeSystemd()
     deployed(layout, systemd)
     snapshot(layout, ["a"], systemd.show, check=False)
     write(layout, [{"name": "a", "unit": UNIT_B}], check=False)
-    assert restore(layout, ["a"], systemd.run, check=False)[0]["changed"]
+    systemd.active["vllm-a.service"] = "failed"
+    # files back, the restart not done yet (a rollback cut off here): the change stays open
+    assert restore(layout, ["a"], systemd.run, check=False, close=False)[0]["restart"] is True
+    assert os.path.exists(layout.changing_marker("a"))
+    assert snapshot(layout, ["a"], systemd.show, check=False)[0]["resumed"] is True, "still what ran before the change"
+    assert not os.path.exists(layout.inactive_marker("a")), "the service ran before the change"
+    systemd.active["vllm-a.service"] = "active"
+    (closed,) = restore(layout, ["a"], systemd.run, check=False, close=True)
+    assert closed["changed"] and closed["restored"] == []
     assert not os.path.exists(layout.changing_marker("a"))
     assert status(layout, [{"name": "a", "unit": UNIT_A, "env": ENV_A}], systemd.show)[0]["pending"] is False
 

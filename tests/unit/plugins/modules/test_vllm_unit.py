@@ -1,0 +1,67 @@
+# Copyright (c) gpufleet maintainers
+# GNU General Public License v3.0+ (see LICENSES/GPL-3.0-or-later.txt or https://www.gnu.org/licenses/gpl-3.0.txt)
+# SPDX-License-Identifier: GPL-3.0-or-later
+"""The vllm_unit module shell: the secret environment files never reach a log or a result.
+
+systemctl is a small script on PATH (every unit inactive); the logic itself is tested in
+tests/unit/plugins/module_utils/test_unit_files.py.
+"""
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import pytest
+from ansible.module_utils.basic import AnsibleModule
+from ansible.module_utils.testing import patch_module_args
+
+from ansible_collections.gpufleet.vllm.plugins.modules import vllm_unit
+
+SECRET = "hf_unit_test_secret_0123456789"
+ENV = f'# Managed by gpufleet.vllm\nHF_TOKEN="{SECRET}"\n'
+UNIT = "[Service]\nExecStart=/opt/vllm/venv/bin/vllm serve m\n"
+
+
+@pytest.fixture
+def fake_systemctl(tmp_path, monkeypatch) -> None:
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    script = bin_dir / "systemctl"
+    script.write_text("#!/bin/sh\n# show: one inactive block per unit\nfor a in \"$@\"; do case $a in vllm-*) "
+                      "printf 'LoadState=not-found\\nActiveState=inactive\\nNeedDaemonReload=no\\n\\n';; esac; done\n")
+    script.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+
+
+def run(capsys, monkeypatch, args: dict[str, Any]) -> tuple[int, dict[str, Any], list[str]]:
+    logged: list[str] = []
+    monkeypatch.setattr(AnsibleModule, "log", lambda self, msg, log_args=None: logged.append(str(msg) + str(log_args)))
+    with patch_module_args(args), pytest.raises(SystemExit) as exc:
+        vllm_unit.main()
+    return exc.value.code or 0, json.loads(capsys.readouterr().out), logged
+
+
+@pytest.mark.parametrize("state", ["status", "present"])
+def test_the_secret_is_neither_logged_nor_returned(tmp_path, capsys, monkeypatch, fake_systemctl, state):
+    (tmp_path / "systemd").mkdir()
+    args = {"state": state, "instances": [{"name": "main", "unit": UNIT}], "env_files": {"main": ENV},
+            "unit_dir": str(tmp_path / "systemd"), "state_dir": str(tmp_path / "gpufleet"), "_ansible_diff": True}
+    rc, result, logged = run(capsys, monkeypatch, args)
+    assert rc == 0, result
+    assert logged and any("NOT_LOGGING_PARAMETER" in line for line in logged), logged
+    assert SECRET not in "".join(logged), "the invocation log (the host's journal) carries the secret"
+    assert SECRET not in json.dumps(result)
+    if state == "status":
+        assert result["pending"] == ["main"] and "environment file differs" in result["instances"][0]["reasons"]
+        assert result["diff"][0]["after"] == UNIT
+    else:
+        assert result["changed"] and result["instances"][0]["written"] == ["env", "unit"]
+        assert (tmp_path / "gpufleet" / "vllm-main.env").read_text() == ENV
+
+
+def test_env_files_must_name_given_instances(tmp_path, capsys, monkeypatch, fake_systemctl):
+    args = {"state": "status", "instances": [{"name": "main", "unit": UNIT}], "env_files": {"other": ENV},
+            "unit_dir": str(tmp_path), "state_dir": str(tmp_path / "gpufleet")}
+    rc, result, _logged = run(capsys, monkeypatch, args)
+    assert rc == 1 and "env_files names instances that are not in instances: other" in result["msg"]
