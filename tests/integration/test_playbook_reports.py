@@ -17,6 +17,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -162,6 +163,9 @@ def test_plan_check_writes_its_report_and_changes_nothing(fleet):
     assert {h["host"]: h["outcome"] for h in report["hosts"]} == {h: "planned" for h in HOSTS}
     assert f"report: {run}/report.html" in out
     assert "check mode: nothing was changed on the hosts" in out
+    # --diff shows the unit each host would get (no unit on the hosts yet: all of it is new)
+    assert re.search(r"\+\+\+ after: /etc/systemd/system/vllm-main\.service", out), out[-6000:]
+    assert re.search(r"\+ExecStart=/opt/vllm/venv/bin/vllm", out), out[-6000:]
     assert "dry run (check mode)" in (run / "report.md").read_text(encoding="utf-8")
     # a dry run: no unit, no plan record, no new profile
     for host in HOSTS:
