@@ -5,7 +5,8 @@
 
 The hosts are systemd-nspawn guests (real systemd, real sshd) whose GPUs come from the
 fake NVML library and whose ``vllm`` is the simulated engine (sim/engine/vllm), set up
-by sim/fleetctl.py from a fleet file written here. Every test runs ansible-playbook
+by sim/fleetctl.py from a fleet file written here (tests/integration/simfleet.py, shared
+with the fault suite). Every test runs ansible-playbook
 and then checks, on every host, the unit file on disk, the kept previous unit and
 whether the service is active.
 
@@ -26,29 +27,19 @@ as booting and profiling cost most of the time):
 
 from __future__ import annotations
 
-import json
-import os
 import re
-import subprocess
-import sys
 import threading
-from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 import yaml
 
-REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "sim"))
-sys.path.insert(0, str(REPO / "tests" / "hosts"))
-
-import fleetctl  # noqa: E402  pylint: disable=wrong-import-position,import-error
+from simfleet import REPO, SimFleet, budget, recap  # pylint: disable=import-error
 
 HOSTS = ["sim-ro-1", "sim-ro-2", "sim-ro-3"]
 UNIT = "/etc/systemd/system/vllm-main.service"
 PREVIOUS = "/etc/gpufleet/units/vllm-main.service.previous"
 PLAN = "/etc/gpufleet/main.plan.json"
-ROLLOUT = REPO / "playbooks" / "rollout.yml"
 
 FLEET = {
     "engine": {
@@ -71,113 +62,32 @@ FLEET = {
     },
 }
 
-
-class Fleet:
-    """The three simulated hosts, their inventory and helpers to read their state."""
-
-    def __init__(self, workdir: Path, harness: Any) -> None:
-        self.workdir = workdir
-        self.harness = harness
-        fleet_file = workdir / "fleet.yml"
-        fleet_file.write_text(yaml.safe_dump(FLEET), encoding="utf-8")
-        self.sim = fleetctl.Fleet(fleet_file)
-        self.store = workdir / "profiles"
-        self.inventory = workdir / "inventory.yml"
-
-    def create(self) -> None:
-        self.sim.create(reset_state=True)
-        data = self.harness.inventory_data()
-        hosts = {name: data["all"]["hosts"][name] for name in HOSTS}
-        group_vars = {
-            "gpufleet_host_class": "ro-l40s",
-            "gpufleet_model": "/srv/models/llama-3.1-8b-instruct",
-            "gpufleet_model_config": str(REPO / "sim" / "models" / "llama-3.1-8b-instruct" / "config.json"),
-            "gpufleet_serve_args": {
-                "max_model_len": 8192,
-                "tensor_parallel_size": 2,
-                "max_num_seqs": 32,
-                "dtype": "bfloat16",
-                "block_size": 16,
-            },
-            "gpufleet_instances": [{"name": "main", "gpus": [0, 1], "port": 8000}],
-            "gpufleet_guard": "0.5GiB",
-            "gpufleet_admission": {"concurrency": 4, "tokens_per_request": 8192},
-            "gpufleet_profile_store": str(self.store),
-            "gpufleet_report_dir": str(self.workdir / "reports"),
-            "gpufleet_rollout_serial": [1, "10%", "50%"],
-            "gpufleet_canary_load": {"requests": 8, "concurrency": 4, "prompt_tokens": 32, "max_tokens": 8},
-            # latency on a shared two-core test machine is noise, not a property of the budget
-            "gpufleet_canary_tolerances": {"latency_ratio": 20.0},
-            # the simulated engine records its GPU processes in the fake NVML state
-            "vllm_service_read_write_paths": ["/etc/fake-nvml"],
-            "vllm_service_boot_timeout": 120,
-        }
-        inventory = {"all": {"children": {"ro_l40s": {"hosts": hosts, "vars": group_vars}}}}
-        self.inventory.write_text(yaml.safe_dump(inventory), encoding="utf-8")
-
-    # ------------------------------------------------------------ running
-    def rollout(self, extra_vars: dict[str, Any] | None = None,
-                on_line: Callable[[str], None] | None = None, timeout: float = 600) -> tuple[int, str]:
-        # A host whose link goes down keeps a stale SSH control master; keep-alives make
-        # sessions multiplexed over it fail instead of waiting for ever.
-        env = dict(os.environ, ANSIBLE_NOCOLOR="1", ANSIBLE_PIPELINING="1", ANSIBLE_HOST_KEY_CHECKING="False",
-                   ANSIBLE_TIMEOUT="10",
-                   ANSIBLE_SSH_ARGS="-C -o ControlMaster=auto -o ControlPersist=60s "
-                                    "-o ServerAliveInterval=5 -o ServerAliveCountMax=2")
-        argv = ["ansible-playbook", "-i", str(self.inventory), str(ROLLOUT)]
-        if extra_vars:
-            argv += ["--extra-vars", json.dumps(extra_vars)]
-        lines: list[str] = []
-        with subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                              cwd=REPO) as proc:
-            timer = threading.Timer(timeout, proc.kill)
-            timer.start()
-            try:
-                assert proc.stdout is not None
-                for line in proc.stdout:
-                    lines.append(line)
-                    if on_line is not None:
-                        on_line(line)
-                rc = proc.wait()
-            finally:
-                timer.cancel()
-        return rc, "".join(lines)
-
-    # ------------------------------------------------------------ reading
-    def read(self, host: str, path: str) -> str | None:
-        proc = self.harness.exec(host, ["cat", path])
-        return proc.stdout if proc.returncode == 0 else None
-
-    def active(self, host: str) -> str:
-        return self.harness.exec(host, ["systemctl", "is-active", "vllm-main.service"]).stdout.strip()
-
-    def units(self) -> dict[str, str | None]:
-        return {h: self.read(h, UNIT) for h in HOSTS}
-
-    def plan(self, host: str) -> dict[str, Any]:
-        text = self.read(host, PLAN)
-        return json.loads(text) if text else {}
-
-    def profiles(self) -> list[Path]:
-        return sorted(self.store.glob("ro-l40s/*.yml"))
-
-
-def budget(unit_text: str | None) -> int | None:
-    match = re.search(r"--kv-cache-memory-bytes (\d+)", unit_text or "")
-    return int(match.group(1)) if match else None
-
-
-def recap(output: str) -> dict[str, dict[str, int]]:
-    """PLAY RECAP counters per host."""
-    out: dict[str, dict[str, int]] = {}
-    for host, counters in re.findall(r"^(\S+)\s+:\s+(ok=.*)$", output, flags=re.M):
-        out[host] = {k: int(v) for k, v in re.findall(r"(\w+)=(\d+)", counters)}
-    return out
+GROUP_VARS = {
+    "gpufleet_model": "/srv/models/llama-3.1-8b-instruct",
+    "gpufleet_model_config": str(REPO / "sim" / "models" / "llama-3.1-8b-instruct" / "config.json"),
+    "gpufleet_serve_args": {
+        "max_model_len": 8192,
+        "tensor_parallel_size": 2,
+        "max_num_seqs": 32,
+        "dtype": "bfloat16",
+        "block_size": 16,
+    },
+    "gpufleet_instances": [{"name": "main", "gpus": [0, 1], "port": 8000}],
+    "gpufleet_guard": "0.5GiB",
+    "gpufleet_admission": {"concurrency": 4, "tokens_per_request": 8192},
+    "gpufleet_rollout_serial": [1, "10%", "50%"],
+    "gpufleet_canary_load": {"requests": 8, "concurrency": 4, "prompt_tokens": 32, "max_tokens": 8},
+    # latency on a shared two-core test machine is noise, not a property of the budget
+    "gpufleet_canary_tolerances": {"latency_ratio": 20.0},
+    # the simulated engine records its GPU processes in the fake NVML state
+    "vllm_service_read_write_paths": ["/etc/fake-nvml"],
+    "vllm_service_boot_timeout": 120,
+}
 
 
 @pytest.fixture(scope="module")
 def fleet(harness, tmp_path_factory):  # harness: conftest (root + rootfs)
-    f = Fleet(tmp_path_factory.mktemp("rollout"), harness)
+    f = SimFleet(tmp_path_factory.mktemp("rollout"), harness, FLEET, GROUP_VARS)
     try:
         f.create()
         yield f
