@@ -1,5 +1,6 @@
 # Copyright (c) gpufleet.vllm contributors
 # GNU General Public License v3.0+ (see https://www.gnu.org/licenses/gpl-3.0.txt)
+# SPDX-License-Identifier: GPL-3.0-or-later
 """Per-GPU memory probe through NVML (the ``pynvml`` binding is injected).
 
 Plain Python with no Ansible import: the ``gpu_memory_info`` module and the real-GPU

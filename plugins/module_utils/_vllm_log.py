@@ -1,5 +1,6 @@
 # Copyright (c) gpufleet.vllm contributors
 # GNU General Public License v3.0+ (see https://www.gnu.org/licenses/gpl-3.0.txt)
+# SPDX-License-Identifier: GPL-3.0-or-later
 """Parser for vLLM engine logs (``vllm serve`` stdout/stderr or its journal).
 
 Plain Python, no Ansible import. The parser reads the lines vLLM prints while

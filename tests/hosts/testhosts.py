@@ -57,9 +57,16 @@ ROOTFS_PACKAGES = (
     "python3",
     "iproute2",
     "procps",
+    # Services that tests start on demand (load balancer and metrics tests) and the venv
+    # module the runtime role builds its virtual environments with.
+    "haproxy",
+    "prometheus-node-exporter",
+    "python3-venv",
 )
+# Installed above but started only by the tests that need them.
+ROOTFS_DISABLED_UNITS = ("haproxy.service", "prometheus-node-exporter.service")
 # Bump when the guest configuration written by prepare() changes: the rootfs is rebuilt.
-ROOTFS_CONFIG_VERSION = 1
+ROOTFS_CONFIG_VERSION = 2
 NVML_GUEST_PATH = "/usr/lib/x86_64-linux-gnu/libnvidia-ml.so.1"
 FAKE_NVML_GUEST_DIR = "/etc/fake-nvml"
 NETNS_PREFIX = "gpf-"
@@ -414,6 +421,11 @@ class Harness:
             link = root / "etc/systemd/system" / unit
             if not link.exists() and not link.is_symlink():
                 link.symlink_to("/dev/null")
+        for unit in ROOTFS_DISABLED_UNITS:
+            for link in (root / "etc/systemd/system").glob(f"*.wants/{unit}"):
+                link.unlink()
+        for link in (root / "etc/systemd/system").glob("*.wants/prometheus-node-exporter-*.timer"):
+            link.unlink()
         # An empty machine-id: each boot gets its own transient id.
         (root / "etc/machine-id").write_text("", encoding="utf-8")
         pyver = os.readlink(root / "usr/bin/python3") if (root / "usr/bin/python3").is_symlink() else "python3"
