@@ -66,7 +66,7 @@ ROOTFS_PACKAGES = (
 # Installed above but started only by the tests that need them.
 ROOTFS_DISABLED_UNITS = ("haproxy.service", "prometheus-node-exporter.service")
 # Bump when the guest configuration written by prepare() changes: the rootfs is rebuilt.
-ROOTFS_CONFIG_VERSION = 2
+ROOTFS_CONFIG_VERSION = 3
 NVML_GUEST_PATH = "/usr/lib/x86_64-linux-gnu/libnvidia-ml.so.1"
 FAKE_NVML_GUEST_DIR = "/etc/fake-nvml"
 NETNS_PREFIX = "gpf-"
@@ -421,11 +421,12 @@ class Harness:
             link = root / "etc/systemd/system" / unit
             if not link.exists() and not link.is_symlink():
                 link.symlink_to("/dev/null")
-        for unit in ROOTFS_DISABLED_UNITS:
-            for link in (root / "etc/systemd/system").glob(f"*.wants/{unit}"):
-                link.unlink()
-        for link in (root / "etc/systemd/system").glob("*.wants/prometheus-node-exporter-*.timer"):
-            link.unlink()
+        # The links point into the guest (absolute targets): match names, never follow them.
+        for wants in (root / "etc/systemd/system").glob("*.wants"):
+            for link in wants.iterdir():
+                if link.name in ROOTFS_DISABLED_UNITS or (
+                        link.name.startswith("prometheus-node-exporter-") and link.name.endswith(".timer")):
+                    link.unlink()
         # An empty machine-id: each boot gets its own transient id.
         (root / "etc/machine-id").write_text("", encoding="utf-8")
         pyver = os.readlink(root / "usr/bin/python3") if (root / "usr/bin/python3").is_symlink() else "python3"
