@@ -18,9 +18,15 @@ K only, not divided by TP. Layers are split over pipeline stages like vLLM's
 ``get_pp_indices``; the stage with the most layers bounds the engine, so its
 count is used.
 
-Sliding-window, hybrid (Mamba/linear attention) and multi-group models do not
-follow this formula: :class:`UnpredictableGeometry` is raised with the reason,
-and capacity must come from the engine's own figures.
+DeepSeek-V3.2 adds its indexer's key cache (``index_head_dim`` uint8 values
+plus a float32 scale per 128) to every MLA layer's page; ``kv_cache_dtype:
+fp8_ds_mla`` stores DeepSeek's packed 656-byte row per token and layer.
+
+Sliding-window, chunked-local and hybrid (Mamba/linear attention) models do
+not follow this formula: :func:`geometry_from_config` raises
+:class:`UnpredictableGeometry` for them, and :func:`capacity_model` returns
+their :class:`~._kv_layout.KVLayout` (grouped as vLLM groups KV-cache layers)
+or raises when the layout is not known.
 """
 
 from __future__ import annotations
@@ -30,11 +36,14 @@ import os
 from dataclasses import dataclass
 from typing import Any, Mapping
 
+from ._kv_layout import FAMILIES, KVLayout, LayoutError, UnknownLayout, layer_kinds, layout_from_config
+
 __all__ = [
     "GeometryError",
     "UnpredictableGeometry",
     "KVGeometry",
     "geometry_from_config",
+    "capacity_model",
     "load_config",
     "cdiv",
     "DTYPE_BYTES",
@@ -66,22 +75,6 @@ DTYPE_BYTES: dict[str, int] = {
 }
 
 _KV_HEAD_KEYS = ("n_head_kv", "num_kv_heads", "num_key_value_heads", "multi_query_group_num", "num_attention_groups")
-
-# config keys that mark a hybrid / state-space / multi-group model
-_HYBRID_KEYS = (
-    "layers_block_type",
-    "hybrid_override_pattern",
-    "attn_type_list",
-    "layer_block_types",
-    "mamba_d_state",
-    "mamba_expand",
-    "ssm_cfg",
-    "linear_attn_config",
-    "full_attn_layers",
-    "cross_attention_layers",
-)
-_HYBRID_MODEL_TYPES = ("mamba", "jamba", "zamba", "falcon_h1", "nemotron_h", "qwen3_next", "granitemoehybrid", "bamba", "minimax", "plamo2", "lfm2")
-
 
 def cdiv(a: int, b: int) -> int:
     """Ceiling division for non-negative integers."""
@@ -185,23 +178,23 @@ def _serve_int(serve_args: Mapping[str, Any], key: str, default: int) -> int:
 
 
 def _check_predictable(cfg: Mapping[str, Any], top: Mapping[str, Any]) -> None:
-    model_type = str(cfg.get("model_type") or top.get("model_type") or "").lower()
-    for marker in _HYBRID_MODEL_TYPES:
-        if marker in model_type:
-            raise UnpredictableGeometry(f"model_type {model_type!r} is a hybrid/state-space model: KV capacity comes from the engine's own figures")
-    for key in _HYBRID_KEYS:
-        if cfg.get(key) not in (None, [], {}, ""):
-            raise UnpredictableGeometry(f"config has {key}: a hybrid or multi-group model, KV capacity comes from the engine's own figures")
-    layer_types = cfg.get("layer_types")
-    if isinstance(layer_types, list) and any(str(t) != "full_attention" for t in layer_types):
-        kinds = sorted({str(t) for t in layer_types})
-        raise UnpredictableGeometry(f"layer_types {kinds}: not every layer is full attention, KV capacity comes from the engine's own figures")
-    if cfg.get("use_sliding_window") is False:
-        return
-    for key in ("sliding_window", "interleaved_sliding_window", "sliding_window_pattern"):
-        value = cfg.get(key)
-        if value not in (None, False, 0, [], ""):
-            raise UnpredictableGeometry(f"{key}={value!r}: sliding-window attention, KV capacity comes from the engine's own figures")
+    """Raise :class:`UnpredictableGeometry` unless every layer is full attention (or MLA)."""
+    model_type = _model_type(cfg, top)
+    try:
+        family, _kinds = layer_kinds(cfg, model_type)
+    except UnknownLayout as exc:
+        raise UnpredictableGeometry(f"{exc}; KV capacity comes from the engine's own figures") from None
+    except LayoutError as exc:
+        raise GeometryError(str(exc)) from None
+    if family != "full_attention":
+        raise UnpredictableGeometry(
+            f"{family.replace('_', ' ')} model ({FAMILIES[family][0]}): not one full-attention KV-cache group, "
+            "capacity comes from its KV layout (capacity_model) or the engine's own figures"
+        )
+
+
+def _model_type(cfg: Mapping[str, Any], top: Mapping[str, Any]) -> str:
+    return str(cfg.get("model_type") or top.get("model_type") or "").lower()
 
 
 def _pp_max_layers(num_layers: int, pp: int) -> int:
@@ -219,22 +212,29 @@ def _dtype_bytes(name: str, field: str) -> int:
     return DTYPE_BYTES[key]
 
 
-def geometry_from_config(config: Mapping[str, Any] | str, serve_args: Mapping[str, Any] | None = None) -> KVGeometry:
-    """KV geometry of one rank from a HF ``config.json`` and ``vllm serve`` arguments.
+# per-token bytes of one MLA layer for the packed DeepSeek kv_cache_dtype layouts
+# (fp8_ds_mla: 512 fp8 latent values, 4 float32 scales, 64 bf16 RoPE values)
+_DS_MLA_TOKEN_BYTES = {"fp8_ds_mla": 656, "nvfp4_ds_mla": 352}
+# DeepSeek-V3.2 indexer key cache: uint8 values plus one float32 scale per 128 values
+_INDEXER_QUANT_BLOCK = 128
 
-    ``serve_args`` keys used: ``dtype`` (default: the config's ``torch_dtype``/``dtype``;
-    ``float32`` models run in ``bfloat16`` as vLLM's ``auto``), ``kv_cache_dtype``
-    (``auto`` = model dtype, ``fp8*`` = 1 byte), ``tensor_parallel_size``,
-    ``pipeline_parallel_size``, ``block_size`` (default 16, or 128 with ``device: cpu`` as
-    vLLM's CPU engine).
-    """
-    serve_args = dict(serve_args or {})
-    top = load_config(config)
-    text = top.get("text_config")
-    cfg: dict[str, Any] = dict(text) if isinstance(text, Mapping) else dict(top)
-    where = "model config" + (" text_config" if isinstance(text, Mapping) else "")
-    _check_predictable(cfg, top)
 
+@dataclass(frozen=True)
+class _Attention:
+    where: str
+    layers_on_rank: int
+    heads: int
+    head_size: int
+    head_size_v: int
+    dtype_bytes: int
+    kv_dtype: str
+    mla: bool
+    block_size: int
+    token_bytes_per_layer: int
+    model_type: str
+
+
+def _attention(top: Mapping[str, Any], cfg: Mapping[str, Any], where: str, serve_args: Mapping[str, Any]) -> _Attention:
     tp = _serve_int(serve_args, "tensor_parallel_size", 1)
     pp = _serve_int(serve_args, "pipeline_parallel_size", 1)
     default_block = 128 if str(serve_args.get("device") or "").lower() == "cpu" else 16
@@ -252,7 +252,7 @@ def geometry_from_config(config: Mapping[str, Any] | str, serve_args: Mapping[st
             dtype = "bfloat16"
     model_bytes = _dtype_bytes(str(dtype), "dtype")
     kv_dtype = str(serve_args.get("kv_cache_dtype") or "auto")
-    dtype_bytes = model_bytes if kv_dtype.lower() == "auto" else _dtype_bytes(kv_dtype, "kv_cache_dtype")
+    kv_key = kv_dtype.lower()
 
     kv_lora_rank = cfg.get("kv_lora_rank")
     if kv_lora_rank:
@@ -260,38 +260,107 @@ def geometry_from_config(config: Mapping[str, Any] | str, serve_args: Mapping[st
         if isinstance(kv_lora_rank, bool) or not isinstance(kv_lora_rank, int) or not isinstance(rope, int) or rope < 0:
             raise GeometryError(f"{where}: kv_lora_rank/qk_rope_head_dim must be integers, got {kv_lora_rank!r}/{rope!r}")
         head_size, head_size_v, heads = kv_lora_rank + rope, 0, 1
-        mla = True
-    else:
-        heads_total = None
-        for key in _KV_HEAD_KEYS:
-            if cfg.get(key) is not None:
-                heads_total = _positive_int(cfg, key, where)
-                break
-        if heads_total is None:
-            heads_total = _positive_int(cfg, "num_attention_heads", where)
-        head_dim = cfg.get("head_dim")
-        if isinstance(head_dim, int) and not isinstance(head_dim, bool) and head_dim > 0:
-            head_size = head_dim
+        if kv_key in _DS_MLA_TOKEN_BYTES:
+            dtype_bytes = 1
+            per_layer = _DS_MLA_TOKEN_BYTES[kv_key]
         else:
-            hidden = _positive_int(cfg, "hidden_size", where)
-            attn_heads = _positive_int(cfg, "num_attention_heads", where)
-            head_size = hidden // attn_heads
-        head_size_v = head_size
-        heads = max(1, heads_total // tp)
-        mla = False
+            dtype_bytes = model_bytes if kv_key == "auto" else _dtype_bytes(kv_dtype, "kv_cache_dtype")
+            per_layer = head_size * dtype_bytes
+        index_dim = cfg.get("index_head_dim")
+        if index_dim:
+            if isinstance(index_dim, bool) or not isinstance(index_dim, int) or index_dim <= 0:
+                raise GeometryError(f"{where}: index_head_dim must be a positive integer, got {index_dim!r}")
+            # the indexer's key cache sits in the same KV-cache group as MLA (one uniform-type group)
+            per_layer += index_dim + index_dim // _INDEXER_QUANT_BLOCK * 4
+        return _Attention(where, layers_on_rank, heads, head_size, head_size_v, dtype_bytes, kv_dtype, True, block_size, per_layer,
+                          _model_type(cfg, top))
+    if kv_key in _DS_MLA_TOKEN_BYTES:
+        raise GeometryError(f"kv_cache_dtype {kv_dtype}: DeepSeek's packed MLA cache needs an MLA model (kv_lora_rank in the config)")
+    dtype_bytes = model_bytes if kv_key == "auto" else _dtype_bytes(kv_dtype, "kv_cache_dtype")
+    heads_total = None
+    for key in _KV_HEAD_KEYS:
+        if cfg.get(key) is not None:
+            heads_total = _positive_int(cfg, key, where)
+            break
+    if heads_total is None:
+        heads_total = _positive_int(cfg, "num_attention_heads", where)
+    head_dim = cfg.get("head_dim")
+    if isinstance(head_dim, int) and not isinstance(head_dim, bool) and head_dim > 0:
+        head_size = head_dim
+    else:
+        hidden = _positive_int(cfg, "hidden_size", where)
+        attn_heads = _positive_int(cfg, "num_attention_heads", where)
+        head_size = hidden // attn_heads
+    heads = max(1, heads_total // tp)
+    per_layer = heads * 2 * head_size * dtype_bytes
+    return _Attention(where, layers_on_rank, heads, head_size, head_size, dtype_bytes, kv_dtype, False, block_size, per_layer,
+                      _model_type(cfg, top))
 
-    bytes_per_token = layers_on_rank * heads * (head_size + head_size_v) * dtype_bytes
+
+def _text_config(config: Mapping[str, Any] | str) -> tuple[dict[str, Any], dict[str, Any], str]:
+    top = load_config(config)
+    text = top.get("text_config")
+    cfg: dict[str, Any] = dict(text) if isinstance(text, Mapping) else dict(top)
+    where = "model config" + (" text_config" if isinstance(text, Mapping) else "")
+    return top, cfg, where
+
+
+def geometry_from_config(config: Mapping[str, Any] | str, serve_args: Mapping[str, Any] | None = None) -> KVGeometry:
+    """KV geometry of one rank from a HF ``config.json`` and ``vllm serve`` arguments.
+
+    ``serve_args`` keys used: ``dtype`` (default: the config's ``torch_dtype``/``dtype``;
+    ``float32`` models run in ``bfloat16`` as vLLM's ``auto``), ``kv_cache_dtype``
+    (``auto`` = model dtype, ``fp8*`` = 1 byte, ``fp8_ds_mla`` = DeepSeek's 656-byte
+    packed MLA row), ``tensor_parallel_size``, ``pipeline_parallel_size``,
+    ``block_size`` (default 16, or 128 with ``device: cpu`` as vLLM's CPU engine).
+    Raises :class:`UnpredictableGeometry` for models that are not one
+    full-attention (or MLA) group: use :func:`capacity_model` for those.
+    """
+    serve_args = dict(serve_args or {})
+    top, cfg, where = _text_config(config)
+    _check_predictable(cfg, top)
+    att = _attention(top, cfg, where, serve_args)
+    bytes_per_token = att.layers_on_rank * att.token_bytes_per_layer
     if bytes_per_token <= 0:
         raise GeometryError(f"{where}: computed a non-positive KV size per token")
     return KVGeometry(
         bytes_per_token=bytes_per_token,
-        bytes_per_block=bytes_per_token * block_size,
-        block_size=block_size,
-        num_layers_on_rank=layers_on_rank,
-        kv_heads_per_rank=heads,
-        head_size=head_size,
-        head_size_v=head_size_v,
-        dtype_bytes=dtype_bytes,
-        kv_cache_dtype=kv_dtype,
-        mla=mla,
+        bytes_per_block=bytes_per_token * att.block_size,
+        block_size=att.block_size,
+        num_layers_on_rank=att.layers_on_rank,
+        kv_heads_per_rank=att.heads,
+        head_size=att.head_size,
+        head_size_v=att.head_size_v,
+        dtype_bytes=att.dtype_bytes,
+        kv_cache_dtype=att.kv_dtype,
+        mla=att.mla,
     )
+
+
+def capacity_model(config: Mapping[str, Any] | str, serve_args: Mapping[str, Any] | None = None) -> KVGeometry | KVLayout:
+    """The capacity model of any family: :class:`KVGeometry` for one full-attention/MLA group, else a :class:`KVLayout`.
+
+    Raises :class:`UnpredictableGeometry` (reason in the message) when the layout is not known.
+    """
+    serve_args = dict(serve_args or {})
+    top, cfg, where = _text_config(config)
+    try:
+        family, _kinds = layer_kinds(cfg, _model_type(cfg, top))
+    except UnknownLayout as exc:
+        raise UnpredictableGeometry(f"{exc}; KV capacity comes from the engine's own figures") from None
+    except LayoutError as exc:
+        raise GeometryError(str(exc)) from None
+    if family == "full_attention":
+        return geometry_from_config(config, serve_args)
+    att = _attention(top, cfg, where, serve_args)
+    try:
+        layout = layout_from_config(
+            cfg, att.model_type, page_bytes=att.token_bytes_per_layer * att.block_size, block_size=att.block_size, serve_args=serve_args
+        )
+    except UnknownLayout as exc:
+        raise UnpredictableGeometry(f"{exc}; KV capacity comes from the engine's own figures") from None
+    except LayoutError as exc:
+        raise GeometryError(str(exc)) from None
+    if layout is None:  # pragma: no cover - family checked above
+        return geometry_from_config(config, serve_args)
+    return layout

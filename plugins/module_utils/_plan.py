@@ -35,9 +35,11 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
+from dataclasses import replace
 from typing import Any
 
-from ._geometry import GeometryError, KVGeometry, UnpredictableGeometry, cdiv, geometry_from_config
+from ._geometry import GeometryError, KVGeometry, UnpredictableGeometry, capacity_model, cdiv, load_config
+from ._kv_layout import KVLayout
 from ._sizes import SizeError, human_bytes, parse_size
 
 __all__ = ["PlanError", "plan_class", "startup_utilization", "DEFAULTS", "DECISIONS"]
@@ -206,13 +208,29 @@ def _parse_reference(raw: Any) -> dict[str, Any] | None:
         if rank in seen:
             raise PlanError(f"{where}: rank {rank} appears twice in the reference")
         seen.add(rank)
-        for key in ("free_bytes", "kv_bytes"):
-            if entry.get(key) is None:
-                raise PlanError(f"{where}.{key} is required")
+        if entry.get("free_bytes") is None:
+            raise PlanError(f"{where}.free_bytes is required")
+        kv_source = "suggestion"
+        kv_raw = entry.get("kv_bytes")
+        if kv_raw is None:
+            # builds without a "fit" suggestion (the CPU build): the KV memory the engine actually allocated
+            for key, source in (("kv_bytes_in_use", "in_use"), ("current_kv_bytes", "in_use"), ("auto_kv_bytes", "in_use")):
+                if entry.get(key) is not None:
+                    kv_raw, kv_source = entry[key], source
+                    break
+            else:
+                if ref.get("engine_kv_bytes") is not None:
+                    kv_raw, kv_source = ref["engine_kv_bytes"], "in_use"
+        if kv_raw is None:
+            raise PlanError(
+                f"{where}.kv_bytes is required (vLLM's fit suggestion), or the KV bytes the engine allocated "
+                f"({where}.kv_bytes_in_use, or reference.engine_kv_bytes)"
+            )
         item = {
             "rank": rank,
             "free_bytes": _size(entry["free_bytes"], f"{where}.free_bytes"),
-            "kv_bytes": _signed_size(entry["kv_bytes"], f"{where}.kv_bytes"),
+            "kv_bytes": _signed_size(kv_raw, f"{where}.kv_bytes"),
+            "kv_source": kv_source,
         }
         if entry.get("kv_bytes_full") is not None:
             item["kv_bytes_full"] = _signed_size(entry["kv_bytes_full"], f"{where}.kv_bytes_full")
@@ -231,18 +249,33 @@ def _parse_reference(raw: Any) -> dict[str, Any] | None:
         "vllm_free": vllm_free,
         "total_bytes": _size(ref["total_bytes"], "reference.total_bytes") if ref.get("total_bytes") is not None else None,
         "block_size": int(_size(ref.get("block_size") or 16, "reference.block_size")),
+        "block_size_given": ref.get("block_size") is not None,
         "bytes_per_block": _size(ref["bytes_per_block"], "reference.bytes_per_block") if ref.get("bytes_per_block") is not None else None,
         "geometry": ref.get("geometry"),
         "kv_dtype_bytes": ref.get("kv_dtype_bytes"),
         "num_blocks": _size(ref["num_blocks"], "reference.num_blocks") if ref.get("num_blocks") is not None else None,
         "kv_cache_tokens": _size(ref["kv_cache_tokens"], "reference.kv_cache_tokens") if ref.get("kv_cache_tokens") is not None else None,
         "engine_kv_bytes": _size(ref["engine_kv_bytes"], "reference.engine_kv_bytes") if ref.get("engine_kv_bytes") is not None else None,
+        "max_concurrency": _concurrency(ref.get("max_concurrency")),
+        "max_model_len": _size(ref["max_model_len"], "reference.max_model_len") if ref.get("max_model_len") is not None else None,
         "gpu_name": ref.get("gpu_name"),
         "compat_hash": compat_hash,
     }
     if out["block_size"] <= 0:
         raise PlanError("reference.block_size must be positive")
     return out
+
+
+def _concurrency(value: Any) -> float | None:
+    if value is None:
+        return None
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        raise PlanError(f"reference.max_concurrency: expected a number (vLLM's maximum concurrency), got {value!r}") from None
+    if math.isnan(number) or number <= 0:
+        raise PlanError(f"reference.max_concurrency must be positive, got {value!r}")
+    return number
 
 
 def _flag(value: Any) -> bool:
@@ -302,10 +335,17 @@ def _parse_hosts(raw: Any) -> dict[str, dict[str, Any]]:
     return hosts
 
 
-def _geometry(ref: dict[str, Any]) -> tuple[KVGeometry | None, str | None]:
-    """KV geometry from the reference (geometry: or bytes_per_block); (None, why) when unknown."""
+def _geometry(ref: dict[str, Any]) -> tuple[KVGeometry | KVLayout | None, str | None]:
+    """Capacity model from the reference (geometry: or bytes_per_block); (None, why) when unknown.
+
+    One full-attention (or MLA) group gives a :class:`KVGeometry`; sliding-window,
+    chunked-local and state-space hybrids give a :class:`KVLayout` grouped as vLLM
+    groups them. A hybrid's page follows the engine's block size, so the
+    reference's (the profiled canary's) block size is used for it.
+    """
     geo_spec = ref.get("geometry")
-    geo: KVGeometry | None = None
+    geo: KVGeometry | KVLayout | None = None
+    why: str | None = None
     if geo_spec:
         if not isinstance(geo_spec, Mapping) or "config" not in geo_spec:
             raise PlanError("reference.geometry: expected {config: <config.json path or dict>, serve_args: {...}}")
@@ -313,9 +353,12 @@ def _geometry(ref: dict[str, Any]) -> tuple[KVGeometry | None, str | None]:
         if "block_size" not in serve_args and ref.get("block_size"):
             serve_args["block_size"] = ref["block_size"]
         try:
-            geo = geometry_from_config(geo_spec["config"], serve_args)
+            geo = capacity_model(geo_spec["config"], serve_args)
+            if isinstance(geo, KVLayout) and geo.family == "hybrid_state_space" and ref.get("block_size_given") and geo.block_size != ref["block_size"]:
+                serve_args["block_size"] = ref["block_size"]
+                geo = capacity_model(geo_spec["config"], serve_args)
         except UnpredictableGeometry as exc:
-            return None, str(exc)
+            geo, why = None, str(exc)
         except GeometryError as exc:
             raise PlanError(f"reference.geometry: {exc}") from None
     bpb = ref.get("bytes_per_block")
@@ -328,6 +371,8 @@ def _geometry(ref: dict[str, Any]) -> tuple[KVGeometry | None, str | None]:
                 f"reference.bytes_per_block {bpb} (block {bs}) disagrees with the model geometry "
                 f"({geo.bytes_per_block} per block of {geo.block_size}); drop one of them"
             )
+        if geo is None and why is not None:
+            return None, why
         if geo is None:
             dtype_bytes = ref.get("kv_dtype_bytes")
             dtype_bytes = int(dtype_bytes) if isinstance(dtype_bytes, int) and not isinstance(dtype_bytes, bool) else 0
@@ -340,23 +385,242 @@ def _geometry(ref: dict[str, Any]) -> tuple[KVGeometry | None, str | None]:
                 dtype_bytes=dtype_bytes,
             )
     if geo is None:
-        return None, "the reference gives no KV geometry (bytes_per_block or geometry)"
+        return None, why or "the reference gives no KV geometry (bytes_per_block or geometry)"
     return geo, None
 
 
-def _admission_need(adm: Any, block_size: int) -> tuple[int, int] | None:
-    """(required tokens, required blocks incl. the null block) of the admission plan."""
+class _Capacity:
+    """Blocks, per-request blocks, tokens and concurrency of one capacity model.
+
+    ``source`` is ``geometry`` (one full-attention/MLA group: tokens are
+    ``blocks * block_size``), ``layout`` (KV-cache groups as vLLM groups them:
+    tokens are ``int(blocks / request_blocks * max_model_len)``, vLLM's own
+    definition) or ``engine`` (an unknown layout: the profiled canary's blocks
+    per byte and per request, a lower bound on blocks).
+    """
+
+    def __init__(
+        self,
+        source: str,
+        block_size: int,
+        bytes_per_block: int | None,
+        geometry: KVGeometry | None = None,
+        layout: KVLayout | None = None,
+        engine: tuple[int, int, int, int] | None = None,
+    ) -> None:
+        self.source = source
+        self.block_size = block_size
+        self.bytes_per_block = bytes_per_block
+        self.geometry = geometry
+        self.layout = layout
+        # (engine blocks, engine KV bytes, blocks per request, at max_model_len)
+        self.engine = engine
+        self.fixed_request_blocks: dict[int, int] = {}
+
+    def num_blocks(self, kv_bytes: int) -> int:
+        if kv_bytes <= 0:
+            return 0
+        if self.bytes_per_block:
+            return kv_bytes // self.bytes_per_block
+        assert_engine = self.engine
+        if assert_engine is None:
+            raise PlanError("internal: engine capacity without engine figures")
+        return kv_bytes * assert_engine[0] // assert_engine[1]
+
+    def request_blocks(self, tokens: int) -> int:
+        """Blocks one request of ``tokens`` holds, summed over every KV-cache group."""
+        if tokens in self.fixed_request_blocks:
+            return self.fixed_request_blocks[tokens]
+        if self.layout is not None:
+            if self.layout.in_flight_tokens is None:
+                # in-flight tokens unknown: a window holds at most the whole request (conservative)
+                return replace(self.layout, in_flight_tokens=tokens).blocks_per_request(tokens)
+            return self.layout.blocks_per_request(tokens)
+        if self.engine is not None:
+            blocks, _kv, per_request, length = self.engine
+            del blocks
+            return max(1, math.ceil(per_request * tokens / length))
+        return cdiv(tokens, self.block_size)
+
+    def request_blocks_bounds(self, tokens: int) -> tuple[int, int]:
+        if self.layout is not None and self.layout.in_flight_tokens is None:
+            return (
+                replace(self.layout, in_flight_tokens=1).blocks_per_request(tokens),
+                replace(self.layout, in_flight_tokens=tokens).blocks_per_request(tokens),
+            )
+        value = self.request_blocks(tokens)
+        return value, value
+
+    def tokens(self, num_blocks: int, max_model_len: int | None) -> int:
+        if self.source == "geometry" or not max_model_len:
+            return max(0, num_blocks) * self.block_size
+        return int(max(0, num_blocks) / self.request_blocks(max_model_len) * max_model_len)
+
+    def admission_blocks(self, adm: tuple[str, int, int], max_model_len: int | None) -> tuple[int, int] | None:
+        """(required tokens, required blocks incl. the null block) of an admission plan."""
+        kind, a, b = adm
+        if kind == "tokens":
+            if self.source == "geometry":
+                return a, cdiv(a, self.block_size) + 1
+            if not max_model_len:
+                return None
+            # vLLM counts tokens as max-length requests: tokens / max_model_len requests
+            return a, math.ceil(a * self.request_blocks(max_model_len) / max_model_len) + 1
+        return a * b, a * self.request_blocks(b) + 1
+
+
+def _engine_request_blocks(ref: Mapping[str, Any], max_model_len: int | None) -> int | None:
+    """Blocks per request of the profiled canary: its blocks over its max concurrency (vLLM's figure)."""
+    blocks, conc = ref.get("num_blocks"), ref.get("max_concurrency")
+    ref_len = ref.get("max_model_len") or max_model_len
+    if not blocks or not conc or (max_model_len and ref_len != max_model_len):
+        return None
+    return max(1, round(blocks / conc))
+
+
+def _capacity_model(
+    ref: dict[str, Any], geo: KVGeometry | KVLayout | None, geo_why: str | None, max_model_len: int | None, reasons: list[str]
+) -> tuple[_Capacity | None, str | None]:
+    """The capacity model of the class, checked against the profiled canary's own figures."""
+    engine_blocks = _engine_request_blocks(ref, max_model_len)
+    if isinstance(geo, KVGeometry):
+        cap = _Capacity("geometry", geo.block_size, geo.bytes_per_block, geometry=geo)
+        if geo.num_layers_on_rank == 0:
+            reasons.append("reference.bytes_per_block without a model config: capacity assumes one full-attention KV-cache group")
+        return cap, None
+    if isinstance(geo, KVLayout):
+        cap = _Capacity("layout", geo.block_size, geo.bytes_per_block, layout=geo)
+        exact = ref.get("engine_kv_bytes")
+        if exact and ref.get("num_blocks") and exact // geo.bytes_per_block != ref["num_blocks"]:
+            reasons.append(
+                f"the {geo.family} layout predicts {exact // geo.bytes_per_block} blocks from the engine's {exact} bytes, the engine "
+                f"made {ref['num_blocks']}: capacity from the engine's own figures instead"
+            )
+            geo, geo_why = None, f"{geo.family} layout disagrees with the engine"
+        elif max_model_len:
+            low, high = cap.request_blocks_bounds(max_model_len)
+            if engine_blocks is not None and not low <= engine_blocks <= high:
+                reasons.append(
+                    f"the {geo.family} layout needs {low}..{high} blocks per request of {max_model_len} tokens, the engine "
+                    f"{engine_blocks} ({ref['num_blocks']} blocks / {ref['max_concurrency']}x): capacity from the engine's own figures instead"
+                )
+                geo, geo_why = None, f"{geo.family} layout disagrees with the engine"
+            elif low != high:
+                if engine_blocks is not None:
+                    cap.fixed_request_blocks[max_model_len] = engine_blocks
+                    reasons.append(
+                        f"{geo.family}: blocks per request of {max_model_len} tokens taken from the profiled canary ({engine_blocks}); "
+                        "set serve_args.max_num_batched_tokens to size them from the config"
+                    )
+                else:
+                    reasons.append(
+                        f"{geo.family}: max_num_batched_tokens not given and no engine concurrency in the reference: "
+                        f"{high} blocks per request assumed (the most a window can hold)"
+                    )
+        if geo is not None:
+            return cap, None
+    # unknown layout: the engine's own figures, if exact enough
+    exact = ref.get("engine_kv_bytes")
+    if ref.get("num_blocks") and exact and engine_blocks is not None and max_model_len:
+        reasons.append(
+            f"KV layout not known ({geo_why}); capacity derived from the profiled canary's own figures: {ref['num_blocks']} blocks "
+            f"from {exact} bytes, {engine_blocks} blocks per request of {max_model_len} tokens (blocks are a lower bound): "
+            "verify with the manual canary"
+        )
+        return _Capacity("engine", ref["block_size"], None, engine=(ref["num_blocks"], exact, engine_blocks, max_model_len)), None
+    why = geo_why or "no KV geometry"
+    return None, (
+        f"{why}; the reference lacks the engine figures to derive capacity from (num_blocks, max_concurrency, max_model_len and the "
+        "exact KV bytes the engine allocated: a manual canary's kv_cache_memory_bytes)"
+    )
+
+
+def _geometry_family(ref: Mapping[str, Any], geo: KVGeometry | KVLayout | None) -> str | None:
+    if isinstance(geo, KVLayout):
+        return geo.family
+    if not isinstance(geo, KVGeometry):
+        return None
+    if not geo.mla:
+        return "full_attention"
+    spec = ref.get("geometry") or {}
+    try:
+        cfg = load_config(spec.get("config")) if spec.get("config") else {}
+    except GeometryError:
+        cfg = {}
+    text = cfg.get("text_config") if isinstance(cfg.get("text_config"), Mapping) else cfg
+    return "mla_indexer" if text.get("index_head_dim") else "mla"
+
+
+def _what_if_fp8(
+    ref: Mapping[str, Any],
+    geo: KVGeometry | KVLayout | None,
+    cap: _Capacity | None,
+    launch: int,
+    adm: tuple[str, int, int] | None,
+    max_model_len: int | None,
+    reasons: list[str],
+) -> dict[str, Any] | None:
+    """The same plan with a 1-byte (fp8) KV cache; for a cache already 1 byte wide, the plan itself."""
+    if cap is None or cap.source == "engine" or not cap.bytes_per_block:
+        return None
+    spec = ref.get("geometry") or {}
+    fp8: _Capacity | None = None
+    already = False
+    if spec.get("config"):
+        if isinstance(geo, KVLayout) and geo.family == "hybrid_state_space":
+            reasons.append("what_if_fp8 not computed: a state-space hybrid's block size follows its state pages, which fp8 does not shrink")
+            return None
+        serve_args = dict(spec.get("serve_args") or {})
+        serve_args.setdefault("block_size", cap.block_size)
+        current = str(serve_args.get("kv_cache_dtype") or "auto").lower()
+        serve_args["kv_cache_dtype"] = current if current.startswith(("fp8", "int8")) else "fp8"
+        try:
+            model = capacity_model(spec["config"], serve_args)
+        except GeometryError:
+            return None
+        if isinstance(model, KVGeometry):
+            fp8 = _Capacity("geometry", model.block_size, model.bytes_per_block, geometry=model)
+        else:
+            fp8 = _Capacity("layout", model.block_size, model.bytes_per_block, layout=model)
+            fp8.fixed_request_blocks = dict(cap.fixed_request_blocks)
+        already = model.bytes_per_block == cap.bytes_per_block
+        dtype = serve_args["kv_cache_dtype"]
+    elif isinstance(geo, KVGeometry) and geo.dtype_bytes in (1, 2, 4):
+        bpb8 = geo.bytes_per_block // geo.dtype_bytes
+        fp8 = _Capacity("geometry", geo.block_size, bpb8, geometry=replace(geo, bytes_per_block=bpb8, bytes_per_token=geo.bytes_per_token // geo.dtype_bytes))
+        already = geo.dtype_bytes == 1
+        dtype = geo.kv_cache_dtype if already else "fp8"
+    else:
+        return None
+    blocks8 = fp8.num_blocks(max(0, launch))
+    out: dict[str, Any] = {
+        "kv_cache_dtype": dtype,
+        "already_one_byte": already,
+        "bytes_per_block": fp8.bytes_per_block,
+        "bytes_per_token": fp8.geometry.bytes_per_token if fp8.geometry else None,
+        "num_blocks": blocks8,
+        "kv_cache_tokens": fp8.tokens(blocks8, max_model_len),
+        "max_concurrency": (max(0, blocks8 - 1) // fp8.request_blocks(max_model_len)) if max_model_len else None,
+    }
+    if adm is not None:
+        need8 = fp8.admission_blocks(adm, max_model_len)
+        if need8 is not None:
+            out["admission_bytes"] = need8[1] * (fp8.bytes_per_block or 0)
+    return out
+
+
+def _admission_need(adm: Any) -> tuple[str, int, int] | None:
+    """The admission plan as ``("tokens", N, 0)`` or ``("concurrency", C, L)``."""
     if not adm:
         return None
     if not isinstance(adm, Mapping):
         raise PlanError("admission: expected {tokens: N} or {concurrency: C, tokens_per_request: L}")
     if adm.get("tokens") is not None:
-        tokens = _size(adm["tokens"], "admission.tokens")
-        return tokens, cdiv(tokens, block_size) + 1
+        return "tokens", _size(adm["tokens"], "admission.tokens"), 0
     if adm.get("concurrency") is not None and adm.get("tokens_per_request") is not None:
         conc = _size(adm["concurrency"], "admission.concurrency")
         per = _size(adm["tokens_per_request"], "admission.tokens_per_request")
-        return conc * per, conc * cdiv(per, block_size) + 1
+        return "concurrency", conc, per
     raise PlanError("admission: expected {tokens: N} or {concurrency: C, tokens_per_request: L}")
 
 
@@ -380,6 +644,8 @@ def _empty_result(host_class: str, budget_mode: str) -> dict[str, Any]:
         "kv_cache_tokens": None,
         "max_concurrency": None,
         "max_concurrency_vllm": None,
+        "blocks_per_request": None,
+        "kv_layout": None,
         "capacity_source": None,
         "one_request_bytes": None,
         "per_rank": [],
@@ -444,6 +710,21 @@ def plan_class(spec: Mapping[str, Any]) -> dict[str, Any]:
 
     ref_by_rank = {r["rank"]: r for r in ref["ranks"]}
     result["rank_count"] = sum(len(h["ranks"]) for h in hosts.values())
+
+    # ---- capacity model (before the drift: a reference without vLLM's suggestion uses the bytes its blocks hold)
+    geo, geo_why = _geometry(ref)
+    cap, cap_why = _capacity_model(ref, geo, geo_why, max_model_len, reasons)
+    in_use = [r for r in ref["ranks"] if r["kv_source"] == "in_use"]
+    for r in in_use:
+        if cap is not None and cap.bytes_per_block and ref.get("num_blocks"):
+            r["kv_bytes"] = min(r["kv_bytes"], ref["num_blocks"] * cap.bytes_per_block)
+        elif ref.get("engine_kv_bytes") is None:
+            r["kv_bytes"] -= VLLM_LOG_ROUNDING
+    if in_use:
+        reasons.append(
+            "B_ref is the KV memory the profiled canary's engine allocated (this build logs no 'fit into requested memory' "
+            "suggestion): " + ", ".join(f"rank {r['rank']}: {human_bytes(r['kv_bytes'])}" for r in in_use[:8])
+        )
 
     # ---- suggestions vLLM got wrong
     for r in ref["ranks"]:
@@ -572,29 +853,34 @@ def plan_class(spec: Mapping[str, Any]) -> dict[str, Any]:
             f"guard {human_bytes(guard)}: free memory there is far below the reference; find the co-tenant or re-profile"
         )
 
-    # ---- geometry and admission
-    geo, geo_why = _geometry(ref)
-    block_size = geo.block_size if geo else ref["block_size"]
+    # ---- capacity model and admission
+    block_size = cap.block_size if cap else ref["block_size"]
     result["block_size"] = block_size
-    result["bytes_per_block"] = geo.bytes_per_block if geo else None
-    result["bytes_per_token"] = geo.bytes_per_token if geo else None
-    need = _admission_need(spec.get("admission"), block_size)
-    one_req_blocks = cdiv(max_model_len, block_size) + 1 if max_model_len else None
+    result["bytes_per_block"] = cap.bytes_per_block if cap else None
+    result["bytes_per_token"] = geo.bytes_per_token if isinstance(geo, KVGeometry) and cap and cap.source == "geometry" else None
+    result["kv_layout"] = (
+        cap.layout.as_dict() if cap and cap.layout else ({"family": _geometry_family(ref, geo)} if cap and cap.geometry else None)
+    )
+    adm = _admission_need(spec.get("admission"))
+    need = cap.admission_blocks(adm, max_model_len) if cap and adm else None
+    if cap and adm and need is None:
+        reasons.append("admission {tokens: N} of a multi-group model needs max_model_len: the admission check was skipped")
+    one_req_blocks = cap.request_blocks(max_model_len) + 1 if cap and max_model_len else None
     if need and one_req_blocks and need[1] < one_req_blocks:
         need = (max(need[0], max_model_len or 0), one_req_blocks)
 
     # ---- budget
     budget = max(0, launch)
     if budget_mode == "fit_admission":
-        if need is None:
+        if adm is None:
             raise PlanError("budget_mode fit_admission needs admission ({tokens: N} or {concurrency: C, tokens_per_request: L})")
-        if geo is None:
-            refuse.append(f"budget_mode fit_admission needs a predictable KV geometry: {geo_why}")
+        if cap is None or not cap.bytes_per_block or need is None:
+            refuse.append(f"budget_mode fit_admission needs the bytes of one KV block: {cap_why or 'the layout is derived from engine figures only'}")
         else:
-            launch_blocks = budget // geo.bytes_per_block
+            launch_blocks = budget // cap.bytes_per_block
             target = need[1] + math.ceil(need[1] * fit_headroom)
             blocks = min(target, launch_blocks)
-            budget = blocks * geo.bytes_per_block
+            budget = blocks * cap.bytes_per_block
             result["fit"] = {
                 "required_blocks": need[1],
                 "target_blocks": target,
@@ -632,35 +918,25 @@ def plan_class(spec: Mapping[str, Any]) -> dict[str, Any]:
         reasons.append("no GPU total memory in the reference or the hosts: --gpu-memory-utilization not computed")
 
     # ---- capacity
-    capacity_source = None
     num_blocks = tokens = None
-    if geo is not None:
-        num_blocks = geo.num_blocks(budget)
-        tokens = geo.tokens(num_blocks)
-        capacity_source = "geometry"
-    elif ref.get("num_blocks") and ref.get("kv_cache_tokens"):
-        engine_bytes = ref.get("engine_kv_bytes") or min(r["kv_bytes"] for r in ref["ranks"])
-        if engine_bytes > 0:
-            num_blocks = ref["num_blocks"] * budget // engine_bytes
-            tokens = ref["kv_cache_tokens"] * budget // engine_bytes
-            capacity_source = "engine_scaled"
-            reasons.append(
-                f"KV geometry not predictable ({geo_why}); blocks and tokens scaled from the engine's measured "
-                f"{ref['num_blocks']} blocks / {ref['kv_cache_tokens']} tokens at {human_bytes(engine_bytes)}: verify with the manual canary"
-            )
+    if cap is not None:
+        num_blocks = cap.num_blocks(budget)
+        tokens = cap.tokens(num_blocks, max_model_len)
     else:
-        reasons.append(f"blocks and tokens not computed: {geo_why}; record the engine's num_blocks and kv_cache_tokens in the reference")
-    result.update(num_blocks=num_blocks, kv_cache_tokens=tokens, capacity_source=capacity_source)
-    if num_blocks is not None and max_model_len:
-        per_req = cdiv(max_model_len, block_size)
+        reasons.append(f"blocks and tokens not computed: {cap_why}")
+    result.update(num_blocks=num_blocks, kv_cache_tokens=tokens, capacity_source=cap.source if cap else None)
+    if cap is not None and num_blocks is not None and max_model_len:
+        per_req = cap.request_blocks(max_model_len)
+        result["blocks_per_request"] = per_req
         result["max_concurrency"] = max(0, num_blocks - 1) // per_req
         result["max_concurrency_vllm"] = round(num_blocks / per_req, 2)
-        result["one_request_bytes"] = geo.bytes_for_one_request(max_model_len) if geo else None
+        result["one_request_bytes"] = (per_req + 1) * cap.bytes_per_block if cap.bytes_per_block else None
         if num_blocks < per_req + 1:
             have = human_bytes(budget)
+            groups = f" summed over {len(cap.layout.groups)} KV-cache groups" if cap.layout and len(cap.layout.groups) > 1 else ""
             refuse.append(
                 f"the budget {have} ({num_blocks} blocks) cannot hold one request of max_model_len {max_model_len} "
-                f"({per_req} blocks + the null block): vLLM would refuse to start; lower max_model_len or free memory on "
+                f"({per_req} blocks{groups} + the null block): vLLM would refuse to start; lower max_model_len or free memory on "
                 f"host {weakest[0]} rank {weakest[1]}"
             )
     elif num_blocks is not None:
@@ -668,37 +944,27 @@ def plan_class(spec: Mapping[str, Any]) -> dict[str, Any]:
 
     if need is not None and num_blocks is not None:
         short_blocks = max(0, need[1] - num_blocks)
+        short_tokens = short_blocks * block_size if cap and cap.source == "geometry" else (
+            need[0] - (tokens or 0) if short_blocks else 0
+        )
         result["admission"] = {
             "required_tokens": need[0],
             "required_blocks": need[1],
             "available_blocks": num_blocks,
             "available_tokens": tokens,
             "shortfall_blocks": short_blocks,
-            "shortfall_tokens": short_blocks * block_size,
+            "shortfall_tokens": max(0, short_tokens),
             "ok": short_blocks == 0,
         }
         if short_blocks:
             reasons.append(
                 f"admission shortfall: the plan needs {need[1]} blocks ({need[0]} tokens + null block) but the budget gives "
-                f"{num_blocks}; {short_blocks * block_size} tokens short (deployable, but requests will queue or be preempted; "
+                f"{num_blocks}; {max(0, short_tokens)} tokens short (deployable, but requests will queue or be preempted; "
                 "lower the admission plan, use fp8 KV, or split off the weak hosts)"
             )
 
     # ---- what if fp8
-    if geo is not None and geo.dtype_bytes == 2:
-        bpb8 = geo.bytes_per_block // 2
-        blocks8 = max(0, launch) // bpb8
-        fp8: dict[str, Any] = {
-            "kv_cache_dtype": "fp8",
-            "bytes_per_block": bpb8,
-            "bytes_per_token": geo.bytes_per_token // 2,
-            "num_blocks": blocks8,
-            "kv_cache_tokens": blocks8 * block_size,
-            "max_concurrency": (max(0, blocks8 - 1) // cdiv(max_model_len, block_size)) if max_model_len else None,
-        }
-        if need is not None:
-            fp8["admission_bytes"] = need[1] * bpb8
-        result["what_if_fp8"] = fp8
+    result["what_if_fp8"] = _what_if_fp8(ref, geo, cap, launch, adm, max_model_len, reasons)
 
     # ---- headroom / re-profile
     threshold = spec.get("reprofile_headroom")
