@@ -1,7 +1,7 @@
 # Copyright (c) gpufleet maintainers
 # GNU General Public License v3.0+ (see https://www.gnu.org/licenses/gpl-3.0.txt)
 # SPDX-License-Identifier: GPL-3.0-or-later
-"""Filters: to_bytes, human_bytes, kv_bytes_per_token (documentation in the YAML files beside this one)."""
+"""Filters: to_bytes, human_bytes, kv_bytes_per_token, kv_reference (documentation in the YAML files beside this one)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from typing import Any, Callable, Mapping
 
 from ansible.errors import AnsibleFilterError
 
+from ansible_collections.gpufleet.vllm.plugins.module_utils._canary_reference import ReferenceError, reference_from_canary
 from ansible_collections.gpufleet.vllm.plugins.module_utils._geometry import GeometryError, geometry_from_config
 from ansible_collections.gpufleet.vllm.plugins.module_utils._sizes import SizeError
 from ansible_collections.gpufleet.vllm.plugins.module_utils._sizes import human_bytes as _human_bytes
@@ -53,6 +54,27 @@ def kv_bytes_per_token(config: Any, serve_args: Mapping[str, Any] | None = None,
     return geo.bytes_per_token if per == "token" else geo.bytes_per_block
 
 
+def kv_reference(
+    run: Any,
+    preboot: Any,
+    gpus: Any,
+    config: Mapping[str, Any] | None = None,
+    serve_args: Mapping[str, Any] | None = None,
+    canary: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
+    """The reference profile of a profiled ``vllm_canary`` result, as ``kv_profile`` records it and ``kv_plan`` reads it."""
+    if not isinstance(run, Mapping):
+        raise AnsibleFilterError("kv_reference: expected a vllm_canary result (a mapping)")
+    if not isinstance(preboot, list) or not isinstance(gpus, list):
+        raise AnsibleFilterError("kv_reference: preboot must be gpu_memory_info's gpus list and gpus the instance's GPU indices")
+    if config is not None and not isinstance(config, Mapping):
+        raise AnsibleFilterError("kv_reference: config must be the model's config.json as a mapping")
+    try:
+        return reference_from_canary(run, preboot, gpus, config=config, serve_args=serve_args, canary=canary)
+    except (ReferenceError, KeyError, TypeError, ValueError) as exc:
+        raise AnsibleFilterError(f"kv_reference: {exc}") from None
+
+
 class FilterModule:
     """gpufleet.vllm size and KV geometry filters."""
 
@@ -61,4 +83,5 @@ class FilterModule:
             "to_bytes": to_bytes,
             "human_bytes": human_bytes,
             "kv_bytes_per_token": kv_bytes_per_token,
+            "kv_reference": kv_reference,
         }

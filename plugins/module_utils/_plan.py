@@ -485,8 +485,6 @@ def _capacity_model(
     engine_blocks = _engine_request_blocks(ref, max_model_len)
     if isinstance(geo, KVGeometry):
         cap = _Capacity("geometry", geo.block_size, geo.bytes_per_block, geometry=geo)
-        if geo.num_layers_on_rank == 0:
-            reasons.append("reference.bytes_per_block without a model config: capacity assumes one full-attention KV-cache group")
         return cap, None
     if isinstance(geo, KVLayout):
         cap = _Capacity("layout", geo.block_size, geo.bytes_per_block, layout=geo)
@@ -728,7 +726,9 @@ def plan_class(spec: Mapping[str, Any]) -> dict[str, Any]:
 
     # ---- suggestions vLLM got wrong
     for r in ref["ranks"]:
-        if r["kv_bytes"] <= 0:
+        if r["kv_bytes"] <= 0 and r["kv_source"] == "in_use":
+            refuse.append(f"reference rank {r['rank']}: the engine allocated no KV memory ({r['kv_bytes']} bytes): re-profile")
+        elif r["kv_bytes"] <= 0:
             refuse.append(f"reference rank {r['rank']}: vLLM's suggested KV bytes {r['kv_bytes']} are not positive ({_BUG_HINT})")
         full = r.get("kv_bytes_full")
         if full is not None and full <= 0:

@@ -915,8 +915,8 @@ def run_canary(
     result["log_recognised"] = log["recognised"]
     result["vllm_version"] = log["version"]
     result["ranks"] = [
-        {k: r[k] for k in ("rank", "initial_free_bytes", "suggested_kv_bytes_fit",
-                           "suggested_kv_bytes_full", "reserved_kv_bytes", "auto_kv_bytes", "total_bytes")}
+        {k: r[k] for k in ("rank", "initial_free_bytes", "suggested_kv_bytes_fit", "suggested_kv_bytes_full",
+                           "reserved_kv_bytes", "current_kv_bytes", "auto_kv_bytes", "total_bytes")}
         for r in log["ranks"]
     ]
     result["engine_errors"] = log["errors"]
@@ -930,6 +930,7 @@ def run_canary(
         kv_cache_memory_bytes=capacity["kv_cache_memory_bytes"],
         capacity_source=capacity["source"],
         log_kv_cache_tokens=log["kv_cache_tokens"],
+        max_model_len=log["max_model_len"],
     )
     if metrics_notes:
         result["metrics_notes"] = metrics_notes

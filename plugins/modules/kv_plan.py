@@ -52,8 +52,14 @@ options:
       - Optional keys are C(vllm_free_bytes) (rank to vLLM's logged initial free memory), C(total_bytes),
         C(block_size) (default 16), C(bytes_per_block) or C(geometry) (C({config, serve_args}), the model's
         C(config.json) path or content and the C(vllm serve) options), C(kv_dtype_bytes), C(gpu_name),
-        C(compat_hash), and for models whose geometry cannot be predicted the engine's measured
-        C(num_blocks), C(kv_cache_tokens) and the C(engine_kv_bytes) behind them.
+        C(compat_hash), and the profiled engine's own figures C(num_blocks), C(kv_cache_tokens),
+        C(max_concurrency), C(max_model_len) and C(engine_kv_bytes) (the exact KV bytes behind them, when known).
+      - A rank without C(kv_bytes) (builds that log no fit suggestion, such as the CPU build) uses the KV memory
+        the engine allocated, C(kv_bytes_in_use); with a known KV layout and C(num_blocks) that is the bytes of its blocks.
+      - "Capacity follows the model family (docs/model-families.md): one full-attention or MLA group from the
+        geometry, sliding-window, chunked-local and state-space hybrids from their KV-cache groups as vLLM groups
+        them (checked against the engine's C(max_concurrency)), an unknown layout from the engine's figures, or not at all
+        (and the reasons say why); never the full-attention formula for a model that is not one full-attention group."
       - Sizes accept integers or strings such as V(0.5GiB).
       - Omitted or empty means there is no reference, and the decision is V(refuse).
     type: dict
@@ -235,9 +241,21 @@ max_concurrency_vllm:
   returned: always
   type: float
 capacity_source:
-  description: V(geometry) or V(engine_scaled) (the reference engine's figures scaled by bytes).
+  description:
+    - V(geometry) (one full-attention or MLA group, tokens = blocks x block size), V(layout) (KV-cache groups as vLLM
+      groups them, tokens = int(max concurrency x max_model_len) as vLLM logs them) or V(engine) (an unknown layout:
+      the profiled canary's blocks per byte and blocks per request; blocks are a lower bound); null when not computed.
   returned: always
   type: str
+blocks_per_request:
+  description: Blocks one O(max_model_len) request holds, summed over every KV-cache group.
+  returned: always
+  type: int
+kv_layout:
+  description: The model family and, for multi-group models, its KV-cache groups (C(kind), C(layers), C(window)),
+    C(group_size), C(page_bytes), C(bytes_per_block), C(in_flight_tokens), C(hybrid_manager), C(notes).
+  returned: always
+  type: dict
 per_rank:
   description: One entry per host rank.
   returned: always
@@ -282,7 +300,10 @@ fit:
   returned: always
   type: dict
 what_if_fp8:
-  description: Blocks, tokens and concurrency of the max safe budget with a 1-byte (fp8) KV cache, when the cache is 16-bit.
+  description:
+    - Blocks, tokens and concurrency of the max safe budget with a 1-byte (fp8) KV cache, for every KV dtype
+      (C(already_one_byte) true when the cache is 1 byte already: the figures are the plan's own).
+    - Null for state-space hybrids (their block size follows the state pages) and engine-derived capacity.
   returned: always
   type: dict
 headroom:

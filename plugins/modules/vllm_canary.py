@@ -247,6 +247,12 @@ ranks:
     reserved_kv_bytes:
       description: KV bytes reserved from the manual budget.
       type: int
+    current_kv_bytes:
+      description: KV memory in use after a profiled GPU boot (the log's "Current kv cache memory in use").
+      type: int
+    auto_kv_bytes:
+      description: KV memory the CPU build sized itself on a profiled boot (its "Auto set" line, 0.01 GiB steps).
+      type: int
 num_blocks:
   description: KV cache blocks (from C(/metrics) when readable, else the log).
   returned: when not in check mode
@@ -266,6 +272,10 @@ max_concurrency:
   type: float
 kv_cache_memory_bytes:
   description: The exact KV budget C(/metrics) reports (manual mode).
+  returned: when not in check mode
+  type: int
+max_model_len:
+  description: The C(max_model_len) of the engine's capacity line (the length its max concurrency is for).
   returned: when not in check mode
   type: int
 load:

@@ -14,7 +14,7 @@ LLAMA_8B = {"hidden_size": 4096, "num_attention_heads": 32, "num_hidden_layers":
 
 
 def test_filter_names():
-    assert set(F) == {"to_bytes", "human_bytes", "kv_bytes_per_token"}
+    assert set(F) == {"to_bytes", "human_bytes", "kv_bytes_per_token", "kv_reference"}
 
 
 def test_to_bytes():
@@ -67,3 +67,35 @@ def test_kv_bytes_per_token(tmp_path):
 def test_kv_bytes_per_token_errors(args, match):
     with pytest.raises(AnsibleFilterError, match=match):
         F["kv_bytes_per_token"](*args)
+
+
+def test_kv_reference_of_a_cpu_profiled_canary_is_plannable():
+    from ansible_collections.gpufleet.vllm.plugins.module_utils._plan import plan_class
+
+    run = {
+        "ranks": [{"rank": 0, "initial_free_bytes": None, "suggested_kv_bytes_fit": None, "suggested_kv_bytes_full": None,
+                   "reserved_kv_bytes": None, "current_kv_bytes": None, "auto_kv_bytes": 2276332994}],
+        "num_blocks": 34732, "block_size": 128, "kv_cache_tokens": 4445696, "max_concurrency": 8683.0,
+        "max_model_len": 512, "kv_cache_memory_bytes": None, "verdict": "pass", "log_tail": "x" * 10,
+    }
+    config = {"model_type": "llama", "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+              "head_dim": 32, "hidden_size": 128, "torch_dtype": "bfloat16"}
+    ref = F["kv_reference"](run, [{"index": 1, "free_bytes": 9 * 1024**3, "total_bytes": 10 * 1024**3, "name": "cpu"}], [1],
+                            config=config, serve_args={"max_model_len": 512, "block_size": 128})
+    assert ref["ranks"] == [{"rank": 0, "free_bytes": 9 * 1024**3, "kv_bytes": None, "kv_bytes_full": None,
+                             "kv_bytes_in_use": 2276332994}]
+    assert ref["max_concurrency"] == 8683.0 and ref["max_model_len"] == 512 and ref["num_blocks"] == 34732
+    assert "log_tail" not in ref["canary_result"]
+    plan = plan_class({"reference": ref, "hosts": {"h": [{"rank": 0, "boot_free_bytes": 9 * 1024**3}]}, "guard_bytes": 0})
+    # B_ref is the bytes of the blocks the engine made: the plan reproduces the engine's figures
+    assert plan["kv_cache_memory_bytes"] == 34732 * 65536
+    assert plan["num_blocks"] == 34732 and plan["kv_cache_tokens"] == 34732 * 128
+
+
+def test_kv_reference_errors_name_the_input():
+    with pytest.raises(AnsibleFilterError, match="ranks missing"):
+        F["kv_reference"]({"ranks": []}, [{"index": 0, "free_bytes": 1}], [0])
+    with pytest.raises(AnsibleFilterError, match="GPU 5 is not in the pre-boot probe"):
+        F["kv_reference"]({"ranks": [{"rank": 0}]}, [{"index": 0, "free_bytes": 1}], [5])
+    with pytest.raises(AnsibleFilterError, match="preboot must be"):
+        F["kv_reference"]({"ranks": [{"rank": 0}]}, {"index": 0}, [0])

@@ -201,7 +201,24 @@ def test_tiny_cpu_engine_figures():
     assert plan["max_concurrency_vllm"] == 762.5  # what vLLM logs: "762.50x"
 
 
-def test_engine_figures_scaled_when_geometry_unpredictable():
+def test_sliding_window_model_is_planned_from_its_layout_not_scaled():
+    s = spec()
+    s["reference"] = {
+        "ranks": [{"rank": 0, "free_bytes": "42GiB", "kv_bytes": "30GiB"}],
+        "total_bytes": "141GiB",
+        "geometry": {"config": dict(LLAMA_8B, sliding_window=4096), "serve_args": {"max_num_batched_tokens": 2048}},
+    }
+    plan = plan_class(s)
+    assert plan["capacity_source"] == "layout"
+    assert plan["kv_layout"]["family"] == "sliding_window"
+    assert plan["num_blocks"] == int(28.25 * GIB) // BPB
+    # one group of 32 sliding layers: cdiv(4095 + 2048, 16) + 1 = 385 blocks per request of 8192 tokens
+    assert plan["blocks_per_request"] == 385
+    assert plan["kv_cache_tokens"] == int(plan["num_blocks"] / 385 * 8192)
+    assert plan["what_if_fp8"]["bytes_per_block"] == BPB // 2
+
+
+def test_engine_figures_disagreeing_with_the_layout_are_used_and_said():
     s = spec()
     s["reference"] = {
         "ranks": [{"rank": 0, "free_bytes": "42GiB", "kv_bytes": "30GiB"}],
@@ -209,14 +226,16 @@ def test_engine_figures_scaled_when_geometry_unpredictable():
         "geometry": {"config": dict(LLAMA_8B, sliding_window=4096), "serve_args": {}},
         "num_blocks": 10000,
         "kv_cache_tokens": 160000,
+        "max_concurrency": 625.0,
+        "max_model_len": 8192,
         "engine_kv_bytes": "30GiB",
     }
     plan = plan_class(s)
-    assert plan["capacity_source"] == "engine_scaled"
+    assert plan["capacity_source"] == "engine"
     assert plan["num_blocks"] == 10000 * int(28.25 * GIB) // (30 * GIB)
-    assert plan["kv_cache_tokens"] == 160000 * int(28.25 * GIB) // (30 * GIB)
+    assert plan["blocks_per_request"] == 16
     assert plan["what_if_fp8"] is None
-    assert any("sliding" in r for r in plan["reasons"])
+    assert any("layout predicts" in r for r in plan["reasons"])
 
 
 def test_no_geometry_no_capacity_but_still_a_budget():
