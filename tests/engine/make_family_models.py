@@ -60,8 +60,40 @@ def _gemma3_sliding() -> tuple[Any, Any]:
     return config, Gemma3ForCausalLM
 
 
+def _granite_hybrid() -> tuple[Any, Any]:
+    from transformers import GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM
+
+    config = GraniteMoeHybridConfig(
+        vocab_size=make_tiny_model.VOCAB_SIZE,
+        hidden_size=128,
+        intermediate_size=256,
+        shared_intermediate_size=256,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_local_experts=2,
+        num_experts_per_tok=1,
+        layer_types=["mamba", "attention", "mamba", "attention"],
+        mamba_n_heads=8,
+        mamba_n_groups=1,
+        mamba_d_state=16,
+        mamba_d_conv=4,
+        mamba_expand=2,
+        mamba_chunk_size=64,
+        max_position_embeddings=2048,
+        position_embedding_type="rope",
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=3,
+        tie_word_embeddings=True,
+        torch_dtype="bfloat16",
+    )
+    return config, GraniteMoeHybridForCausalLM
+
+
 FAMILIES: dict[str, Callable[[], tuple[Any, Any]]] = {
     "gemma3-sliding": _gemma3_sliding,
+    "granite-hybrid": _granite_hybrid,
 }
 
 
