@@ -243,8 +243,8 @@ max_concurrency_vllm:
 capacity_source:
   description:
     - V(geometry) (one full-attention or MLA group, tokens = blocks x block size), V(layout) (KV-cache groups as vLLM
-      groups them, tokens = int(max concurrency x max_model_len) as vLLM logs them) or V(engine) (an unknown layout:
-      the profiled canary's blocks per byte and blocks per request; blocks are a lower bound); null when not computed.
+      groups them, tokens = int(max concurrency x max_model_len) as vLLM logs them) or V(engine) (an unknown layout,
+      from the profiled canary's blocks per byte and blocks per request; blocks are a lower bound); null when not computed.
   returned: always
   type: str
 blocks_per_request:
@@ -302,7 +302,7 @@ fit:
 what_if_fp8:
   description:
     - Blocks, tokens and concurrency of the max safe budget with a 1-byte (fp8) KV cache, for every KV dtype
-      (C(already_one_byte) true when the cache is 1 byte already: the figures are the plan's own).
+      (C(already_one_byte) true when the cache is 1 byte already, and then the figures are the plan's own).
     - Null for state-space hybrids (their block size follows the state pages) and engine-derived capacity.
   returned: always
   type: dict
