@@ -288,6 +288,29 @@ def _group(kinds: list[tuple[str, int | None]], hybrid_manager: bool) -> tuple[l
     return groups, group_size, notes
 
 
+# state-space layers built on vLLM's Mamba2 mixer keep one prefill checkpoint block in "align" mode
+_MAMBA2_MODEL_TYPES = ("granitemoehybrid", "nemotron_h", "bamba", "falcon_h1", "zamba2", "mamba2", "plamo2")
+
+
+def _state_blocks(model_type: str, serve_args: Mapping[str, Any]) -> int:
+    """Blocks one request holds per state group (vLLM 0.32: ``MambaSpec.max_memory_usage_bytes``).
+
+    ``mamba_cache_mode`` is ``align`` by default when prefix caching is on (vLLM's
+    default), ``none`` without it: ``none`` holds 1 block, ``align`` 2 plus a
+    prefill checkpoint block for Mamba2 mixers; speculative decoding adds
+    ``num_speculative_tokens`` blocks.
+    """
+    mode = serve_args.get("mamba_cache_mode")
+    if mode is None:
+        caching = serve_args.get("enable_prefix_caching", True)
+        caching = caching if isinstance(caching, bool) else str(caching).lower() in ("true", "1", "yes")
+        mode = "align" if caching else "none"
+    spec = serve_args.get("num_speculative_tokens") or 0
+    if str(mode).lower() == "align":
+        return 2 + int(spec) + (1 if any(t in model_type for t in _MAMBA2_MODEL_TYPES) else 0)
+    return 1 + int(spec)
+
+
 def layout_from_config(
     cfg: Mapping[str, Any],
     model_type: str,
@@ -303,7 +326,7 @@ def layout_from_config(
     rank. ``serve_args`` keys used: ``max_num_batched_tokens`` and
     ``max_concurrent_batches`` (in-flight tokens of sliding/chunked layers;
     default 1 batch, 2 with ``async_scheduling``), ``disable_hybrid_kv_cache_manager``,
-    ``mamba_cache_mode``, ``pipeline_parallel_size``.
+    ``mamba_cache_mode``, ``enable_prefix_caching``, ``num_speculative_tokens``, ``pipeline_parallel_size``.
     """
     family, kinds = layer_kinds(cfg, model_type)
     if family == "full_attention":
@@ -326,7 +349,7 @@ def layout_from_config(
         if batches is None:
             batches = 2 if str(serve_args.get("async_scheduling", "")).lower() in ("true", "1", "yes") else 1
         in_flight = int(batches) * int(batched)
-    state_blocks = 2 if str(serve_args.get("mamba_cache_mode") or "none").lower() == "align" else 1
+    state_blocks = _state_blocks(model_type, serve_args) if family == "hybrid_state_space" else 1
     if family == "hybrid_state_space":
         notes.append("state pages are padded to the attention page: the engine's block size decides the page")
     return KVLayout(

@@ -497,7 +497,14 @@ def _capacity_model(
             geo, geo_why = None, f"{geo.family} layout disagrees with the engine"
         elif max_model_len:
             low, high = cap.request_blocks_bounds(max_model_len)
-            if engine_blocks is not None and not low <= engine_blocks <= high:
+            if engine_blocks is not None and not low <= engine_blocks <= high and geo.family == "hybrid_state_space":
+                # the state blocks per request depend on the vLLM release's mamba cache mode: the engine knows
+                cap.fixed_request_blocks[max_model_len] = engine_blocks
+                reasons.append(
+                    f"{geo.family}: the layout gives {low} blocks per request of {max_model_len} tokens, the profiled canary "
+                    f"{engine_blocks}; the engine's figure is used (state blocks per request differ between vLLM releases)"
+                )
+            elif engine_blocks is not None and not low <= engine_blocks <= high:
                 reasons.append(
                     f"the {geo.family} layout needs {low}..{high} blocks per request of {max_model_len} tokens, the engine "
                     f"{engine_blocks} ({ref['num_blocks']} blocks / {ref['max_concurrency']}x): capacity from the engine's own figures instead"

@@ -12,6 +12,9 @@ Families (head_dim 32, bfloat16, vocab 512, the WordLevel tokenizer of
 * ``gemma3-sliding``: a Gemma-3-shaped text model, 4 layers alternating sliding
   window 128 and full attention (``layer_types``), 4 heads, 2 KV heads: two
   KV-cache groups in vLLM's hybrid allocator.
+* ``granite-hybrid``: a Granite-4.0-H-shaped model (``granitemoehybrid``), 4 layers
+  alternating Mamba2 and attention (``layer_types``), 2 tiny experts: an attention
+  group and a state group whose pages vLLM pads to the attention page.
 
 The full-attention control is the Llama that ``make_tiny_model.py`` builds.
 

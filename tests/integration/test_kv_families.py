@@ -3,8 +3,9 @@
 # SPDX-License-Identifier: GPL-3.0-or-later
 """KV capacity per model family, proven on the REAL vLLM CPU engine.
 
-Per family (a tiny Gemma-3-shaped sliding-window model with two KV-cache
-groups, and the full-attention Llama as the control): a profiled canary
+Per family (a tiny Gemma-3-shaped sliding-window model and a tiny
+Granite-4.0-H-shaped Mamba2/attention hybrid, each with two KV-cache groups,
+and the full-attention Llama as the control): a profiled canary
 (the engine sizes its own cache; the CPU build logs no fit suggestion) is
 turned into a reference the way ``roles/vllm_canary`` records it; the planner
 then plans a second budget whose blocks, tokens and max concurrency must equal
@@ -56,6 +57,8 @@ TOTAL = 24 * 1024**3
 FAMILIES: dict[str, tuple[Path, str, int, int]] = {
     "llama-full": (ENGINE / "model", "full_attention", 1, 4),
     "gemma3-sliding": (MODELS / "gemma3-sliding", "interleaved_sliding_window", 2, 4 + 5),
+    # Mamba2 + attention: the state group holds 3 blocks per request (align mode with prefix caching)
+    "granite-hybrid": (MODELS / "granite-hybrid", "hybrid_state_space", 2, 4 + 3),
 }
 
 

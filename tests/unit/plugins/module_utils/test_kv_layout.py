@@ -215,8 +215,26 @@ def test_state_space_hybrids_group_attention_and_states(cfg, block, attention, s
     assert layout.bytes_per_block == group_size * _page(kv_heads, head, block)
     groups_full = -(-attention // group_size)
     groups_state = -(-states // group_size)
-    assert layout.blocks_per_request(8192) == groups_full * -(-8192 // block) + groups_state
-    assert _layout(cfg, block_size=block, mamba_cache_mode="align").blocks_per_request(8192) == groups_full * -(-8192 // block) + 2 * groups_state
+    full_blocks = groups_full * -(-8192 // block)
+    # prefix caching (vLLM 0.32's default) puts state layers in "align" mode: 2 blocks, + a checkpoint for Mamba2 mixers
+    mamba2 = cfg["model_type"] in ("granitemoehybrid", "nemotron_h", "falcon_h1")
+    assert layout.blocks_per_request(8192) == full_blocks + (3 if mamba2 else 2) * groups_state
+    assert _layout(cfg, block_size=block, enable_prefix_caching=False).blocks_per_request(8192) == full_blocks + groups_state
+    assert _layout(cfg, block_size=block, mamba_cache_mode="none").blocks_per_request(8192) == full_blocks + groups_state
+
+
+def test_tiny_granite_hybrid_matches_the_cpu_engine():
+    # the real CPU engine with make_family_models.py's granite-hybrid at 60,000,000 bytes, max_model_len 512:
+    # "CPU KV cache size: 66,925 tokens, Maximum concurrency for 512 tokens per request: 130.71x", block 128
+    cfg = {"model_type": "granitemoehybrid", "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
+           "hidden_size": 128, "torch_dtype": "bfloat16", "layer_types": ["mamba", "attention", "mamba", "attention"]}
+    layout = _layout(cfg, block_size=128)
+    assert layout.bytes_per_block == 2 * _page(2, 32, 128)
+    blocks = layout.num_blocks(60_000_000)
+    assert blocks == 915
+    assert layout.blocks_per_request(512) == 4 + 3
+    assert round(layout.max_concurrency(blocks, 512), 2) == 130.71
+    assert layout.tokens(blocks, 512) == 66_925
 
 
 def test_unknown_layouts_are_named_not_sized():
