@@ -247,8 +247,8 @@ def layer_kinds(cfg: Mapping[str, Any], model_type: str) -> tuple[str, list[tupl
     if "gemma2" in model_type and window:
         # Gemma 2: even layers slide, odd layers are global
         return "interleaved_sliding_window", [(_SLIDING, window) if i % 2 == 0 else (_FULL, None) for i in range(n)]
-    if window and pattern and "gemma3" in model_type:
-        # Gemma 3 before layer_types: every pattern-th layer is global
+    if window and pattern:
+        # Gemma 3 and Cohere2 before layer_types: every pattern-th layer is global
         return "interleaved_sliding_window", [(_FULL, None) if (i + 1) % pattern == 0 else (_SLIDING, window) for i in range(n)]
     if window and "gpt_oss" in model_type:
         return "interleaved_sliding_window", [(_SLIDING, window) if i % 2 == 0 else (_FULL, None) for i in range(n)]
@@ -318,7 +318,6 @@ def layout_from_config(
     page_bytes: int,
     block_size: int,
     serve_args: Mapping[str, Any],
-    pipeline_stage_layers: int | None = None,
 ) -> KVLayout | None:
     """KV layout of a non-full-attention model; None for a plain full-attention (or MLA) model.
 
@@ -334,7 +333,6 @@ def layout_from_config(
     pp = int(serve_args.get("pipeline_parallel_size") or 1)
     if pp > 1:
         raise UnknownLayout(f"{family} with pipeline_parallel_size {pp}: per-stage groups are not sized by this planner")
-    del pipeline_stage_layers
     disable = serve_args.get("disable_hybrid_kv_cache_manager")
     hybrid_manager = not (disable is True or str(disable).lower() in ("true", "1", "yes"))
     if family == "chunked_local" and str(serve_args.get("allow_chunked_local_attn_with_hybrid_kv_cache", "1")).lower() in ("0", "false", "no"):

@@ -422,10 +422,10 @@ class _Capacity:
             return 0
         if self.bytes_per_block:
             return kv_bytes // self.bytes_per_block
-        assert_engine = self.engine
-        if assert_engine is None:
+        if self.engine is None:
             raise PlanError("internal: engine capacity without engine figures")
-        return kv_bytes * assert_engine[0] // assert_engine[1]
+        # one block costs at most engine_kv_bytes / engine_blocks: a lower bound on blocks
+        return kv_bytes * self.engine[0] // self.engine[1]
 
     def request_blocks(self, tokens: int) -> int:
         """Blocks one request of ``tokens`` holds, summed over every KV-cache group."""
@@ -437,8 +437,7 @@ class _Capacity:
                 return replace(self.layout, in_flight_tokens=tokens).blocks_per_request(tokens)
             return self.layout.blocks_per_request(tokens)
         if self.engine is not None:
-            blocks, _kv, per_request, length = self.engine
-            del blocks
+            per_request, length = self.engine[2], self.engine[3]
             return max(1, math.ceil(per_request * tokens / length))
         return cdiv(tokens, self.block_size)
 

@@ -161,6 +161,14 @@ def test_gemma3_layer_types_config_and_disabled_hybrid_manager():
     assert off.blocks_per_request(131072) == 8192
 
 
+def test_cohere2_pattern_makes_every_fourth_layer_global():
+    cfg = {"model_type": "cohere2", "num_hidden_layers": 40, "num_attention_heads": 64, "num_key_value_heads": 8,
+           "hidden_size": 8192, "sliding_window": 4096, "sliding_window_pattern": 4, "torch_dtype": "bfloat16"}
+    layout = _layout(cfg)
+    assert sorted((g.kind, g.layers) for g in layout.groups) == [("full", 10)] + [("sliding", 10)] * 3
+    assert layout.bytes_per_block == 10 * _page(8, 128)
+
+
 def test_gpt_oss_alternating_layers():
     layout = _layout(GPT_OSS_20B)
     assert sorted((g.kind, g.layers, g.window) for g in layout.groups) == [("full", 12, None), ("sliding", 12, 128)]
