@@ -720,9 +720,16 @@ def plan_class(spec: Mapping[str, Any]) -> dict[str, Any]:
     cap, cap_why = _capacity_model(ref, geo, geo_why, max_model_len, reasons)
     in_use = [r for r in ref["ranks"] if r["kv_source"] == "in_use"]
     for r in in_use:
-        if cap is not None and cap.bytes_per_block and ref.get("num_blocks"):
-            r["kv_bytes"] = min(r["kv_bytes"], ref["num_blocks"] * cap.bytes_per_block)
+        blocks_bytes = ref["num_blocks"] * cap.bytes_per_block if cap is not None and cap.bytes_per_block and ref.get("num_blocks") else None
+        if blocks_bytes is not None and blocks_bytes <= r["kv_bytes"] + VLLM_LOG_ROUNDING:
+            # the blocks the engine made hold exactly these bytes; the logged figure is rounded to 0.01 GiB
+            r["kv_bytes"] = blocks_bytes
         elif ref.get("engine_kv_bytes") is None:
+            if blocks_bytes is not None:
+                reasons.append(
+                    f"the engine's {ref['num_blocks']} blocks of {cap.bytes_per_block} bytes exceed the KV memory it logged "
+                    f"({human_bytes(r['kv_bytes'])}): the logged figure less its rounding is used"
+                )
             r["kv_bytes"] -= VLLM_LOG_ROUNDING
     if in_use:
         reasons.append(

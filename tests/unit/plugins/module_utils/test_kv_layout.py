@@ -9,6 +9,8 @@ engine's own figures when the layout is not known.
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from ansible_collections.gpufleet.vllm.plugins.module_utils._geometry import (
@@ -344,6 +346,14 @@ def test_plan_in_use_bytes_are_the_blocks_the_engine_made():
     plan = plan_class(s)
     assert plan["kv_cache_memory_bytes"] == 34_732 * 65536
     assert any("B_ref is the KV memory" in r for r in plan["reasons"])
+    # the real engine: "Auto set (1.05/11.09) GiB", 1920.00x at 512 tokens = 17,280 blocks = 1.0547 GiB (logged rounded down)
+    plan = plan_class(_plan_spec(int(1.05 * GIB), num_blocks=17_280, max_concurrency=1920.0))
+    assert plan["kv_cache_memory_bytes"] == 17_280 * 65536
+    assert plan["num_blocks"] == 17_280 and plan["kv_cache_tokens"] == 983_040
+    # more blocks than the logged figure can hold: the layout or the figures are wrong, the log less its rounding is used
+    plan = plan_class(_plan_spec(int(1.05 * GIB), num_blocks=18_000, max_concurrency=2000.0))
+    assert plan["kv_cache_memory_bytes"] == int(1.05 * GIB) - math.ceil(0.005 * GIB)
+    assert any("exceed the KV memory it logged" in r for r in plan["reasons"])
 
 
 def test_plan_uses_the_engine_request_blocks_when_the_window_is_ambiguous():
