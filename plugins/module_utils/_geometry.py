@@ -76,6 +76,7 @@ DTYPE_BYTES: dict[str, int] = {
 
 _KV_HEAD_KEYS = ("n_head_kv", "num_kv_heads", "num_key_value_heads", "multi_query_group_num", "num_attention_groups")
 
+
 def cdiv(a: int, b: int) -> int:
     """Ceiling division for non-negative integers."""
     return -(-a // b)
