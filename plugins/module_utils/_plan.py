@@ -450,9 +450,11 @@ class _Capacity:
         value = self.request_blocks(tokens)
         return value, value
 
-    def tokens(self, num_blocks: int, max_model_len: int | None) -> int:
-        if self.source == "geometry" or not max_model_len:
+    def tokens(self, num_blocks: int, max_model_len: int | None) -> int | None:
+        if self.source == "geometry":
             return max(0, num_blocks) * self.block_size
+        if not max_model_len:
+            return None
         return int(max(0, num_blocks) / self.request_blocks(max_model_len) * max_model_len)
 
     def admission_blocks(self, adm: tuple[str, int, int], max_model_len: int | None) -> tuple[int, int] | None:
@@ -934,7 +936,10 @@ def plan_class(spec: Mapping[str, Any]) -> dict[str, Any]:
     num_blocks = tokens = None
     if cap is not None:
         num_blocks = cap.num_blocks(budget)
-        tokens = cap.tokens(num_blocks, max_model_len)
+        if cap.source == "geometry" or max_model_len:
+            tokens = cap.tokens(num_blocks, max_model_len)
+        else:
+            reasons.append("tokens not computed: a multi-group model's tokens are vLLM's max concurrency x max_model_len; give max_model_len")
     else:
         reasons.append(f"blocks and tokens not computed: {cap_why}")
     result.update(num_blocks=num_blocks, kv_cache_tokens=tokens, capacity_source=cap.source if cap else None)

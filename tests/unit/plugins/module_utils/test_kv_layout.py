@@ -331,6 +331,16 @@ def test_plan_admission_and_fit_admission_count_every_group():
     assert fp8["admission_bytes"] == 73 * 32768
 
 
+def test_plan_without_max_model_len_gives_no_multi_group_tokens():
+    s = _plan_spec(60_000_000)
+    del s["max_model_len"], s["reference"]["max_model_len"]
+    plan = plan_class(s)
+    # no engine blocks in the reference: the logged in-use figure less its rounding
+    assert plan["num_blocks"] == (60_000_000 - math.ceil(0.005 * GIB)) // 65536
+    assert plan["kv_cache_tokens"] is None and plan["max_concurrency"] is None
+    assert any("tokens not computed" in r for r in plan["reasons"])
+
+
 def test_plan_what_if_fp8_for_a_one_byte_cache_is_the_plan():
     s = _plan_spec(60_000_000)
     s["reference"]["geometry"]["serve_args"]["kv_cache_dtype"] = "fp8"
