@@ -28,6 +28,8 @@ import typing as t
 from dataclasses import dataclass, field
 
 from ._load_test import LoadSpec, run_load_test
+from ._validate import ValidationError, env_name, is_secret_option
+from ._validate import port as valid_port
 from ._vllm_log import EngineLog, parse_engine_log
 from ._vllm_metrics import EngineMetrics, MetricsParseError, parse_metrics
 
@@ -137,9 +139,11 @@ def build_argv(
         raise EngineSpecError("executable is required")
     if not model:
         raise EngineSpecError("model is required")
-    if not 0 < int(port) < 65536:
-        raise EngineSpecError(f"port {port} is out of range")
-    argv = [str(executable), "serve", str(model), "--host", host, "--port", str(int(port))]
+    try:
+        port = valid_port(port)
+    except ValidationError as exc:
+        raise EngineSpecError(str(exc)) from None
+    argv = [str(executable), "serve", str(model), "--host", host, "--port", str(port)]
     if mode == "manual":
         if kv_cache_memory_bytes is None:
             raise EngineSpecError("mode=manual needs kv_cache_memory_bytes")
@@ -182,9 +186,13 @@ def engine_env(
                 )
             env.pop(name, None)
     for key, value in extra.items():
-        if not isinstance(key, str) or not key or "=" in key:
-            raise EngineSpecError("env: invalid variable name")
-        env[key] = "" if value is None else str(value)
+        try:
+            name = env_name(key, "env")
+        except ValidationError as exc:
+            raise EngineSpecError(str(exc)) from None
+        if isinstance(value, str) and "\0" in value:
+            raise EngineSpecError(f"env.{name}: must not contain a NUL character")
+        env[name] = "" if value is None else str(value)
     if cuda_visible_devices is not None:
         env["CUDA_VISIBLE_DEVICES"] = str(cuda_visible_devices)
     return env
@@ -266,7 +274,11 @@ class EngineProcess:
         return None if self.proc is None else self.proc.pid
 
     def start(self) -> None:
-        fd = os.open(self.log_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        # a new file only, never through a link: the log lives in a directory of its own
+        try:
+            fd = os.open(self.log_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        except OSError as exc:
+            raise EngineSpecError(f"engine log {self.log_file}: cannot create: {exc.strerror or exc}") from None
         try:
             self.proc = subprocess.Popen(  # pylint: disable=consider-using-with
                 self.argv,
@@ -700,14 +712,6 @@ def judge_canary(
 
 # ------------------------------------------------------------------- canary
 
-_SECRET_WORDS = ("key", "token", "secret", "password", "passwd", "credential")
-
-
-def is_secret_option(name: str) -> bool:
-    low = option_name(name).lower()
-    return any(word in low for word in _SECRET_WORDS)
-
-
 def redact_argv(argv: t.Sequence[str]) -> list[str]:
     """argv with the value of every secret-looking option replaced."""
     out: list[str] = []
@@ -756,7 +760,13 @@ class CanarySpec:
     health_interval: float = 0.5
 
 
+def _without_api_key(serve_args: t.Mapping[str, t.Any] | None) -> dict[str, t.Any]:
+    """serve_args less ``api_key``: the canary hands the key over in ``VLLM_API_KEY`` (never in argv)."""
+    return {k: v for k, v in (serve_args or {}).items() if option_name(k) != "api-key"}
+
+
 def canary_argv(spec: CanarySpec, port: int) -> list[str]:
+    """The canary's argv; an ``api_key`` serve option is not in it (see :func:`canary_env`)."""
     return build_argv(
         spec.executable,
         spec.model,
@@ -764,9 +774,22 @@ def canary_argv(spec: CanarySpec, port: int) -> list[str]:
         port=port,
         kv_cache_memory_bytes=spec.kv_cache_memory_bytes,
         gpu_memory_utilization=spec.gpu_memory_utilization,
-        serve_args=spec.serve_args,
+        serve_args=_without_api_key(spec.serve_args),
         host=spec.host,
     )
+
+
+def canary_env(spec: CanarySpec, base: t.Mapping[str, str] | None = None) -> dict[str, str]:
+    """The canary's environment: ``spec.env``, plus ``VLLM_API_KEY`` from an ``api_key`` serve option.
+
+    vLLM reads the key from ``VLLM_API_KEY``; in argv it would be readable by every user
+    of the host in ``/proc/PID/cmdline``.
+    """
+    extra = dict(spec.env or {})
+    key = api_key_of(spec.serve_args, None)
+    if key:
+        extra["VLLM_API_KEY"] = key
+    return engine_env(extra, mode=spec.mode, cuda_visible_devices=spec.cuda_visible_devices, base=base)
 
 
 def _tail(text: str, lines: int = 60, limit: int = 12000) -> str:
@@ -775,13 +798,40 @@ def _tail(text: str, lines: int = 60, limit: int = 12000) -> str:
 
 
 def _place_log(partial: str, final: str) -> str | None:
-    """Move the finished log to ``final`` atomically; keep an existing one as ``.previous``."""
+    """Move the finished log to ``final`` atomically; keep an existing one as ``.previous``.
+
+    ``rename(2)`` replaces a symlink at ``final`` (or ``.previous``) by the file itself,
+    it never writes through it; the private directory of the partial log is removed.
+    """
     previous = None
-    if os.path.lexists(final):
-        previous = final + ".previous"
-        os.replace(final, previous)
-    os.replace(partial, final)
+    try:
+        if os.path.lexists(final):
+            previous = final + ".previous"
+            os.replace(final, previous)
+        os.replace(partial, final)
+    except OSError as exc:
+        raise EngineSpecError(f"log_path {final}: cannot place the engine log: {exc.strerror or exc}") from None
+    finally:
+        _remove_private_dir(os.path.dirname(partial))
     return previous
+
+
+def _private_log(directory: str | None) -> str:
+    """A log path inside a new private (0700) directory: nothing there can be a planted link."""
+    try:
+        private = tempfile.mkdtemp(prefix=".vllm-canary-", dir=directory)
+    except OSError as exc:
+        raise EngineSpecError(f"log_path: cannot create a private directory in {directory}: {exc.strerror or exc}") from None
+    return os.path.join(private, "engine.log")
+
+
+def _remove_private_dir(private: str) -> None:
+    try:
+        for name in os.listdir(private):
+            os.unlink(os.path.join(private, name))
+        os.rmdir(private)
+    except OSError:
+        pass
 
 
 class Terminated(Exception):
@@ -823,7 +873,7 @@ def run_canary(
     if port_in_use(port, spec.host):
         raise EngineSpecError(f"port {port} on {spec.host} is already in use")
     argv = canary_argv(spec, port)
-    env = engine_env(spec.env, mode=spec.mode, cuda_visible_devices=spec.cuda_visible_devices)
+    env = canary_env(spec)
     headers = None
     key = api_key_of(spec.serve_args, spec.env)
     if key:
@@ -833,10 +883,11 @@ def run_canary(
         directory = os.path.dirname(os.path.abspath(spec.log_path))
         if not os.path.isdir(directory):
             raise EngineSpecError(f"log_path: directory {directory} does not exist")
-        partial = f"{spec.log_path}.{os.getpid()}.partial"
+        if os.path.isdir(spec.log_path) and not os.path.islink(spec.log_path):
+            raise EngineSpecError(f"log_path: {spec.log_path} is a directory")
+        partial = _private_log(directory)
     else:
-        handle, partial = tempfile.mkstemp(prefix="vllm-canary-", suffix=".log")
-        os.close(handle)
+        partial = _private_log(None)
 
     result: dict[str, t.Any] = {
         "mode": spec.mode,
@@ -906,10 +957,7 @@ def run_canary(
             result["log_path"] = spec.log_path
             result["previous_log_path"] = _place_log(partial, spec.log_path)
         else:
-            try:
-                os.unlink(partial)
-            except OSError:
-                pass
+            _remove_private_dir(os.path.dirname(partial))
 
     log = summarise_log(parse_engine_log(text))
     result["log_recognised"] = log["recognised"]
