@@ -41,6 +41,7 @@ __all__ = [
     "unique",
     "is_secret_option",
     "systemd_word",
+    "systemd_value",
     "systemd_exec_start",
     "systemd_environment",
     "environment_file",
@@ -296,6 +297,19 @@ def systemd_word(value: object, field: str, *, exec_line: bool = True) -> str:
     if exec_line:
         word = word.replace("$", "$$")
     return f'"{word}"'
+
+
+def systemd_value(value: object, field: str) -> str:
+    """A value for a unit line that is not a command line (``Description=``, ``User=``, a comment).
+
+    Control characters are refused (a newline would start a new directive), and so is
+    a trailing backslash (systemd would join the next line to this one); ``%`` becomes
+    ``%%`` so that systemd does not expand it as a specifier.
+    """
+    line = text(value, field, allow_empty=True)
+    if line.endswith("\\"):
+        raise ValidationError(f"{field}: must not end with a backslash (systemd would join the next line)")
+    return line.replace("%", "%%")
 
 
 def systemd_exec_start(executable: object, words: t.Sequence[t.Any], field: str = "ExecStart") -> str:

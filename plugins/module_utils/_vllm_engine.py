@@ -18,6 +18,7 @@ import http.client
 import json
 import math
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -29,6 +30,7 @@ from dataclasses import dataclass, field
 
 from ._load_test import LoadSpec, run_load_test
 from ._validate import ValidationError, env_name, is_secret_option
+from ._validate import text as v_text
 from ._validate import port as valid_port
 from ._vllm_log import EngineLog, parse_engine_log
 from ._vllm_metrics import EngineMetrics, MetricsParseError, parse_metrics
@@ -81,7 +83,13 @@ def render_serve_args(serve_args: t.Mapping[str, t.Any] | None) -> list[str]:
     argv: list[str] = []
     seen: dict[str, t.Any] = {}
     for key, value in sorted((serve_args or {}).items(), key=lambda item: option_name(item[0])):
+        try:
+            v_text(key, "serve_args option name")
+        except ValidationError as exc:
+            raise EngineSpecError(str(exc)) from None
         name = option_name(key)
+        if not name or not _OPTION_RE.fullmatch(name):
+            raise EngineSpecError(f"serve_args: option name {key!r}: use letters, digits, '-' and '_'")
         if not name:
             raise EngineSpecError(f"serve_args: empty option name {key!r}")
         if name in seen:
@@ -105,20 +113,29 @@ def render_serve_args(serve_args: t.Mapping[str, t.Any] | None) -> list[str]:
             argv.append(flag)
             argv.extend(_scalar(v, key) for v in value)
         elif isinstance(value, dict):
-            argv.extend([flag, json.dumps(value, sort_keys=True, separators=(",", ":"))])
+            argv.extend([flag, _scalar(value, key)])
         else:
             argv.extend([flag, _scalar(value, key)])
     return argv
 
 
+_OPTION_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9-]*")
+
+
 def _scalar(value: t.Any, key: str) -> str:
     if isinstance(value, (dict, list, tuple)):
-        return json.dumps(value, sort_keys=True, separators=(",", ":"))
+        try:
+            return json.dumps(value, sort_keys=True, separators=(",", ":"), allow_nan=False)
+        except (TypeError, ValueError) as exc:
+            raise EngineSpecError(f"serve_args.{key}: cannot be written as JSON: {exc}") from None
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, float) and not math.isfinite(value):
         raise EngineSpecError(f"serve_args: option {key!r} has a non-finite value")
-    return str(value)
+    try:
+        return v_text(value, f"serve_args.{key}", allow_empty=True)
+    except ValidationError as exc:
+        raise EngineSpecError(str(exc)) from None
 
 
 def build_argv(
