@@ -29,7 +29,7 @@ import typing as t
 from dataclasses import dataclass, field
 
 from ._load_test import LoadSpec, run_load_test
-from ._validate import ValidationError, env_name, is_secret_option
+from ._validate import ValidationError, env_name, integer, is_secret_option, number
 from ._validate import text as v_text
 from ._validate import port as valid_port
 from ._vllm_log import EngineLog, parse_engine_log
@@ -157,6 +157,12 @@ def build_argv(
     if not model:
         raise EngineSpecError("model is required")
     try:
+        v_text(executable, "executable")
+        v_text(model, "model")
+        v_text(host, "host")
+    except ValidationError as exc:
+        raise EngineSpecError(str(exc)) from None
+    try:
         port = valid_port(port)
     except ValidationError as exc:
         raise EngineSpecError(str(exc)) from None
@@ -172,9 +178,10 @@ def build_argv(
     elif kv_cache_memory_bytes is not None:
         raise EngineSpecError("kv_cache_memory_bytes is only valid with mode=manual")
     if gpu_memory_utilization is not None:
-        util = float(gpu_memory_utilization)
-        if not 0.0 < util <= 1.0:
-            raise EngineSpecError(f"gpu_memory_utilization must be in (0, 1], got {util}")
+        try:
+            util = number(gpu_memory_utilization, "gpu_memory_utilization", low=0, high=1, low_open=True)
+        except ValidationError as exc:
+            raise EngineSpecError(f"{exc} (must be in (0, 1])") from None
         argv += ["--gpu-memory-utilization", repr(util)]
     argv += render_serve_args(serve_args)
     return argv
@@ -568,14 +575,19 @@ class Tolerances:
     @classmethod
     def from_dict(cls, data: t.Mapping[str, t.Any] | None) -> Tolerances:
         data = {k: v for k, v in (data or {}).items() if v is not None}
-        tol = cls(**data)
-        if not 0.0 <= tol.token_ratio:
-            raise EngineSpecError("tolerances.token_ratio must not be negative")
-        if tol.latency_ratio <= 0:
-            raise EngineSpecError("tolerances.latency_ratio must be positive")
-        if tol.preemptions < 0:
-            raise EngineSpecError("tolerances.preemptions must not be negative")
-        return tol
+        unknown = sorted(set(data) - {"token_ratio", "latency_ratio", "preemptions"})
+        if unknown:
+            raise EngineSpecError(f"tolerances: unknown field(s) {', '.join(map(str, unknown))}")
+        try:
+            if "token_ratio" in data:
+                data["token_ratio"] = number(data["token_ratio"], "tolerances.token_ratio", low=0)
+            if "latency_ratio" in data:
+                data["latency_ratio"] = number(data["latency_ratio"], "tolerances.latency_ratio", low=0, low_open=True)
+            if "preemptions" in data:
+                data["preemptions"] = integer(data["preemptions"], "tolerances.preemptions", low=0)
+        except ValidationError as exc:
+            raise EngineSpecError(str(exc)) from None
+        return cls(**data)
 
 
 def _ratio(value: t.Any, ref: t.Any) -> float | None:
