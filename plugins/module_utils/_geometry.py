@@ -269,9 +269,8 @@ def geometry_from_config(config: Mapping[str, Any] | str, serve_args: Mapping[st
                 break
         if heads_total is None:
             heads_total = _positive_int(cfg, "num_attention_heads", where)
-        head_dim = cfg.get("head_dim")
-        if isinstance(head_dim, int) and not isinstance(head_dim, bool) and head_dim > 0:
-            head_size = head_dim
+        if cfg.get("head_dim") is not None:
+            head_size = _positive_int(cfg, "head_dim", where)
         else:
             hidden = _positive_int(cfg, "hidden_size", where)
             attn_heads = _positive_int(cfg, "num_attention_heads", where)

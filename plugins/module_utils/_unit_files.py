@@ -107,6 +107,20 @@ def validate_name(name: object) -> str:
         raise UnitFilesError(str(exc)) from None
 
 
+def check_content(name: str, kind: str, content: object) -> str:
+    """The text of a unit or an environment file, checked before it is written."""
+    try:
+        if kind == "env":
+            return v.check_environment_file(content, f"instance {name}: environment file")
+        if not isinstance(content, str):
+            raise v.ValidationError(f"instance {name}: unit: expected text, got {type(content).__name__}")
+        if "\0" in content or "\r" in content:
+            raise v.ValidationError(f"instance {name}: unit: must not contain NUL or carriage return characters")
+        return content
+    except v.ValidationError as exc:
+        raise UnitFilesError(str(exc)) from None
+
+
 _DECISIONS = ("deploy", "reprofile", "split", "auto_profile")
 # role variable (less the vllm_service_ prefix) -> check; every one is rendered into the unit
 _SERVICE_PATHS = ("executable", "home", "state_dir", "unit_dir")
@@ -512,6 +526,11 @@ def write(layout: Layout, instances: t.Sequence[t.Mapping[str, t.Any]], check: b
           want_diff: bool = False) -> list[dict[str, t.Any]]:
     """Write the given unit and environment files (``{name, unit?, env?}``); unchanged files are left alone."""
     out = []
+    for inst in instances:  # every input first: nothing is written when one is wrong
+        name = validate_name(inst["name"])
+        for kind in ("env", "unit"):
+            if inst.get(kind) is not None:
+                check_content(name, kind, inst[kind])
     changed_dir = ensure_dir(layout.state_dir, layout.uid, layout.plan_gid, 0o750, check)
     for inst in instances:
         name = validate_name(inst["name"])

@@ -45,6 +45,7 @@ __all__ = [
     "systemd_exec_start",
     "systemd_environment",
     "environment_file",
+    "check_environment_file",
 ]
 
 
@@ -352,3 +353,26 @@ def environment_file(env: t.Mapping[t.Any, t.Any], field: str = "secret_env") ->
         escaped = re.sub(r'([\\"`$])', r"\\\1", value)
         lines.append(f'{key}="{escaped}"\n')
     return "".join(lines)
+
+
+_ENV_LINE = re.compile(r'([A-Za-z_][A-Za-z0-9_]{0,127})="((?:[^"\\`$\x00-\x1f\x7f]|\\["\\`$])*)"')
+
+
+def check_environment_file(content: object, field: str = "env file") -> str:
+    """Refuse an environment file that is not in the form :func:`environment_file` writes.
+
+    The host-side check before the file is written: comments, blank lines and
+    ``NAME="escaped value"`` lines only, so systemd cannot read a different set of
+    variables than the one rendered. Messages name the line, never its value.
+    """
+    if not isinstance(content, str):
+        raise ValidationError(f"{field}: expected text, got {_kind(content)}")
+    for number_, line in enumerate(content.split("\n"), 1):
+        if not line or line.startswith("#"):
+            if _CONTROL.search(line):
+                raise ValidationError(f"{field}: line {number_} has a control character")
+            continue
+        if not _ENV_LINE.fullmatch(line):
+            name = line.split("=", 1)[0] if "=" in line and _ENV_RE.fullmatch(line.split("=", 1)[0]) else "?"
+            raise ValidationError(f"{field}: line {number_} (variable {name}) is not NAME=\"value\" with \\ \" $ ` escaped")
+    return content
