@@ -50,11 +50,15 @@ def vllm_secret_options(serve_args: Any) -> list[str]:
     return sorted(str(key) for key in _mapping(serve_args, "vllm_secret_options") if is_secret_option(str(key)))
 
 
-def systemd_exec_start(words: Any, executable: Any, field: Any = "ExecStart") -> str:
-    """``['serve', 'model dir', '--port', 8000]`` -> the quoted value of ``ExecStart=`` (options on their own lines)."""
+def systemd_exec_start(words: Any, executable: Any, serve_args: Any = None, field: Any = "ExecStart") -> str:
+    """``['serve', 'model dir', '--port', 8000]`` (+ serve_args rendered as vllm_serve_argv) -> the quoted
+    value of ``ExecStart=`` (options on their own lines)."""
+    if not isinstance(words, (list, tuple)):
+        raise AnsibleFilterError(f"systemd_exec_start: expected a list of words, got {type(words).__name__}")
     try:
-        return _systemd_exec_start(executable, words, _field(field, "ExecStart"))
-    except ValidationError as exc:
+        extra = render_serve_args(_mapping(serve_args, "systemd_exec_start serve_args")) if serve_args else []
+        return _systemd_exec_start(executable, list(words) + extra, _field(field, "ExecStart"))
+    except (EngineSpecError, ValidationError) as exc:
         raise AnsibleFilterError(f"systemd_exec_start: {exc}") from None
 
 

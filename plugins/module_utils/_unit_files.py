@@ -190,7 +190,7 @@ def _plan_problems(plan: t.Any, problems: list[str]) -> None:
                low=0, high=1, low_open=True)
 
 
-def _env_problems(env: t.Any, field: str, problems: list[str]) -> None:
+def _env_problems(env: t.Any, field: str, problems: list[str], secret: bool = False) -> None:
     if env is None:
         return
     if not isinstance(env, t.Mapping):
@@ -198,8 +198,14 @@ def _env_problems(env: t.Any, field: str, problems: list[str]) -> None:
         return
     for name, value in env.items():
         key = _check(problems, v.env_name, name, f"{field} name")
-        if key is not None:
-            _check(problems, v.text, value, f"{field}.{key}", allow_empty=True)
+        if key is None:
+            continue
+        try:
+            v.text(value, f"{field}.{key}", allow_empty=True)
+        except v.ValidationError as exc:
+            # a secret's message never shows the value, not even a part of it
+            problems.append(f"{field}.{key}: must be a string without control characters (value not shown)"
+                            if secret else str(exc))
 
 
 def service_input_problems(inputs: t.Mapping[str, t.Any]) -> list[str]:
@@ -215,7 +221,8 @@ def service_input_problems(inputs: t.Mapping[str, t.Any]) -> list[str]:
 
     _instances_problems(get("instances"), problems)
     _plan_problems(get("plan"), problems)
-    _check(problems, v.text, get("model"), "vllm_service_model")
+    if _check(problems, v.text, get("model"), "vllm_service_model") and str(get("model")).startswith("-"):
+        problems.append("vllm_service_model: must not start with '-' (vLLM would read it as an option)")
     for key in _SERVICE_PATHS:
         _check(problems, v.abs_path, get(key), "vllm_service_" + key)
     for key in ("user", "group"):
@@ -246,7 +253,7 @@ def service_input_problems(inputs: t.Mapping[str, t.Any]) -> list[str]:
         if get(key) is not None:
             _check(problems, v.boolean, get(key), "vllm_service_" + key)
     _env_problems(get("env"), "vllm_service_env", problems)
-    _env_problems(get("secret_env"), "vllm_service_secret_env", problems)
+    _env_problems(get("secret_env"), "vllm_service_secret_env", problems, secret=True)
     serve_args = get("serve_args")
     if serve_args is not None and not isinstance(serve_args, t.Mapping):
         problems.append("vllm_service_serve_args: expected a mapping of vllm serve options")

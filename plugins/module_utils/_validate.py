@@ -314,17 +314,23 @@ def systemd_value(value: object, field: str) -> str:
 
 
 def systemd_exec_start(executable: object, words: t.Sequence[t.Any], field: str = "ExecStart") -> str:
-    """The value of ``ExecStart=``: the executable, then each word quoted; options start a continuation line."""
+    """The value of ``ExecStart=``: the executable, then each word quoted; options start a continuation line.
+
+    A word may be given as ``(field, word)`` so that an error names where it came from.
+    """
     exe = abs_path(executable, f"{field} executable")
     if not isinstance(words, (list, tuple)):
         raise ValidationError(f"{field}: expected a list of words, got {_kind(words)}")
     out = [systemd_word(exe, f"{field} executable")]
     for i, word in enumerate(words):
+        where = f"{field}[{i}]"
+        if isinstance(word, (list, tuple)) and len(word) == 2 and isinstance(word[0], str):
+            where, word = word  # (the variable it came from, the word): errors name the variable
         if isinstance(word, bool) or isinstance(word, (dict, list, tuple)) or word is None:
-            raise ValidationError(f"{field}[{i}]: expected a string or a number, got {_kind(word)}")
+            raise ValidationError(f"{where}: expected a string or a number, got {_kind(word)}")
         if isinstance(word, float):
-            number(word, f"{field}[{i}]")
-        quoted = systemd_word(word, f"{field}[{i}]")
+            number(word, where)
+        quoted = systemd_word(word, where)
         if isinstance(word, str) and word.startswith("--"):
             out.append(" \\\n    " + quoted)
         else:
@@ -349,7 +355,10 @@ def environment_file(env: t.Mapping[t.Any, t.Any], field: str = "secret_env") ->
     lines = []
     for name in sorted(env, key=str):
         key = env_name(name, f"{field} name")
-        value = text(env[name], f"{field}.{key}", allow_empty=True)
+        try:
+            value = text(env[name], f"{field}.{key}", allow_empty=True)
+        except ValidationError:
+            raise ValidationError(f"{field}.{key}: must be a string without control characters (value not shown)") from None
         escaped = re.sub(r'([\\"`$])', r"\\\1", value)
         lines.append(f'{key}="{escaped}"\n')
     return "".join(lines)

@@ -133,9 +133,13 @@ def _scalar(value: t.Any, key: str) -> str:
     if isinstance(value, float) and not math.isfinite(value):
         raise EngineSpecError(f"serve_args: option {key!r} has a non-finite value")
     try:
-        return v_text(value, f"serve_args.{key}", allow_empty=True)
+        word = v_text(value, f"serve_args.{key}", allow_empty=True)
     except ValidationError as exc:
         raise EngineSpecError(str(exc)) from None
+    if word.startswith("--"):
+        # vLLM's argument parser would take it for an option of its own (--port, --api-key)
+        raise EngineSpecError(f"serve_args.{key}: a value must not start with '--', got {word[:40]!r}")
+    return word
 
 
 def build_argv(
@@ -162,6 +166,8 @@ def build_argv(
         v_text(host, "host")
     except ValidationError as exc:
         raise EngineSpecError(str(exc)) from None
+    if str(model).startswith("-"):
+        raise EngineSpecError(f"model: must not start with '-' (vLLM would read it as an option), got {str(model)[:40]!r}")
     try:
         port = valid_port(port)
     except ValidationError as exc:
