@@ -38,7 +38,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from ._geometry import GeometryError, KVGeometry, UnpredictableGeometry, cdiv, geometry_from_config
-from ._sizes import SizeError, human_bytes, parse_size
+from ._sizes import MAX_BYTES, SizeError, human_bytes, parse_size
 from ._validate import ValidationError, boolean
 from ._validate import number as valid_number
 
@@ -90,7 +90,7 @@ def _hb(n: int | None) -> str | None:
 
 
 def _size(value: Any, field: str) -> int:
-    if isinstance(value, int) and value >= 0 and not isinstance(value, bool):  # fast path for large fleets
+    if isinstance(value, int) and 0 <= value <= MAX_BYTES and not isinstance(value, bool):  # fast path for large fleets
         return value
     try:
         return parse_size(value, field)
@@ -100,8 +100,10 @@ def _size(value: Any, field: str) -> int:
 
 def _signed_size(value: Any, field: str) -> int:
     """Like _size but keeps a negative integer (vLLM suggestions can be negative)."""
-    if isinstance(value, int) and not isinstance(value, bool):
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) <= MAX_BYTES:
         return value
+    if isinstance(value, int) and not isinstance(value, bool) and value < 0:
+        return -_size(-value, field)
     if isinstance(value, str) and value.strip().startswith("-"):
         return -_size(value.strip()[1:], field)
     return _size(value, field)
@@ -279,22 +281,22 @@ def _parse_hosts(raw: Any) -> dict[str, dict[str, Any]]:
                 raise PlanError(f"hosts.{host}[{i}]: expected a mapping with rank and boot_free_bytes")
             get = entry.get
             rank = get("rank", i)
-            if not isinstance(rank, int) or rank < 0 or isinstance(rank, bool):
+            if not isinstance(rank, int) or rank < 0 or isinstance(rank, bool) or rank > MAX_BYTES:
                 rank = _rank_no(rank, f"hosts.{host}[{i}].rank")
             free = get("boot_free_bytes")
             if free is None:
                 free = get("free_bytes")
                 if free is None:
                     raise PlanError(f"hosts.{host}[{i}] (rank {rank}): boot_free_bytes is required")
-                if not isinstance(free, int) or free < 0 or isinstance(free, bool):
+                if not isinstance(free, int) or free < 0 or isinstance(free, bool) or free > MAX_BYTES:
                     free = _size(free, f"hosts.{host}[{i}].free_bytes")
-            elif not isinstance(free, int) or free < 0 or isinstance(free, bool):
+            elif not isinstance(free, int) or free < 0 or isinstance(free, bool) or free > MAX_BYTES:
                 free = _size(free, f"hosts.{host}[{i}].boot_free_bytes")
             fmin = get("free_min_bytes")
-            if fmin is not None and (not isinstance(fmin, int) or fmin < 0 or isinstance(fmin, bool)):
+            if fmin is not None and (not isinstance(fmin, int) or fmin < 0 or isinstance(fmin, bool) or fmin > MAX_BYTES):
                 fmin = _size(fmin, f"hosts.{host}[{i}].free_min_bytes")
             fmax = get("free_max_bytes")
-            if fmax is not None and (not isinstance(fmax, int) or fmax < 0 or isinstance(fmax, bool)):
+            if fmax is not None and (not isinstance(fmax, int) or fmax < 0 or isinstance(fmax, bool) or fmax > MAX_BYTES):
                 fmax = _size(fmax, f"hosts.{host}[{i}].free_max_bytes")
             flagged = get("unstable", False)
             flagged = flagged if isinstance(flagged, bool) else _flag(flagged, f"hosts.{host}[{i}].unstable")

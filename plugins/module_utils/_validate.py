@@ -145,8 +145,8 @@ def number(value: object, field: str, *, low: float | None = None, high: float |
     if isinstance(value, bool) or value is None:
         raise ValidationError(f"{field}: expected a number, got {_shown(value)}")
     if isinstance(value, str):
-        word = value.strip()
-        if not word or len(word) > _NUMBER_TEXT_MAX:
+        word = value.strip(" ")
+        if not word or len(word) > _NUMBER_TEXT_MAX or _CONTROL.search(word):
             raise ValidationError(f"{field}: expected a number, got {_shown(value)}")
         try:
             result = float(word)
@@ -180,7 +180,7 @@ def integer(value: object, field: str, *, low: int | None = None, high: int | No
             raise ValidationError(f"{field}: expected an integer, got {value!r}")
         result = int(value)
     elif isinstance(value, str):
-        word = value.strip()
+        word = value.strip(" ")
         if not re.fullmatch(r"[+-]?[0-9]{1,%d}" % _NUMBER_TEXT_MAX, word):
             raise ValidationError(f"{field}: expected an integer, got {_shown(value)}")
         result = int(word)
@@ -234,7 +234,7 @@ def abs_path(value: object, field: str, *, spaces: bool = False) -> str:
         raise ValidationError(f"{field}: must not contain whitespace, got {_shown(path)}")
     if any(part == ".." for part in path.split("/")):
         raise ValidationError(f"{field}: must not contain '..', got {_shown(path)}")
-    if os.path.normpath(path) != path.rstrip("/") and path != "/":
+    if "//" in path or (os.path.normpath(path) != path.rstrip("/") and path != "/"):
         raise ValidationError(f"{field}: must be a normalised path (no '//' or '/./'), got {_shown(path)}")
     return path
 
