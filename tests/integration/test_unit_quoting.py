@@ -57,7 +57,7 @@ def started(test_hosts, tmp_path_factory):
     assert "unit" in rendered, rendered
     th = test_hosts([HOST], binds_ro=[f"{shared}:{GUEST_DIR}"])
     setup = th.harness.exec(HOST, ["sh", "-c", SETUP])
-    show = th.harness.exec(HOST, ["systemctl", "show", "--all", "-p", "ExecStart", "-p", "ExecStartPre", "-p", "Result",
+    show = th.harness.exec(HOST, ["systemctl", "show", "-p", "ExecStart", "-p", "ExecStartPre", "-p", "Result",
                                   "vllm-q.service"])
     dump = th.harness.exec(HOST, ["cat", "/var/lib/vllm/dump.json"])
     return case, setup, show, dump
@@ -72,7 +72,8 @@ def test_systemd_on_the_host_accepts_the_unit(started):
 def test_systemd_loaded_one_exec_start_and_no_exec_start_pre(started):
     _case, _setup, show, _dump = started
     props = dict(line.split("=", 1) for line in show.stdout.splitlines() if "=" in line)
-    assert props["ExecStartPre"] == "", props
+    # systemctl prints an exec property only when the unit has such a command
+    assert props.get("ExecStartPre", "") == "", props
     assert props["ExecStart"].count("argv[]=") == 1, props
     assert props["Result"] == "success", props
 
