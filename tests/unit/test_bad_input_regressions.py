@@ -286,3 +286,20 @@ def test_non_ascii_unit_name_is_refused():
 def test_one_secret_rule_for_the_filter_and_the_canary(key):
     assert F["vllm_secret_options"]({key: "x", "max_num_batched_tokens": 1}) == [key]
     assert eng.redact_argv(["vllm", "--" + key.lstrip("-"), "s3cret"])[-1] == "********"
+
+
+@pytest.mark.parametrize("instances, message", [
+    ([{"name": "a", "gpus": [0, 0]}], "GPU 0 is listed twice"),
+    ([{"name": "a", "gpus": [0]}, {"name": "a", "gpus": [1]}], "instance a appears twice"),
+    ([{"name": "a", "gpus": [0, 1]}, {"name": "b", "gpus": [1]}], "GPU 1 is used by instances a and b"),
+    ([{"name": "caf\u00e9", "gpus": [0]}], "gpufleet_instances name"),
+])
+def test_kv_plan_hosts_from_refuses_duplicates_and_shared_gpus(instances, message):
+    from ansible.errors import AnsibleActionFail  # pylint: disable=import-outside-toplevel
+
+    from ansible_collections.gpufleet.vllm.plugins.action.kv_plan import members_from_group  # pylint: disable=import-outside-toplevel
+
+    gpus = [{"index": i, "free_bytes": GIB, "boot_free_bytes": GIB} for i in range(2)]
+    task_vars = {"groups": {"c": ["h"]}, "hostvars": {"h": {"gpufleet_gpus": gpus, "gpufleet_instances": instances}}}
+    with pytest.raises(AnsibleActionFail, match=message):
+        members_from_group("c", task_vars)
