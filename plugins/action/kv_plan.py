@@ -11,6 +11,7 @@ from ansible.errors import AnsibleActionFail
 from ansible.plugins.action import ActionBase
 
 from ansible_collections.gpufleet.vllm.plugins.module_utils._plan import PlanError, plan_class
+from ansible_collections.gpufleet.vllm.plugins.module_utils._validate import ValidationError, instance_name, integer
 
 ARGUMENT_SPEC: dict[str, Any] = {
     "host_class": {"type": "str"},
@@ -59,16 +60,31 @@ def members_from_group(group: str, task_vars: Mapping[str, Any]) -> dict[str, li
             continue
         by_index = {}
         for pos, gpu in enumerate(gpus):
-            by_index[int(gpu.get("index", pos))] = gpu
+            try:
+                index = integer(gpu.get("index", pos) if isinstance(gpu, Mapping) else None, f"host {host} gpufleet_gpus[{pos}].index", low=0)
+            except ValidationError as exc:
+                raise AnsibleActionFail(str(exc)) from None
+            if index in by_index:
+                raise AnsibleActionFail(f"host {host}: GPU index {index} appears twice in its gpufleet_gpus facts")
+            by_index[index] = gpu
         instances = hv.get("gpufleet_instances") or [{"name": DEFAULT_INSTANCE, "gpus": sorted(by_index)}]
         if not isinstance(instances, list):
             raise AnsibleActionFail(f"host {host}: gpufleet_instances must be a list of {{name, gpus, port}}")
+        used: dict[int, str] = {}
         for inst in instances:
             if not isinstance(inst, Mapping) or not inst.get("name"):
                 raise AnsibleActionFail(f"host {host}: every gpufleet_instances entry needs a name")
+            try:
+                instance_name(inst["name"], f"host {host} gpufleet_instances name")
+            except ValidationError as exc:
+                raise AnsibleActionFail(str(exc)) from None
+            if f"{host}/{inst['name']}" in members:
+                raise AnsibleActionFail(f"host {host}: instance {inst['name']} appears twice in gpufleet_instances")
             indices = inst.get("gpus")
             if indices is None:
                 indices = sorted(by_index)
+            if not isinstance(indices, list):
+                raise AnsibleActionFail(f"host {host} instance {inst['name']}: gpus must be a list of GPU indices")
             ranks = []
             for rank, index in enumerate(indices):
                 try:
@@ -86,6 +102,12 @@ def members_from_group(group: str, task_vars: Mapping[str, Any]) -> dict[str, li
                     "total_bytes": gpu.get("total_bytes"),
                 }
                 ranks.append({k: v for k, v in entry.items() if v is not None})
+                if int(index) in used and used[int(index)] == inst["name"]:
+                    raise AnsibleActionFail(f"host {host} instance {inst['name']}: GPU {index} is listed twice")
+                owner = used.setdefault(int(index), inst["name"])
+                if owner != inst["name"]:
+                    raise AnsibleActionFail(f"host {host}: GPU {index} is used by instances {owner} and {inst['name']}; "
+                                            "instances sharing a GPU would each be planned the whole budget")
             members[f"{host}/{inst['name']}"] = ranks
     if no_facts:
         shown = ", ".join(no_facts[:10]) + (f" and {len(no_facts) - 10} more" if len(no_facts) > 10 else "")

@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any, Callable, Mapping
 
 from ansible.errors import AnsibleFilterError
@@ -14,10 +15,13 @@ from ansible_collections.gpufleet.vllm.plugins.module_utils._geometry import Geo
 from ansible_collections.gpufleet.vllm.plugins.module_utils._sizes import SizeError
 from ansible_collections.gpufleet.vllm.plugins.module_utils._sizes import human_bytes as _human_bytes
 from ansible_collections.gpufleet.vllm.plugins.module_utils._sizes import parse_size
+from ansible_collections.gpufleet.vllm.plugins.module_utils._validate import ValidationError, boolean, integer
 
 
 def to_bytes(value: Any, field: str = "value") -> int:
     """``"28.25GiB"`` -> ``30333206528``."""
+    if not isinstance(field, str):
+        field = "value"
     try:
         return parse_size(value, field)
     except SizeError as exc:
@@ -26,24 +30,29 @@ def to_bytes(value: Any, field: str = "value") -> int:
 
 def human_bytes(value: Any, precision: int = 2, exact: bool = False) -> str:
     """``30333206528`` -> ``"28.25GiB"``; ``exact=true`` renders text that parses back to the same byte."""
+    try:
+        exact = boolean(exact, "human_bytes exact")
+        precision = integer(precision, "human_bytes precision", low=0, high=20)
+    except ValidationError as exc:
+        raise AnsibleFilterError(f"human_bytes: {exc}") from None
     if isinstance(value, str):
         try:
             value = parse_size(value, "human_bytes input")
         except SizeError as exc:
             raise AnsibleFilterError(f"human_bytes: {exc}") from None
-    if isinstance(value, float) and value.is_integer():
+    if isinstance(value, float) and math.isfinite(value) and value.is_integer():
         value = int(value)
     if isinstance(value, bool) or not isinstance(value, int):
         raise AnsibleFilterError(f"human_bytes: expected an integer number of bytes, got {value!r}")
     try:
-        return _human_bytes(value, int(precision), exact=bool(exact))
+        return _human_bytes(value, precision, exact=exact)
     except (SizeError, ValueError) as exc:
         raise AnsibleFilterError(f"human_bytes: {exc}") from None
 
 
 def kv_bytes_per_token(config: Any, serve_args: Mapping[str, Any] | None = None, per: str = "token") -> int:
     """KV bytes per token (or per block with ``per='block'``) of one rank, from a HF config and serve args."""
-    if per not in ("token", "block"):
+    if not isinstance(per, str) or per not in ("token", "block"):
         raise AnsibleFilterError(f"kv_bytes_per_token: per must be 'token' or 'block', got {per!r}")
     if serve_args is not None and not isinstance(serve_args, Mapping):
         raise AnsibleFilterError("kv_bytes_per_token: serve_args must be a mapping of vllm serve options")

@@ -1,7 +1,8 @@
 # Copyright (c) gpufleet maintainers
 # GNU General Public License v3.0+ (see https://www.gnu.org/licenses/gpl-3.0.txt)
 # SPDX-License-Identifier: GPL-3.0-or-later
-"""Filters: vllm_serve_argv, vllm_secret_options (documentation in the YAML files beside this one)."""
+"""Filters: vllm_serve_argv, vllm_secret_options, systemd_exec_start, systemd_environment,
+systemd_environment_file, systemd_value, vllm_service_problems (documentation in the YAML files beside this one)."""
 
 from __future__ import annotations
 
@@ -9,10 +10,17 @@ from typing import Any, Callable, Mapping
 
 from ansible.errors import AnsibleFilterError
 
+from ansible_collections.gpufleet.vllm.plugins.module_utils._unit_files import service_input_problems
+from ansible_collections.gpufleet.vllm.plugins.module_utils._validate import (
+    ValidationError,
+    environment_file,
+    is_secret_option,
+    systemd_environment as _systemd_environment,
+    systemd_exec_start as _systemd_exec_start,
+    systemd_value as _systemd_value,
+)
 from ansible_collections.gpufleet.vllm.plugins.module_utils._vllm_engine import (
-    _SECRET_WORDS,
     EngineSpecError,
-    option_name,
     render_serve_args,
 )
 
@@ -25,35 +33,76 @@ def _mapping(value: Any, name: str) -> Mapping[str, Any]:
     return value
 
 
+def _field(field: Any, default: str) -> str:
+    return field if isinstance(field, str) and field else default
+
+
 def vllm_serve_argv(serve_args: Any) -> list[str]:
     """``{'max_model_len': 4096, 'enable_prefix_caching': False}`` -> ``['--enable-prefix-caching'...]`` words."""
     try:
         return render_serve_args(_mapping(serve_args, "vllm_serve_argv"))
-    except EngineSpecError as exc:
+    except (EngineSpecError, ValidationError) as exc:
         raise AnsibleFilterError(f"vllm_serve_argv: {exc}") from None
 
 
-def _names_a_secret(key: str) -> bool:
-    """``api_key``, ``hf_token``, ``ssl_keyfile_password``: the last word of the option is a secret word.
-
-    The canary's redaction matches the secret words anywhere in the name, which also
-    catches ``max_num_batched_tokens`` or ``tokenizer``: harmless when hiding a value,
-    wrong when refusing an option, so only the last word counts here.
-    """
-    last = option_name(key).lower().rsplit("-", 1)[-1]
-    return last in _SECRET_WORDS or (last.endswith("s") and last[:-1] == "credential")
-
-
 def vllm_secret_options(serve_args: Any) -> list[str]:
-    """The keys of ``serve_args`` that name a secret (api_key, hf_token, ...), sorted."""
-    return sorted(str(key) for key in _mapping(serve_args, "vllm_secret_options") if _names_a_secret(str(key)))
+    """The keys of ``serve_args`` that name a secret (api_key, apikey, hf_token, ...), sorted."""
+    return sorted(str(key) for key in _mapping(serve_args, "vllm_secret_options") if is_secret_option(str(key)))
+
+
+def systemd_exec_start(words: Any, executable: Any, serve_args: Any = None, field: Any = "ExecStart") -> str:
+    """``['serve', 'model dir', '--port', 8000]`` (+ serve_args rendered as vllm_serve_argv) -> the quoted
+    value of ``ExecStart=`` (options on their own lines)."""
+    if not isinstance(words, (list, tuple)):
+        raise AnsibleFilterError(f"systemd_exec_start: expected a list of words, got {type(words).__name__}")
+    try:
+        extra = render_serve_args(_mapping(serve_args, "systemd_exec_start serve_args")) if serve_args else []
+        return _systemd_exec_start(executable, list(words) + extra, _field(field, "ExecStart"))
+    except (EngineSpecError, ValidationError) as exc:
+        raise AnsibleFilterError(f"systemd_exec_start: {exc}") from None
+
+
+def systemd_environment(value: Any, name: Any, field: Any = "env") -> str:
+    """``'50% $HOME' | systemd_environment('NOTE')`` -> ``"NOTE=50%% $HOME"`` (one ``Environment=`` assignment)."""
+    try:
+        return _systemd_environment(name, value, _field(field, "env"))
+    except ValidationError as exc:
+        raise AnsibleFilterError(f"systemd_environment: {exc}") from None
+
+
+def systemd_environment_file(env: Any, field: Any = "secret_env") -> str:
+    """``{NAME: value}`` -> ``NAME="value"`` lines in systemd's ``EnvironmentFile=`` syntax."""
+    try:
+        return environment_file(env if env is not None else {}, _field(field, "secret_env"))
+    except ValidationError as exc:
+        raise AnsibleFilterError(f"systemd_environment_file: {exc}") from None
+
+
+def systemd_value(value: Any, field: Any) -> str:
+    """A value for a unit line that is not a command line (Description=, User=): no control character, ``%`` as ``%%``."""
+    try:
+        return _systemd_value(value, _field(field, "value"))
+    except ValidationError as exc:
+        raise AnsibleFilterError(f"systemd_value: {exc}") from None
+
+
+def vllm_service_problems(inputs: Any) -> list[str]:
+    """The role vllm_service's inputs -> a list of ``field: what is wrong`` (empty when all are valid)."""
+    if not isinstance(inputs, Mapping):
+        raise AnsibleFilterError(f"vllm_service_problems: expected a mapping of the role's variables, got {type(inputs).__name__}")
+    return service_input_problems(inputs)
 
 
 class FilterModule:
-    """gpufleet.vllm vllm serve option filters."""
+    """gpufleet.vllm vllm serve option and systemd unit filters."""
 
     def filters(self) -> dict[str, Callable[..., Any]]:
         return {
             "vllm_serve_argv": vllm_serve_argv,
             "vllm_secret_options": vllm_secret_options,
+            "systemd_exec_start": systemd_exec_start,
+            "systemd_environment": systemd_environment,
+            "systemd_environment_file": systemd_environment_file,
+            "systemd_value": systemd_value,
+            "vllm_service_problems": vllm_service_problems,
         }

@@ -285,9 +285,9 @@ def _attention(top: Mapping[str, Any], cfg: Mapping[str, Any], where: str, serve
             break
     if heads_total is None:
         heads_total = _positive_int(cfg, "num_attention_heads", where)
-    head_dim = cfg.get("head_dim")
-    if isinstance(head_dim, int) and not isinstance(head_dim, bool) and head_dim > 0:
-        head_size = head_dim
+    # HF configs write head_dim 0 or null for "derive it"; anything else must be a positive integer.
+    if cfg.get("head_dim") not in (None, 0):
+        head_size = _positive_int(cfg, "head_dim", where)
     else:
         hidden = _positive_int(cfg, "hidden_size", where)
         attn_heads = _positive_int(cfg, "num_attention_heads", where)

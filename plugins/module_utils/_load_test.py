@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import math
 import threading
 import time
 import typing as t
@@ -37,8 +38,8 @@ class LoadSpec:
             minimum = 0 if name in ("requests", "warmup") else 1
             if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
                 raise ValueError(f"load.{name} must be an integer >= {minimum}, got {value!r}")
-        if self.request_timeout <= 0:
-            raise ValueError("load.request_timeout must be positive")
+        if not math.isfinite(self.request_timeout) or self.request_timeout <= 0:
+            raise ValueError(f"load.request_timeout must be a positive number of seconds, got {self.request_timeout!r}")
 
     def shape(self) -> dict[str, int]:
         return {

@@ -40,7 +40,9 @@ from typing import Any
 
 from ._geometry import GeometryError, KVGeometry, UnpredictableGeometry, capacity_model, cdiv, load_config
 from ._kv_layout import KVLayout
-from ._sizes import SizeError, human_bytes, parse_size
+from ._sizes import MAX_BYTES, SizeError, human_bytes, parse_size
+from ._validate import ValidationError, boolean
+from ._validate import number as valid_number
 
 __all__ = ["PlanError", "plan_class", "startup_utilization", "DEFAULTS", "DECISIONS"]
 
@@ -90,7 +92,7 @@ def _hb(n: int | None) -> str | None:
 
 
 def _size(value: Any, field: str) -> int:
-    if isinstance(value, int) and value >= 0 and not isinstance(value, bool):  # fast path for large fleets
+    if isinstance(value, int) and 0 <= value <= MAX_BYTES and not isinstance(value, bool):  # fast path for large fleets
         return value
     try:
         return parse_size(value, field)
@@ -100,8 +102,10 @@ def _size(value: Any, field: str) -> int:
 
 def _signed_size(value: Any, field: str) -> int:
     """Like _size but keeps a negative integer (vLLM suggestions can be negative)."""
-    if isinstance(value, int) and not isinstance(value, bool):
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) <= MAX_BYTES:
         return value
+    if isinstance(value, int) and not isinstance(value, bool) and value < 0:
+        return -_size(-value, field)
     if isinstance(value, str) and value.strip().startswith("-"):
         return -_size(value.strip()[1:], field)
     return _size(value, field)
@@ -111,16 +115,10 @@ def _number(spec: Mapping[str, Any], key: str, low: float, high: float | None, l
     value = spec.get(key)
     if value is None:
         value = DEFAULTS[key]
-    if isinstance(value, bool):
-        raise PlanError(f"{key}: expected a number, got {value!r}")
     try:
-        number = float(value)
-    except (TypeError, ValueError):
-        raise PlanError(f"{key}: expected a number, got {value!r}") from None
-    if math.isnan(number) or (number <= low if low_open else number < low) or (high is not None and number >= high):
-        bound = f"> {low}" if low_open else f">= {low}"
-        raise PlanError(f"{key}: must be {bound}" + (f" and < {high}" if high is not None else "") + f", got {value!r}")
-    return number
+        return valid_number(value, key, low=low, high=high, low_open=low_open, high_open=True)
+    except ValidationError as exc:
+        raise PlanError(str(exc)) from None
 
 
 def _rank_no(value: Any, field: str) -> int:
@@ -248,7 +246,7 @@ def _parse_reference(raw: Any) -> dict[str, Any] | None:
         "ranks": ranks,
         "vllm_free": vllm_free,
         "total_bytes": _size(ref["total_bytes"], "reference.total_bytes") if ref.get("total_bytes") is not None else None,
-        "block_size": int(_size(ref.get("block_size") or 16, "reference.block_size")),
+        "block_size": 16 if ref.get("block_size") is None else _size(ref["block_size"], "reference.block_size"),
         "block_size_given": ref.get("block_size") is not None,
         "bytes_per_block": _size(ref["bytes_per_block"], "reference.bytes_per_block") if ref.get("bytes_per_block") is not None else None,
         "geometry": ref.get("geometry"),
@@ -262,7 +260,16 @@ def _parse_reference(raw: Any) -> dict[str, Any] | None:
         "compat_hash": compat_hash,
     }
     if out["block_size"] <= 0:
-        raise PlanError("reference.block_size must be positive")
+        raise PlanError(f"reference.block_size must be positive, got {ref.get('block_size')!r}")
+    total = out["total_bytes"]
+    if total is not None:
+        for item in ranks:
+            if item["free_bytes"] > total:
+                raise PlanError(f"reference.ranks[rank {item['rank']}].free_bytes {item['free_bytes']} is above "
+                                f"reference.total_bytes {total}: free memory cannot exceed the GPU's total")
+        for rank_no, free in vllm_free.items():
+            if free > total:
+                raise PlanError(f"reference.vllm_free_bytes[{rank_no}] {free} is above reference.total_bytes {total}")
     return out
 
 
@@ -273,15 +280,17 @@ def _concurrency(value: Any) -> float | None:
         number = float(value)
     except (TypeError, ValueError):
         raise PlanError(f"reference.max_concurrency: expected a number (vLLM's maximum concurrency), got {value!r}") from None
-    if math.isnan(number) or number <= 0:
+    if not math.isfinite(number) or number <= 0:
         raise PlanError(f"reference.max_concurrency must be positive, got {value!r}")
     return number
 
 
-def _flag(value: Any) -> bool:
-    if isinstance(value, str):
-        return value.strip().lower() in ("true", "yes", "on", "1")
-    return bool(value)
+def _flag(value: Any, field: str) -> bool:
+    """A boolean as Ansible reads it; any other word (``"maybe"``) is an error, never a quiet false."""
+    try:
+        return boolean(value, field)
+    except ValidationError as exc:
+        raise PlanError(str(exc)) from None
 
 
 def _parse_hosts(raw: Any) -> dict[str, dict[str, Any]]:
@@ -305,29 +314,31 @@ def _parse_hosts(raw: Any) -> dict[str, dict[str, Any]]:
                 raise PlanError(f"hosts.{host}[{i}]: expected a mapping with rank and boot_free_bytes")
             get = entry.get
             rank = get("rank", i)
-            if not isinstance(rank, int) or rank < 0 or isinstance(rank, bool):
+            if not isinstance(rank, int) or rank < 0 or isinstance(rank, bool) or rank > MAX_BYTES:
                 rank = _rank_no(rank, f"hosts.{host}[{i}].rank")
             free = get("boot_free_bytes")
             if free is None:
                 free = get("free_bytes")
                 if free is None:
                     raise PlanError(f"hosts.{host}[{i}] (rank {rank}): boot_free_bytes is required")
-                if not isinstance(free, int) or free < 0 or isinstance(free, bool):
+                if not isinstance(free, int) or free < 0 or isinstance(free, bool) or free > MAX_BYTES:
                     free = _size(free, f"hosts.{host}[{i}].free_bytes")
-            elif not isinstance(free, int) or free < 0 or isinstance(free, bool):
+            elif not isinstance(free, int) or free < 0 or isinstance(free, bool) or free > MAX_BYTES:
                 free = _size(free, f"hosts.{host}[{i}].boot_free_bytes")
             fmin = get("free_min_bytes")
-            if fmin is not None and (not isinstance(fmin, int) or fmin < 0 or isinstance(fmin, bool)):
+            if fmin is not None and (not isinstance(fmin, int) or fmin < 0 or isinstance(fmin, bool) or fmin > MAX_BYTES):
                 fmin = _size(fmin, f"hosts.{host}[{i}].free_min_bytes")
             fmax = get("free_max_bytes")
-            if fmax is not None and (not isinstance(fmax, int) or fmax < 0 or isinstance(fmax, bool)):
+            if fmax is not None and (not isinstance(fmax, int) or fmax < 0 or isinstance(fmax, bool) or fmax > MAX_BYTES):
                 fmax = _size(fmax, f"hosts.{host}[{i}].free_max_bytes")
             flagged = get("unstable", False)
-            flagged = flagged if isinstance(flagged, bool) else _flag(flagged)
+            flagged = flagged if isinstance(flagged, bool) else _flag(flagged, f"hosts.{host}[{i}].unstable")
+            if fmin is not None and fmax is not None and fmin > fmax:
+                raise PlanError(f"hosts.{host}[{i}] (rank {rank}): free_min_bytes {fmin} is above free_max_bytes {fmax}")
             append((rank, free, fmin, fmax, get("gpu_name") or get("name"), get("total_bytes"), flagged))
         hosts[host] = {
             "ranks": ranks,
-            "unstable": _flag(attrs.get("unstable", False)),
+            "unstable": _flag(attrs.get("unstable", False), f"hosts.{host}.unstable"),
             "gpu_name": attrs.get("gpu_name"),
             "total_bytes": attrs.get("total_bytes"),
             "compat_hash": attrs.get("compat_hash"),

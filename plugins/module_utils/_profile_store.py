@@ -13,12 +13,13 @@ Layout::
 
 A record file holds::
 
-    format: 1
+    format: 2
     host_class: <name>
     key_hash: <16 hex digits, see _compat>
     compat: {canonical key fields}
     recorded_at: 2026-11-29T21:04:09.123456Z
-    profile: {the recorded data, e.g. ranks/vllm_free_bytes/total_bytes/...}
+    profile: {the recorded data: ranks (required), vllm_free_bytes, total_bytes, ...}
+    record_hash: <sha256 of all the fields above>
 
 Writes take an exclusive lock on ``<store>/.lock``, write a temporary file in
 the class directory, fsync it and hard-link it to its final name (which fails
@@ -26,6 +27,14 @@ rather than replace an existing file), then remove the temporary name. Reads
 take a shared lock. Size strings under keys ending in ``_bytes`` are stored
 as integers (``"42GiB"`` -> ``45097156608``). A file that cannot be read or parsed is reported (path and
 reason) and skipped; it never hides the other profiles and is never rewritten.
+
+A record is trusted only when it is a regular file (symlinks are not followed), at most
+1 MiB, plain YAML without aliases (``&a``/``*a``), valid UTF-8, its ``record_hash``
+matches its content, its ``recorded_at`` is not in the future and its profile has
+ranks; anything else is reported as unreadable, never used. Format 1 files (without a
+``record_hash``) are reported too: their content cannot be checked. Temporary files
+left by an interrupted write are removed by the next write (it holds the lock, so no
+other write is under way).
 """
 
 from __future__ import annotations
@@ -33,15 +42,18 @@ from __future__ import annotations
 import datetime
 import errno
 import fcntl
+import hashlib
+import json
 import os
-import re
 import secrets
+import stat
 import tempfile
 from contextlib import contextmanager
 from typing import Any, Iterator, Mapping
 
 from ._compat import CompatError, CompatKey, compat_key, diff_keys
 from ._sizes import SizeError, parse_size
+from ._validate import ValidationError, class_name
 
 try:
     import yaml
@@ -50,8 +62,13 @@ except ImportError:  # pragma: no cover - PyYAML is an ansible-core dependency
 
 __all__ = ["ProfileStore", "ProfileStoreError", "FORMAT", "validate_host_class"]
 
-FORMAT = 1
-_CLASS_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
+FORMAT = 2
+# A record is a few KiB; a larger file is not one (and parsing it would cost the query).
+MAX_RECORD_BYTES = 1 << 20
+# Clock skew tolerated between the host that recorded a profile and the one reading it.
+FUTURE_SKEW = datetime.timedelta(minutes=5)
+_STAMP = "%Y-%m-%dT%H:%M:%S.%fZ"
+_TMP_PREFIX = ".tmp-"
 
 
 class ProfileStoreError(ValueError):
@@ -59,9 +76,60 @@ class ProfileStoreError(ValueError):
 
 
 def validate_host_class(host_class: object) -> str:
-    if not isinstance(host_class, str) or not _CLASS_RE.match(host_class):
-        raise ProfileStoreError(f"host_class {host_class!r}: use 1-128 letters, digits, '.', '_' or '-', starting with a letter or digit")
-    return host_class
+    try:
+        return class_name(host_class, "host_class")
+    except ValidationError as exc:
+        raise ProfileStoreError(str(exc)) from None
+
+
+def record_hash(record: Mapping[str, Any]) -> str:
+    """sha256 of every field of a record but ``record_hash`` and ``path`` (canonical JSON)."""
+    body = {k: v for k, v in record.items() if k not in ("record_hash", "path")}
+    text = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True, default=str)
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+if yaml is not None:
+
+    class _PlainLoader(yaml.SafeLoader):  # pylint: disable=too-many-ancestors
+        """SafeLoader without aliases: a few hundred bytes of nested aliases expand to gigabytes."""
+
+        def compose_node(self, parent: Any, index: Any) -> Any:
+            if self.check_event(yaml.events.AliasEvent):
+                event = self.peek_event()
+                raise yaml.composer.ComposerError(None, None, "YAML aliases are not allowed in a profile", event.start_mark)
+            return super().compose_node(parent, index)
+
+
+def _read_regular(path: str) -> bytes:
+    """The bytes of a regular file, never through a symlink, at most MAX_RECORD_BYTES."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise ProfileStoreError(f"{path}: is a symlink; records must be regular files in the store") from None
+        raise ProfileStoreError(f"{path}: cannot read: {exc.strerror or exc}") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise ProfileStoreError(f"{path}: not a regular file")
+        if st.st_size > MAX_RECORD_BYTES:
+            raise ProfileStoreError(f"{path}: {st.st_size} bytes, larger than a record can be ({MAX_RECORD_BYTES})")
+        with os.fdopen(fd, "rb") as handle:
+            fd = -1
+            return handle.read(MAX_RECORD_BYTES + 1)
+    except OSError as exc:
+        raise ProfileStoreError(f"{path}: cannot read: {exc.strerror or exc}") from None
+    finally:
+        if fd >= 0:
+            os.close(fd)
+
+
+def _has_ranks(profile: Mapping[str, Any]) -> bool:
+    ranks = profile.get("ranks")
+    return isinstance(ranks, list) and bool(ranks) and all(
+        isinstance(r, Mapping) and r.get("free_bytes") is not None and r.get("kv_bytes") is not None for r in ranks
+    )
 
 
 def _utc_now() -> datetime.datetime:
@@ -107,22 +175,30 @@ class ProfileStore:
 
     # ------------------------------------------------------------ reading
     def _class_dir(self, host_class: str) -> str:
-        return os.path.join(self.path, validate_host_class(host_class))
+        directory = os.path.join(self.path, validate_host_class(host_class))
+        if os.path.islink(directory):
+            raise ProfileStoreError(f"{directory}: is a symlink; a class directory must be a directory of the store")
+        return directory
 
     def _load(self, path: str, host_class: str) -> dict[str, Any]:
+        raw = _read_regular(path)
         try:
-            with open(path, encoding="utf-8") as handle:
-                data = yaml.safe_load(handle)
-        except OSError as exc:
-            raise ProfileStoreError(f"{path}: cannot read: {exc.strerror or exc}") from None
+            content = raw.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise ProfileStoreError(f"{path}: not UTF-8 text (byte {exc.start})") from None
+        try:
+            data = yaml.load(content, Loader=_PlainLoader)  # nosec - a SafeLoader, without aliases
         except yaml.YAMLError as exc:
             reason = " ".join(str(exc).split())
             raise ProfileStoreError(f"{path}: not valid YAML: {reason}") from None
         if not isinstance(data, dict):
             raise ProfileStoreError(f"{path}: expected a mapping with format/host_class/key_hash/compat/profile")
+        if data.get("format") == 1:
+            raise ProfileStoreError(f"{path}: format 1 has no record_hash, so its content cannot be checked; "
+                                    "record the profile again (a profiled canary)")
         if data.get("format") != FORMAT:
             raise ProfileStoreError(f"{path}: unsupported format {data.get('format')!r} (expected {FORMAT})")
-        missing = [k for k in ("host_class", "key_hash", "compat", "recorded_at", "profile") if k not in data]
+        missing = [k for k in ("host_class", "key_hash", "compat", "recorded_at", "profile", "record_hash") if k not in data]
         if missing:
             raise ProfileStoreError(f"{path}: missing {', '.join(missing)}")
         if data["host_class"] != host_class:
@@ -135,6 +211,16 @@ class ProfileStore:
             raise ProfileStoreError(f"{path}: {exc}") from None
         if key.hash != data["key_hash"]:
             raise ProfileStoreError(f"{path}: key_hash {data['key_hash']!r} does not match its compat fields ({key.hash}); the file was edited")
+        if record_hash(data) != data["record_hash"]:
+            raise ProfileStoreError(f"{path}: record_hash does not match its content; the file was edited")
+        try:
+            when = datetime.datetime.strptime(str(data["recorded_at"]), _STAMP).replace(tzinfo=datetime.timezone.utc)
+        except ValueError:
+            raise ProfileStoreError(f"{path}: recorded_at {data['recorded_at']!r} is not a UTC time like 2026-11-29T21:04:09.123456Z") from None
+        if when > self._clock() + FUTURE_SKEW:
+            raise ProfileStoreError(f"{path}: recorded_at {data['recorded_at']} is in the future")
+        if not _has_ranks(data["profile"]):
+            raise ProfileStoreError(f"{path}: the profile has no ranks (rank, free_bytes, kv_bytes)")
         data["recorded_at"] = str(data["recorded_at"])
         data["path"] = path
         return data
@@ -218,17 +304,25 @@ class ProfileStore:
             data = _sizes_to_ints(data, "profile")
         except SizeError as exc:
             raise ProfileStoreError(str(exc)) from None
+        if not _has_ranks(data):
+            raise ProfileStoreError("profile.ranks: a profile needs a non-empty list of {rank, free_bytes, kv_bytes}")
         now = self._clock()
-        return _plain(
+        record = _plain(
             {
                 "format": FORMAT,
                 "host_class": host_class,
                 "key_hash": key.hash,
                 "compat": key.fields,
-                "recorded_at": now.strftime("%Y-%m-%dT%H:%M:%S.%fZ"),
+                "recorded_at": now.strftime(_STAMP),
                 "profile": data,
             }
         )
+        try:
+            json.dumps(record, allow_nan=False)
+        except ValueError:
+            raise ProfileStoreError("profile: numbers must be finite (no inf or nan)") from None
+        record["record_hash"] = record_hash(record)
+        return record
 
     def dump(self, record: Mapping[str, Any]) -> str:
         body = {k: v for k, v in record.items() if k != "path"}
@@ -238,7 +332,7 @@ class ProfileStore:
         """Write a new record (``profile`` has ``host_class``, ``compat`` and ``profile``); return it with ``path``."""
         record = self.build_record(profile)
         host_class = record["host_class"]
-        stamp = datetime.datetime.strptime(record["recorded_at"], "%Y-%m-%dT%H:%M:%S.%fZ").strftime("%Y%m%dT%H%M%S%fZ")
+        stamp = datetime.datetime.strptime(record["recorded_at"], _STAMP).strftime("%Y%m%dT%H%M%S%fZ")
         text = self.dump(record)
         with self._locked(exclusive=True):
             directory = self._class_dir(host_class)
@@ -246,8 +340,9 @@ class ProfileStore:
                 os.makedirs(directory, mode=0o755, exist_ok=True)
             except OSError as exc:
                 raise ProfileStoreError(f"{directory}: cannot create: {exc.strerror or exc}") from None
+            _remove_stale_temporaries(directory)
             try:
-                fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".yml", dir=directory)
+                fd, tmp = tempfile.mkstemp(prefix=_TMP_PREFIX, suffix=".yml", dir=directory)
             except OSError as exc:
                 raise ProfileStoreError(f"{directory}: cannot write: {exc.strerror or exc}") from None
             try:
@@ -276,6 +371,20 @@ class ProfileStore:
             _fsync_dir(directory)
         record["path"] = final
         return record
+
+
+def _remove_stale_temporaries(directory: str) -> None:
+    """Temporary files of interrupted writes (the caller holds the store's exclusive lock)."""
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return
+    for name in names:
+        if name.startswith(_TMP_PREFIX) and name.endswith(".yml"):
+            try:
+                os.unlink(os.path.join(directory, name))  # a symlink is removed, never followed
+            except OSError:
+                pass
 
 
 def _fsync_dir(directory: str) -> None:

@@ -23,7 +23,14 @@ import math
 import re
 from decimal import Decimal, InvalidOperation
 
-__all__ = ["SizeError", "parse_size", "human_bytes", "UNITS"]
+__all__ = ["SizeError", "parse_size", "human_bytes", "UNITS", "MAX_BYTES"]
+
+# The largest size accepted: a signed 64-bit count, what vLLM and the kernel take.
+MAX_BYTES = 2**63 - 1
+# Longest size text and largest exponent accepted: ``"1e999999"`` would otherwise cost
+# Decimal seconds of CPU before the result is found to be far too large.
+_TEXT_MAX = 64
+_EXPONENT_MAX = 30
 
 
 class SizeError(ValueError):
@@ -54,7 +61,9 @@ UNITS: dict[str, int] = {
     "t": 1000**4,
 }
 
-_SIZE_RE = re.compile(r"^\s*(?P<num>[+-]?(?:\d[\d_]*(?:\.\d*)?|\.\d+)(?:[eE][+-]?\d+)?)\s*(?P<unit>[A-Za-z]*)\s*$")
+_SIZE_RE = re.compile(
+    r"[ \t]*(?P<num>[+-]?(?:\d[\d_]*(?:\.\d*)?|\.\d+))(?:[eE](?P<exp>[+-]?\d+))?[ \t]*(?P<unit>[A-Za-z]*)[ \t]*"
+)
 
 _BINARY_RENDER = (("PiB", KIB**5), ("TiB", KIB**4), ("GiB", KIB**3), ("MiB", KIB**2), ("KiB", KIB))
 _DECIMAL_RENDER = (("TB", 1000**4), ("GB", 1000**3), ("MB", 1000**2), ("kB", 1000))
@@ -80,7 +89,9 @@ def parse_size(value: object, field: str = "size") -> int:
     if isinstance(value, int):
         if value < 0:
             raise _fail(field, value, "must not be negative")
-        return value
+        if value > MAX_BYTES:
+            raise _fail(field, value, f"larger than {MAX_BYTES} (2**63 - 1)")
+        return int(value)
     if isinstance(value, float):
         if not math.isfinite(value):
             raise _fail(field, value, "not a finite number")
@@ -88,22 +99,31 @@ def parse_size(value: object, field: str = "size") -> int:
             raise _fail(field, value, "not a whole number of bytes")
         if value < 0:
             raise _fail(field, value, "must not be negative")
+        if value > MAX_BYTES:
+            raise _fail(field, value, f"larger than {MAX_BYTES} (2**63 - 1)")
         return int(value)
     if not isinstance(value, str):
         raise _fail(field, value, f"expected an integer or a string, got {type(value).__name__}")
-    match = _SIZE_RE.match(value)
+    if len(value) > _TEXT_MAX:
+        raise _fail(field, value[:_TEXT_MAX] + "...", f"longer than {_TEXT_MAX} characters")
+    match = _SIZE_RE.fullmatch(value)
     if not match:
         raise _fail(field, value, "expected a number with an optional unit such as 512MiB, 0.5GiB, 30G or 30g")
     unit = match.group("unit")
     if unit not in UNITS:
         raise _fail(field, value, f"unknown unit {unit!r} (use B, KiB, MiB, GiB, TiB, K, M, G, T, kB, MB, GB, TB, k, m, g, t)")
+    exponent = match.group("exp")
+    if exponent is not None and abs(int(exponent)) > _EXPONENT_MAX:
+        raise _fail(field, value, f"exponent out of range (at most e{_EXPONENT_MAX})")
     try:
-        number = Decimal(match.group("num").replace("_", ""))
+        number = Decimal(match.group("num").replace("_", "") + (f"e{exponent}" if exponent is not None else ""))
     except InvalidOperation:  # pragma: no cover - the regex only lets numbers through
         raise _fail(field, value, "not a number") from None
     if number < 0:
         raise _fail(field, value, "must not be negative")
     result = number * UNITS[unit]
+    if result > MAX_BYTES:
+        raise _fail(field, value, f"larger than {MAX_BYTES} (2**63 - 1)")
     if result != result.to_integral_value():
         raise _fail(field, value, "not a whole number of bytes")
     return int(result)
@@ -151,8 +171,8 @@ def human_bytes(n: int, precision: int = 2, exact: bool = False) -> str:
         candidates.append(str(n))
         # fewest digits wins (the most readable exact form)
         return min(candidates, key=lambda c: sum(ch.isdigit() for ch in c))
-    if precision < 0:
-        raise SizeError(f"human_bytes: precision must be >= 0, got {precision}")
+    if isinstance(precision, bool) or not isinstance(precision, int) or not 0 <= precision <= 20:
+        raise SizeError(f"human_bytes: precision must be an integer in 0..20, got {precision!r}")
     units = (("B", 1),) + tuple(reversed(_BINARY_RENDER))
     pick = 0
     for i, (_name, unit) in enumerate(units):

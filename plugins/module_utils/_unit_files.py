@@ -42,6 +42,9 @@ import tempfile
 import typing as t
 from dataclasses import dataclass
 
+from . import _validate as v
+from ._vllm_engine import CONTROLLED_OPTIONS, EngineSpecError, option_name, render_serve_args
+
 KINDS = ("unit", "plan", "env")
 SHOW_PROPERTIES = ("LoadState", "ActiveState", "NeedDaemonReload")
 # systemctl show of several units: one block of properties per unit, in argument order.
@@ -98,9 +101,168 @@ class Layout:
 
 
 def validate_name(name: object) -> str:
-    if not isinstance(name, str) or not name or not all(c.isalnum() or c in "_.-" for c in name) or name in (".", ".."):
-        raise UnitFilesError(f"instance name {name!r}: use letters, digits, '_', '.' and '-' only")
-    return name
+    try:
+        return v.instance_name(name, "instance name")
+    except v.ValidationError as exc:
+        raise UnitFilesError(str(exc)) from None
+
+
+def check_content(name: str, kind: str, content: object) -> str:
+    """The text of a unit or an environment file, checked before it is written."""
+    try:
+        if kind == "env":
+            return v.check_environment_file(content, f"instance {name}: environment file")
+        if not isinstance(content, str):
+            raise v.ValidationError(f"instance {name}: unit: expected text, got {type(content).__name__}")
+        if "\0" in content or "\r" in content:
+            raise v.ValidationError(f"instance {name}: unit: must not contain NUL or carriage return characters")
+        return content
+    except v.ValidationError as exc:
+        raise UnitFilesError(str(exc)) from None
+
+
+_DECISIONS = ("deploy", "reprofile", "split", "auto_profile")
+# role variable (less the vllm_service_ prefix) -> check; every one is rendered into the unit
+_SERVICE_PATHS = ("executable", "home", "state_dir", "unit_dir")
+_SERVICE_COUNTS = {"restart_sec": 0, "start_limit_burst": 0, "start_limit_interval_sec": 0,
+                   "timeout_stop_sec": 0, "boot_timeout": 1, "gate_samples": 1, "min_tokens": 0}
+_MAX_GPUS = 1024
+
+
+def _check(problems: list[str], fn: t.Callable[..., t.Any], *args: t.Any, **kwargs: t.Any) -> t.Any:
+    try:
+        return fn(*args, **kwargs)
+    except v.ValidationError as exc:
+        problems.append(str(exc))
+        return None
+
+
+def _instances_problems(instances: t.Any, problems: list[str]) -> None:
+    field = "vllm_service_instances"
+    if not isinstance(instances, (list, tuple)) or not instances:
+        problems.append(f"{field}: expected a non-empty list of {{name, gpus, port}}")
+        return
+    names, ports, owner = [], [], {}
+    for i, inst in enumerate(instances):
+        where = f"{field}[{i}]"
+        if not isinstance(inst, t.Mapping):
+            problems.append(f"{where}: expected a mapping with name, gpus and port")
+            continue
+        name = _check(problems, v.instance_name, inst.get("name"), f"{where}.name")
+        names.append(name)
+        ports.append(_check(problems, v.port, inst.get("port"), f"{where}.port"))
+        gpus = inst.get("gpus")
+        if not isinstance(gpus, (list, tuple)) or not gpus:
+            problems.append(f"{where}.gpus: expected a non-empty list of NVML indices")
+            continue
+        seen: list[int] = []
+        for j, gpu in enumerate(gpus):
+            index = _check(problems, v.integer, gpu, f"{where}.gpus[{j}]", low=0, high=_MAX_GPUS - 1)
+            if index is None:
+                continue
+            if index in seen:
+                problems.append(f"{where}.gpus: GPU {index} is listed twice")
+                continue
+            seen.append(index)
+            if index in owner and owner[index] != i:
+                problems.append(f"{where}.gpus: GPU {index} is also used by {field}[{owner[index]}]; "
+                                "instances sharing a GPU would each get the whole plan's budget")
+            owner.setdefault(index, i)
+    _check(problems, v.unique, [n for n in names if n is not None], f"{field} names")
+    _check(problems, v.unique, [p for p in ports if p is not None], f"{field} ports")
+
+
+def _plan_problems(plan: t.Any, problems: list[str]) -> None:
+    field = "vllm_service_plan"
+    if not isinstance(plan, t.Mapping):
+        problems.append(f"{field}: expected a mapping (the output of gpufleet.vllm.kv_plan)")
+        return
+    decision = plan.get("decision")
+    if decision not in _DECISIONS:
+        problems.append(f"{field}.decision: must be one of {', '.join(_DECISIONS)}, got {decision!r}")
+        return
+    if decision != "auto_profile":
+        _check(problems, v.integer, plan.get("kv_cache_memory_bytes"), f"{field}.kv_cache_memory_bytes", low=1)
+        _check(problems, v.number, plan.get("gpu_memory_utilization"), f"{field}.gpu_memory_utilization",
+               low=0, high=1, low_open=True)
+    elif plan.get("gpu_memory_utilization") is not None:
+        _check(problems, v.number, plan.get("gpu_memory_utilization"), f"{field}.gpu_memory_utilization",
+               low=0, high=1, low_open=True)
+
+
+def _env_problems(env: t.Any, field: str, problems: list[str], secret: bool = False) -> None:
+    if env is None:
+        return
+    if not isinstance(env, t.Mapping):
+        problems.append(f"{field}: expected a mapping NAME -> value")
+        return
+    for name, value in env.items():
+        key = _check(problems, v.env_name, name, f"{field} name")
+        if key is None:
+            continue
+        try:
+            v.text(value, f"{field}.{key}", allow_empty=True)
+        except v.ValidationError as exc:
+            # a secret's message never shows the value, not even a part of it
+            problems.append(f"{field}.{key}: must be a string without control characters (value not shown)"
+                            if secret else str(exc))
+
+
+def service_input_problems(inputs: t.Mapping[str, t.Any]) -> list[str]:
+    """Every problem with the inputs of the role ``vllm_service`` (``vllm_service_*`` variables), by field.
+
+    Everything that ends up in the unit or the environment file is checked here with the
+    rules of ``_validate``, so that a bad value stops the role before any host is touched.
+    """
+    problems: list[str] = []
+
+    def get(key: str) -> t.Any:
+        return inputs.get("vllm_service_" + key)
+
+    _instances_problems(get("instances"), problems)
+    _plan_problems(get("plan"), problems)
+    if _check(problems, v.text, get("model"), "vllm_service_model") and str(get("model")).startswith("-"):
+        problems.append("vllm_service_model: must not start with '-' (vLLM would read it as an option)")
+    for key in _SERVICE_PATHS:
+        _check(problems, v.abs_path, get(key), "vllm_service_" + key)
+    for key in ("user", "group"):
+        _check(problems, v.account_name, get(key), "vllm_service_" + key)
+    _check(problems, v.text, get("listen_host"), "vllm_service_listen_host")
+    if isinstance(get("listen_host"), str) and any(c.isspace() for c in get("listen_host")):
+        problems.append("vllm_service_listen_host: must not contain whitespace")
+    if get("host_class"):
+        _check(problems, v.class_name, get("host_class"), "vllm_service_host_class")
+    for key in ("read_write_paths", "device_allow"):
+        items = get(key) or []
+        if not isinstance(items, (list, tuple)):
+            problems.append(f"vllm_service_{key}: expected a list")
+            continue
+        for i, item in enumerate(items):
+            if key == "read_write_paths":
+                _check(problems, v.abs_path, item, f"vllm_service_{key}[{i}]")
+            else:
+                _check(problems, v.text, item, f"vllm_service_{key}[{i}]")
+    for key, low in _SERVICE_COUNTS.items():
+        if get(key) is not None:
+            _check(problems, v.integer, get(key), "vllm_service_" + key, low=low)
+    for key, bounds in (("gate_interval", {"low": 0}),
+                        ("auto_gpu_memory_utilization", {"low": 0, "high": 1, "low_open": True})):
+        if get(key) is not None:
+            _check(problems, v.number, get(key), "vllm_service_" + key, **bounds)
+    for key in ("create_user", "boot_check"):
+        if get(key) is not None:
+            _check(problems, v.boolean, get(key), "vllm_service_" + key)
+    _env_problems(get("env"), "vllm_service_env", problems)
+    _env_problems(get("secret_env"), "vllm_service_secret_env", problems, secret=True)
+    serve_args = get("serve_args")
+    if serve_args is not None and not isinstance(serve_args, t.Mapping):
+        problems.append("vllm_service_serve_args: expected a mapping of vllm serve options")
+    elif serve_args:
+        try:  # the options the role sets itself are refused by the next check, with its own message
+            render_serve_args({k: a for k, a in serve_args.items() if option_name(k) not in CONTROLLED_OPTIONS})
+        except (EngineSpecError, v.ValidationError) as exc:
+            problems.append(f"vllm_service_serve_args: {exc}")
+    return problems
 
 
 def sha1(data: bytes) -> str:
@@ -371,6 +533,11 @@ def write(layout: Layout, instances: t.Sequence[t.Mapping[str, t.Any]], check: b
           want_diff: bool = False) -> list[dict[str, t.Any]]:
     """Write the given unit and environment files (``{name, unit?, env?}``); unchanged files are left alone."""
     out = []
+    for inst in instances:  # every input first: nothing is written when one is wrong
+        name = validate_name(inst["name"])
+        for kind in ("env", "unit"):
+            if inst.get(kind) is not None:
+                check_content(name, kind, inst[kind])
     changed_dir = ensure_dir(layout.state_dir, layout.uid, layout.plan_gid, 0o750, check)
     for inst in instances:
         name = validate_name(inst["name"])

@@ -18,6 +18,7 @@ import http.client
 import json
 import math
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -28,6 +29,9 @@ import typing as t
 from dataclasses import dataclass, field
 
 from ._load_test import LoadSpec, run_load_test
+from ._validate import ValidationError, env_name, integer, is_secret_option, number
+from ._validate import text as v_text
+from ._validate import port as valid_port
 from ._vllm_log import EngineLog, parse_engine_log
 from ._vllm_metrics import EngineMetrics, MetricsParseError, parse_metrics
 
@@ -79,7 +83,13 @@ def render_serve_args(serve_args: t.Mapping[str, t.Any] | None) -> list[str]:
     argv: list[str] = []
     seen: dict[str, t.Any] = {}
     for key, value in sorted((serve_args or {}).items(), key=lambda item: option_name(item[0])):
+        try:
+            v_text(key, "serve_args option name")
+        except ValidationError as exc:
+            raise EngineSpecError(str(exc)) from None
         name = option_name(key)
+        if not name or not _OPTION_RE.fullmatch(name):
+            raise EngineSpecError(f"serve_args: option name {key!r}: use letters, digits, '-' and '_'")
         if not name:
             raise EngineSpecError(f"serve_args: empty option name {key!r}")
         if name in seen:
@@ -103,20 +113,33 @@ def render_serve_args(serve_args: t.Mapping[str, t.Any] | None) -> list[str]:
             argv.append(flag)
             argv.extend(_scalar(v, key) for v in value)
         elif isinstance(value, dict):
-            argv.extend([flag, json.dumps(value, sort_keys=True, separators=(",", ":"))])
+            argv.extend([flag, _scalar(value, key)])
         else:
             argv.extend([flag, _scalar(value, key)])
     return argv
 
 
+_OPTION_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9-]*")
+
+
 def _scalar(value: t.Any, key: str) -> str:
     if isinstance(value, (dict, list, tuple)):
-        return json.dumps(value, sort_keys=True, separators=(",", ":"))
+        try:
+            return json.dumps(value, sort_keys=True, separators=(",", ":"), allow_nan=False)
+        except (TypeError, ValueError) as exc:
+            raise EngineSpecError(f"serve_args.{key}: cannot be written as JSON: {exc}") from None
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, float) and not math.isfinite(value):
         raise EngineSpecError(f"serve_args: option {key!r} has a non-finite value")
-    return str(value)
+    try:
+        word = v_text(value, f"serve_args.{key}", allow_empty=True)
+    except ValidationError as exc:
+        raise EngineSpecError(str(exc)) from None
+    if word.startswith("--"):
+        # vLLM's argument parser would take it for an option of its own (--port, --api-key)
+        raise EngineSpecError(f"serve_args.{key}: a value must not start with '--', got {word[:40]!r}")
+    return word
 
 
 def build_argv(
@@ -137,9 +160,19 @@ def build_argv(
         raise EngineSpecError("executable is required")
     if not model:
         raise EngineSpecError("model is required")
-    if not 0 < int(port) < 65536:
-        raise EngineSpecError(f"port {port} is out of range")
-    argv = [str(executable), "serve", str(model), "--host", host, "--port", str(int(port))]
+    try:
+        v_text(executable, "executable")
+        v_text(model, "model")
+        v_text(host, "host")
+    except ValidationError as exc:
+        raise EngineSpecError(str(exc)) from None
+    if str(model).startswith("-"):
+        raise EngineSpecError(f"model: must not start with '-' (vLLM would read it as an option), got {str(model)[:40]!r}")
+    try:
+        port = valid_port(port)
+    except ValidationError as exc:
+        raise EngineSpecError(str(exc)) from None
+    argv = [str(executable), "serve", str(model), "--host", host, "--port", str(port)]
     if mode == "manual":
         if kv_cache_memory_bytes is None:
             raise EngineSpecError("mode=manual needs kv_cache_memory_bytes")
@@ -151,9 +184,10 @@ def build_argv(
     elif kv_cache_memory_bytes is not None:
         raise EngineSpecError("kv_cache_memory_bytes is only valid with mode=manual")
     if gpu_memory_utilization is not None:
-        util = float(gpu_memory_utilization)
-        if not 0.0 < util <= 1.0:
-            raise EngineSpecError(f"gpu_memory_utilization must be in (0, 1], got {util}")
+        try:
+            util = number(gpu_memory_utilization, "gpu_memory_utilization", low=0, high=1, low_open=True)
+        except ValidationError as exc:
+            raise EngineSpecError(f"{exc} (must be in (0, 1])") from None
         argv += ["--gpu-memory-utilization", repr(util)]
     argv += render_serve_args(serve_args)
     return argv
@@ -182,9 +216,13 @@ def engine_env(
                 )
             env.pop(name, None)
     for key, value in extra.items():
-        if not isinstance(key, str) or not key or "=" in key:
-            raise EngineSpecError("env: invalid variable name")
-        env[key] = "" if value is None else str(value)
+        try:
+            name = env_name(key, "env")
+        except ValidationError as exc:
+            raise EngineSpecError(str(exc)) from None
+        if isinstance(value, str) and "\0" in value:
+            raise EngineSpecError(f"env.{name}: must not contain a NUL character")
+        env[name] = "" if value is None else str(value)
     if cuda_visible_devices is not None:
         env["CUDA_VISIBLE_DEVICES"] = str(cuda_visible_devices)
     return env
@@ -266,7 +304,11 @@ class EngineProcess:
         return None if self.proc is None else self.proc.pid
 
     def start(self) -> None:
-        fd = os.open(self.log_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        # a new file only, never through a link: the log lives in a directory of its own
+        try:
+            fd = os.open(self.log_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        except OSError as exc:
+            raise EngineSpecError(f"engine log {self.log_file}: cannot create: {exc.strerror or exc}") from None
         try:
             self.proc = subprocess.Popen(  # pylint: disable=consider-using-with
                 self.argv,
@@ -539,14 +581,19 @@ class Tolerances:
     @classmethod
     def from_dict(cls, data: t.Mapping[str, t.Any] | None) -> Tolerances:
         data = {k: v for k, v in (data or {}).items() if v is not None}
-        tol = cls(**data)
-        if not 0.0 <= tol.token_ratio:
-            raise EngineSpecError("tolerances.token_ratio must not be negative")
-        if tol.latency_ratio <= 0:
-            raise EngineSpecError("tolerances.latency_ratio must be positive")
-        if tol.preemptions < 0:
-            raise EngineSpecError("tolerances.preemptions must not be negative")
-        return tol
+        unknown = sorted(set(data) - {"token_ratio", "latency_ratio", "preemptions"})
+        if unknown:
+            raise EngineSpecError(f"tolerances: unknown field(s) {', '.join(map(str, unknown))}")
+        try:
+            if "token_ratio" in data:
+                data["token_ratio"] = number(data["token_ratio"], "tolerances.token_ratio", low=0)
+            if "latency_ratio" in data:
+                data["latency_ratio"] = number(data["latency_ratio"], "tolerances.latency_ratio", low=0, low_open=True)
+            if "preemptions" in data:
+                data["preemptions"] = integer(data["preemptions"], "tolerances.preemptions", low=0)
+        except ValidationError as exc:
+            raise EngineSpecError(str(exc)) from None
+        return cls(**data)
 
 
 def _ratio(value: t.Any, ref: t.Any) -> float | None:
@@ -700,14 +747,6 @@ def judge_canary(
 
 # ------------------------------------------------------------------- canary
 
-_SECRET_WORDS = ("key", "token", "secret", "password", "passwd", "credential")
-
-
-def is_secret_option(name: str) -> bool:
-    low = option_name(name).lower()
-    return any(word in low for word in _SECRET_WORDS)
-
-
 def redact_argv(argv: t.Sequence[str]) -> list[str]:
     """argv with the value of every secret-looking option replaced."""
     out: list[str] = []
@@ -756,7 +795,13 @@ class CanarySpec:
     health_interval: float = 0.5
 
 
+def _without_api_key(serve_args: t.Mapping[str, t.Any] | None) -> dict[str, t.Any]:
+    """serve_args less ``api_key``: the canary hands the key over in ``VLLM_API_KEY`` (never in argv)."""
+    return {k: v for k, v in (serve_args or {}).items() if option_name(k) != "api-key"}
+
+
 def canary_argv(spec: CanarySpec, port: int) -> list[str]:
+    """The canary's argv; an ``api_key`` serve option is not in it (see :func:`canary_env`)."""
     return build_argv(
         spec.executable,
         spec.model,
@@ -764,9 +809,22 @@ def canary_argv(spec: CanarySpec, port: int) -> list[str]:
         port=port,
         kv_cache_memory_bytes=spec.kv_cache_memory_bytes,
         gpu_memory_utilization=spec.gpu_memory_utilization,
-        serve_args=spec.serve_args,
+        serve_args=_without_api_key(spec.serve_args),
         host=spec.host,
     )
+
+
+def canary_env(spec: CanarySpec, base: t.Mapping[str, str] | None = None) -> dict[str, str]:
+    """The canary's environment: ``spec.env``, plus ``VLLM_API_KEY`` from an ``api_key`` serve option.
+
+    vLLM reads the key from ``VLLM_API_KEY``; in argv it would be readable by every user
+    of the host in ``/proc/PID/cmdline``.
+    """
+    extra = dict(spec.env or {})
+    key = api_key_of(spec.serve_args, None)
+    if key:
+        extra["VLLM_API_KEY"] = key
+    return engine_env(extra, mode=spec.mode, cuda_visible_devices=spec.cuda_visible_devices, base=base)
 
 
 def _tail(text: str, lines: int = 60, limit: int = 12000) -> str:
@@ -775,13 +833,40 @@ def _tail(text: str, lines: int = 60, limit: int = 12000) -> str:
 
 
 def _place_log(partial: str, final: str) -> str | None:
-    """Move the finished log to ``final`` atomically; keep an existing one as ``.previous``."""
+    """Move the finished log to ``final`` atomically; keep an existing one as ``.previous``.
+
+    ``rename(2)`` replaces a symlink at ``final`` (or ``.previous``) by the file itself,
+    it never writes through it; the private directory of the partial log is removed.
+    """
     previous = None
-    if os.path.lexists(final):
-        previous = final + ".previous"
-        os.replace(final, previous)
-    os.replace(partial, final)
+    try:
+        if os.path.lexists(final):
+            previous = final + ".previous"
+            os.replace(final, previous)
+        os.replace(partial, final)
+    except OSError as exc:
+        raise EngineSpecError(f"log_path {final}: cannot place the engine log: {exc.strerror or exc}") from None
+    finally:
+        _remove_private_dir(os.path.dirname(partial))
     return previous
+
+
+def _private_log(directory: str | None) -> str:
+    """A log path inside a new private (0700) directory: nothing there can be a planted link."""
+    try:
+        private = tempfile.mkdtemp(prefix=".vllm-canary-", dir=directory)
+    except OSError as exc:
+        raise EngineSpecError(f"log_path: cannot create a private directory in {directory}: {exc.strerror or exc}") from None
+    return os.path.join(private, "engine.log")
+
+
+def _remove_private_dir(private: str) -> None:
+    try:
+        for name in os.listdir(private):
+            os.unlink(os.path.join(private, name))
+        os.rmdir(private)
+    except OSError:
+        pass
 
 
 class Terminated(Exception):
@@ -823,7 +908,7 @@ def run_canary(
     if port_in_use(port, spec.host):
         raise EngineSpecError(f"port {port} on {spec.host} is already in use")
     argv = canary_argv(spec, port)
-    env = engine_env(spec.env, mode=spec.mode, cuda_visible_devices=spec.cuda_visible_devices)
+    env = canary_env(spec)
     headers = None
     key = api_key_of(spec.serve_args, spec.env)
     if key:
@@ -833,10 +918,11 @@ def run_canary(
         directory = os.path.dirname(os.path.abspath(spec.log_path))
         if not os.path.isdir(directory):
             raise EngineSpecError(f"log_path: directory {directory} does not exist")
-        partial = f"{spec.log_path}.{os.getpid()}.partial"
+        if os.path.isdir(spec.log_path) and not os.path.islink(spec.log_path):
+            raise EngineSpecError(f"log_path: {spec.log_path} is a directory")
+        partial = _private_log(directory)
     else:
-        handle, partial = tempfile.mkstemp(prefix="vllm-canary-", suffix=".log")
-        os.close(handle)
+        partial = _private_log(None)
 
     result: dict[str, t.Any] = {
         "mode": spec.mode,
@@ -906,10 +992,7 @@ def run_canary(
             result["log_path"] = spec.log_path
             result["previous_log_path"] = _place_log(partial, spec.log_path)
         else:
-            try:
-                os.unlink(partial)
-            except OSError:
-                pass
+            _remove_private_dir(os.path.dirname(partial))
 
     log = summarise_log(parse_engine_log(text))
     result["log_recognised"] = log["recognised"]

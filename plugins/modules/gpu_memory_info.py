@@ -161,6 +161,7 @@ from typing import Any
 from ansible.module_utils.basic import AnsibleModule, missing_required_lib
 
 from ansible_collections.gpufleet.vllm.plugins.module_utils._nvml_probe import NvmlProbeError, probe
+from ansible_collections.gpufleet.vllm.plugins.module_utils._validate import ValidationError, integer, number, text
 
 try:
     import pynvml
@@ -196,6 +197,22 @@ def run_module(module: AnsibleModule, binding: Any) -> dict[str, Any]:
     return {"changed": False, "ansible_facts": facts, "warnings": warnings, **result}
 
 
+MAX_SAMPLES = 1000
+MAX_INTERVAL = 3600.0
+
+
+def check_params(params: dict[str, Any]) -> None:
+    """The edge checks: finite, bounded sample count and interval; unit names and devices as plain text."""
+    integer(params["samples"], "samples", low=1, high=MAX_SAMPLES)
+    number(params["interval"], "interval", low=0, high=MAX_INTERVAL)
+    for i, device in enumerate(params["devices"] or []):
+        text(device, f"devices[{i}]")
+    for i, unit in enumerate(params["service_units"] or []):
+        text(unit, f"service_units[{i}]")
+    for i, pid in enumerate(params["service_pids"] or []):
+        integer(pid, f"service_pids[{i}]", low=1)
+
+
 def main() -> None:
     module = AnsibleModule(
         argument_spec={
@@ -207,10 +224,10 @@ def main() -> None:
         },
         supports_check_mode=True,
     )
-    if module.params["samples"] < 1:
-        module.fail_json(msg=f"samples must be >= 1, got {module.params['samples']}")
-    if module.params["interval"] < 0:
-        module.fail_json(msg=f"interval must be >= 0, got {module.params['interval']}")
+    try:
+        check_params(module.params)
+    except ValidationError as exc:
+        module.fail_json(msg=str(exc))
     if pynvml is None:
         module.fail_json(msg=missing_required_lib("nvidia-ml-py"), exception=PYNVML_IMPORT_ERROR)
     try:

@@ -160,6 +160,7 @@ from ansible.module_utils.basic import AnsibleModule
 from ansible.module_utils.common.text.converters import to_native
 
 from ansible_collections.gpufleet.vllm.plugins.module_utils._sizes import SizeError, parse_size
+from ansible_collections.gpufleet.vllm.plugins.module_utils._validate import ValidationError, integer, port, text
 from ansible_collections.gpufleet.vllm.plugins.module_utils._vllm_engine import (
     BootCheckSpec,
     EngineSpecError,
@@ -175,8 +176,8 @@ def _floor(value: object) -> int | dict | None:
         out = {}
         for key, size in value.items():
             try:
-                rank = int(key)
-            except (TypeError, ValueError):
+                rank = integer(key, "free_floor_bytes rank", low=0)
+            except ValidationError:
                 raise EngineSpecError(f"free_floor_bytes: rank {key!r} is not an integer") from None
             out[rank] = parse_size(size, f"free_floor_bytes[{rank}]")
         return out
@@ -184,19 +185,29 @@ def _floor(value: object) -> int | dict | None:
 
 
 def build_spec(params: dict) -> BootCheckSpec:
-    host, port = "127.0.0.1", params["port"]
+    host, tcp_port = "127.0.0.1", port(params["port"], "port")
     if params["url"]:
-        parts = urlsplit(params["url"])
+        url = text(params["url"], "url")
+        try:
+            parts = urlsplit(url)
+            url_port = parts.port
+        except ValueError as exc:
+            raise EngineSpecError(f"url {url!r}: {exc}") from None
         if parts.scheme != "http" or not parts.hostname:
-            raise EngineSpecError(f"url {params['url']!r}: only http://host[:port] is supported")
-        host, port = parts.hostname, parts.port or 80
+            raise EngineSpecError(f"url {url!r}: only http://host[:port] is supported")
+        host, tcp_port = parts.hostname, port(url_port or 80, "url port")
+    if params["unit"] is not None:
+        text(params["unit"], "unit")
+    integer(params["timeout"], "timeout", low=1)
+    if params["min_tokens"] is not None:
+        integer(params["min_tokens"], "min_tokens", low=0)
     expected = None
     if params["expected_kv_cache_memory_bytes"] is not None:
         expected = parse_size(params["expected_kv_cache_memory_bytes"], "expected_kv_cache_memory_bytes")
     return BootCheckSpec(
         unit=params["unit"],
         host=host,
-        port=port,
+        port=tcp_port,
         expected_kv_cache_memory_bytes=expected,
         free_floor_bytes=_floor(params["free_floor_bytes"]),
         min_tokens=params["min_tokens"],
@@ -251,7 +262,7 @@ def main() -> None:
 
         systemd = Systemd(runner, systemctl or "systemctl", journalctl or "journalctl")
         result = run_boot_check(spec, systemd)
-    except (EngineSpecError, SizeError, ValueError) as exc:
+    except (EngineSpecError, SizeError, ValidationError, ValueError) as exc:
         module.fail_json(msg=to_native(exc))
     except Exception as exc:  # pylint: disable=broad-exception-caught
         module.fail_json(msg=f"vllm_boot_check failed unexpectedly: {to_native(exc)}", exception=traceback.format_exc())

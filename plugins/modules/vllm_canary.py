@@ -337,6 +337,7 @@ from ansible.module_utils.common.text.converters import to_native
 
 from ansible_collections.gpufleet.vllm.plugins.module_utils._load_test import LoadSpec
 from ansible_collections.gpufleet.vllm.plugins.module_utils._sizes import SizeError, parse_size
+from ansible_collections.gpufleet.vllm.plugins.module_utils._validate import ValidationError, integer, port, text
 from ansible_collections.gpufleet.vllm.plugins.module_utils._vllm_engine import (
     CanarySpec,
     EngineSpecError,
@@ -355,6 +356,12 @@ def build_spec(params: dict) -> CanarySpec:
     if params["kv_cache_memory_bytes"] is not None:
         kv_bytes = parse_size(params["kv_cache_memory_bytes"], "kv_cache_memory_bytes")
     load = params["load"] or {}
+    if params["port"] is not None:
+        port(params["port"], "port")
+    integer(params["startup_timeout"], "startup_timeout", low=1)
+    integer(params["stop_timeout"], "stop_timeout", low=1)
+    if params["cuda_visible_devices"] is not None:
+        text(params["cuda_visible_devices"], "cuda_visible_devices", allow_empty=True)
     return CanarySpec(
         executable=params["executable"],
         model=params["model"],
@@ -435,7 +442,7 @@ def main() -> None:
             port = spec.port or free_port(spec.host)
             module.exit_json(changed=False, argv=redact_argv(canary_argv(spec, port)), port=port)
         result = run_canary(spec)
-    except (EngineSpecError, SizeError, ValueError) as exc:
+    except (EngineSpecError, SizeError, ValidationError, ValueError) as exc:
         module.fail_json(msg=to_native(exc))
     except Exception as exc:  # pylint: disable=broad-exception-caught
         module.fail_json(msg=f"vllm_canary failed unexpectedly: {to_native(exc)}", exception=traceback.format_exc())

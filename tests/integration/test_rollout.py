@@ -249,7 +249,8 @@ def test_wrong_service_inputs_on_a_later_host_stop_the_run_before_any_host(fleet
     finally:
         (host_vars / "sim-ro-3.yml").unlink()
     assert rc != 0
-    assert "vllm_service on sim-ro-3: instance main needs gpus (a non-empty list) and a port in 1..65535" in out, out[-6000:]
+    assert "vllm_service on sim-ro-3: vllm_service_instances[0].port: must be an integer in 1..65535, got 70000" in out, \
+        out[-6000:]
     assert "no host was touched" in out
     assert "Report what changes on this host" not in out, "no host may reach the serial batches"
     assert fleet.units() == before

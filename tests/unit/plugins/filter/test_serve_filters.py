@@ -15,7 +15,8 @@ F = FilterModule().filters()
 
 
 def test_filter_names():
-    assert set(F) == {"vllm_serve_argv", "vllm_secret_options"}
+    assert set(F) == {"vllm_serve_argv", "vllm_secret_options", "systemd_exec_start", "systemd_environment",
+                      "systemd_environment_file", "systemd_value", "vllm_service_problems"}
 
 
 def test_serve_argv_renders_every_kind_of_value():

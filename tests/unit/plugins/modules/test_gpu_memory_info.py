@@ -107,8 +107,11 @@ def test_service_unit_processes_count_as_own(monkeypatch, capsys):
 
 
 @pytest.mark.parametrize(("args", "message"), [
-    ({"samples": 0}, "samples must be >= 1, got 0"),
-    ({"interval": -2.5}, "interval must be >= 0, got -2.5"),
+    ({"samples": 0}, "samples: must be an integer in 1..1000, got 0"),
+    ({"interval": -2.5}, "interval: must be >= 0 and <= 3600, got -2.5"),
+    ({"interval": "nan"}, "interval: must be a finite number, got nan"),
+    ({"interval": float("inf")}, "interval: must be a finite number, got inf"),
+    ({"service_units": ["vllm-a.service\nx"]}, "service_units[0]: must not contain control characters"),
     ({"service_pids": ["abc"]}, "service_pids"),
     ({"bogus": 1}, "Unsupported parameters"),
 ])

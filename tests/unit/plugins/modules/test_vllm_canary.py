@@ -41,7 +41,7 @@ def test_check_mode_returns_argv_and_starts_nothing(capsys, tmp_path):
     assert rc == 0 and out["changed"] is False
     assert out["argv"] == [str(tmp_path / "missing-vllm"), "serve", "/m", "--host", "127.0.0.1", "--port", "18123",
                            "--kv-cache-memory-bytes", "536870912", "--gpu-memory-utilization", "0.8",
-                           "--api-key", "********", "--enforce-eager", "--max-model-len", "8192"]
+                           "--enforce-eager", "--max-model-len", "8192"]  # the key goes in VLLM_API_KEY
     assert "verdict" not in out
     assert "k-secret" not in json.dumps(out)
 
