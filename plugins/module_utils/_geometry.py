@@ -285,8 +285,8 @@ def _attention(top: Mapping[str, Any], cfg: Mapping[str, Any], where: str, serve
             break
     if heads_total is None:
         heads_total = _positive_int(cfg, "num_attention_heads", where)
-    # HF configs write head_dim 0 or null for "derive it"; anything else must be a positive integer.
-    if cfg.get("head_dim") not in (None, 0):
+    # A config without head_dim (or null) derives it; a given one must be a positive integer.
+    if cfg.get("head_dim") is not None:
         head_size = _positive_int(cfg, "head_dim", where)
     else:
         hidden = _positive_int(cfg, "hidden_size", where)
