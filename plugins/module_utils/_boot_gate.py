@@ -485,3 +485,57 @@ def run(argv: t.Sequence[str], nvml: t.Any = None, execv: t.Callable[[str, list[
     command = engine_argv(engine, verdict)
     (execv or os.execv)(command[0], command)
     return 0  # only reached with an injected execv
+
+
+# ---------------------------------------------------------------- the boot check's side
+
+def read_state(path: str) -> dict[str, t.Any] | None:
+    """The gate's last record (None when there is none or it is unreadable)."""
+    try:
+        with open(path, encoding="utf-8") as handle:
+            doc = json.load(handle)
+    except (OSError, ValueError):
+        return None
+    return doc if isinstance(doc, dict) and doc.get("format") == STATE_FORMAT else None
+
+
+def wait_state(path: str, invocation_id: t.Callable[[], str | None], timeout: float = 30.0,
+               sleep: t.Callable[[float], None] = time.sleep, clock: t.Callable[[], float] = time.monotonic) -> dict[str, t.Any] | None:
+    """The gate's record of the unit's current start: it names the unit's InvocationID.
+
+    The start job of a ``Type=exec`` unit completes when the gate program was executed,
+    before it decided, so a caller right after ``systemctl restart`` may have to wait a
+    moment. None when no record of this start appears within ``timeout``.
+    """
+    deadline = clock() + timeout
+    while True:
+        current = invocation_id()
+        state = read_state(path)
+        if state is not None and current and state.get("invocation_id") == current:
+            return state
+        if clock() >= deadline:
+            return None
+        sleep(0.2)
+
+
+def boot_expectations(state: t.Mapping[str, t.Any] | None, expected_bytes: int | None,
+                      min_tokens: int | None) -> tuple[int | None, int | None, dict[str, t.Any] | None]:
+    """What a boot check compares with after the gate: (expected bytes, min tokens, degraded).
+
+    A shrink lowers both to what the gate started (never above the plan); a profiled start
+    has no byte budget to compare. Without a record of this start, the plan stands.
+    """
+    if not state or state.get("action") not in ("shrink", "profile"):
+        return expected_bytes, min_tokens, None
+    started = state.get("started") or {}
+    degraded = dict(state.get("degraded") or {}, policy=state.get("policy"), action=state.get("action"),
+                    message=state.get("message"))
+    if state["action"] == "profile":
+        return None, None, degraded
+    got = started.get("kv_cache_memory_bytes")
+    if expected_bytes is not None and isinstance(got, int) and got <= expected_bytes:
+        expected_bytes = got
+    tokens = started.get("kv_cache_tokens")
+    if min_tokens is not None and isinstance(tokens, int):
+        min_tokens = min(min_tokens, tokens)
+    return expected_bytes, min_tokens, degraded
