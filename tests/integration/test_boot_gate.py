@@ -1,0 +1,268 @@
+# Copyright (c) gpufleet maintainers
+# GNU General Public License v3.0+ (see LICENSES/GPL-3.0-or-later.txt or https://www.gnu.org/licenses/gpl-3.0.txt)
+# SPDX-License-Identifier: GPL-3.0-or-later
+"""The boot gate on the simulated fleet: unit restarts with no controller in the loop.
+
+Two hosts of one class (one L40S each), deployed once by ``playbooks/rollout.yml``:
+``sim-bg-1`` with the default policy ``shrink``, ``sim-bg-2`` with ``refuse``. Then, on
+the hosts themselves (``systemctl restart``, as systemd's own restart or an operator
+would), a co-tenant injected into the fake NVML state:
+
+1. within the margin: the unit starts as planned;
+2. below the floor under ``shrink``: it starts with the drift rule applied to the floor
+   (budget and tokens before/after in the gate's record and in vllm_boot_check);
+3. below the floor under ``refuse``: no start, one journal line naming the rank, its free
+   memory and its floor, exit 78 and no restart;
+4. far below the floor under ``shrink``: the smaller budget misses the admission plan,
+   refused the same way;
+
+and no started budget ever exceeds the plan. One fleet, one rollout for the module.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import time
+from typing import Any
+
+import pytest
+import yaml
+
+from simfleet import REPO, SimFleet  # pylint: disable=import-error
+
+GIB = 1 << 30
+MIB = 1 << 20
+CLASS = "bg-l40s"
+HOSTS = ["sim-bg-1", "sim-bg-2"]
+SHRINK, REFUSE = HOSTS
+UNIT = "vllm-main.service"
+STATE = "/var/lib/gpufleet-vllm/main.boot-gate.json"
+RESTART_SEC = 2
+
+FLEET = {
+    "engine": {
+        "boot_delay_s": 0.5,
+        "token_delay_s": 0.002,
+        "costs": {
+            "cuda_context_bytes": "500MiB",
+            "peak_activation_bytes": "1.25GiB",
+            "non_torch_bytes": "600MiB",
+            "cuda_graph_bytes": "0.75GiB",
+        },
+    },
+    "system": {"driver": "550.127.05", "cuda": 12040, "nvml": "12.550.127.05"},
+    "gpu_models": {"l40s": {"name": "NVIDIA L40S", "total": 48305799168, "reserved": 462422016, "cc": "8.9"}},
+    "classes": {CLASS: {"gpu_model": "l40s", "gpus": 1, "model": "llama-3.1-8b-instruct"}},
+    "hosts": {SHRINK: {"class": CLASS}, REFUSE: {"class": CLASS}},
+}
+
+# admission: 8 requests of 8192 tokens = 4097 blocks (8 GiB at 2 MiB per block): a shrink
+# of a few GiB still holds it, one of 24 GiB does not
+GROUP_VARS = {
+    "gpufleet_model": "/srv/models/llama-3.1-8b-instruct",
+    "gpufleet_model_config": str(REPO / "sim" / "models" / "llama-3.1-8b-instruct" / "config.json"),
+    "gpufleet_serve_args": {"max_model_len": 8192, "max_num_seqs": 16, "dtype": "bfloat16", "block_size": 16},
+    "gpufleet_instances": [{"name": "main", "gpus": [0], "port": 8000}],
+    "gpufleet_guard": "0.5GiB",
+    "gpufleet_admission": {"concurrency": 8, "tokens_per_request": 8192},
+    "gpufleet_rollout_serial": ["100%"],
+    "gpufleet_canary_load": {"requests": 2, "concurrency": 1, "prompt_tokens": 16, "max_tokens": 4},
+    "gpufleet_canary_tolerances": {"latency_ratio": 20.0},
+    "vllm_service_read_write_paths": ["/etc/fake-nvml"],
+    "vllm_service_boot_timeout": 120,
+    "vllm_service_restart_sec": RESTART_SEC,
+}
+
+
+@pytest.fixture(scope="module")
+def fleet(harness, tmp_path_factory):  # harness: conftest (root + rootfs)
+    f = SimFleet(tmp_path_factory.mktemp("bootgate"), harness, FLEET, GROUP_VARS)
+    try:
+        f.create({CLASS: HOSTS})
+        inventory = yaml.safe_load(f.inventory.read_text(encoding="utf-8"))
+        group = inventory["all"]["children"][CLASS.replace("-", "_")]
+        group["hosts"][REFUSE]["vllm_service_boot_gate"] = "refuse"
+        f.inventory.write_text(yaml.safe_dump(inventory), encoding="utf-8")
+        rc, out = f.rollout()
+        assert rc == 0, out[-6000:]
+        yield f
+    finally:
+        f.sim.destroy()
+
+
+def gate_state(fleet: SimFleet, host: str) -> dict[str, Any]:
+    text = fleet.read(host, STATE)
+    assert text, f"{host}: no boot gate record at {STATE}"
+    return json.loads(text)
+
+
+def show(fleet: SimFleet, host: str, *props: str) -> dict[str, str]:
+    out = fleet.harness.exec(host, ["systemctl", "show", "-p", ",".join(props), UNIT]).stdout
+    return dict(line.split("=", 1) for line in out.splitlines() if "=" in line)
+
+
+def restart(fleet: SimFleet, host: str) -> dict[str, Any]:
+    """``systemctl restart`` on the host, then the gate's record of that start."""
+    fleet.harness.exec(host, ["systemctl", "reset-failed", UNIT])
+    fleet.harness.exec(host, ["systemctl", "restart", UNIT])
+    invocation = show(fleet, host, "InvocationID")["InvocationID"]
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        text = fleet.read(host, STATE)
+        state = json.loads(text) if text else {}
+        if state.get("invocation_id") == invocation:
+            return state
+        time.sleep(0.2)
+    raise AssertionError(f"{host}: the gate recorded no decision for invocation {invocation}")
+
+
+def boot_check(fleet: SimFleet, host: str, plan: dict[str, Any]) -> dict[str, Any]:
+    """gpufleet.vllm.vllm_boot_check as the role calls it, ad hoc over SSH."""
+    args = {"unit": UNIT, "port": 8000, "expected_kv_cache_memory_bytes": plan["kv_cache_memory_bytes"],
+            "min_tokens": plan["kv_cache_tokens"], "timeout": 90, "boot_gate_state": STATE}
+    env = dict(os.environ, ANSIBLE_NOCOLOR="1", ANSIBLE_HOST_KEY_CHECKING="False", ANSIBLE_LOAD_CALLBACK_PLUGINS="1",
+               ANSIBLE_STDOUT_CALLBACK="ansible.builtin.json")
+    done = subprocess.run(["ansible", "-i", str(fleet.inventory), host, "-m", "gpufleet.vllm.vllm_boot_check",
+                           "-a", json.dumps(args)], capture_output=True, text=True, env=env, cwd=REPO, timeout=180,
+                          check=False)
+    doc = json.loads(done.stdout)
+    return doc["plays"][0]["tasks"][0]["hosts"][host]
+
+
+def engine_budget(fleet: SimFleet, host: str) -> int | None:
+    """--kv-cache-memory-bytes of the running engine's command line (after the gate's execv)."""
+    pid = show(fleet, host, "MainPID")["MainPID"]
+    argv = fleet.harness.exec(host, ["cat", f"/proc/{pid}/cmdline"]).stdout.split("\0")
+    return int(argv[argv.index("--kv-cache-memory-bytes") + 1]) if "--kv-cache-memory-bytes" in argv else None
+
+
+def cotenant(fleet: SimFleet, host: str, size: int | None) -> None:
+    fleet.sim.inject_cotenant(host, gpu=0, size=size, pid=None, remove=size is None)
+
+
+def wait_active(fleet: SimFleet, host: str, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while fleet.active(host) != "active" and time.monotonic() < deadline:
+        time.sleep(0.5)
+
+
+def test_the_rollout_writes_a_format_2_plan_and_every_unit_starts_through_the_gate(fleet):
+    for host, policy in ((SHRINK, "shrink"), (REFUSE, "refuse")):
+        plan = fleet.plan(host)
+        assert plan["format"] == 2
+        assert plan["boot_gate"] == {"policy": policy, "state_file": STATE}
+        assert plan["capacity"]["bytes_per_block"] > 0 and plan["max_model_len"] == 8192
+        assert plan["admission"]["required_blocks"] == 8 * 512 + 1
+        state = gate_state(fleet, host)
+        assert state["action"] == "start" and state["policy"] == policy
+        assert state["ranks"][0]["floor_bytes"] == plan["free_floor_bytes"]["0"]
+        assert state["ranks"][0]["margin_bytes"] >= 0
+        assert engine_budget(fleet, host) == plan["kv_cache_memory_bytes"]
+        assert f"--policy {policy}" in (fleet.unit(host) or "")
+        assert "RestartPreventExitStatus=78" in (fleet.unit(host) or "")
+
+
+def test_a_cotenant_within_the_margin_starts_as_planned(fleet):
+    plan = fleet.plan(SHRINK)
+    margin = gate_state(fleet, SHRINK)["ranks"][0]["margin_bytes"]
+    assert margin > 256 * MIB, "the rollout leaves some margin above the floor"
+    cotenant(fleet, SHRINK, margin // 2)
+    try:
+        state = restart(fleet, SHRINK)
+        assert state["action"] == "start" and state["degraded"] is None
+        assert 0 <= state["ranks"][0]["margin_bytes"] <= margin - margin // 2
+        result = boot_check(fleet, SHRINK, plan)
+        assert result.get("failed") is not True, result
+        assert result["degraded"] is None
+        assert result["kv_cache_memory_bytes"] == plan["kv_cache_memory_bytes"]
+    finally:
+        cotenant(fleet, SHRINK, None)
+
+
+def test_a_cotenant_below_the_floor_shrinks_the_budget_under_shrink(fleet):
+    plan = fleet.plan(SHRINK)
+    margin = restart(fleet, SHRINK)["ranks"][0]["margin_bytes"]
+    cotenant(fleet, SHRINK, margin + GIB)  # 1 GiB below the floor
+    try:
+        state = restart(fleet, SHRINK)
+        assert state["action"] == "shrink", state["message"]
+        want = plan["kv_cache_memory_bytes"] - GIB
+        degraded = state["degraded"]
+        assert degraded["kv_cache_memory_bytes_before"] == plan["kv_cache_memory_bytes"]
+        assert degraded["kv_cache_memory_bytes_after"] == want
+        assert degraded["kv_cache_tokens_before"] == plan["kv_cache_tokens"]
+        assert degraded["kv_cache_tokens_after"] == want // plan["capacity"]["bytes_per_block"] * 16
+        result = boot_check(fleet, SHRINK, plan)
+        assert result.get("failed") is not True, result
+        # the engine reserved exactly the shrunk budget, and says so in /metrics
+        assert result["kv_cache_memory_bytes"] == want
+        assert result["degraded"]["kv_cache_memory_bytes_after"] == want
+        assert result["degraded"]["kv_cache_tokens_after"] == degraded["kv_cache_tokens_after"]
+        assert engine_budget(fleet, SHRINK) == want < plan["kv_cache_memory_bytes"]
+        journal = fleet.harness.exec(SHRINK, ["journalctl", "-u", UNIT, "-o", "cat", "--no-pager"]).stdout
+        assert f"budget {plan['kv_cache_memory_bytes']} -> {want} B" in journal
+    finally:
+        cotenant(fleet, SHRINK, None)
+
+
+def test_a_cotenant_below_the_floor_is_refused_without_a_restart_loop_under_refuse(fleet):
+    plan = fleet.plan(REFUSE)
+    margin = restart(fleet, REFUSE)["ranks"][0]["margin_bytes"]
+    cotenant(fleet, REFUSE, margin + GIB)
+    try:
+        state = restart(fleet, REFUSE)
+        assert state["action"] == "refuse" and state["started"] is None
+        floor = plan["free_floor_bytes"]["0"]
+        line = f"rank 0 (GPU 0) free {floor - GIB} B"
+        assert line in state["message"] and f"< floor {floor} B" in state["message"]
+        time.sleep(RESTART_SEC * 3)  # systemd would have restarted it by now
+        props = show(fleet, REFUSE, "ActiveState", "NRestarts", "ExecMainStatus", "Result")
+        assert props["ActiveState"] == "failed" and props["NRestarts"] == "0", props
+        assert props["ExecMainStatus"] == "78", props
+        journal = fleet.harness.exec(REFUSE, ["journalctl", "-u", UNIT, "-o", "cat", "--no-pager"]).stdout
+        assert journal.count(line) == 1, "one journal line, no restart loop"
+        result = boot_check(fleet, REFUSE, plan)
+        assert result.get("failed") is True and line in result["msg"]
+    finally:
+        cotenant(fleet, REFUSE, None)
+    assert restart(fleet, REFUSE)["action"] == "start"
+    wait_active(fleet, REFUSE)
+    assert fleet.active(REFUSE) == "active"
+
+
+def test_shrink_refuses_when_the_smaller_budget_misses_the_admission_plan(fleet):
+    plan = fleet.plan(SHRINK)
+    margin = restart(fleet, SHRINK)["ranks"][0]["margin_bytes"]
+    bpb = plan["capacity"]["bytes_per_block"]
+    # just enough shortfall that the shrunk budget holds one block fewer than the admission plan
+    shortfall = plan["kv_cache_memory_bytes"] - (plan["admission"]["required_blocks"] - 1) * bpb
+    cotenant(fleet, SHRINK, margin + shortfall)
+    try:
+        state = restart(fleet, SHRINK)
+        assert state["action"] == "refuse", state["message"]
+        assert "below the admission plan" in state["message"]
+        assert state["attempted"]["num_blocks_after"] == plan["admission"]["required_blocks"] - 1
+        time.sleep(RESTART_SEC * 3)
+        props = show(fleet, SHRINK, "ActiveState", "NRestarts")
+        assert props == {"ActiveState": "failed", "NRestarts": "0"}, props
+    finally:
+        cotenant(fleet, SHRINK, None)
+    restart(fleet, SHRINK)
+    wait_active(fleet, SHRINK)
+
+
+def test_no_started_budget_ever_exceeds_the_plan(fleet):
+    for host in HOSTS:
+        plan = fleet.plan(host)
+        state = gate_state(fleet, host)
+        assert state["planned"]["kv_cache_memory_bytes"] == plan["kv_cache_memory_bytes"]
+        budget = engine_budget(fleet, host)
+        assert budget is not None and budget <= plan["kv_cache_memory_bytes"]
+        journal = fleet.harness.exec(host, ["journalctl", "-u", UNIT, "-o", "cat", "--no-pager"]).stdout
+        # every start's line states the budget it started with: none above the plan
+        for line in journal.splitlines():
+            if "boot gate (shrink) starts degraded" in line:
+                after = int(line.split(" -> ")[1].split(" B")[0])
+                assert after < plan["kv_cache_memory_bytes"], line
