@@ -40,7 +40,6 @@ import json
 import math
 import os
 import sys
-import tempfile
 import time
 import typing as t
 
@@ -374,6 +373,8 @@ def engine_argv(argv: t.Sequence[str], verdict: t.Mapping[str, t.Any]) -> list[s
 
 def write_json_atomic(path: str, doc: t.Mapping[str, t.Any], mode: int = 0o644) -> None:
     """Temporary file in the target directory, fsync, rename: readers see old or new, never a part."""
+    import tempfile  # pylint: disable=import-outside-toplevel  # not at import: every unit start pays for it
+
     directory = os.path.dirname(path) or "."
     fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", dir=directory)
     try:

@@ -25,10 +25,12 @@ import json
 import os
 import subprocess
 import time
+import urllib.request
 from typing import Any
 
 import pytest
 import yaml
+from prometheus_client.parser import text_string_to_metric_families
 
 from simfleet import REPO, SimFleet  # pylint: disable=import-error
 
@@ -124,13 +126,14 @@ def boot_check(fleet: SimFleet, host: str, plan: dict[str, Any]) -> dict[str, An
     """gpufleet.vllm.vllm_boot_check as the role calls it, ad hoc over SSH."""
     args = {"unit": UNIT, "port": 8000, "expected_kv_cache_memory_bytes": plan["kv_cache_memory_bytes"],
             "min_tokens": plan["kv_cache_tokens"], "timeout": 90, "boot_gate_state": STATE}
-    env = dict(os.environ, ANSIBLE_NOCOLOR="1", ANSIBLE_HOST_KEY_CHECKING="False", ANSIBLE_LOAD_CALLBACK_PLUGINS="1",
-               ANSIBLE_STDOUT_CALLBACK="ansible.builtin.json")
+    env = dict(os.environ, ANSIBLE_NOCOLOR="1", ANSIBLE_HOST_KEY_CHECKING="False", ANSIBLE_CALLBACK_RESULT_FORMAT="json")
     done = subprocess.run(["ansible", "-i", str(fleet.inventory), host, "-m", "gpufleet.vllm.vllm_boot_check",
                            "-a", json.dumps(args)], capture_output=True, text=True, env=env, cwd=REPO, timeout=180,
                           check=False)
-    doc = json.loads(done.stdout)
-    return doc["plays"][0]["tasks"][0]["hosts"][host]
+    # "<host> | SUCCESS => {...}" or "<host> | FAILED! => {...}"
+    head, sep, body = done.stdout.partition(" => ")
+    assert sep and host in head, done.stdout + done.stderr
+    return json.loads(body)
 
 
 def engine_budget(fleet: SimFleet, host: str) -> int | None:
@@ -268,3 +271,70 @@ def test_no_started_budget_ever_exceeds_the_plan(fleet):
             if "boot gate (shrink) starts degraded" in line:
                 after = int(line.split(" -> ")[1].split(" B")[0])
                 assert after < plan["kv_cache_memory_bytes"], line
+
+
+def scrape(fleet: SimFleet, host: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """node_exporter's /metrics on the host, parsed with prometheus_client: (name, labels) -> value."""
+    address = fleet.sim.info(host).address
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            with urllib.request.urlopen(f"http://{address}:9100/metrics", timeout=5) as answer:  # nosec - test host
+                text = answer.read().decode("utf-8")
+            break
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.5)
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for fam in text_string_to_metric_families(text) for s in fam.samples}
+
+
+def test_audit_and_textfile_metrics_report_the_hosts_below_their_floor(fleet):
+    """Co-tenants below the floor on both hosts, no restart: audit.yml says what the next start
+    would do (and fails), node_exporter serves the same margins from the exporter's textfile."""
+    margins = {h: restart(fleet, h)["ranks"][0]["margin_bytes"] for h in HOSTS}
+    for host in HOSTS:
+        wait_active(fleet, host)
+        cotenant(fleet, host, margins[host] + GIB)
+    try:
+        report_dir = fleet.workdir / "audit-reports"
+        report_dir.mkdir()
+        env = dict(os.environ, ANSIBLE_NOCOLOR="1", ANSIBLE_HOST_KEY_CHECKING="False")
+        done = subprocess.run(["ansible-playbook", "-i", str(fleet.inventory), str(REPO / "playbooks" / "audit.yml"),
+                               "-e", json.dumps({"gpufleet_report_dir": str(report_dir)})],
+                              capture_output=True, text=True, env=env, cwd=REPO, timeout=300, check=False)
+        (fleet.workdir / "audit.log").write_text(done.stdout + done.stderr, encoding="utf-8")
+        assert done.returncode != 0, "an instance that would be refused fails the audit"
+        (run_dir,) = report_dir.glob("audit-*")
+        report = json.loads((run_dir / "report.json").read_text(encoding="utf-8"))
+        assert report["kind"] == "audit"
+        assert report["summary"]["audit"]["would_refuse"] == [f"{REFUSE}/main"]
+        assert report["summary"]["audit"]["would_shrink"] == [f"{SHRINK}/main"]
+        assert f"refused at next start: {REFUSE}/main" in done.stdout
+        assert (run_dir / "report.md").is_file() and (run_dir / "report.html").is_file()
+        audited = {h["host"]: h["instances"][0] for h in report["audit"]["hosts"]}
+        for host in HOSTS:
+            assert audited[host]["ranks"][0]["margin_bytes"] == -GIB, host
+            assert audited[host]["key_matches"] is True, "the plan's key is the class's newest reference"
+
+        # the exporter (what its timer runs) and node_exporter's textfile collector
+        fleet.harness.exec(SHRINK, ["systemctl", "start", "gpufleet-vllm-metrics.service"], check=True)
+        fleet.harness.exec(SHRINK, ["systemctl", "start", "prometheus-node-exporter.service"], check=True)
+        try:
+            samples = scrape(fleet, SHRINK)
+        finally:
+            fleet.harness.exec(SHRINK, ["systemctl", "stop", "prometheus-node-exporter.service"])
+        plan = fleet.plan(SHRINK)
+        rank = (("class", CLASS), ("gpu", "0"), ("rank", "0"), ("vllm_instance", "main"))
+        inst = (("class", CLASS), ("vllm_instance", "main"))
+        assert samples[("gpufleet_vllm_margin_bytes", rank)] == -GIB
+        assert samples[("gpufleet_vllm_floor_bytes", rank)] == plan["free_floor_bytes"]["0"]
+        assert samples[("gpufleet_vllm_budget_bytes", inst)] == plan["kv_cache_memory_bytes"]
+        assert samples[("gpufleet_vllm_would_shrink", inst)] == 1
+        assert samples[("gpufleet_vllm_would_refuse", inst)] == 0
+        assert abs(samples[("gpufleet_vllm_last_audit_timestamp_seconds", inst)] - time.time()) < 120
+        assert samples[("node_textfile_scrape_error", ())] == 0
+    finally:
+        for host in HOSTS:
+            cotenant(fleet, host, None)

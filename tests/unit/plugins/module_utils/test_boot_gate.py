@@ -218,3 +218,27 @@ def test_launcher_end_to_end_on_the_fake_nvml(tmp_path, policy, cotenant, rc, bu
         assert f"--kv-cache-memory-bytes {budget}" in done.stdout
         assert record["action"] == ("shrink" if cotenant else "start")
         assert (record["degraded"] is not None) == bool(cotenant)
+
+
+def test_launcher_refuses_a_missing_plan_file_and_leaves_nvml_failures_to_the_restart_policy(tmp_path):
+    lines: list[str] = []
+    missing = gate.run(["--plan", str(tmp_path / "none.plan.json"), "--", "/bin/true"], log=lines.append)
+    assert missing == gate.EXIT_REFUSED and "does not exist" in lines[-1]
+    plan = tmp_path / "main.plan.json"
+    plan.write_text(json.dumps(plan_doc()))
+
+    class NoDriver:
+        NVMLError = OSError
+
+        @staticmethod
+        def nvmlInit() -> None:
+            raise OSError("libnvidia-ml.so.1: cannot open shared object file")
+
+    handed: list[list[str]] = []
+    rc = gate.run(["--plan", str(plan), "--", "/bin/true"], nvml=NoDriver(), log=lines.append,
+                  execv=lambda path, argv: handed.append(argv))
+    assert rc == gate.EXIT_PROBE_FAILED and "NVML probe failed" in lines[-1] and not handed
+    bad = tmp_path / "bad.plan.json"
+    bad.write_text(json.dumps(plan_doc(free_floor_bytes={"0": "lots"})))
+    assert gate.run(["--plan", str(bad), "--", "/bin/true"], log=lines.append) == gate.EXIT_REFUSED
+    assert "free_floor_bytes[0]: expected bytes as an integer" in lines[-1]
