@@ -15,6 +15,9 @@ would), a co-tenant injected into the fake NVML state:
    memory and its floor, exit 78 and no restart;
 4. far below the floor under ``shrink``: the smaller budget misses the admission plan,
    refused the same way;
+5. the same co-tenants at a guest reboot (systemd starts the units at boot);
+6. ``audit.yml`` and the exporter's textfile metrics (scraped from the real
+   prometheus-node-exporter in the guest) while the co-tenants are there;
 
 and no started budget ever exceeds the plan. One fleet, one rollout for the module.
 """
@@ -120,6 +123,19 @@ def restart(fleet: SimFleet, host: str) -> dict[str, Any]:
             return state
         time.sleep(0.2)
     raise AssertionError(f"{host}: the gate recorded no decision for invocation {invocation}")
+
+
+def current_record(fleet: SimFleet, host: str, timeout: float = 60) -> dict[str, Any]:
+    """The gate's record of the unit's current start (systemd starts it on its own at boot)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        invocation = show(fleet, host, "InvocationID").get("InvocationID")
+        text = fleet.read(host, STATE)
+        state = json.loads(text) if text else {}
+        if invocation and state.get("invocation_id") == invocation:
+            return state
+        time.sleep(0.5)
+    raise AssertionError(f"{host}: no gate record of the unit's current start")
 
 
 def boot_check(fleet: SimFleet, host: str, plan: dict[str, Any]) -> dict[str, Any]:
@@ -256,6 +272,37 @@ def test_shrink_refuses_when_the_smaller_budget_misses_the_admission_plan(fleet)
         cotenant(fleet, SHRINK, None)
     restart(fleet, SHRINK)
     wait_active(fleet, SHRINK)
+
+
+def test_a_guest_reboot_with_a_cotenant_below_the_floor(fleet):
+    """The machines reboot (their disks kept, /run and processes not), a co-tenant 1 GiB below the
+    floor on both: systemd starts the units at boot, no controller in the loop."""
+    margins = {h: restart(fleet, h)["ranks"][0]["margin_bytes"] for h in HOSTS}
+    plans = {h: fleet.plan(h) for h in HOSTS}
+    for host in HOSTS:
+        wait_active(fleet, host)
+        cotenant(fleet, host, margins[host] + GIB)
+    try:
+        before = {h: gate_state(fleet, h)["invocation_id"] for h in HOSTS}
+        for host in HOSTS:
+            fleet.harness.reboot(host)
+        shrunk = current_record(fleet, SHRINK)
+        refused = current_record(fleet, REFUSE)
+        assert shrunk["invocation_id"] != before[SHRINK] and refused["invocation_id"] != before[REFUSE]
+        want = plans[SHRINK]["kv_cache_memory_bytes"] - GIB
+        assert shrunk["action"] == "shrink" and shrunk["degraded"]["kv_cache_memory_bytes_after"] == want
+        wait_active(fleet, SHRINK)
+        assert fleet.active(SHRINK) == "active" and engine_budget(fleet, SHRINK) == want
+        assert refused["action"] == "refuse" and "< floor" in refused["message"]
+        time.sleep(RESTART_SEC * 3)
+        props = show(fleet, REFUSE, "ActiveState", "NRestarts")
+        assert props == {"ActiveState": "failed", "NRestarts": "0"}, props
+    finally:
+        for host in HOSTS:
+            cotenant(fleet, host, None)
+    for host in HOSTS:
+        assert restart(fleet, host)["action"] == "start"
+        wait_active(fleet, host)
 
 
 def test_no_started_budget_ever_exceeds_the_plan(fleet):
