@@ -10,7 +10,7 @@ from __future__ import annotations
 DOCUMENTATION = r"""
 module: vllm_audit
 short_description: Judge every vLLM instance of a host against its free-memory floor now
-version_added: 1.1.0
+version_added: 1.0.0
 description:
   - Reads the plan files of the host's instances (C(<state_dir>/*.plan.json), written by the P(gpufleet.vllm.vllm_service#role)
     role), probes NVML once for every GPU they name and judges each manual-budget instance with the boot gate's own
