@@ -197,6 +197,12 @@ def registry(report: t.Mapping[str, t.Any], prometheus: t.Any) -> t.Any:
     return reg
 
 
+def _say(stream: t.TextIO, line: str) -> None:
+    """One line for the journal (the exporter's stdout and stderr go there)."""
+    stream.write(line + "\n")
+    stream.flush()
+
+
 def exporter_main(argv: t.Sequence[str], nvml: t.Any = None, prometheus: t.Any = None) -> int:
     """``gpufleet-vllm-metrics --state-dir DIR --out FILE.prom``: one audit, written atomically."""
     args = list(argv)
@@ -204,11 +210,11 @@ def exporter_main(argv: t.Sequence[str], nvml: t.Any = None, prometheus: t.Any =
     while args:
         key = args.pop(0)
         if not key.startswith("--") or key[2:] not in opts or not args:
-            print(f"gpufleet-vllm-metrics: unknown or incomplete option {key!r}", file=sys.stderr)
+            _say(sys.stderr, f"gpufleet-vllm-metrics: unknown or incomplete option {key!r}")
             return 2
         opts[key[2:]] = args.pop(0)
     if not opts["out"].endswith(".prom"):
-        print(f"gpufleet-vllm-metrics: --out {opts['out']}: node_exporter reads only *.prom files", file=sys.stderr)
+        _say(sys.stderr, f"gpufleet-vllm-metrics: --out {opts['out']}: node_exporter reads only *.prom files")
         return 2
     if nvml is None:
         import pynvml as nvml  # pylint: disable=import-outside-toplevel
@@ -219,10 +225,10 @@ def exporter_main(argv: t.Sequence[str], nvml: t.Any = None, prometheus: t.Any =
         report = audit(opts["state-dir"], nvml, host=os.uname().nodename)
     except NvmlProbeError as exc:
         # the previous file stays: its audit timestamp ages, which the stale-audit alert sees
-        print(f"gpufleet-vllm-metrics: NVML probe failed: {exc}", file=sys.stderr)
+        _say(sys.stderr, f"gpufleet-vllm-metrics: NVML probe failed: {exc}")
         return 1
     prometheus.write_to_textfile(opts["out"], registry(report, prometheus))
     worst = max((VERDICTS.index(i["verdict"]) for i in report["instances"]), default=0)
-    print(f"gpufleet-vllm-metrics: {len(report['instances'])} instance(s), worst verdict {VERDICTS[worst]}, "
-          f"written to {opts['out']}")
+    _say(sys.stdout, f"gpufleet-vllm-metrics: {len(report['instances'])} instance(s), worst verdict {VERDICTS[worst]}, "
+                     f"written to {opts['out']}")
     return 0

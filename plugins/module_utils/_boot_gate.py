@@ -438,12 +438,18 @@ def _parse_args(argv: t.Sequence[str]) -> tuple[dict[str, str], list[str]]:
     return opts, engine
 
 
+def _journal(line: str) -> None:
+    """One line on stderr, which systemd writes to the unit's journal."""
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
+
+
 def run(argv: t.Sequence[str], nvml: t.Any = None, execv: t.Callable[[str, list[str]], t.Any] | None = None,
         log: t.Callable[[str], None] | None = None, clock: t.Callable[[], float] = time.time) -> int:
     """The launcher: returns the exit status when it does not hand over to the engine."""
     from ._nvml_probe import NvmlProbeError, probe  # pylint: disable=import-outside-toplevel
 
-    emit = log or (lambda line: print(line, file=sys.stderr, flush=True))
+    emit = log or _journal
     started = time.monotonic()
     try:
         opts, engine = _parse_args(argv)

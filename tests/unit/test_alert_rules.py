@@ -43,11 +43,11 @@ def test_the_rules_use_only_metrics_the_exporter_writes():
     """Render an exporter registry and compare its metric names with those in the rules."""
     import prometheus_client  # pylint: disable=import-outside-toplevel
 
-    report = {"checked_at": 1.0, "errors": [], "instances": [{
-        "instance": "main", "host_class": "c", "verdict": "ok", "kv_cache_memory_bytes": 1, "kv_cache_tokens": 16,
-        "plan_timestamp": 0.0, "last_start": {"action": "shrink", "degraded": {"x": 1}, "kv_cache_memory_bytes": 1,
-                                             "kv_cache_tokens": 16},
-        "ranks": [{"rank": 0, "gpu": 0, "floor_bytes": 2, "free_bytes": 1, "margin_bytes": -1}]}]}
+    last_start = {"action": "shrink", "degraded": {"x": 1}, "kv_cache_memory_bytes": 1, "kv_cache_tokens": 16}
+    instance = {"instance": "main", "host_class": "c", "verdict": "ok", "kv_cache_memory_bytes": 1, "kv_cache_tokens": 16,
+                "plan_timestamp": 0.0, "last_start": last_start,
+                "ranks": [{"rank": 0, "gpu": 0, "floor_bytes": 2, "free_bytes": 1, "margin_bytes": -1}]}
+    report = {"checked_at": 1.0, "errors": [], "instances": [instance]}
     text = prometheus_client.generate_latest(_audit.registry(report, prometheus_client)).decode()
     written = set(re.findall(r"^(gpufleet_vllm_\w+)\{", text, flags=re.M))
     used = set()
