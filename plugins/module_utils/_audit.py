@@ -131,7 +131,10 @@ def audit(state_dir: str, nvml: t.Any, now: float | None = None,
         if plan["manual"]:
             plans.append((path, plan))
     devices = sorted({g for _path, plan in plans for g in plan["gpus"]})
-    gpus = probe(nvml, devices=devices, samples=1, host=host)["gpus"] if devices else []
+    # the running engines' memory is what their next start gets back: free + own, as the
+    # rollout's gates count it (the boot gate itself runs before its engine exists)
+    units = [plan["unit"] or f"vllm-{plan['instance']}.service" for _path, plan in plans]
+    gpus = probe(nvml, devices=devices, samples=1, service_units=units, host=host)["gpus"] if devices else []
     instances = []
     for path, plan in plans:
         state = read_state(plan["state_file"]) if plan["state_file"] else None

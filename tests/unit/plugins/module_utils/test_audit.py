@@ -111,10 +111,16 @@ def test_exporter_end_to_end_on_the_fake_nvml(tmp_path):
     (plans / "broken.plan.json").write_text("{")
     out = tmp_path / "textfile" / "gpufleet_vllm.prom"
     out.parent.mkdir()
+    # this machine may run no systemd: a systemctl that knows the unit but no process of it
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "systemctl").write_text("#!/bin/sh\nprintf 'ControlGroup=\\nMainPID=0\\nLoadState=loaded\\n'\n")
+    (bin_dir / "systemctl").chmod(0o755)
     code = ("import sys; from ansible_collections.gpufleet.vllm.plugins.module_utils._audit import exporter_main; "
             "sys.exit(exporter_main(sys.argv[1:]))")
     done = subprocess.run([sys.executable, "-c", code, "--state-dir", str(plans), "--out", str(out)],
-                          env=dict(os.environ, LD_LIBRARY_PATH=str(LIB.parent), FAKE_NVML_STATE=str(tmp_path / "state")),
+                          env=dict(os.environ, LD_LIBRARY_PATH=str(LIB.parent), FAKE_NVML_STATE=str(tmp_path / "state"),
+                                   PATH=f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}"),
                           capture_output=True, text=True, timeout=60, check=False)
     assert done.returncode == 0, done.stderr
     assert "1 instance(s), worst verdict would_refuse" in done.stdout
