@@ -242,3 +242,31 @@ def test_launcher_refuses_a_missing_plan_file_and_leaves_nvml_failures_to_the_re
     bad.write_text(json.dumps(plan_doc(free_floor_bytes={"0": "lots"})))
     assert gate.run(["--plan", str(bad), "--", "/bin/true"], log=lines.append) == gate.EXIT_REFUSED
     assert "free_floor_bytes[0]: expected bytes as an integer" in lines[-1]
+
+
+def test_boot_check_expectations_follow_the_gate_record_of_this_start(tmp_path):
+    state = {"format": 1, "invocation_id": "inv-2", "action": "shrink", "policy": "shrink", "message": "m",
+             "started": {"kv_cache_memory_bytes": BUDGET - GIB, "kv_cache_tokens": 1000},
+             "degraded": {"kv_cache_memory_bytes_before": BUDGET, "kv_cache_memory_bytes_after": BUDGET - GIB}}
+    path = tmp_path / "main.boot-gate.json"
+    path.write_text(json.dumps(dict(state, invocation_id="inv-1")))
+    current = iter(["inv-2", "inv-2", "inv-2"])
+    waits: list[float] = []
+
+    def rewrite(seconds: float) -> None:  # the gate of the new start writes its record meanwhile
+        waits.append(seconds)
+        path.write_text(json.dumps(state))
+
+    got = gate.wait_state(str(path), lambda: next(current), timeout=5, sleep=rewrite)
+    assert got is not None and got["invocation_id"] == "inv-2" and waits == [0.2]
+    expected, tokens, degraded = gate.boot_expectations(got, BUDGET, 2000)
+    assert (expected, tokens) == (BUDGET - GIB, 1000)
+    assert degraded["kv_cache_memory_bytes_after"] == BUDGET - GIB and degraded["action"] == "shrink"
+    # a record claiming more than the plan is never taken as the expectation
+    more = dict(state, started={"kv_cache_memory_bytes": BUDGET + 1, "kv_cache_tokens": 1})
+    assert gate.boot_expectations(more, BUDGET, 2000)[0] == BUDGET
+    assert gate.boot_expectations(dict(state, action="start"), BUDGET, 2000) == (BUDGET, 2000, None)
+    assert gate.boot_expectations(dict(state, action="profile"), BUDGET, 2000)[:2] == (None, None)
+    clock = iter([0.0, 0.0, 10.0])
+    assert gate.wait_state(str(tmp_path / "none.json"), lambda: "x", timeout=1, sleep=lambda s: None,
+                           clock=lambda: next(clock)) is None
