@@ -578,8 +578,9 @@ def plan_class(spec: Mapping[str, Any]) -> dict[str, Any]:
             if is_unstable:
                 unstable.append({"host": name, "rank": rank, "spread_bytes": spread, "flagged": r_unstable,
                                  "moved_bytes": moved if moved_too_far else None})
-            # the lowest free memory seen on this rank: this probe's samples and the recent probes
-            low = min(v for v in (free, fmin, seen_low) if v is not None)
+            # the lowest boot-free memory seen on this rank: boot_free_bytes already comes from this
+            # probe's lowest sample (free_min_bytes is raw free, without this host's running engine)
+            low = free if seen_low is None else min(free, seen_low)
             if lowest_seen is None or low < lowest_seen[0]:
                 lowest_seen = (low, name, rank)
             if head:

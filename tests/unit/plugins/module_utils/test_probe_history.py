@@ -99,10 +99,12 @@ def test_a_rank_that_moved_across_probes_makes_the_class_auto_profile_with_a_low
     assert any("from the lowest free memory seen, 37GiB on host a/vllm rank 0" in r for r in got["reasons"])
 
 
-def test_a_rank_unstable_within_one_probe_gets_its_lowest_sample_as_the_utilization_basis():
-    got = plan({"a/vllm": [{"rank": 0, "boot_free_bytes": 39 * GIB, "free_min_bytes": 38 * GIB, "free_max_bytes": 40 * GIB}]})
+def test_a_rank_unstable_within_one_probe_gets_its_boot_free_memory_as_the_utilization_basis():
+    """boot_free_bytes already comes from the probe's lowest sample; free_min_bytes is raw free memory,
+    without what this host's running engine holds (a rollout probes while the old units run)."""
+    got = plan({"a/vllm": [{"rank": 0, "boot_free_bytes": 39 * GIB, "free_min_bytes": 8 * GIB, "free_max_bytes": 9 * GIB}]})
     assert got["decision"] == "auto_profile"
-    assert got["gpu_memory_utilization"] == floor_utilization(38 * GIB - GIB // 2 - GIB, TOTAL)
+    assert got["gpu_memory_utilization"] == floor_utilization(39 * GIB - GIB // 2 - GIB, TOTAL)
 
 
 def test_kv_plan_action_records_the_history_and_plans_from_it(tmp_path):
