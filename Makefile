@@ -82,7 +82,7 @@ test: stage-reset
 	@rc=0; $(MAKE) --no-print-directory -k $(TEST_STAGES) || rc=$$?; \
 	$(MAKE) --no-print-directory stage-report; exit $$rc
 
-units: venv fake-nvml
+units: apt-deps venv fake-nvml
 	tests/tools/run-stage.sh units $(PY) -m pytest -q tests/unit
 
 sanity: venv

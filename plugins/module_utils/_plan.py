@@ -335,7 +335,14 @@ def _parse_hosts(raw: Any) -> dict[str, dict[str, Any]]:
             flagged = flagged if isinstance(flagged, bool) else _flag(flagged, f"hosts.{host}[{i}].unstable")
             if fmin is not None and fmax is not None and fmin > fmax:
                 raise PlanError(f"hosts.{host}[{i}] (rank {rank}): free_min_bytes {fmin} is above free_max_bytes {fmax}")
-            append((rank, free, fmin, fmax, get("gpu_name") or get("name"), get("total_bytes"), flagged))
+            # how far boot-free memory moved across this rank's recent probes (the probe history)
+            moved = get("history_spread_bytes")
+            if moved is not None and (not isinstance(moved, int) or moved < 0 or isinstance(moved, bool)):
+                moved = _size(moved, f"hosts.{host}[{i}].history_spread_bytes")
+            lowest = get("history_min_bytes")
+            if lowest is not None and (not isinstance(lowest, int) or lowest < 0 or isinstance(lowest, bool)):
+                lowest = _size(lowest, f"hosts.{host}[{i}].history_min_bytes")
+            append((rank, free, fmin, fmax, get("gpu_name") or get("name"), get("total_bytes"), flagged, moved, lowest))
         hosts[host] = {
             "ranks": ranks,
             "unstable": _flag(attrs.get("unstable", False), f"hosts.{host}.unstable"),
@@ -344,6 +351,30 @@ def _parse_hosts(raw: Any) -> dict[str, dict[str, Any]]:
             "compat_hash": attrs.get("compat_hash"),
         }
     return hosts
+
+
+def _auto_profile_utilization(result: dict[str, Any], reasons: list[str], lowest_seen: tuple[int, str, int] | None,
+                              total: int | None, guard: int, cuda_ctx: int) -> None:
+    """The utilization an ``auto_profile`` class runs with: vLLM's startup check must pass at the
+    lowest free memory seen on any rank (this probe's samples and the recent probes), less the
+    guard and the CUDA-context allowance (vLLM measures after its context is up)."""
+    if lowest_seen is None or not total:
+        result["gpu_memory_utilization"] = None
+        result["utilization_source"] = None
+        reasons.append("auto_profile: no GPU total memory known, the unit's default utilization applies")
+        return
+    low, host, rank = lowest_seen
+    util = floor_utilization(low - guard - cuda_ctx, total)
+    result["gpu_memory_utilization"] = util if util > 0 else None
+    result["utilization_source"] = "lowest_free" if util > 0 else None
+    if util > 0:
+        reasons.append(
+            f"auto_profile: --gpu-memory-utilization {util} from the lowest free memory seen, {human_bytes(low)} on host "
+            f"{host} rank {rank}, minus the guard {human_bytes(guard)} and a {human_bytes(cuda_ctx)} CUDA-context allowance"
+        )
+    else:
+        reasons.append(f"auto_profile: the lowest free memory seen ({human_bytes(low)} on host {host} rank {rank}) leaves no "
+                       "utilization after the guard and the CUDA-context allowance; the unit's default utilization applies")
 
 
 def _geometry(ref: dict[str, Any]) -> tuple[KVGeometry | KVLayout | None, str | None]:
@@ -836,10 +867,11 @@ def plan_class(spec: Mapping[str, Any]) -> dict[str, Any]:
     max_headroom = 0
     headroom_ranks = 0
     unstable: list[dict[str, Any]] = []
+    lowest_seen: tuple[int, str, int] | None = None
     share_limit = unstable_share * guard
     for name, host in hosts.items():
         hmin: int | None = None
-        for rank, free, fmin, fmax, _gname, _total, r_unstable in host["ranks"]:
+        for rank, free, fmin, fmax, _gname, _total, r_unstable, moved, seen_low in host["ranks"]:
             reference = ref_by_rank.get(rank)
             if reference is None:
                 continue
@@ -847,10 +879,17 @@ def plan_class(spec: Mapping[str, Any]) -> dict[str, Any]:
             adjusted = reference["kv_bytes"] - (drift if drift > 0 else 0) - guard
             head = -drift if drift < 0 else 0
             spread = None if fmin is None or fmax is None else fmax - fmin
-            is_unstable = r_unstable or (spread is not None and spread > share_limit)
+            moved_too_far = moved is not None and moved > share_limit
+            is_unstable = r_unstable or (spread is not None and spread > share_limit) or moved_too_far
             rows.append((name, rank, free, drift, adjusted, is_unstable, spread))
             if is_unstable:
-                unstable.append({"host": name, "rank": rank, "spread_bytes": spread, "flagged": r_unstable})
+                unstable.append({"host": name, "rank": rank, "spread_bytes": spread, "flagged": r_unstable,
+                                 "moved_bytes": moved if moved_too_far else None})
+            # the lowest boot-free memory seen on this rank: boot_free_bytes already comes from this
+            # probe's lowest sample (free_min_bytes is raw free, without this host's running engine)
+            low = free if seen_low is None else min(free, seen_low)
+            if lowest_seen is None or low < lowest_seen[0]:
+                lowest_seen = (low, name, rank)
             if head:
                 headroom_ranks += 1
                 if head > max_headroom:
@@ -864,7 +903,7 @@ def plan_class(spec: Mapping[str, Any]) -> dict[str, Any]:
         if hmin is not None:
             host_min[name] = hmin
         if host["unstable"]:
-            unstable.append({"host": name, "rank": None, "spread_bytes": None, "flagged": True})
+            unstable.append({"host": name, "rank": None, "spread_bytes": None, "flagged": True, "moved_bytes": None})
 
     if launch is None or weakest is None:
         refuse.append(f"class {host_class}: no host rank matches a reference rank")
@@ -1053,7 +1092,9 @@ def plan_class(spec: Mapping[str, Any]) -> dict[str, Any]:
         shown = [
             u["host"]
             + (f" rank {u['rank']}" if u["rank"] is not None else "")
-            + (f" (moves {human_bytes(u['spread_bytes'])})" if u["spread_bytes"] is not None else " (flagged unstable)")
+            + (f" (moves {human_bytes(u['spread_bytes'])})" if u["spread_bytes"] is not None and u["spread_bytes"] > share_limit
+               else f" (moved {human_bytes(u['moved_bytes'])} across recent probes)" if u.get("moved_bytes") is not None
+               else " (flagged unstable)")
             for u in unstable
         ]
         unstable_reason = (
@@ -1090,6 +1131,7 @@ def plan_class(spec: Mapping[str, Any]) -> dict[str, Any]:
     elif unstable:
         decision = "auto_profile"
         reasons.insert(0, unstable_reason)
+        _auto_profile_utilization(result, reasons, lowest_seen, total, guard, cuda_ctx)
     elif split_groups:
         decision = "split"
     elif reprofile:

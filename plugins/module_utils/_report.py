@@ -50,9 +50,11 @@ __all__ = [
 
 # 2: ``probe`` (what a probe run read per host, GPU and instance) and ``check_mode``.
 SCHEMA_VERSION = 2
-KINDS = ("rollout", "plan", "probe")
+KINDS = ("rollout", "plan", "probe", "audit")
 # Per host outcome of a run, worst first (the summary counts them).
-OUTCOMES = ("rolled_back", "failed", "not_reached", "skipped", "deployed", "unchanged", "planned", "probed")
+OUTCOMES = ("rolled_back", "failed", "not_reached", "skipped", "deployed", "unchanged", "planned", "probed", "audited")
+# Verdicts of an audit run per instance, worst first (vllm_audit, _audit.VERDICTS reversed).
+AUDIT_VERDICTS = ("would_refuse", "would_shrink", "reprofile_due", "ok")
 
 _CANARY_FIELDS = (
     "verdict",
@@ -429,6 +431,73 @@ def _probe_section(raw: Any) -> dict[str, Any]:
     return {"hosts": hosts}
 
 
+def _audit_section(raw: Any) -> dict[str, Any]:
+    """``data.audit``: ``{hosts: {host: {class, error, instances: [vllm_audit instance entries]}}}``."""
+    audit = _mapping(raw, "data.audit")
+    hosts = []
+    for host, facts_raw in sorted(_mapping(audit.get("hosts"), "data.audit.hosts").items()):
+        where = f"data.audit.hosts.{host}"
+        facts = _mapping(facts_raw, where)
+        error = facts.get("error")
+        instances = []
+        for pos, inst_raw in enumerate(_sequence(facts.get("instances"), f"{where}.instances")):
+            inst = _mapping(inst_raw, f"{where}.instances[{pos}]")
+            verdict = str(inst.get("verdict") or "")
+            if verdict not in AUDIT_VERDICTS:
+                raise ReportError(f"{where}.instances[{pos}].verdict: expected one of {', '.join(AUDIT_VERDICTS)}, got {verdict!r}")
+            ranks = []
+            for rpos, row_raw in enumerate(_sequence(inst.get("ranks"), f"{where}.instances[{pos}].ranks")):
+                row = _mapping(row_raw, f"{where}.instances[{pos}].ranks[{rpos}]")
+                rwhere = f"{where}.instances[{pos}].ranks[{rpos}]"
+                ranks.append({"rank": _num(row.get("rank")), "gpu": _num(row.get("gpu")),
+                              "free_bytes": _int(row.get("free_bytes"), f"{rwhere}.free_bytes"),
+                              "floor_bytes": _int(row.get("floor_bytes"), f"{rwhere}.floor_bytes"),
+                              "margin_bytes": _signed_int(row.get("margin_bytes"), f"{rwhere}.margin_bytes")})
+            last = inst.get("last_start") if isinstance(inst.get("last_start"), Mapping) else {}
+            instances.append({
+                "instance": str(inst.get("instance") or ""),
+                "unit": str(inst.get("unit") or ""),
+                "policy": str(inst.get("policy") or ""),
+                "verdict": verdict,
+                "next_start": str(inst.get("next_start") or ""),
+                "ranks": ranks,
+                "min_margin_bytes": _signed_int(inst.get("min_margin_bytes"), f"{where}.instances[{pos}].min_margin_bytes"),
+                "kv_cache_memory_bytes": _int(inst.get("kv_cache_memory_bytes"), f"{where}.instances[{pos}].kv_cache_memory_bytes"),
+                "planned_at": _text(inst.get("planned_at")) if inst.get("planned_at") else None,
+                "plan_age_days": _num(inst.get("plan_age_days")),
+                "compat_key_hash": inst.get("compat_key_hash"),
+                "reference_key_hash": inst.get("reference_key_hash"),
+                "key_matches": inst.get("key_matches"),
+                "last_start_action": last.get("action"),
+                "degraded": bool(last.get("degraded")),
+                "reasons": _str_list(inst.get("reasons")),
+            })
+        hosts.append({"host": str(host), "class": str(facts.get("class") or ""), "ok": error is None,
+                      "error": str(error) if error is not None else None, "instances": instances})
+    return {"hosts": hosts}
+
+
+def _signed_int(value: Any, field: str) -> int | None:
+    if isinstance(value, int) and not isinstance(value, bool) and value < 0:
+        return value
+    return _int(value, field)
+
+
+def _audit_summary(audit: Mapping[str, Any]) -> dict[str, Any]:
+    instances = [(h["host"], i) for h in audit["hosts"] for i in h["instances"]]
+    counts = {v: 0 for v in AUDIT_VERDICTS}
+    for _host, inst in instances:
+        counts[inst["verdict"]] += 1
+    return {
+        "hosts": len(audit["hosts"]),
+        "audited": sum(1 for h in audit["hosts"] if h["ok"]),
+        "instances": len(instances),
+        "verdicts": {k: v for k, v in counts.items() if v},
+        "would_refuse": [f"{h}/{i['instance']}" for h, i in instances if i["verdict"] == "would_refuse"],
+        "would_shrink": [f"{h}/{i['instance']}" for h, i in instances if i["verdict"] == "would_shrink"],
+    }
+
+
 def _instance_state(inst: Mapping[str, Any]) -> str:
     if inst.get("load_state") == "not-found":
         return "not installed"
@@ -500,6 +569,12 @@ def build_report(data: Mapping[str, Any], kind: str = "rollout", generated: _dt.
     hosts_raw = data.get("hosts") or {}
     if not isinstance(hosts_raw, Mapping):
         raise ReportError("data.hosts: expected a mapping of host name to its facts")
+    audit: dict[str, Any] | None = None
+    if kind == "audit":
+        if not isinstance(data.get("audit"), Mapping):
+            raise ReportError("data.audit: an audit report needs the audit results, {hosts: {host: {instances, ...}}}")
+        audit = _audit_section(data["audit"])
+        hosts_raw = {h["host"]: {"class": h["class"], "error": h["error"]} for h in audit["hosts"]}
     probe: dict[str, Any] | None = None
     if kind == "probe" or data.get("probe") is not None:
         if not isinstance(data.get("probe"), Mapping):
@@ -526,8 +601,8 @@ def build_report(data: Mapping[str, Any], kind: str = "rollout", generated: _dt.
         pending = _str_list(facts.get("pending"))
         batch = facts.get("batch")
         error = facts.get("error")
-        if kind == "probe":
-            outcome = "probed" if error is None else "failed"
+        if kind in ("probe", "audit"):
+            outcome = ("probed" if kind == "probe" else "audited") if error is None else "failed"
         else:
             outcome = _host_outcome(kind, {**facts, "pending": pending, "batch": batch if batch != "" else None}, cls)
         hosts.append(
@@ -580,6 +655,7 @@ def build_report(data: Mapping[str, Any], kind: str = "rollout", generated: _dt.
         "failed_hosts": [h["host"] for h in hosts if h["outcome"] in ("rolled_back", "failed")],
         "check_mode": bool(data.get("check_mode")),
         "probe": probe,
+        "audit": audit,
         "upgraded_from": None,
     }
     report["summary"] = _summary(report)
@@ -600,6 +676,9 @@ def _summary(report: Mapping[str, Any]) -> dict[str, Any]:
     }
     if report.get("probe") is not None:
         out["probe"] = _probe_summary(report["probe"])
+    if report.get("audit") is not None:
+        out["audit"] = _audit_summary(report["audit"])
+        out["ok"] = out["ok"] and not out["audit"]["would_refuse"]
     return out
 
 
@@ -666,6 +745,7 @@ def load_report(obj: Any) -> dict[str, Any]:
             # Version 1 had no probe section nor check-mode flag; everything else is unchanged.
             report.update(schema_version=SCHEMA_VERSION, probe=None, check_mode=False, upgraded_from=1)
         report.setdefault("probe", None)
+        report.setdefault("audit", None)
         report.setdefault("check_mode", False)
         return report
     if version == 0:
@@ -687,6 +767,16 @@ def load_report(obj: Any) -> dict[str, Any]:
 def summary_line(report: Mapping[str, Any]) -> str:
     """One line: classes, host outcomes, failed hosts (a probe: hosts, GPUs, instances, lowest boot free)."""
     summ = report["summary"]
+    if report["kind"] == "audit" and summ.get("audit"):
+        audit = summ["audit"]
+        parts = [f"audit: {audit['audited']} of {audit['hosts']} host(s) audited, {audit['instances']} instance(s)"]
+        if audit["verdicts"]:
+            parts.append(", ".join(f"{audit['verdicts'][v]} {v.replace('_', ' ')}" for v in AUDIT_VERDICTS if v in audit["verdicts"]))
+        if audit["would_refuse"]:
+            parts.append("refused at next start: " + ", ".join(audit["would_refuse"]))
+        if report["failed_hosts"]:
+            parts.append("failed hosts " + ", ".join(report["failed_hosts"]))
+        return "; ".join(parts)
     if report["kind"] == "probe" and summ.get("probe"):
         probe = summ["probe"]
         parts = [
@@ -789,6 +879,8 @@ def render_markdown(report: Mapping[str, Any]) -> str:
     out.append("")
     if report.get("probe"):
         out += _probe_markdown(report["probe"])
+    if report.get("audit"):
+        out += _audit_markdown(report["audit"])
     for cls in report["classes"]:
         out += [f"## Class {cls['name']}", "", "| | |", "|---|---|"]
         out += [f"| {_md_cell(k)} | {_md_cell(v)} |" for k, v in _class_budget_line(cls)]
@@ -882,6 +974,60 @@ def _host_line(host: Mapping[str, Any]) -> str:
     if host["nvml_version"]:
         bits.append(f"NVML {host['nvml_version']}")
     return ", ".join(bits)
+
+
+_AUDIT_COLUMNS = ("instance", "verdict", "next start", "rank", "GPU", "boot free", "floor", "margin", "plan age", "key")
+
+
+def _audit_rows(inst: Mapping[str, Any]) -> list[list[str]]:
+    key = {True: "matches", False: "changed", None: "-"}[inst["key_matches"]]
+    age = f"{inst['plan_age_days']:.1f} d" if isinstance(inst["plan_age_days"], (int, float)) else "-"
+    rows = []
+    for row in inst["ranks"] or [{"rank": None, "gpu": None, "free_bytes": None, "floor_bytes": None, "margin_bytes": None}]:
+        rows.append([inst["instance"], inst["verdict"].replace("_", " "), inst["next_start"], _text(row["rank"]), _text(row["gpu"]),
+                     _hb(row["free_bytes"]), _hb(row["floor_bytes"]), _signed_hb(row["margin_bytes"]), age, key])
+    return rows
+
+
+def _audit_markdown(audit: Mapping[str, Any]) -> list[str]:
+    out: list[str] = []
+    for host in audit["hosts"]:
+        out += [f"## Host {host['host']}", "", f"- class: {_md_cell(host['class'] or '-')}"]
+        if host["error"]:
+            out.append(f"- audit failed: {_md_cell(host['error'])}")
+        out.append("")
+        if host["instances"]:
+            out += ["| " + " | ".join(_AUDIT_COLUMNS) + " |", "|---" * len(_AUDIT_COLUMNS) + "|"]
+            for inst in host["instances"]:
+                out += ["| " + " | ".join(_md_cell(c) for c in row) + " |" for row in _audit_rows(inst)]
+            out.append("")
+            for inst in host["instances"]:
+                out += [f"- {_md_cell(inst['instance'])}: {_md_cell(r)}" for r in inst["reasons"]]
+            out.append("")
+    return out
+
+
+def _audit_html(audit: Mapping[str, Any]) -> list[str]:
+    esc = html.escape
+    out: list[str] = []
+    for host in audit["hosts"]:
+        out.append(f'<h2 id="host-{esc(host["host"])}">Host {esc(host["host"])}</h2>')
+        out.append(f"<p>class {esc(host['class'] or '-')}</p>")
+        if host["error"]:
+            out.append(f'<p class="bad">audit failed: <code>{esc(host["error"])}</code></p>')
+        rows = []
+        for inst in host["instances"]:
+            for row in _audit_rows(inst):
+                cells = [esc(c) for c in row]
+                bad = inst["verdict"] in ("would_refuse", "would_shrink")
+                cells[1] = f'<span class="{"bad" if bad else "ok"}">{cells[1]}</span>'
+                rows.append(cells)
+        if rows:
+            out.append(_html_table(list(_AUDIT_COLUMNS), rows, raw=True))
+        reasons = [(i["instance"], r) for i in host["instances"] for r in i["reasons"]]
+        if reasons:
+            out.append("<ul>" + "".join(f"<li>{esc(n)}: {esc(r)}</li>" for n, r in reasons) + "</ul>")
+    return out
 
 
 def _probe_markdown(probe: Mapping[str, Any]) -> list[str]:
@@ -1077,6 +1223,8 @@ def render_html(report: Mapping[str, Any]) -> str:
         out.append("<p>Read from a schema 0 report: per-rank figures, canaries and batches were not recorded.</p>")
     if report.get("probe"):
         out += _probe_html(report["probe"])
+    if report.get("audit"):
+        out += _audit_html(report["audit"])
     for cls in report["classes"]:
         out.append(f'<h2 id="class-{esc(cls["name"])}">Class {esc(cls["name"])}</h2>')
         out.append(_html_table(["", ""], [[k, v] for k, v in _class_budget_line(cls)]))

@@ -66,7 +66,8 @@ options:
   hosts:
     description:
       - Mapping of host (or C(host/instance)) to its ranks, each C({rank, boot_free_bytes}) with optional
-        C(free_min_bytes), C(free_max_bytes), C(gpu_name), C(total_bytes), C(unstable).
+        C(free_min_bytes), C(free_max_bytes), C(gpu_name), C(total_bytes), C(unstable), C(history_spread_bytes) (how far
+        boot-free memory moved across recent probes) and C(history_min_bytes) (the lowest it was).
       - A host may instead be a mapping with C(ranks) and host-level C(unstable), C(gpu_name), C(total_bytes),
         C(compat_hash).
       - At least one of O(hosts) and O(hosts_from) is required.
@@ -77,6 +78,7 @@ options:
       - Each entry of the host's C(gpufleet_instances) (default one instance C(vllm) on every GPU) becomes a member
         C(<host>/<instance>) whose ranks are the instance's GPUs in order.
       - A host of the group without those facts is an error.
+      - A host whose inventory sets C(gpufleet_unstable) is planned as flagged unstable (decision V(auto_profile)).
     type: str
   guard_bytes:
     description: Guard C(G) subtracted from every rank's budget (integer or size string).
@@ -125,9 +127,30 @@ options:
   cuda_context_bytes:
     description:
       - Allowance for vLLM's CUDA context used for the startup utilization when the reference has no vLLM-logged
-        free memory for every rank.
+        free memory for every rank, and for the utilization of an C(auto_profile) plan.
     type: raw
     default: 1GiB
+  probe_history:
+    description:
+      - Keep each planned host's probe (every GPU's boot-free memory) in a bounded per-host history beside the profile
+        store, C(<store>/.probe-history/<host>.json) (written atomically under a lock; not in check mode), and treat a
+        rank whose boot-free memory moved across the last O(probe_history.window) probes by more than
+        O(unstable_share) x O(guard_bytes) as unstable, as well as ranks unstable within one probe.
+      - Only with O(hosts_from).
+    type: dict
+    suboptions:
+      store:
+        description: Directory the history lives in (the profile store).
+        type: path
+        required: true
+      keep:
+        description: Probes kept per host.
+        type: int
+        default: 20
+      window:
+        description: Recent probes compared (at least 2, at most O(probe_history.keep)).
+        type: int
+        default: 5
 seealso:
   - module: gpufleet.vllm.kv_profile
   - module: gpufleet.vllm.gpu_memory_info
@@ -200,12 +223,18 @@ free_floor_bytes:
   type: dict
   sample: {"0": 43754979328}
 gpu_memory_utilization:
-  description: Value for C(--gpu-memory-utilization) so that vLLM's startup check passes at the floor.
+  description:
+    - Value for C(--gpu-memory-utilization) so that vLLM's startup check passes at the floor.
+    - For V(auto_profile), the utilization at which that check passes at the lowest free memory seen on any rank
+      (this probe's samples and, with O(probe_history), the recent probes) minus the guard and O(cuda_context_bytes);
+      the reasons say where it comes from.
   returned: always
   type: float
   sample: 0.2854
 utilization_source:
-  description: V(vllm) (vLLM's logged free memory) or V(nvml) (NVML floor minus the CUDA-context allowance).
+  description:
+    - V(vllm) (vLLM's logged free memory) or V(nvml) (NVML floor minus the CUDA-context allowance).
+    - V(lowest_free) for an V(auto_profile) plan (the lowest free memory seen minus the guard and the allowance).
   returned: always
   type: str
 vllm_floor_bytes:

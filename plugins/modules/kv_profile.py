@@ -47,9 +47,12 @@ options:
     type: path
     required: true
   state:
-    description: V(query) reads, V(present) records O(profile) as a new file.
+    description:
+      - V(query) reads, V(present) records O(profile) as a new file.
+      - V(latest) returns the newest profile of O(host_class) whatever its key (RV(key_hash) is its key), for
+        checking a deployed plan's key against the class's current reference; it needs no O(compat).
     type: str
-    choices: [query, present]
+    choices: [query, present, latest]
     default: query
   host_class:
     description: Host class name (letters, digits, C(.), C(_), C(-); at most 128 characters).
@@ -65,8 +68,8 @@ options:
         C(enable_sleep_mode), C(pytorch_cuda_alloc_conf), C(kv_offloading_backend), C(kv_offloading_size),
         C(kv_transfer_config), C(cpu_offload_gb), C(limit_mm_per_prompt). Other names are kept as given.
       - Integer and boolean fields are canonicalised (V("8192") equals V(8192)); V(null) fields are left out.
+      - Required with O(state=query) and O(state=present).
     type: dict
-    required: true
   profile:
     description:
       - Data to record with O(state=present), in the shape M(gpufleet.vllm.kv_plan) reads as its reference

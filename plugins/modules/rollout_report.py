@@ -58,7 +58,7 @@ options:
   kind:
     description: What kind of run this is; the run directory name starts with it.
     type: str
-    choices: [rollout, plan, probe]
+    choices: [rollout, plan, probe, audit]
     default: rollout
   data:
     description:
@@ -77,6 +77,9 @@ options:
         RV(gpufleet.vllm.gpu_memory_info#module:gpus) entries and each instance is C({name, unit, gpus, port,
         load_state, active_state, sub_state, plan}), C(plan) being the instance's plan file or null. A probe
         report's hosts come from this section."
+      - "C(audit) (required with O(kind=audit)) maps C(hosts) to C({host: {class, error, instances}}) where
+        C(instances) are the RV(gpufleet.vllm.vllm_audit#module:instances) entries. An audit report's hosts come
+        from this section; its summary lists the instances that would be refused at their next start."
     type: dict
     required: true
 notes:

@@ -76,6 +76,14 @@ options:
   log_path:
     description: Engine log file; the part written by the latest boot (from its last C(non-default args) line) is checked.
     type: path
+  boot_gate_state:
+    description:
+      - State file of the unit's boot gate (the plan file's C(boot_gate.state_file)). The check waits up to
+        30 seconds for the gate's record of this start (the unit's C(InvocationID)).
+      - A refused start fails the check with the gate's own message; a start the gate shrank is compared with the
+        budget and tokens the gate started (never above O(expected_kv_cache_memory_bytes)) and reported in
+        RV(degraded); a start the gate turned into vLLM's own profiling is not compared with a byte budget.
+    type: path
 requirements:
   - systemd (C(systemctl), C(journalctl)) when O(unit) is set.
 seealso:
@@ -147,18 +155,31 @@ log_source:
   description: Which log was read.
   returned: when not in check mode
   type: str
+boot_gate:
+  description: The boot gate's record of this start (action, per-rank free memory and floors, planned and started figures).
+  returned: when O(boot_gate_state) is given and the gate recorded this start
+  type: dict
+degraded:
+  description:
+    - What the boot gate lowered, with bytes and tokens before and after (C(kv_cache_memory_bytes_before),
+      C(kv_cache_memory_bytes_after), C(kv_cache_tokens_before), C(kv_cache_tokens_after)), the policy and its message.
+    - V(null) when the unit started as planned.
+  returned: when O(boot_gate_state) is given
+  type: dict
 log_tail:
   description: Last lines of this boot's log.
   returned: on failure
   type: str
 """
 
+import dataclasses
 import traceback
 from urllib.parse import urlsplit
 
 from ansible.module_utils.basic import AnsibleModule
 from ansible.module_utils.common.text.converters import to_native
 
+from ansible_collections.gpufleet.vllm.plugins.module_utils._boot_gate import boot_expectations, wait_state
 from ansible_collections.gpufleet.vllm.plugins.module_utils._sizes import SizeError, parse_size
 from ansible_collections.gpufleet.vllm.plugins.module_utils._validate import ValidationError, integer, port, text
 from ansible_collections.gpufleet.vllm.plugins.module_utils._vllm_engine import (
@@ -242,6 +263,7 @@ def main() -> None:
             timeout=dict(type="int", default=900),
             journal=dict(type="bool", default=True),
             log_path=dict(type="path"),
+            boot_gate_state=dict(type="path"),
         ),
         required_if=[("journal", True, ("unit",)), ("journal", False, ("log_path",))],
         supports_check_mode=True,
@@ -261,7 +283,23 @@ def main() -> None:
             return rc, out, err
 
         systemd = Systemd(runner, systemctl or "systemctl", journalctl or "journalctl")
+        gate = degraded = None
+        if module.params["boot_gate_state"] and spec.unit:
+            def invocation() -> str | None:
+                rc, out, _err = module.run_command([systemctl or "systemctl", "show", "-p", "InvocationID", "--value", "--", spec.unit])
+                return out.strip() or None if rc == 0 else None
+
+            gate = wait_state(module.params["boot_gate_state"], invocation)
+            if gate is not None and gate.get("action") == "refuse":
+                module.fail_json(msg=f"vLLM boot check of {spec.unit} failed: {gate.get('message')}", ok=False,
+                                 reasons=[gate.get("message")], boot_gate=gate, degraded=None)
+            expected, min_tokens, degraded = boot_expectations(gate, spec.expected_kv_cache_memory_bytes, spec.min_tokens)
+            spec = dataclasses.replace(spec, expected_kv_cache_memory_bytes=expected, min_tokens=min_tokens)
         result = run_boot_check(spec, systemd)
+        if module.params["boot_gate_state"]:
+            result["degraded"] = degraded if gate is not None else None
+            if gate is not None:
+                result["boot_gate"] = gate
     except (EngineSpecError, SizeError, ValidationError, ValueError) as exc:
         module.fail_json(msg=to_native(exc))
     except Exception as exc:  # pylint: disable=broad-exception-caught

@@ -632,6 +632,34 @@ class Harness:
             current = self.hosts()
             return [current[n] for n in names]
 
+    def reboot(self, name: str, timeout: float = 120.0) -> HostInfo:
+        """Reboot a running host as a machine reboots: its systemd shuts down (SIGTERM to
+        systemd-nspawn), then boots again on the same writable layer, network and binds. What
+        survives is what survives a reboot: the disk (units, /etc, /var), not /run or processes."""
+        self._require_root()
+        self._check_name(name)
+        with self._locked():
+            info = self.hosts().get(name)
+            if info is None:
+                raise HarnessError(f"reboot: {name} is not up")
+            nspawn = self._nspawn_pids(name)
+            for pid in nspawn:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGTERM)
+            deadline = time.monotonic() + 30
+            while any(pid_alive(p) for p in nspawn):
+                for child in self._children:
+                    child.poll()
+                if time.monotonic() > deadline:
+                    raise HarnessError(f"reboot: {name}: systemd-nspawn did not stop within 30 s")
+                time.sleep(0.1)
+            info.leader_pid = 0
+            info.state = "starting"
+            info.started_at = time.time()
+            self._start_nspawn(info)
+            self._wait_ready(name, time.monotonic() + timeout)
+            return self.hosts()[name]
+
     # Every guest's systemd and its services open inotify instances as root, which all
     # count against the host's per-user limit (128 by default): beyond about 20 guests,
     # systemd in the later ones cannot start and never reaches SSH.
@@ -691,18 +719,26 @@ class Harness:
         run(["ip", "-n", netns, "link", "set", "lo", "up"])
         run(["ip", "-n", netns, "addr", "add", f"{address}/24", "dev", GUEST_IFACE])
         run(["ip", "-n", netns, "link", "set", GUEST_IFACE, "up"])
+        self._start_nspawn(info)
+
+    def _nspawn_argv(self, info: HostInfo) -> list[str]:
         argv = [
-            "systemd-nspawn", "--quiet", "-D", str(root), "-b", "-M", name,
+            "systemd-nspawn", "--quiet", "-D", info.root, "-b", "-M", info.name,
             "--register=no", "--keep-unit", "--console=passive", "--link-journal=no",
-            f"--network-namespace-path=/run/netns/{netns}",
-            f"--bind={fake_dir}:{FAKE_NVML_GUEST_DIR}",
+            f"--network-namespace-path=/run/netns/{info.netns}",
+            f"--bind={info.fake_nvml_dir}:{FAKE_NVML_GUEST_DIR}",
         ]
         if self.fake_nvml_lib.is_file():
             argv.append(f"--bind-ro={self.fake_nvml_lib}:{NVML_GUEST_PATH}")
         else:
-            log(f"warning: {self.fake_nvml_lib} is not built (`make fake-nvml`); {name} has no NVML library")
-        argv += [f"--bind={b}" for b in binds]
-        argv += [f"--bind-ro={b}" for b in binds_ro]
+            log(f"warning: {self.fake_nvml_lib} is not built (`make fake-nvml`); {info.name} has no NVML library")
+        argv += [f"--bind={b}" for b in info.binds]
+        argv += [f"--bind-ro={b}" for b in info.binds_ro]
+        return argv
+
+    def _start_nspawn(self, info: HostInfo) -> None:
+        hdir = self.host_dir(info.name)
+        argv = self._nspawn_argv(info)
         with open(hdir / "console.log", "ab") as console:
             console.write(f"\n==== {time.strftime('%Y-%m-%dT%H:%M:%S')} {' '.join(argv)}\n".encode())
             console.flush()

@@ -86,7 +86,8 @@ def collections_path(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def texts(collections_path) -> dict[str, str]:
-    return doc_examples.examples(collections_path, "module", ["gpu_memory_info", "vllm_boot_check", "vllm_canary", "vllm_unit"])
+    return doc_examples.examples(collections_path, "module",
+                                 ["gpu_memory_info", "vllm_audit", "vllm_boot_check", "vllm_canary", "vllm_unit"])
 
 
 @pytest.fixture(scope="module")
@@ -209,3 +210,27 @@ def test_boot_check_and_gpu_memory_info_examples(sim, collections_path, texts, t
     for gpu in got["last"]:
         assert gpu["own_used_bytes"] > engines["kv_cache_memory_bytes"] and all(p["own"] for p in gpu["processes"])
         assert gpu["boot_free_bytes"] == TOTAL - RESERVED
+
+
+def test_vllm_audit_examples(sim, collections_path, texts, tmp_path):
+    """A plan file as vllm_service writes it (format 2): GPU 0's floor 1 GiB above its free memory."""
+    free = TOTAL - RESERVED
+    plan = {"format": 2, "instance": "audited", "unit": "vllm-audited.service", "host_class": "docex-h200",
+            "decision": "deploy", "gpus": [0], "kv_cache_memory_bytes": 20 * GIB, "gpu_memory_utilization": 0.9,
+            "free_floor_bytes": {"0": free + GIB}, "num_blocks": 10240, "kv_cache_tokens": 163840, "max_model_len": 8192,
+            "capacity": {"source": "geometry", "bytes_per_block": 2 * 1024 * 1024, "block_size": 16},
+            "planned_at": "2026-01-01T00:00:00Z", "boot_gate": {"policy": "refuse", "state_file": None}}
+    sim.h.exec(HOST, ["install", "-d", "/etc/gpufleet"], check=True)
+    sim.h.exec(HOST, ["sh", "-c", f"echo '{json.dumps(plan)}' > /etc/gpufleet/audited.plan.json"], check=True)
+    out = tmp_path / "audit.json"
+    try:
+        playbook = doc_examples.module_playbook(texts["vllm_audit"], HOST, post_tasks=[keep(out, "audit")])
+        proc = run(sim, collections_path, tmp_path, playbook)
+        doc_examples.assert_examples_ran(proc, texts["vllm_audit"])
+    finally:
+        sim.h.exec(HOST, ["rm", "-f", "/etc/gpufleet/audited.plan.json"])
+    got = json.loads(out.read_text(encoding="utf-8"))
+    (inst,) = got["instances"]
+    assert inst["verdict"] == "would_refuse" and got["worst"] == "would_refuse"
+    assert inst["ranks"][0]["margin_bytes"] == -GIB
+    assert "audited: would_refuse (margin -1GiB)" in proc.stdout

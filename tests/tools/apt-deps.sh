@@ -14,6 +14,7 @@ PACKAGES=(
     make
     rsync
     python3-venv        # the development and engine virtual environments
+    prometheus          # promtool: checks and tests the example alert rules (the server is never started)
 )
 
 missing=()
@@ -36,5 +37,16 @@ fi
 
 echo "apt-deps: installing ${missing[*]}"
 export DEBIAN_FRONTEND=noninteractive
+# The prometheus package would start (and enable) a Prometheus server: only promtool is
+# wanted, so no service is started while these packages are installed.
+policy=/usr/sbin/policy-rc.d
+if [ ! -e "$policy" ]; then
+    printf '#!/bin/sh\nexit 101\n' >"$policy"
+    chmod 0755 "$policy"
+    trap 'rm -f "$policy"' EXIT
+fi
 apt-get update -qq
 apt-get install -y -qq --no-install-recommends "${missing[@]}"
+if [[ " ${missing[*]} " == *" prometheus "* ]] && command -v systemctl >/dev/null; then
+    systemctl disable --now prometheus.service >/dev/null 2>&1 || true
+fi

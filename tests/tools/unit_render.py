@@ -35,7 +35,8 @@ def render(cases: Mapping[str, Mapping[str, Any]], out: pathlib.Path) -> dict[st
     """``{case: {unit, env, template_unit, template_env, validate_error, template_error, render_error}}`` (those that exist)."""
     out.mkdir(parents=True, exist_ok=True)
     tasks: list[dict[str, Any]] = [
-        {"name": "Load the role defaults", "ansible.builtin.include_vars": str(ROLE / "defaults" / "main.yml")}]
+        {"name": "Load the role defaults", "ansible.builtin.include_vars": str(ROLE / "defaults" / "main.yml")},
+        {"name": "Load the role's internal variables", "ansible.builtin.include_vars": str(ROLE / "vars" / "main.yml")}]
     for case, facts in cases.items():
         one = {"vllm_service_instances": [facts["vllm_service_instance"]]}
         tasks.append({"name": f"Facts {case}", "ansible.builtin.set_fact": dict(facts)})
@@ -144,6 +145,7 @@ def role_vars(case: Mapping[str, Any]) -> dict[str, Any]:
     import yaml  # pylint: disable=import-outside-toplevel
 
     data = yaml.safe_load((ROLE / "defaults" / "main.yml").read_text())
+    data.update(yaml.safe_load((ROLE / "vars" / "main.yml").read_text()))
     data.update(case)
     data["vllm_service_instances"] = [case["vllm_service_instance"]]
     return data
@@ -156,6 +158,8 @@ def hostile_case(executable: str, name: str = "q", port: int = 8000, gpus: list[
         "vllm_service_instance": {"name": name, "gpus": gpus or [0], "port": port},
         "vllm_service_plan": PLAN_MANUAL,
         "vllm_service_executable": executable,
+        # a manual budget starts through the boot gate: the same program records the gate's words
+        "vllm_service_boot_gate_bin": executable,
         "vllm_service_model": HOSTILE_MODEL,
         "vllm_service_serve_args": {"served_model_name": HOSTILE_SERVED, "max_model_len": 4096,
                                     "chat_template": AWKWARD, "enable_prefix_caching": False},
@@ -169,10 +173,14 @@ def hostile_case(executable: str, name: str = "q", port: int = 8000, gpus: list[
 
 
 def expected_words(case: Mapping[str, Any]) -> list[str]:
-    """The argv (after the executable) the unit of ``hostile_case`` must start the program with."""
+    """The argv (after the executable) the unit of ``hostile_case`` must start the program with:
+    the boot gate's words, then ``--``, the engine's executable and its words."""
     plan = case["vllm_service_plan"]
     serve = case["vllm_service_serve_args"]
-    return (["serve", case["vllm_service_model"], "--host", "0.0.0.0", "--port", str(case["vllm_service_instance"]["port"]),
+    name = case["vllm_service_instance"]["name"]
+    gate = ["--plan", f"/etc/gpufleet/{name}.plan.json", "--policy", "shrink",
+            "--state", f"/var/lib/gpufleet-vllm/{name}.boot-gate.json", "--", case["vllm_service_executable"]]
+    return gate + (["serve", case["vllm_service_model"], "--host", "0.0.0.0", "--port", str(case["vllm_service_instance"]["port"]),
              "--kv-cache-memory-bytes", str(plan["kv_cache_memory_bytes"]),
              "--gpu-memory-utilization", str(plan["gpu_memory_utilization"]),
              "--chat-template", serve["chat_template"], "--no-enable-prefix-caching",

@@ -76,9 +76,14 @@ def rendered(tmp_path_factory):
     exe = out / "vllm"
     exe.write_text("#!/bin/sh\nexit 0\n")
     exe.chmod(0o755)
-    tasks = [{"name": "Load the role defaults", "ansible.builtin.include_vars": str(ROLE / "defaults" / "main.yml")}]
+    gate = out / "gate"
+    gate.write_text("#!/bin/sh\nexit 0\n")
+    gate.chmod(0o755)
+    tasks = [{"name": "Load the role defaults", "ansible.builtin.include_vars": str(ROLE / "defaults" / "main.yml")},
+             {"name": "Load the role's internal vars", "ansible.builtin.include_vars": str(ROLE / "vars" / "main.yml")}]
     for case, facts in CASES.items():
-        facts = dict(facts, vllm_service_executable=str(exe), vllm_service_model="/srv/models/llama 3")
+        facts = dict(facts, vllm_service_executable=str(exe), vllm_service_model="/srv/models/llama 3",
+                     vllm_service_boot_gate_bin=str(gate))
         tasks.append({"name": f"Facts {case}", "ansible.builtin.set_fact": facts})
         # as the role renders it (tasks/render.yml, the content vllm_unit writes)
         tasks.append({"name": f"Render {case}",
@@ -113,11 +118,16 @@ def test_role_renders_as_the_template_module(rendered):
         assert text == (out / f"{case}.template.service").read_text(), case
 
 
-def exec_start(text: str) -> list[str]:
-    """The ExecStart words (continuation lines joined, systemd's quoting undone)."""
+def exec_start(text: str, gate: bool = False) -> list[str]:
+    """The engine's ExecStart words (continuation lines joined, systemd's quoting undone);
+    with ``gate``, the boot gate's words before the engine's instead."""
     joined = text.replace("\\\n", " ")
     line = next(l for l in joined.splitlines() if l.startswith("ExecStart="))
-    return shlex.split(line[len("ExecStart="):].replace("%%", "%").replace("$$", "$"))
+    words = shlex.split(line[len("ExecStart="):].replace("%%", "%").replace("$$", "$"))
+    if "--" in words and words[0].endswith("gate"):
+        cut = words.index("--")
+        return words[:cut] if gate else words[cut + 1:]
+    return [] if gate else words
 
 
 def option(words: list[str], flag: str) -> str | None:
@@ -144,6 +154,22 @@ def test_manual_budget_exec_start(rendered):
     assert "Environment=CUDA_VISIBLE_DEVICES=0,1" in units["manual"]
     assert "Environment=CUDA_DEVICE_ORDER=PCI_BUS_ID" in units["manual"]
     assert 'Environment="NOTE=50%% $HOME"' in units["manual"]
+
+
+def test_manual_units_start_through_the_boot_gate(rendered):
+    """The gate is the main process (it execs the engine): its refusal status stops the restarts."""
+    units, out = rendered
+    for case in ("manual", "multi_a", "multi_b"):
+        name = {"manual": "vllm", "multi_a": "a", "multi_b": "b"}[case]
+        words = exec_start(units[case], gate=True)
+        assert words[0] == str(out / "gate")
+        assert option(words, "--plan") == f"/etc/gpufleet/{name}.plan.json"
+        assert option(words, "--policy") == "shrink"
+        assert option(words, "--state") == f"/var/lib/gpufleet-vllm/{name}.boot-gate.json"
+        lines = units[case].splitlines()
+        assert "RestartPreventExitStatus=78" in lines and "StateDirectory=gpufleet-vllm" in lines
+    assert exec_start(units["auto"], gate=True) == []
+    assert "RestartPreventExitStatus=78" not in units["auto"]
 
 
 def test_auto_profile_has_no_byte_budget(rendered):
@@ -200,7 +226,7 @@ def test_systemd_analyze_verify_accepts_the_unit(rendered, case):
 def test_systemd_analyze_verify_rejects_a_broken_unit(rendered):
     out = rendered[1]
     bad = out / "vllm-broken.service"
-    bad.write_text(rendered[0]["manual"].replace(f"ExecStart={out / 'vllm'}", "ExecStart=relative/vllm"))
+    bad.write_text(rendered[0]["manual"].replace(f"ExecStart={out / 'gate'}", "ExecStart=relative/vllm"))
     proc = subprocess.run(["systemd-analyze", "verify", str(bad)], capture_output=True, text=True, timeout=60, check=False)
     assert proc.returncode != 0
     assert "relative/vllm" in proc.stderr

@@ -1,0 +1,237 @@
+# -*- coding: utf-8 -*-
+# Copyright (c) gpufleet maintainers
+# GNU General Public License v3.0+ (see LICENSES/GPL-3.0-or-later.txt or https://www.gnu.org/licenses/gpl-3.0.txt)
+# SPDX-License-Identifier: GPL-3.0-or-later
+
+"""Between rollouts: each instance's margin to its floor now, and what its next start would do.
+
+Plain Python with no Ansible import, used on the host by the ``vllm_audit`` module
+(``playbooks/audit.yml``) and by the metrics exporter (``gpufleet-vllm-metrics``, run by a
+systemd timer, writing node_exporter textfile metrics). Both read the plan files
+(``<state_dir>/*.plan.json``), probe NVML once for every GPU they name and judge every
+instance with the boot gate's own rule (:func:`_boot_gate.decide` under the unit's policy),
+so the audit says exactly what the gate would do at the next start.
+
+Verdicts, worst first: ``would_refuse`` (the next start is refused), ``would_shrink``
+(it starts degraded: a smaller budget, or vLLM's own profiling under ``profile``),
+``reprofile_due`` (the plan is older than the allowed age, or the class's stored
+reference has another compatibility key), ``ok``.
+"""
+
+from __future__ import annotations
+
+import calendar
+import glob
+import json
+import os
+import sys
+import time
+import typing as t
+
+from ._boot_gate import POLICIES, BootGateError, decide, parse_plan, read_state
+
+VERDICTS = ("ok", "reprofile_due", "would_shrink", "would_refuse")
+DEFAULT_REPROFILE_AFTER_DAYS = 30.0
+METRIC_PREFIX = "gpufleet_vllm_"
+
+
+def plan_timestamp(value: t.Any) -> float | None:
+    """``planned_at`` (``YYYY-MM-DDTHH:MM:SSZ``) as seconds since the epoch."""
+    if not isinstance(value, str):
+        return None
+    try:
+        return float(calendar.timegm(time.strptime(value, "%Y-%m-%dT%H:%M:%SZ")))
+    except ValueError:
+        return None
+
+
+def plan_files(state_dir: str) -> list[str]:
+    return sorted(glob.glob(os.path.join(glob.escape(state_dir), "*.plan.json")))
+
+
+def judge(plan: t.Mapping[str, t.Any], gpus: t.Sequence[t.Mapping[str, t.Any]], now: float,
+          reprofile_after_days: float, reference_key_hash: str | None = None,
+          state: t.Mapping[str, t.Any] | None = None) -> dict[str, t.Any]:
+    """One instance: per-rank margin, the gate's action at a start now, plan age, key, verdict."""
+    policy = plan["policy"] if plan["policy"] in POLICIES else "shrink"
+    verdict = decide(plan, gpus, policy)
+    planned_ts = plan_timestamp(plan.get("planned_at"))
+    age_days = (now - planned_ts) / 86400.0 if planned_ts is not None else None
+    reasons: list[str] = []
+    key_matches = None
+    if reference_key_hash:
+        key_matches = reference_key_hash == plan.get("compat_key_hash")
+    if verdict["action"] == "refuse":
+        result = "would_refuse"
+        reasons.append(verdict["message"])
+    elif verdict["action"] in ("shrink", "profile"):
+        result = "would_shrink"
+        reasons.append(verdict["message"])
+    else:
+        result = "ok"
+    if age_days is not None and age_days > reprofile_after_days:
+        reasons.append(f"the plan is {age_days:.1f} days old (allowed {reprofile_after_days:g}): profile the class again")
+    if key_matches is False:
+        reasons.append(f"the class's stored reference has compatibility key {reference_key_hash}, the plan "
+                       f"{plan.get('compat_key_hash')}: profile the class again")
+    if result == "ok" and reasons:
+        result = "reprofile_due"
+    margins = [r["margin_bytes"] for r in verdict["ranks"] if r["margin_bytes"] is not None]
+    last = dict(state) if state else None
+    return {
+        "instance": plan["instance"],
+        "unit": verdict["unit"],
+        "host_class": plan.get("host_class") or "",
+        "policy": policy,
+        "decision": plan["decision"],
+        "verdict": result,
+        "next_start": verdict["action"],
+        "ranks": verdict["ranks"],
+        "min_margin_bytes": min(margins) if margins else None,
+        "kv_cache_memory_bytes": plan["kv_cache_memory_bytes"],
+        "kv_cache_tokens": plan["kv_cache_tokens"],
+        "would_start": verdict["started"],
+        "planned_at": plan.get("planned_at"),
+        "plan_timestamp": planned_ts,
+        "plan_age_days": round(age_days, 3) if age_days is not None else None,
+        "compat_key_hash": plan.get("compat_key_hash"),
+        "reference_key_hash": reference_key_hash,
+        "key_matches": key_matches,
+        "last_start": _last_start(last),
+        "reasons": reasons,
+    }
+
+
+def _last_start(state: t.Mapping[str, t.Any] | None) -> dict[str, t.Any] | None:
+    """What the gate did at the unit's last start (its record), for the degraded figures."""
+    if not state:
+        return None
+    started = state.get("started") or {}
+    return {"checked_at": state.get("checked_at"), "action": state.get("action"),
+            "degraded": state.get("degraded"), "kv_cache_memory_bytes": started.get("kv_cache_memory_bytes"),
+            "kv_cache_tokens": started.get("kv_cache_tokens")}
+
+
+def audit(state_dir: str, nvml: t.Any, now: float | None = None,
+          reprofile_after_days: float = DEFAULT_REPROFILE_AFTER_DAYS,
+          reference_key_hashes: t.Mapping[str, str] | None = None, host: str = "localhost") -> dict[str, t.Any]:
+    """Every manual-budget instance of this host, judged now (one NVML probe for all)."""
+    from ._nvml_probe import probe  # pylint: disable=import-outside-toplevel
+
+    now = time.time() if now is None else now
+    plans: list[tuple[str, dict[str, t.Any]]] = []
+    errors: list[str] = []
+    for path in plan_files(state_dir):
+        try:
+            with open(path, encoding="utf-8") as handle:
+                plan = parse_plan(json.load(handle), f"plan file {path}")
+        except (OSError, ValueError, BootGateError) as exc:
+            errors.append(f"{path}: {exc}")
+            continue
+        if plan["manual"]:
+            plans.append((path, plan))
+    devices = sorted({g for _path, plan in plans for g in plan["gpus"]})
+    # the running engines' memory is what their next start gets back: free + own, as the
+    # rollout's gates count it (the boot gate itself runs before its engine exists)
+    units = [plan["unit"] or f"vllm-{plan['instance']}.service" for _path, plan in plans]
+    gpus = probe(nvml, devices=devices, samples=1, service_units=units, host=host)["gpus"] if devices else []
+    instances = []
+    for path, plan in plans:
+        state = read_state(plan["state_file"]) if plan["state_file"] else None
+        key = (reference_key_hashes or {}).get(plan.get("host_class") or "")
+        entry = judge(plan, gpus, now, reprofile_after_days, key, state)
+        entry["plan_file"] = path
+        instances.append(entry)
+    return {"checked_at": now, "instances": instances, "errors": errors}
+
+
+# ---------------------------------------------------------------- node_exporter textfile
+
+def registry(report: t.Mapping[str, t.Any], prometheus: t.Any) -> t.Any:
+    """The report as a prometheus_client registry (``prometheus``: the prometheus_client module)."""
+    reg = prometheus.CollectorRegistry()
+    # not "instance": Prometheus gives every scraped series its target's instance label,
+    # which would rename ours to exported_instance
+    rank_labels = ["vllm_instance", "rank", "gpu", "class"]
+    inst_labels = ["vllm_instance", "class"]
+
+    def gauge(name: str, doc: str, labels: list[str]) -> t.Any:
+        return prometheus.Gauge(METRIC_PREFIX + name, doc, labels, registry=reg)
+
+    floor = gauge("floor_bytes", "NVML free memory the instance's rank needs at boot (the plan's floor)", rank_labels)
+    free = gauge("boot_free_bytes", "NVML free memory of the rank now (what a start would see)", rank_labels)
+    margin = gauge("margin_bytes", "boot-free minus floor; below zero the next start is shrunk or refused", rank_labels)
+    budget = gauge("budget_bytes", "the plan's KV-cache budget per rank", inst_labels)
+    started_budget = gauge("started_budget_bytes", "KV-cache budget the gate started at the last start (0: profiled)", inst_labels)
+    tokens = gauge("tokens", "KV-cache tokens of the plan", inst_labels)
+    started_tokens = gauge("started_tokens", "KV-cache tokens the gate started at the last start", inst_labels)
+    degraded = gauge("degraded", "1 when the last start was shrunk or profiled by the boot gate", inst_labels)
+    refuse = gauge("would_refuse", "1 when a start now would be refused", inst_labels)
+    shrink = gauge("would_shrink", "1 when a start now would be shrunk or profiled", inst_labels)
+    planned = gauge("plan_timestamp_seconds", "when the plan file was written", inst_labels)
+    audited = gauge("last_audit_timestamp_seconds", "when these figures were measured", inst_labels)
+    errors = prometheus.Gauge(METRIC_PREFIX + "plan_file_errors", "plan files that cannot be read", registry=reg)
+    errors.set(len(report.get("errors") or ()))
+    for inst in report["instances"]:
+        labels = {"vllm_instance": inst["instance"], "class": inst["host_class"]}
+        for row in inst["ranks"]:
+            rlabels = dict(labels, rank=str(row["rank"]), gpu=str(row["gpu"]))
+            if row["floor_bytes"] is not None:
+                floor.labels(**rlabels).set(row["floor_bytes"])
+            if row["free_bytes"] is not None:
+                free.labels(**rlabels).set(row["free_bytes"])
+            if row["margin_bytes"] is not None:
+                margin.labels(**rlabels).set(row["margin_bytes"])
+        if inst["kv_cache_memory_bytes"] is not None:
+            budget.labels(**labels).set(inst["kv_cache_memory_bytes"])
+        if inst["kv_cache_tokens"] is not None:
+            tokens.labels(**labels).set(inst["kv_cache_tokens"])
+        last = inst["last_start"] or {}
+        if last.get("action") in ("start", "shrink", "profile"):
+            started_budget.labels(**labels).set(last.get("kv_cache_memory_bytes") or 0)
+            if last.get("kv_cache_tokens") is not None:
+                started_tokens.labels(**labels).set(last["kv_cache_tokens"])
+        degraded.labels(**labels).set(1 if last.get("degraded") else 0)
+        refuse.labels(**labels).set(1 if inst["verdict"] == "would_refuse" else 0)
+        shrink.labels(**labels).set(1 if inst["verdict"] == "would_shrink" else 0)
+        if inst["plan_timestamp"] is not None:
+            planned.labels(**labels).set(inst["plan_timestamp"])
+        audited.labels(**labels).set(report["checked_at"])
+    return reg
+
+
+def _say(stream: t.TextIO, line: str) -> None:
+    """One line for the journal (the exporter's stdout and stderr go there)."""
+    stream.write(line + "\n")
+    stream.flush()
+
+
+def exporter_main(argv: t.Sequence[str], nvml: t.Any = None, prometheus: t.Any = None) -> int:
+    """``gpufleet-vllm-metrics --state-dir DIR --out FILE.prom``: one audit, written atomically."""
+    args = list(argv)
+    opts = {"state-dir": "/etc/gpufleet", "out": "/var/lib/prometheus/node-exporter/gpufleet_vllm.prom"}
+    while args:
+        key = args.pop(0)
+        if not key.startswith("--") or key[2:] not in opts or not args:
+            _say(sys.stderr, f"gpufleet-vllm-metrics: unknown or incomplete option {key!r}")
+            return 2
+        opts[key[2:]] = args.pop(0)
+    if not opts["out"].endswith(".prom"):
+        _say(sys.stderr, f"gpufleet-vllm-metrics: --out {opts['out']}: node_exporter reads only *.prom files")
+        return 2
+    if nvml is None:
+        import pynvml as nvml  # pylint: disable=import-outside-toplevel
+    if prometheus is None:
+        import prometheus_client as prometheus  # pylint: disable=import-outside-toplevel
+    from ._nvml_probe import NvmlProbeError  # pylint: disable=import-outside-toplevel
+    try:
+        report = audit(opts["state-dir"], nvml, host=os.uname().nodename)
+    except NvmlProbeError as exc:
+        # the previous file stays: its audit timestamp ages, which the stale-audit alert sees
+        _say(sys.stderr, f"gpufleet-vllm-metrics: NVML probe failed: {exc}")
+        return 1
+    prometheus.write_to_textfile(opts["out"], registry(report, prometheus))
+    worst = max((VERDICTS.index(i["verdict"]) for i in report["instances"]), default=0)
+    _say(sys.stdout, f"gpufleet-vllm-metrics: {len(report['instances'])} instance(s), worst verdict {VERDICTS[worst]}, "
+                     f"written to {opts['out']}")
+    return 0

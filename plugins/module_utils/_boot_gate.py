@@ -1,0 +1,548 @@
+# -*- coding: utf-8 -*-
+# Copyright (c) gpufleet maintainers
+# GNU General Public License v3.0+ (see LICENSES/GPL-3.0-or-later.txt or https://www.gnu.org/licenses/gpl-3.0.txt)
+# SPDX-License-Identifier: GPL-3.0-or-later
+
+"""The boot gate: re-check an instance's free-memory floor with NVML at every unit start.
+
+Plain Python with no Ansible import. ``vllm_service`` installs it on the host with a
+small launcher (``gpufleet-vllm-boot-gate``) that systemd runs as the unit's
+``ExecStart``; the launcher probes the instance's GPUs, decides, records the decision
+in the instance's gate state file and then *replaces itself* (``execv``) with
+``vllm serve``, its budget arguments lowered when the decision says so. Being the
+unit's main process is what makes a refusal final: systemd honours
+``RestartPreventExitStatus`` only for the main process, not for ``ExecStartPre``
+commands (checked on systemd 252), so a refused start does not loop.
+
+Policies (``vllm_service_boot_gate``):
+
+* ``refuse``: any rank below its floor -> no start, one journal line naming the rank,
+  its free memory and its floor, exit :data:`EXIT_REFUSED`.
+* ``shrink``: the drift rule once more against the floor,
+  ``B = B_plan - max over ranks of max(0, floor - F_boot)``; start with ``B`` only if
+  it still holds one ``max_model_len`` request (its blocks + the null block) and the
+  admission plan when the plan has one, else refuse. The startup utilization drops by
+  the same bytes (vLLM's own free figure moves with NVML's).
+* ``profile``: start without a byte budget, vLLM profiling at
+  ``floor4((min F_boot - guard - allowance) / total)``, never above the plan's
+  utilization (``allowance``: NVML floor minus vLLM floor, vLLM's CUDA context).
+
+It never raises a budget: a rank above its floor starts the plan as written.
+
+The plan file (``<state_dir>/<instance>.plan.json``, the launch contract) is read in
+format 1 (budget, floors, utilization, tokens) or 2 (also guard, max_model_len,
+admission, capacity figures, GPU ranks and the gate's policy and state file).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+import typing as t
+
+PLAN_FORMATS = (1, 2)
+PLAN_FORMAT = 2
+STATE_FORMAT = 1
+POLICIES = ("refuse", "shrink", "profile")
+# EX_CONFIG: systemd shows "status=78/CONFIG"; the unit lists it in RestartPreventExitStatus
+EXIT_REFUSED = 78
+# probe failures (no driver, GPU lost) keep the unit's normal restart policy
+EXIT_PROBE_FAILED = 1
+DEFAULT_CUDA_CONTEXT_BYTES = 1 << 30
+GIB = 1 << 30
+
+
+class BootGateError(Exception):
+    """The plan file or the gate's inputs are unusable; the message names the field."""
+
+
+def _hb(value: int) -> str:
+    """Bytes as GiB with two decimals (the journal line; exact bytes stand beside it)."""
+    return f"{value / GIB:.2f} GiB"
+
+
+def _int(doc: t.Mapping[str, t.Any], key: str, where: str, required: bool = True) -> int | None:
+    value = doc.get(key)
+    if value is None:
+        if required:
+            raise BootGateError(f"{where}: {key} is missing")
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        raise BootGateError(f"{where}: {key} must be an integer, got {value!r}")
+    return value
+
+
+def _rank_map(raw: t.Any, where: str) -> dict[int, int]:
+    if raw is None:
+        return {}
+    if not isinstance(raw, t.Mapping):
+        raise BootGateError(f"{where}: expected a mapping rank -> bytes, got {type(raw).__name__}")
+    out: dict[int, int] = {}
+    for key, value in raw.items():
+        try:
+            rank = int(key)
+        except (TypeError, ValueError):
+            raise BootGateError(f"{where}: rank {key!r} is not an integer") from None
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise BootGateError(f"{where}[{rank}]: expected bytes as an integer, got {value!r}")
+        out[rank] = value
+    return out
+
+
+# ---------------------------------------------------------------- plan file
+
+def parse_plan(doc: t.Any, where: str = "plan file") -> dict[str, t.Any]:
+    """Normalise a plan record of format 1 or 2 into what the gate needs."""
+    if not isinstance(doc, t.Mapping):
+        raise BootGateError(f"{where}: expected a JSON object")
+    fmt = doc.get("format")
+    if fmt not in PLAN_FORMATS:
+        raise BootGateError(f"{where}: format {fmt!r} is not one this gate reads ({', '.join(map(str, PLAN_FORMATS))})")
+    decision = doc.get("decision")
+    manual = decision != "auto_profile"
+    gpus = doc.get("gpus")
+    if not isinstance(gpus, list) or not gpus or not all(isinstance(g, int) and not isinstance(g, bool) for g in gpus):
+        raise BootGateError(f"{where}: gpus must be a non-empty list of NVML indices, got {gpus!r}")
+    plan: dict[str, t.Any] = {
+        "format": fmt,
+        "instance": str(doc.get("instance") or ""),
+        "unit": str(doc.get("unit") or ""),
+        "host_class": doc.get("host_class"),
+        "decision": decision,
+        "manual": manual,
+        "gpus": list(gpus),
+        "kv_cache_memory_bytes": _int(doc, "kv_cache_memory_bytes", where, required=manual),
+        "num_blocks": _int(doc, "num_blocks", where, required=False),
+        "kv_cache_tokens": _int(doc, "kv_cache_tokens", where, required=False),
+        "free_floor_bytes": _rank_map(doc.get("free_floor_bytes"), f"{where}: free_floor_bytes"),
+        "vllm_floor_bytes": _rank_map(doc.get("vllm_floor_bytes"), f"{where}: vllm_floor_bytes"),
+        "guard_bytes": _int(doc, "guard_bytes", where, required=False),
+        "max_model_len": _int(doc, "max_model_len", where, required=False),
+        "planned_at": doc.get("planned_at"),
+        "compat_key_hash": doc.get("compat_key_hash"),
+    }
+    util = doc.get("gpu_memory_utilization")
+    if util is not None and (isinstance(util, bool) or not isinstance(util, (int, float)) or not 0 < float(util) <= 1):
+        raise BootGateError(f"{where}: gpu_memory_utilization must be a number in (0, 1], got {util!r}")
+    plan["gpu_memory_utilization"] = float(util) if util is not None else None
+    if manual and plan["kv_cache_memory_bytes"] is not None and plan["kv_cache_memory_bytes"] <= 0:
+        raise BootGateError(f"{where}: kv_cache_memory_bytes must be > 0 for a manual budget")
+    admission = doc.get("admission")
+    plan["admission_blocks"] = None
+    plan["admission_tokens"] = None
+    if isinstance(admission, t.Mapping):
+        plan["admission_blocks"] = _int(admission, "required_blocks", f"{where}: admission", required=False)
+        plan["admission_tokens"] = _int(admission, "required_tokens", f"{where}: admission", required=False)
+    plan["capacity"] = _capacity_figures(doc, plan, where)
+    gate = doc.get("boot_gate") if isinstance(doc.get("boot_gate"), t.Mapping) else {}
+    plan["policy"] = gate.get("policy")
+    plan["state_file"] = gate.get("state_file")
+    return plan
+
+
+def _capacity_figures(doc: t.Mapping[str, t.Any], plan: t.Mapping[str, t.Any], where: str) -> dict[str, t.Any] | None:
+    """What turns a budget into blocks and tokens: the per-block geometry (format 2), else
+    the plan's own blocks and tokens at its budget, scaled (format 1 carries only those)."""
+    cap = doc.get("capacity")
+    if isinstance(cap, t.Mapping) and cap.get("bytes_per_block") and cap.get("block_size"):
+        bpb = _int(cap, "bytes_per_block", f"{where}: capacity")
+        block = _int(cap, "block_size", f"{where}: capacity")
+        if not bpb or bpb <= 0 or not block or block <= 0:
+            raise BootGateError(f"{where}: capacity.bytes_per_block and block_size must be > 0")
+        return {"source": "geometry", "bytes_per_block": bpb, "block_size": block}
+    blocks, tokens, budget = plan["num_blocks"], plan["kv_cache_tokens"], plan["kv_cache_memory_bytes"]
+    if blocks and tokens and budget:
+        return {"source": "scaled", "num_blocks": blocks, "kv_cache_tokens": tokens, "kv_cache_memory_bytes": budget,
+                "block_size": max(1, tokens // blocks)}
+    return None
+
+
+def read_plan(path: str) -> dict[str, t.Any]:
+    try:
+        with open(path, encoding="utf-8") as handle:
+            doc = json.load(handle)
+    except FileNotFoundError:
+        raise BootGateError(f"plan file {path} does not exist: deploy the instance with gpufleet.vllm.vllm_service") from None
+    except (OSError, ValueError) as exc:
+        raise BootGateError(f"plan file {path}: cannot read it: {exc}") from None
+    return parse_plan(doc, f"plan file {path}")
+
+
+def capacity(figures: t.Mapping[str, t.Any], kv_bytes: int) -> tuple[int, int]:
+    """(blocks, tokens) vLLM makes from ``kv_bytes`` per rank, from the plan's capacity figures.
+
+    ``geometry``: whole blocks of ``bytes_per_block``, ``block_size`` tokens each (one
+    full-attention group, vLLM's rounding). ``scaled``: the plan's own blocks and tokens
+    at its budget, in proportion (rounded down).
+    """
+    if kv_bytes <= 0:
+        return 0, 0
+    if figures["source"] == "geometry":
+        blocks = kv_bytes // figures["bytes_per_block"]
+        return blocks, blocks * figures["block_size"]
+    base = figures["kv_cache_memory_bytes"]
+    return figures["num_blocks"] * kv_bytes // base, figures["kv_cache_tokens"] * kv_bytes // base
+
+
+def floor_utilization(free_bytes: int, total_bytes: int) -> float:
+    """Largest 4-decimal ``u`` with ``ceil(total * u) <= free`` (vLLM's startup check passes)."""
+    if total_bytes <= 0 or free_bytes <= 0:
+        return 0.0
+    k = min(10000, (free_bytes * 10000) // total_bytes)
+    while k > 0 and math.ceil(total_bytes * (k / 10000)) > free_bytes:
+        k -= 1
+    return k / 10000
+
+
+# ---------------------------------------------------------------- decision
+
+def rank_rows(plan: t.Mapping[str, t.Any], gpus: t.Sequence[t.Mapping[str, t.Any]]) -> list[dict[str, t.Any]]:
+    """Per rank of the instance: GPU, NVML free memory now, floor, margin (free - floor)."""
+    by_index = {int(g["index"]): g for g in gpus}
+    rows = []
+    for rank, index in enumerate(plan["gpus"]):
+        gpu = by_index.get(index)
+        floor = plan["free_floor_bytes"].get(rank)
+        row: dict[str, t.Any] = {"rank": rank, "gpu": index, "floor_bytes": floor, "free_bytes": None,
+                                 "total_bytes": None, "margin_bytes": None}
+        if gpu is not None:
+            free = int(gpu.get("boot_free_bytes", gpu.get("free_bytes", 0)))
+            row.update(free_bytes=free, total_bytes=int(gpu.get("total_bytes") or 0), uuid=gpu.get("uuid"))
+            if floor is not None:
+                row["margin_bytes"] = free - floor
+        rows.append(row)
+    return rows
+
+
+def decide(plan: t.Mapping[str, t.Any], gpus: t.Sequence[t.Mapping[str, t.Any]], policy: str,
+           cuda_context_bytes: int = DEFAULT_CUDA_CONTEXT_BYTES) -> dict[str, t.Any]:
+    """The gate's verdict for one start. ``gpus``: NVML figures (``index``, ``boot_free_bytes``
+    or ``free_bytes``, ``total_bytes``). Returns ``action`` (``start``, ``shrink``,
+    ``profile``, ``refuse``), the budget and tokens planned and started, ``degraded``,
+    the per-rank rows and one ``message`` for the journal."""
+    if policy not in POLICIES:
+        raise BootGateError(f"policy {policy!r}: expected one of {', '.join(POLICIES)}")
+    unit = plan.get("unit") or f"vllm-{plan.get('instance')}.service"
+    rows = rank_rows(plan, gpus)
+    planned = {"kv_cache_memory_bytes": plan["kv_cache_memory_bytes"], "gpu_memory_utilization": plan["gpu_memory_utilization"],
+               "num_blocks": plan["num_blocks"], "kv_cache_tokens": plan["kv_cache_tokens"]}
+    out: dict[str, t.Any] = {"unit": unit, "policy": policy, "ranks": rows, "planned": planned, "started": dict(planned),
+                             "degraded": None, "reasons": []}
+
+    def refuse(why: str) -> dict[str, t.Any]:
+        out.update(action="refuse", started=None, message=f"{unit}: boot gate ({policy}) refuses the start: {why}")
+        out["reasons"].append(why)
+        return out
+
+    if not plan["manual"]:
+        out.update(action="start", message=f"{unit}: boot gate: automatic profiling, nothing to check")
+        return out
+    missing = [r for r in rows if r["free_bytes"] is None]
+    if missing:
+        return refuse("; ".join(f"rank {r['rank']} (GPU {r['gpu']}) not found by NVML" for r in missing))
+    unfloored = [r for r in rows if r["floor_bytes"] is None]
+    if unfloored:
+        return refuse("; ".join(f"rank {r['rank']} (GPU {r['gpu']}): the plan file has no floor for it" for r in unfloored))
+    below = [r for r in rows if r["margin_bytes"] < 0]
+    if not below:
+        low = min(rows, key=lambda r: r["margin_bytes"])
+        out.update(action="start", message=(
+            f"{unit}: boot gate: every rank at or above its floor (lowest margin rank {low['rank']} GPU {low['gpu']}: "
+            f"{_hb(low['margin_bytes'])}); starting the planned {plan['kv_cache_memory_bytes']} bytes"))
+        return out
+    shown = "; ".join(f"rank {r['rank']} (GPU {r['gpu']}) free {r['free_bytes']} B ({_hb(r['free_bytes'])}) "
+                      f"< floor {r['floor_bytes']} B ({_hb(r['floor_bytes'])})" for r in below)
+    if policy == "refuse":
+        return refuse(shown + "; not starting (no restart: exit 78)")
+    if policy == "profile":
+        return _profile(out, plan, rows, shown, cuda_context_bytes, refuse)
+    return _shrink(out, plan, rows, shown, refuse)
+
+
+def _shrink(out: dict[str, t.Any], plan: t.Mapping[str, t.Any], rows: list[dict[str, t.Any]], shown: str,
+            refuse: t.Callable[[str], dict[str, t.Any]]) -> dict[str, t.Any]:
+    before = plan["kv_cache_memory_bytes"]
+    shortfall = max(max(0, r["floor_bytes"] - r["free_bytes"]) for r in rows)
+    after = before - shortfall
+    figures = plan["capacity"]
+    if figures is None:
+        return refuse(shown + "; shrink needs the plan's capacity figures (bytes per block), which this plan file lacks: "
+                              "redeploy it to write a format 2 plan file")
+    blocks_before, tokens_before = capacity(figures, before)
+    if plan["num_blocks"] is not None and plan["kv_cache_tokens"] is not None:
+        blocks_before, tokens_before = plan["num_blocks"], plan["kv_cache_tokens"]
+    blocks_after, tokens_after = capacity(figures, after)
+    block = figures["block_size"]
+    degraded = {"kv_cache_memory_bytes_before": before, "kv_cache_memory_bytes_after": max(0, after),
+                "kv_cache_tokens_before": tokens_before, "kv_cache_tokens_after": tokens_after,
+                "num_blocks_before": blocks_before, "num_blocks_after": blocks_after, "shortfall_bytes": shortfall}
+    out["degraded"] = degraded
+    if plan["max_model_len"]:
+        need = -(-plan["max_model_len"] // block) + 1
+        if blocks_after < need:
+            return refuse(f"{shown}; the shrunk budget {max(0, after)} B ({blocks_after} blocks) cannot hold one request of "
+                          f"max_model_len {plan['max_model_len']} ({need} blocks with the null block)")
+    else:
+        out["reasons"].append("the plan file gives no max_model_len: the one-request check was skipped")
+    if plan["admission_blocks"] is not None and blocks_after < plan["admission_blocks"]:
+        return refuse(f"{shown}; the shrunk budget {max(0, after)} B gives {blocks_after} blocks ({tokens_after} tokens), "
+                      f"below the admission plan's {plan['admission_blocks']} blocks ({plan['admission_tokens']} tokens)")
+    util = plan["gpu_memory_utilization"]
+    total = min(r["total_bytes"] for r in rows if r["total_bytes"])
+    new_util = floor_utilization(math.ceil(total * util) - shortfall, total) if util and total else util
+    if not new_util or new_util <= 0:
+        return refuse(f"{shown}; no --gpu-memory-utilization is left for vLLM's startup check after the shrink")
+    out["started"] = {"kv_cache_memory_bytes": after, "gpu_memory_utilization": min(util or new_util, new_util),
+                      "num_blocks": blocks_after, "kv_cache_tokens": tokens_after}
+    out.update(action="shrink", message=(
+        f"{out['unit']}: boot gate (shrink) starts degraded: {shown}; budget {before} -> {after} B "
+        f"({_hb(before)} -> {_hb(after)}), tokens {tokens_before} -> {tokens_after}, "
+        f"utilization {util} -> {out['started']['gpu_memory_utilization']}"))
+    return out
+
+
+def _profile(out: dict[str, t.Any], plan: t.Mapping[str, t.Any], rows: list[dict[str, t.Any]], shown: str,
+             cuda_context_bytes: int, refuse: t.Callable[[str], dict[str, t.Any]]) -> dict[str, t.Any]:
+    guard = plan["guard_bytes"] if plan["guard_bytes"] is not None else 0
+    utils = []
+    for r in rows:
+        vllm_floor = plan["vllm_floor_bytes"].get(r["rank"])
+        allowance = r["floor_bytes"] - vllm_floor if vllm_floor is not None else cuda_context_bytes
+        utils.append(floor_utilization(r["free_bytes"] - guard - max(0, allowance), r["total_bytes"]))
+    util = min(utils)
+    if plan["gpu_memory_utilization"]:
+        util = min(util, plan["gpu_memory_utilization"])
+    if util <= 0:
+        return refuse(f"{shown}; no utilization is left for vLLM's own profiling after the guard {guard} B")
+    out["started"] = {"kv_cache_memory_bytes": None, "gpu_memory_utilization": util, "num_blocks": None,
+                      "kv_cache_tokens": None}
+    out["degraded"] = {"kv_cache_memory_bytes_before": plan["kv_cache_memory_bytes"], "kv_cache_memory_bytes_after": None,
+                       "kv_cache_tokens_before": plan["kv_cache_tokens"], "kv_cache_tokens_after": None,
+                       "gpu_memory_utilization_after": util}
+    out.update(action="profile", message=(
+        f"{out['unit']}: boot gate (profile) starts with vLLM's own profiling: {shown}; "
+        f"--gpu-memory-utilization {util} (lowest free minus guard {guard} B and the CUDA-context allowance) "
+        f"instead of the manual budget {plan['kv_cache_memory_bytes']} B"))
+    return out
+
+
+# ---------------------------------------------------------------- argv and state
+
+def _option_index(argv: list[str], name: str) -> int | None:
+    for pos, word in enumerate(argv):
+        if word == name or word.startswith(name + "="):
+            return pos
+    return None
+
+
+def _set_option(argv: list[str], name: str, value: str | None) -> list[str]:
+    """Set (or with None drop) ``--name VALUE`` / ``--name=VALUE`` in an argv."""
+    out = list(argv)
+    pos = _option_index(out, name)
+    if pos is None:
+        if value is not None:
+            out += [name, value]
+        return out
+    width = 1 if "=" in out[pos] else 2
+    if value is None:
+        del out[pos:pos + width]
+    elif width == 1:
+        out[pos] = f"{name}={value}"
+    else:
+        out[pos + 1] = value
+    return out
+
+
+def engine_argv(argv: t.Sequence[str], verdict: t.Mapping[str, t.Any]) -> list[str]:
+    """The engine's command line for the verdict: budget and utilization lowered (never raised)."""
+    out = list(argv)
+    action = verdict["action"]
+    if action == "shrink":
+        out = _set_option(out, "--kv-cache-memory-bytes", str(verdict["started"]["kv_cache_memory_bytes"]))
+        out = _set_option(out, "--gpu-memory-utilization", str(verdict["started"]["gpu_memory_utilization"]))
+    elif action == "profile":
+        out = _set_option(out, "--kv-cache-memory-bytes", None)
+        out = _set_option(out, "--gpu-memory-utilization", str(verdict["started"]["gpu_memory_utilization"]))
+    return out
+
+
+def write_json_atomic(path: str, doc: t.Mapping[str, t.Any], mode: int = 0o644) -> None:
+    """Temporary file in the target directory, fsync, rename: readers see old or new, never a part."""
+    import tempfile  # pylint: disable=import-outside-toplevel  # not at import: every unit start pays for it
+
+    directory = os.path.dirname(path) or "."
+    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", dir=directory)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as handle:
+            json.dump(doc, handle, indent=2, sort_keys=True)
+            handle.write("\n")
+            handle.flush()
+            os.fchmod(handle.fileno(), mode)
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def state_record(plan: t.Mapping[str, t.Any], verdict: t.Mapping[str, t.Any], plan_path: str,
+                 now: float, invocation_id: str | None, seconds: float) -> dict[str, t.Any]:
+    return {
+        "format": STATE_FORMAT,
+        "plan_file": plan_path,
+        "plan_format": plan["format"],
+        "instance": plan["instance"],
+        "unit": verdict["unit"],
+        "checked_at": now,
+        "invocation_id": invocation_id,
+        "policy": verdict["policy"],
+        "action": verdict["action"],
+        "ranks": verdict["ranks"],
+        "planned": verdict["planned"],
+        "started": verdict["started"],
+        "degraded": verdict["degraded"] if verdict["action"] in ("shrink", "profile") else None,
+        "attempted": verdict["degraded"] if verdict["action"] == "refuse" else None,
+        "reasons": verdict["reasons"],
+        "message": verdict["message"],
+        "gate_seconds": round(seconds, 4),
+    }
+
+
+def _parse_args(argv: t.Sequence[str]) -> tuple[dict[str, str], list[str]]:
+    opts: dict[str, str] = {}
+    words = list(argv)
+    if "--" not in words:
+        raise BootGateError("usage: gpufleet-vllm-boot-gate --plan FILE [--policy P] [--state FILE] -- ENGINE ARGS...")
+    cut = words.index("--")
+    head, engine = words[:cut], words[cut + 1:]
+    pos = 0
+    while pos < len(head):
+        key = head[pos]
+        if key not in ("--plan", "--policy", "--state", "--check-only") or (key != "--check-only" and pos + 1 >= len(head)):
+            raise BootGateError(f"unknown or incomplete option {key!r}")
+        if key == "--check-only":
+            opts["check_only"] = "1"
+            pos += 1
+            continue
+        opts[key[2:]] = head[pos + 1]
+        pos += 2
+    if "plan" not in opts:
+        raise BootGateError("--plan FILE is required")
+    if not engine and "check_only" not in opts:
+        raise BootGateError("no engine command after --")
+    return opts, engine
+
+
+def _journal(line: str) -> None:
+    """One line on stderr, which systemd writes to the unit's journal."""
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
+
+
+def run(argv: t.Sequence[str], nvml: t.Any = None, execv: t.Callable[[str, list[str]], t.Any] | None = None,
+        log: t.Callable[[str], None] | None = None, clock: t.Callable[[], float] = time.time) -> int:
+    """The launcher: returns the exit status when it does not hand over to the engine."""
+    from ._nvml_probe import NvmlProbeError, probe  # pylint: disable=import-outside-toplevel
+
+    emit = log or _journal
+    started = time.monotonic()
+    try:
+        opts, engine = _parse_args(argv)
+        plan = read_plan(opts["plan"])
+        policy = opts.get("policy") or plan["policy"] or "shrink"
+        if policy not in POLICIES:
+            raise BootGateError(f"policy {policy!r}: expected one of {', '.join(POLICIES)}")
+    except BootGateError as exc:
+        emit(f"gpufleet boot gate: {exc}; not starting (exit {EXIT_REFUSED})")
+        return EXIT_REFUSED
+    state_path = opts.get("state") or plan["state_file"]
+    if plan["manual"]:
+        if nvml is None:
+            try:
+                import pynvml as nvml  # pylint: disable=import-outside-toplevel
+            except ImportError as exc:
+                emit(f"gpufleet boot gate: {plan['unit']}: cannot import pynvml ({exc}); not starting")
+                return EXIT_PROBE_FAILED
+        try:
+            found = probe(nvml, devices=plan["gpus"], samples=1, host=os.uname().nodename)
+        except NvmlProbeError as exc:
+            emit(f"gpufleet boot gate: {plan['unit']}: NVML probe failed: {exc}; not starting")
+            return EXIT_PROBE_FAILED
+        gpus = found["gpus"]
+    else:
+        gpus = []
+    verdict = decide(plan, gpus, policy)
+    seconds = time.monotonic() - started
+    if state_path:
+        try:
+            write_json_atomic(state_path, state_record(plan, verdict, opts["plan"], clock(),
+                                                       os.environ.get("INVOCATION_ID"), seconds))
+        except OSError as exc:
+            emit(f"gpufleet boot gate: {plan['unit']}: cannot write the gate state {state_path}: {exc}")
+    emit(verdict["message"])
+    if verdict["action"] == "refuse":
+        return EXIT_REFUSED
+    if "check_only" in opts:
+        return 0
+    command = engine_argv(engine, verdict)
+    (execv or os.execv)(command[0], command)
+    return 0  # only reached with an injected execv
+
+
+# ---------------------------------------------------------------- the boot check's side
+
+def read_state(path: str) -> dict[str, t.Any] | None:
+    """The gate's last record (None when there is none or it is unreadable)."""
+    try:
+        with open(path, encoding="utf-8") as handle:
+            doc = json.load(handle)
+    except (OSError, ValueError):
+        return None
+    return doc if isinstance(doc, dict) and doc.get("format") == STATE_FORMAT else None
+
+
+def wait_state(path: str, invocation_id: t.Callable[[], str | None], timeout: float = 30.0,
+               sleep: t.Callable[[float], None] = time.sleep, clock: t.Callable[[], float] = time.monotonic) -> dict[str, t.Any] | None:
+    """The gate's record of the unit's current start: it names the unit's InvocationID.
+
+    The start job of a ``Type=exec`` unit completes when the gate program was executed,
+    before it decided, so a caller right after ``systemctl restart`` may have to wait a
+    moment. None when no record of this start appears within ``timeout``.
+    """
+    deadline = clock() + timeout
+    while True:
+        current = invocation_id()
+        state = read_state(path)
+        if state is not None and current and state.get("invocation_id") == current:
+            return state
+        if clock() >= deadline:
+            return None
+        sleep(0.2)
+
+
+def boot_expectations(state: t.Mapping[str, t.Any] | None, expected_bytes: int | None,
+                      min_tokens: int | None) -> tuple[int | None, int | None, dict[str, t.Any] | None]:
+    """What a boot check compares with after the gate: (expected bytes, min tokens, degraded).
+
+    A shrink lowers both to what the gate started (never above the plan); a profiled start
+    has no byte budget to compare. Without a record of this start, the plan stands.
+    """
+    if not state or state.get("action") not in ("shrink", "profile"):
+        return expected_bytes, min_tokens, None
+    started = state.get("started") or {}
+    degraded = dict(state.get("degraded") or {}, policy=state.get("policy"), action=state.get("action"),
+                    message=state.get("message"))
+    if state["action"] == "profile":
+        return None, None, degraded
+    got = started.get("kv_cache_memory_bytes")
+    if expected_bytes is not None and isinstance(got, int) and got <= expected_bytes:
+        expected_bytes = got
+    tokens = started.get("kv_cache_tokens")
+    if min_tokens is not None and isinstance(tokens, int):
+        min_tokens = min(min_tokens, tokens)
+    return expected_bytes, min_tokens, degraded

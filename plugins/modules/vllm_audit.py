@@ -1,0 +1,135 @@
+#!/usr/bin/python
+# -*- coding: utf-8 -*-
+
+# Copyright (c) gpufleet maintainers
+# GNU General Public License v3.0+ (see LICENSES/GPL-3.0-or-later.txt or https://www.gnu.org/licenses/gpl-3.0.txt)
+# SPDX-License-Identifier: GPL-3.0-or-later
+
+from __future__ import annotations
+
+DOCUMENTATION = r"""
+module: vllm_audit
+short_description: Judge every vLLM instance of a host against its free-memory floor now
+version_added: 1.0.0
+description:
+  - Reads the plan files of the host's instances (C(<state_dir>/*.plan.json), written by the P(gpufleet.vllm.vllm_service#role)
+    role), probes NVML once for every GPU they name and judges each manual-budget instance with the boot gate's own
+    rule under the unit's policy, so the verdict says what the next start would do.
+  - Per instance and rank, the NVML free memory now, the plan's floor and the margin between them; the plan's age;
+    its compatibility key against O(reference_key_hashes); the gate's record of the last start (degraded or not).
+  - "Verdicts, worst first: V(would_refuse) (the next start is refused), V(would_shrink) (it starts degraded),
+    V(reprofile_due) (the plan is older than O(reprofile_after_days) or the class's stored reference has another
+    compatibility key), V(ok)."
+  - Never changes anything.
+author:
+  - gpufleet maintainers (@gpufleet)
+extends_documentation_fragment:
+  - gpufleet.vllm.attributes
+  - gpufleet.vllm.attributes.INFO_MODULE
+  - gpufleet.vllm.attributes.PLATFORM_LINUX
+  - gpufleet.vllm.attributes.ACTIONGROUP_VLLM
+options:
+  state_dir:
+    description: Directory of the plan files (the role's C(vllm_service_state_dir)).
+    type: path
+    default: /etc/gpufleet
+  reprofile_after_days:
+    description: Age in days after which a plan is V(reprofile_due).
+    type: float
+    default: 30
+  reference_key_hashes:
+    description: Host class -> compatibility-key hash of the class's newest stored reference profile.
+    type: dict
+    default: {}
+requirements:
+  - C(nvidia-ml-py) (the C(pynvml) module) importable by the Python interpreter that runs the module.
+seealso:
+  - module: gpufleet.vllm.gpu_memory_info
+  - module: gpufleet.vllm.vllm_boot_check
+"""
+
+EXAMPLES = r"""
+- name: Judge the instances of this host (what their next start would do)
+  gpufleet.vllm.vllm_audit:
+    state_dir: /etc/gpufleet
+    reprofile_after_days: 30
+  register: audit
+
+- name: Show each instance's verdict and lowest margin
+  ansible.builtin.debug:
+    msg: "{{ item.instance }}: {{ item.verdict }} (margin {{ item.min_margin_bytes | gpufleet.vllm.human_bytes }})"
+  loop: "{{ audit.instances }}"
+  loop_control:
+    label: "{{ item.instance }}"
+"""
+
+RETURN = r"""
+checked_at:
+  description: Seconds since the epoch when NVML was read.
+  returned: success
+  type: float
+instances:
+  description:
+    - One entry per manual-budget instance, with C(instance), C(unit), C(host_class), C(policy), C(verdict),
+      C(next_start) (the gate's action at a start now), C(ranks) (C(rank), C(gpu), C(free_bytes), C(floor_bytes),
+      C(margin_bytes)), C(min_margin_bytes), C(kv_cache_memory_bytes), C(kv_cache_tokens), C(would_start),
+      C(planned_at), C(plan_age_days), C(compat_key_hash), C(reference_key_hash), C(key_matches),
+      C(last_start) (the gate's last record) and C(reasons).
+  returned: success
+  type: list
+  elements: dict
+errors:
+  description: Plan files that could not be read, each with the reason.
+  returned: success
+  type: list
+  elements: str
+worst:
+  description: The worst verdict of the host (V(ok) without instances).
+  returned: success
+  type: str
+"""
+
+import platform
+import time
+import traceback
+
+from ansible.module_utils.basic import AnsibleModule, missing_required_lib
+
+from ansible_collections.gpufleet.vllm.plugins.module_utils._audit import VERDICTS, audit
+from ansible_collections.gpufleet.vllm.plugins.module_utils._nvml_probe import NvmlProbeError
+
+try:
+    import pynvml
+except ImportError:
+    pynvml = None
+    PYNVML_IMPORT_ERROR: str | None = traceback.format_exc()
+else:
+    PYNVML_IMPORT_ERROR = None
+
+
+def main() -> None:
+    module = AnsibleModule(
+        argument_spec={
+            "state_dir": {"type": "path", "default": "/etc/gpufleet"},
+            "reprofile_after_days": {"type": "float", "default": 30.0},
+            "reference_key_hashes": {"type": "dict", "default": {}, "no_log": False},
+        },
+        supports_check_mode=True,
+    )
+    if module.params["reprofile_after_days"] <= 0:
+        module.fail_json(msg=f"reprofile_after_days must be > 0, got {module.params['reprofile_after_days']}")
+    if pynvml is None:
+        module.fail_json(msg=missing_required_lib("nvidia-ml-py"), exception=PYNVML_IMPORT_ERROR)
+    try:
+        result = audit(module.params["state_dir"], pynvml, now=time.time(),
+                       reprofile_after_days=module.params["reprofile_after_days"],
+                       reference_key_hashes={str(k): str(v) for k, v in module.params["reference_key_hashes"].items()},
+                       host=platform.node())
+    except NvmlProbeError as exc:
+        module.fail_json(msg=f"{platform.node()}: {exc.message}", gpu=exc.gpu, nvml_error=exc.code)
+    worst = max((VERDICTS.index(i["verdict"]) for i in result["instances"]), default=0)
+    module.exit_json(changed=False, worst=VERDICTS[worst], **result)
+
+
+if __name__ == "__main__":
+    main()

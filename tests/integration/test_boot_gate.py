@@ -1,0 +1,389 @@
+# Copyright (c) gpufleet maintainers
+# GNU General Public License v3.0+ (see LICENSES/GPL-3.0-or-later.txt or https://www.gnu.org/licenses/gpl-3.0.txt)
+# SPDX-License-Identifier: GPL-3.0-or-later
+"""The boot gate on the simulated fleet: unit restarts with no controller in the loop.
+
+Two hosts of one class (one L40S each), deployed once by ``playbooks/rollout.yml``:
+``sim-bg-1`` with the default policy ``shrink``, ``sim-bg-2`` with ``refuse``. Then, on
+the hosts themselves (``systemctl restart``, as systemd's own restart or an operator
+would), a co-tenant injected into the fake NVML state:
+
+1. within the margin: the unit starts as planned;
+2. below the floor under ``shrink``: it starts with the drift rule applied to the floor
+   (budget and tokens before/after in the gate's record and in vllm_boot_check);
+3. below the floor under ``refuse``: no start, one journal line naming the rank, its free
+   memory and its floor, exit 78 and no restart;
+4. far below the floor under ``shrink``: the smaller budget misses the admission plan,
+   refused the same way;
+5. the same co-tenants at a guest reboot (systemd starts the units at boot);
+6. ``audit.yml`` and the exporter's textfile metrics (scraped from the real
+   prometheus-node-exporter in the guest) while the co-tenants are there;
+
+and no started budget ever exceeds the plan. One fleet, one rollout for the module.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import time
+import urllib.request
+from typing import Any
+
+import pytest
+import yaml
+from prometheus_client.parser import text_string_to_metric_families
+
+from simfleet import REPO, SimFleet  # pylint: disable=import-error
+
+GIB = 1 << 30
+MIB = 1 << 20
+CLASS = "bg-l40s"
+HOSTS = ["sim-bg-1", "sim-bg-2"]
+SHRINK, REFUSE = HOSTS
+UNIT = "vllm-main.service"
+STATE = "/var/lib/gpufleet-vllm/main.boot-gate.json"
+RESTART_SEC = 2
+
+FLEET = {
+    "engine": {
+        "boot_delay_s": 0.5,
+        "token_delay_s": 0.002,
+        "costs": {
+            "cuda_context_bytes": "500MiB",
+            "peak_activation_bytes": "1.25GiB",
+            "non_torch_bytes": "600MiB",
+            "cuda_graph_bytes": "0.75GiB",
+        },
+    },
+    "system": {"driver": "550.127.05", "cuda": 12040, "nvml": "12.550.127.05"},
+    "gpu_models": {"l40s": {"name": "NVIDIA L40S", "total": 48305799168, "reserved": 462422016, "cc": "8.9"}},
+    "classes": {CLASS: {"gpu_model": "l40s", "gpus": 1, "model": "llama-3.1-8b-instruct"}},
+    # a 1 GiB co-tenant on the refuse host while the class is planned: it is the weakest, so
+    # the shrink host keeps a 1 GiB margin above the class's floor
+    "hosts": {SHRINK: {"class": CLASS}, REFUSE: {"class": CLASS, "base_used": ["1GiB"]}},
+}
+
+# admission: 8 requests of 8192 tokens = 4097 blocks (8 GiB at 2 MiB per block): a shrink
+# of a few GiB still holds it, one of 24 GiB does not
+GROUP_VARS = {
+    "gpufleet_model": "/srv/models/llama-3.1-8b-instruct",
+    "gpufleet_model_config": str(REPO / "sim" / "models" / "llama-3.1-8b-instruct" / "config.json"),
+    "gpufleet_serve_args": {"max_model_len": 8192, "max_num_seqs": 16, "dtype": "bfloat16", "block_size": 16},
+    "gpufleet_instances": [{"name": "main", "gpus": [0], "port": 8000}],
+    "gpufleet_guard": "0.5GiB",
+    "gpufleet_admission": {"concurrency": 8, "tokens_per_request": 8192},
+    "gpufleet_rollout_serial": ["100%"],
+    "gpufleet_canary_load": {"requests": 2, "concurrency": 1, "prompt_tokens": 16, "max_tokens": 4},
+    "gpufleet_canary_tolerances": {"latency_ratio": 20.0},
+    "vllm_service_read_write_paths": ["/etc/fake-nvml"],
+    "vllm_service_boot_timeout": 120,
+    "vllm_service_restart_sec": RESTART_SEC,
+}
+
+
+@pytest.fixture(scope="module")
+def fleet(harness, tmp_path_factory):  # harness: conftest (root + rootfs)
+    f = SimFleet(tmp_path_factory.mktemp("bootgate"), harness, FLEET, GROUP_VARS)
+    try:
+        f.create({CLASS: HOSTS})
+        inventory = yaml.safe_load(f.inventory.read_text(encoding="utf-8"))
+        group = inventory["all"]["children"][CLASS.replace("-", "_")]
+        group["hosts"][REFUSE]["vllm_service_boot_gate"] = "refuse"
+        f.inventory.write_text(yaml.safe_dump(inventory), encoding="utf-8")
+        rc, out = f.rollout()
+        assert rc == 0, out[-6000:]
+        yield f
+    finally:
+        f.sim.destroy()
+
+
+def gate_state(fleet: SimFleet, host: str) -> dict[str, Any]:
+    text = fleet.read(host, STATE)
+    assert text, f"{host}: no boot gate record at {STATE}"
+    return json.loads(text)
+
+
+def show(fleet: SimFleet, host: str, *props: str) -> dict[str, str]:
+    out = fleet.harness.exec(host, ["systemctl", "show", "-p", ",".join(props), UNIT]).stdout
+    return dict(line.split("=", 1) for line in out.splitlines() if "=" in line)
+
+
+def restart(fleet: SimFleet, host: str) -> dict[str, Any]:
+    """``systemctl restart`` on the host, then the gate's record of that start."""
+    fleet.harness.exec(host, ["systemctl", "reset-failed", UNIT])
+    fleet.harness.exec(host, ["systemctl", "restart", UNIT])
+    invocation = show(fleet, host, "InvocationID")["InvocationID"]
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        text = fleet.read(host, STATE)
+        state = json.loads(text) if text else {}
+        if state.get("invocation_id") == invocation:
+            return state
+        time.sleep(0.2)
+    raise AssertionError(f"{host}: the gate recorded no decision for invocation {invocation}")
+
+
+def current_record(fleet: SimFleet, host: str, timeout: float = 60) -> dict[str, Any]:
+    """The gate's record of the unit's current start (systemd starts it on its own at boot)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        invocation = show(fleet, host, "InvocationID").get("InvocationID")
+        text = fleet.read(host, STATE)
+        state = json.loads(text) if text else {}
+        if invocation and state.get("invocation_id") == invocation:
+            return state
+        time.sleep(0.5)
+    raise AssertionError(f"{host}: no gate record of the unit's current start")
+
+
+def boot_check(fleet: SimFleet, host: str, plan: dict[str, Any]) -> dict[str, Any]:
+    """gpufleet.vllm.vllm_boot_check as the role calls it, ad hoc over SSH."""
+    args = {"unit": UNIT, "port": 8000, "expected_kv_cache_memory_bytes": plan["kv_cache_memory_bytes"],
+            "min_tokens": plan["kv_cache_tokens"], "timeout": 90, "boot_gate_state": STATE}
+    env = dict(os.environ, ANSIBLE_NOCOLOR="1", ANSIBLE_HOST_KEY_CHECKING="False", ANSIBLE_CALLBACK_RESULT_FORMAT="json")
+    done = subprocess.run(["ansible", "-i", str(fleet.inventory), host, "-m", "gpufleet.vllm.vllm_boot_check",
+                           "-a", json.dumps(args)], capture_output=True, text=True, env=env, cwd=REPO, timeout=180,
+                          check=False)
+    # "<host> | SUCCESS => {...}" or "<host> | FAILED! => {...}"
+    head, sep, body = done.stdout.partition(" => ")
+    assert sep and host in head, done.stdout + done.stderr
+    result = json.loads(body)
+    result["failed"] = "FAILED" in head or "UNREACHABLE" in head  # the callback leaves it out of the shown result
+    return result
+
+
+def engine_budget(fleet: SimFleet, host: str) -> int | None:
+    """--kv-cache-memory-bytes of the running engine's command line (after the gate's execv)."""
+    pid = show(fleet, host, "MainPID")["MainPID"]
+    argv = fleet.harness.exec(host, ["cat", f"/proc/{pid}/cmdline"]).stdout.split("\0")
+    return int(argv[argv.index("--kv-cache-memory-bytes") + 1]) if "--kv-cache-memory-bytes" in argv else None
+
+
+def cotenant(fleet: SimFleet, host: str, size: int | None) -> None:
+    fleet.sim.inject_cotenant(host, gpu=0, size=size, pid=None, remove=size is None)
+
+
+def wait_active(fleet: SimFleet, host: str, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while fleet.active(host) != "active" and time.monotonic() < deadline:
+        time.sleep(0.5)
+
+
+def test_the_rollout_writes_a_format_2_plan_and_every_unit_starts_through_the_gate(fleet):
+    for host, policy in ((SHRINK, "shrink"), (REFUSE, "refuse")):
+        plan = fleet.plan(host)
+        assert plan["format"] == 2
+        assert plan["boot_gate"] == {"policy": policy, "state_file": STATE}
+        assert plan["capacity"]["bytes_per_block"] > 0 and plan["max_model_len"] == 8192
+        assert plan["admission"]["required_blocks"] == 8 * 512 + 1
+        state = gate_state(fleet, host)
+        assert state["action"] == "start" and state["policy"] == policy
+        assert state["ranks"][0]["floor_bytes"] == plan["free_floor_bytes"]["0"]
+        assert state["ranks"][0]["margin_bytes"] >= 0
+        assert engine_budget(fleet, host) == plan["kv_cache_memory_bytes"]
+        assert f"--policy {policy}" in (fleet.unit(host) or "")
+        assert "RestartPreventExitStatus=78" in (fleet.unit(host) or "")
+
+
+def test_a_cotenant_within_the_margin_starts_as_planned(fleet):
+    plan = fleet.plan(SHRINK)
+    margin = gate_state(fleet, SHRINK)["ranks"][0]["margin_bytes"]
+    assert margin >= GIB - 64 * MIB, "the weakest host sets the floor: the other one keeps about 1 GiB above it"
+    cotenant(fleet, SHRINK, margin // 2)
+    try:
+        state = restart(fleet, SHRINK)
+        assert state["action"] == "start" and state["degraded"] is None
+        assert 0 <= state["ranks"][0]["margin_bytes"] <= margin - margin // 2
+        result = boot_check(fleet, SHRINK, plan)
+        assert not result["failed"], result
+        assert result["degraded"] is None
+        assert result["kv_cache_memory_bytes"] == plan["kv_cache_memory_bytes"]
+    finally:
+        cotenant(fleet, SHRINK, None)
+
+
+def test_a_cotenant_below_the_floor_shrinks_the_budget_under_shrink(fleet):
+    plan = fleet.plan(SHRINK)
+    margin = restart(fleet, SHRINK)["ranks"][0]["margin_bytes"]
+    cotenant(fleet, SHRINK, margin + GIB)  # 1 GiB below the floor
+    try:
+        state = restart(fleet, SHRINK)
+        assert state["action"] == "shrink", state["message"]
+        want = plan["kv_cache_memory_bytes"] - GIB
+        degraded = state["degraded"]
+        assert degraded["kv_cache_memory_bytes_before"] == plan["kv_cache_memory_bytes"]
+        assert degraded["kv_cache_memory_bytes_after"] == want
+        assert degraded["kv_cache_tokens_before"] == plan["kv_cache_tokens"]
+        assert degraded["kv_cache_tokens_after"] == want // plan["capacity"]["bytes_per_block"] * 16
+        result = boot_check(fleet, SHRINK, plan)
+        assert not result["failed"], result
+        # the engine reserved exactly the shrunk budget, and says so in /metrics
+        assert result["kv_cache_memory_bytes"] == want
+        assert result["degraded"]["kv_cache_memory_bytes_after"] == want
+        assert result["degraded"]["kv_cache_tokens_after"] == degraded["kv_cache_tokens_after"]
+        assert engine_budget(fleet, SHRINK) == want < plan["kv_cache_memory_bytes"]
+        journal = fleet.harness.exec(SHRINK, ["journalctl", "-u", UNIT, "-o", "cat", "--no-pager"]).stdout
+        assert f"budget {plan['kv_cache_memory_bytes']} -> {want} B" in journal
+    finally:
+        cotenant(fleet, SHRINK, None)
+
+
+def test_a_cotenant_below_the_floor_is_refused_without_a_restart_loop_under_refuse(fleet):
+    plan = fleet.plan(REFUSE)
+    margin = restart(fleet, REFUSE)["ranks"][0]["margin_bytes"]
+    cotenant(fleet, REFUSE, margin + GIB)
+    try:
+        state = restart(fleet, REFUSE)
+        assert state["action"] == "refuse" and state["started"] is None
+        floor = plan["free_floor_bytes"]["0"]
+        line = f"rank 0 (GPU 0) free {floor - GIB} B"
+        assert line in state["message"] and f"< floor {floor} B" in state["message"]
+        time.sleep(RESTART_SEC * 3)  # systemd would have restarted it by now
+        props = show(fleet, REFUSE, "ActiveState", "NRestarts", "ExecMainStatus", "Result")
+        assert props["ActiveState"] == "failed" and props["NRestarts"] == "0", props
+        assert props["ExecMainStatus"] == "78", props
+        journal = fleet.harness.exec(REFUSE, ["journalctl", "-u", UNIT, "-o", "cat", "--no-pager"]).stdout
+        assert journal.count(line) == 1, "one journal line, no restart loop"
+        result = boot_check(fleet, REFUSE, plan)
+        assert result["failed"] and line in result["msg"]
+    finally:
+        cotenant(fleet, REFUSE, None)
+    assert restart(fleet, REFUSE)["action"] == "start"
+    wait_active(fleet, REFUSE)
+    assert fleet.active(REFUSE) == "active"
+
+
+def test_shrink_refuses_when_the_smaller_budget_misses_the_admission_plan(fleet):
+    plan = fleet.plan(SHRINK)
+    margin = restart(fleet, SHRINK)["ranks"][0]["margin_bytes"]
+    bpb = plan["capacity"]["bytes_per_block"]
+    # just enough shortfall that the shrunk budget holds one block fewer than the admission plan
+    shortfall = plan["kv_cache_memory_bytes"] - (plan["admission"]["required_blocks"] - 1) * bpb
+    cotenant(fleet, SHRINK, margin + shortfall)
+    try:
+        state = restart(fleet, SHRINK)
+        assert state["action"] == "refuse", state["message"]
+        assert "below the admission plan" in state["message"]
+        assert state["attempted"]["num_blocks_after"] == plan["admission"]["required_blocks"] - 1
+        time.sleep(RESTART_SEC * 3)
+        props = show(fleet, SHRINK, "ActiveState", "NRestarts")
+        assert props == {"ActiveState": "failed", "NRestarts": "0"}, props
+    finally:
+        cotenant(fleet, SHRINK, None)
+    restart(fleet, SHRINK)
+    wait_active(fleet, SHRINK)
+
+
+def test_a_guest_reboot_with_a_cotenant_below_the_floor(fleet):
+    """The machines reboot (their disks kept, /run and processes not), a co-tenant 1 GiB below the
+    floor on both: systemd starts the units at boot, no controller in the loop."""
+    margins = {h: restart(fleet, h)["ranks"][0]["margin_bytes"] for h in HOSTS}
+    plans = {h: fleet.plan(h) for h in HOSTS}
+    for host in HOSTS:
+        wait_active(fleet, host)
+        cotenant(fleet, host, margins[host] + GIB)
+    try:
+        before = {h: gate_state(fleet, h)["invocation_id"] for h in HOSTS}
+        for host in HOSTS:
+            fleet.harness.reboot(host)
+        shrunk = current_record(fleet, SHRINK)
+        refused = current_record(fleet, REFUSE)
+        assert shrunk["invocation_id"] != before[SHRINK] and refused["invocation_id"] != before[REFUSE]
+        want = plans[SHRINK]["kv_cache_memory_bytes"] - GIB
+        assert shrunk["action"] == "shrink" and shrunk["degraded"]["kv_cache_memory_bytes_after"] == want
+        wait_active(fleet, SHRINK)
+        assert fleet.active(SHRINK) == "active" and engine_budget(fleet, SHRINK) == want
+        assert refused["action"] == "refuse" and "< floor" in refused["message"]
+        time.sleep(RESTART_SEC * 3)
+        props = show(fleet, REFUSE, "ActiveState", "NRestarts")
+        assert props == {"ActiveState": "failed", "NRestarts": "0"}, props
+    finally:
+        for host in HOSTS:
+            cotenant(fleet, host, None)
+    for host in HOSTS:
+        assert restart(fleet, host)["action"] == "start"
+        wait_active(fleet, host)
+
+
+def test_no_started_budget_ever_exceeds_the_plan(fleet):
+    for host in HOSTS:
+        plan = fleet.plan(host)
+        state = gate_state(fleet, host)
+        assert state["planned"]["kv_cache_memory_bytes"] == plan["kv_cache_memory_bytes"]
+        budget = engine_budget(fleet, host)
+        assert budget is not None and budget <= plan["kv_cache_memory_bytes"]
+        journal = fleet.harness.exec(host, ["journalctl", "-u", UNIT, "-o", "cat", "--no-pager"]).stdout
+        # every start's line states the budget it started with: none above the plan
+        for line in journal.splitlines():
+            if "boot gate (shrink) starts degraded" in line:
+                after = int(line.split(" -> ")[1].split(" B")[0])
+                assert after < plan["kv_cache_memory_bytes"], line
+
+
+def scrape(fleet: SimFleet, host: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """node_exporter's /metrics on the host, parsed with prometheus_client: (name, labels) -> value."""
+    address = fleet.sim.info(host).address
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            with urllib.request.urlopen(f"http://{address}:9100/metrics", timeout=5) as answer:  # nosec - test host
+                text = answer.read().decode("utf-8")
+            break
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.5)
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for fam in text_string_to_metric_families(text) for s in fam.samples}
+
+
+def test_audit_and_textfile_metrics_report_the_hosts_below_their_floor(fleet):
+    """Co-tenants below the floor on both hosts, no restart: audit.yml says what the next start
+    would do (and fails), node_exporter serves the same margins from the exporter's textfile."""
+    margins = {h: restart(fleet, h)["ranks"][0]["margin_bytes"] for h in HOSTS}
+    for host in HOSTS:
+        wait_active(fleet, host)
+        cotenant(fleet, host, margins[host] + GIB)
+    try:
+        report_dir = fleet.workdir / "audit-reports"
+        report_dir.mkdir()
+        env = dict(os.environ, ANSIBLE_NOCOLOR="1", ANSIBLE_HOST_KEY_CHECKING="False")
+        done = subprocess.run(["ansible-playbook", "-i", str(fleet.inventory), str(REPO / "playbooks" / "audit.yml"),
+                               "-e", json.dumps({"gpufleet_report_dir": str(report_dir)})],
+                              capture_output=True, text=True, env=env, cwd=REPO, timeout=300, check=False)
+        (fleet.workdir / "audit.log").write_text(done.stdout + done.stderr, encoding="utf-8")
+        assert done.returncode != 0, "an instance that would be refused fails the audit"
+        (run_dir,) = report_dir.glob("audit-*")
+        report = json.loads((run_dir / "report.json").read_text(encoding="utf-8"))
+        assert report["kind"] == "audit"
+        assert report["summary"]["audit"]["would_refuse"] == [f"{REFUSE}/main"]
+        assert report["summary"]["audit"]["would_shrink"] == [f"{SHRINK}/main"]
+        assert f"refused at next start: {REFUSE}/main" in done.stdout
+        assert (run_dir / "report.md").is_file() and (run_dir / "report.html").is_file()
+        audited = {h["host"]: h["instances"][0] for h in report["audit"]["hosts"]}
+        for host in HOSTS:
+            assert audited[host]["ranks"][0]["margin_bytes"] == -GIB, host
+            assert audited[host]["key_matches"] is True, "the plan's key is the class's newest reference"
+
+        # the exporter (what its timer runs) and node_exporter's textfile collector
+        fleet.harness.exec(SHRINK, ["systemctl", "start", "gpufleet-vllm-metrics.service"], check=True)
+        fleet.harness.exec(SHRINK, ["systemctl", "start", "prometheus-node-exporter.service"], check=True)
+        try:
+            samples = scrape(fleet, SHRINK)
+        finally:
+            fleet.harness.exec(SHRINK, ["systemctl", "stop", "prometheus-node-exporter.service"])
+        plan = fleet.plan(SHRINK)
+        rank = (("class", CLASS), ("gpu", "0"), ("rank", "0"), ("vllm_instance", "main"))
+        inst = (("class", CLASS), ("vllm_instance", "main"))
+        assert samples[("gpufleet_vllm_margin_bytes", rank)] == -GIB
+        assert samples[("gpufleet_vllm_floor_bytes", rank)] == plan["free_floor_bytes"]["0"]
+        assert samples[("gpufleet_vllm_budget_bytes", inst)] == plan["kv_cache_memory_bytes"]
+        assert samples[("gpufleet_vllm_would_shrink", inst)] == 1
+        assert samples[("gpufleet_vllm_would_refuse", inst)] == 0
+        assert abs(samples[("gpufleet_vllm_last_audit_timestamp_seconds", inst)] - time.time()) < 120
+        assert samples[("node_textfile_scrape_error", ())] == 0
+    finally:
+        for host in HOSTS:
+            cotenant(fleet, host, None)

@@ -1,0 +1,174 @@
+# Copyright (c) gpufleet maintainers
+# GNU General Public License v3.0+ (see LICENSES/GPL-3.0-or-later.txt or https://www.gnu.org/licenses/gpl-3.0.txt)
+# SPDX-License-Identifier: GPL-3.0-or-later
+"""The drift audit: verdicts (the boot gate's rule under each unit's policy, plan age, key),
+the textfile metrics written atomically, and audit reports in the report family."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import prometheus_client
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from ansible_collections.gpufleet.vllm.plugins.module_utils import _audit, _boot_gate, _report
+from ansible_collections.gpufleet.vllm.tests.fake_nvml import nvml_state
+
+ROOT = Path(__file__).resolve().parents[4]
+CACHE = Path(os.environ.get("GPUFLEET_CACHE") or ROOT / ".cache")
+LIB = CACHE / "fake-nvml" / "libnvidia-ml.so.1"
+GIB = 1 << 30
+MIB = 1 << 20
+TOTAL = 48305799168
+RESERVED = 462422016
+FREE = TOTAL - RESERVED
+NOW = 1_800_000_000.0  # 2027-01-15
+
+
+def plan_doc(policy: str = "shrink", floor: int = FREE - GIB, **over: Any) -> dict[str, Any]:
+    doc: dict[str, Any] = {
+        "format": 2, "instance": "main", "unit": "vllm-main.service", "host_class": "c1", "decision": "deploy",
+        "gpus": [0], "kv_cache_memory_bytes": 30 * GIB, "gpu_memory_utilization": 0.85, "free_floor_bytes": {"0": floor},
+        "num_blocks": 15360, "kv_cache_tokens": 245760, "max_model_len": 8192, "guard_bytes": 512 * MIB,
+        "admission": {"required_tokens": 65536, "required_blocks": 4097},
+        "capacity": {"source": "geometry", "bytes_per_block": 2 * MIB, "block_size": 16},
+        "planned_at": "2027-01-10T00:00:00Z", "compat_key_hash": "k1", "boot_gate": {"policy": policy, "state_file": None},
+    }
+    doc.update(over)
+    return doc
+
+
+def judge(doc: dict[str, Any], free: int, **kw: Any) -> dict[str, Any]:
+    gpus = [{"index": 0, "boot_free_bytes": free, "total_bytes": TOTAL}]
+    return _audit.judge(_boot_gate.parse_plan(doc), gpus, NOW, kw.pop("days", 30.0), **kw)
+
+
+@pytest.mark.parametrize("policy,free,verdict,next_start", [
+    ("shrink", FREE, "ok", "start"),
+    ("shrink", FREE - 2 * GIB, "would_shrink", "shrink"),
+    ("refuse", FREE - 2 * GIB, "would_refuse", "refuse"),
+    ("profile", FREE - 2 * GIB, "would_shrink", "profile"),
+    ("shrink", FREE - 30 * GIB, "would_refuse", "refuse"),  # the shrunk budget misses the admission plan
+])
+def test_verdict_is_what_the_gate_would_do_at_the_next_start(policy, free, verdict, next_start):
+    got = judge(plan_doc(policy), free)
+    assert (got["verdict"], got["next_start"]) == (verdict, next_start)
+    assert got["min_margin_bytes"] == free - (FREE - GIB)
+
+
+def test_old_plans_and_changed_keys_are_reprofile_due():
+    assert judge(plan_doc(), FREE)["plan_age_days"] == pytest.approx((NOW - 1799539200) / 86400, abs=1e-3)
+    old = judge(plan_doc(), FREE, days=3.0)
+    assert old["verdict"] == "reprofile_due" and "days old (allowed 3)" in old["reasons"][0]
+    key = judge(plan_doc(), FREE, reference_key_hash="k2")
+    assert key["verdict"] == "reprofile_due" and key["key_matches"] is False
+    assert judge(plan_doc(), FREE, reference_key_hash="k1")["verdict"] == "ok"
+    # a start that would be refused stays the verdict: it is the worse news
+    assert judge(plan_doc("refuse"), FREE - 2 * GIB, days=3.0)["verdict"] == "would_refuse"
+
+
+def test_textfile_metrics_carry_the_margin_and_the_degraded_flag(tmp_path):
+    entry = judge(plan_doc(), FREE - 2 * GIB)
+    entry["last_start"] = {"action": "shrink", "degraded": {"kv_cache_memory_bytes_after": 29 * GIB},
+                           "kv_cache_memory_bytes": 29 * GIB, "kv_cache_tokens": 237568}
+    report = {"checked_at": NOW, "errors": [], "instances": [entry]}
+    out = tmp_path / "gpufleet_vllm.prom"
+    prometheus_client.write_to_textfile(str(out), _audit.registry(report, prometheus_client))
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for fam in text_string_to_metric_families(out.read_text()) for s in fam.samples}
+    rank = (("class", "c1"), ("gpu", "0"), ("rank", "0"), ("vllm_instance", "main"))
+    inst = (("class", "c1"), ("vllm_instance", "main"))
+    assert samples[("gpufleet_vllm_margin_bytes", rank)] == -GIB
+    assert samples[("gpufleet_vllm_floor_bytes", rank)] == FREE - GIB
+    assert samples[("gpufleet_vllm_boot_free_bytes", rank)] == FREE - 2 * GIB
+    assert samples[("gpufleet_vllm_budget_bytes", inst)] == 30 * GIB
+    assert samples[("gpufleet_vllm_started_budget_bytes", inst)] == 29 * GIB
+    assert samples[("gpufleet_vllm_degraded", inst)] == 1
+    assert samples[("gpufleet_vllm_would_shrink", inst)] == 1
+    assert samples[("gpufleet_vllm_would_refuse", inst)] == 0
+    assert samples[("gpufleet_vllm_plan_timestamp_seconds", inst)] == 1799539200
+    assert samples[("gpufleet_vllm_last_audit_timestamp_seconds", inst)] == NOW
+    assert [p.name for p in tmp_path.iterdir()] == ["gpufleet_vllm.prom"], "no temporary file is left"
+
+
+@pytest.mark.skipif(not LIB.exists(), reason=f"fake NVML library not built ({LIB}); run `make fake-nvml`")
+def test_exporter_end_to_end_on_the_fake_nvml(tmp_path):
+    """The exporter program in a fresh interpreter: real pynvml on the fake library, two plan files
+    (one unreadable), a co-tenant below the floor."""
+    state = nvml_state.new_state()
+    state["gpus"] = [nvml_state.make_gpu(0, TOTAL, reserved=RESERVED, name="NVIDIA L40S", cc="8.9")]
+    nvml_state.add_process(state, gpu=0, pid=999999, used=2 * GIB, name="cotenant")
+    nvml_state.save(tmp_path / "state", state)
+    plans = tmp_path / "etc"
+    plans.mkdir()
+    (plans / "main.plan.json").write_text(json.dumps(plan_doc("refuse")))
+    (plans / "broken.plan.json").write_text("{")
+    out = tmp_path / "textfile" / "gpufleet_vllm.prom"
+    out.parent.mkdir()
+    # this machine may run no systemd: a systemctl that knows the unit but no process of it
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "systemctl").write_text("#!/bin/sh\nprintf 'ControlGroup=\\nMainPID=0\\nLoadState=loaded\\n'\n")
+    (bin_dir / "systemctl").chmod(0o755)
+    code = ("import sys; from ansible_collections.gpufleet.vllm.plugins.module_utils._audit import exporter_main; "
+            "sys.exit(exporter_main(sys.argv[1:]))")
+    done = subprocess.run([sys.executable, "-c", code, "--state-dir", str(plans), "--out", str(out)],
+                          env=dict(os.environ, LD_LIBRARY_PATH=str(LIB.parent), FAKE_NVML_STATE=str(tmp_path / "state"),
+                                   PATH=f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}"),
+                          capture_output=True, text=True, timeout=60, check=False)
+    assert done.returncode == 0, done.stderr
+    assert "1 instance(s), worst verdict would_refuse" in done.stdout
+    samples = {(s.name, s.labels.get("vllm_instance")): s.value
+               for fam in text_string_to_metric_families(out.read_text()) for s in fam.samples}
+    assert samples[("gpufleet_vllm_margin_bytes", "main")] == -GIB, samples
+    assert samples[("gpufleet_vllm_plan_file_errors", None)] == 1
+    assert samples[("gpufleet_vllm_would_refuse", "main")] == 1
+
+
+def test_exporter_refuses_a_file_node_exporter_would_not_read(tmp_path, capsys):
+    assert _audit.exporter_main(["--out", str(tmp_path / "x.txt")], nvml=object(), prometheus=prometheus_client) == 2
+    assert "node_exporter reads only *.prom files" in capsys.readouterr().err
+
+
+def audit_data(verdicts: dict[str, str]) -> dict[str, Any]:
+    hosts = {}
+    for host, verdict in verdicts.items():
+        entry = judge(plan_doc("refuse" if verdict == "would_refuse" else "shrink"),
+                      FREE - 2 * GIB if verdict != "ok" else FREE)
+        assert entry["verdict"] == verdict
+        hosts[host] = {"class": "c1", "error": None, "instances": [entry]}
+    hosts["gpu-gone"] = {"class": "c1", "error": "unreachable: ssh timed out", "instances": []}
+    return {"started": "2027-01-15T08:00:00+00:00", "audit": {"hosts": hosts}}
+
+
+def test_audit_report_names_the_hosts_that_would_be_refused():
+    report = _report.build_report(audit_data({"gpu-a": "ok", "gpu-b": "would_refuse", "gpu-c": "would_shrink"}), "audit")
+    assert report["kind"] == "audit"
+    summary = report["summary"]["audit"]
+    assert summary["would_refuse"] == ["gpu-b/main"] and summary["would_shrink"] == ["gpu-c/main"]
+    assert summary["verdicts"] == {"would_refuse": 1, "would_shrink": 1, "ok": 1}
+    assert report["failed_hosts"] == ["gpu-gone"] and report["summary"]["ok"] is False
+    assert {h["host"]: h["outcome"] for h in report["hosts"]}["gpu-a"] == "audited"
+    line = _report.summary_line(report)
+    assert "refused at next start: gpu-b/main" in line and "failed hosts gpu-gone" in line
+    md = _report.render_markdown(report)
+    assert "| main | would refuse | refuse | 0 | 0 |" in md
+    assert "-1GiB" in md
+    page = _report.render_html(report)
+    assert '<span class="bad">would refuse</span>' in page
+    # stored and read back like every other report
+    again = _report.load_report(json.loads(json.dumps(report)))
+    assert again["audit"]["hosts"][1]["instances"][0]["verdict"] == "would_refuse"
+
+
+def test_audit_report_rejects_an_unknown_verdict():
+    data = audit_data({"gpu-a": "ok"})
+    data["audit"]["hosts"]["gpu-a"]["instances"][0]["verdict"] = "fine"
+    with pytest.raises(_report.ReportError, match="verdict: expected one of"):
+        _report.build_report(data, "audit")

@@ -1,0 +1,272 @@
+# Copyright (c) gpufleet maintainers
+# GNU General Public License v3.0+ (see LICENSES/GPL-3.0-or-later.txt or https://www.gnu.org/licenses/gpl-3.0.txt)
+# SPDX-License-Identifier: GPL-3.0-or-later
+"""The boot gate: its decision per policy (plain figures), the engine argv it hands over,
+and the launcher end to end through the real pynvml on the fake NVML library."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ansible_collections.gpufleet.vllm.plugins.module_utils import _boot_gate as gate
+from ansible_collections.gpufleet.vllm.tests.fake_nvml import nvml_state
+
+ROOT = Path(__file__).resolve().parents[4]
+CACHE = Path(os.environ.get("GPUFLEET_CACHE") or ROOT / ".cache")
+LIB = CACHE / "fake-nvml" / "libnvidia-ml.so.1"
+GIB = 1 << 30
+MIB = 1 << 20
+TOTAL = 48305799168
+BPB = 2 * MIB  # bytes per block of the test geometry
+BUDGET = 30 * GIB
+FLOOR = 40 * GIB
+
+
+def plan_doc(**over: Any) -> dict[str, Any]:
+    doc: dict[str, Any] = {
+        "format": 2, "instance": "main", "unit": "vllm-main.service", "decision": "deploy", "gpus": [0, 1],
+        "kv_cache_memory_bytes": BUDGET, "gpu_memory_utilization": 0.85,
+        "free_floor_bytes": {"0": FLOOR, "1": FLOOR}, "vllm_floor_bytes": {"0": FLOOR - 600 * MIB, "1": FLOOR - 600 * MIB},
+        "num_blocks": BUDGET // BPB, "kv_cache_tokens": BUDGET // BPB * 16, "guard_bytes": 512 * MIB,
+        "max_model_len": 8192, "admission": {"required_tokens": 32768, "required_blocks": 2049},
+        "capacity": {"source": "geometry", "bytes_per_block": BPB, "block_size": 16},
+        "boot_gate": {"policy": "shrink", "state_file": None},
+    }
+    doc.update(over)
+    return doc
+
+
+def gpus(free0: int, free1: int = FLOOR + GIB) -> list[dict[str, int]]:
+    return [{"index": 0, "boot_free_bytes": free0, "total_bytes": TOTAL},
+            {"index": 1, "boot_free_bytes": free1, "total_bytes": TOTAL}]
+
+
+def test_every_rank_at_its_floor_starts_the_plan_under_every_policy():
+    plan = gate.parse_plan(plan_doc())
+    for policy in gate.POLICIES:
+        verdict = gate.decide(plan, gpus(FLOOR), policy)
+        assert verdict["action"] == "start"
+        assert verdict["started"]["kv_cache_memory_bytes"] == BUDGET
+        assert verdict["degraded"] is None
+        assert [r["margin_bytes"] for r in verdict["ranks"]] == [0, GIB]
+
+
+def test_refuse_names_the_rank_its_free_memory_and_its_floor():
+    plan = gate.parse_plan(plan_doc())
+    verdict = gate.decide(plan, gpus(FLOOR - 1, FLOOR), "refuse")
+    assert verdict["action"] == "refuse"
+    assert verdict["started"] is None
+    assert f"rank 0 (GPU 0) free {FLOOR - 1} B" in verdict["message"]
+    assert f"< floor {FLOOR} B" in verdict["message"]
+    assert "rank 1" not in verdict["message"]
+
+
+def test_shrink_applies_the_drift_rule_against_the_floor_of_the_worst_rank():
+    plan = gate.parse_plan(plan_doc())
+    verdict = gate.decide(plan, gpus(FLOOR - GIB, FLOOR - 2 * GIB), "shrink")
+    assert verdict["action"] == "shrink"
+    after = BUDGET - 2 * GIB
+    assert verdict["started"]["kv_cache_memory_bytes"] == after
+    assert verdict["started"]["kv_cache_tokens"] == after // BPB * 16
+    assert verdict["degraded"]["kv_cache_memory_bytes_before"] == BUDGET
+    assert verdict["degraded"]["kv_cache_tokens_before"] == BUDGET // BPB * 16
+    assert verdict["degraded"]["kv_cache_tokens_after"] == after // BPB * 16
+    # vLLM's startup check sees the same missing bytes: the utilization drops by them
+    util = verdict["started"]["gpu_memory_utilization"]
+    assert util < 0.85
+    assert -(-int(TOTAL * util * 1) // 1) <= -(-int(TOTAL * 0.85) // 1) - 2 * GIB + 1
+
+
+def test_shrink_refuses_when_the_smaller_budget_misses_the_admission_plan():
+    plan = gate.parse_plan(plan_doc(admission={"required_tokens": 14 * GIB // BPB * 16,
+                                               "required_blocks": 14 * GIB // BPB + 1}))
+    assert gate.decide(plan, gpus(FLOOR - 15 * GIB), "shrink")["action"] == "shrink"
+    verdict = gate.decide(plan, gpus(FLOOR - 17 * GIB), "shrink")
+    assert verdict["action"] == "refuse"
+    assert "below the admission plan" in verdict["message"]
+    assert verdict["degraded"]["kv_cache_memory_bytes_after"] == BUDGET - 17 * GIB
+
+
+def test_shrink_refuses_when_one_request_no_longer_fits():
+    plan = gate.parse_plan(plan_doc(admission=None, max_model_len=8192))
+    need = (8192 // 16 + 1) * BPB
+    ok = gate.decide(plan, gpus(FLOOR - (BUDGET - need)), "shrink")
+    assert ok["action"] == "shrink" and ok["started"]["kv_cache_memory_bytes"] == need
+    verdict = gate.decide(plan, gpus(FLOOR - (BUDGET - need) - 1), "shrink")
+    assert verdict["action"] == "refuse"
+    assert "cannot hold one request of max_model_len 8192" in verdict["message"]
+
+
+def test_profile_derives_the_utilization_from_free_memory_minus_guard_and_allowance():
+    plan = gate.parse_plan(plan_doc())
+    free = FLOOR - 3 * GIB
+    verdict = gate.decide(plan, gpus(free), "profile")
+    assert verdict["action"] == "profile"
+    util = verdict["started"]["gpu_memory_utilization"]
+    assert util == gate.floor_utilization(free - 512 * MIB - 600 * MIB, TOTAL)
+    assert util < 0.85
+    assert verdict["started"]["kv_cache_memory_bytes"] is None
+
+
+def test_format_1_plan_files_are_read_and_shrink_scales_the_recorded_capacity():
+    doc = plan_doc(format=1)
+    for key in ("guard_bytes", "max_model_len", "admission", "capacity", "boot_gate", "vllm_floor_bytes"):
+        doc.pop(key)
+    plan = gate.parse_plan(doc)
+    assert plan["capacity"]["source"] == "scaled"
+    verdict = gate.decide(plan, gpus(FLOOR - GIB), "shrink")
+    assert verdict["action"] == "shrink"
+    assert verdict["started"]["kv_cache_tokens"] == plan["kv_cache_tokens"] * (BUDGET - GIB) // BUDGET
+
+
+@pytest.mark.parametrize("field,value,needle", [
+    ("format", 3, "format 3 is not one this gate reads"),
+    ("gpus", [], "gpus must be a non-empty list"),
+    ("kv_cache_memory_bytes", "30GiB", "kv_cache_memory_bytes must be an integer"),
+    ("free_floor_bytes", {"x": 1}, "free_floor_bytes: rank 'x' is not an integer"),
+    ("gpu_memory_utilization", 1.5, "gpu_memory_utilization must be a number in (0, 1]"),
+])
+def test_bad_plan_files_name_the_field(field, value, needle):
+    with pytest.raises(gate.BootGateError, match=None) as info:
+        gate.parse_plan(plan_doc(**{field: value}))
+    assert needle in str(info.value)
+
+
+def test_a_rank_without_a_floor_or_a_gpu_is_refused():
+    plan = gate.parse_plan(plan_doc(free_floor_bytes={"0": FLOOR}))
+    assert "no floor" in gate.decide(plan, gpus(FLOOR), "shrink")["message"]
+    plan = gate.parse_plan(plan_doc())
+    assert "not found by NVML" in gate.decide(plan, gpus(FLOOR)[:1], "shrink")["message"]
+
+
+@settings(max_examples=300, deadline=None)
+@given(free0=st.integers(0, 60 * GIB), free1=st.integers(0, 60 * GIB),
+       policy=st.sampled_from(gate.POLICIES))
+def test_the_gate_never_raises_a_budget_or_a_utilization(free0, free1, policy):
+    plan = gate.parse_plan(plan_doc())
+    verdict = gate.decide(plan, gpus(free0, free1), policy)
+    if verdict["action"] == "refuse":
+        assert verdict["started"] is None
+        return
+    started = verdict["started"]
+    if started["kv_cache_memory_bytes"] is not None:
+        assert started["kv_cache_memory_bytes"] <= BUDGET
+    assert started["gpu_memory_utilization"] <= 0.85
+    if min(free0, free1) >= FLOOR:
+        assert verdict["action"] == "start"
+
+
+def test_engine_argv_lowers_the_budget_and_drops_it_for_profiling():
+    argv = ["/opt/vllm/venv/bin/vllm", "serve", "m", "--kv-cache-memory-bytes", str(BUDGET),
+            "--gpu-memory-utilization", "0.85", "--max-model-len", "8192"]
+    shrink = {"action": "shrink", "started": {"kv_cache_memory_bytes": 1000, "gpu_memory_utilization": 0.8}}
+    assert gate.engine_argv(argv, shrink)[3:7] == ["--kv-cache-memory-bytes", "1000", "--gpu-memory-utilization", "0.8"]
+    profile = {"action": "profile", "started": {"kv_cache_memory_bytes": None, "gpu_memory_utilization": 0.7}}
+    out = gate.engine_argv(argv, profile)
+    assert "--kv-cache-memory-bytes" not in out and out[3:5] == ["--gpu-memory-utilization", "0.7"]
+    assert gate.engine_argv(argv, {"action": "start"}) == argv
+
+
+@pytest.mark.skipif(not LIB.exists(), reason=f"fake NVML library not built ({LIB}); run `make fake-nvml`")
+@pytest.mark.parametrize("policy,cotenant,rc,budget", [
+    ("shrink", 0, 0, BUDGET),
+    ("refuse", GIB, gate.EXIT_REFUSED, None),
+    ("shrink", GIB, 0, BUDGET - GIB),  # 2 GiB taken, floor 1 GiB below: 1 GiB short
+])
+def test_launcher_end_to_end_on_the_fake_nvml(tmp_path, policy, cotenant, rc, budget):
+    """The launcher in a fresh interpreter: real pynvml, the fake library, a plan file, a
+    state file, and an 'engine' that prints the argv it was handed."""
+    state = nvml_state.new_state()
+    state["gpus"] = [nvml_state.make_gpu(i, TOTAL, reserved=462422016, name="NVIDIA L40S", cc="8.9") for i in range(2)]
+    free = TOTAL - 462422016
+    # the floor sits 1 GiB below today's free memory; a co-tenant takes `cotenant` + 1 GiB
+    floor = free - GIB
+    if cotenant:
+        nvml_state.add_process(state, gpu=1, pid=999999, used=cotenant + GIB, name="cotenant")
+    nvml_state.save(tmp_path / "state", state)
+    plan_path, state_path = tmp_path / "main.plan.json", tmp_path / "main.boot-gate.json"
+    plan_path.write_text(json.dumps(plan_doc(free_floor_bytes={"0": floor, "1": floor}, vllm_floor_bytes={})))
+    engine = tmp_path / "engine"
+    engine.write_text("#!/bin/sh\necho ENGINE \"$@\"\n")
+    engine.chmod(0o755)
+    code = ("import sys; from ansible_collections.gpufleet.vllm.plugins.module_utils._boot_gate import run; "
+            "sys.exit(run(sys.argv[1:]))")
+    done = subprocess.run(
+        [sys.executable, "-c", code, "--plan", str(plan_path), "--policy", policy, "--state", str(state_path),
+         "--", str(engine), "serve", "m", "--kv-cache-memory-bytes", str(BUDGET), "--gpu-memory-utilization", "0.85"],
+        env=dict(os.environ, LD_LIBRARY_PATH=str(LIB.parent), FAKE_NVML_STATE=str(tmp_path / "state"),
+                 INVOCATION_ID="abc123"),
+        capture_output=True, text=True, timeout=60, check=False)
+    assert done.returncode == rc, done.stderr
+    record = json.loads(state_path.read_text())
+    assert record["invocation_id"] == "abc123" and record["policy"] == policy
+    assert record["ranks"][1]["free_bytes"] == free - (cotenant + GIB if cotenant else 0)
+    if budget is None:
+        assert "ENGINE" not in done.stdout
+        assert f"rank 1 (GPU 1) free {free - 2 * GIB} B" in done.stderr
+        assert record["action"] == "refuse"
+    else:
+        assert f"--kv-cache-memory-bytes {budget}" in done.stdout
+        assert record["action"] == ("shrink" if cotenant else "start")
+        assert (record["degraded"] is not None) == bool(cotenant)
+
+
+def test_launcher_refuses_a_missing_plan_file_and_leaves_nvml_failures_to_the_restart_policy(tmp_path):
+    lines: list[str] = []
+    missing = gate.run(["--plan", str(tmp_path / "none.plan.json"), "--", "/bin/true"], log=lines.append)
+    assert missing == gate.EXIT_REFUSED and "does not exist" in lines[-1]
+    plan = tmp_path / "main.plan.json"
+    plan.write_text(json.dumps(plan_doc()))
+
+    class NoDriver:
+        NVMLError = OSError
+
+        @staticmethod
+        def nvmlInit() -> None:
+            raise OSError("libnvidia-ml.so.1: cannot open shared object file")
+
+    handed: list[list[str]] = []
+    rc = gate.run(["--plan", str(plan), "--", "/bin/true"], nvml=NoDriver(), log=lines.append,
+                  execv=lambda path, argv: handed.append(argv))
+    assert rc == gate.EXIT_PROBE_FAILED and "NVML probe failed" in lines[-1] and not handed
+    bad = tmp_path / "bad.plan.json"
+    bad.write_text(json.dumps(plan_doc(free_floor_bytes={"0": "lots"})))
+    assert gate.run(["--plan", str(bad), "--", "/bin/true"], log=lines.append) == gate.EXIT_REFUSED
+    assert "free_floor_bytes[0]: expected bytes as an integer" in lines[-1]
+
+
+def test_boot_check_expectations_follow_the_gate_record_of_this_start(tmp_path):
+    state = {"format": 1, "invocation_id": "inv-2", "action": "shrink", "policy": "shrink", "message": "m",
+             "started": {"kv_cache_memory_bytes": BUDGET - GIB, "kv_cache_tokens": 1000},
+             "degraded": {"kv_cache_memory_bytes_before": BUDGET, "kv_cache_memory_bytes_after": BUDGET - GIB}}
+    path = tmp_path / "main.boot-gate.json"
+    path.write_text(json.dumps(dict(state, invocation_id="inv-1")))
+    current = iter(["inv-2", "inv-2", "inv-2"])
+    waits: list[float] = []
+
+    def rewrite(seconds: float) -> None:  # the gate of the new start writes its record meanwhile
+        waits.append(seconds)
+        path.write_text(json.dumps(state))
+
+    got = gate.wait_state(str(path), lambda: next(current), timeout=5, sleep=rewrite)
+    assert got is not None and got["invocation_id"] == "inv-2" and waits == [0.2]
+    expected, tokens, degraded = gate.boot_expectations(got, BUDGET, 2000)
+    assert (expected, tokens) == (BUDGET - GIB, 1000)
+    assert degraded["kv_cache_memory_bytes_after"] == BUDGET - GIB and degraded["action"] == "shrink"
+    # a record claiming more than the plan is never taken as the expectation
+    more = dict(state, started={"kv_cache_memory_bytes": BUDGET + 1, "kv_cache_tokens": 1})
+    assert gate.boot_expectations(more, BUDGET, 2000)[0] == BUDGET
+    assert gate.boot_expectations(dict(state, action="start"), BUDGET, 2000) == (BUDGET, 2000, None)
+    assert gate.boot_expectations(dict(state, action="profile"), BUDGET, 2000)[:2] == (None, None)
+    clock = iter([0.0, 0.0, 10.0])
+    assert gate.wait_state(str(tmp_path / "none.json"), lambda: "x", timeout=1, sleep=lambda s: None,
+                           clock=lambda: next(clock)) is None
