@@ -44,7 +44,8 @@ def collections_path():
 
 def test_plugins_found():
     assert "rollout_report" in MODULES and "kv_plan" in MODULES and "gpu_memory_info" in MODULES
-    assert FILTERS == ["human_bytes", "kv_bytes_per_token", "to_bytes", "vllm_secret_options", "vllm_serve_argv"]
+    assert FILTERS == ["human_bytes", "kv_bytes_per_token", "rollout_batches", "rollout_plan", "rollout_plan_drift", "to_bytes",
+                       "vllm_secret_options", "vllm_serve_argv"]
     assert sorted(CONTROLLER_MODULES + HOST_MODULES) == MODULES, "every module's examples run in one of the two tests"
 
 
