@@ -780,13 +780,13 @@ def _md_cell(value: Any) -> str:
     return _text(value).replace("|", "\\|").replace("\n", " ")
 
 
-
 def _batch_label(batch: Mapping[str, Any]) -> str:
     """``3 of 4`` for the run; ``1 of 3 of class l40s (3 of 4)`` when the batch names its class."""
     run = f"{batch['index']}" + (f" of {batch['total']}" if batch.get("total") else "")
     if batch.get("class") and batch.get("class_index"):
         return f"{batch['class_index']} of {batch.get('class_total') or '?'} of class {batch['class']} ({run})"
     return run
+
 
 def render_markdown(report: Mapping[str, Any]) -> str:
     """The report as Markdown."""
