@@ -75,8 +75,21 @@ def fleet_file(names: list[str], boot_delay: float) -> dict[str, Any]:
     }
 
 
-def group_vars(workdir: Path, serial: list[Any]) -> dict[str, Any]:
-    return {
+NOOP_HOOK = """\
+- name: A hook that does nothing but run (the cost of the hook machinery itself)
+  ansible.builtin.debug:
+    msg: "{{ gpufleet_hook_event }} {{ gpufleet_hook_host }}"
+"""
+HOOK_EVENTS = ("drain", "undrain", "batch_start", "batch_end", "class_start", "class_end")
+
+
+def group_vars(workdir: Path, serial: list[Any], hooks: bool = False) -> dict[str, Any]:
+    extra: dict[str, Any] = {}
+    if hooks:
+        hook = workdir / "noop-hook.yml"
+        hook.write_text(NOOP_HOOK, encoding="utf-8")
+        extra["gpufleet_hooks"] = {event: str(hook) for event in HOOK_EVENTS}
+    return extra | {
         "gpufleet_host_class": CLASS,
         "gpufleet_model": "/srv/models/llama-3.1-8b-instruct",
         "gpufleet_model_config": str(REPO / "sim" / "models" / "llama-3.1-8b-instruct" / "config.json"),
@@ -210,7 +223,8 @@ def measure_rollout(sim: fleetctl.Fleet, inventory: Path, names: list[str], kind
     return out
 
 
-def measure(size: int, prefix: str, boot_delay: float, serial: list[Any], forks: int, timeout: float) -> list[dict[str, Any]]:
+def measure(size: int, prefix: str, boot_delay: float, serial: list[Any], forks: int, timeout: float,
+            hooks: bool = False) -> list[dict[str, Any]]:
     """Two rollouts on one fresh fleet of ``size`` hosts: the first install, then a budget update.
 
     The update (a larger guard, so a new budget on every host) is the rollout an operator
@@ -223,7 +237,7 @@ def measure(size: int, prefix: str, boot_delay: float, serial: list[Any], forks:
     path = workdir / "fleet.yml"
     path.write_text(yaml.safe_dump(fleet_file(names, boot_delay)), encoding="utf-8")
     sim = fleetctl.Fleet(path)
-    common: dict[str, Any] = {"hosts": size, "serial": serial, "forks": forks, "engine_boot_delay_s": boot_delay,
+    common: dict[str, Any] = {"hosts": size, "serial": serial, "forks": forks, "engine_boot_delay_s": boot_delay, "hooks": hooks,
                               "measured_at": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()),
                               "inotify_max_user_instances": inotify_instances()}
     runs: list[dict[str, Any]] = []
@@ -235,7 +249,7 @@ def measure(size: int, prefix: str, boot_delay: float, serial: list[Any], forks:
         common["fleet_create_seconds"] = round(time.monotonic() - start, 2)
         inv = {"all": {"children": {CLASS.replace("-", "_"): {
             "hosts": {n: sim.h.inventory_data(names=names)["all"]["hosts"][n] for n in names},
-            "vars": group_vars(workdir, serial)}}}}
+            "vars": group_vars(workdir, serial, hooks)}}}}
         inventory = workdir / "inventory.yml"
         inventory.write_text(yaml.safe_dump(inv), encoding="utf-8")
         runs.append(dict(common, **measure_rollout(sim, inventory, names, "install", forks, timeout)))
@@ -272,6 +286,8 @@ def main() -> int:
     parser.add_argument("--serial", default='[1, "10%", "50%"]', help="rollout serial batches (JSON)")
     parser.add_argument("--forks", type=int, default=16)
     parser.add_argument("--timeout", type=float, default=2400, help="limit per playbook run (s)")
+    parser.add_argument("--hooks", action="store_true", help="give every hook event (drain, undrain, batch and class "
+                        "start/end) a task file that only prints a line: the cost of the hook machinery")
     args = parser.parse_args()
     if os.geteuid() != 0:
         print(json.dumps({"error": "run as root: test hosts use systemd-nspawn and network namespaces"}))
@@ -279,7 +295,7 @@ def main() -> int:
     serial = json.loads(args.serial)
     started = time.monotonic()
     runs = [run for size in args.sizes.split(",")
-            for run in measure(int(size), args.prefix, args.boot_delay, serial, args.forks, args.timeout)]
+            for run in measure(int(size), args.prefix, args.boot_delay, serial, args.forks, args.timeout, args.hooks)]
     out: dict[str, Any] = {"benchmark": "rollout_overhead", "goal_seconds": GOAL_SECONDS, "runs": runs,
                            "command": "python bench/rollout_overhead.py " + " ".join(sys.argv[1:]),
                            "playbook_command": "ansible-playbook -i INVENTORY playbooks/rollout.yml",

@@ -528,6 +528,20 @@ def summarize_report(report: Any) -> list[str]:
     return lines
 
 
+def summarize_batches(report: Any) -> list[str]:
+    """One line per class from a run report's batches: its ramp, batch by batch (``1+1+2 hosts``)."""
+    if not isinstance(report, dict):
+        return []
+    ramps: dict[str, list[str]] = {}
+    for batch in report.get("batches") or []:
+        if not isinstance(batch, dict) or not batch.get("class"):
+            continue
+        hosts = [h["host"] if isinstance(h, dict) else str(h) for h in batch.get("hosts") or []]
+        ramps.setdefault(str(batch["class"]), []).append(
+            f"{batch.get('class_index')}/{batch.get('class_total')}: {', '.join(hosts)} ({batch.get('outcome', '?')})")
+    return [f"  {name:<12} " + " -> ".join(steps) for name, steps in ramps.items()]
+
+
 def demo(fleet: Fleet, playbook: str | None) -> int:
     playbook_path = find_playbook(playbook)
     fleet.create()
@@ -553,6 +567,11 @@ def demo(fleet: Fleet, playbook: str | None) -> int:
         print("per class:" if lines else "per class: (report has no `classes` section)")
         for line in lines:
             print(line)
+        ramps = summarize_batches(json.loads(report.read_text(encoding="utf-8")))
+        if ramps:
+            print("ramps (every class over its own hosts, batch n/m of the class):")
+            for line in ramps:
+                print(line)
         others = sorted(p.name for p in report.parent.glob("report.*") if p != report)
         print(f"report: {report.relative_to(REPO)}" + (f" (also {', '.join(others)})" if others else ""))
     return rc

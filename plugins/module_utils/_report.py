@@ -629,6 +629,10 @@ def build_report(data: Mapping[str, Any], kind: str = "rollout", generated: _dt.
             {
                 "index": index,
                 "total": _num(raw.get("total")),
+                # per-class ramps: batch class_index of class_total of this class
+                "class": str(raw["class"]) if raw.get("class") else None,
+                "class_index": _num(raw.get("class_index")),
+                "class_total": _num(raw.get("class_total")),
                 "hosts": [{"host": n, "outcome": outcomes.get(n, "unknown")} for n in names],
                 "started": raw.get("started"),
                 "finished": raw.get("finished"),
@@ -866,6 +870,14 @@ def _md_cell(value: Any) -> str:
     return _text(value).replace("|", "\\|").replace("\n", " ")
 
 
+def _batch_label(batch: Mapping[str, Any]) -> str:
+    """``3 of 4`` for the run; ``1 of 3 of class l40s (3 of 4)`` when the batch names its class."""
+    run = f"{batch['index']}" + (f" of {batch['total']}" if batch.get("total") else "")
+    if batch.get("class") and batch.get("class_index"):
+        return f"{batch['class_index']} of {batch.get('class_total') or '?'} of class {batch['class']} ({run})"
+    return run
+
+
 def render_markdown(report: Mapping[str, Any]) -> str:
     """The report as Markdown."""
     out = [f"# gpufleet.vllm {report['kind']} report", ""]
@@ -911,8 +923,7 @@ def render_markdown(report: Mapping[str, Any]) -> str:
         out += ["## Batches", "", "| batch | hosts | seconds | outcome |", "|---|---|---|---|"]
         for b in report["batches"]:
             hosts = ", ".join(f"{h['host']} ({h['outcome'].replace('_', ' ')})" for h in b["hosts"])
-            total = f" of {b['total']}" if b.get("total") else ""
-            out.append(f"| {b['index']}{total} | {_md_cell(hosts)} | {_text(b['seconds'])} | {b['outcome']} |")
+            out.append(f"| {_md_cell(_batch_label(b))} | {_md_cell(hosts)} | {_text(b['seconds'])} | {b['outcome']} |")
         out.append("")
     if report["hosts"] and not report.get("probe"):
         out += ["## Hosts", "", "| host | class | batch | outcome | changed instances |", "|---|---|---|---|---|"]
@@ -1254,7 +1265,7 @@ def render_html(report: Mapping[str, Any]) -> str:
         out.append("<h2>Batches</h2>")
         rows = [
             [
-                esc(f"{b['index']}" + (f" of {b['total']}" if b.get("total") else "")),
+                esc(_batch_label(b)),
                 ", ".join(f"{esc(h['host'])} ({_outcome_html(h['outcome'])})" for h in b["hosts"]),
                 esc(_text(b["seconds"])),
                 _outcome_html(b["outcome"]),

@@ -106,7 +106,8 @@ class SimFleet:
         if extra_vars:
             argv += ["--extra-vars", json.dumps(dict(extra_vars))]
         lines: list[str] = []
-        with subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+        # no terminal: a run never waits for an answer (a pause between classes takes its unattended policy)
+        with subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
                               cwd=REPO, start_new_session=True) as proc:
             timer = threading.Timer(timeout, proc.kill)
             timer.start()

@@ -185,8 +185,8 @@ def test_mixed_gpu_types_refuse_the_class(fleet, seen):
     assert before[OTHER_GPU] is None
     mixed = fleet.write_inventory({CLASS: [*HOSTS, OTHER_GPU]}, fleet.workdir / "inventory-mixed.yml")
     reports = len(fleet.reports())
-    rc, out = fleet.rollout(inventory=mixed)
-    # a refused class is skipped, not failed: the run itself succeeds and says why
+    rc, out = fleet.rollout({"gpufleet_refused_class": "skip"}, inventory=mixed)
+    # with gpufleet_refused_class skip, a refused class is skipped, not failed: the run itself succeeds and says why
     assert rc == 0, out[-6000:]
     assert re.search(r"class ft-l40s is skipped: GPU name differs from the reference \(NVIDIA L40S\): "
                      r"NVIDIA L40: sim-ft-4/main", out), out[-6000:]
@@ -200,6 +200,14 @@ def test_mixed_gpu_types_refuse_the_class(fleet, seen):
         assert fleet.active(host) == "active", host
     assert fleet.active(OTHER_GPU) != "active"
     assert recap(out)[OTHER_GPU]["changed"] == 0
+    # by default a refused class fails the run, before any host is rolled out, naming the class and why
+    rc, out = fleet.rollout(inventory=mixed)
+    assert rc != 0, out[-6000:]
+    assert re.search(r"class ft-l40s is not deployable: GPU name differs from the reference \(NVIDIA L40S\): "
+                     r"NVIDIA L40: sim-ft-4/main", out), out[-6000:]
+    assert "no host was rolled out" in out
+    assert reached(out) == [], "no host of a refused class may reach the serial batches"
+    assert fleet.units([*HOSTS, OTHER_GPU]) == before
 
 
 def test_unsteady_free_memory_deploys_with_automatic_profiling(fleet, seen):

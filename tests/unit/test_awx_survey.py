@@ -104,9 +104,30 @@ def test_awx_doc_job_template_uses_this_survey():
     blocks = re.findall(r"```yaml\n(.*?)```", text, re.S)
     templates = [t for b in blocks for t in (yaml.safe_load(b) or []) if isinstance(t, dict) and "tasks" in t]
     tasks = [t for play in templates for t in play["tasks"] if "awx.awx.job_template" in t]
-    assert len(tasks) == 1, "docs/awx.md must show one awx.awx.job_template task"
-    jt = tasks[0]["awx.awx.job_template"]
+    rollout = [t for t in tasks if t["awx.awx.job_template"]["name"] == survey()["name"]]
+    assert len(rollout) == 1, "docs/awx.md must show one awx.awx.job_template task for the rollout template"
+    # every template that runs a gpufleet playbook keeps one job for the whole fleet (no slicing)
+    assert all(t["awx.awx.job_template"]["job_slice_count"] == 1 for t in tasks)
+    jt = rollout[0]["awx.awx.job_template"]
     assert jt["playbook"] == "playbooks/rollout.yml"
     assert jt["ask_limit_on_launch"] is True and jt["job_slice_count"] == 1 and jt["survey_enabled"] is True
     assert "meta/survey-rollout.json" in jt["survey_spec"]
     assert jt["name"] == survey()["name"]
+
+
+def test_awx_doc_workflow_plans_approves_and_applies():
+    text = AWX_DOC.read_text(encoding="utf-8")
+    blocks = re.findall(r"```yaml\n(.*?)```", text, re.S)
+    plays = [p for b in blocks for p in (yaml.safe_load(b) or []) if isinstance(p, dict) and "tasks" in p]
+    tasks = [t for p in plays for t in p["tasks"]]
+    templates = {t["awx.awx.job_template"]["name"]: t["awx.awx.job_template"] for t in tasks if "awx.awx.job_template" in t}
+    workflows = [t["awx.awx.workflow_job_template"] for t in tasks if "awx.awx.workflow_job_template" in t]
+    assert len(workflows) == 1
+    nodes = {n["identifier"]: n for n in workflows[0]["workflow_nodes"]}
+    plan, approve, apply = nodes["plan"], nodes["approve"], nodes["apply"]
+    assert templates[plan["unified_job_template"]["name"]]["playbook"] == "playbooks/plan.yml"
+    assert approve["unified_job_template"]["type"] == "workflow_approval"
+    assert templates[apply["unified_job_template"]["name"]]["playbook"] == "playbooks/rollout.yml"
+    assert [n["identifier"] for n in plan["related"]["success_nodes"]] == ["approve"]
+    assert [n["identifier"] for n in approve["related"]["success_nodes"]] == ["apply"]
+    assert "meta/survey-rollout.json" in workflows[0]["survey_spec"]

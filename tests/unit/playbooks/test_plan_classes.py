@@ -72,3 +72,29 @@ def test_a_class_stopped_before_planning_has_no_plan() -> None:
     state = failed_class_state({})
     assert state["plan"] == {}
     assert state["failed"] is True
+
+
+def classes_in_rollout_order(variables: dict[str, t.Any]) -> t.Any:
+    """The [class, hosts] list the playbook hands to gpufleet.vllm.rollout_batches (unit tested on its own)."""
+    plays = yaml.safe_load((ROOT / "playbooks" / "parts" / "plan_classes.yml").read_text(encoding="utf-8"))
+    task = find_task(plays[0]["tasks"], "Work out the batches of every deployable class")
+    expression = task["ansible.builtin.set_fact"]["gpufleet_batch_plan"]
+    call = " | gpufleet.vllm.rollout_batches(gpufleet_run.serial)"
+    assert call in expression
+    templar = Templar(loader=DataLoader(), variables=variables)
+    return templar.template(trust_as_template(expression.replace(call, "")))
+
+
+def test_classes_follow_the_stated_order_and_leave_out_classes_that_do_not_deploy() -> None:
+    def host(name: str, cls: str, ok: bool) -> dict[str, t.Any]:
+        return {"inventory_hostname": name, "gpufleet_host_class": cls, "gpufleet_class_state": {"ok": ok}}
+
+    hosts = [host("l-2", "l40s", True), host("h-1", "h200", True), host("l-1", "l40s", True), host("l-3", "l40s", True),
+             host("x-1", "mixed", False), host("h-2", "h200", True)]
+    classes = classes_in_rollout_order({
+        "ansible_play_hosts": [h["inventory_hostname"] for h in hosts],
+        "hostvars": {h["inventory_hostname"]: h for h in hosts},
+        # the stated order: gpufleet_classes as given (l40s first), not by name
+        "gpufleet_run": {"classes": ["l40s", "mixed", "h200"], "serial": [1, "50%"]},
+    })
+    assert classes == [["l40s", ["l-1", "l-2", "l-3"]], ["h200", ["h-1", "h-2"]]]

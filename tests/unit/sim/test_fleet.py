@@ -208,6 +208,18 @@ def test_report_summary_reads_the_rollout_report_schema() -> None:
     assert lines[2].strip() == "class l40s-tp2 stopped: canary failed"
 
 
+def test_batch_summary_shows_each_class_ramp() -> None:
+    report = {"batches": [
+        {"index": 1, "class": "h200-tp2", "class_index": 1, "class_total": 2, "hosts": [{"host": "a"}], "outcome": "ok"},
+        {"index": 2, "class": "h200-tp2", "class_index": 2, "class_total": 2, "hosts": [{"host": "b"}, {"host": "c"}],
+         "outcome": "ok"},
+        {"index": 3, "class": "l40s-tp2", "class_index": 1, "class_total": 3, "hosts": [{"host": "d"}], "outcome": "failed"},
+    ]}
+    assert [line.split(None, 1) for line in fleetctl.summarize_batches(report)] == [
+        ["h200-tp2", "1/2: a (ok) -> 2/2: b, c (ok)"], ["l40s-tp2", "1/3: d (failed)"]]
+    assert not fleetctl.summarize_batches({"batches": [{"index": 1, "hosts": ["a"]}]}), "a report without classes shows no ramp"
+
+
 def test_connection_script_adds_only_the_inventory_hosts(fleet) -> None:
     spec = importlib.util.spec_from_file_location("gpufleet_sim_connection", INVENTORY / "connection.py")
     assert spec is not None and spec.loader is not None

@@ -1,0 +1,54 @@
+# Copyright (c) gpufleet maintainers
+# GNU General Public License v3.0+ (see LICENSES/GPL-3.0-or-later.txt or https://www.gnu.org/licenses/gpl-3.0.txt)
+# SPDX-License-Identifier: GPL-3.0-or-later
+"""Filters: rollout_batches, rollout_plan, rollout_plan_drift (documentation in the YAML files beside this one)."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Mapping, Sequence
+
+from ansible.errors import AnsibleFilterError
+
+from ansible_collections.gpufleet.vllm.plugins.module_utils import _rollout
+
+
+def rollout_batches(classes: Any, serial: Any = None) -> list[dict[str, Any]]:
+    """Per-class batches, classes in the given order."""
+    try:
+        return _rollout.class_batches(classes, [1, "10%", "50%"] if serial is None else serial)
+    except _rollout.RolloutError as exc:
+        raise AnsibleFilterError(f"rollout_batches: {exc}") from None
+
+
+def rollout_plan(classes: Mapping[str, Any], hosts: Mapping[str, Any], created: str, serial: Any = None) -> dict[str, Any]:
+    """The plan artifact plan.yml writes."""
+    if not isinstance(classes, Mapping) or not isinstance(hosts, Mapping):
+        raise AnsibleFilterError("rollout_plan: classes and hosts must be mappings")
+    return _rollout.plan_artifact(classes, hosts, str(created), serial)
+
+
+def rollout_plan_drift(plan: Any, host_class: str | None = None, current: Mapping[str, Any] | None = None,
+                       host: str | None = None, units: Sequence[Mapping[str, Any]] | None = None) -> list[str]:
+    """What moved since the approved plan: for a class (``host_class``, ``current``) and/or a host's units."""
+    try:
+        moved: list[str] = []
+        if host_class is not None:
+            moved += _rollout.plan_drift(plan, host_class, current or {})
+        if host is not None:
+            moved += _rollout.unit_drift(plan, host, units or [])
+        if host_class is None and host is None:
+            _rollout.check_artifact(plan)
+        return moved
+    except _rollout.RolloutError as exc:
+        raise AnsibleFilterError(f"rollout_plan_drift: {exc}") from None
+
+
+class FilterModule:
+    """gpufleet.vllm rollout filters."""
+
+    def filters(self) -> dict[str, Callable[..., Any]]:
+        return {
+            "rollout_batches": rollout_batches,
+            "rollout_plan": rollout_plan,
+            "rollout_plan_drift": rollout_plan_drift,
+        }

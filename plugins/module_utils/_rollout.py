@@ -1,0 +1,256 @@
+# Copyright (c) gpufleet maintainers
+# GNU General Public License v3.0+ (see LICENSES/GPL-3.0-or-later.txt or https://www.gnu.org/licenses/gpl-3.0.txt)
+# SPDX-License-Identifier: GPL-3.0-or-later
+"""How a rollout walks the fleet: per-class batches and the approved plan artifact.
+
+Plain Python, no Ansible import.
+
+* :func:`class_batches` ramps every class over its own hosts: the serial entries
+  (``[1, "10%", "50%"]``, the last one repeating) are sizes or shares *of that class*,
+  classes follow one another in the given order and no batch mixes two classes.
+  The serial play runs these batches as one ``serial`` list of sizes
+  (:func:`serial_sizes`) over the hosts in the same order.
+* :func:`plan_artifact` builds the document ``plan.yml`` writes (plan -> approve ->
+  apply); :func:`plan_drift` says, before any host is touched, what moved between that
+  plan and the fleet an apply run finds (compatibility key, reference profile, hosts,
+  free memory against the planned floors, the units the plan would write).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from ansible_collections.gpufleet.vllm.plugins.module_utils._sizes import human_bytes
+
+__all__ = ["RolloutError", "class_batches", "serial_sizes", "plan_artifact", "plan_drift", "unit_drift",
+           "check_artifact", "PLAN_FORMAT"]
+
+PLAN_FORMAT = "gpufleet.vllm/plan-v1"
+_SERIAL_ITEM = re.compile(r"^(?:[1-9][0-9]*|(?:100|[1-9][0-9]?)(?:\.[0-9]+)?%)$")
+
+
+class RolloutError(ValueError):
+    """Bad rollout input; the message names the field."""
+
+
+def _serial_list(serial: Any) -> list[str]:
+    items = serial if isinstance(serial, Sequence) and not isinstance(serial, str) else [serial]
+    out = []
+    for pos, item in enumerate(items):
+        text = str(item).strip()
+        if isinstance(item, bool) or not _SERIAL_ITEM.match(text):
+            raise RolloutError(f"gpufleet_rollout_serial[{pos}]: expected a positive int or a share 'N%' (0 < N <= 100), got {item!r}")
+        out.append(text)
+    if not out:
+        raise RolloutError("gpufleet_rollout_serial: expected at least one batch size")
+    return out
+
+
+def _size(item: str, class_size: int) -> int:
+    """Ansible's rule, applied to one class: a share rounds down, every batch holds at least one host."""
+    if item.endswith("%"):
+        return max(1, int(float(item[:-1]) / 100.0 * class_size))
+    return int(item)
+
+
+def class_batches(classes: Sequence[Any], serial: Any) -> list[dict[str, Any]]:
+    """Batches of every class, classes in the given order.
+
+    ``classes``: ``[[class, [host, ...]], ...]`` or ``[{class, hosts}, ...]`` (hosts in the
+    order they are rolled out). Returns ``[{index, total, class, class_index, class_total,
+    class_first, class_last, hosts}]``: ``index``/``total`` count every batch of the run,
+    ``class_index``/``class_total`` the batches of that class.
+    """
+    items = _serial_list(serial)
+    if not isinstance(classes, Sequence) or isinstance(classes, (str, Mapping)):
+        raise RolloutError("classes: expected a list of [class, hosts] pairs in rollout order")
+    out: list[dict[str, Any]] = []
+    seen_hosts: dict[str, str] = {}
+    seen_classes: set[str] = set()
+    for pos, entry in enumerate(classes):
+        if isinstance(entry, Mapping):
+            name, hosts = entry.get("class"), entry.get("hosts")
+        elif isinstance(entry, Sequence) and not isinstance(entry, str) and len(entry) == 2:
+            name, hosts = entry[0], entry[1]
+        else:
+            raise RolloutError(f"classes[{pos}]: expected [class, hosts] or {{class, hosts}}, got {entry!r}")
+        if not isinstance(name, str) or not name:
+            raise RolloutError(f"classes[{pos}].class: expected a class name, got {name!r}")
+        if name in seen_classes:
+            raise RolloutError(f"classes[{pos}].class: class {name} is listed twice")
+        seen_classes.add(name)
+        if not isinstance(hosts, Sequence) or isinstance(hosts, str) or not all(isinstance(h, str) and h for h in hosts):
+            raise RolloutError(f"classes[{pos}].hosts: expected a list of host names, got {hosts!r}")
+        for host in hosts:
+            if host in seen_hosts:
+                raise RolloutError(f"classes[{pos}].hosts: {host} is in class {seen_hosts[host]} and in class {name}")
+            seen_hosts[host] = name
+        left = list(hosts)
+        batches: list[list[str]] = []
+        step = 0
+        while left:
+            size = min(_size(items[step], len(hosts)), len(left))
+            batches.append(left[:size])
+            left = left[size:]
+            step = min(step + 1, len(items) - 1)
+        for number, group in enumerate(batches, start=1):
+            out.append({"class": name, "class_index": number, "class_total": len(batches),
+                        "class_first": number == 1, "class_last": number == len(batches), "hosts": group})
+    for index, batch in enumerate(out, start=1):
+        batch["index"] = index
+        batch["total"] = len(out)
+    return out
+
+
+def serial_sizes(batches: Sequence[Mapping[str, Any]]) -> list[int]:
+    """The ``serial`` list that makes Ansible run exactly these batches (hosts in the same order)."""
+    return [len(b["hosts"]) for b in batches]
+
+
+# ---------------------------------------------------------------- the plan artifact
+def _floor(floors: Mapping[Any, Any], rank: int) -> int | None:
+    for key in (rank, str(rank)):
+        if key in floors:
+            return int(floors[key])
+    return None
+
+
+def plan_artifact(classes: Mapping[str, Mapping[str, Any]], hosts: Mapping[str, Mapping[str, Any]],
+                  created: str, serial: Any = None) -> dict[str, Any]:
+    """The document plan.yml writes and rollout.yml applies.
+
+    ``classes``: ``{class: {decision, ok, reasons, plan, key_hash, compat, reference_id}}``
+    (``plan`` is the class's launch record from the planner); ``hosts``: ``{host: {class,
+    instances: [{name, gpus, unit_checksum}], gpus: [{index, boot_free_bytes}]}}``.
+    Every figure an apply run checks is kept: per class the decision, budget, floors,
+    utilization, tokens, reference id and compatibility key; per host its instances' GPUs,
+    the unit checksum the plan writes and the free memory seen when planning.
+    """
+    out_classes: dict[str, Any] = {}
+    for name, cls in sorted(classes.items()):
+        plan = dict(cls.get("plan") or {})
+        out_classes[name] = {
+            "deployable": bool(cls.get("ok")),
+            "decision": plan.get("decision", "none"),
+            "reasons": [str(r) for r in cls.get("reasons") or []],
+            "kv_cache_memory_bytes": plan.get("kv_cache_memory_bytes"),
+            "free_floor_bytes": {str(k): int(v) for k, v in (plan.get("free_floor_bytes") or {}).items()},
+            "gpu_memory_utilization": plan.get("gpu_memory_utilization"),
+            "kv_cache_tokens": plan.get("kv_cache_tokens"),
+            "reference_id": cls.get("reference_id") or None,
+            "key_hash": cls.get("key_hash") or None,
+            "compat": dict(cls.get("compat") or {}),
+            "launch": plan,
+            "hosts": sorted(h for h, hv in hosts.items() if hv.get("class") == name),
+        }
+    out_hosts: dict[str, Any] = {}
+    for host, facts in sorted(hosts.items()):
+        out_hosts[host] = {
+            "class": facts.get("class"),
+            "instances": [
+                {"name": i.get("name"), "gpus": [int(g) for g in i.get("gpus") or []], "unit_checksum": i.get("unit_checksum")}
+                for i in facts.get("instances") or []
+            ],
+            "boot_free_bytes": {str(g["index"]): int(g["boot_free_bytes"]) for g in facts.get("gpus") or [] if "boot_free_bytes" in g},
+        }
+    return {"format": PLAN_FORMAT, "created": created, "serial": serial, "classes": out_classes, "hosts": out_hosts}
+
+
+def check_artifact(doc: Any) -> dict[str, Any]:
+    """The artifact itself is well formed (an error names the field)."""
+    if not isinstance(doc, Mapping):
+        raise RolloutError(f"gpufleet_plan: expected the mapping plan.yml writes, got {type(doc).__name__}")
+    if doc.get("format") != PLAN_FORMAT:
+        raise RolloutError(f"gpufleet_plan.format: expected {PLAN_FORMAT!r}, got {doc.get('format')!r}")
+    for field in ("classes", "hosts"):
+        if not isinstance(doc.get(field), Mapping):
+            raise RolloutError(f"gpufleet_plan.{field}: expected a mapping")
+    for name, cls in doc["classes"].items():
+        if not isinstance(cls, Mapping) or not isinstance(cls.get("launch"), Mapping):
+            raise RolloutError(f"gpufleet_plan.classes.{name}.launch: expected the class's launch record")
+        if not isinstance(cls.get("hosts"), list):
+            raise RolloutError(f"gpufleet_plan.classes.{name}.hosts: expected a list of hosts")
+    for name, host in doc["hosts"].items():
+        if not isinstance(host, Mapping) or not isinstance(host.get("instances"), list):
+            raise RolloutError(f"gpufleet_plan.hosts.{name}.instances: expected a list")
+    return dict(doc)
+
+
+def plan_drift(doc: Any, host_class: str, current: Mapping[str, Any]) -> list[str]:
+    """What moved between the approved plan and the fleet now, for one class; empty when nothing did.
+
+    ``current``: ``{key_hash, compat, reference_id, hosts: {host: [gpu facts]}}`` for the class
+    as the apply run finds it (``gpu facts``: ``{index, boot_free_bytes}``, as
+    ``gpu_memory_info`` returns them). Free memory is compared with the plan's floor of
+    each instance rank (NVML with NVML), never with the free memory seen when planning.
+    """
+    plan = check_artifact(doc)
+    cls = plan["classes"].get(host_class)
+    if cls is None:
+        return [f"class {host_class} is not in the approved plan (it has {', '.join(sorted(plan['classes'])) or 'no class'})"]
+    moved: list[str] = []
+    if not cls.get("deployable"):
+        moved.append(f"class {host_class} was not deployable in the approved plan ({cls.get('decision')}): "
+                     + "; ".join(cls.get("reasons") or []))
+    if current.get("key_hash") != cls.get("key_hash"):
+        planned = cls.get("compat") or {}
+        now = current.get("compat") or {}
+        fields = sorted(k for k in set(planned) | set(now) if planned.get(k) != now.get(k))
+        moved.append(f"class {host_class}: the compatibility key changed"
+                     + (f" ({', '.join(f'{f}: {planned.get(f)!r} -> {now.get(f)!r}' for f in fields)})" if fields else
+                        f" ({cls.get('key_hash')} -> {current.get('key_hash')})"))
+    if (current.get("reference_id") or None) != cls.get("reference_id"):
+        moved.append(f"class {host_class}: the reference profile changed ({cls.get('reference_id')} -> {current.get('reference_id')})")
+    hosts_now = current.get("hosts") or {}
+    planned_hosts = list(cls.get("hosts") or [])
+    added = sorted(set(hosts_now) - set(planned_hosts))
+    gone = sorted(set(planned_hosts) - set(hosts_now))
+    if added:
+        moved.append(f"class {host_class}: hosts not in the approved plan: {', '.join(added)}")
+    if gone:
+        moved.append(f"class {host_class}: planned hosts missing from this run: {', '.join(gone)}")
+    floors = cls.get("free_floor_bytes") or {}
+    if cls.get("launch", {}).get("kv_cache_memory_bytes") and floors:
+        for host in planned_hosts:
+            if host not in hosts_now:
+                continue
+            gpus = {int(g["index"]): g for g in hosts_now[host] or [] if isinstance(g, Mapping) and "index" in g}
+            planned_free = (plan["hosts"].get(host) or {}).get("boot_free_bytes") or {}
+            for inst in (plan["hosts"].get(host) or {}).get("instances") or []:
+                for rank, index in enumerate(inst.get("gpus") or []):
+                    floor = _floor(floors, rank)
+                    if floor is None:
+                        continue
+                    gpu = gpus.get(int(index))
+                    if gpu is None:
+                        moved.append(f"{host} {inst.get('name')} rank {rank} (GPU {index}): the GPU is gone")
+                        continue
+                    free = int(gpu.get("boot_free_bytes", 0))
+                    if free < floor:
+                        was = planned_free.get(str(index))
+                        moved.append(
+                            f"{host} {inst.get('name')} rank {rank} (GPU {index}): free memory {human_bytes(free)} ({free}) "
+                            f"is below the planned floor {human_bytes(floor)} ({floor})"
+                            + (f"; it was {human_bytes(int(was))} ({was}) when planned" if was is not None else ""))
+    return moved
+
+
+def unit_drift(doc: Any, host: str, statuses: Sequence[Mapping[str, Any]]) -> list[str]:
+    """The units this run would write on ``host`` are the ones the approved plan showed (by checksum)."""
+    plan = check_artifact(doc)
+    planned = {i.get("name"): i.get("unit_checksum") for i in (plan["hosts"].get(host) or {}).get("instances") or []}
+    if host not in plan["hosts"]:
+        return [f"{host} is not in the approved plan"]
+    moved = []
+    now = {s.get("name"): s.get("unit_checksum") for s in statuses}
+    for name in sorted(set(planned) | set(now)):
+        if name not in now:
+            moved.append(f"{host}: instance {name} of the approved plan is not in this run's inventory")
+        elif name not in planned:
+            moved.append(f"{host}: instance {name} is not in the approved plan")
+        elif planned[name] != now[name]:
+            moved.append(f"{host}: the unit of instance {name} differs from the approved plan "
+                         f"(checksum {planned[name]} planned, {now[name]} now)")
+    return moved

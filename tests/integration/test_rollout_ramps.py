@@ -1,0 +1,359 @@
+# Copyright (c) gpufleet maintainers
+# GNU General Public License v3.0+ (see LICENSES/GPL-3.0-or-later.txt or https://www.gnu.org/licenses/gpl-3.0.txt)
+# SPDX-License-Identifier: GPL-3.0-or-later
+"""Operators' rollout on a simulated fleet: per-class ramps, hooks, HAProxy, plan -> approve -> apply.
+
+One fleet for the module (systemd-nspawn hosts over SSH, fake NVML, simulated engine):
+class ``rp-a`` (two hosts behind a real HAProxy), class ``rp-b`` (one host) and a
+load-balancer host ``sim-rp-lb`` running the Debian ``haproxy`` package, configured and
+started here. The tests run in file order and build on each other's end state:
+
+1. an AWX job slice is refused before anything runs;
+2. first rollout: class rp-a ramps over its own hosts (batch n of m of class C), recorder
+   hooks see drain/undrain around every host and around the canaries of every class's
+   canary host, batch and class start/end; the unattended pause before rp-b stops (default);
+3. plan.yml through ansible-runner (the runner AWX uses) writes the plan file and the
+   ``gpufleet_plan`` artifact, read from the runner's artifacts;
+4. rollout.yml applies that artifact: class rp-a rolls out behind HAProxy (its runtime API
+   shows each server MAINT while its host restarts, UP afterwards; requests sent through
+   HAProxy during the rollout all succeed); the unattended pause continues (as configured)
+   to rp-b, whose drain hook fails: the host fails and is rolled back;
+5. the plan file is refused before any host is touched once a host's free memory fell
+   below the planned floor, naming the host, rank and figures.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from simfleet import REPO, SimFleet, budget  # pylint: disable=import-error
+
+GIB = 1 << 30
+A_HOSTS = ["sim-rp-a1", "sim-rp-a2"]
+B_HOSTS = ["sim-rp-b1"]
+LB = "sim-rp-lb"
+TARGET = "rp_a:rp_b"
+HAPROXY_DIR = REPO / "playbooks" / "examples" / "haproxy"
+FRONT_PORT = 8080
+
+FLEET = {
+    "engine": {
+        "boot_delay_s": 1,
+        "token_delay_s": 0.002,
+        "costs": {
+            "cuda_context_bytes": "500MiB",
+            "peak_activation_bytes": "1.25GiB",
+            "non_torch_bytes": "600MiB",
+            "cuda_graph_bytes": "0.75GiB",
+        },
+    },
+    "system": {"driver": "550.127.05", "cuda": 12040, "nvml": "12.550.127.05"},
+    "gpu_models": {"l40s": {"name": "NVIDIA L40S", "total": 48305799168, "reserved": 462422016, "cc": "8.9"}},
+    "classes": {
+        "rp-a": {"gpu_model": "l40s", "gpus": 1, "model": "llama-3.1-8b-instruct"},
+        "rp-b": {"gpu_model": "l40s", "gpus": 1, "model": "llama-3.1-8b-instruct"},
+        "rp-lb": {"gpu_model": "l40s", "gpus": 1, "model": "llama-3.1-8b-instruct"},
+    },
+    "hosts": {
+        "sim-rp-a1": {"class": "rp-a", "base_used": [0]},
+        "sim-rp-a2": {"class": "rp-a", "base_used": ["64MiB"]},
+        "sim-rp-b1": {"class": "rp-b", "base_used": [0]},
+        LB: {"class": "rp-lb", "base_used": [0]},
+    },
+}
+
+GROUP_VARS = {
+    "gpufleet_model": "/srv/models/llama-3.1-8b-instruct",
+    "gpufleet_model_config": str(REPO / "sim" / "models" / "llama-3.1-8b-instruct" / "config.json"),
+    "gpufleet_serve_args": {"max_model_len": 8192, "tensor_parallel_size": 1, "max_num_seqs": 32, "dtype": "bfloat16",
+                            "block_size": 16},
+    "gpufleet_instances": [{"name": "main", "gpus": [0], "port": 8000}],
+    "gpufleet_guard": "0.5GiB",
+    "gpufleet_admission": {"concurrency": 2, "tokens_per_request": 8192},
+    "gpufleet_canary_load": {"requests": 4, "concurrency": 2, "prompt_tokens": 32, "max_tokens": 8},
+    "gpufleet_canary_tolerances": {"latency_ratio": 20.0},
+    "vllm_service_read_write_paths": ["/etc/fake-nvml"],
+    "vllm_service_boot_timeout": 120,
+}
+
+HAPROXY_CFG = """\
+global
+    stats socket /run/haproxy/admin.sock mode 600 level admin
+defaults
+    mode http
+    timeout connect 2s
+    timeout client 30s
+    timeout server 60s
+frontend vllm
+    bind :{port}
+    default_backend vllm-main
+backend vllm-main
+    option httpchk GET /health
+    default-server inter 500ms fall 2 rise 1
+{servers}
+"""
+
+RECORDER = """\
+- name: Record the hook
+  ansible.builtin.shell: >-
+    echo '{{{{ gpufleet_hook_event }}}} {{{{ gpufleet_hook_host }}}} {{{{ gpufleet_hook_class }}}}
+    {{{{ gpufleet_hook_batch.class_index | default('-') }}}}/{{{{ gpufleet_hook_batch.class_total | default('-') }}}}
+    {{{{ gpufleet_hook_instances | map(attribute='name') | join(',') or '-' }}}}' >> {log}
+  delegate_to: localhost
+  changed_when: false
+"""
+
+FAILING_DRAIN = """\
+- name: Fail the drain of a host in a batch
+  ansible.builtin.fail:
+    msg: the load balancer refused to drain {{ gpufleet_hook_host }}
+  when: gpufleet_hook_batch is defined
+"""
+
+
+@pytest.fixture(scope="module")
+def fleet(harness, tmp_path_factory):  # harness: conftest (root + rootfs)
+    # Guests reach each other through the controller: forwarding between the test hosts'
+    # own namespaces only, for this module, set back afterwards.
+    forward = Path("/proc/sys/net/ipv4/ip_forward")
+    before = forward.read_text(encoding="utf-8").strip()
+    f = SimFleet(tmp_path_factory.mktemp("ramps"), harness, FLEET, GROUP_VARS)
+    try:
+        f.create(classes={"rp-a": A_HOSTS, "rp-b": B_HOSTS})
+        forward.write_text("1\n", encoding="utf-8")
+        yield f
+    finally:
+        f.sim.destroy()
+        forward.write_text(before + "\n", encoding="utf-8")
+
+
+def inventory(fleet: SimFleet, name: str, hooks: dict[str, dict[str, str]], **extra: Any) -> Path:
+    """The fleet's inventory with per-class hooks and the load-balancer host (outside the target)."""
+    path = fleet.write_inventory({"rp-a": A_HOSTS, "rp-b": B_HOSTS}, fleet.workdir / f"inventory-{name}.yml")
+    data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    for group, group_hooks in hooks.items():
+        data["all"]["children"][group]["vars"].update(gpufleet_hooks=group_hooks, gpufleet_haproxy_host=LB, **extra)
+    data["all"]["children"]["lb"] = {"hosts": {LB: fleet.harness.inventory_data()["all"]["hosts"][LB]}}
+    path.write_text(yaml.safe_dump(data), encoding="utf-8")
+    return path
+
+
+def recorder(fleet: SimFleet) -> tuple[Path, dict[str, str]]:
+    log = fleet.workdir / "hooks.log"
+    hook = fleet.workdir / "record-hook.yml"
+    hook.write_text(RECORDER.format(log=log), encoding="utf-8")
+    return log, {e: str(hook) for e in ("drain", "undrain", "batch_start", "batch_end", "class_start", "class_end")}
+
+
+def haproxy_hooks() -> dict[str, str]:
+    return {"drain": str(HAPROXY_DIR / "drain.yml"), "undrain": str(HAPROXY_DIR / "undrain.yml")}
+
+
+def progress(out: str) -> list[str]:
+    return re.findall(r"batch (\d+ of \d+ of class \S+) \(run batch \d+ of \d+\): ([^(]+) \(", out)
+
+
+@pytest.fixture(scope="module")
+def seen() -> dict[str, Any]:
+    return {}
+
+
+def test_awx_job_slice_is_refused(fleet):
+    inv = inventory(fleet, "plain", {})
+    rc, out = fleet.rollout({"gpufleet_target": TARGET, "awx_job_id": 12, "awx_workflow_job_id": 11,
+                             "awx_workflow_job_name": "vLLM KV rollout", "awx_job_template_name": "vLLM KV rollout"},
+                            inventory=inv)
+    assert rc != 0
+    assert "This job is one slice of the sliced job template 'vLLM KV rollout'" in out, out[-4000:]
+    assert "Set job_slice_count to 1" in out
+    assert "PLAY [Probe every target host]" not in out, "nothing may run after the refusal"
+
+
+def test_first_rollout_ramps_every_class_with_hooks(fleet, seen):
+    log, hooks = recorder(fleet)
+    inv = inventory(fleet, "recorder", {"rp_a": hooks, "rp_b": hooks})
+    rc, out = fleet.rollout({"gpufleet_target": TARGET, "gpufleet_classes": ["rp-a", "rp-b"], "gpufleet_class_pause": True},
+                            inventory=inv)
+    # the pause before rp-b has nobody to answer it: it says so and stops (the default)
+    assert rc != 0, out[-6000:]
+    assert "no answer (not interactive, or an empty answer): gpufleet_class_pause_unattended is stop; stopping before it" in out
+    # class rp-a ramps over its own hosts; rp-b would come after it, in its own batch (the report below)
+    assert progress(out) == [("1 of 2 of class rp-a", "sim-rp-a1"), ("2 of 2 of class rp-a", "sim-rp-a2")], progress(out)
+    events = [line.split() for line in log.read_text(encoding="utf-8").splitlines()]
+    a1 = [e for e in events if e[1] == "sim-rp-a1"]
+    # the canary host is drained before the profiled canary and undrained after the canaries,
+    # then drained and undrained around its own restart in batch 1, inside the batch and class hooks
+    assert [e[0] for e in a1] == ["drain", "undrain", "class_start", "batch_start", "drain", "undrain", "batch_end"], a1
+    assert a1[4] == ["drain", "sim-rp-a1", "rp-a", "1/2", "main"]
+    by_event = [(e[0], e[1], e[3]) for e in events if e[0] in ("class_start", "class_end", "batch_start", "batch_end")]
+    assert by_event == [
+        ("class_start", "sim-rp-a1", "1/2"), ("batch_start", "sim-rp-a1", "1/2"), ("batch_end", "sim-rp-a1", "1/2"),
+        ("batch_start", "sim-rp-a2", "2/2"), ("batch_end", "sim-rp-a2", "2/2"), ("class_end", "sim-rp-a2", "2/2"),
+    ], by_event
+    # rp-b's canary host was drained around its canaries, and never touched in a batch
+    assert [e[0] for e in events if e[1] == "sim-rp-b1"] == ["drain", "undrain"]
+    report = fleet.last_report()
+    assert [(b["class"], b["class_index"], b["class_total"], [h["host"] for h in b["hosts"]]) for b in report["batches"]] == [
+        ("rp-a", 1, 2, ["sim-rp-a1"]), ("rp-a", 2, 2, ["sim-rp-a2"]), ("rp-b", 1, 1, ["sim-rp-b1"])]
+    assert [b["outcome"] for b in report["batches"]] == ["ok", "ok", "stopped"]
+    for host in A_HOSTS:
+        assert fleet.active(host) == "active", host
+    assert fleet.unit("sim-rp-b1") is None, "the stop came before rp-b's first batch"
+    seen["units_1"] = fleet.units(A_HOSTS + B_HOSTS)
+
+
+def test_plan_through_ansible_runner_writes_the_artifact(fleet, seen):
+    ansible_runner = pytest.importorskip("ansible_runner")  # requirements-dev.txt pins it
+    plan_file = fleet.workdir / "plan.json"
+    private = fleet.workdir / "runner"
+    private.mkdir()
+    inv = inventory(fleet, "plain", {})
+    envvars = {"ANSIBLE_NOCOLOR": "1", "ANSIBLE_PIPELINING": "1", "ANSIBLE_HOST_KEY_CHECKING": "False", "ANSIBLE_TIMEOUT": "10"}
+    result = ansible_runner.run(private_data_dir=str(private), playbook=str(REPO / "playbooks" / "plan.yml"),
+                                inventory=str(inv), envvars=envvars, quiet=True,
+                                extravars={"gpufleet_target": TARGET, "gpufleet_guard": "1GiB", "gpufleet_plan_file": str(plan_file)})
+    assert result.status == "successful" and result.rc == 0, result.stdout.read()[-6000:]
+    # the artifact as AWX passes it to the next workflow node: the set_stats data of the run
+    stats = [e for e in result.events if e.get("event") == "playbook_on_stats"]
+    artifact = stats[-1]["event_data"]["artifact_data"]["gpufleet_plan"]
+    assert artifact == json.loads(plan_file.read_text(encoding="utf-8"))
+    assert sorted(artifact["classes"]) == ["rp-a", "rp-b"]
+    cls = artifact["classes"]["rp-a"]
+    assert cls["deployable"] and cls["decision"] == "deploy" and cls["hosts"] == A_HOSTS
+    assert cls["reference_id"].endswith(".yml") and len(cls["key_hash"]) >= 16
+    # the larger guard gives a smaller budget than the running one, and every host's new unit checksum
+    assert cls["kv_cache_memory_bytes"] < budget(seen["units_1"]["sim-rp-a1"])
+    assert all(len(i["unit_checksum"]) == 40 for h in A_HOSTS + B_HOSTS for i in artifact["hosts"][h]["instances"])
+    assert fleet.units(A_HOSTS + B_HOSTS) == seen["units_1"], "plan.yml changes nothing"
+    assert artifact["hosts"]["sim-rp-b1"]["instances"][0]["unit_checksum"], "rp-b is planned too"
+    seen["artifact"] = artifact
+    seen["plan_file"] = plan_file
+
+
+def haproxy_up(fleet: SimFleet) -> None:
+    servers = "\n".join(f"    server {h} {fleet.sim.info(h).address}:8000 check" for h in A_HOSTS)
+    cfg = HAPROXY_CFG.format(port=FRONT_PORT, servers=servers)
+    # the guests have no default route: the load balancer and its backends reach each other
+    # through the controller (addresses of these test hosts only)
+    lb = fleet.sim.info(LB)
+    for host in A_HOSTS:
+        info = fleet.sim.info(host)
+        subprocess.run(["ip", "-n", lb.netns, "route", "replace", f"{info.address}/32", "via", lb.gateway], check=True)
+        subprocess.run(["ip", "-n", info.netns, "route", "replace", f"{lb.address}/32", "via", info.gateway], check=True)
+    fleet.harness.exec(LB, ["mkdir", "-p", "/run/haproxy"], check=True)
+    fleet.harness.exec(LB, ["sh", "-c", f"cat > /etc/haproxy/haproxy.cfg <<'EOF'\n{cfg}EOF"], check=True)
+    fleet.harness.exec(LB, ["systemctl", "restart", "haproxy"], check=True)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and set(server_states(fleet).values()) != {"UP"}:
+        time.sleep(0.3)
+    assert set(server_states(fleet).values()) == {"UP"}, server_states(fleet)
+
+
+def server_states(fleet: SimFleet) -> dict[str, str]:
+    proc = fleet.harness.exec(LB, ["python3", "-c", (
+        "import socket,sys;s=socket.socket(socket.AF_UNIX);s.connect('/run/haproxy/admin.sock');"
+        "s.sendall(b'show stat\\n');d=b''\n"
+        "while True:\n c=s.recv(65536)\n if not c: break\n d+=c\nsys.stdout.write(d.decode())")])
+    states = {}
+    for line in proc.stdout.splitlines():
+        cols = line.split(",")
+        if len(cols) > 17 and cols[0] == "vllm-main" and cols[1] in A_HOSTS:
+            states[cols[1]] = cols[17].split()[0]
+    return states
+
+
+def test_apply_the_approved_plan_behind_haproxy(fleet, seen):
+    haproxy_up(fleet)
+    failing = fleet.workdir / "failing-drain.yml"
+    failing.write_text(FAILING_DRAIN, encoding="utf-8")
+    inv = inventory(fleet, "haproxy", {"rp_a": haproxy_hooks(), "rp_b": {"drain": str(failing)}})
+    url = f"http://{fleet.sim.info(LB).address}:{FRONT_PORT}/v1/models"
+    done = threading.Event()
+    results: dict[str, int] = {}
+    observed: list[tuple[str, str, str]] = []  # (host, unit state, haproxy status)
+
+    def traffic() -> None:
+        for _unused in range(6000):  # bounded: at most 6000 requests
+            if done.is_set():
+                return
+            try:
+                with urllib.request.urlopen(url, timeout=10) as resp:
+                    key = str(resp.status)
+            except urllib.error.HTTPError as exc:
+                key = str(exc.code)
+            except urllib.error.URLError as exc:
+                key = "refused" if isinstance(exc.reason, ConnectionRefusedError) else f"error: {exc.reason}"
+            except OSError as exc:
+                key = f"error: {exc}"
+            results[key] = results.get(key, 0) + 1
+            time.sleep(0.05)
+
+    def watch() -> None:
+        while not done.is_set():
+            states = server_states(fleet)
+            for host in A_HOSTS:
+                observed.append((host, fleet.active(host), states.get(host, "?")))
+            time.sleep(0.2)
+
+    threads = [threading.Thread(target=traffic, daemon=True), threading.Thread(target=watch, daemon=True)]
+    for t in threads:
+        t.start()
+    try:
+        # no guard given: the budget comes from the approved plan (planned with a 1GiB guard), not a new plan
+        rc, out = fleet.rollout({"gpufleet_target": TARGET, "gpufleet_plan": seen["artifact"],
+                                 "gpufleet_class_pause": True, "gpufleet_class_pause_unattended": "continue"}, inventory=inv)
+    finally:
+        done.set()
+        for t in threads:
+            t.join(timeout=30)
+    # class rp-a was applied; the unattended pause went on to rp-b as configured, whose drain hook
+    # failed: the host failed and was rolled back (a first install: left stopped, as before)
+    assert rc != 0, out[-6000:]
+    assert "gpufleet_class_pause_unattended is continue; continuing" in out, out[-6000:]
+    assert re.search(r"sim-rp-b1: Fail the drain of a host in a batch failed:\s+the load balancer refused to drain sim-rp-b1", out), \
+        out[-6000:]
+    assert "the previous units were restored and left stopped, as they were before the run" in out
+    planned = seen["artifact"]["classes"]["rp-a"]["kv_cache_memory_bytes"]
+    units = fleet.units(A_HOSTS + B_HOSTS)
+    for host in A_HOSTS:
+        assert budget(units[host]) == planned, host
+        assert fleet.plan(host)["kv_cache_memory_bytes"] == planned
+    assert units["sim-rp-b1"] is None and fleet.active("sim-rp-b1") != "active", "sim-rp-b1 is rolled back"
+    # HAProxy: every moment a host's engine was not active, its server was in MAINT; all UP at the end
+    down = [o for o in observed if o[1] != "active"]
+    assert {h for h, _s, _st in down} == set(A_HOSTS), "both hosts restarted while watched"
+    assert all(st == "MAINT" for _h, _s, st in down), [o for o in down if o[2] != "MAINT"]
+    assert set(server_states(fleet).values()) == {"UP"}
+    # traffic through HAProxy during the rollout: no connection refused, no failed request
+    assert results.get("200", 0) > 50 and set(results) == {"200"}, results
+    seen["units_3"] = units
+    seen["requests"] = results
+
+
+def test_plan_refused_when_free_memory_fell_below_the_floor(fleet, seen):
+    before = fleet.units(A_HOSTS + B_HOSTS)
+    fleet.sim.inject_cotenant("sim-rp-a2", gpu=0, size=3 * GIB, pid=None, remove=False)
+    try:
+        rc, out = fleet.rollout({"gpufleet_target": TARGET, "gpufleet_plan_file": str(seen["plan_file"])},
+                                inventory=inventory(fleet, "plain", {}))
+    finally:
+        fleet.sim.inject_cotenant("sim-rp-a2", gpu=0, size=None, pid=None, remove=True)
+    assert rc != 0
+    assert re.search(r"the approved plan \(\S+\) no longer holds: sim-rp-a2 main rank 0 \(GPU 0\): free memory \S+ \(\d+\) "
+                     r"is below the planned floor \S+ \(\d+\); it was \S+ \(\d+\) when planned", out), out[-6000:]
+    assert "no host was touched" in out
+    assert "Boot the canary engine" not in out and "PLAY [Roll out in serial batches]" not in out
+    assert fleet.units(A_HOSTS + B_HOSTS) == before
+    for host in A_HOSTS:
+        assert fleet.active(host) == "active", host

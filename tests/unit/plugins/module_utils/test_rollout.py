@@ -1,0 +1,191 @@
+# Copyright (c) gpufleet maintainers
+# GNU General Public License v3.0+ (see LICENSES/GPL-3.0-or-later.txt or https://www.gnu.org/licenses/gpl-3.0.txt)
+# SPDX-License-Identifier: GPL-3.0-or-later
+"""Per-class batches and the approved plan artifact (plugins/module_utils/_rollout.py)."""
+
+from __future__ import annotations
+
+import copy
+import re
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from ansible_collections.gpufleet.vllm.plugins.module_utils._rollout import (
+    PLAN_FORMAT,
+    RolloutError,
+    check_artifact,
+    class_batches,
+    plan_artifact,
+    plan_drift,
+    serial_sizes,
+    unit_drift,
+)
+
+GIB = 1024**3
+
+
+def hosts(prefix: str, count: int) -> list[str]:
+    return [f"{prefix}-{i}" for i in range(1, count + 1)]
+
+
+def test_demo_fleet_ramps_every_class_from_one_host():
+    # the demo's l40s-tp2 class of three hosts used to be deployed at once as the third share of the whole fleet
+    batches = class_batches([["h200-tp1", hosts("h", 4)], ["l40s-tp2", hosts("l", 3)]], [1, "10%", "50%"])
+    assert [(b["class"], b["class_index"], b["class_total"], len(b["hosts"])) for b in batches] == [
+        ("h200-tp1", 1, 3, 1), ("h200-tp1", 2, 3, 1), ("h200-tp1", 3, 3, 2),
+        ("l40s-tp2", 1, 3, 1), ("l40s-tp2", 2, 3, 1), ("l40s-tp2", 3, 3, 1),
+    ]
+    assert [b["index"] for b in batches] == list(range(1, 7))
+    assert {b["total"] for b in batches} == {6}
+    assert [b["class_first"] for b in batches] == [True, False, False, True, False, False]
+    assert [b["class_last"] for b in batches] == [False, False, True, False, False, True]
+    assert serial_sizes(batches) == [1, 1, 2, 1, 1, 1]
+
+
+@pytest.mark.parametrize(
+    "serial, count, sizes",
+    [
+        ([1, "10%", "50%"], 10, [1, 1, 5, 3]),
+        ([1, "10%", "50%"], 100, [1, 10, 50, 39]),
+        ([1, "10%", "50%"], 1, [1]),
+        (2, 5, [2, 2, 1]),
+        ("100%", 7, [7]),
+        (["33.5%"], 3, [1, 1, 1]),
+        ([1, 3], 8, [1, 3, 3, 1]),
+    ],
+)
+def test_sizes_are_shares_of_the_class(serial, count, sizes):
+    assert serial_sizes(class_batches([["c", hosts("c", count)]], serial)) == sizes
+
+
+@pytest.mark.parametrize(
+    "classes, serial, field",
+    [
+        ([["c", ["a"]]], [1, "0%"], "gpufleet_rollout_serial[1]"),
+        ([["c", ["a"]]], [], "gpufleet_rollout_serial"),
+        ([["c", ["a"]]], [True], "gpufleet_rollout_serial[0]"),
+        ([["c", ["a"]], ["c", ["b"]]], 1, "classes[1].class"),
+        ([["c", ["a"]], ["d", ["a"]]], 1, "classes[1].hosts"),
+        ([["c", "a"]], 1, "classes[0].hosts"),
+        ("c", 1, "classes"),
+    ],
+)
+def test_bad_input_names_the_field(classes, serial, field):
+    with pytest.raises(RolloutError, match="^" + re.escape(field) + ":"):
+        class_batches(classes, serial)
+
+
+@given(
+    st.lists(st.integers(min_value=1, max_value=40), min_size=1, max_size=5),
+    st.lists(st.one_of(st.integers(min_value=1, max_value=20), st.integers(min_value=1, max_value=100).map(lambda n: f"{n}%")),
+             min_size=1, max_size=4),
+)
+def test_batches_cover_every_host_once_in_order_never_mixing_classes(counts, serial):
+    classes = [[f"k{i}", hosts(f"k{i}", n)] for i, n in enumerate(counts)]
+    batches = class_batches(classes, serial)
+    flat = [h for b in batches for h in b["hosts"]]
+    assert flat == [h for _c, hs in classes for h in hs]
+    for b in batches:
+        assert {h.rsplit("-", 1)[0] for h in b["hosts"]} == {b["class"]}
+        assert b["hosts"]
+    # every class starts with a batch of the first serial entry's size (a share: at least one host)
+    for name, hs in classes:
+        first = next(b for b in batches if b["class"] == name)
+        item = str(serial[0])
+        want = max(1, int(float(item[:-1]) / 100 * len(hs))) if item.endswith("%") else int(item)
+        assert len(first["hosts"]) == min(want, len(hs))
+
+
+# ---------------------------------------------------------------- plan artifact
+def artifact() -> dict:
+    classes = {
+        "l40s": {"ok": True, "reasons": [], "key_hash": "k1", "compat": {"model": "m", "dtype": "bfloat16"},
+                 "reference_id": "l40s/20261201T100000Z.yml",
+                 "plan": {"decision": "deploy", "kv_cache_memory_bytes": 20 * GIB, "gpu_memory_utilization": 0.8,
+                          "kv_cache_tokens": 160000, "free_floor_bytes": {"0": 40 * GIB, "1": 41 * GIB}}},
+    }
+    host_facts = {
+        h: {"class": "l40s", "instances": [{"name": "main", "gpus": [0, 1], "unit_checksum": f"sum-{h}"}],
+            "gpus": [{"index": 0, "boot_free_bytes": 42 * GIB}, {"index": 1, "boot_free_bytes": 42 * GIB}]}
+        for h in ("a", "b")
+    }
+    return plan_artifact(classes, host_facts, "2026-12-01T10:00:00+00:00", [1, "50%"])
+
+
+def current(**over) -> dict:
+    now = {"key_hash": "k1", "compat": {"model": "m", "dtype": "bfloat16"}, "reference_id": "l40s/20261201T100000Z.yml",
+           "hosts": {h: [{"index": 0, "boot_free_bytes": 42 * GIB}, {"index": 1, "boot_free_bytes": 42 * GIB}] for h in ("a", "b")}}
+    now.update(over)
+    return now
+
+
+def test_artifact_keeps_what_an_apply_checks():
+    doc = artifact()
+    assert doc["format"] == PLAN_FORMAT
+    cls = doc["classes"]["l40s"]
+    assert cls["kv_cache_memory_bytes"] == 20 * GIB and cls["free_floor_bytes"] == {"0": 40 * GIB, "1": 41 * GIB}
+    assert cls["hosts"] == ["a", "b"] and cls["key_hash"] == "k1" and cls["reference_id"].endswith(".yml")
+    assert doc["hosts"]["a"]["instances"][0]["unit_checksum"] == "sum-a"
+    assert doc["hosts"]["b"]["boot_free_bytes"] == {"0": 42 * GIB, "1": 42 * GIB}
+    assert check_artifact(doc) == doc
+
+
+def test_nothing_moved():
+    assert plan_drift(artifact(), "l40s", current()) == []
+    assert unit_drift(artifact(), "a", [{"name": "main", "unit_checksum": "sum-a"}]) == []
+
+
+def test_free_memory_below_the_planned_floor_is_named():
+    now = current()
+    now["hosts"]["b"][1]["boot_free_bytes"] = 41 * GIB - 1
+    moved = plan_drift(artifact(), "l40s", now)
+    assert moved == [f"b main rank 1 (GPU 1): free memory 41GiB ({41 * GIB - 1}) is below the planned floor 41GiB ({41 * GIB}); "
+                     f"it was 42GiB ({42 * GIB}) when planned"]
+    # on the floor is still safe
+    now["hosts"]["b"][1]["boot_free_bytes"] = 41 * GIB
+    assert plan_drift(artifact(), "l40s", now) == []
+
+
+def test_key_reference_and_hosts_that_moved_are_named():
+    moved = plan_drift(artifact(), "l40s", current(key_hash="k2", compat={"model": "m", "dtype": "float16"},
+                                                   reference_id="l40s/20261202T100000Z.yml",
+                                                   hosts={"a": current()["hosts"]["a"], "c": []}))
+    assert moved[0] == "class l40s: the compatibility key changed (dtype: 'bfloat16' -> 'float16')"
+    assert moved[1] == "class l40s: the reference profile changed (l40s/20261201T100000Z.yml -> l40s/20261202T100000Z.yml)"
+    assert "class l40s: hosts not in the approved plan: c" in moved
+    assert "class l40s: planned hosts missing from this run: b" in moved
+
+
+def test_class_missing_or_not_deployable():
+    assert plan_drift(artifact(), "h200", current()) == ["class h200 is not in the approved plan (it has l40s)"]
+    doc = copy.deepcopy(artifact())
+    doc["classes"]["l40s"].update(deployable=False, decision="refuse", reasons=["GPU name differs"])
+    assert plan_drift(doc, "l40s", current()) == ["class l40s was not deployable in the approved plan (refuse): GPU name differs"]
+
+
+def test_unit_drift_names_the_instance():
+    assert unit_drift(artifact(), "a", [{"name": "main", "unit_checksum": "other"}]) == [
+        "a: the unit of instance main differs from the approved plan (checksum sum-a planned, other now)"]
+    assert unit_drift(artifact(), "a", [{"name": "main", "unit_checksum": "sum-a"}, {"name": "extra", "unit_checksum": "x"}]) == [
+        "a: instance extra is not in the approved plan"]
+    assert unit_drift(artifact(), "z", []) == ["z is not in the approved plan"]
+
+
+@pytest.mark.parametrize(
+    "mutate, field",
+    [
+        (lambda d: d.update(format="other"), "gpufleet_plan.format"),
+        (lambda d: d.update(classes=[]), "gpufleet_plan.classes"),
+        (lambda d: d["classes"]["l40s"].pop("launch"), "gpufleet_plan.classes.l40s.launch"),
+        (lambda d: d["hosts"]["a"].update(instances=None), "gpufleet_plan.hosts.a.instances"),
+    ],
+)
+def test_malformed_artifact_names_the_field(mutate, field):
+    doc = copy.deepcopy(artifact())
+    mutate(doc)
+    with pytest.raises(RolloutError, match=f"^{field}:"):
+        check_artifact(doc)
+    with pytest.raises(RolloutError):
+        check_artifact("not a plan")
