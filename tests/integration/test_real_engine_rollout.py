@@ -57,7 +57,8 @@ GIB = 1 << 30
 GPU_TOTAL = 48 * GIB
 GPU_FREE = 4.5 * GIB
 BLOCK_SIZE = 128
-SERVE_ARGS = {"max_model_len": 256, "block_size": BLOCK_SIZE, "dtype": "bfloat16"}
+# torch.compile on the CPU build needs a C++ compiler (g++) the test hosts lack
+SERVE_ARGS = {"max_model_len": 256, "block_size": BLOCK_SIZE, "dtype": "bfloat16", "enforce_eager": True}
 
 GROUP_VARS: dict[str, Any] = {
     "gpufleet_host_class": CLASS,
@@ -65,7 +66,7 @@ GROUP_VARS: dict[str, Any] = {
     "gpufleet_serve_args": SERVE_ARGS,
     "gpufleet_instances": [{"name": "main", "gpus": [0], "port": 8000}],
     "gpufleet_env": {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"},
-    "gpufleet_guard": "64MiB",
+    "gpufleet_guard": "16MiB",
     "gpufleet_admission": {"concurrency": 2, "tokens_per_request": 256},
     "gpufleet_rollout_serial": [1, "50%"],
     "gpufleet_canary_load": {"requests": 4, "concurrency": 2, "prompt_tokens": 16, "max_tokens": 4},

@@ -50,7 +50,9 @@ def _vars(budget: int, tokens: int, blocks: int) -> dict[str, Any]:
         "vllm_runtime_remove_packages": ["torchvision", "torchaudio", "torchcodec", "triton"],
         "vllm_service_model": MODEL,
         "vllm_service_instances": [{"name": "main", "gpus": [0], "port": 8000}],
-        "vllm_service_serve_args": {"max_model_len": MAX_MODEL_LEN, "block_size": BLOCK_SIZE, "dtype": "bfloat16"},
+        "vllm_service_serve_args": {"max_model_len": MAX_MODEL_LEN, "block_size": BLOCK_SIZE, "dtype": "bfloat16",
+                                    # torch.compile on the CPU build needs a C++ compiler the hosts lack
+                                    "enforce_eager": True},
         "vllm_service_env": {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"},
         "vllm_service_restart_sec": 2,
         "vllm_service_boot_timeout": 240,
