@@ -211,8 +211,9 @@ def test_changed_weights_force_a_profiled_canary(fleet, seen):
                            check=True).stdout
         start = 8 + struct.unpack("<Q", bytes.fromhex(raw))[0]
         # other weights, same size and header: only the fingerprint's data sample sees it
+        # (the lowest mantissa bit of the first 2048 bf16 values: still finite numbers)
         flip = (f"f=open('{weights}','r+b'); f.seek({start}); d=f.read(4096); f.seek({start}); "
-                "f.write(bytes(b ^ 1 for b in d)); f.close()")
+                "f.write(bytes(b ^ 1 if i % 2 == 0 else b for i, b in enumerate(d))); f.close()")
         fleet.h.exec(host, ["python3", "-c", flip], check=True)
     rc, out = fleet.playbook(ROLLOUT)
     assert rc == 0, out[-6000:]
