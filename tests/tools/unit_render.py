@@ -180,11 +180,12 @@ def expected_words(case: Mapping[str, Any]) -> list[str]:
     name = case["vllm_service_instance"]["name"]
     gate = ["--plan", f"/etc/gpufleet/{name}.plan.json", "--policy", "shrink",
             "--state", f"/var/lib/gpufleet-vllm/{name}.boot-gate.json", "--", case["vllm_service_executable"]]
-    return gate + (["serve", case["vllm_service_model"], "--host", "0.0.0.0", "--port", str(case["vllm_service_instance"]["port"]),
-             "--kv-cache-memory-bytes", str(plan["kv_cache_memory_bytes"]),
-             "--gpu-memory-utilization", str(plan["gpu_memory_utilization"]),
-             "--chat-template", serve["chat_template"], "--no-enable-prefix-caching",
-             "--max-model-len", str(serve["max_model_len"]), "--served-model-name", *serve["served_model_name"]])
+    engine = ["serve", case["vllm_service_model"], "--host", "0.0.0.0", "--port", str(case["vllm_service_instance"]["port"]),
+              "--kv-cache-memory-bytes", str(plan["kv_cache_memory_bytes"]),
+              "--gpu-memory-utilization", str(plan["gpu_memory_utilization"]),
+              "--chat-template", serve["chat_template"], "--no-enable-prefix-caching",
+              "--max-model-len", str(serve["max_model_len"]), "--served-model-name", *serve["served_model_name"]]
+    return gate + engine
 
 
 # A value with a newline (or another control character) in every place that reaches the
