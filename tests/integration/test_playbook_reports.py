@@ -165,7 +165,9 @@ def test_plan_check_writes_its_report_and_changes_nothing(fleet):
     assert "check mode: nothing was changed on the hosts" in out
     # --diff shows the unit each host would get (no unit on the hosts yet: all of it is new)
     assert re.search(r"\+\+\+ after: /etc/systemd/system/vllm-main\.service", out), out[-6000:]
-    assert re.search(r"\+ExecStart=/opt/vllm/venv/bin/vllm", out), out[-6000:]
+    # a manual budget starts through the boot gate, which execs the engine named after "--"
+    assert re.search(r"\+ExecStart=/usr/local/libexec/gpufleet-vllm-boot-gate", out), out[-6000:]
+    assert re.search(r"\+ +-- /opt/vllm/venv/bin/vllm serve", out), out[-6000:]
     assert "dry run (check mode)" in (run / "report.md").read_text(encoding="utf-8")
     # a dry run: no unit, no plan record, no new profile
     for host in HOSTS:
