@@ -444,6 +444,34 @@ def _journal(line: str) -> None:
     sys.stderr.flush()
 
 
+def load_pynvml() -> t.Any:
+    """NVIDIA's ``pynvml`` binding: the installed ``nvidia-ml-py``, else the copy vLLM ships as
+    ``vllm/third_party/pynvml.py`` (a vLLM venv often has only that one). The copy is loaded from
+    its file alone: importing the ``vllm`` package would pull in torch at every unit start."""
+    import importlib.util  # pylint: disable=import-outside-toplevel
+
+    try:
+        import pynvml  # pylint: disable=import-outside-toplevel
+        return pynvml
+    except ImportError as exc:
+        missing = exc
+    spec = importlib.util.find_spec("vllm")
+    for where in (spec.submodule_search_locations or []) if spec is not None else []:
+        path = os.path.join(where, "third_party", "pynvml.py")
+        if os.path.isfile(path):
+            vendored = importlib.util.spec_from_file_location("pynvml", path)
+            if vendored is not None and vendored.loader is not None:
+                module = importlib.util.module_from_spec(vendored)
+                sys.modules["pynvml"] = module  # the binding looks itself up there while it loads
+                try:
+                    vendored.loader.exec_module(module)
+                except Exception:
+                    del sys.modules["pynvml"]
+                    raise
+                return module
+    raise ImportError(f"{missing}; and no vllm/third_party/pynvml.py beside this interpreter's vLLM")
+
+
 def run(argv: t.Sequence[str], nvml: t.Any = None, execv: t.Callable[[str, list[str]], t.Any] | None = None,
         log: t.Callable[[str], None] | None = None, clock: t.Callable[[], float] = time.time) -> int:
     """The launcher: returns the exit status when it does not hand over to the engine."""
@@ -464,7 +492,7 @@ def run(argv: t.Sequence[str], nvml: t.Any = None, execv: t.Callable[[str, list[
     if plan["manual"]:
         if nvml is None:
             try:
-                import pynvml as nvml  # pylint: disable=import-outside-toplevel
+                nvml = load_pynvml()
             except ImportError as exc:
                 emit(f"gpufleet boot gate: {plan['unit']}: cannot import pynvml ({exc}); not starting")
                 return EXIT_PROBE_FAILED

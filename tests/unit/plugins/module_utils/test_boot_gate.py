@@ -270,3 +270,34 @@ def test_boot_check_expectations_follow_the_gate_record_of_this_start(tmp_path):
     clock = iter([0.0, 0.0, 10.0])
     assert gate.wait_state(str(tmp_path / "none.json"), lambda: "x", timeout=1, sleep=lambda s: None,
                            clock=lambda: next(clock)) is None
+
+
+def test_pynvml_from_the_copy_vllm_ships_when_nvidia_ml_py_is_missing(tmp_path):
+    """A vLLM venv may lack nvidia-ml-py but has vllm/third_party/pynvml.py: the gate loads that file
+    alone (not the vllm package, whose import would cost torch at every start)."""
+    pkg = tmp_path / "vllm"
+    (pkg / "third_party").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("raise RuntimeError('the vllm package must not be imported')\n")
+    # like the real binding, the copy looks itself up in sys.modules while it loads
+    (pkg / "third_party" / "pynvml.py").write_text("import sys\nMARK = sys.modules[__name__].__name__\n")
+    import ansible_collections  # pylint: disable=import-outside-toplevel
+    collections_root = str(Path(list(ansible_collections.__path__)[0]).parent)
+    code = ("import sys; from ansible_collections.gpufleet.vllm.plugins.module_utils import _boot_gate as g; "
+            "m = g.load_pynvml(); print(m.MARK, m.__file__)")
+    # -S: no site-packages, so no nvidia-ml-py
+    proc = subprocess.run([sys.executable, "-S", "-c", code], capture_output=True, text=True, timeout=60, check=False,
+                          env={"PYTHONPATH": f"{tmp_path}:{collections_root}", "PATH": "/usr/bin:/bin"})
+    assert proc.returncode == 0, proc.stderr
+    mark, path = proc.stdout.split()
+    assert mark == "pynvml" and path == str(pkg / "third_party" / "pynvml.py")
+
+
+def test_no_pynvml_anywhere_is_an_import_error_naming_both(tmp_path):
+    import ansible_collections  # pylint: disable=import-outside-toplevel
+    collections_root = str(Path(list(ansible_collections.__path__)[0]).parent)
+    code = ("from ansible_collections.gpufleet.vllm.plugins.module_utils import _boot_gate as g\n"
+            "try:\n    g.load_pynvml()\nexcept ImportError as exc:\n    print(exc)\n")
+    proc = subprocess.run([sys.executable, "-S", "-c", code], capture_output=True, text=True, timeout=60, check=False,
+                          env={"PYTHONPATH": f"{tmp_path}:{collections_root}", "PATH": "/usr/bin:/bin"})
+    assert proc.returncode == 0, proc.stderr
+    assert "pynvml" in proc.stdout and "vllm/third_party/pynvml.py" in proc.stdout
