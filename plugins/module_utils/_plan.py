@@ -38,8 +38,6 @@ from collections.abc import Mapping
 from dataclasses import replace
 from typing import Any
 
-# The boot gate on the host applies the same rule at every start: one definition, in the module it ships.
-from ._boot_gate import floor_utilization
 from ._geometry import GeometryError, KVGeometry, UnpredictableGeometry, capacity_model, cdiv, load_config
 from ._kv_layout import KVLayout
 from ._sizes import MAX_BYTES, SizeError, human_bytes, parse_size
@@ -129,6 +127,16 @@ def _rank_no(value: Any, field: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise PlanError(f"{field}: rank must be a non-negative integer, got {value!r}")
     return value
+
+
+def floor_utilization(free_bytes: int, total_bytes: int) -> float:
+    """Largest 4-decimal ``u`` with ``ceil(total * u) <= free`` (vLLM's startup check passes)."""
+    if total_bytes <= 0 or free_bytes <= 0:
+        return 0.0
+    k = min(10000, (free_bytes * 10000) // total_bytes)
+    while k > 0 and math.ceil(total_bytes * (k / 10000)) > free_bytes:
+        k -= 1
+    return k / 10000
 
 
 def startup_utilization(
