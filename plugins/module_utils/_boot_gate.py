@@ -242,6 +242,12 @@ def decide(plan: t.Mapping[str, t.Any], gpus: t.Sequence[t.Mapping[str, t.Any]],
     if not plan["manual"]:
         out.update(action="start", message=f"{unit}: boot gate: automatic profiling, nothing to check")
         return out
+    if not plan["free_floor_bytes"]:
+        # A plan without NVML ranks (the CPU build, or a plan made without a probe) promises no
+        # free-memory floor: there is nothing to compare, and refusing would only stop the engine.
+        out.update(action="start", message=(f"{unit}: boot gate: the plan names no free-memory floor (no NVML ranks); "
+                                            f"nothing to check, starting the planned {plan['kv_cache_memory_bytes']} bytes"))
+        return out
     missing = [r for r in rows if r["free_bytes"] is None]
     if missing:
         return refuse("; ".join(f"rank {r['rank']} (GPU {r['gpu']}) not found by NVML" for r in missing))
@@ -489,7 +495,7 @@ def run(argv: t.Sequence[str], nvml: t.Any = None, execv: t.Callable[[str, list[
         emit(f"gpufleet boot gate: {exc}; not starting (exit {EXIT_REFUSED})")
         return EXIT_REFUSED
     state_path = opts.get("state") or plan["state_file"]
-    if plan["manual"]:
+    if plan["manual"] and plan["free_floor_bytes"]:
         if nvml is None:
             try:
                 nvml = load_pynvml()

@@ -301,3 +301,23 @@ def test_no_pynvml_anywhere_is_an_import_error_naming_both(tmp_path):
                           env={"PYTHONPATH": f"{tmp_path}:{collections_root}", "PATH": "/usr/bin:/bin"})
     assert proc.returncode == 0, proc.stderr
     assert "pynvml" in proc.stdout and "vllm/third_party/pynvml.py" in proc.stdout
+
+
+def test_a_plan_without_any_floor_starts_as_planned_without_probing_nvml(tmp_path):
+    """No NVML ranks (the CPU build): nothing to compare, so the gate starts the plan and never
+    touches NVML (a host without a driver would otherwise never start)."""
+    plan_path = tmp_path / "main.plan.json"
+    plan_path.write_text(json.dumps(plan_doc(free_floor_bytes={}, vllm_floor_bytes={})), encoding="utf-8")
+    verdict = gate.decide(gate.parse_plan(plan_doc(free_floor_bytes={}, vllm_floor_bytes={})), [], "refuse")
+    assert verdict["action"] == "start" and "no free-memory floor" in verdict["message"]
+    assert verdict["started"]["kv_cache_memory_bytes"] == BUDGET
+
+    class NoNvml:  # any attribute access means the gate probed
+        def __getattr__(self, name: str) -> Any:
+            raise AssertionError(f"the gate used NVML ({name}) for a plan without floors")
+
+    started: list[list[str]] = []
+    rc = gate.run(["--plan", str(plan_path), "--policy", "refuse", "--state", str(tmp_path / "state.json"), "--",
+                   "/bin/true", "serve", "m", "--kv-cache-memory-bytes", str(BUDGET)],
+                  nvml=NoNvml(), execv=lambda exe, argv: started.append(argv), log=lambda line: None)
+    assert rc in (0, None) and started and f"{BUDGET}" in started[0]
