@@ -38,6 +38,12 @@ PLAYBOOK = """
         gpufleet_run:
           serial: [1, "50%"]
           report_dir: "{{ report_dir }}"
+          classes: [h200]
+          refused_class: fail
+          class_pause: false
+          class_pause_unattended: stop
+          plan_file: ""
+          plan: null
           started: "{{ now(utc=true).isoformat() }}"
         gpufleet_run_started_epoch: "{{ now().timestamp() | int }}"
 
@@ -87,6 +93,13 @@ PLAYBOOK = """
       loop: "{{ ansible_play_hosts }}"
       run_once: true
       changed_when: false
+
+    - name: Work out the batches of the class as parts/plan_classes.yml does
+      ansible.builtin.set_fact:
+        gpufleet_batch_plan: "{{ [['h200', ansible_play_hosts | sort]] | gpufleet.vllm.rollout_batches(hostvars['localhost']['gpufleet_run']['serial']) }}"
+      delegate_to: localhost
+      delegate_facts: true
+      run_once: true
 
 - name: Roll out in serial batches
   hosts: gpu
@@ -254,8 +267,8 @@ def test_clean_rollout_report_from_the_report_play(tmp_path):
     assert proc.returncode == 0, proc.stdout[-5000:] + proc.stderr[-3000:]
     out = proc.stdout
     for index, host in ((1, "gpu-a"), (2, "gpu-b"), (3, "gpu-c")):
-        assert f"batch {index} of 3: {host} (1 host(s));" in out, out[-5000:]
-        assert f"batch {index} of 3 done in " in out and f"{host} deployed vllm" in out
+        assert f"batch {index} of 3 of class h200 (run batch {index} of 3): {host} (1 host(s));" in out, out[-5000:]
+        assert f"batch {index} of 3 of class h200 done in " in out and f"{host} deployed vllm" in out
     run = run_dir(reports)
     report = json.loads((run / "report.json").read_text(encoding="utf-8"))
     assert report["schema_version"] == 2 and report["summary"]["ok"] is True and report["check_mode"] is False
