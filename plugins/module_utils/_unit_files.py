@@ -247,7 +247,8 @@ def service_input_problems(inputs: t.Mapping[str, t.Any]) -> list[str]:
             _check(problems, v.integer, get(key), "vllm_service_" + key, low=low)
     for key, bounds in (("gate_interval", {"low": 0}),
                         ("auto_gpu_memory_utilization", {"low": 0, "high": 1, "low_open": True})):
-        if get(key) is not None:
+        # both have defaults: a given null is a mistake, not "unset"
+        if "vllm_service_" + key in inputs:
             _check(problems, v.number, get(key), "vllm_service_" + key, **bounds)
     for key in ("create_user", "boot_check"):
         if get(key) is not None:
