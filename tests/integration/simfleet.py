@@ -33,6 +33,7 @@ ROLLOUT = REPO / "playbooks" / "rollout.yml"
 UNIT_DIR = "/etc/systemd/system"
 STATE_DIR = "/etc/gpufleet"
 
+L40S = {"name": "NVIDIA L40S", "total": 48305799168, "reserved": 462422016, "cc": "8.9"}
 BATCH_RE = re.compile(r"TASK \[Report what changes on this host\][^\n]*\nok: \[(\S+)\]")
 
 
@@ -163,6 +164,25 @@ class SimFleet:
         """The newest report.json if more than ``since`` reports exist now, else None."""
         found = self.reports()
         return json.loads(found[-1].read_text(encoding="utf-8")) if len(found) > since else None
+
+
+def l40s_fleet(boot_delay_s: float) -> dict[str, Any]:
+    """The part of a fleet file every fleet test shares: the simulated engine's costs, the driver
+    and the L40S GPU model; a test adds its own ``classes`` and ``hosts``."""
+    return {
+        "engine": {
+            "boot_delay_s": boot_delay_s,
+            "token_delay_s": 0.002,
+            "costs": {
+                "cuda_context_bytes": "500MiB",
+                "peak_activation_bytes": "1.25GiB",
+                "non_torch_bytes": "600MiB",
+                "cuda_graph_bytes": "0.75GiB",
+            },
+        },
+        "system": {"driver": "550.127.05", "cuda": 12040, "nvml": "12.550.127.05"},
+        "gpu_models": {"l40s": dict(L40S)},
+    }
 
 
 def budget(unit_text: str | None) -> int | None:

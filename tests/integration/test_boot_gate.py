@@ -35,7 +35,7 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from simfleet import REPO, SimFleet  # pylint: disable=import-error
+from simfleet import REPO, SimFleet, l40s_fleet  # pylint: disable=import-error
 
 GIB = 1 << 30
 MIB = 1 << 20
@@ -47,18 +47,7 @@ STATE = "/var/lib/gpufleet-vllm/main.boot-gate.json"
 RESTART_SEC = 2
 
 FLEET = {
-    "engine": {
-        "boot_delay_s": 0.5,
-        "token_delay_s": 0.002,
-        "costs": {
-            "cuda_context_bytes": "500MiB",
-            "peak_activation_bytes": "1.25GiB",
-            "non_torch_bytes": "600MiB",
-            "cuda_graph_bytes": "0.75GiB",
-        },
-    },
-    "system": {"driver": "550.127.05", "cuda": 12040, "nvml": "12.550.127.05"},
-    "gpu_models": {"l40s": {"name": "NVIDIA L40S", "total": 48305799168, "reserved": 462422016, "cc": "8.9"}},
+    **l40s_fleet(0.5),
     "classes": {CLASS: {"gpu_model": "l40s", "gpus": 1, "model": "llama-3.1-8b-instruct"}},
     # a 1 GiB co-tenant on the refuse host while the class is planned: it is the weakest, so
     # the shrink host keeps a 1 GiB margin above the class's floor

@@ -34,7 +34,7 @@ from typing import Any
 import pytest
 import yaml
 
-from simfleet import REPO, SimFleet, budget, recap  # pylint: disable=import-error
+from simfleet import REPO, SimFleet, l40s_fleet, budget, recap  # pylint: disable=import-error
 
 HOSTS = ["sim-ro-1", "sim-ro-2", "sim-ro-3"]
 UNIT = "/etc/systemd/system/vllm-main.service"
@@ -42,18 +42,7 @@ PREVIOUS = "/etc/gpufleet/units/vllm-main.service.previous"
 PLAN = "/etc/gpufleet/main.plan.json"
 
 FLEET = {
-    "engine": {
-        "boot_delay_s": 1,
-        "token_delay_s": 0.002,
-        "costs": {
-            "cuda_context_bytes": "500MiB",
-            "peak_activation_bytes": "1.25GiB",
-            "non_torch_bytes": "600MiB",
-            "cuda_graph_bytes": "0.75GiB",
-        },
-    },
-    "system": {"driver": "550.127.05", "cuda": 12040, "nvml": "12.550.127.05"},
-    "gpu_models": {"l40s": {"name": "NVIDIA L40S", "total": 48305799168, "reserved": 462422016, "cc": "8.9"}},
+    **l40s_fleet(1),
     "classes": {"ro-l40s": {"gpu_model": "l40s", "gpus": 2, "model": "llama-3.1-8b-instruct"}},
     "hosts": {
         "sim-ro-1": {"class": "ro-l40s", "base_used": [0, 0]},

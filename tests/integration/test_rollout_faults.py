@@ -39,7 +39,7 @@ from typing import Any
 import pytest
 from ansible_collections.gpufleet.vllm.plugins.module_utils._sizes import human_bytes
 
-from simfleet import REPO, SimFleet, budget, reached, recap  # pylint: disable=import-error
+from simfleet import L40S, REPO, SimFleet, l40s_fleet, budget, reached, recap  # pylint: disable=import-error
 
 GIB = 1 << 30
 MIB = 1 << 20
@@ -53,19 +53,9 @@ OUTLIER_COTENANT = 4 * GIB
 NOISE = [0, 384 * MIB]
 
 FLEET = {
-    "engine": {
-        "boot_delay_s": 0.5,
-        "token_delay_s": 0.002,
-        "costs": {
-            "cuda_context_bytes": "500MiB",
-            "peak_activation_bytes": "1.25GiB",
-            "non_torch_bytes": "600MiB",
-            "cuda_graph_bytes": "0.75GiB",
-        },
-    },
-    "system": {"driver": "550.127.05", "cuda": 12040, "nvml": "12.550.127.05"},
+    **l40s_fleet(0.5),
     "gpu_models": {
-        "l40s": {"name": "NVIDIA L40S", "total": 48305799168, "reserved": 462422016, "cc": "8.9"},
+        "l40s": L40S,
         # same memory, another GPU: only the name tells them apart
         "l40": {"name": "NVIDIA L40", "total": 48305799168, "reserved": 462422016, "cc": "8.9"},
     },

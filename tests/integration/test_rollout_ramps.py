@@ -37,7 +37,7 @@ from typing import Any
 import pytest
 import yaml
 
-from simfleet import REPO, SimFleet, budget  # pylint: disable=import-error
+from simfleet import REPO, SimFleet, l40s_fleet, budget  # pylint: disable=import-error
 
 GIB = 1 << 30
 A_HOSTS = ["sim-rp-a1", "sim-rp-a2"]
@@ -48,18 +48,7 @@ HAPROXY_DIR = REPO / "playbooks" / "examples" / "haproxy"
 FRONT_PORT = 8080
 
 FLEET = {
-    "engine": {
-        "boot_delay_s": 1,
-        "token_delay_s": 0.002,
-        "costs": {
-            "cuda_context_bytes": "500MiB",
-            "peak_activation_bytes": "1.25GiB",
-            "non_torch_bytes": "600MiB",
-            "cuda_graph_bytes": "0.75GiB",
-        },
-    },
-    "system": {"driver": "550.127.05", "cuda": 12040, "nvml": "12.550.127.05"},
-    "gpu_models": {"l40s": {"name": "NVIDIA L40S", "total": 48305799168, "reserved": 462422016, "cc": "8.9"}},
+    **l40s_fleet(1),
     "classes": {
         "rp-a": {"gpu_model": "l40s", "gpus": 1, "model": "llama-3.1-8b-instruct"},
         "rp-b": {"gpu_model": "l40s", "gpus": 1, "model": "llama-3.1-8b-instruct"},
