@@ -43,6 +43,7 @@ from ._kv_layout import KVLayout
 from ._sizes import MAX_BYTES, SizeError, human_bytes, parse_size
 from ._validate import ValidationError, boolean
 from ._validate import number as valid_number
+from ._vllm_log import GIB_ROUNDING_BYTES
 
 __all__ = ["PlanError", "plan_class", "startup_utilization", "DEFAULTS", "DECISIONS"]
 
@@ -64,9 +65,6 @@ DEFAULTS: dict[str, Any] = {
     "cuda_context_bytes": 1 * GIB,
 }
 
-# vLLM logs its free memory in GiB with two decimals: the true figure may be
-# up to half a hundredth of a GiB lower than the logged one.
-VLLM_LOG_ROUNDING = math.ceil(0.005 * GIB)
 
 _LIST_LIMIT = 10
 
@@ -171,7 +169,7 @@ def startup_utilization(
     for r in ranks:
         shift = r["kv_bytes"] - guard - budget
         if use_vllm:
-            floors[r["rank"]] = vllm_free[r["rank"]] - shift - VLLM_LOG_ROUNDING  # type: ignore[index]
+            floors[r["rank"]] = vllm_free[r["rank"]] - shift - GIB_ROUNDING_BYTES  # type: ignore[index]
         else:
             floors[r["rank"]] = r["free_bytes"] - shift - cuda_context_bytes
     lowest = min(floors.values())
@@ -765,7 +763,7 @@ def plan_class(spec: Mapping[str, Any]) -> dict[str, Any]:
     in_use = [r for r in ref["ranks"] if r["kv_source"] == "in_use"]
     for r in in_use:
         blocks_bytes = ref["num_blocks"] * cap.bytes_per_block if cap is not None and cap.bytes_per_block and ref.get("num_blocks") else None
-        if blocks_bytes is not None and blocks_bytes <= r["kv_bytes"] + VLLM_LOG_ROUNDING:
+        if blocks_bytes is not None and blocks_bytes <= r["kv_bytes"] + GIB_ROUNDING_BYTES:
             # the blocks the engine made hold exactly these bytes; the logged figure is rounded to 0.01 GiB
             r["kv_bytes"] = blocks_bytes
         elif ref.get("engine_kv_bytes") is None:
@@ -774,7 +772,7 @@ def plan_class(spec: Mapping[str, Any]) -> dict[str, Any]:
                     f"the engine's {ref['num_blocks']} blocks of {cap.bytes_per_block} bytes exceed the KV memory it logged "
                     f"({human_bytes(r['kv_bytes'])}): the logged figure less its rounding is used"
                 )
-            r["kv_bytes"] -= VLLM_LOG_ROUNDING
+            r["kv_bytes"] -= GIB_ROUNDING_BYTES
     if in_use:
         reasons.append(
             "B_ref is the KV memory the profiled canary's engine allocated (this build logs no 'fit into requested memory' "
@@ -852,7 +850,7 @@ def plan_class(spec: Mapping[str, Any]) -> dict[str, Any]:
         totals[name] = next(iter(rank_totals)) if len(rank_totals) == 1 else None
     mixed("GPU name", ref.get("gpu_name"), names)
     ref_total = ref.get("total_bytes")
-    if ref_total is not None and all(v is None or abs(v - ref_total) <= 2 * VLLM_LOG_ROUNDING for v in totals.values()):
+    if ref_total is not None and all(v is None or abs(v - ref_total) <= 2 * GIB_ROUNDING_BYTES for v in totals.values()):
         # a reference total taken from vLLM's log is rounded to 0.01 GiB: NVML's exact figure matches it
         ref_total = None
     mixed("GPU total memory", ref_total, totals)

@@ -32,7 +32,7 @@ from ._load_test import LoadSpec, run_load_test
 from ._validate import ValidationError, env_name, integer, is_secret_option, number
 from ._validate import text as v_text
 from ._validate import port as valid_port
-from ._vllm_log import EngineLog, parse_engine_log
+from ._vllm_log import GIB_ROUNDING_BYTES, EngineLog, parse_engine_log
 from ._vllm_metrics import EngineMetrics, MetricsParseError, parse_metrics
 
 # Options the canary sets itself; a caller must not pass them in serve_args.
@@ -51,8 +51,6 @@ BUDGET_OVERRIDING_ENV = ("VLLM_CPU_KVCACHE_SPACE",)
 
 LOOPBACK = "127.0.0.1"
 GIB = 1 << 30
-# vLLM prints GiB figures with two decimals: a logged value is exact to half a unit.
-LOG_GIB_ROUNDING = GIB // 200
 
 
 class EngineSpecError(ValueError):
@@ -719,7 +717,7 @@ def judge_canary(
             )
         for rank in result.get("ranks") or []:
             reserved = rank.get("reserved_kv_bytes")
-            if reserved is not None and abs(int(reserved) - int(requested_kv_bytes)) > LOG_GIB_ROUNDING:
+            if reserved is not None and abs(int(reserved) - int(requested_kv_bytes)) > GIB_ROUNDING_BYTES:
                 fails.append(
                     f"rank {rank.get('rank')}: the log reports {reserved} bytes reserved for KV cache, "
                     f"the canary requested {requested_kv_bytes}"
@@ -1065,7 +1063,7 @@ def evaluate_boot(
     """Judge one boot from its parsed log (``summarise_log``) and ``/metrics``.
 
     Logged GiB figures carry two decimals, so log comparisons allow half a unit
-    (``LOG_GIB_ROUNDING``); ``/metrics`` figures are exact and compared exactly.
+    (``GIB_ROUNDING_BYTES``); ``/metrics`` figures are exact and compared exactly.
     Returns ``{"ok": bool, "reasons": [...], "checks": [...]}``.
     """
     checks: list[dict[str, t.Any]] = []
@@ -1096,9 +1094,9 @@ def evaluate_boot(
                       f"(expected {expected} bytes); the engine did not use the manual budget",
                       rank=num, expected=expected, actual=None)
             else:
-                ok = abs(int(got) - expected) <= LOG_GIB_ROUNDING
+                ok = abs(int(got) - expected) <= GIB_ROUNDING_BYTES
                 check("reserved_kv_bytes", ok,
-                      f"rank {num}: reserved {got} bytes for KV cache (log, +/- {LOG_GIB_ROUNDING}), "
+                      f"rank {num}: reserved {got} bytes for KV cache (log, +/- {GIB_ROUNDING_BYTES}), "
                       f"expected {expected}", rank=num, expected=expected, actual=int(got))
         if metrics is not None and metrics.cache_config:
             got = metrics.kv_cache_memory_bytes
@@ -1123,7 +1121,7 @@ def evaluate_boot(
                       f"rank {num}: the log shows no initial free memory; cannot verify the floor of {floor} bytes",
                       rank=num, floor=floor, actual=None)
             else:
-                ok = int(free) + LOG_GIB_ROUNDING >= floor
+                ok = int(free) + GIB_ROUNDING_BYTES >= floor
                 check("free_floor", ok,
                       f"rank {num}: initial free memory {free} bytes (log) is below the floor {floor} bytes",
                       rank=num, floor=floor, actual=int(free))

@@ -34,8 +34,10 @@ import re
 from dataclasses import dataclass, field
 
 GIB = 1 << 30
-#: Half a unit of the last printed digit of a GiB figure (0.005 GiB).
-GIB_ROUNDING_BYTES = GIB // 200
+#: Half a unit of the last printed digit of a GiB figure (0.005 GiB), rounded up to a whole
+#: byte: a logged figure is within this many bytes of the exact one. The one definition; the
+#: planner's floors and the boot check's comparisons use it too.
+GIB_ROUNDING_BYTES = -(-GIB // 200)
 
 __all__ = [
     "GIB",

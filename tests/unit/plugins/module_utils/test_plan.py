@@ -10,11 +10,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ansible_collections.gpufleet.vllm.plugins.module_utils._plan import (
-    VLLM_LOG_ROUNDING,
     PlanError,
     floor_utilization,
     plan_class,
 )
+from ansible_collections.gpufleet.vllm.plugins.module_utils._vllm_log import GIB_ROUNDING_BYTES
 
 GIB = 1024**3
 MIB = 1024**2
@@ -133,7 +133,7 @@ def test_startup_utilization_from_vllm_figures():
     s["reference"]["vllm_free_bytes"] = {"0": "41.5GiB"}
     plan = plan_class(s)
     assert plan["utilization_source"] == "vllm"
-    vfloor = int(41.5 * GIB) - int(1.25 * GIB) - VLLM_LOG_ROUNDING
+    vfloor = int(41.5 * GIB) - int(1.25 * GIB) - GIB_ROUNDING_BYTES
     assert plan["vllm_floor_bytes"] == {0: vfloor}
     util = plan["gpu_memory_utilization"]
     total = 141 * GIB

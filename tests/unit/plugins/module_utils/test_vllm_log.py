@@ -11,6 +11,7 @@ A = requested - non_kv - 150 MiB, B = free - non_kv - 150 MiB).
 from __future__ import annotations
 
 import dataclasses
+import math
 from pathlib import Path
 
 import pytest
@@ -404,4 +405,4 @@ def test_gib_to_bytes() -> None:
     assert gib_to_bytes("1") == GIB
     assert gib_to_bytes("0.5") == GIB // 2
     assert gib_to_bytes("-0.40") == -round(0.4 * GIB)
-    assert GIB_ROUNDING_BYTES == GIB // 200
+    assert GIB_ROUNDING_BYTES == math.ceil(GIB / 200)
