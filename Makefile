@@ -86,16 +86,18 @@ stage-report:
 # `make test` fails when any stage did.
 #
 # The set-up that is mostly downloading runs in the background while units, sanity and lint,
-# which need none of it, use the CPU: the test-host rootfs and the offline wheelhouse in one
-# job (molecule waits for it), the vLLM CPU engine in another (integration waits for it).
+# which need none of it, use the CPU: one job each for the test-host rootfs and the offline
+# wheelhouse (molecule waits for both) and for the vLLM CPU engine (integration waits for it).
 # Each job's output is in .cache/stage-setup-*.log; should one fail, the stage that needs it
 # runs the same set-up again in the foreground, so its error is printed where the stage fails.
 test: stage-reset
 	@rc=0; $(MAKE) --no-print-directory apt-deps venv fake-nvml || rc=$$?; \
-	$(MAKE) --no-print-directory rootfs wheelhouse > $(CACHE)/stage-setup-hosts.log 2>&1 & hosts=$$!; \
+	$(MAKE) --no-print-directory rootfs > $(CACHE)/stage-setup-rootfs.log 2>&1 & rootfs=$$!; \
+	$(MAKE) --no-print-directory wheelhouse > $(CACHE)/stage-setup-wheelhouse.log 2>&1 & wheelhouse=$$!; \
 	$(MAKE) --no-print-directory vllm-cpu > $(CACHE)/stage-setup-engine.log 2>&1 & engine=$$!; \
 	$(MAKE) --no-print-directory -k units sanity lint || rc=$$?; \
-	wait $$hosts || echo "make test: background set-up of the test hosts failed; molecule retries it"; \
+	wait $$rootfs || echo "make test: background set-up of the test-host rootfs failed; molecule retries it"; \
+	wait $$wheelhouse || echo "make test: background set-up of the wheelhouse failed; molecule retries it"; \
 	$(MAKE) --no-print-directory molecule || rc=$$?; \
 	wait $$engine || echo "make test: background set-up of the vLLM CPU engine failed; integration retries it"; \
 	$(MAKE) --no-print-directory integration || rc=$$?; \
