@@ -287,13 +287,27 @@ kv_capacity:
   returned: always
   type: dict
   contains:
-    source: {description: V(geometry), V(layout) or V(engine)., type: str}
-    block_size: {description: Tokens per block., type: int}
-    bytes_per_block: {description: Bytes of one block of every KV-cache group (null for V(engine))., type: int}
-    blocks_per_request: {description: Blocks one O(max_model_len) request holds summed over every group., type: int}
-    max_model_len: {description: The request length C(blocks_per_request) is for., type: int}
-    engine_num_blocks: {description: The profiled engine's blocks (V(engine) only)., type: int}
-    engine_kv_bytes: {description: The profiled engine's KV bytes (V(engine) only)., type: int}
+    source:
+      description: V(geometry), V(layout) or V(engine).
+      type: str
+    block_size:
+      description: Tokens per block.
+      type: int
+    bytes_per_block:
+      description: Bytes of one block of every KV-cache group (null for V(engine)).
+      type: int
+    blocks_per_request:
+      description: Blocks one O(max_model_len) request holds, summed over every group.
+      type: int
+    max_model_len:
+      description: The request length C(blocks_per_request) is for.
+      type: int
+    engine_num_blocks:
+      description: The profiled engine's blocks (V(engine) only).
+      type: int
+    engine_kv_bytes:
+      description: The profiled engine's KV bytes (V(engine) only).
+      type: int
 profile_max_utilization:
   description:
     - The highest C(--gpu-memory-utilization) at which vLLM's own profiling sizes at most the planned budget on every

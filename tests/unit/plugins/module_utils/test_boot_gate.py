@@ -368,8 +368,8 @@ def test_a_shrunk_multi_group_budget_has_the_planners_blocks_and_tokens(config, 
     assert planned["capacity_source"] == "layout" and planned["kv_layout"]["family"] == family
     floor = planned["free_floor_bytes"][0]
     shortfall = 3 * GIB + 12345
-    verdict = gate.decide(gate.parse_plan(_plan_file(planned)), [{"index": 0, "boot_free_bytes": floor - shortfall,
-                                                                   "total_bytes": H200}], "shrink")
+    host_gpus = [{"index": 0, "boot_free_bytes": floor - shortfall, "total_bytes": H200}]
+    verdict = gate.decide(gate.parse_plan(_plan_file(planned)), host_gpus, "shrink")
     assert verdict["action"] == "shrink", verdict["message"]
     # the planner, asked about a host that is `shortfall` below the floor, gives the same budget, blocks and tokens
     replanned = plan_class(_class_spec(config, 139 * GIB - shortfall))
