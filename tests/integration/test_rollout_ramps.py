@@ -377,7 +377,8 @@ def test_a_failing_manual_canary_gives_the_canary_host_back_to_haproxy(fleet, se
         watcher.join(timeout=30)
         fleet.sim.inject_fail_next_boot(canary, None)  # taken by the canary's boot; cancelled if it was not
     assert rc != 0, out[-6000:]
-    assert "Require a passing manual canary" in out, out[-6000:]
+    assert f"class rp-a stopped on {canary}: Boot the canary engine (manual): vLLM canary (manual) did not boot" in out, \
+        out[-6000:]
     assert f"the canary host {canary} was undrained: its production instance main answers /health again on its previous unit" \
         in out, out[-6000:]
     assert progress(out) == [], "a class whose canary failed reaches no batch"
