@@ -38,7 +38,16 @@ import nvml_state  # noqa: E402  pylint: disable=wrong-import-position
 
 # what the launcher the role installs runs: the library as a small package of its own
 GATE = "import sys; sys.path.insert(0, {lib!r}); from gpufleet_vllm_host._boot_gate import run; sys.exit(run(sys.argv[1:]))"
-MODULES = ("_boot_gate.py", "_nvml_probe.py")
+
+
+def gate_modules() -> list[str]:
+    """The library files the role installs with the gate (roles/vllm_service/vars/main.yml, one home)."""
+    import yaml  # pylint: disable=import-outside-toplevel
+
+    with open(ROOT / "roles" / "vllm_service" / "vars" / "main.yml", encoding="utf-8") as handle:
+        return list(yaml.safe_load(handle)["__vllm_service_gate_modules"])
+
+
 BASELINE = "import os, sys; os.execv('/bin/true', ['/bin/true'])"
 
 
@@ -88,7 +97,7 @@ def main() -> int:
         package = work / "lib" / "gpufleet_vllm_host"
         package.mkdir(parents=True)
         (package / "__init__.py").write_text("")
-        for name in MODULES:
+        for name in gate_modules():
             (package / name).write_text((ROOT / "plugins" / "module_utils" / name).read_text())
         gate = [sys.executable, "-c", GATE.format(lib=str(work / "lib")), "--plan", str(work / "bench.plan.json"), "--", "/bin/true", "serve", "m",
                 "--kv-cache-memory-bytes", str(30 << 30)]

@@ -25,7 +25,8 @@ Policies (``vllm_service_boot_gate``):
   the same bytes (vLLM's own free figure moves with NVML's).
 * ``profile``: start without a byte budget, vLLM profiling at
   ``floor4((min F_boot - guard - allowance) / total)``, never above the plan's
-  utilization (``allowance``: NVML floor minus vLLM floor, vLLM's CUDA context).
+  utilization (``allowance``: NVML floor minus vLLM floor, vLLM's CUDA context) nor above
+  the plan's ``profile_max_utilization``, at which vLLM's profiling sizes the planned budget.
 
 It never raises a budget: a rank above its floor starts the plan as written.
 
@@ -42,6 +43,9 @@ import os
 import sys
 import time
 import typing as t
+
+from ._kv_capacity import SOURCES as CAPACITY_SOURCES
+from ._kv_capacity import blocks_for_bytes, floor_utilization, full_attention_request_blocks, one_request_blocks, tokens_for_blocks
 
 PLAN_FORMATS = (1, 2)
 PLAN_FORMAT = 2
@@ -130,6 +134,10 @@ def parse_plan(doc: t.Any, where: str = "plan file") -> dict[str, t.Any]:
     if util is not None and (isinstance(util, bool) or not isinstance(util, (int, float)) or not 0 < float(util) <= 1):
         raise BootGateError(f"{where}: gpu_memory_utilization must be a number in (0, 1], got {util!r}")
     plan["gpu_memory_utilization"] = float(util) if util is not None else None
+    cap = doc.get("profile_max_utilization")
+    if cap is not None and (isinstance(cap, bool) or not isinstance(cap, (int, float)) or not 0 <= float(cap) <= 1):
+        raise BootGateError(f"{where}: profile_max_utilization must be a number in [0, 1], got {cap!r}")
+    plan["profile_max_utilization"] = float(cap) if cap is not None else None
     if manual and plan["kv_cache_memory_bytes"] is not None and plan["kv_cache_memory_bytes"] <= 0:
         raise BootGateError(f"{where}: kv_cache_memory_bytes must be > 0 for a manual budget")
     admission = doc.get("admission")
@@ -146,15 +154,36 @@ def parse_plan(doc: t.Any, where: str = "plan file") -> dict[str, t.Any]:
 
 
 def _capacity_figures(doc: t.Mapping[str, t.Any], plan: t.Mapping[str, t.Any], where: str) -> dict[str, t.Any] | None:
-    """What turns a budget into blocks and tokens: the per-block geometry (format 2), else
-    the plan's own blocks and tokens at its budget, scaled (format 1 carries only those)."""
+    """What turns a budget into blocks and tokens, as the planner counts them.
+
+    The plan file's ``capacity`` (``_kv_capacity.capacity_record``): the capacity source,
+    the page (or the profiled engine's blocks per byte) and, for multi-group layouts, the
+    blocks one ``max_model_len`` request holds summed over every KV-cache group. Format 1
+    files (and format 2 files written before the per-request blocks were recorded, for a
+    multi-group layout) carry only the plan's blocks and tokens at its budget: scaled.
+    """
     cap = doc.get("capacity")
-    if isinstance(cap, t.Mapping) and cap.get("bytes_per_block") and cap.get("block_size"):
-        bpb = _int(cap, "bytes_per_block", f"{where}: capacity")
-        block = _int(cap, "block_size", f"{where}: capacity")
-        if not bpb or bpb <= 0 or not block or block <= 0:
-            raise BootGateError(f"{where}: capacity.bytes_per_block and block_size must be > 0")
-        return {"source": "geometry", "bytes_per_block": bpb, "block_size": block}
+    if isinstance(cap, t.Mapping) and cap.get("block_size") and (cap.get("bytes_per_block") or cap.get("engine_num_blocks")):
+        here = f"{where}: capacity"
+        source = cap.get("source") or "geometry"
+        if source not in CAPACITY_SOURCES:
+            raise BootGateError(f"{here}: source {source!r} is not one of {', '.join(CAPACITY_SOURCES)}")
+        block = _int(cap, "block_size", here)
+        bpb = _int(cap, "bytes_per_block", here, required=False)
+        request_blocks = _int(cap, "blocks_per_request", here, required=False)
+        engine_blocks = _int(cap, "engine_num_blocks", here, required=False)
+        engine_bytes = _int(cap, "engine_kv_bytes", here, required=False)
+        for name, value in (("block_size", block), ("bytes_per_block", bpb), ("blocks_per_request", request_blocks),
+                            ("engine_num_blocks", engine_blocks), ("engine_kv_bytes", engine_bytes)):
+            if value is not None and value <= 0:
+                raise BootGateError(f"{here}: {name} must be > 0, got {value}")
+        engine = (engine_blocks, engine_bytes) if engine_blocks and engine_bytes else None
+        if not bpb and engine is None:
+            raise BootGateError(f"{here}: without bytes_per_block the engine's engine_num_blocks and engine_kv_bytes are needed")
+        if source == "geometry" or request_blocks:
+            return {"source": source, "bytes_per_block": bpb, "block_size": block, "engine": engine,
+                    "blocks_per_request": request_blocks,
+                    "max_model_len": _int(cap, "max_model_len", here, required=False) or plan["max_model_len"]}
     blocks, tokens, budget = plan["num_blocks"], plan["kv_cache_tokens"], plan["kv_cache_memory_bytes"]
     if blocks and tokens and budget:
         return {"source": "scaled", "num_blocks": blocks, "kv_cache_tokens": tokens, "kv_cache_memory_bytes": budget,
@@ -176,27 +205,28 @@ def read_plan(path: str) -> dict[str, t.Any]:
 def capacity(figures: t.Mapping[str, t.Any], kv_bytes: int) -> tuple[int, int]:
     """(blocks, tokens) vLLM makes from ``kv_bytes`` per rank, from the plan's capacity figures.
 
-    ``geometry``: whole blocks of ``bytes_per_block``, ``block_size`` tokens each (one
-    full-attention group, vLLM's rounding). ``scaled``: the plan's own blocks and tokens
-    at its budget, in proportion (rounded down).
+    ``geometry``, ``layout``, ``engine``: the planner's own arithmetic
+    (``_kv_capacity``): whole pages, tokens as vLLM counts them for the layout.
+    ``scaled``: the plan's own blocks and tokens at its budget, in proportion (rounded down).
     """
     if kv_bytes <= 0:
         return 0, 0
-    if figures["source"] == "geometry":
-        blocks = kv_bytes // figures["bytes_per_block"]
-        return blocks, blocks * figures["block_size"]
-    base = figures["kv_cache_memory_bytes"]
-    return figures["num_blocks"] * kv_bytes // base, figures["kv_cache_tokens"] * kv_bytes // base
+    if figures["source"] == "scaled":
+        base = figures["kv_cache_memory_bytes"]
+        return figures["num_blocks"] * kv_bytes // base, figures["kv_cache_tokens"] * kv_bytes // base
+    blocks = blocks_for_bytes(kv_bytes, figures["bytes_per_block"], figures["engine"])
+    tokens = tokens_for_blocks(blocks, figures["source"], figures["block_size"], figures["blocks_per_request"],
+                               figures["max_model_len"])
+    return blocks, tokens or 0
 
 
-def floor_utilization(free_bytes: int, total_bytes: int) -> float:
-    """Largest 4-decimal ``u`` with ``ceil(total * u) <= free`` (vLLM's startup check passes)."""
-    if total_bytes <= 0 or free_bytes <= 0:
-        return 0.0
-    k = min(10000, (free_bytes * 10000) // total_bytes)
-    while k > 0 and math.ceil(total_bytes * (k / 10000)) > free_bytes:
-        k -= 1
-    return k / 10000
+def request_blocks_needed(figures: t.Mapping[str, t.Any], max_model_len: int) -> int:
+    """Blocks vLLM needs to admit one request of ``max_model_len`` (the null block included):
+    the plan's per-request blocks of every KV-cache group, else one full-attention group."""
+    per_request = figures.get("blocks_per_request")
+    if not per_request or figures.get("max_model_len") not in (None, max_model_len):
+        per_request = full_attention_request_blocks(max_model_len, figures["block_size"])
+    return one_request_blocks(per_request)
 
 
 # ---------------------------------------------------------------- decision
@@ -283,13 +313,12 @@ def _shrink(out: dict[str, t.Any], plan: t.Mapping[str, t.Any], rows: list[dict[
     if plan["num_blocks"] is not None and plan["kv_cache_tokens"] is not None:
         blocks_before, tokens_before = plan["num_blocks"], plan["kv_cache_tokens"]
     blocks_after, tokens_after = capacity(figures, after)
-    block = figures["block_size"]
     degraded = {"kv_cache_memory_bytes_before": before, "kv_cache_memory_bytes_after": max(0, after),
                 "kv_cache_tokens_before": tokens_before, "kv_cache_tokens_after": tokens_after,
                 "num_blocks_before": blocks_before, "num_blocks_after": blocks_after, "shortfall_bytes": shortfall}
     out["degraded"] = degraded
     if plan["max_model_len"]:
-        need = -(-plan["max_model_len"] // block) + 1
+        need = request_blocks_needed(figures, plan["max_model_len"])
         if blocks_after < need:
             return refuse(f"{shown}; the shrunk budget {max(0, after)} B ({blocks_after} blocks) cannot hold one request of "
                           f"max_model_len {plan['max_model_len']} ({need} blocks with the null block)")
@@ -321,8 +350,16 @@ def _profile(out: dict[str, t.Any], plan: t.Mapping[str, t.Any], rows: list[dict
         allowance = r["floor_bytes"] - vllm_floor if vllm_floor is not None else cuda_context_bytes
         utils.append(floor_utilization(r["free_bytes"] - guard - max(0, allowance), r["total_bytes"]))
     util = min(utils)
+    capped = ""
     if plan["gpu_memory_utilization"]:
         util = min(util, plan["gpu_memory_utilization"])
+    if plan["profile_max_utilization"] is not None and plan["profile_max_utilization"] < util:
+        # vLLM's profiling would size more KV cache than the plan at the free-memory figure: never raise a budget
+        util = plan["profile_max_utilization"]
+        capped = f", capped at {util} so that vLLM's own profiling sizes at most the planned {plan['kv_cache_memory_bytes']} B"
+    elif plan["profile_max_utilization"] is None:
+        out["reasons"].append("the plan file gives no profile_max_utilization (the reference lacks vLLM's figures): the profiled "
+                              "cache is bounded by the plan's startup utilization only")
     if util <= 0:
         return refuse(f"{shown}; no utilization is left for vLLM's own profiling after the guard {guard} B")
     out["started"] = {"kv_cache_memory_bytes": None, "gpu_memory_utilization": util, "num_blocks": None,
@@ -332,7 +369,7 @@ def _profile(out: dict[str, t.Any], plan: t.Mapping[str, t.Any], rows: list[dict
                        "gpu_memory_utilization_after": util}
     out.update(action="profile", message=(
         f"{out['unit']}: boot gate (profile) starts with vLLM's own profiling: {shown}; "
-        f"--gpu-memory-utilization {util} (lowest free minus guard {guard} B and the CUDA-context allowance) "
+        f"--gpu-memory-utilization {util} (lowest free minus guard {guard} B and the CUDA-context allowance{capped}) "
         f"instead of the manual budget {plan['kv_cache_memory_bytes']} B"))
     return out
 

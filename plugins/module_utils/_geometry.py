@@ -36,6 +36,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, Mapping
 
+from ._kv_capacity import cdiv
 from ._kv_layout import FAMILIES, KVLayout, LayoutError, UnknownLayout, layer_kinds, layout_from_config
 
 __all__ = [
@@ -75,11 +76,6 @@ DTYPE_BYTES: dict[str, int] = {
 }
 
 _KV_HEAD_KEYS = ("n_head_kv", "num_kv_heads", "num_key_value_heads", "multi_query_group_num", "num_attention_groups")
-
-
-def cdiv(a: int, b: int) -> int:
-    """Ceiling division for non-negative integers."""
-    return -(-a // b)
 
 
 @dataclass(frozen=True)

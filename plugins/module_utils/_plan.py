@@ -38,7 +38,16 @@ from collections.abc import Mapping
 from dataclasses import replace
 from typing import Any
 
-from ._geometry import GeometryError, KVGeometry, UnpredictableGeometry, capacity_model, cdiv, load_config
+from ._geometry import GeometryError, KVGeometry, UnpredictableGeometry, capacity_model, load_config
+from ._kv_capacity import (
+    blocks_for_bytes,
+    capacity_record,
+    floor_utilization,
+    full_attention_request_blocks,
+    one_request_blocks,
+    profiled_utilization_cap,
+    tokens_for_blocks,
+)
 from ._kv_layout import KVLayout
 from ._sizes import MAX_BYTES, SizeError, human_bytes, parse_size
 from ._validate import ValidationError, boolean
@@ -125,16 +134,6 @@ def _rank_no(value: Any, field: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise PlanError(f"{field}: rank must be a non-negative integer, got {value!r}")
     return value
-
-
-def floor_utilization(free_bytes: int, total_bytes: int) -> float:
-    """Largest 4-decimal ``u`` with ``ceil(total * u) <= free`` (vLLM's startup check passes)."""
-    if total_bytes <= 0 or free_bytes <= 0:
-        return 0.0
-    k = min(10000, (free_bytes * 10000) // total_bytes)
-    while k > 0 and math.ceil(total_bytes * (k / 10000)) > free_bytes:
-        k -= 1
-    return k / 10000
 
 
 def startup_utilization(
@@ -458,14 +457,9 @@ class _Capacity:
         self.fixed_request_blocks: dict[int, int] = {}
 
     def num_blocks(self, kv_bytes: int) -> int:
-        if kv_bytes <= 0:
-            return 0
-        if self.bytes_per_block:
-            return kv_bytes // self.bytes_per_block
-        if self.engine is None:
+        if not self.bytes_per_block and self.engine is None:
             raise PlanError("internal: engine capacity without engine figures")
-        # one block costs at most engine_kv_bytes / engine_blocks: a lower bound on blocks
-        return kv_bytes * self.engine[0] // self.engine[1]
+        return blocks_for_bytes(kv_bytes, self.bytes_per_block, self.engine[:2] if self.engine else None)
 
     def request_blocks(self, tokens: int) -> int:
         """Blocks one request of ``tokens`` holds, summed over every KV-cache group."""
@@ -479,7 +473,7 @@ class _Capacity:
         if self.engine is not None:
             per_request, length = self.engine[2], self.engine[3]
             return max(1, math.ceil(per_request * tokens / length))
-        return cdiv(tokens, self.block_size)
+        return full_attention_request_blocks(tokens, self.block_size)
 
     def request_blocks_bounds(self, tokens: int) -> tuple[int, int]:
         if self.layout is not None and self.layout.in_flight_tokens is None:
@@ -491,23 +485,26 @@ class _Capacity:
         return value, value
 
     def tokens(self, num_blocks: int, max_model_len: int | None) -> int | None:
-        if self.source == "geometry":
-            return max(0, num_blocks) * self.block_size
-        if not max_model_len:
-            return None
-        return int(max(0, num_blocks) / self.request_blocks(max_model_len) * max_model_len)
+        request_blocks = self.request_blocks(max_model_len) if self.source != "geometry" and max_model_len else None
+        return tokens_for_blocks(num_blocks, self.source, self.block_size, request_blocks, max_model_len)
+
+    def record(self, max_model_len: int | None) -> dict[str, Any] | None:
+        """The plan file's ``capacity``: what the boot gate needs to count blocks and tokens as this model does."""
+        request_blocks = self.request_blocks(max_model_len) if max_model_len else None
+        return capacity_record(self.source, self.block_size, self.bytes_per_block, request_blocks, max_model_len,
+                               self.engine[:2] if self.engine else None)
 
     def admission_blocks(self, adm: tuple[str, int, int], max_model_len: int | None) -> tuple[int, int] | None:
         """(required tokens, required blocks incl. the null block) of an admission plan."""
         kind, a, b = adm
         if kind == "tokens":
             if self.source == "geometry":
-                return a, cdiv(a, self.block_size) + 1
+                return a, one_request_blocks(full_attention_request_blocks(a, self.block_size))
             if not max_model_len:
                 return None
             # vLLM counts tokens as max-length requests: tokens / max_model_len requests
-            return a, math.ceil(a * self.request_blocks(max_model_len) / max_model_len) + 1
-        return a * b, a * self.request_blocks(b) + 1
+            return a, one_request_blocks(math.ceil(a * self.request_blocks(max_model_len) / max_model_len))
+        return a * b, one_request_blocks(a * self.request_blocks(b))
 
 
 def _engine_request_blocks(ref: Mapping[str, Any], max_model_len: int | None) -> int | None:
@@ -698,6 +695,8 @@ def _empty_result(host_class: str, budget_mode: str) -> dict[str, Any]:
         "weakest": None,
         "split": [],
         "capacity": None,
+        "kv_capacity": None,
+        "profile_max_utilization": None,
         "unstable": [],
         "admission": None,
         "fit": None,
@@ -928,7 +927,7 @@ def plan_class(spec: Mapping[str, Any]) -> dict[str, Any]:
     need = cap.admission_blocks(adm, max_model_len) if cap and adm else None
     if cap and adm and need is None:
         reasons.append("admission {tokens: N} of a multi-group model needs max_model_len: the admission check was skipped")
-    one_req_blocks = cap.request_blocks(max_model_len) + 1 if cap and max_model_len else None
+    one_req_blocks = one_request_blocks(cap.request_blocks(max_model_len)) if cap and max_model_len else None
     if need and one_req_blocks and need[1] < one_req_blocks:
         need = (max(need[0], max_model_len or 0), one_req_blocks)
 
@@ -977,6 +976,10 @@ def plan_class(spec: Mapping[str, Any]) -> dict[str, Any]:
             )
         if util <= 0:
             refuse.append(f"no --gpu-memory-utilization lets vLLM's startup check pass at the free floor (floor {human_bytes(min(vfloors.values()))})")
+        # the boot gate's `profile` policy: vLLM's own profiling must not size more than the plan
+        caps = [profiled_utilization_cap(budget, ref["vllm_free"][r["rank"]], r["kv_bytes_full"], total)
+                for r in ref["ranks"] if r["rank"] in ref["vllm_free"] and r.get("kv_bytes_full") is not None]
+        result["profile_max_utilization"] = min(caps) if caps and len(caps) == len(ref["ranks"]) else None
     else:
         reasons.append("no GPU total memory in the reference or the hosts: --gpu-memory-utilization not computed")
 
@@ -990,14 +993,15 @@ def plan_class(spec: Mapping[str, Any]) -> dict[str, Any]:
             reasons.append("tokens not computed: a multi-group model's tokens are vLLM's max concurrency x max_model_len; give max_model_len")
     else:
         reasons.append(f"blocks and tokens not computed: {cap_why}")
-    result.update(num_blocks=num_blocks, kv_cache_tokens=tokens, capacity_source=cap.source if cap else None)
+    result.update(num_blocks=num_blocks, kv_cache_tokens=tokens, capacity_source=cap.source if cap else None,
+                  kv_capacity=cap.record(max_model_len) if cap else None)
     if cap is not None and num_blocks is not None and max_model_len:
         per_req = cap.request_blocks(max_model_len)
         result["blocks_per_request"] = per_req
         result["max_concurrency"] = max(0, num_blocks - 1) // per_req
         result["max_concurrency_vllm"] = round(num_blocks / per_req, 2)
-        result["one_request_bytes"] = (per_req + 1) * cap.bytes_per_block if cap.bytes_per_block else None
-        if num_blocks < per_req + 1:
+        result["one_request_bytes"] = one_request_blocks(per_req) * cap.bytes_per_block if cap.bytes_per_block else None
+        if num_blocks < one_request_blocks(per_req):
             have = human_bytes(budget)
             groups = f" summed over {len(cap.layout.groups)} KV-cache groups" if cap.layout and len(cap.layout.groups) > 1 else ""
             refuse.append(

@@ -280,6 +280,41 @@ blocks_per_request:
   description: Blocks one O(max_model_len) request holds, summed over every KV-cache group.
   returned: always
   type: int
+kv_capacity:
+  description:
+    - The capacity model as the boot gate reads it from the plan file (C(_kv_capacity.capacity_record)) so that a host
+      counts blocks and tokens exactly as the planner does; null without a capacity model.
+  returned: always
+  type: dict
+  contains:
+    source:
+      description: V(geometry), V(layout) or V(engine).
+      type: str
+    block_size:
+      description: Tokens per block.
+      type: int
+    bytes_per_block:
+      description: Bytes of one block of every KV-cache group (null for V(engine)).
+      type: int
+    blocks_per_request:
+      description: Blocks one O(max_model_len) request holds, summed over every group.
+      type: int
+    max_model_len:
+      description: The request length C(blocks_per_request) is for.
+      type: int
+    engine_num_blocks:
+      description: The profiled engine's blocks (V(engine) only).
+      type: int
+    engine_kv_bytes:
+      description: The profiled engine's KV bytes (V(engine) only).
+      type: int
+profile_max_utilization:
+  description:
+    - The highest C(--gpu-memory-utilization) at which vLLM's own profiling sizes at most the planned budget on every
+      rank, from the profiled reference's "fully utilize" suggestion and vLLM's free memory; the boot gate's
+      V(profile) policy never starts above it. Null when the reference lacks those figures.
+  returned: always
+  type: float
 kv_layout:
   description: The model family and, for multi-group models, its KV-cache groups (C(kind), C(layers), C(window)),
     C(group_size), C(page_bytes), C(bytes_per_block), C(in_flight_tokens), C(hybrid_manager), C(notes).

@@ -90,8 +90,9 @@ class SimFleet:
     def rollout(self, extra_vars: Mapping[str, Any] | None = None,
                 on_line: Callable[[str], None] | None = None, timeout: float = 600,
                 inventory: Path | None = None,
-                on_start: Callable[[subprocess.Popen[str]], None] | None = None) -> tuple[int, str]:
-        """Run rollout.yml; returns (exit status, output).
+                on_start: Callable[[subprocess.Popen[str]], None] | None = None,
+                playbook: Path = ROLLOUT) -> tuple[int, str]:
+        """Run rollout.yml (or another of the collection's playbooks); returns (exit status, output).
 
         The run is the leader of its own process group (``os.killpg`` stops it with its
         workers and SSH clients, as a lost controller would); ``on_start`` gets the
@@ -103,7 +104,7 @@ class SimFleet:
                    ANSIBLE_TIMEOUT="10",
                    ANSIBLE_SSH_ARGS="-C -o ControlMaster=auto -o ControlPersist=60s "
                                     "-o ServerAliveInterval=5 -o ServerAliveCountMax=2")
-        argv = ["ansible-playbook", "-i", str(inventory or self.inventory), str(ROLLOUT)]
+        argv = ["ansible-playbook", "-i", str(inventory or self.inventory), str(playbook)]
         if extra_vars:
             argv += ["--extra-vars", json.dumps(dict(extra_vars))]
         lines: list[str] = []
@@ -133,6 +134,11 @@ class SimFleet:
     def read(self, host: str, path: str) -> str | None:
         proc = self.harness.exec(host, ["cat", path])
         return proc.stdout if proc.returncode == 0 else None
+
+    def forget_probe_history(self, host: str) -> None:
+        """Delete ``host``'s probe history in the profile store, as an operator does once a
+        co-tenant that made its ranks unstable is gone for good."""
+        (self.store / ".probe-history" / f"{host}.json").unlink(missing_ok=True)
 
     def guest_path(self, host: str, path: str) -> Path:
         """``path`` of the guest as the controller sees it (the host's root mount): cheap to poll."""

@@ -3,8 +3,9 @@
 # SPDX-License-Identifier: GPL-3.0-or-later
 """The boot gate on the simulated fleet: unit restarts with no controller in the loop.
 
-Two hosts of one class (one L40S each), deployed once by ``playbooks/rollout.yml``:
-``sim-bg-1`` with the default policy ``shrink``, ``sim-bg-2`` with ``refuse``. Then, on
+Three hosts of one class (one L40S each), deployed once by ``playbooks/rollout.yml``:
+``sim-bg-1`` with the default policy ``shrink``, ``sim-bg-2`` with ``refuse``, ``sim-bg-3``
+with ``profile``. Then, on
 the hosts themselves (``systemctl restart``, as systemd's own restart or an operator
 would), a co-tenant injected into the fake NVML state:
 
@@ -15,6 +16,8 @@ would), a co-tenant injected into the fake NVML state:
    memory and its floor, exit 78 and no restart;
 4. far below the floor under ``shrink``: the smaller budget misses the admission plan,
    refused the same way;
+4b. below the floor under ``profile``: vLLM's own profiling at a utilization from the free
+   memory now minus the guard, capped so that it sizes no more than the plan;
 5. the same co-tenants at a guest reboot (systemd starts the units at boot);
 6. ``audit.yml`` and the exporter's textfile metrics (scraped from the real
    prometheus-node-exporter in the guest) while the co-tenants are there;
@@ -35,6 +38,8 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
+from ansible_collections.gpufleet.vllm.plugins.module_utils._kv_capacity import floor_utilization
+
 from simfleet import REPO, SimFleet, l40s_fleet  # pylint: disable=import-error
 
 GIB = 1 << 30
@@ -42,6 +47,7 @@ MIB = 1 << 20
 CLASS = "bg-l40s"
 HOSTS = ["sim-bg-1", "sim-bg-2"]
 SHRINK, REFUSE = HOSTS
+PROFILE = "sim-bg-3"
 UNIT = "vllm-main.service"
 STATE = "/var/lib/gpufleet-vllm/main.boot-gate.json"
 RESTART_SEC = 2
@@ -51,7 +57,7 @@ FLEET = {
     "classes": {CLASS: {"gpu_model": "l40s", "gpus": 1, "model": "llama-3.1-8b-instruct"}},
     # a 1 GiB co-tenant on the refuse host while the class is planned: it is the weakest, so
     # the shrink host keeps a 1 GiB margin above the class's floor
-    "hosts": {SHRINK: {"class": CLASS}, REFUSE: {"class": CLASS, "base_used": ["1GiB"]}},
+    "hosts": {SHRINK: {"class": CLASS}, REFUSE: {"class": CLASS, "base_used": ["1GiB"]}, PROFILE: {"class": CLASS}},
 }
 
 # admission: 8 requests of 8192 tokens = 4097 blocks (8 GiB at 2 MiB per block): a shrink
@@ -76,10 +82,11 @@ GROUP_VARS = {
 def fleet(harness, tmp_path_factory):  # harness: conftest (root + rootfs)
     f = SimFleet(tmp_path_factory.mktemp("bootgate"), harness, FLEET, GROUP_VARS)
     try:
-        f.create({CLASS: HOSTS})
+        f.create({CLASS: [*HOSTS, PROFILE]})
         inventory = yaml.safe_load(f.inventory.read_text(encoding="utf-8"))
         group = inventory["all"]["children"][CLASS.replace("-", "_")]
         group["hosts"][REFUSE]["vllm_service_boot_gate"] = "refuse"
+        group["hosts"][PROFILE]["vllm_service_boot_gate"] = "profile"
         f.inventory.write_text(yaml.safe_dump(inventory), encoding="utf-8")
         rc, out = f.rollout()
         assert rc == 0, out[-6000:]
@@ -94,9 +101,13 @@ def gate_state(fleet: SimFleet, host: str) -> dict[str, Any]:
     return json.loads(text)
 
 
-def show(fleet: SimFleet, host: str, *props: str) -> dict[str, str]:
-    out = fleet.harness.exec(host, ["systemctl", "show", "-p", ",".join(props), UNIT]).stdout
+def show_unit(fleet: SimFleet, host: str, unit: str, *props: str) -> dict[str, str]:
+    out = fleet.harness.exec(host, ["systemctl", "show", "-p", ",".join(props), unit]).stdout
     return dict(line.split("=", 1) for line in out.splitlines() if "=" in line)
+
+
+def show(fleet: SimFleet, host: str, *props: str) -> dict[str, str]:
+    return show_unit(fleet, host, UNIT, *props)
 
 
 def restart(fleet: SimFleet, host: str) -> dict[str, Any]:
@@ -143,10 +154,15 @@ def boot_check(fleet: SimFleet, host: str, plan: dict[str, Any]) -> dict[str, An
     return result
 
 
-def engine_budget(fleet: SimFleet, host: str) -> int | None:
-    """--kv-cache-memory-bytes of the running engine's command line (after the gate's execv)."""
+def engine_argv(fleet: SimFleet, host: str) -> list[str]:
+    """The running engine's command line (after the gate's execv)."""
     pid = show(fleet, host, "MainPID")["MainPID"]
-    argv = fleet.harness.exec(host, ["cat", f"/proc/{pid}/cmdline"]).stdout.split("\0")
+    return fleet.harness.exec(host, ["cat", f"/proc/{pid}/cmdline"]).stdout.split("\0")
+
+
+def engine_budget(fleet: SimFleet, host: str) -> int | None:
+    """--kv-cache-memory-bytes of the running engine's command line."""
+    argv = engine_argv(fleet, host)
     return int(argv[argv.index("--kv-cache-memory-bytes") + 1]) if "--kv-cache-memory-bytes" in argv else None
 
 
@@ -161,7 +177,7 @@ def wait_active(fleet: SimFleet, host: str, timeout: float = 60) -> None:
 
 
 def test_the_rollout_writes_a_format_2_plan_and_every_unit_starts_through_the_gate(fleet):
-    for host, policy in ((SHRINK, "shrink"), (REFUSE, "refuse")):
+    for host, policy in ((SHRINK, "shrink"), (REFUSE, "refuse"), (PROFILE, "profile")):
         plan = fleet.plan(host)
         assert plan["format"] == 2
         assert plan["boot_gate"] == {"policy": policy, "state_file": STATE}
@@ -174,6 +190,50 @@ def test_the_rollout_writes_a_format_2_plan_and_every_unit_starts_through_the_ga
         assert engine_budget(fleet, host) == plan["kv_cache_memory_bytes"]
         assert f"--policy {policy}" in (fleet.unit(host) or "")
         assert "RestartPreventExitStatus=78" in (fleet.unit(host) or "")
+
+
+PROBE_UNIT = """[Unit]
+Description=gpufleet test: does RestartPreventExitStatus= stop restarts of a refusing {where}?
+StartLimitIntervalSec=0
+
+[Service]
+Type=exec
+{pre}ExecStart=/bin/sh -c '{main}'
+Restart=on-failure
+RestartSec=1
+RestartPreventExitStatus=78
+"""
+
+
+def test_systemd_honours_restart_prevent_exit_status_only_for_the_main_process(fleet):
+    """Why the gate is the unit's ExecStart (a wrapper that execs the engine), not an ExecStartPre:
+    the same refusal (exit 78, listed in RestartPreventExitStatus=) stops the unit for good from
+    the main process and is restarted like any failure from an ExecStartPre, on this systemd."""
+    host = SHRINK
+    units = {"gpufleet-probe-pre.service": PROBE_UNIT.format(where="ExecStartPre", pre="ExecStartPre=/bin/sh -c 'exit 78'\n",
+                                                             main="exec sleep 600"),
+             "gpufleet-probe-main.service": PROBE_UNIT.format(where="ExecStart", pre="", main="exit 78")}
+    for name, text in units.items():
+        (fleet.guest_path(host, f"/etc/systemd/system/{name}")).write_text(text, encoding="utf-8")
+    fleet.harness.exec(host, ["systemctl", "daemon-reload"], check=True)
+    try:
+        for name in units:
+            fleet.harness.exec(host, ["systemctl", "start", "--no-block", name])
+        time.sleep(4.5)  # RestartSec=1: a unit that is restarted has been by now, several times
+        pre = show_unit(fleet, host, "gpufleet-probe-pre.service", "NRestarts")
+        main = show_unit(fleet, host, "gpufleet-probe-main.service", "NRestarts", "ActiveState", "ExecMainStatus")
+        assert int(pre["NRestarts"]) >= 2, pre
+        assert main == {"NRestarts": "0", "ActiveState": "failed", "ExecMainStatus": "78"}, main
+        version = fleet.harness.exec(host, ["systemctl", "--version"]).stdout.split("\n", 1)[0]
+        (fleet.workdir / "systemd-restart-prevent.txt").write_text(
+            f"{version}: ExecStartPre exit 78 -> NRestarts {pre['NRestarts']} after 4.5 s; ExecStart exit 78 -> {main}\n",
+            encoding="utf-8")
+    finally:
+        for name in units:
+            fleet.harness.exec(host, ["systemctl", "stop", name])
+            fleet.harness.exec(host, ["systemctl", "reset-failed", name])
+            fleet.guest_path(host, f"/etc/systemd/system/{name}").unlink(missing_ok=True)
+        fleet.harness.exec(host, ["systemctl", "daemon-reload"])
 
 
 def test_a_cotenant_within_the_margin_starts_as_planned(fleet):
@@ -265,6 +325,45 @@ def test_shrink_refuses_when_the_smaller_budget_misses_the_admission_plan(fleet)
     wait_active(fleet, SHRINK)
 
 
+def test_a_cotenant_below_the_floor_starts_vllm_profiling_under_profile(fleet):
+    plan = fleet.plan(PROFILE)
+    assert plan["profile_max_utilization"] is not None, "the profiled reference gives vLLM's non-KV memory"
+    margin = restart(fleet, PROFILE)["ranks"][0]["margin_bytes"]
+    cotenant(fleet, PROFILE, margin + GIB)  # 1 GiB below the floor
+    try:
+        state = restart(fleet, PROFILE)
+        assert state["action"] == "profile", state["message"]
+        rank = state["ranks"][0]
+        assert rank["margin_bytes"] == -GIB
+        # current free memory minus the guard and the CUDA-context allowance, never above the plan's
+        # startup utilization nor above the utilization at which vLLM's profiling sizes the plan
+        allowance = plan["free_floor_bytes"]["0"] - plan["vllm_floor_bytes"]["0"]
+        from_free = floor_utilization(rank["free_bytes"] - plan["guard_bytes"] - allowance, rank["total_bytes"])
+        want = min(from_free, plan["gpu_memory_utilization"], plan["profile_max_utilization"])
+        assert state["started"] == {"kv_cache_memory_bytes": None, "gpu_memory_utilization": want,
+                                    "num_blocks": None, "kv_cache_tokens": None}
+        assert state["degraded"]["gpu_memory_utilization_after"] == want
+        assert state["degraded"]["kv_cache_memory_bytes_before"] == plan["kv_cache_memory_bytes"]
+        argv = engine_argv(fleet, PROFILE)
+        assert "--kv-cache-memory-bytes" not in argv
+        assert argv[argv.index("--gpu-memory-utilization") + 1] == str(want)
+        result = boot_check(fleet, PROFILE, plan)
+        assert not result["failed"], result
+        assert result["degraded"]["action"] == "profile" and result["degraded"]["policy"] == "profile"
+        # what vLLM's own profiling sized (its blocks, /metrics): never above the plan's blocks
+        assert result["num_blocks"] and 0 < result["num_blocks"] <= plan["num_blocks"], result
+        if result.get("kv_cache_memory_bytes") is not None:
+            assert result["kv_cache_memory_bytes"] <= plan["kv_cache_memory_bytes"], result
+        journal = fleet.harness.exec(PROFILE, ["journalctl", "-u", UNIT, "-o", "cat", "--no-pager"]).stdout
+        assert journal.count("boot gate (profile) starts with vLLM's own profiling") == 1
+        assert f"--gpu-memory-utilization {want}" in journal
+    finally:
+        cotenant(fleet, PROFILE, None)
+    assert restart(fleet, PROFILE)["action"] == "start"
+    wait_active(fleet, PROFILE)
+    assert engine_budget(fleet, PROFILE) == plan["kv_cache_memory_bytes"]
+
+
 def test_a_guest_reboot_with_a_cotenant_below_the_floor(fleet):
     """The machines reboot (their disks kept, /run and processes not), a co-tenant 1 GiB below the
     floor on both: systemd starts the units at boot, no controller in the loop."""
@@ -297,7 +396,7 @@ def test_a_guest_reboot_with_a_cotenant_below_the_floor(fleet):
 
 
 def test_no_started_budget_ever_exceeds_the_plan(fleet):
-    for host in HOSTS:
+    for host in [*HOSTS, PROFILE]:
         plan = fleet.plan(host)
         state = gate_state(fleet, host)
         assert state["planned"]["kv_cache_memory_bytes"] == plan["kv_cache_memory_bytes"]
@@ -309,6 +408,9 @@ def test_no_started_budget_ever_exceeds_the_plan(fleet):
             if "boot gate (shrink) starts degraded" in line:
                 after = int(line.split(" -> ")[1].split(" B")[0])
                 assert after < plan["kv_cache_memory_bytes"], line
+            if "boot gate (profile) starts" in line:
+                util = float(line.split("--gpu-memory-utilization ")[1].split(" ")[0])
+                assert util <= plan["profile_max_utilization"], line
 
 
 def scrape(fleet: SimFleet, host: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:

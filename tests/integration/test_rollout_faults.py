@@ -37,7 +37,7 @@ import time
 from typing import Any
 
 import pytest
-from ansible_collections.gpufleet.vllm.plugins.module_utils._sizes import human_bytes
+from ansible_collections.gpufleet.vllm.plugins.module_utils._sizes import human_bytes, parse_size
 
 from simfleet import L40S, REPO, SimFleet, l40s_fleet, budget, reached, recap  # pylint: disable=import-error
 
@@ -168,6 +168,29 @@ def test_outlier_with_split_policy_warn_deploys_the_weakest_budget(fleet, seen):
     assert outcomes(fleet.last_report(reports)) == {h: "deployed" for h in HOSTS}
     fleet.sim.inject_cotenant("sim-ft-3", gpu=1, size=None, pid=None, remove=True)
     seen["units_split"] = units
+
+
+def test_a_cotenant_gone_since_the_last_probes_marks_the_rank_unstable(fleet, seen):
+    # The two runs above probed sim-ft-3 with the co-tenant on GPU 1; it is gone now. Each probe
+    # alone is steady, but across the host's probe history (on by default) the rank moved by the
+    # co-tenant's size: a fixed byte budget is the wrong tool until that stops.
+    before = fleet.units()
+    reports = len(fleet.reports())
+    rc, out = fleet.rollout(playbook=REPO / "playbooks" / "plan.yml")
+    assert rc == 0, out[-6000:]
+    entry = class_entry(fleet.last_report(reports))
+    assert entry["decision"] == "auto_profile", entry
+    moved = re.search(r"free memory is not steady on sim-ft-3/main rank 1 \(moved (\S+) across recent probes\)", out)
+    assert moved, out[-6000:]
+    assert abs(parse_size(moved.group(1)) - OUTLIER_COTENANT) < 64 * MIB, moved.group(0)
+    steady = [h for h in HOSTS if h != "sim-ft-3"]
+    assert not any(f"{h}/main" in line for h in steady for line in out.splitlines() if "is not steady on" in line)
+    # the utilization comes from the lowest free memory seen: the probe that still had the co-tenant
+    assert re.search(r"auto_profile: --gpu-memory-utilization 0\.\d+ from the lowest free memory seen, \S+ on host "
+                     r"sim-ft-3/main rank 1", out), out[-6000:]
+    assert fleet.units() == before, "plan.yml changes nothing"
+    # the operator knows the co-tenant is gone for good: the later runs start from a steady history
+    fleet.forget_probe_history("sim-ft-3")
 
 
 def test_mixed_gpu_types_refuse_the_class(fleet, seen):

@@ -19,7 +19,9 @@ started here. The tests run in file order and build on each other's end state:
    HAProxy during the rollout all succeed); the unattended pause continues (as configured)
    to rp-b, whose drain hook fails: the host fails and is rolled back;
 5. the plan file is refused before any host is touched once a host's free memory fell
-   below the planned floor, naming the host, rank and figures.
+   below the planned floor, naming the host, rank and figures;
+6. a manual canary that fails on the canary host: the class stops, and the host drained for
+   the canaries goes back into HAProxy once its production instance answers again.
 """
 
 from __future__ import annotations
@@ -346,3 +348,41 @@ def test_plan_refused_when_free_memory_fell_below_the_floor(fleet, seen):
     assert fleet.units(A_HOSTS + B_HOSTS) == before
     for host in A_HOSTS:
         assert fleet.active(host) == "active", host
+
+
+def test_a_failing_manual_canary_gives_the_canary_host_back_to_haproxy(fleet, seen):
+    """The manual canary fails on the canary host (its engine refuses at boot): the class stops before any
+    batch, the canaries start the production instance again on its previous unit, and the host that was
+    drained for the canaries goes back into HAProxy once that instance answers; the failure says so."""
+    canary = A_HOSTS[0]
+    haproxy_up(fleet)  # (again: the same configuration, every server UP)
+    inv = inventory(fleet, "haproxy-canary", {"rp_a": haproxy_hooks()})
+    before = fleet.units(A_HOSTS)
+    done = threading.Event()
+    observed: list[str] = []
+
+    def watch() -> None:
+        while not done.is_set():
+            observed.append(server_states(fleet).get(canary, "?"))
+            time.sleep(0.2)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    fleet.sim.inject_fail_next_boot(canary, "startup")
+    watcher.start()
+    try:
+        # a larger guard: a new budget, so the manual canary runs (and takes the failing boot)
+        rc, out = fleet.rollout({"gpufleet_target": "rp_a", "gpufleet_guard": "2GiB"}, inventory=inv)
+    finally:
+        done.set()
+        watcher.join(timeout=30)
+        fleet.sim.inject_fail_next_boot(canary, None)  # taken by the canary's boot; cancelled if it was not
+    assert rc != 0, out[-6000:]
+    assert f"class rp-a stopped on {canary}: Boot the canary engine (manual): vLLM canary (manual) did not boot" in out, \
+        out[-6000:]
+    assert f"the canary host {canary} was undrained: its production instance main answers /health again on its previous unit" \
+        in out, out[-6000:]
+    assert progress(out) == [], "a class whose canary failed reaches no batch"
+    assert "MAINT" in observed, "the canary host was drained while the canaries ran"
+    assert set(server_states(fleet).values()) == {"UP"}
+    assert fleet.units(A_HOSTS) == before
+    assert fleet.active(canary) == "active"

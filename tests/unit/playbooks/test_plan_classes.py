@@ -98,3 +98,30 @@ def test_classes_follow_the_stated_order_and_leave_out_classes_that_do_not_deplo
         "gpufleet_run": {"classes": ["l40s", "mixed", "h200"], "serial": [1, "50%"]},
     })
     assert classes == [["l40s", ["l-1", "l-2", "l-3"]], ["h200", ["h-1", "h-2"]]]
+
+
+def canary_host_note(task_name: str, variables: dict[str, t.Any]) -> str:
+    tasks = yaml.safe_load((ROOT / "playbooks" / "parts" / "canary_undrain.yml").read_text(encoding="utf-8"))
+    note = find_task(tasks, task_name)["ansible.builtin.set_fact"]["gpufleet_canary_host_note"]
+    variables = dict(variables, inventory_hostname="h1", vllm_canary_instance={"name": "main", "port": 8000},
+                     vllm_service_boot_timeout=120)
+    return Templar(loader=DataLoader(), variables=variables).template(trust_as_template(note))
+
+
+def test_a_canary_host_left_drained_says_why() -> None:
+    running = canary_host_note("Note that the canary host stays drained",
+                               {"vllm_canary_unit_state": {"stdout": "ActiveState=active\nSubState=running"}})
+    assert running == ("the canary host h1 stays drained (out of its load balancer): its production instance main "
+                       "did not answer /health within 120 s; undrain it by hand once it serves again")
+    stopped = canary_host_note("Note that the canary host stays drained",
+                               {"vllm_canary_unit_state": {"stdout": "ActiveState=inactive"}})
+    assert "its production instance main was not running before the canaries" in stopped
+    back = canary_host_note("Note that the canary host is back in its load balancer", {})
+    assert back == "the canary host h1 was undrained: its production instance main answers /health again on its previous unit"
+
+
+def test_every_failed_class_can_give_its_drained_canary_host_back() -> None:
+    plays = yaml.safe_load((ROOT / "playbooks" / "parts" / "plan_classes.yml").read_text(encoding="utf-8"))
+    task = find_task(plays[0]["tasks"], "Give the canary host back to its load balancer, or say why not")
+    assert task["ansible.builtin.include_tasks"] == "canary_undrain.yml"
+    assert task["when"] == "gpufleet_canary_drained | default(false) | bool"

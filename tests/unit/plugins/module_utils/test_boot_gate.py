@@ -321,3 +321,120 @@ def test_a_plan_without_any_floor_starts_as_planned_without_probing_nvml(tmp_pat
                    "/bin/true", "serve", "m", "--kv-cache-memory-bytes", str(BUDGET)],
                   nvml=NoNvml(), execv=lambda exe, argv: started.append(argv), log=lambda line: None)
     assert rc in (0, None) and started and f"{BUDGET}" in started[0]
+
+
+# ---------------------------------------------------------------- the planner's figures on the host
+
+GEMMA3_27B = {"model_type": "gemma3", "architectures": ["Gemma3ForConditionalGeneration"], "torch_dtype": "bfloat16",
+              "text_config": {"model_type": "gemma3_text", "num_hidden_layers": 62, "num_attention_heads": 32,
+                              "num_key_value_heads": 16, "head_dim": 128, "hidden_size": 5376, "sliding_window": 1024,
+                              "sliding_window_pattern": 6}}
+MISTRAL_7B_V01 = {"model_type": "mistral", "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+                  "hidden_size": 4096, "sliding_window": 4096, "torch_dtype": "bfloat16"}
+H200 = 150754820096
+
+
+def _class_spec(config: dict[str, Any], boot_free: int) -> dict[str, Any]:
+    return {
+        "host_class": "h200",
+        "reference": {"ranks": [{"rank": 0, "free_bytes": 140 * GIB, "kv_bytes": 100 * GIB}], "total_bytes": H200,
+                      "geometry": {"config": config, "serve_args": {"max_num_batched_tokens": 2048}}},
+        "hosts": {"a": [{"rank": 0, "boot_free_bytes": boot_free}]},
+        "guard_bytes": GIB // 2,
+        "max_model_len": 32768,
+        "admission": {"concurrency": 2, "tokens_per_request": 32768},
+    }
+
+
+def _plan_file(plan: dict[str, Any]) -> dict[str, Any]:
+    """The keys roles/vllm_service/templates/plan.json.j2 writes from the planner's result."""
+    return {"format": 2, "instance": "main", "unit": "vllm-main.service", "decision": plan["decision"], "gpus": [0],
+            "kv_cache_memory_bytes": plan["kv_cache_memory_bytes"], "gpu_memory_utilization": plan["gpu_memory_utilization"],
+            "free_floor_bytes": {str(k): v for k, v in plan["free_floor_bytes"].items()},
+            "vllm_floor_bytes": {str(k): v for k, v in plan["vllm_floor_bytes"].items()},
+            "guard_bytes": GIB // 2, "num_blocks": plan["num_blocks"], "kv_cache_tokens": plan["kv_cache_tokens"],
+            "max_model_len": 32768,
+            "admission": {"required_tokens": plan["admission"]["required_tokens"],
+                          "required_blocks": plan["admission"]["required_blocks"]},
+            "capacity": plan["kv_capacity"], "boot_gate": {"policy": "shrink", "state_file": None}}
+
+
+@pytest.mark.parametrize("config, family", [(GEMMA3_27B, "interleaved_sliding_window"), (MISTRAL_7B_V01, "sliding_window")])
+def test_a_shrunk_multi_group_budget_has_the_planners_blocks_and_tokens(config, family):
+    from ansible_collections.gpufleet.vllm.plugins.module_utils._plan import plan_class
+
+    planned = plan_class(_class_spec(config, 139 * GIB))
+    assert planned["decision"] == "deploy", planned["reasons"]
+    assert planned["capacity_source"] == "layout" and planned["kv_layout"]["family"] == family
+    floor = planned["free_floor_bytes"][0]
+    shortfall = 3 * GIB + 12345
+    host_gpus = [{"index": 0, "boot_free_bytes": floor - shortfall, "total_bytes": H200}]
+    verdict = gate.decide(gate.parse_plan(_plan_file(planned)), host_gpus, "shrink")
+    assert verdict["action"] == "shrink", verdict["message"]
+    # the planner, asked about a host that is `shortfall` below the floor, gives the same budget, blocks and tokens
+    replanned = plan_class(_class_spec(config, 139 * GIB - shortfall))
+    assert verdict["started"]["kv_cache_memory_bytes"] == replanned["kv_cache_memory_bytes"]
+    assert verdict["started"]["num_blocks"] == replanned["num_blocks"]
+    assert verdict["started"]["kv_cache_tokens"] == replanned["kv_cache_tokens"]
+    # a single-group division would count other tokens: the layout's per-request blocks make the difference
+    assert replanned["kv_cache_tokens"] != replanned["num_blocks"] * planned["block_size"]
+    assert verdict["degraded"]["kv_cache_tokens_before"] == planned["kv_cache_tokens"]
+
+
+def test_shrink_checks_one_request_with_the_blocks_of_every_kv_cache_group():
+    from ansible_collections.gpufleet.vllm.plugins.module_utils._plan import plan_class
+
+    planned = plan_class(_class_spec(GEMMA3_27B, 139 * GIB))
+    doc = _plan_file(planned)
+    doc["admission"] = None
+    per_request = planned["blocks_per_request"]
+    assert per_request > -(-32768 // planned["block_size"])  # more than one full-attention group would need
+    floor = planned["free_floor_bytes"][0]
+    bpb = planned["bytes_per_block"]
+    # leave exactly one request's blocks (+ the null block) minus one block: refused, naming the layout's figure
+    keep = per_request * bpb
+    shortfall = planned["kv_cache_memory_bytes"] - keep
+    verdict = gate.decide(gate.parse_plan(doc), [{"index": 0, "boot_free_bytes": floor - shortfall, "total_bytes": H200}],
+                          "shrink")
+    assert verdict["action"] == "refuse"
+    assert f"({per_request + 1} blocks with the null block)" in verdict["message"]
+
+
+def test_the_gate_and_the_planner_share_one_floor_utilization():
+    from ansible_collections.gpufleet.vllm.plugins.module_utils import _kv_capacity, _plan
+
+    assert gate.floor_utilization is _kv_capacity.floor_utilization is _plan.floor_utilization
+
+
+def test_profile_never_lets_vllm_size_more_than_the_planned_budget():
+    """vLLM's profiling at a utilization gives ``ceil(total * u) - non_kv`` of KV cache; the reference's
+    "fully utilize" suggestion shows ``non_kv``. The planner's cap keeps a profiled start at or below the plan."""
+    import math
+
+    from ansible_collections.gpufleet.vllm.plugins.module_utils._plan import plan_class
+
+    vllm_free, full = 139 * GIB, 120 * GIB  # non_kv 19 GiB (weights, activations, buffer)
+    spec = _class_spec(MISTRAL_7B_V01, 139 * GIB)
+    spec["reference"]["ranks"][0]["kv_bytes_full"] = full
+    spec["reference"]["vllm_free_bytes"] = {0: vllm_free}
+    planned = plan_class(spec)
+    cap = planned["profile_max_utilization"]
+    assert cap is not None and cap <= planned["gpu_memory_utilization"]
+    doc = dict(_plan_file(planned), profile_max_utilization=cap)
+    floor = planned["free_floor_bytes"][0]
+    free = floor - GIB // 4  # just below the floor: the free figure alone would profile far above the plan
+    uncapped = gate.decide(gate.parse_plan(dict(doc, profile_max_utilization=None)),
+                           [{"index": 0, "boot_free_bytes": free, "total_bytes": H200}], "profile")
+    verdict = gate.decide(gate.parse_plan(doc), [{"index": 0, "boot_free_bytes": free, "total_bytes": H200}], "profile")
+    assert verdict["action"] == uncapped["action"] == "profile"
+
+    def profiled_kv(util: float) -> int:
+        return math.ceil(H200 * util) - (vllm_free - full)
+
+    assert profiled_kv(uncapped["started"]["gpu_memory_utilization"]) > planned["kv_cache_memory_bytes"]
+    assert verdict["started"]["gpu_memory_utilization"] == cap
+    assert profiled_kv(cap) <= planned["kv_cache_memory_bytes"]
+    assert "capped at" in verdict["message"]
+    # far below the floor the free figure is the lower one and stands
+    low = gate.decide(gate.parse_plan(doc), [{"index": 0, "boot_free_bytes": floor - 30 * GIB, "total_bytes": H200}], "profile")
+    assert low["started"]["gpu_memory_utilization"] < cap and "capped at" not in low["message"]
