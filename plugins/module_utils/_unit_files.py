@@ -232,16 +232,14 @@ def service_input_problems(inputs: t.Mapping[str, t.Any]) -> list[str]:
         problems.append("vllm_service_listen_host: must not contain whitespace")
     if get("host_class"):
         _check(problems, v.class_name, get("host_class"), "vllm_service_host_class")
-    for key in ("read_write_paths", "device_allow"):
+    item_rules = {"read_write_paths": v.abs_path, "device_allow": v.text, "after_units": v.systemd_unit_name}
+    for key, rule in item_rules.items():
         items = get(key) or []
         if not isinstance(items, (list, tuple)):
             problems.append(f"vllm_service_{key}: expected a list")
             continue
         for i, item in enumerate(items):
-            if key == "read_write_paths":
-                _check(problems, v.abs_path, item, f"vllm_service_{key}[{i}]")
-            else:
-                _check(problems, v.text, item, f"vllm_service_{key}[{i}]")
+            _check(problems, rule, item, f"vllm_service_{key}[{i}]")
     for key, low in _SERVICE_COUNTS.items():
         if get(key) is not None:
             _check(problems, v.integer, get(key), "vllm_service_" + key, low=low)
