@@ -23,10 +23,11 @@ as booting and profiling cost most of the time):
 6. an unreachable host is left out, the others are rolled out, the run fails;
 7. a changed serve argument changes the compatibility key and forces a profiled canary;
 8. wrong service inputs on the last host stop the run before the first batch;
-9. a host still on a hand-written ``vllm.service`` (simulated engine) with a drop-in: the
-   rollout takes it over (the canaries stop and restart it, its memory counts as the host's
-   own at the gates, it is stopped and disabled in the change that starts vllm-main, kept
-   with its drop-in), and rollback.yml puts it back, enabled and running.
+9. a host on another driver than its class reference stops the run before any host;
+10. a host still on a hand-written ``vllm.service`` (simulated engine) with a drop-in: the
+    rollout takes it over (the canaries stop and restart it, its memory counts as the host's
+    own at the gates, it is stopped and disabled in the change that starts vllm-main, kept
+    with its drop-in), and rollback.yml puts it back, enabled and running.
 """
 
 from __future__ import annotations
@@ -253,6 +254,29 @@ def test_wrong_service_inputs_on_a_later_host_stop_the_run_before_any_host(fleet
     assert fleet.units() == before
     for host in HOSTS:
         assert fleet.active(host) == "active", host
+
+
+def test_a_host_on_another_driver_stops_the_run_before_any_host(fleet):
+    """A class halfway through a driver upgrade: the host whose driver differs from the class
+    reference (its canary host) is named and nothing is touched."""
+    before = fleet.units()
+
+    def driver(version: str):
+        def mutate(state: dict[str, Any]) -> None:
+            state["system"]["driver"] = version
+        return mutate
+
+    fleet.sim._edit_state("sim-ro-2", driver("560.35.03"))  # pylint: disable=protected-access
+    try:
+        rc, out = fleet.rollout({"gpufleet_probe_samples": 2, "gpufleet_probe_interval": 0.2})
+    finally:
+        fleet.sim._edit_state("sim-ro-2", driver("550.127.05"))  # pylint: disable=protected-access
+    assert rc != 0
+    assert re.search(r"sim-ro-2: driver 560\.35\.03 differs from sim-ro-1's 550\.127\.05 \(the class was profiled on sim-ro-1\)",
+                     out), out[-6000:]
+    assert "no host was touched" in out
+    assert "Report what changes on this host" not in out, "no host may reach the serial batches"
+    assert fleet.units() == before
 
 
 HAND_WRITTEN = """\
