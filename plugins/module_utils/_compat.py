@@ -355,7 +355,6 @@ def model_fingerprint(path: str) -> dict[str, Any]:
     return {"fingerprint": digest[:16], "revision": snapshot.group(1) if snapshot else None, "files": files}
 
 
-
 # The fields of the key every host of a class must share with the class reference (its
 # canary host): the driver, and the engine's vLLM, torch and CUDA build.
 RUNTIME_FIELDS = {"driver_version": "driver", "vllm_version": "vLLM", "vllm_commit": "vLLM commit", "torch_version": "torch",

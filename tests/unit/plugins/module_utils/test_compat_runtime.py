@@ -165,7 +165,6 @@ def test_hub_id_and_broken_directories(tmp_path):
         model_fingerprint(str(model))
 
 
-
 # ------------------------------------------------------------------ a host against its class reference
 REFERENCE = {"driver_version": "550.127.05", "vllm_version": "0.11.0", "vllm_commit": "abc123", "torch_version": "2.8.0+cu128",
              "cuda_version": "12.8", "gpu_name": "NVIDIA H200"}
