@@ -323,8 +323,9 @@ def test_a_hand_written_unit_is_taken_over_and_given_back_by_rollback(fleet):
         rc, out = fleet.rollout({"gpufleet_target": host})
         assert rc == 0, out[-6000:]
         assert "Manual canary on sim-ro-3 passed" in out
-        assert re.search(r"TASK \[(?:gpufleet\.vllm\.vllm_canary : )?Stop the other units on the instance's GPUs\][^\n]*\nchanged: \[sim-ro-3\] => \(item=vllm.service\)",
-                         out), out[-6000:]
+        stopped = (r"TASK \[(?:gpufleet\.vllm\.vllm_canary : )?Stop the other units on the instance's GPUs\][^\n]*\n"
+                   r"changed: \[sim-ro-3\] => \(item=vllm.service\)")
+        assert re.search(stopped, out), out[-6000:]
         assert "takes over vllm.service (running and enabled)" in out, out[-6000:]
         # its engine holds the GPUs until it stops: it passes the gate only because its memory counts as the host's own
         assert "Free-memory gate (before stop) passed on sim-ro-3" in out
