@@ -128,8 +128,10 @@ demo: rootfs
 demo-clean: venv
 	$(PY) sim/fleetctl.py destroy --all
 
+# The collection artifact; DIST=<directory> builds it elsewhere.
+DIST ?= $(CACHE)/dist
 build: venv
-	ansible-galaxy collection build --force --output-path $(CACHE)/dist
+	ansible-galaxy collection build --force --output-path $(DIST)
 
 clean:
 	-$(PY) tests/hosts/testhosts.py down --all

@@ -1,7 +1,7 @@
 # Copyright (c) gpufleet maintainers
 # GNU General Public License v3.0+ (see LICENSES/GPL-3.0-or-later.txt or https://www.gnu.org/licenses/gpl-3.0.txt)
 # SPDX-License-Identifier: GPL-3.0-or-later
-"""Filters: rollout_batches, rollout_plan, rollout_plan_drift (documentation in the YAML files beside this one)."""
+"""Filters: rollout_batches, rollout_plan, rollout_plan_drift, runtime_problems (documentation in the YAML files beside this one)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 from ansible.errors import AnsibleFilterError
 
-from ansible_collections.gpufleet.vllm.plugins.module_utils import _rollout
+from ansible_collections.gpufleet.vllm.plugins.module_utils import _compat, _rollout
 
 
 def rollout_batches(classes: Any, serial: Any = None) -> list[dict[str, Any]]:
@@ -43,6 +43,14 @@ def rollout_plan_drift(plan: Any, host_class: str | None = None, current: Mappin
         raise AnsibleFilterError(f"rollout_plan_drift: {exc}") from None
 
 
+def runtime_problems(reference: Any, host: Any, reference_host: str = "the class reference") -> list[str]:
+    """A host's driver, vLLM, torch and CUDA build against the class reference, and its driver against the CUDA build."""
+    try:
+        return _compat.runtime_problems(reference, host, str(reference_host))
+    except _compat.CompatError as exc:
+        raise AnsibleFilterError(str(exc)) from None
+
+
 class FilterModule:
     """gpufleet.vllm rollout filters."""
 
@@ -51,4 +59,5 @@ class FilterModule:
             "rollout_batches": rollout_batches,
             "rollout_plan": rollout_plan,
             "rollout_plan_drift": rollout_plan_drift,
+            "runtime_problems": runtime_problems,
         }

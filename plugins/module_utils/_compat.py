@@ -40,6 +40,8 @@ __all__ = [
     "parse_runtime_probe",
     "missing_libraries",
     "model_fingerprint",
+    "RUNTIME_FIELDS",
+    "runtime_problems",
 ]
 
 
@@ -351,3 +353,37 @@ def model_fingerprint(path: str) -> dict[str, Any]:
     snapshot = _SNAPSHOT.search(os.path.realpath(path) + "/") or _SNAPSHOT.search(path.rstrip("/") + "/")
     digest = hashlib.sha256(canonical_json(files).encode("ascii")).hexdigest()
     return {"fingerprint": digest[:16], "revision": snapshot.group(1) if snapshot else None, "files": files}
+
+
+# The fields of the key every host of a class must share with the class reference (its
+# canary host): the driver, and the engine's vLLM, torch and CUDA build.
+RUNTIME_FIELDS = {"driver_version": "driver", "vllm_version": "vLLM", "vllm_commit": "vLLM commit", "torch_version": "torch",
+                  "cuda_version": "CUDA build"}
+
+
+def _cuda_tuple(value: Any) -> tuple[int, ...] | None:
+    match = re.fullmatch(r"\s*(\d+)\.(\d+)(?:\.\d+)?\s*", str(value)) if value not in (None, "") else None
+    return (int(match.group(1)), int(match.group(2))) if match else None
+
+
+def runtime_problems(reference: Mapping[str, Any], host: Mapping[str, Any], reference_host: str = "the class reference") -> list[str]:
+    """What keeps a host's runtime from the class reference, one sentence each (empty: it matches).
+
+    ``reference``: the class's compatibility key (``driver_version``, ``vllm_version``,
+    ``vllm_commit``, ``torch_version``, ``cuda_version``); ``host``: the same fields read on the host, plus
+    ``cuda_driver_version`` (NVML: the newest CUDA the driver supports). A field missing on
+    either side is not compared (a simulated engine has no torch). The host's driver must
+    also support the CUDA build of its torch.
+    """
+    if not isinstance(reference, Mapping) or not isinstance(host, Mapping):
+        raise CompatError("runtime_problems: the reference and the host must be mappings of key fields")
+    problems = []
+    for name, label in RUNTIME_FIELDS.items():
+        want, have = reference.get(name), host.get(name)
+        if want not in (None, "") and have not in (None, "") and str(want).strip() != str(have).strip():
+            problems.append(f"{label} {have} differs from {reference_host}'s {want}")
+    supports, build = _cuda_tuple(host.get("cuda_driver_version")), _cuda_tuple(host.get("cuda_version"))
+    if supports is not None and build is not None and supports < build:
+        problems.append(f"the driver {host.get('driver_version') or ''} supports CUDA up to {host.get('cuda_driver_version')}, "
+                        f"older than the CUDA build {host.get('cuda_version')} of the engine's torch".replace("driver  ", "driver "))
+    return problems

@@ -20,6 +20,14 @@ removes the files marked absent (stopping and disabling a unit that did not exis
 leaves alone what the snapshot knows nothing about, and restarts a restored unit
 only if it was running when the snapshot was taken.
 
+Units the instances take over (``adopt``: a hand-written ``vllm.service``, say) are kept
+with the snapshot that takes them over, in ``<state_dir>/units/adopted-UNIT.json``: the
+unit file and its drop-ins byte for byte (base64), where systemd loaded them from, and
+whether the unit ran and was enabled. An instance is pending while a unit it takes over
+still runs or is enabled. A later snapshot, taken when the unit no longer runs and is not
+enabled, drops that record (the change it belonged to is no longer the last one); restoring
+puts the files back and says which units to enable and start again.
+
 A snapshot also opens a change: the marker ``vllm-NAME.service.changing``, closed when
 the plan is recorded after a passed boot check or when the snapshot is restored. A run
 interrupted in between (a killed controller, a lost connection) leaves it open; the next
@@ -32,6 +40,7 @@ so a reader (or an interrupted run) sees the old file or the new one, never a pa
 
 from __future__ import annotations
 
+import base64
 import grp
 import hashlib
 import json
@@ -47,6 +56,10 @@ from ._vllm_engine import CONTROLLED_OPTIONS, EngineSpecError, option_name, rend
 
 KINDS = ("unit", "plan", "env")
 SHOW_PROPERTIES = ("LoadState", "ActiveState", "NeedDaemonReload")
+# what is read of a unit the instances take over
+ADOPT_PROPERTIES = ("LoadState", "ActiveState", "UnitFileState", "FragmentPath", "DropInPaths")
+_RUNNING = ("active", "activating", "reloading", "deactivating")
+_ENABLED = ("enabled", "enabled-runtime", "linked", "linked-runtime", "alias")
 # systemctl show of several units: one block of properties per unit, in argument order.
 ShowRunner = t.Callable[[t.List[str]], t.Dict[str, t.Dict[str, str]]]
 SystemctlRunner = t.Callable[[t.List[str]], t.Tuple[int, str, str]]
@@ -232,16 +245,14 @@ def service_input_problems(inputs: t.Mapping[str, t.Any]) -> list[str]:
         problems.append("vllm_service_listen_host: must not contain whitespace")
     if get("host_class"):
         _check(problems, v.class_name, get("host_class"), "vllm_service_host_class")
-    for key in ("read_write_paths", "device_allow"):
+    item_rules = {"read_write_paths": v.abs_path, "device_allow": v.text, "after_units": v.systemd_unit_name}
+    for key, rule in item_rules.items():
         items = get(key) or []
         if not isinstance(items, (list, tuple)):
             problems.append(f"vllm_service_{key}: expected a list")
             continue
         for i, item in enumerate(items):
-            if key == "read_write_paths":
-                _check(problems, v.abs_path, item, f"vllm_service_{key}[{i}]")
-            else:
-                _check(problems, v.text, item, f"vllm_service_{key}[{i}]")
+            _check(problems, rule, item, f"vllm_service_{key}[{i}]")
     for key, low in _SERVICE_COUNTS.items():
         if get(key) is not None:
             _check(problems, v.integer, get(key), "vllm_service_" + key, low=low)
@@ -253,6 +264,12 @@ def service_input_problems(inputs: t.Mapping[str, t.Any]) -> list[str]:
     for key in ("create_user", "boot_check"):
         if get(key) is not None:
             _check(problems, v.boolean, get(key), "vllm_service_" + key)
+    instances = get("instances") if isinstance(get("instances"), (list, tuple)) else []
+    names = [str(i.get("name")) for i in instances if isinstance(i, t.Mapping)]
+    try:
+        validate_adopted(get("adopt_units") or [], names, "vllm_service_adopt_units")
+    except UnitFilesError as exc:
+        problems.append(str(exc))
     _env_problems(get("env"), "vllm_service_env", problems)
     _env_problems(get("secret_env"), "vllm_service_secret_env", problems, secret=True)
     serve_args = get("serve_args")
@@ -395,11 +412,12 @@ def parse_show(output: str, units: t.Sequence[str]) -> dict[str, dict[str, str]]
     return dict(zip(units, blocks))
 
 
-def systemctl_show(runner: SystemctlRunner, systemctl: str = "systemctl") -> ShowRunner:
+def systemctl_show(runner: SystemctlRunner, systemctl: str = "systemctl",
+                   properties: t.Sequence[str] = SHOW_PROPERTIES) -> ShowRunner:
     def show(units: list[str]) -> dict[str, dict[str, str]]:
         if not units:
             return {}
-        rc, out, err = runner([systemctl, "show", *units, "--property=" + ",".join(SHOW_PROPERTIES)])
+        rc, out, err = runner([systemctl, "show", *units, "--property=" + ",".join(properties)])
         if rc != 0:
             raise UnitFilesError(f"systemctl show {' '.join(units)} failed (rc {rc}): {err.strip()}")
         return parse_show(out, units)
@@ -622,5 +640,130 @@ def restore(layout: Layout, names: t.Sequence[str], systemctl: SystemctlRunner |
         entry["stop"] = has_copy and not was_running
         closed = ensure_absent(layout.changing_marker(name), check) if close else False  # the change is undone
         entry["changed"] = bool(entry["restored"] or entry["removed"] or entry.get("stopped") or closed)
+        out.append(entry)
+    return out
+
+
+# ---------------------------------------------------------------- units taken over
+
+
+def validate_adopted(units: t.Sequence[t.Any], instance_names: t.Sequence[str], field: str = "adopt") -> list[str]:
+    """The units to take over: systemd service names, none twice, none of this host's own instance units."""
+    own = {f"vllm-{n}.service" for n in instance_names}
+    out: list[str] = []
+    if not isinstance(units, (list, tuple)):
+        raise UnitFilesError(f"{field}: expected a list of unit names")
+    for i, unit in enumerate(units):
+        try:
+            name = v.systemd_unit_name(unit, f"{field}[{i}]")
+        except v.ValidationError as exc:
+            raise UnitFilesError(str(exc)) from None
+        if not name.endswith(".service"):
+            raise UnitFilesError(f"{field}[{i}]: {name} is not a service unit (.service)")
+        if name in own:
+            raise UnitFilesError(f"{field}[{i}]: {name} is the unit of one of this host's instances, not one to take over")
+        if name in out:
+            raise UnitFilesError(f"{field}[{i}]: {name} is named twice")
+        out.append(name)
+    return out
+
+
+def _adopted_record(layout: Layout, unit: str) -> str:
+    return os.path.join(layout.kept_dir, f"adopted-{unit}.json")
+
+
+def adopted_state(props: t.Mapping[str, str], unit: str) -> dict[str, t.Any]:
+    """What a unit to take over is now: found, running, enabled; ``holds``: it still runs or is enabled."""
+    found = props.get("LoadState", "not-found") not in ("not-found", "")
+    active = props.get("ActiveState", "inactive")
+    enabled = props.get("UnitFileState", "")
+    running = found and active in _RUNNING
+    is_enabled = found and enabled in _ENABLED
+    return {"unit": unit, "found": found, "active_state": active, "unit_file_state": enabled,
+            "holds": running or is_enabled, "running": running, "enabled": is_enabled}
+
+
+def adopted_status(units: t.Sequence[str], show: ShowRunner) -> list[dict[str, t.Any]]:
+    """The state of every unit to take over (read-only)."""
+    props = show(list(units))
+    return [adopted_state(props.get(u, {}), u) for u in units]
+
+
+def adoption_reasons(adopted: t.Sequence[t.Mapping[str, t.Any]]) -> list[str]:
+    """Why the instances are pending because of units they take over (empty once taken over)."""
+    out = []
+    for a in adopted:
+        if a["holds"]:
+            how = [w for w, on in (("running", a["running"]), ("enabled", a["enabled"])) if on]
+            out.append(f"takes over {a['unit']} ({' and '.join(how)})")
+    return out
+
+
+def _drop_in_paths(value: str) -> list[str]:
+    return [p for p in value.split() if p.startswith("/")]
+
+
+def snapshot_adopted(layout: Layout, units: t.Sequence[str], show: ShowRunner, check: bool,
+                     resumed: bool = False) -> list[dict[str, t.Any]]:
+    """Keep each unit to take over (file, drop-ins, running and enabled) with the snapshot that takes it over.
+
+    A unit that still runs or is enabled is kept now (this change takes it over). One that is
+    taken over already keeps the record of an interrupted change (``resumed``); otherwise its
+    record belongs to an older change and is dropped, so that restoring this change leaves it off.
+    """
+    props = show(list(units))
+    out = []
+    for unit in units:
+        now = adopted_state(props.get(unit, {}), unit)
+        path = _adopted_record(layout, unit)
+        entry = dict(now, kept=False, changed=False)
+        if now["holds"]:
+            fragment = props[unit].get("FragmentPath", "")
+            files: dict[str, dict[str, t.Any]] = {}
+            for file_path in ([fragment] if fragment.startswith("/") else []) + _drop_in_paths(props[unit].get("DropInPaths", "")):
+                data = read_bytes(file_path)
+                if data is not None:
+                    files[file_path] = {"data": base64.b64encode(data).decode("ascii"),
+                                        "mode": stat.S_IMODE(os.stat(file_path).st_mode)}
+            doc = {"unit": unit, "fragment_path": fragment, "files": files, "running": now["running"],
+                   "enabled": now["enabled"], "active_state": now["active_state"], "unit_file_state": now["unit_file_state"]}
+            data = (json.dumps(doc, indent=2, sort_keys=True) + "\n").encode("utf-8")
+            if not check and not os.path.isdir(layout.kept_dir):  # as snapshot() makes them
+                if not os.path.isdir(layout.state_dir):
+                    ensure_dir(layout.state_dir, layout.uid, layout.plan_gid, 0o750, check)
+                ensure_dir(layout.kept_dir, layout.uid, layout.gid, 0o700, check)
+            entry.update(kept=True, files=sorted(files),
+                         changed=ensure_file(path, data, layout.uid, layout.gid, 0o600, check))
+        elif resumed and os.path.exists(path):
+            entry.update(kept=True, resumed=True)
+        else:
+            entry["changed"] = ensure_absent(path, check)
+        out.append(entry)
+    return out
+
+
+def restore_adopted(layout: Layout, units: t.Sequence[str], check: bool) -> list[dict[str, t.Any]]:
+    """Put back the files of the units the last change took over; say which to enable and start again."""
+    out = []
+    for unit in units:
+        entry: dict[str, t.Any] = {"unit": unit, "restored": [], "enable": False, "start": False, "changed": False}
+        raw = read_bytes(_adopted_record(layout, unit))
+        if raw is None:  # the last change took nothing over: the unit stays as it is
+            out.append(entry)
+            continue
+        try:
+            doc = json.loads(raw)
+            files = {str(k): (base64.b64decode(str(f["data"]), validate=True), int(f["mode"]) & 0o7777)
+                     for k, f in dict(doc["files"]).items()}
+            if not all(os.path.isabs(k) for k in files):
+                raise ValueError("a kept file has no absolute path")
+        except (ValueError, KeyError, TypeError) as exc:
+            raise UnitFilesError(f"{_adopted_record(layout, unit)}: cannot be read ({exc})") from None
+        for file_path, (data, mode) in sorted(files.items()):
+            if not os.path.isdir(os.path.dirname(file_path)) and not check:  # a drop-in directory removed since
+                os.makedirs(os.path.dirname(file_path), mode=0o755, exist_ok=True)
+            if ensure_file(file_path, data, layout.uid, layout.gid, mode, check):
+                entry["restored"].append(file_path)
+        entry.update(enable=bool(doc.get("enabled")), start=bool(doc.get("running")), changed=bool(entry["restored"]))
         out.append(entry)
     return out

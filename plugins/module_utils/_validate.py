@@ -38,6 +38,7 @@ __all__ = [
     "env_name",
     "account_name",
     "abs_path",
+    "systemd_unit_name",
     "unique",
     "is_secret_option",
     "systemd_word",
@@ -68,6 +69,10 @@ _NUMBER_TEXT_MAX = 64
 _INSTANCE_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 _CLASS_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")
 _ENV_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,127}")
+# A systemd unit name (systemd.unit(5)): allowed characters, an optional template instance,
+# one of the unit type suffixes.
+_UNIT_RE = re.compile(r"[A-Za-z0-9:_.\\-]+(@[A-Za-z0-9:_.\\-]*)?"
+                      r"\.(service|socket|target|device|mount|automount|swap|path|timer|slice|scope)")
 # useradd's default NAME_REGEX (Debian), at most 32 characters.
 _ACCOUNT_RE = re.compile(r"[a-z_][a-z0-9_-]{0,30}\$?")
 
@@ -218,6 +223,14 @@ def class_name(value: object, field: str = "host_class") -> str:
 def env_name(value: object, field: str = "environment variable name") -> str:
     """An environment variable name: ``[A-Za-z_][A-Za-z0-9_]*``."""
     return _named(value, field, _ENV_RE, "ASCII letters, digits and '_', not starting with a digit")
+
+
+def systemd_unit_name(value: object, field: str) -> str:
+    """A systemd unit name such as ``nvidia-persistenced.service``: systemd's characters, a type suffix, at most 255."""
+    name = _named(value, field, _UNIT_RE, "a systemd unit name with its type, e.g. nvidia-persistenced.service")
+    if len(name) > 255:
+        raise ValidationError(f"{field}: a unit name has at most 255 characters, got {len(name)}")
+    return name
 
 
 def account_name(value: object, field: str) -> str:

@@ -35,6 +35,14 @@ description:
     returns which units to restart (RV(instances[].restart) - kept and running at the snapshot) and which to stop
     (RV(instances[].stop) - kept and not running at the snapshot). Restarting
     and C(daemon-reload) are left to M(ansible.builtin.systemd_service).
+  - O(adopt_units) names units the instances take over (a hand-written C(vllm.service) and its drop-ins).
+    With O(state=status) an instance is pending while one of them still runs or is enabled
+    (V(takes over vllm.service (running and enabled))); O(state=snapshot) keeps each such unit (its file and
+    drop-ins byte for byte, whether it ran and was enabled) with the snapshot that takes it over, in
+    C(<state_dir>/units/adopted-UNIT.json), and drops the record of a unit taken over by an older change;
+    O(state=restored) puts the kept files back and returns which units to enable and start again
+    (RV(adopted[].enable), RV(adopted[].start)). Stopping, disabling, enabling and starting them is left to
+    M(ansible.builtin.systemd_service).
   - Every file is written through a temporary file in its directory and renamed, so an interrupted run leaves
     the old file or the new one.
 author:
@@ -91,6 +99,13 @@ options:
         still known as an open change by the next run.
     type: bool
     default: true
+  adopt_units:
+    description:
+      - Service units the instances take over, for example V(vllm.service) (O(state=status), O(state=snapshot),
+        O(state=restored)); not one of the instances' own C(vllm-NAME.service) units.
+    type: list
+    elements: str
+    default: []
   unit_dir:
     description: Directory of the systemd units.
     type: path
@@ -129,12 +144,13 @@ seealso:
 """
 
 EXAMPLES = r"""
-- name: Find which instances differ from the desired units
+- name: Find which instances differ from the desired units (main takes over a hand-written vllm.service)
   gpufleet.vllm.vllm_unit:
     state: status
     instances:
       - name: main
         unit: "{{ lookup('ansible.builtin.template', 'vllm.service.j2') }}"
+    adopt_units: [vllm.service]
   register: vllm_status
 
 - name: Keep the files of instance main before stopping it
@@ -235,6 +251,46 @@ instances:
       reasons: [unit differs from the plan, the unit on disk has not passed a boot check]
       active_state: active
       unit_checksum: 0b2c6ab4a3f5bb2f1a0f1c3e5b8b1c9a7b3f0e11
+adopted:
+  description: One entry per unit of O(adopt_units), in the order given.
+  returned: when O(state) is V(status), V(snapshot) or V(restored)
+  type: list
+  elements: dict
+  contains:
+    unit:
+      description: Unit name.
+      type: str
+    found:
+      description: Whether systemd knows the unit (O(state=status), O(state=snapshot)).
+      type: bool
+    holds:
+      description: Whether it still runs or is enabled, so that it has yet to be taken over (O(state=status), O(state=snapshot)).
+      type: bool
+    running:
+      description: Whether it runs (O(state=status), O(state=snapshot)).
+      type: bool
+    enabled:
+      description: Whether it is enabled (O(state=status), O(state=snapshot)).
+      type: bool
+    kept:
+      description: Whether this snapshot keeps it (O(state=snapshot)).
+      type: bool
+    restored:
+      description: Files put back from the record (O(state=restored)).
+      type: list
+      elements: str
+    enable:
+      description: Whether to enable it again - it was enabled when it was taken over (O(state=restored)).
+      type: bool
+    start:
+      description: Whether to start it again - it ran when it was taken over (O(state=restored)).
+      type: bool
+  sample:
+    - unit: vllm.service
+      found: true
+      holds: true
+      running: true
+      enabled: true
 account_ready:
   description: Whether the service user, group and home given in O(account) exist as set up (O(state=status)).
   returned: when O(state=status) and O(account) is given
@@ -254,14 +310,20 @@ from ansible.module_utils.basic import AnsibleModule
 from ansible.module_utils.common.text.converters import to_native
 
 from ansible_collections.gpufleet.vllm.plugins.module_utils._unit_files import (
+    ADOPT_PROPERTIES,
     Layout,
     account_ready,
+    adopted_status,
+    adoption_reasons,
     UnitFilesError,
     record,
     restore,
+    restore_adopted,
     snapshot,
+    snapshot_adopted,
     status,
     systemctl_show,
+    validate_adopted,
     write,
 )
 
@@ -292,6 +354,7 @@ def main() -> None:
             ),
             env_files=dict(type="dict", no_log=True),
             close_change=dict(type="bool", default=True),
+            adopt_units=dict(type="list", elements="str", default=[]),
             unit_dir=dict(type="path", default="/etc/systemd/system"),
             state_dir=dict(type="path", default="/etc/gpufleet"),
             plan_group=dict(type="str", default="root"),
@@ -325,22 +388,34 @@ def main() -> None:
         plan_gid = _group_id(module.params["plan_group"], writes_plan_group) if state in ("present", "recorded", "restored") else 0
         layout = Layout(unit_dir=module.params["unit_dir"], state_dir=module.params["state_dir"], plan_gid=plan_gid)
         names = [i["name"] for i in instances]
+        adopt = validate_adopted(module.params["adopt_units"], names, "adopt_units")
+        if adopt and state in ("present", "recorded"):
+            raise UnitFilesError("adopt_units is for state status, snapshot or restored")
         if state in ("status", "snapshot", "restored"):
             systemctl = module.get_bin_path("systemctl", required=True)
+            show_adopted = systemctl_show(runner, systemctl, ADOPT_PROPERTIES)
         if state == "status":
             entries = status(layout, instances, systemctl_show(runner, systemctl), want_diff=module._diff)
+            result["adopted"] = adopted_status(adopt, show_adopted)
+            # a unit still to take over makes every instance of the host pending: they take over together
+            for entry in entries:
+                entry["reasons"] = entry["reasons"] + adoption_reasons(result["adopted"])
+                entry["pending"] = bool(entry["reasons"])
             result["pending"] = [e["name"] for e in entries if e["pending"]]
             if module.params["account"]:
                 acct = module.params["account"]
                 result["account_ready"] = account_ready(acct["user"], acct["group"], acct["home"])
         elif state == "snapshot":
             entries = snapshot(layout, names, systemctl_show(runner, systemctl), check)
+            result["adopted"] = snapshot_adopted(layout, adopt, show_adopted, check,
+                                                 resumed=any(e.get("resumed") for e in entries))
         elif state == "present":
             entries = write(layout, instances, check, want_diff=module._diff)
         elif state == "recorded":
             entries = record(layout, instances, check)
         else:
             entries = restore(layout, names, runner, check, systemctl_bin=systemctl, close=module.params["close_change"])
+            result["adopted"] = restore_adopted(layout, adopt, check)
     except UnitFilesError as exc:
         module.fail_json(msg=f"vllm_unit ({state}): {to_native(exc)}")
     except Exception as exc:  # pylint: disable=broad-exception-caught
@@ -349,7 +424,7 @@ def main() -> None:
     diffs = [e.pop("diff") for e in entries if "diff" in e]
     if diffs:
         result["diff"] = diffs
-    changes = [e.pop("changed", False) for e in entries]
+    changes = [e.pop("changed", False) for e in entries + result.get("adopted", [])]
     if state != "status":
         result["changed"] = any(changes)
     result["instances"] = entries

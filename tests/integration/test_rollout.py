@@ -22,12 +22,21 @@ as booting and profiling cost most of the time):
 5. an admission plan the class cannot hold stops the class before any host is touched;
 6. an unreachable host is left out, the others are rolled out, the run fails;
 7. a changed serve argument changes the compatibility key and forces a profiled canary;
-8. wrong service inputs on the last host stop the run before the first batch.
+8. wrong service inputs on the last host stop the run before the first batch;
+9. a host on another driver than its class reference stops the run before any host;
+10. a host still on a hand-written ``vllm.service`` (simulated engine) with a drop-in: the
+    rollout takes it over (the canaries stop and restart it, its memory counts as the host's
+    own at the gates, it is stopped and disabled in the change that starts vllm-main, kept
+    with its drop-in), and rollback.yml puts it back, enabled and running.
 """
 
 from __future__ import annotations
 
+import base64
+import json
+import os
 import re
+import subprocess
 import threading
 from typing import Any
 
@@ -245,3 +254,98 @@ def test_wrong_service_inputs_on_a_later_host_stop_the_run_before_any_host(fleet
     assert fleet.units() == before
     for host in HOSTS:
         assert fleet.active(host) == "active", host
+
+
+def test_a_host_on_another_driver_stops_the_run_before_any_host(fleet):
+    """A class halfway through a driver upgrade: the host whose driver differs from the class
+    reference (its canary host) is named and nothing is touched."""
+    before = fleet.units()
+
+    def driver(version: str):
+        def mutate(state: dict[str, Any]) -> None:
+            state["system"]["driver"] = version
+        return mutate
+
+    fleet.sim._edit_state("sim-ro-2", driver("560.35.03"))  # pylint: disable=protected-access
+    try:
+        rc, out = fleet.rollout({"gpufleet_probe_samples": 2, "gpufleet_probe_interval": 0.2})
+    finally:
+        fleet.sim._edit_state("sim-ro-2", driver("550.127.05"))  # pylint: disable=protected-access
+    assert rc != 0
+    assert re.search(r"sim-ro-2: driver 560\.35\.03 differs from sim-ro-1's 550\.127\.05 \(the class was profiled on sim-ro-1\)",
+                     out), out[-6000:]
+    assert "no host was touched" in out
+    assert "Report what changes on this host" not in out, "no host may reach the serial batches"
+    assert fleet.units() == before
+
+
+HAND_WRITTEN = """\
+[Unit]
+Description=vLLM, written by hand before gpufleet
+After=network-online.target
+
+[Service]
+ExecStart=/opt/vllm/venv/bin/vllm serve /srv/models/llama-3.1-8b-instruct --host 0.0.0.0 --port 8000 \\
+    --tensor-parallel-size 2 --max-model-len 8192 --gpu-memory-utilization 0.6
+Environment=CUDA_VISIBLE_DEVICES=0,1
+Restart=on-failure
+
+[Install]
+WantedBy=multi-user.target
+"""
+HAND_DROP_IN = "[Service]\nEnvironment=HAND_WRITTEN_DROP_IN=1\n"
+LEGACY = "/etc/systemd/system/vllm.service"
+LEGACY_DROP_IN = "/etc/systemd/system/vllm.service.d/10-local.conf"
+
+
+def legacy_state(fleet: SimFleet, host: str) -> tuple[str, str]:
+    active = fleet.harness.exec(host, ["systemctl", "is-active", "vllm.service"]).stdout.strip()
+    enabled = fleet.harness.exec(host, ["systemctl", "is-enabled", "vllm.service"]).stdout.strip()
+    return active, enabled
+
+
+def test_a_hand_written_unit_is_taken_over_and_given_back_by_rollback(fleet):
+    host = "sim-ro-3"
+    # the host as it was before gpufleet: no vllm-main, a hand-written vllm.service with a drop-in, running
+    setup = (f"systemctl disable --now vllm-main.service; rm -f {UNIT} {PLAN} /etc/gpufleet/vllm-main.env; "
+             f"mkdir -p {os.path.dirname(LEGACY_DROP_IN)}; cat > {LEGACY} <<'EOF'\n{HAND_WRITTEN}EOF\n"
+             f"printf '%s' '{HAND_DROP_IN}' > {LEGACY_DROP_IN}; systemctl daemon-reload; systemctl enable --now vllm.service; "
+             "for i in $(seq 120); do python3 -c \"import urllib.request as u; u.urlopen('http://127.0.0.1:8000/health', timeout=2)\" "
+             "2>/dev/null && exit 0; sleep 0.5; done; exit 1")
+    proc = fleet.harness.exec(host, ["sh", "-c", setup])
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert legacy_state(fleet, host) == ("active", "enabled")
+    host_vars = fleet.inventory.parent / "host_vars"
+    host_vars.mkdir(exist_ok=True)
+    (host_vars / f"{host}.yml").write_text(yaml.safe_dump({"vllm_service_adopt_units": ["vllm.service"]}), encoding="utf-8")
+    try:
+        # only this host: it is the canary host of the run, so the canaries must stop and restart vllm.service
+        rc, out = fleet.rollout({"gpufleet_target": host})
+        assert rc == 0, out[-6000:]
+        assert "Manual canary on sim-ro-3 passed" in out
+        stopped = (r"TASK \[(?:gpufleet\.vllm\.vllm_canary : )?Stop the other units on the instance's GPUs\][^\n]*\n"
+                   r"changed: \[sim-ro-3\] => \(item=vllm.service\)")
+        assert re.search(stopped, out), out[-6000:]
+        assert "takes over vllm.service (running and enabled)" in out, out[-6000:]
+        # its engine holds the GPUs until it stops: it passes the gate only because its memory counts as the host's own
+        assert "Free-memory gate (before stop) passed on sim-ro-3" in out
+        assert fleet.active(host) == "active" and legacy_state(fleet, host) == ("inactive", "disabled")
+        kept = json.loads(fleet.read(host, "/etc/gpufleet/units/adopted-vllm.service.json") or "{}")
+        files = {path: base64.b64decode(f["data"]).decode() for path, f in kept["files"].items()}
+        assert files == {LEGACY: HAND_WRITTEN, LEGACY_DROP_IN: HAND_DROP_IN}, files
+        assert kept["running"] is True and kept["enabled"] is True
+        assert fleet.plan(host)["kv_cache_memory_bytes"] == budget(fleet.unit(host))
+
+        env = dict(os.environ, ANSIBLE_NOCOLOR="1", ANSIBLE_PIPELINING="1", ANSIBLE_HOST_KEY_CHECKING="False")
+        back = subprocess.run(["ansible-playbook", "-i", str(fleet.inventory), str(REPO / "playbooks" / "rollback.yml"),
+                               "-e", f"gpufleet_rollback_hosts={host}"], cwd=REPO, env=env, capture_output=True, text=True,
+                              timeout=600, check=False)
+        assert back.returncode == 0, back.stdout[-6000:] + back.stderr[-2000:]
+    finally:
+        (host_vars / f"{host}.yml").unlink()
+    # the new unit is gone, the hand-written one is back as it was: its files, enabled, serving
+    assert fleet.unit(host) is None and fleet.active(host) != "active"
+    assert legacy_state(fleet, host) == ("active", "enabled")
+    assert fleet.read(host, LEGACY) == HAND_WRITTEN and fleet.read(host, LEGACY_DROP_IN) == HAND_DROP_IN
+    show = fleet.harness.exec(host, ["systemctl", "show", "vllm.service", "--property=Environment"]).stdout
+    assert "HAND_WRITTEN_DROP_IN=1" in show, show

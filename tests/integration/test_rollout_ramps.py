@@ -12,7 +12,10 @@ started here. The tests run in file order and build on each other's end state:
 2. first rollout: class rp-a ramps over its own hosts (batch n of m of class C), recorder
    hooks see drain/undrain around every host and around the canaries of every class's
    canary host, batch and class start/end; the unattended pause before rp-b stops (default);
-3. plan.yml through ansible-runner (the runner AWX uses) writes the plan file and the
+3. rollout.yml through ansible-runner in the runner's own layout (project, inventory, env)
+   with a limit to class rp-a: without localhost in the limit it stops before probing,
+   naming the fix; with it, rp-a (already on the plan) is left as it is and rp-b untouched;
+   plan.yml through ansible-runner (the runner AWX uses) writes the plan file and the
    ``gpufleet_plan`` artifact, read from the runner's artifacts;
 4. rollout.yml applies that artifact: class rp-a rolls out behind HAProxy (its runtime API
    shows each server MAINT while its host restarts, UP afterwards; requests sent through
@@ -202,6 +205,46 @@ def test_first_rollout_ramps_every_class_with_hooks(fleet, seen):
         assert fleet.active(host) == "active", host
     assert fleet.unit("sim-rp-b1") is None, "the stop came before rp-b's first batch"
     seen["units_1"] = fleet.units(A_HOSTS + B_HOSTS)
+
+
+def runner_layout(fleet: SimFleet, name: str, extravars: dict[str, Any]) -> Path:
+    """A private data directory as AWX gives it to ansible-runner: project, inventory, env."""
+    private = fleet.workdir / name
+    (private / "inventory").mkdir(parents=True)
+    (private / "env").mkdir()
+    (private / "project").symlink_to(REPO, target_is_directory=True)
+    inv = inventory(fleet, name, {})
+    (private / "inventory" / "hosts.yml").write_text(inv.read_text(encoding="utf-8"), encoding="utf-8")
+    inv.unlink()
+    (private / "env" / "extravars").write_text(yaml.safe_dump(extravars), encoding="utf-8")
+    envvars = {"ANSIBLE_NOCOLOR": "1", "ANSIBLE_PIPELINING": "1", "ANSIBLE_HOST_KEY_CHECKING": "False", "ANSIBLE_TIMEOUT": "10"}
+    (private / "env" / "envvars").write_text(yaml.safe_dump(envvars), encoding="utf-8")
+    return private
+
+
+def test_rollout_through_ansible_runner_with_a_limit(fleet, seen):
+    """rollout.yml as an AWX job runs it: ansible-runner's own layout, the class chosen by --limit."""
+    ansible_runner = pytest.importorskip("ansible_runner")  # requirements-dev.txt pins it
+    # short probes: this test is about the limit and the layout, not the sampling window
+    private = runner_layout(fleet, "runner-rollout", {"gpufleet_probe_samples": 2, "gpufleet_probe_interval": 0.2})
+    # a limit without localhost skips the controller-side plays: the run stops before any host is probed
+    result = ansible_runner.run(private_data_dir=str(private), playbook="playbooks/rollout.yml", limit="rp_a", quiet=True)
+    out = result.stdout.read()
+    assert result.rc != 0, out[-4000:]
+    assert "--limit 'rp_a' leaves out localhost" in out and "--limit 'rp_a,localhost'" in out, out[-4000:]
+    assert "PLAY [Probe every target host]" not in out
+    # with localhost in the limit, class rp-a is planned and checked from its own hosts only: the
+    # load balancer (no class) and class rp-b are outside the run; rp-a already runs the plan
+    result = ansible_runner.run(private_data_dir=str(private), playbook="playbooks/rollout.yml", limit="rp_a,localhost",
+                                quiet=True)
+    out = result.stdout.read()
+    assert result.status == "successful" and result.rc == 0, out[-6000:]
+    touched = {e["event_data"]["host"] for e in result.events if e.get("event") == "runner_on_ok" and "host" in e.get("event_data", {})}
+    assert touched - {"localhost"} == set(A_HOSTS), touched
+    assert "every instance already runs the plan, nothing to do" in out
+    assert fleet.units(A_HOSTS + B_HOSTS) == seen["units_1"], "the second rollout of rp-a changes nothing; rp-b is untouched"
+    report = fleet.last_report()
+    assert {h["host"]: h["outcome"] for h in report["hosts"]} == dict.fromkeys(A_HOSTS, "unchanged"), report["hosts"]
 
 
 def test_plan_through_ansible_runner_writes_the_artifact(fleet, seen):

@@ -135,6 +135,8 @@ PLAN_MANUAL = {"decision": "deploy", "kv_cache_memory_bytes": 30333206528, "gpu_
 AWKWARD = "a b \"dq\" 'sq' $HOME ${USER} %h %% \\back\\slash ;&|`echo x` #not é 模型 \\"
 HOSTILE_MODEL = "/srv/models/llama 3 " + AWKWARD
 HOSTILE_SERVED = ["a b", "$x ${y}", "%n %%", "semi;colon", "back\\", "quote\"", "'", "", "é"]
+# legal systemd unit names, a template instance with systemd's escapes among them
+HOSTILE_AFTER_UNITS = ["nvidia-persistenced.service", "nvidia-fabricmanager.service", "gpu-ready@dev-nvidia\\x2d0.target"]
 HOSTILE_ENV = {"NOTE": "50% " + AWKWARD, "EMPTY": "", "HASH": "#x", "SPACES": "  lead and trail  "}
 HOSTILE_SECRET_ENV = {"VLLM_API_KEY": "k$ey\"q\\b`t` %h 'x' ; é \\", "HF_TOKEN": "#not-a-comment",
                       "SPACED": "  two  words  "}
@@ -166,6 +168,7 @@ def hostile_case(executable: str, name: str = "q", port: int = 8000, gpus: list[
         "vllm_service_env": HOSTILE_ENV,
         "vllm_service_secret_env": HOSTILE_SECRET_ENV,
         "vllm_service_host_class": "h200.x_1-a",
+        "vllm_service_after_units": list(HOSTILE_AFTER_UNITS),
         "vllm_service_home": home,
         "vllm_service_user": user,
         "vllm_service_group": group,

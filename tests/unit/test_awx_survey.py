@@ -131,3 +131,26 @@ def test_awx_doc_workflow_plans_approves_and_applies():
     assert [n["identifier"] for n in plan["related"]["success_nodes"]] == ["approve"]
     assert [n["identifier"] for n in approve["related"]["success_nodes"]] == ["apply"]
     assert "meta/survey-rollout.json" in workflows[0]["survey_spec"]
+
+
+def test_awx_doc_templates_carry_the_model_token_credential():
+    """The templates that run canaries or write units get the token from a credential whose
+    injector sets the variable the example inventory maps onto the engine's secret environment."""
+    text = AWX_DOC.read_text(encoding="utf-8")
+    blocks = re.findall(r"```yaml\n(.*?)```", text, re.S)
+    plays = [p for b in blocks for p in (yaml.safe_load(b) or []) if isinstance(p, dict) and "tasks" in p]
+    tasks = [t for p in plays for t in p["tasks"]]
+    types = {t["awx.awx.credential_type"]["name"]: t["awx.awx.credential_type"] for t in tasks if "awx.awx.credential_type" in t}
+    creds = {t["awx.awx.credential"]["name"]: t["awx.awx.credential"] for t in tasks if "awx.awx.credential" in t}
+    templates = {t["awx.awx.job_template"]["name"]: t["awx.awx.job_template"] for t in tasks if "awx.awx.job_template" in t}
+    inventory = yaml.safe_load((REPO / "inventories" / "example" / "group_vars" / "gpufleet.yml").read_text(encoding="utf-8"))
+    mapped = re.findall(r"\{\{\s*(\w+)\s*\}\}", inventory["vllm_service_secret_env"]["HF_TOKEN"])
+    for name in ("vLLM KV rollout", "vLLM KV apply"):
+        token_creds = [c for c in templates[name]["credentials"] if c in creds]
+        assert len(token_creds) == 1, f"{name}: no model token credential among {templates[name]['credentials']}"
+        ctype = types[creds[token_creds[0]]["credential_type"]]
+        field = ctype["inputs"]["fields"][0]
+        assert field["secret"] is True
+        injected = ctype["injectors"]["extra_vars"]
+        assert list(injected) == mapped, (injected, mapped)
+        assert field["id"] in injected[mapped[0]]

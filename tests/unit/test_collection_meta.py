@@ -47,8 +47,9 @@ def _load_yaml(path: Path) -> object:
 @pytest.fixture(scope="module")
 def built_tarball(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("dist")
-    result = _run([_tool("ansible-galaxy"), "collection", "build", "--output-path", str(out), str(REPO_ROOT)], cwd=REPO_ROOT)
-    assert result.returncode == 0, f"ansible-galaxy collection build failed:\n{result.stdout}\n{result.stderr}"
+    # the release artifact as `make build` makes it (DIST: where it goes)
+    result = _run(["make", "--no-print-directory", "build", f"DIST={out}"], cwd=REPO_ROOT)
+    assert result.returncode == 0, f"make build failed:\n{result.stdout}\n{result.stderr}"
     tarballs = list(out.glob("gpufleet-vllm-*.tar.gz"))
     assert len(tarballs) == 1, f"expected one tarball in {out}, found {tarballs}"
     return tarballs[0]
@@ -107,6 +108,32 @@ def test_build_manifest_matches_galaxy_yml(built_tarball: Path) -> None:
     info = manifest["collection_info"]
     assert (info["namespace"], info["name"], info["version"]) == (galaxy["namespace"], galaxy["name"], galaxy["version"])
     assert built_tarball.name == f"{galaxy['namespace']}-{galaxy['name']}-{galaxy['version']}.tar.gz"
+
+
+def test_built_artifact_installs_and_its_content_is_found(built_tarball: Path, tmp_path: Path) -> None:
+    """The artifact installs with ansible-galaxy into an empty collections path; ansible-doc finds a
+    module there, and the playbooks run by their collection names (syntax check) from there only."""
+    # only the installed copy: neither the checkout's collections path nor its PYTHONPATH
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "ANSIBLE_COLLECTIONS_PATH", "ANSIBLE_COLLECTIONS_PATHS")}
+    env.update(ANSIBLE_COLLECTIONS_PATH=str(tmp_path), ANSIBLE_NOCOLOR="1", PATH=f"{BIN}{os.pathsep}{env.get('PATH', '')}")
+    install = subprocess.run(
+        [_tool("ansible-galaxy"), "collection", "install", "--offline", "-p", str(tmp_path), str(built_tarball)], cwd=tmp_path,
+        env=env, capture_output=True, text=True, timeout=300, check=False,
+    )
+    assert install.returncode == 0, install.stdout + install.stderr
+    galaxy = _load_yaml(REPO_ROOT / "galaxy.yml")
+    assert isinstance(galaxy, dict)
+    assert f"gpufleet.vllm:{galaxy['version']} was installed successfully" in install.stdout, install.stdout
+    doc = subprocess.run([_tool("ansible-doc"), "--json", "-t", "module", "gpufleet.vllm.gpu_memory_info"], cwd=tmp_path, env=env,
+                         capture_output=True, text=True, timeout=120, check=False)
+    assert doc.returncode == 0, doc.stdout + doc.stderr
+    found = json.loads(doc.stdout)["gpufleet.vllm.gpu_memory_info"]["doc"]
+    assert found["filename"].startswith(str(tmp_path / "ansible_collections" / "gpufleet" / "vllm")), found["filename"]
+    assert found["version_added"] or found["short_description"]
+    for playbook in ("gpufleet.vllm.rollout", "gpufleet.vllm.plan", "gpufleet.vllm.rollback"):
+        check = subprocess.run([_tool("ansible-playbook"), "-i", "localhost,", "--syntax-check", playbook], cwd=tmp_path, env=env,
+                               capture_output=True, text=True, timeout=120, check=False)
+        assert check.returncode == 0, f"{playbook}: {check.stdout}{check.stderr}"
 
 
 # ---------------------------------------------------------------- runtime metadata and plugins
@@ -432,6 +459,9 @@ def test_lint_excluded_trees_hold_no_ansible_content(monkeypatch: pytest.MonkeyP
 def test_changelog_release_lists_every_module(tmp_path: Path) -> None:
     """A release of the current tree (in a copy) renders notes naming every module.
 
+    galaxy.yml's version is a release of changelogs/changelog.yaml; unreleased fragments and
+    plugins of that version are folded into it here as ``--update-existing`` does.
+
     antsibull-changelog finds new plugins through ansible-doc, so this also proves that
     every module's documentation loads from an installed-style collection tree.
     """
@@ -447,10 +477,13 @@ def test_changelog_release_lists_every_module(tmp_path: Path) -> None:
             shutil.copy2(source, dest / rel)
     galaxy = _load_yaml(REPO_ROOT / "galaxy.yml")
     assert isinstance(galaxy, dict)
+    changelog = _load_yaml(REPO_ROOT / "changelogs" / "changelog.yaml")
+    assert isinstance(changelog, dict) and str(galaxy["version"]) in changelog["releases"], "galaxy.yml's version is not released"
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "ANSIBLE_COLLECTIONS_PATH")}
     env["PATH"] = f"{BIN}{os.pathsep}{env.get('PATH', '')}"
     result = subprocess.run(
-        [_tool("antsibull-changelog"), "release", "--version", str(galaxy["version"]), "--date", "2026-01-01"],
+        # the release of galaxy.yml's version exists (changelogs/changelog.yaml): fold in what came after it
+        [_tool("antsibull-changelog"), "release", "--version", str(galaxy["version"]), "--update-existing", "--reload-plugins"],
         cwd=dest, env=env, capture_output=True, text=True, timeout=300, check=False,
     )
     assert result.returncode == 0, result.stdout + result.stderr

@@ -86,3 +86,24 @@ def test_control_characters_are_refused_naming_the_field(rendered, case, field):
     assert template_errors[case] is not None, f"{case}: rendered without an error"
     named = field.split(":")[0]
     assert named in template_errors[case] or named.split(".")[-1] in template_errors[case], template_errors[case]
+
+
+def test_units_are_ordered_after_the_configured_units(rendered):
+    """vllm_service_after_units: one After= and one Wants= per unit, after the network's."""
+    lines = rendered[0]["hostile"]["unit"].splitlines()
+    after = [line.split("=", 1)[1] for line in lines if line.startswith("After=")]
+    wants = [line.split("=", 1)[1] for line in lines if line.startswith("Wants=")]
+    assert after == wants == ["network-online.target", *unit_render.HOSTILE_AFTER_UNITS], (after, wants)
+
+
+@pytest.mark.parametrize("bad", ["nvidia-persistenced", "nvidia persistenced.service", "a;b.service", "x.serv1ce",
+                                 "-x.service/../y", "", 5, "n" * 250 + ".service"])
+def test_a_bad_ordering_unit_is_refused_naming_the_field(bad):
+    case = dict(unit_render.hostile_case("/opt/vllm/venv/bin/vllm"), vllm_service_after_units=["nvidia-persistenced.service", bad])
+    problems = service_input_problems(unit_render.role_vars(case))
+    assert len(problems) == 1 and problems[0].startswith("vllm_service_after_units[1]: "), problems
+
+
+def test_ordering_units_must_be_a_list():
+    case = dict(unit_render.hostile_case("/opt/vllm/venv/bin/vllm"), vllm_service_after_units="nvidia-persistenced.service")
+    assert service_input_problems(unit_render.role_vars(case)) == ["vllm_service_after_units: expected a list"]

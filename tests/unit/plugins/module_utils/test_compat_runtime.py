@@ -22,6 +22,7 @@ from ansible_collections.gpufleet.vllm.plugins.module_utils._compat import (
     missing_libraries,
     model_fingerprint,
     parse_runtime_probe,
+    runtime_problems,
 )
 
 TORCH_VERSION_PY = """from typing import Optional
@@ -162,3 +163,40 @@ def test_hub_id_and_broken_directories(tmp_path):
     (model / "model.safetensors").write_bytes(struct.pack("<Q", 10**9) + b"{}")
     with pytest.raises(CompatError, match="safetensors header"):
         model_fingerprint(str(model))
+
+
+# ------------------------------------------------------------------ a host against its class reference
+REFERENCE = {"driver_version": "550.127.05", "vllm_version": "0.11.0", "vllm_commit": "abc123", "torch_version": "2.8.0+cu128",
+             "cuda_version": "12.8", "gpu_name": "NVIDIA H200"}
+
+
+def test_a_host_with_the_class_runtime_has_no_problem():
+    host = {k: REFERENCE[k] for k in ("driver_version", "vllm_commit", "torch_version", "cuda_version")}
+    assert runtime_problems(REFERENCE, dict(host, cuda_driver_version="12.9")) == []
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    ({"driver_version": "560.35.03"}, "driver 560.35.03 differs from gpu-a1's 550.127.05"),
+    ({"vllm_commit": "def456"}, "vLLM commit def456 differs from gpu-a1's abc123"),
+    ({"torch_version": "2.9.0+cu128"}, "torch 2.9.0+cu128 differs from gpu-a1's 2.8.0+cu128"),
+    ({"cuda_version": "12.6"}, "CUDA build 12.6 differs from gpu-a1's 12.8"),
+])
+def test_each_differing_field_is_named(change, message):
+    host = dict({k: REFERENCE[k] for k in ("driver_version", "vllm_commit", "torch_version", "cuda_version")}, **change)
+    assert runtime_problems(REFERENCE, host, "gpu-a1") == [message]
+
+
+def test_a_driver_older_than_the_cuda_build_is_named_even_on_the_canary_host():
+    host = {"driver_version": "550.127.05", "cuda_driver_version": "12.4", "cuda_version": "12.8"}
+    assert runtime_problems(REFERENCE, host) == [
+        "the driver 550.127.05 supports CUDA up to 12.4, older than the CUDA build 12.8 of the engine's torch"]
+    # 12.10 is newer than 12.8 (numbers, not text)
+    assert runtime_problems(REFERENCE, dict(host, cuda_driver_version="12.10")) == []
+
+
+def test_fields_missing_on_either_side_are_not_compared():
+    # a simulated engine (no torch) and a CPU build (no CUDA build)
+    assert runtime_problems({"driver_version": "550.127.05"}, {"driver_version": "550.127.05", "torch_version": "2.8.0"}) == []
+    assert runtime_problems(REFERENCE, {"cuda_driver_version": "12.2", "cuda_version": None}) == []
+    with pytest.raises(CompatError, match="must be mappings"):
+        runtime_problems(REFERENCE, ["550"])  # type: ignore[arg-type]

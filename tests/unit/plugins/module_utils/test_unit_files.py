@@ -22,13 +22,19 @@ import pytest
 from ansible_collections.gpufleet.vllm.plugins.module_utils._unit_files import (
     Layout,
     UnitFilesError,
+    adopted_status,
+    adoption_reasons,
     atomic_write,
     parse_show,
     record,
     restore,
+    restore_adopted,
+    service_input_problems,
     sha1,
     snapshot,
+    snapshot_adopted,
     status,
+    validate_adopted,
     validate_name,
     write,
 )
@@ -323,3 +329,93 @@ def test_unwritable_directory_is_a_clear_error(layout, tmp_path):
     target = tmp_path / "missing" / "vllm-a.service"
     with pytest.raises(UnitFilesError, match="cannot write"):
         atomic_write(str(target), b"x", os.getuid(), os.getgid(), 0o644)
+
+
+# ------------------------------------------------------------------ units taken over
+HAND_UNIT = "[Unit]\nDescription=hand-written vLLM\n[Service]\nExecStart=/usr/local/bin/vllm serve m --port 8000\n"
+HAND_DROP_IN = "[Service]\nEnvironment=HF_HOME=/data/hf\n"
+
+
+class FakeLegacy:
+    """systemctl show of a hand-written unit: running/enabled as set, its file and drop-ins as written."""
+
+    def __init__(self, tmp_path) -> None:
+        self.fragment = str(tmp_path / "systemd" / "vllm.service")
+        self.drop_in = str(tmp_path / "systemd" / "vllm.service.d" / "10-cache.conf")
+        put(self.fragment, HAND_UNIT, 0o644)
+        put(self.drop_in, HAND_DROP_IN, 0o640)
+        self.active, self.enabled = "active", "enabled"
+
+    def show(self, units: list[str]) -> dict[str, dict[str, str]]:
+        return {u: {"LoadState": "loaded", "ActiveState": self.active, "UnitFileState": self.enabled,
+                    "FragmentPath": self.fragment, "DropInPaths": self.drop_in} for u in units}
+
+
+def test_a_running_hand_written_unit_makes_the_instances_pending(layout, tmp_path):
+    legacy = FakeLegacy(tmp_path)
+    adopted = adopted_status(["vllm.service"], legacy.show)
+    assert adoption_reasons(adopted) == ["takes over vllm.service (running and enabled)"]
+    legacy.active = "inactive"
+    assert adoption_reasons(adopted_status(["vllm.service"], legacy.show)) == ["takes over vllm.service (enabled)"]
+    legacy.enabled = "disabled"
+    assert adoption_reasons(adopted_status(["vllm.service"], legacy.show)) == [], "taken over: nothing left to do"
+    gone = adopted_status(["old.service"], lambda units: {u: {"LoadState": "not-found"} for u in units})
+    assert gone[0]["found"] is False and adoption_reasons(gone) == []
+
+
+def test_taking_over_keeps_the_unit_and_drop_ins_and_rollback_puts_them_back(layout, tmp_path):
+    legacy = FakeLegacy(tmp_path)
+    snapshot(layout, ["main"], FakeSystemd().show, check=False)
+    (kept,) = snapshot_adopted(layout, ["vllm.service"], legacy.show, check=False)
+    assert kept["kept"] and kept["changed"] and kept["files"] == sorted([legacy.fragment, legacy.drop_in])
+    assert mode(os.path.join(layout.kept_dir, "adopted-vllm.service.json")) == 0o600
+    # the change stops and disables it; someone edits the drop-in and removes the unit file meanwhile
+    legacy.active, legacy.enabled = "inactive", "disabled"
+    put(legacy.drop_in, "[Service]\nEnvironment=HF_HOME=/elsewhere\n", 0o644)
+    os.unlink(legacy.fragment)
+    (back,) = restore_adopted(layout, ["vllm.service"], check=False)
+    assert back["enable"] is True and back["start"] is True
+    assert sorted(back["restored"]) == sorted([legacy.fragment, legacy.drop_in])
+    assert read(legacy.fragment) == HAND_UNIT and read(legacy.drop_in) == HAND_DROP_IN
+    assert mode(legacy.drop_in) == 0o640, "the drop-in's own mode comes back"
+    assert restore_adopted(layout, ["vllm.service"], check=False)[0]["restored"] == [], "a second restore changes nothing"
+
+
+def test_a_later_change_does_not_bring_the_taken_over_unit_back(layout, tmp_path):
+    legacy = FakeLegacy(tmp_path)
+    snapshot_adopted(layout, ["vllm.service"], legacy.show, check=False)
+    legacy.active, legacy.enabled = "inactive", "disabled"
+    # an interrupted change keeps what it took over
+    (resumed,) = snapshot_adopted(layout, ["vllm.service"], legacy.show, check=False, resumed=True)
+    assert resumed["kept"] and resumed["resumed"]
+    # the next change (a new budget) is not the one that took it over: restoring it leaves the unit off
+    (later,) = snapshot_adopted(layout, ["vllm.service"], legacy.show, check=False)
+    assert not later["kept"] and later["changed"]
+    assert restore_adopted(layout, ["vllm.service"], check=False) == [
+        {"unit": "vllm.service", "restored": [], "enable": False, "start": False, "changed": False}]
+
+
+def test_snapshot_of_a_unit_to_take_over_in_check_mode_writes_nothing(layout, tmp_path):
+    legacy = FakeLegacy(tmp_path)
+    (kept,) = snapshot_adopted(layout, ["vllm.service"], legacy.show, check=True)
+    assert kept["changed"] and not os.path.exists(os.path.join(layout.kept_dir, "adopted-vllm.service.json"))
+
+
+@pytest.mark.parametrize(("units", "message"), [
+    (["vllm-main.service"], "adopt[0]: vllm-main.service is the unit of one of this host's instances"),
+    (["vllm.socket"], "adopt[0]: vllm.socket is not a service unit"),
+    (["vllm.service", "vllm.service"], "adopt[1]: vllm.service is named twice"),
+    (["vllm service"], "adopt[0]: "),
+    ("vllm.service", "adopt: expected a list"),
+])
+def test_bad_units_to_take_over_are_refused_naming_the_entry(units, message):
+    with pytest.raises(UnitFilesError, match="^" + message.replace("[", "\\[").replace("]", "\\]")):
+        validate_adopted(units, ["main"], "adopt")
+
+
+def test_the_role_refuses_a_bad_unit_to_take_over_naming_the_variable():
+    inputs = {"vllm_service_instances": [{"name": "main", "gpus": [0], "port": 8000}],
+              "vllm_service_adopt_units": ["vllm.service", "vllm-main.service"]}
+    problems = [p for p in service_input_problems(inputs) if "adopt" in p]
+    assert problems == ["vllm_service_adopt_units[1]: vllm-main.service is the unit of one of this host's instances, "
+                        "not one to take over"]
