@@ -257,6 +257,21 @@ def _fit(plan: Mapping[str, Any]) -> dict[str, Any] | None:
     }
 
 
+def _budget_choice(plan: Mapping[str, Any]) -> dict[str, Any] | None:
+    """How the planner settled the budget: rounding, gate margin, a deployed budget kept or replaced."""
+    choice = plan.get("budget_choice")
+    if not isinstance(choice, Mapping):
+        return None
+    out: dict[str, Any] = {
+        field: _int(choice.get(field), f"budget_choice.{field}")
+        for field in ("max_safe_bytes", "gate_margin_bytes", "granularity_bytes", "rounded_bytes", "planned_bytes",
+                      "deployed_bytes", "keep_step_bytes")
+    }
+    out["kept"] = bool(choice.get("kept"))
+    out["reason"] = _text(choice.get("reason"))
+    return out
+
+
 def _what_if_fp8(plan: Mapping[str, Any]) -> dict[str, Any] | None:
     fp8 = plan.get("what_if_fp8")
     if not isinstance(fp8, Mapping):
@@ -292,6 +307,7 @@ def _class_entry(name: str, state: Mapping[str, Any], hosts: list[str]) -> dict[
         ),
         "what_if_fp8": _what_if_fp8(plan),
         "fit": _fit(plan),
+        "budget_choice": _budget_choice(plan),
         "admission": plan.get("admission") if isinstance(plan.get("admission"), Mapping) else None,
         "split": [
             {"name": str(g.get("name")), "hosts": _str_list(g.get("hosts")), "kv_cache_memory_bytes": _int(g.get("kv_cache_memory_bytes"), "split")}
@@ -824,6 +840,17 @@ def _class_budget_line(cls: Mapping[str, Any]) -> list[tuple[str, str]]:
     fp8 = cls.get("what_if_fp8")
     if fp8:
         rows.append(("what if fp8 KV", f"{_text(fp8['kv_cache_tokens'])} tokens, max concurrency {_text(fp8['max_concurrency'])}"))
+    choice = cls.get("budget_choice")
+    # a plan made with settling off (the exact formula, nothing deployed) has nothing to say here
+    if choice and (choice["gate_margin_bytes"] or choice["granularity_bytes"] or choice["deployed_bytes"] is not None):
+        rows.append(
+            (
+                "budget kept" if choice["kept"] else "budget settled",
+                f"{_hb(choice['rounded_bytes'])} = max safe {_hb(choice['max_safe_bytes'])} less the gate margin "
+                f"{_hb(choice['gate_margin_bytes'])}, rounded down to {_hb(choice['granularity_bytes'])} and whole blocks; "
+                f"{choice['reason']}",
+            )
+        )
     fit = cls.get("fit")
     if fit:
         rows.append(

@@ -14,7 +14,7 @@ The tests run in file order and build on each other's end state (one fleet per m
 as booting and profiling cost most of the time):
 
 1. clean rollout (profiled canary, plan, manual canary, three serial batches);
-2. the same run again changes nothing;
+2. the same run again, with free memory moved by a few MiB, changes nothing (the budget is kept);
 3. a co-tenant appears on the second host after planning: its gate stops the rollout
    before its service is touched, the first batch keeps the new unit, the third never runs;
 4. the engine fails at boot on the second host: the previous unit is restored byte for
@@ -34,9 +34,10 @@ from typing import Any
 import pytest
 import yaml
 
-from simfleet import REPO, SimFleet, l40s_fleet, budget, recap  # pylint: disable=import-error
+from simfleet import REPO, SimFleet, l40s_fleet, budget, fleetctl, recap  # pylint: disable=import-error
 
 HOSTS = ["sim-ro-1", "sim-ro-2", "sim-ro-3"]
+MIB = 1024**2
 UNIT = "/etc/systemd/system/vllm-main.service"
 PREVIOUS = "/etc/gpufleet/units/vllm-main.service.previous"
 PLAN = "/etc/gpufleet/main.plan.json"
@@ -114,19 +115,47 @@ def test_clean_rollout(fleet, seen):
     seen["units_1"] = units
 
 
+def move_free_memory(fleet, moves: dict[tuple[str, int], int]) -> None:
+    """Move the free memory of some GPUs by a few bytes (the fake NVML state's base_used), as a real
+    fleet's drivers, monitoring agents and allocator caches do between two runs."""
+    for (host, gpu), delta in moves.items():
+        path = str(fleet.sim.state_file(host))
+        with fleetctl.nvml_state.locked(path):
+            state = fleetctl.nvml_state.load(path)
+            state["gpus"][gpu]["base_used"] = max(0, state["gpus"][gpu]["base_used"] + delta)
+            fleetctl.nvml_state.save(path, state)
+
+
 def test_second_run_changes_nothing(fleet, seen):
+    """Free memory moves by a few MiB between the runs, up on one host and down on the weakest rank:
+    the deployed budget is kept (the rounding and the gate margin absorb it), no canary, no restart."""
     before = fleet.units()
     assert before == seen["units_1"]
-    rc, out = fleet.rollout()
+    first_plan = fleet.plan("sim-ro-1")
+    moves = {("sim-ro-2", 0): -5 * MIB, ("sim-ro-3", 1): 7 * MIB}
+    move_free_memory(fleet, moves)
+    try:
+        rc, out = fleet.rollout()
+    finally:
+        move_free_memory(fleet, {where: -delta for where, delta in moves.items()})
     assert rc == 0, out[-6000:]
     counters = recap(out)
     for host in HOSTS:
         assert counters[host]["changed"] == 0, (host, counters[host])
         assert counters[host]["failed"] == 0
         assert fleet.active(host) == "active"
-    assert fleet.units() == before
+    assert fleet.units() == before, "same unit bytes on every host"
     assert "nothing to do" in out
+    assert "Run the manual canary with the planned budget" not in out or "skipping: [sim-ro-1]" in out
+    assert "Manual canary on sim-ro-1" not in out, "no manual canary runs for a kept budget"
     assert len(fleet.profiles()) == 1, "a compatible profile exists: no new profiled canary"
+    # the plan says why nothing changed: the deployed budget is kept within the keep step
+    assert "is kept (no canary, no restart)" in out or "is the planned one" in out, out[-6000:]
+    report = fleet.last_report()
+    choice = report["classes"]["ro-l40s"]["plan"]["budget_choice"]
+    assert choice["kept"] is True and choice["deployed_bytes"] == first_plan["kv_cache_memory_bytes"], choice
+    # the first run's budget was rounded down to the granule with the gate margin below the max safe bytes
+    assert first_plan["kv_cache_memory_bytes"] % (256 * MIB) == 0
 
 
 def test_cotenant_after_planning_stops_the_rollout(fleet, seen):
@@ -192,7 +221,9 @@ def test_unreachable_host_is_left_out(fleet):
     before = fleet.units()
     fleet.sim.inject_unreachable("sim-ro-3", clear=False)
     try:
-        rc, out = fleet.rollout({"gpufleet_guard": "1GiB"})
+        # the exact formula (no gate margin, rounding or kept budget): the 96 MiB the left-out host costs show
+        rc, out = fleet.rollout({"gpufleet_guard": "1GiB", "gpufleet_gate_margin": 0, "gpufleet_budget_granularity": 0,
+                                 "gpufleet_budget_keep_step": 0})
     finally:
         fleet.sim.inject_unreachable("sim-ro-3", clear=True)
     assert rc != 0, "an unreachable host fails the run"
