@@ -21,7 +21,9 @@ as booting and profiling cost most of the time):
    byte and active again, the run fails with the engine's error;
 5. an admission plan the class cannot hold stops the class before any host is touched;
 6. an unreachable host is left out, the others are rolled out, the run fails;
-7. a changed serve argument changes the compatibility key and forces a profiled canary;
+7. a changed serve argument changes the compatibility key: plan.yml outlines what the rollout will do
+   (the chosen canary host, the outage of its production instance); the rollout forces a profiled canary
+   (as the service user) and re-probes only once the slowly restarted production instance has settled;
 8. wrong service inputs on the last host stop the run before the first batch.
 """
 
@@ -29,11 +31,13 @@ from __future__ import annotations
 
 import re
 import threading
+import time
 from typing import Any
 
 import pytest
 import yaml
 
+from simfleet import PLAN as PLAN_PLAYBOOK  # pylint: disable=import-error
 from simfleet import REPO, SimFleet, l40s_fleet, budget, fleetctl, recap  # pylint: disable=import-error
 
 HOSTS = ["sim-ro-1", "sim-ro-2", "sim-ro-3"]
@@ -241,13 +245,65 @@ def test_unreachable_host_is_left_out(fleet):
 
 
 def test_compat_key_change_forces_a_profiled_canary(fleet):
+    """A new key on a running class: plan.yml first says what the rollout will do (the chosen canary
+    host, whose production instance both canaries stop, for about how long); the rollout then runs the
+    canaries on that host as the service user, and after the profiled canary waits for its production
+    instance, restarted slowly with memory growing while it loads, before re-probing the class."""
     assert len(fleet.profiles()) == 1
     serve_args = {"max_model_len": 8192, "tensor_parallel_size": 2, "max_num_seqs": 48, "dtype": "bfloat16",
                   "block_size": 16}
-    rc, out = fleet.rollout({"gpufleet_guard": "1GiB", "gpufleet_serve_args": serve_args})
+    extra = {"gpufleet_guard": "1GiB", "gpufleet_serve_args": serve_args, "gpufleet_canary_host": "sim-ro-2"}
+    before = fleet.units()
+    rc, out = fleet.rollout(extra, playbook=PLAN_PLAYBOOK, args=["--check"])
     assert rc == 0, out[-6000:]
+    assert fleet.units() == before, "plan.yml changes nothing"
+    assert "class ro-l40s: canary host sim-ro-2 (gpufleet_canary_host), instance main; a profiled canary, then a manual canary" in out
+    # the boot time the collection knows: the class's newest profile's canary (another key)
+    assert "engine boot: about" in out and "the class's newest profile (another compatibility key)" in out, out[-6000:]
+    assert re.search(r"sim-ro-2: vllm-main\.service is out of service for 5 engine boot\(s\) and 2 canary load test\(s\) "
+                     r"\(2 canaries \(each followed by a restart with the old unit\), then batch 1\): about \d+ s in all", out), out[-6000:]
+    assert re.search(r"sim-ro-1: vllm-main\.service is out of service for 1 engine boot\(s\) \(batch 2\)", out)
+    assert "units replaced (the previous one is kept for rollback): sim-ro-2:vllm-main.service, sim-ro-1:vllm-main.service, " \
+           "sim-ro-3:vllm-main.service" in out
+    planned = fleet.last_report()
+    first_run = next(c for c in planned["classes"] if c["name"] == "ro-l40s")["first_run"]
+    assert first_run["canary_host"] == "sim-ro-2" and first_run["canary_rule"] == "gpufleet_canary_host"
+
+    canary_users: list[str] = []
+    slowed = threading.Event()
+
+    def watch(line: str) -> None:
+        if "Boot the canary engine (profiled)" in line and not canary_users:
+            # the canary engine's account, while it boots (the simulated engine listens on the canary port)
+            def look() -> None:
+                for _attempt in range(60):
+                    ps = fleet.harness.exec("sim-ro-2", ["ps", "-eo", "user:20,args"]).stdout
+                    found = [row.split()[0] for row in ps.splitlines() if "--port 18123" in row and "serve" in row]
+                    if found:
+                        canary_users.extend(found)
+                        return
+                    time.sleep(0.5)
+            threading.Thread(target=look, daemon=True).start()
+        if "Start the instance again" in line and not slowed.is_set():
+            # the production instance restarted after the profiled canary boots slowly, its memory growing
+            fleet.sim.inject_slow_next_boot("sim-ro-2", 15.0, 30)
+            slowed.set()
+
+    rc, out = fleet.rollout(extra, on_line=watch)
+    assert rc == 0, out[-6000:]
+    assert slowed.is_set()
+    assert canary_users and set(canary_users) == {"vllm"}, canary_users
     assert "the compatibility key changed" in out and "max_num_seqs" in out
     assert len(fleet.profiles()) == 2, "a new profile is recorded next to the old one"
+    # the re-probe waited for the slow restart: the class is planned on settled memory, not auto_profile
+    assert re.search(r"RETRYING: \[sim-ro-2\]: Wait (for the canary host's production instance to answer|until the canary "
+                     r"host's GPU memory holds still) before the re-probe", out), out[-8000:]
+    report = fleet.last_report()
+    cls = next(c for c in report["classes"] if c["name"] == "ro-l40s")
+    assert cls["decision"] == "deploy", cls["reasons"]
+    # the chosen canary host goes first
+    batches = re.findall(r"TASK \[Report what changes on this host\][^\n]*\nok: \[(\S+)\]", out)
+    assert batches == ["sim-ro-2", "sim-ro-1", "sim-ro-3"], batches
     units = fleet.units()
     for host in HOSTS:
         assert "--max-num-seqs 48" in units[host], host
