@@ -128,7 +128,7 @@ def test_the_outline_reads_each_instance_unit_state() -> None:
         "gpufleet_class_hosts": ["h1", "h2"],
         "hostvars": {
             "h1": {"gpufleet_unit_states": states(("main", "LoadState=loaded\nActiveState=active"),
-                                                   ("side", "LoadState=loaded\nActiveState=failed"))},
+                                                  ("side", "LoadState=loaded\nActiveState=failed"))},
             "h2": {"gpufleet_unit_states": states(("main", "LoadState=not-found\nActiveState=inactive"))},
         },
     })
