@@ -7,6 +7,7 @@
     fleetctl.py inject HOST gpu-lost --gpu N [--clear]
     fleetctl.py inject HOST noise --gpu N --bytes A,B,... [--clear]
     fleetctl.py inject HOST fail-next-boot [--kind oom|startup|one_request|no_memory|profiling_error|gpu_lost|hang|crash]
+    fleetctl.py inject HOST slow-next-boot [--seconds S] [--steps N] [--clear]
                                            [--clear]
     fleetctl.py inject HOST unreachable [--clear]
     fleetctl.py status
@@ -408,6 +409,20 @@ class Fleet:
                 os.chown(path, st.st_uid, st.st_gid)
         print(f"{host}: the next engine boot fails ({kind})" if kind else f"{host}: no pending boot failure")
 
+    def inject_slow_next_boot(self, host: str, boot_delay_s: float | None, load_steps: int = 20) -> None:
+        """Make the next engine boot on ``host`` take ``boot_delay_s`` seconds, its GPU memory growing in
+        ``load_steps`` increments while the weights load (None: cancel a pending slow boot)."""
+        path = self.sim_file(host)
+        with file_lock(path):
+            data = json.loads(path.read_text(encoding="utf-8")) if path.exists() else {}
+            data["slow_next_boot"] = {"boot_delay_s": float(boot_delay_s), "load_steps": int(load_steps)} if boot_delay_s else None
+            st = path.stat() if path.exists() else None
+            atomic_write(path, json.dumps(data, indent=2, sort_keys=True) + "\n", mode=0o664)
+            if st is not None:
+                os.chown(path, st.st_uid, st.st_gid)
+        print(f"{host}: the next engine boot takes {boot_delay_s} s, loading in {load_steps} steps" if boot_delay_s
+              else f"{host}: no pending slow boot")
+
     def inject_unreachable(self, host: str, clear: bool) -> None:
         info = self.info(host)
         proc = subprocess.run(["ip", "link", "set", info.veth, "up" if clear else "down"],
@@ -605,6 +620,10 @@ def build_parser() -> argparse.ArgumentParser:
     k = kinds.add_parser("fail-next-boot")
     k.add_argument("--kind", default="oom", choices=FAULT_KINDS)
     k.add_argument("--clear", action="store_true", help="cancel a pending boot failure")
+    k = kinds.add_parser("slow-next-boot", help="the next boot is slow and its memory grows while the weights load")
+    k.add_argument("--seconds", type=float, default=20.0)
+    k.add_argument("--steps", type=int, default=20)
+    k.add_argument("--clear", action="store_true")
     k = kinds.add_parser("unreachable")
     k.add_argument("--clear", action="store_true")
     sub.add_parser("status", help="hosts, GPUs, processes and pending faults as JSON")
@@ -642,6 +661,8 @@ def main(argv: list[str] | None = None) -> int:
                 fleet.inject_noise(args.host, args.gpu, values)
             elif args.fault == "fail-next-boot":
                 fleet.inject_fail_next_boot(args.host, None if args.clear else args.kind)
+            elif args.fault == "slow-next-boot":
+                fleet.inject_slow_next_boot(args.host, None if args.clear else args.seconds, args.steps)
             elif args.fault == "unreachable":
                 fleet.inject_unreachable(args.host, args.clear)
     except (FleetError, testhosts.HarnessError, nvml_state.StateError) as exc:

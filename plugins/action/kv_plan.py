@@ -29,6 +29,10 @@ ARGUMENT_SPEC: dict[str, Any] = {
     "reprofile_headroom": {"type": "raw"},
     "unstable_share": {"type": "float", "default": 0.5},
     "cuda_context_bytes": {"type": "raw", "default": "1GiB"},
+    "gate_margin_bytes": {"type": "raw", "default": 0},
+    "budget_granularity_bytes": {"type": "raw", "default": 0},
+    "keep_step_bytes": {"type": "raw", "default": 0},
+    "deployed": {"type": "dict"},
     "probe_history": {
         "type": "dict",
         "options": {

@@ -54,7 +54,7 @@ from ._validate import ValidationError, boolean
 from ._validate import number as valid_number
 from ._vllm_log import GIB_ROUNDING_BYTES
 
-__all__ = ["PlanError", "plan_class", "startup_utilization", "DEFAULTS", "DECISIONS"]
+__all__ = ["PlanError", "plan_class", "startup_utilization", "round_budget", "keep_deployed", "DEFAULTS", "DECISIONS"]
 
 GIB = 1024**3
 MIB = 1024**2
@@ -72,6 +72,10 @@ DEFAULTS: dict[str, Any] = {
     # NVML fallback for the startup utilization: vLLM's CUDA context and
     # allocator take this much before it measures free memory
     "cuda_context_bytes": 1 * GIB,
+    # budget settling (see round_budget and keep_deployed); 0 turns each off
+    "gate_margin_bytes": 0,
+    "budget_granularity_bytes": 0,
+    "keep_step_bytes": 0,
 }
 
 
@@ -173,6 +177,79 @@ def startup_utilization(
             floors[r["rank"]] = r["free_bytes"] - shift - cuda_context_bytes
     lowest = min(floors.values())
     return floor_utilization(lowest, total_bytes), ("vllm" if use_vllm else "nvml"), floors
+
+
+# ---------------------------------------------------------------- settling the budget (no churn)
+def round_budget(max_safe_bytes: int, bytes_per_block: int | None, granularity_bytes: int, margin_bytes: int) -> int:
+    """The budget a class deploys from its max safe bytes: ``max_safe - margin``, rounded down to a
+    multiple of ``granularity_bytes`` and then to whole KV blocks.
+
+    What the margin and the rounding take off the budget is what the weakest rank keeps above its
+    free floor at planning time: a few MiB less free memory at the gate still passes it. A budget
+    smaller than one granule is rounded to whole blocks only (small GPUs, the CPU build). With
+    neither a margin nor a granule the max safe bytes are returned as they are.
+    """
+    budget = max(0, max_safe_bytes) - max(0, margin_bytes)
+    if budget <= 0:
+        return 0
+    if granularity_bytes <= 0 and margin_bytes <= 0:
+        # settling off: the exact formula (vLLM still makes whole blocks of it)
+        return budget
+    if granularity_bytes > 0 and budget >= granularity_bytes:
+        budget -= budget % granularity_bytes
+    if bytes_per_block:
+        budget -= budget % bytes_per_block
+    return budget
+
+
+def keep_deployed(
+    planned_bytes: int,
+    safe_bytes: int,
+    deployed: Mapping[str, Any] | None,
+    key_hash: str | None,
+    keep_step_bytes: int,
+    blocks_of: Any,
+    need_blocks: int | None,
+) -> tuple[int, bool, str]:
+    """Keep the budget the class runs now instead of the freshly planned one, when that is safe.
+
+    ``deployed`` is the plan record of the class's canary host (``kv_cache_memory_bytes``,
+    ``compat_key_hash``); ``safe_bytes`` the most this plan allows (max safe less the gate margin);
+    ``blocks_of`` gives the blocks of a budget; ``need_blocks`` the blocks the admission plan (or
+    one ``max_model_len`` request) needs. The deployed budget is kept when its key is this plan's,
+    it is still safe, it still holds ``need_blocks`` and it is within ``keep_step_bytes`` of the
+    planned budget: a few MiB of drift then restarts nothing. Returns ``(budget, kept, reason)``.
+    """
+    if keep_step_bytes <= 0:
+        return planned_bytes, False, "keeping a deployed budget is off (keep step 0)"
+    if not deployed:
+        return planned_bytes, False, "no budget deployed yet on the canary host"
+    raw = deployed.get("kv_cache_memory_bytes")
+    if raw in (None, "", 0) or deployed.get("decision") == "auto_profile":
+        return planned_bytes, False, "the canary host runs no manual budget"
+    current = _size(raw, "deployed.kv_cache_memory_bytes")
+    deployed_key = deployed.get("compat_key_hash") or None
+    if not key_hash or deployed_key != key_hash:
+        return planned_bytes, False, f"the deployed budget {human_bytes(current)} was planned for another compatibility key"
+    if current == planned_bytes:
+        return planned_bytes, True, f"the deployed budget {human_bytes(current)} is the planned one"
+    if current > safe_bytes:
+        return planned_bytes, False, (
+            f"the deployed budget {human_bytes(current)} is no longer safe (at most {human_bytes(max(0, safe_bytes))} "
+            "with the gate margin): the new budget is deployed")
+    if need_blocks is not None and blocks_of(current) < need_blocks:
+        return planned_bytes, False, (
+            f"the deployed budget {human_bytes(current)} ({blocks_of(current)} blocks) no longer holds the "
+            f"{need_blocks} blocks the admission plan needs: the new budget is deployed")
+    step = abs(planned_bytes - current)
+    if step > keep_step_bytes:
+        return planned_bytes, False, (
+            f"the planned budget {human_bytes(planned_bytes)} differs from the deployed {human_bytes(current)} by "
+            f"{human_bytes(step)}, more than the keep step {human_bytes(keep_step_bytes)}: the new budget is deployed")
+    return current, True, (
+        f"the deployed budget {human_bytes(current)} is kept (no canary, no restart): still safe, it holds the admission "
+        f"plan and differs from the planned {human_bytes(planned_bytes)} by {human_bytes(step)}, within the keep step "
+        f"{human_bytes(keep_step_bytes)}")
 
 
 # ---------------------------------------------------------------- input parsing
@@ -931,15 +1008,22 @@ def plan_class(spec: Mapping[str, Any]) -> dict[str, Any]:
     if need and one_req_blocks and need[1] < one_req_blocks:
         need = (max(need[0], max_model_len or 0), one_req_blocks)
 
-    # ---- budget
-    budget = max(0, launch)
+    # ---- budget: max safe less the gate margin, rounded down (granularity, whole blocks)
+    margin = _size(spec.get("gate_margin_bytes") or DEFAULTS["gate_margin_bytes"], "gate_margin_bytes")
+    granularity = _size(spec.get("budget_granularity_bytes") or DEFAULTS["budget_granularity_bytes"], "budget_granularity_bytes")
+    keep_step = _size(spec.get("keep_step_bytes") or DEFAULTS["keep_step_bytes"], "keep_step_bytes")
+    deployed = spec.get("deployed") or None
+    if deployed is not None and not isinstance(deployed, Mapping):
+        raise PlanError(f"deployed: expected the plan record a host runs (a mapping), got {type(deployed).__name__}")
+    safe_budget = round_budget(launch, cap.bytes_per_block if cap else None, granularity, margin)
+    budget = safe_budget
     if budget_mode == "fit_admission":
         if adm is None:
             raise PlanError("budget_mode fit_admission needs admission ({tokens: N} or {concurrency: C, tokens_per_request: L})")
         if cap is None or not cap.bytes_per_block or need is None:
             refuse.append(f"budget_mode fit_admission needs the bytes of one KV block: {cap_why or 'the layout is derived from engine figures only'}")
         else:
-            launch_blocks = budget // cap.bytes_per_block
+            launch_blocks = safe_budget // cap.bytes_per_block
             target = need[1] + math.ceil(need[1] * fit_headroom)
             blocks = min(target, launch_blocks)
             budget = blocks * cap.bytes_per_block
@@ -956,6 +1040,30 @@ def plan_class(spec: Mapping[str, Any]) -> dict[str, Any]:
                 f"fit_admission: {blocks} blocks ({human_bytes(budget)}) instead of the max safe {human_bytes(max(0, launch))}, "
                 f"leaving {human_bytes(max(0, launch) - budget)} per GPU for other work"
             )
+    planned_budget = budget
+    keep_need = max(need[1] if need else 0, one_req_blocks or 0) or None
+    budget, kept, keep_reason = keep_deployed(
+        budget, max(0, launch) - margin, deployed, ref.get("compat_hash"), keep_step,
+        cap.num_blocks if cap is not None else (lambda _bytes: 0), keep_need if cap is not None else None)
+    result["budget_choice"] = {
+        "max_safe_bytes": max(0, launch),
+        "gate_margin_bytes": margin,
+        "granularity_bytes": granularity,
+        "rounded_bytes": safe_budget,
+        "planned_bytes": planned_budget,
+        "deployed_bytes": _size(deployed["kv_cache_memory_bytes"], "deployed.kv_cache_memory_bytes")
+        if deployed and deployed.get("kv_cache_memory_bytes") not in (None, "", 0) else None,
+        "keep_step_bytes": keep_step,
+        "kept": kept,
+        "reason": keep_reason,
+    }
+    if margin or granularity:
+        reasons.append(
+            f"budget {human_bytes(safe_budget)}: the max safe {human_bytes(max(0, launch))} less the gate margin "
+            f"{human_bytes(margin)}, rounded down to {human_bytes(granularity) if granularity else 'no granule'} and whole blocks; "
+            f"the weakest rank keeps {human_bytes(max(0, launch) - safe_budget)} above its floor")
+    if deployed:
+        reasons.append(keep_reason)
     result["kv_cache_memory_bytes"] = budget
 
     # ---- floors and startup utilization

@@ -257,6 +257,49 @@ def _fit(plan: Mapping[str, Any]) -> dict[str, Any] | None:
     }
 
 
+def _budget_choice(plan: Mapping[str, Any]) -> dict[str, Any] | None:
+    """How the planner settled the budget: rounding, gate margin, a deployed budget kept or replaced."""
+    choice = plan.get("budget_choice")
+    if not isinstance(choice, Mapping):
+        return None
+    out: dict[str, Any] = {
+        field: _int(choice.get(field), f"budget_choice.{field}")
+        for field in ("max_safe_bytes", "gate_margin_bytes", "granularity_bytes", "rounded_bytes", "planned_bytes",
+                      "deployed_bytes", "keep_step_bytes")
+    }
+    out["kept"] = bool(choice.get("kept"))
+    out["reason"] = _text(choice.get("reason"))
+    return out
+
+
+def _first_run(state: Mapping[str, Any]) -> dict[str, Any] | None:
+    """What the rollout does to the class (``_first_run.outline``): canary host, stops and outages, units."""
+    outline = state.get("first_run")
+    if not isinstance(outline, Mapping):
+        return None
+    stops = [
+        {"host": _text(s.get("host")), "unit": _text(s.get("unit")), "when": _text(s.get("when")), "boots": _num(s.get("boots")),
+         "load_tests": _num(s.get("load_tests")), "estimate": _text(s.get("estimate")), "seconds": _num(s.get("seconds")),
+         "drained": bool(s.get("drained"))}
+        for s in outline.get("stops") or [] if isinstance(s, Mapping)
+    ]
+    units = [
+        {"host": _text(u.get("host")), "unit": _text(u.get("unit")), "action": _text(u.get("action")), "batch": _num(u.get("batch"))}
+        for u in outline.get("units") or [] if isinstance(u, Mapping)
+    ]
+    return {
+        "canary_host": _text(outline.get("canary_host")),
+        "canary_rule": _text(outline.get("canary_rule")),
+        "canary_instance": _text(outline.get("canary_instance")),
+        "profiled_canary": bool(outline.get("profiled_canary")),
+        "boot_seconds": _num(outline.get("boot_seconds")),
+        "boot_source": _text(outline.get("boot_source")),
+        "stops": stops,
+        "units": units,
+        "lines": _str_list(outline.get("lines")),
+    }
+
+
 def _what_if_fp8(plan: Mapping[str, Any]) -> dict[str, Any] | None:
     fp8 = plan.get("what_if_fp8")
     if not isinstance(fp8, Mapping):
@@ -292,6 +335,8 @@ def _class_entry(name: str, state: Mapping[str, Any], hosts: list[str]) -> dict[
         ),
         "what_if_fp8": _what_if_fp8(plan),
         "fit": _fit(plan),
+        "budget_choice": _budget_choice(plan),
+        "first_run": _first_run(state),
         "admission": plan.get("admission") if isinstance(plan.get("admission"), Mapping) else None,
         "split": [
             {"name": str(g.get("name")), "hosts": _str_list(g.get("hosts")), "kv_cache_memory_bytes": _int(g.get("kv_cache_memory_bytes"), "split")}
@@ -824,6 +869,17 @@ def _class_budget_line(cls: Mapping[str, Any]) -> list[tuple[str, str]]:
     fp8 = cls.get("what_if_fp8")
     if fp8:
         rows.append(("what if fp8 KV", f"{_text(fp8['kv_cache_tokens'])} tokens, max concurrency {_text(fp8['max_concurrency'])}"))
+    choice = cls.get("budget_choice")
+    # a plan made with settling off (the exact formula, nothing deployed) has nothing to say here
+    if choice and (choice["gate_margin_bytes"] or choice["granularity_bytes"] or choice["deployed_bytes"] is not None):
+        rows.append(
+            (
+                "budget kept" if choice["kept"] else "budget settled",
+                f"{_hb(choice['rounded_bytes'])} = max safe {_hb(choice['max_safe_bytes'])} less the gate margin "
+                f"{_hb(choice['gate_margin_bytes'])}, rounded down to {_hb(choice['granularity_bytes'])} and whole blocks; "
+                f"{choice['reason']}",
+            )
+        )
     fit = cls.get("fit")
     if fit:
         rows.append(
@@ -899,6 +955,8 @@ def render_markdown(report: Mapping[str, Any]) -> str:
         out.append("")
         if cls["reasons"]:
             out += ["Reasons:", ""] + [f"- {r}" for r in cls["reasons"]] + [""]
+        if cls.get("first_run") and cls["first_run"]["lines"]:
+            out += ["What the rollout does (estimates):", ""] + [f"- {_md_cell(line)}" for line in cls["first_run"]["lines"]] + [""]
         if cls["per_rank"]:
             out += [
                 "| host | rank | boot free | floor | drift (F_ref - F_boot) | adjusted | margin |",
@@ -1241,6 +1299,9 @@ def render_html(report: Mapping[str, Any]) -> str:
         out.append(_html_table(["", ""], [[k, v] for k, v in _class_budget_line(cls)]))
         if cls["reasons"]:
             out.append("<ul>" + "".join(f"<li>{esc(r)}</li>" for r in cls["reasons"]) + "</ul>")
+        if cls.get("first_run") and cls["first_run"]["lines"]:
+            out.append('<p>What the rollout does (estimates):</p><ul class="first-run">'
+                       + "".join(f"<li>{esc(line)}</li>" for line in cls["first_run"]["lines"]) + "</ul>")
         if cls["per_rank"]:
             out.append(render_svg(cls))
             rows = [

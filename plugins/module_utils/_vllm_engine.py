@@ -286,13 +286,45 @@ class StopResult:
     leftover_pids: list[int]
 
 
-class EngineProcess:
-    """One ``vllm serve`` process started in its own session/process group."""
+@dataclass(frozen=True)
+class Account:
+    """The unprivileged account an engine runs as (the service's): ids, groups and home."""
 
-    def __init__(self, argv: list[str], env: dict[str, str], log_file: str) -> None:
+    user: str
+    uid: int
+    gid: int
+    groups: tuple[int, ...]
+    home: str
+
+    @classmethod
+    def lookup(cls, user: str, group: str | None = None) -> Account:
+        """The account of ``user`` (and ``group``, else its primary group), with its supplementary
+        groups as systemd's ``User=`` gives them; an unknown name is an error naming it."""
+        import grp  # pylint: disable=import-outside-toplevel
+        import pwd  # pylint: disable=import-outside-toplevel
+
+        try:
+            entry = pwd.getpwnam(user)
+        except KeyError:
+            raise EngineSpecError(f"user: no account {user!r} on this host (create the service user first)") from None
+        gid = entry.pw_gid
+        if group:
+            try:
+                gid = grp.getgrnam(group).gr_gid
+            except KeyError:
+                raise EngineSpecError(f"group: no group {group!r} on this host") from None
+        groups = tuple(sorted(set(os.getgrouplist(user, gid))))
+        return cls(user=user, uid=entry.pw_uid, gid=gid, groups=groups, home=entry.pw_dir)
+
+
+class EngineProcess:
+    """One ``vllm serve`` process started in its own session/process group, as ``account`` when given."""
+
+    def __init__(self, argv: list[str], env: dict[str, str], log_file: str, account: Account | None = None) -> None:
         self.argv = list(argv)
         self.env = env
         self.log_file = log_file
+        self.account = account
         self.proc: subprocess.Popen[bytes] | None = None
         self.started_at: float | None = None
         self.stopped: StopResult | None = None
@@ -307,6 +339,11 @@ class EngineProcess:
             fd = os.open(self.log_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         except OSError as exc:
             raise EngineSpecError(f"engine log {self.log_file}: cannot create: {exc.strerror or exc}") from None
+        # as the service's account: its ids, groups and home (working directory), as systemd starts the unit
+        as_account: dict[str, t.Any] = {}
+        if self.account is not None:
+            as_account = {"user": self.account.uid, "group": self.account.gid, "extra_groups": list(self.account.groups),
+                          "cwd": self.account.home if os.path.isdir(self.account.home) else "/"}
         try:
             self.proc = subprocess.Popen(  # pylint: disable=consider-using-with
                 self.argv,
@@ -316,6 +353,7 @@ class EngineProcess:
                 env=self.env,
                 start_new_session=True,
                 close_fds=True,
+                **as_account,
             )
         except OSError as exc:
             raise EngineSpecError(f"cannot start {self.argv[0]}: {exc.strerror or exc}") from exc
@@ -794,6 +832,9 @@ class CanarySpec:
     cuda_visible_devices: str | None = None
     host: str = LOOPBACK
     health_interval: float = 0.5
+    # the service's account (user, optional group): the engine runs as it, with its caches
+    user: str | None = None
+    group: str | None = None
 
 
 def _without_api_key(serve_args: t.Mapping[str, t.Any] | None) -> dict[str, t.Any]:
@@ -904,6 +945,7 @@ def run_canary(
     ``during_load`` runs in a thread when the measured load starts.
     """
     spec.load.validate()
+    account = Account.lookup(spec.user, spec.group) if spec.user else None
     wall_start = time.monotonic()
     port = int(spec.port) if spec.port else free_port(spec.host)
     if port_in_use(port, spec.host):
@@ -935,7 +977,7 @@ def run_canary(
         "preemptions": None,
         "died_during_load": False,
     }
-    engine = EngineProcess(argv, env, partial)
+    engine = EngineProcess(argv, env, partial, account)
     metrics_after: EngineMetrics | None = None
     metrics_notes: list[str] = []
     load_seconds = 0.0

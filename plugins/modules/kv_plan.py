@@ -130,6 +130,31 @@ options:
         free memory for every rank, and for the utilization of an C(auto_profile) plan.
     type: raw
     default: 1GiB
+  gate_margin_bytes:
+    description:
+      - Taken off the max safe bytes before rounding, so that the weakest rank keeps at least this much free memory
+        above its floor when planned, so that a few MiB less free memory at the gate still pass it.
+      - With O(gate_margin_bytes) and O(budget_granularity_bytes) both 0 the budget is the exact formula's.
+    type: raw
+    default: 0
+  budget_granularity_bytes:
+    description:
+      - Round the budget down to a multiple of this many bytes and then to whole KV blocks (a budget below one
+        granule to whole blocks only), so that small moves of free memory between runs give the same budget. 0 is off.
+    type: raw
+    default: 0
+  keep_step_bytes:
+    description:
+      - Keep the O(deployed) budget instead of the planned one while it is still safe (with the gate margin), still
+        holds the admission plan (or one O(max_model_len) request) and differs from the planned budget by at most this
+        many bytes; 0 never keeps it. Output C(budget_choice) says what was decided and why.
+    type: raw
+    default: 0
+  deployed:
+    description:
+      - The plan record the class runs now (the canary host's C(<instance>.plan.json)), with C(kv_cache_memory_bytes)
+        and C(compat_key_hash); only a record of the reference's compatibility key is kept.
+    type: dict
   probe_history:
     description:
       - Keep each planned host's probe (every GPU's boot-free memory) in a bounded per-host history beside the profile
@@ -358,6 +383,13 @@ unstable:
 admission:
   description: Required and available blocks and tokens, shortfall, C(ok).
   returned: when O(admission) is given and capacity is known
+  type: dict
+budget_choice:
+  description:
+    - How the budget was settled - C(max_safe_bytes), C(gate_margin_bytes), C(granularity_bytes), C(rounded_bytes)
+      (after the margin and the rounding), C(planned_bytes), C(deployed_bytes), C(keep_step_bytes), C(kept) (the
+      deployed budget is kept, nothing restarts) and C(reason).
+  returned: when the class has a weakest rank
   type: dict
 fit:
   description: With V(fit_admission), the blocks chosen, the budget and C(left_free_bytes_per_gpu) versus the max safe budget.

@@ -159,6 +159,16 @@ options:
   cuda_visible_devices:
     description: Value of C(CUDA_VISIBLE_DEVICES) for the engine (which GPUs, in rank order).
     type: str
+  user:
+    description:
+      - Run the engine as this account (the service's user), with its supplementary groups and its home as the
+        working directory, as systemd starts the service; give the service's cache locations (C(HOME), C(HF_HOME),
+        C(VLLM_CACHE_ROOT)) in O(env) so that the canary reads the model cache the service uses.
+      - Unset runs the engine as the user the module runs as. An account that does not exist is an error.
+    type: str
+  group:
+    description: With O(user), the group the engine runs as (default the user's primary group).
+    type: str
 notes:
   - The load test uses only the Python standard library on the target.
 seealso:
@@ -385,6 +395,8 @@ def build_spec(params: dict) -> CanarySpec:
         tolerances=Tolerances.from_dict(params["tolerances"]),
         log_path=params["log_path"],
         cuda_visible_devices=params["cuda_visible_devices"],
+        user=params["user"],
+        group=params["group"],
     )
 
 
@@ -426,6 +438,8 @@ def main() -> None:
             fail_on=dict(type="list", elements="str", choices=["fail", "inconclusive"], default=["fail"]),
             log_path=dict(type="path"),
             cuda_visible_devices=dict(type="str"),
+            user=dict(type="str"),
+            group=dict(type="str"),
         ),
         required_if=[("mode", "manual", ("kv_cache_memory_bytes",))],
         supports_check_mode=True,

@@ -30,6 +30,7 @@ sys.path.insert(0, str(REPO / "tests" / "hosts"))
 import fleetctl  # noqa: E402  pylint: disable=wrong-import-position,import-error
 
 ROLLOUT = REPO / "playbooks" / "rollout.yml"
+PLAN = REPO / "playbooks" / "plan.yml"
 UNIT_DIR = "/etc/systemd/system"
 STATE_DIR = "/etc/gpufleet"
 
@@ -91,8 +92,8 @@ class SimFleet:
                 on_line: Callable[[str], None] | None = None, timeout: float = 600,
                 inventory: Path | None = None,
                 on_start: Callable[[subprocess.Popen[str]], None] | None = None,
-                playbook: Path = ROLLOUT) -> tuple[int, str]:
-        """Run rollout.yml (or another of the collection's playbooks); returns (exit status, output).
+                playbook: Path = ROLLOUT, args: Sequence[str] = ()) -> tuple[int, str]:
+        """Run rollout.yml (or ``playbook`` with ``args``); returns (exit status, output).
 
         The run is the leader of its own process group (``os.killpg`` stops it with its
         workers and SSH clients, as a lost controller would); ``on_start`` gets the
@@ -104,7 +105,7 @@ class SimFleet:
                    ANSIBLE_TIMEOUT="10",
                    ANSIBLE_SSH_ARGS="-C -o ControlMaster=auto -o ControlPersist=60s "
                                     "-o ServerAliveInterval=5 -o ServerAliveCountMax=2")
-        argv = ["ansible-playbook", "-i", str(inventory or self.inventory), str(playbook)]
+        argv = ["ansible-playbook", "-i", str(inventory or self.inventory), str(playbook), *args]
         if extra_vars:
             argv += ["--extra-vars", json.dumps(dict(extra_vars))]
         lines: list[str] = []

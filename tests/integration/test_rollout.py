@@ -14,14 +14,16 @@ The tests run in file order and build on each other's end state (one fleet per m
 as booting and profiling cost most of the time):
 
 1. clean rollout (profiled canary, plan, manual canary, three serial batches);
-2. the same run again changes nothing;
+2. the same run again, with free memory moved by a few MiB, changes nothing (the budget is kept);
 3. a co-tenant appears on the second host after planning: its gate stops the rollout
    before its service is touched, the first batch keeps the new unit, the third never runs;
 4. the engine fails at boot on the second host: the previous unit is restored byte for
    byte and active again, the run fails with the engine's error;
 5. an admission plan the class cannot hold stops the class before any host is touched;
 6. an unreachable host is left out, the others are rolled out, the run fails;
-7. a changed serve argument changes the compatibility key and forces a profiled canary;
+7. a changed serve argument changes the compatibility key: plan.yml outlines what the rollout will do
+   (the chosen canary host, the outage of its production instance); the rollout forces a profiled canary
+   (as the service user) and re-probes only once the slowly restarted production instance has settled;
 8. wrong service inputs on the last host stop the run before the first batch;
 9. a host on another driver than its class reference stops the run before any host;
 10. a host still on a hand-written ``vllm.service`` (simulated engine) with a drop-in: the
@@ -38,14 +40,17 @@ import os
 import re
 import subprocess
 import threading
+import time
 from typing import Any
 
 import pytest
 import yaml
 
-from simfleet import REPO, SimFleet, l40s_fleet, budget, recap  # pylint: disable=import-error
+from simfleet import PLAN as PLAN_PLAYBOOK  # pylint: disable=import-error
+from simfleet import REPO, SimFleet, l40s_fleet, budget, fleetctl, recap  # pylint: disable=import-error
 
 HOSTS = ["sim-ro-1", "sim-ro-2", "sim-ro-3"]
+MIB = 1024**2
 UNIT = "/etc/systemd/system/vllm-main.service"
 PREVIOUS = "/etc/gpufleet/units/vllm-main.service.previous"
 PLAN = "/etc/gpufleet/main.plan.json"
@@ -123,19 +128,47 @@ def test_clean_rollout(fleet, seen):
     seen["units_1"] = units
 
 
+def move_free_memory(fleet, moves: dict[tuple[str, int], int]) -> None:
+    """Move the free memory of some GPUs by a few bytes (the fake NVML state's base_used), as a real
+    fleet's drivers, monitoring agents and allocator caches do between two runs."""
+    for (host, gpu), delta in moves.items():
+        path = str(fleet.sim.state_file(host))
+        with fleetctl.nvml_state.locked(path):
+            state = fleetctl.nvml_state.load(path)
+            state["gpus"][gpu]["base_used"] = max(0, state["gpus"][gpu]["base_used"] + delta)
+            fleetctl.nvml_state.save(path, state)
+
+
 def test_second_run_changes_nothing(fleet, seen):
+    """Free memory moves by a few MiB between the runs, up on one host and down on the weakest rank:
+    the deployed budget is kept (the rounding and the gate margin absorb it), no canary, no restart."""
     before = fleet.units()
     assert before == seen["units_1"]
-    rc, out = fleet.rollout()
+    first_plan = fleet.plan("sim-ro-1")
+    moves = {("sim-ro-2", 0): -5 * MIB, ("sim-ro-3", 1): 7 * MIB}
+    move_free_memory(fleet, moves)
+    try:
+        rc, out = fleet.rollout()
+    finally:
+        move_free_memory(fleet, {where: -delta for where, delta in moves.items()})
     assert rc == 0, out[-6000:]
     counters = recap(out)
     for host in HOSTS:
         assert counters[host]["changed"] == 0, (host, counters[host])
         assert counters[host]["failed"] == 0
         assert fleet.active(host) == "active"
-    assert fleet.units() == before
+    assert fleet.units() == before, "same unit bytes on every host"
     assert "nothing to do" in out
+    assert "Run the manual canary with the planned budget" not in out or "skipping: [sim-ro-1]" in out
+    assert "Manual canary on sim-ro-1" not in out, "no manual canary runs for a kept budget"
     assert len(fleet.profiles()) == 1, "a compatible profile exists: no new profiled canary"
+    # the plan says why nothing changed: the deployed budget is kept within the keep step
+    assert "is kept (no canary, no restart)" in out or "is the planned one" in out, out[-6000:]
+    report = fleet.last_report()
+    choice = next(c for c in report["classes"] if c["name"] == "ro-l40s")["budget_choice"]
+    assert choice["kept"] is True and choice["deployed_bytes"] == first_plan["kv_cache_memory_bytes"], choice
+    # the first run's budget was rounded down to the granule with the gate margin below the max safe bytes
+    assert first_plan["kv_cache_memory_bytes"] % (256 * MIB) == 0
 
 
 def test_cotenant_after_planning_stops_the_rollout(fleet, seen):
@@ -201,7 +234,9 @@ def test_unreachable_host_is_left_out(fleet):
     before = fleet.units()
     fleet.sim.inject_unreachable("sim-ro-3", clear=False)
     try:
-        rc, out = fleet.rollout({"gpufleet_guard": "1GiB"})
+        # the exact formula (no gate margin, rounding or kept budget): the 96 MiB the left-out host costs show
+        rc, out = fleet.rollout({"gpufleet_guard": "1GiB", "gpufleet_gate_margin": 0, "gpufleet_budget_granularity": 0,
+                                 "gpufleet_budget_keep_step": 0})
     finally:
         fleet.sim.inject_unreachable("sim-ro-3", clear=True)
     assert rc != 0, "an unreachable host fails the run"
@@ -219,13 +254,65 @@ def test_unreachable_host_is_left_out(fleet):
 
 
 def test_compat_key_change_forces_a_profiled_canary(fleet):
+    """A new key on a running class: plan.yml first says what the rollout will do (the chosen canary
+    host, whose production instance both canaries stop, for about how long); the rollout then runs the
+    canaries on that host as the service user, and after the profiled canary waits for its production
+    instance, restarted slowly with memory growing while it loads, before re-probing the class."""
     assert len(fleet.profiles()) == 1
     serve_args = {"max_model_len": 8192, "tensor_parallel_size": 2, "max_num_seqs": 48, "dtype": "bfloat16",
                   "block_size": 16}
-    rc, out = fleet.rollout({"gpufleet_guard": "1GiB", "gpufleet_serve_args": serve_args})
+    extra = {"gpufleet_guard": "1GiB", "gpufleet_serve_args": serve_args, "gpufleet_canary_host": "sim-ro-2"}
+    before = fleet.units()
+    rc, out = fleet.rollout(extra, playbook=PLAN_PLAYBOOK, args=["--check"])
     assert rc == 0, out[-6000:]
+    assert fleet.units() == before, "plan.yml changes nothing"
+    assert "class ro-l40s: canary host sim-ro-2 (gpufleet_canary_host), instance main; a profiled canary, then a manual canary" in out
+    # the boot time the collection knows: the class's newest profile's canary (another key)
+    assert "engine boot: about" in out and "the class's newest profile (another compatibility key)" in out, out[-6000:]
+    assert re.search(r"sim-ro-2: vllm-main\.service is out of service for 5 engine boot\(s\) and 2 canary load test\(s\) "
+                     r"\(2 canaries \(each followed by a restart with the old unit\), then batch 1\): about \d+ s in all", out), out[-6000:]
+    assert re.search(r"sim-ro-1: vllm-main\.service is out of service for 1 engine boot\(s\) \(batch 2\)", out)
+    assert "units replaced (the previous one is kept for rollback): sim-ro-2:vllm-main.service, sim-ro-1:vllm-main.service, " \
+           "sim-ro-3:vllm-main.service" in out
+    planned = fleet.last_report()
+    first_run = next(c for c in planned["classes"] if c["name"] == "ro-l40s")["first_run"]
+    assert first_run["canary_host"] == "sim-ro-2" and first_run["canary_rule"] == "gpufleet_canary_host"
+
+    canary_users: list[str] = []
+    slowed = threading.Event()
+
+    def watch(line: str) -> None:
+        if "Boot the canary engine (profiled)" in line and not canary_users:
+            # the canary engine's account, while it boots (the simulated engine listens on the canary port)
+            def look() -> None:
+                for _attempt in range(60):
+                    ps = fleet.harness.exec("sim-ro-2", ["ps", "-eo", "user:20,args"]).stdout
+                    found = [row.split()[0] for row in ps.splitlines() if "--port 18123" in row and "serve" in row]
+                    if found:
+                        canary_users.extend(found)
+                        return
+                    time.sleep(0.5)
+            threading.Thread(target=look, daemon=True).start()
+        if "Start the instance again" in line and not slowed.is_set():
+            # the production instance restarted after the profiled canary boots slowly, its memory growing
+            fleet.sim.inject_slow_next_boot("sim-ro-2", 15.0, 30)
+            slowed.set()
+
+    rc, out = fleet.rollout(extra, on_line=watch)
+    assert rc == 0, out[-6000:]
+    assert slowed.is_set()
+    assert canary_users and set(canary_users) == {"vllm"}, canary_users
     assert "the compatibility key changed" in out and "max_num_seqs" in out
     assert len(fleet.profiles()) == 2, "a new profile is recorded next to the old one"
+    # the re-probe waited for the slow restart: the class is planned on settled memory, not auto_profile
+    assert re.search(r"RETRYING: \[sim-ro-2\]: Wait (for the canary host's production instance to answer|until the canary "
+                     r"host's GPU memory holds still) before the re-probe", out), out[-8000:]
+    report = fleet.last_report()
+    cls = next(c for c in report["classes"] if c["name"] == "ro-l40s")
+    assert cls["decision"] == "deploy", cls["reasons"]
+    # the chosen canary host goes first
+    batches = re.findall(r"TASK \[Report what changes on this host\][^\n]*\nok: \[(\S+)\]", out)
+    assert batches == ["sim-ro-2", "sim-ro-1", "sim-ro-3"], batches
     units = fleet.units()
     for host in HOSTS:
         assert "--max-num-seqs 48" in units[host], host

@@ -334,7 +334,7 @@ def test_vllm_boot_check_spec(bad):
 CANARY_OK = {"executable": "/opt/vllm/bin/vllm", "model": "/srv/m", "mode": "profiled", "kv_cache_memory_bytes": None,
              "gpu_memory_utilization": None, "serve_args": {}, "env": {}, "port": None, "startup_timeout": 900,
              "stop_timeout": 30, "load": {}, "reference": None, "tolerances": {}, "log_path": None,
-             "cuda_visible_devices": None}
+             "cuda_visible_devices": None, "user": None, "group": None}
 CANARY_BAD = st.one_of(
     st.tuples(st.just("port"), st.one_of(st.integers(max_value=0), st.integers(min_value=65536))),
     st.tuples(st.just("gpu_memory_utilization"), st.sampled_from([math.nan, math.inf, 0.0, 1.5, -0.1])),

@@ -125,3 +125,40 @@ def test_every_failed_class_can_give_its_drained_canary_host_back() -> None:
     task = find_task(plays[0]["tasks"], "Give the canary host back to its load balancer, or say why not")
     assert task["ansible.builtin.include_tasks"] == "canary_undrain.yml"
     assert task["when"] == "gpufleet_canary_drained | default(false) | bool"
+def test_the_canary_host_goes_first_in_its_class() -> None:
+    def host(name: str, cls: str, canary: str) -> dict[str, t.Any]:
+        return {"inventory_hostname": name, "gpufleet_host_class": cls, "gpufleet_class_state": {"ok": True},
+                "gpufleet_canary_of_class": canary}
+
+    hosts = [host("l-1", "l40s", "l-3"), host("l-2", "l40s", "l-3"), host("l-3", "l40s", "l-3"), host("h-1", "h200", "h-1")]
+    classes = classes_in_rollout_order({
+        "ansible_play_hosts": [h["inventory_hostname"] for h in hosts],
+        "hostvars": {h["inventory_hostname"]: h for h in hosts},
+        "gpufleet_run": {"classes": ["l40s", "h200"], "serial": [1]},
+    })
+    assert classes == [["l40s", ["l-3", "l-1", "l-2"]], ["h200", ["h-1"]]]
+
+
+def test_the_outline_reads_each_instance_unit_state() -> None:
+    """The first-run outline's hosts: per instance its ActiveState and whether a unit file exists,
+    from `systemctl show --property=LoadState --property=ActiveState` (in systemd's own order)."""
+    plays = yaml.safe_load((ROOT / "playbooks" / "parts" / "plan_classes.yml").read_text(encoding="utf-8"))
+    task = find_task(plays[0]["tasks"], "Outline what the run does to the class (canary host, instances that stop and for how long, units)")
+    expression = task["ansible.builtin.set_fact"]["gpufleet_first_run_spec"]["hosts"]
+
+    def states(*pairs: tuple[str, str]) -> dict[str, t.Any]:
+        return {"results": [{"item": {"name": name}, "stdout": stdout} for name, stdout in pairs]}
+
+    templar = Templar(loader=DataLoader(), variables={
+        "gpufleet_class_hosts": ["h1", "h2"],
+        "hostvars": {
+            "h1": {"gpufleet_unit_states": states(("main", "LoadState=loaded\nActiveState=active"),
+                                                  ("side", "LoadState=loaded\nActiveState=failed"))},
+            "h2": {"gpufleet_unit_states": states(("main", "LoadState=not-found\nActiveState=inactive"))},
+        },
+    })
+    assert templar.template(trust_as_template(expression)) == {
+        "h1": [{"name": "main", "active_state": "active", "unit_exists": True},
+               {"name": "side", "active_state": "failed", "unit_exists": True}],
+        "h2": [{"name": "main", "active_state": "inactive", "unit_exists": False}],
+    }

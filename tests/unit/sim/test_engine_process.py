@@ -168,3 +168,48 @@ def test_fail_next_boot_is_consumed_once(host) -> None:
     finally:
         second.send_signal(signal.SIGTERM)
         second.communicate(timeout=10)
+
+
+def test_slow_next_boot_grows_memory_while_loading_and_is_consumed_once(host) -> None:
+    """slow_next_boot: the next boot takes its boot_delay_s and its ranks' memory grows in load_steps
+    increments while the weights load (what a re-probe right after a restart sees); then boots are quick again."""
+    tmp_path, env = host
+    cfg = json.loads((tmp_path / "sim.json").read_text())
+    cfg["slow_next_boot"] = {"boot_delay_s": 4.0, "load_steps": 8}
+    (tmp_path / "sim.json").write_text(json.dumps(cfg))
+    port = free_port()
+    argv = ["--port", str(port), "--host", "127.0.0.1", "-tp", "2", "--kv-cache-memory-bytes", str(20 * GiB)]
+    started = time.monotonic()
+    proc = start(tmp_path, env, *argv)
+    seen: list[int] = []
+    try:
+        while time.monotonic() - started < 20:
+            assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
+            used = sum(p["used"] for p in nvml_state.load(tmp_path / "state")["procs"] if p["gpu"] == 0 and p["name"].startswith("VLLM::"))
+            if used and (not seen or used != seen[-1]):
+                seen.append(used)
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                time.sleep(0.02)
+        boot_seconds = time.monotonic() - started
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.communicate(timeout=10)
+    assert boot_seconds >= 4.0 * 0.9, boot_seconds
+    # the context, then the weights in several increments, then activations, KV and graphs: growing, never shrinking
+    # below what the weights took
+    assert len(seen) >= 6, seen
+    weights_stage = seen[1:-3]
+    assert weights_stage == sorted(weights_stage) and len(set(weights_stage)) >= 4, seen
+    assert json.loads((tmp_path / "sim.json").read_text())["slow_next_boot"] is None
+    quick = start(tmp_path, env, *argv)
+    try:
+        started = time.monotonic()
+        wait_health(port, quick)
+        assert time.monotonic() - started < 3.5
+    finally:
+        quick.send_signal(signal.SIGTERM)
+        quick.communicate(timeout=10)
