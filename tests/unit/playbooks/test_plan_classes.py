@@ -125,6 +125,8 @@ def test_every_failed_class_can_give_its_drained_canary_host_back() -> None:
     task = find_task(plays[0]["tasks"], "Give the canary host back to its load balancer, or say why not")
     assert task["ansible.builtin.include_tasks"] == "canary_undrain.yml"
     assert task["when"] == "gpufleet_canary_drained | default(false) | bool"
+
+
 def test_the_canary_host_goes_first_in_its_class() -> None:
     def host(name: str, cls: str, canary: str) -> dict[str, t.Any]:
         return {"inventory_hostname": name, "gpufleet_host_class": cls, "gpufleet_class_state": {"ok": True},
