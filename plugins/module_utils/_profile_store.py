@@ -126,9 +126,15 @@ def _read_regular(path: str) -> bytes:
 
 
 def _has_ranks(profile: Mapping[str, Any]) -> bool:
+    """Every rank has its free memory and KV bytes the planner can start from: vLLM's fit suggestion
+    (``kv_bytes``) or, from a build that logs none (the CPU build), the bytes the engine allocated
+    (``kv_bytes_in_use``, or the profile's ``engine_kv_bytes``), as ``kv_plan`` accepts them."""
     ranks = profile.get("ranks")
+    engine = profile.get("engine_kv_bytes") is not None
     return isinstance(ranks, list) and bool(ranks) and all(
-        isinstance(r, Mapping) and r.get("free_bytes") is not None and r.get("kv_bytes") is not None for r in ranks
+        isinstance(r, Mapping) and r.get("free_bytes") is not None
+        and (r.get("kv_bytes") is not None or r.get("kv_bytes_in_use") is not None or engine)
+        for r in ranks
     )
 
 
@@ -220,7 +226,7 @@ class ProfileStore:
         if when > self._clock() + FUTURE_SKEW:
             raise ProfileStoreError(f"{path}: recorded_at {data['recorded_at']} is in the future")
         if not _has_ranks(data["profile"]):
-            raise ProfileStoreError(f"{path}: the profile has no ranks (rank, free_bytes, kv_bytes)")
+            raise ProfileStoreError(f"{path}: the profile has no ranks (rank, free_bytes, kv_bytes or kv_bytes_in_use)")
         data["recorded_at"] = str(data["recorded_at"])
         data["path"] = path
         return data
@@ -305,7 +311,8 @@ class ProfileStore:
         except SizeError as exc:
             raise ProfileStoreError(str(exc)) from None
         if not _has_ranks(data):
-            raise ProfileStoreError("profile.ranks: a profile needs a non-empty list of {rank, free_bytes, kv_bytes}")
+            raise ProfileStoreError("profile.ranks: a profile needs a non-empty list of {rank, free_bytes, kv_bytes} "
+                                    "(kv_bytes_in_use in place of kv_bytes when the engine logs no suggestion)")
         now = self._clock()
         record = _plain(
             {

@@ -521,6 +521,8 @@ def summarise_log(log: EngineLog) -> dict[str, t.Any]:
                 "reserved_kv_bytes": reserved,
                 "current_kv_bytes": figs.current_kv_bytes,
                 "auto_kv_bytes": figs.cpu_kv_bytes if figs.cpu_kv_mode == "auto" else None,
+                # the CPU build's way of sizing (explicit | auto); None on GPU builds
+                "cpu_kv_mode": figs.cpu_kv_mode,
                 "requested_bytes": figs.requested_bytes,
                 "consumed_bytes": figs.consumed_bytes,
             }
@@ -1093,6 +1095,11 @@ def _rank_floor(floor: int | t.Mapping[t.Any, t.Any] | None, rank: int) -> int |
     return int(floor)
 
 
+def _cpu_build(log: t.Mapping[str, t.Any], rank: t.Mapping[str, t.Any]) -> bool:
+    """Whether this boot's log is the CPU build's (its KV line per node, or a CPU capacity line)."""
+    return bool(rank.get("cpu_kv_mode")) or log.get("device") == "CPU"
+
+
 def evaluate_boot(
     log: t.Mapping[str, t.Any],
     metrics: EngineMetrics | None,
@@ -1106,10 +1113,13 @@ def evaluate_boot(
 
     Logged GiB figures carry two decimals, so log comparisons allow half a unit
     (``GIB_ROUNDING_BYTES``); ``/metrics`` figures are exact and compared exactly.
-    Returns ``{"ok": bool, "reasons": [...], "checks": [...]}``.
+    A floor the log cannot show because the engine does not measure it (the CPU build) is a
+    check with ``applicable: false`` and its reason in ``not_applicable``, neither passed nor failed.
+    Returns ``{"ok": bool, "reasons": [...], "checks": [...], "not_applicable": [...]}``.
     """
     checks: list[dict[str, t.Any]] = []
     reasons: list[str] = []
+    not_applicable: list[str] = []
 
     def check(name: str, ok: bool, reason: str, rank: int | None = None, **figures: t.Any) -> None:
         checks.append({"check": name, "rank": rank, "ok": ok, **figures})
@@ -1158,6 +1168,16 @@ def evaluate_boot(
                 check("free_floor", False, f"rank {num}: no free-memory floor given for this rank", rank=num)
                 continue
             free = rank.get("initial_free_bytes")
+            if free is None and _cpu_build(log, rank):
+                # vLLM's CPU build sizes its KV cache from the NUMA node's memory and logs no
+                # initial free memory of a device: there is no figure to hold against the floor.
+                # Say so (never a silent pass): the NVML floor is the boot gate's job before the start.
+                why = (f"rank {num}: free-memory floor of {floor} bytes not applicable: the CPU build logs no "
+                       "initial free device memory (it sizes its KV cache from the NUMA node's memory)")
+                checks.append({"check": "free_floor", "rank": num, "ok": True, "applicable": False,
+                               "floor": floor, "actual": None, "why": why})
+                not_applicable.append(why)
+                continue
             if free is None:
                 check("free_floor", False,
                       f"rank {num}: the log shows no initial free memory; cannot verify the floor of {floor} bytes",
@@ -1189,7 +1209,8 @@ def evaluate_boot(
             check("min_tokens", int(tokens) >= int(min_tokens),
                   f"KV cache holds {tokens} tokens, fewer than the {min_tokens} the plan needs",
                   expected=int(min_tokens), actual=int(tokens))
-    return {"ok": not reasons, "reasons": reasons, "checks": checks, "kv_cache_tokens": tokens}
+    return {"ok": not reasons, "reasons": reasons, "checks": checks, "kv_cache_tokens": tokens,
+            "not_applicable": not_applicable}
 
 
 BOOT_MARKER = "non-default args:"

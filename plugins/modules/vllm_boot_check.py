@@ -18,6 +18,8 @@ description:
     parses it per rank and checks that every rank reserved exactly O(expected_kv_cache_memory_bytes), that the
     free memory vLLM logged at startup is at least O(free_floor_bytes), that the cache holds at least
     O(min_tokens) tokens and that no failure line was logged.
+  - vLLM's CPU build logs no initial free device memory, so there the floor is reported as not applicable, with why,
+    in RV(not_applicable) (neither passed nor failed); the boot gate checks the NVML floor before every start.
   - Cross-checks C(/metrics) C(vllm:cache_config_info) (C(kv_cache_memory_bytes) exactly, tokens against the log).
   - Fails with a message naming the rank and the figures.
 author:
@@ -122,6 +124,13 @@ ok:
 reasons:
   description: Failed checks, each naming the rank and the figures.
   returned: when not in check mode
+  type: list
+  elements: str
+not_applicable:
+  description:
+    - Checks that do not apply to this engine, each with why; for example the free-memory floor on vLLM's CPU build,
+      which logs no initial free device memory (its C(free_floor) entries in RV(checks) have C(applicable=false)).
+  returned: when the engine became healthy
   type: list
   elements: str
 checks:

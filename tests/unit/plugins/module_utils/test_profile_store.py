@@ -184,3 +184,15 @@ def test_size_strings_are_stored_as_integers(store):
     assert stored["total_bytes"] == 141 * 1024**3
     with pytest.raises(ProfileStoreError, match=r"profile.ranks\[0\].free_bytes"):
         store.record({"host_class": "h200", "compat": KEY, "profile": {"ranks": [{"rank": 0, "free_bytes": "lots"}]}})
+
+
+def test_cpu_build_profile_without_a_suggestion_is_recorded(store):
+    """The CPU build logs no fit suggestion: the reference holds the KV bytes the engine allocated,
+    which kv_plan starts from; a rank with neither is still refused."""
+    cpu = {"ranks": [{"rank": 0, "free_bytes": 4831838208, "kv_bytes": None, "kv_bytes_in_use": 1106127360}],
+           "vllm_free_bytes": {}, "total_bytes": 51539607552, "engine_kv_bytes": 1106127360}
+    rec = store.record({"host_class": "cpu", "compat": KEY, "profile": cpu})
+    assert store.query("cpu", KEY)["profile"]["path"] == rec["path"]
+    bare = {"ranks": [{"rank": 0, "free_bytes": 4831838208, "kv_bytes": None}], "total_bytes": 51539607552}
+    with pytest.raises(ProfileStoreError, match=r"profile.ranks: .*kv_bytes_in_use in place of kv_bytes"):
+        store.record({"host_class": "cpu", "compat": KEY, "profile": bare})

