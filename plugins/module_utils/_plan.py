@@ -1173,7 +1173,8 @@ def plan_class(spec: Mapping[str, Any]) -> dict[str, Any]:
     mid = len(values) // 2
     median = values[mid] if len(values) % 2 else (values[mid - 1] + values[mid]) // 2
     limit = (1.0 - max_loss) * median
-    outliers = [n for n, v in host_min.items() if v < limit]
+    # Host lists in name order: the plan must not depend on the order the hosts were probed in.
+    outliers = sorted(n for n, v in host_min.items() if v < limit)
     result["capacity"] = {
         "median_host_bytes": median,
         "loss_share": round(1.0 - launch / median, 4) if median > 0 else None,
@@ -1182,7 +1183,7 @@ def plan_class(spec: Mapping[str, Any]) -> dict[str, Any]:
         "outlier_hosts": outliers,
     }
     if launch < limit and outliers:
-        keep = [n for n in host_min if n not in set(outliers)]
+        keep = sorted(n for n in host_min if n not in set(outliers))
         keep_budget = min(host_min[n] for n in keep) if keep else None
         split_groups = [
             {"name": f"{host_class}-main", "hosts": keep, "kv_cache_memory_bytes": keep_budget},
