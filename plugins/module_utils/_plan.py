@@ -1185,9 +1185,13 @@ def plan_class(spec: Mapping[str, Any]) -> dict[str, Any]:
     if launch < limit and outliers:
         keep = sorted(n for n in host_min if n not in set(outliers))
         keep_budget = min(host_min[n] for n in keep) if keep else None
+        # Each sub-class's budget is settled like the class's own (margin, granularity, whole
+        # blocks): the low group's is the budget the class deploys under split_policy warn.
+        bpb = cap.bytes_per_block if cap else None
         split_groups = [
-            {"name": f"{host_class}-main", "hosts": keep, "kv_cache_memory_bytes": keep_budget},
-            {"name": f"{host_class}-low", "hosts": outliers, "kv_cache_memory_bytes": launch},
+            {"name": f"{host_class}-main", "hosts": keep,
+             "kv_cache_memory_bytes": round_budget(keep_budget, bpb, granularity, margin) if keep_budget is not None else None},
+            {"name": f"{host_class}-low", "hosts": outliers, "kv_cache_memory_bytes": safe_budget},
         ]
         reasons.append(
             f"the weakest hosts cost {round(100 * (1 - launch / median), 1)}% of the typical host's budget "
