@@ -22,12 +22,12 @@ export GPUFLEET_CACHE := $(CACHE)
 export MOLECULE_GLOB := molecule/*/molecule.yml
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: help demo demo-clean test units sanity lint molecule integration bench \
+.PHONY: help demo demo-clean test units sanity lint harness molecule integration bench \
         venv collection-link apt-deps fake-nvml rootfs vllm-cpu wheelhouse build clean stage-reset stage-report
 
 help:
 	@echo "make demo         roll out to the built-in simulated fleet (inventories/sim)"
-	@echo "make test         every test stage: units sanity lint molecule integration"
+	@echo "make test         every test stage: units sanity lint harness molecule integration"
 	@echo "make units|sanity|lint|molecule|integration   one stage"
 	@echo "make bench        benchmarks -> docs/benchmarks.md"
 	@echo "make demo-clean   remove the simulated fleet"
@@ -73,7 +73,7 @@ wheelhouse: venv
 stage-reset:
 	@mkdir -p $(CACHE); : > $(STAGES)
 
-TEST_STAGES := units sanity lint molecule integration
+TEST_STAGES := units sanity lint harness molecule integration
 
 # A stage whose set-up failed records no line of its own: say so.
 stage-report:
@@ -86,21 +86,30 @@ stage-report:
 # `make test` fails when any stage did.
 #
 # The set-up that is mostly downloading runs in the background while units, sanity and lint,
-# which need none of it, use the CPU: one job each for the test-host rootfs and the offline
-# wheelhouse (molecule waits for both) and for the vLLM CPU engine (integration waits for it).
-# Each job's output is in .cache/stage-setup-*.log; should one fail, the stage that needs it
-# runs the same set-up again in the foreground, so its error is printed where the stage fails.
+# which need none of it, use the CPU: one job each for the test-host rootfs, the offline
+# wheelhouse and the vLLM CPU engine. Each job's output is in .cache/stage-setup-*.log; should
+# one fail, the stage that needs it runs the same set-up again in the foreground, so its error
+# is printed where the stage fails.
+#
+# Then the harness's own tests run alone: they make stray namespaces on purpose, and the
+# harness refuses to boot any host while one exists. After them molecule runs beside the
+# integration stage: both spend most of their time waiting on guests, SSH and engine boots,
+# and their hosts have different names. Molecule's output is printed when it ends (it is
+# also in .cache/stage-molecule.log) so that the two stages' lines do not interleave.
 test: stage-reset
 	@rc=0; $(MAKE) --no-print-directory apt-deps venv fake-nvml || rc=$$?; \
 	$(MAKE) --no-print-directory rootfs > $(CACHE)/stage-setup-rootfs.log 2>&1 & rootfs=$$!; \
 	$(MAKE) --no-print-directory wheelhouse > $(CACHE)/stage-setup-wheelhouse.log 2>&1 & wheelhouse=$$!; \
 	$(MAKE) --no-print-directory vllm-cpu > $(CACHE)/stage-setup-engine.log 2>&1 & engine=$$!; \
 	$(MAKE) --no-print-directory -k units sanity lint || rc=$$?; \
-	wait $$rootfs || echo "make test: background set-up of the test-host rootfs failed; molecule retries it"; \
+	wait $$rootfs || echo "make test: background set-up of the test-host rootfs failed; harness retries it"; \
+	$(MAKE) --no-print-directory harness || rc=$$?; \
 	wait $$wheelhouse || echo "make test: background set-up of the wheelhouse failed; molecule retries it"; \
-	$(MAKE) --no-print-directory molecule || rc=$$?; \
+	echo "==== make test: molecule runs beside integration; its output follows integration's"; \
+	$(MAKE) --no-print-directory molecule > $(CACHE)/stage-molecule.out 2>&1 & molecule=$$!; \
 	wait $$engine || echo "make test: background set-up of the vLLM CPU engine failed; integration retries it"; \
-	$(MAKE) --no-print-directory integration || rc=$$?; \
+	GPUFLEET_HARNESS_TESTED=1 $(MAKE) --no-print-directory integration || rc=$$?; \
+	wait $$molecule || rc=$$?; cat $(CACHE)/stage-molecule.out; \
 	$(MAKE) --no-print-directory stage-report; exit $$rc
 
 units: apt-deps venv fake-nvml
@@ -111,6 +120,10 @@ sanity: venv
 
 lint: venv
 	tests/tools/run-stage.sh lint ansible-lint --profile production
+
+# The test-host harness's own tests (tests/integration/test_harness.py), alone.
+harness: rootfs
+	tests/tools/run-stage.sh harness $(PY) -m pytest -q tests/integration/test_harness.py
 
 molecule: rootfs wheelhouse
 	tests/tools/run-stage.sh molecule molecule test --all

@@ -6,7 +6,9 @@
 # test's time is spent waiting on guests, SSH and engine boots, so two modules side by side
 # use the two cores a CI machine has. test_harness.py runs first and alone: it creates
 # stray namespaces on purpose, and the harness refuses to boot any host while a stray one
-# exists, so it would fail the other worker's start-ups.
+# exists, so it would fail the other worker's start-ups. With GPUFLEET_HARNESS_TESTED=1 it
+# is left out: `make test` runs it before this stage, as a stage of its own (`make harness`),
+# since molecule's hosts boot beside this stage.
 #
 # The last line adds up both runs' pytest counts ("130 passed, 1 failed in 1200s").
 set -uo pipefail
@@ -19,8 +21,13 @@ logs=$(mktemp -d)
 trap 'rm -rf "$logs"' EXIT
 
 start=$(date +%s)
-"$py" -m pytest -q "$@" "$alone" 2>&1 | tee "$logs/alone.log"
-rc_alone=${PIPESTATUS[0]}
+rc_alone=0
+if [ "${GPUFLEET_HARNESS_TESTED:-0}" != 1 ]; then
+    "$py" -m pytest -q "$@" "$alone" 2>&1 | tee "$logs/alone.log"
+    rc_alone=${PIPESTATUS[0]}
+else
+    : > "$logs/alone.log"
+fi
 "$py" -m pytest -q -n "$workers" --dist loadfile --no-loadscope-reorder "$@" --ignore="$alone" tests/integration 2>&1 \
     | tee "$logs/rest.log"
 rc_rest=${PIPESTATUS[0]}

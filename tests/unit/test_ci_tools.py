@@ -28,6 +28,10 @@ TOOL_OUTPUTS = {
         "============================== 7 passed in 95.10s (0:01:35) ==============================\n",
         "7 passed in 95.10s (0:01:35)",
     ),
+    "harness": (
+        "tests/integration/test_harness.py ............\n12 passed in 40.10s\n",
+        "12 passed in 40.10s",
+    ),
     "sanity": (
         'Running sanity test "action-plugin-docs"\nRunning sanity test "yamllint"\n'
         "Sanity summary: 24 sanity tests run, 0 failed, 0 skipped (ansible-test exit 0)\n",
@@ -113,10 +117,10 @@ def test_stage_report_marks_stages_that_never_ran(tmp_path: Path) -> None:
     lines = [line for line in result.stdout.splitlines() if line.strip()]
     assert lines[0] == "==== make test: stage summary ===="
     body = {line.split()[0]: line for line in lines[1:]}
-    assert list(body) == ["units", "sanity", "lint", "molecule", "integration"]
+    assert list(body) == ["units", "sanity", "lint", "harness", "molecule", "integration"]
     assert body["units"].endswith("12 passed in 1.00s")
     assert "FAILED" in body["lint"]
-    for stage in ("sanity", "molecule", "integration"):
+    for stage in ("sanity", "harness", "molecule", "integration"):
         assert "NOT RUN" in body[stage]
 
 
