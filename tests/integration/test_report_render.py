@@ -109,9 +109,7 @@ PLAYBOOK = """
   order: inventory
   tasks:
     - name: Show the batch start
-      ansible.builtin.import_tasks: REPO/playbooks/parts/batch_progress.yml
-      vars:
-        gpufleet_batch_event: start
+      ansible.builtin.import_tasks: REPO/playbooks/parts/batch_start.yml
 
     - name: Deploy
       block:
@@ -134,9 +132,7 @@ PLAYBOOK = """
             msg: "{{ inventory_hostname }} failed; the previous units were restored and restarted"
 
     - name: Show the batch end
-      ansible.builtin.import_tasks: REPO/playbooks/parts/batch_progress.yml
-      vars:
-        gpufleet_batch_event: end
+      ansible.builtin.import_tasks: REPO/playbooks/parts/batch_end.yml
 
 - name: Report the rollout
   ansible.builtin.import_playbook: REPO/playbooks/parts/report.yml
