@@ -57,6 +57,7 @@ ROLLOUT_PLAY = "Roll out in serial batches"
 CLASS = "bench-l40s"
 INSTANCE = "main"
 HOST_RE = re.compile(r"^(?:ok|changed|failed|fatal|skipping|unreachable): \[([^\]]+)\]")
+TASK_RE = re.compile(r"^TASK \[(.+?)\] \**$")
 
 
 def fleet_file(names: list[str], boot_delay: float) -> dict[str, Any]:
@@ -135,17 +136,39 @@ def run_playbook(inventory: Path, forks: int, timeout: float,
     return rc, lines, time.monotonic() - start
 
 
+def batch_task_names() -> set[str]:
+    """Names of the tasks that open and close every batch (parts/batch_start.yml, batch_end.yml)."""
+    names: set[str] = set()
+    for part in ("batch_start.yml", "batch_end.yml"):
+        with open(REPO / "playbooks" / "parts" / part, encoding="utf-8") as handle:
+            names.update(task["name"] for task in yaml.safe_load(handle))
+    return names
+
+
 def split_batches(lines: list[tuple[float, str]], hosts: list[str]) -> tuple[float | None, list[dict[str, Any]]]:
-    """(start of the first batch, batches with their start, end and hosts)."""
+    """(start of the first batch, batches with their start, end, hosts and batch machinery seconds).
+
+    The batch machinery is the time from the header of each task of parts/batch_start.yml and
+    batch_end.yml to the next task's header: what per-class ramps, progress lines, the pause
+    and the hooks cost each batch.
+    """
+    machinery = batch_task_names()
     batches: list[dict[str, Any]] = []
     current: dict[str, Any] | None = None
+    task_started: float | None = None
     for stamp, line in lines:
+        if line.startswith(("TASK [", "PLAY [", "PLAY RECAP")) and current is not None and task_started is not None:
+            current["machinery_s"] += stamp - task_started
+            task_started = None
+        task = TASK_RE.match(line)
+        if task and current is not None and task.group(1) in machinery:
+            task_started = stamp
         if line.startswith("PLAY ["):
             if current is not None:
                 current["end"] = stamp
                 current = None
             if line.startswith(f"PLAY [{ROLLOUT_PLAY}]"):
-                current = {"start": stamp, "end": None, "hosts": []}
+                current = {"start": stamp, "end": None, "hosts": [], "machinery_s": 0.0}
                 batches.append(current)
             continue
         if current is not None:
@@ -205,16 +228,18 @@ def measure_rollout(sim: fleetctl.Fleet, inventory: Path, names: list[str], kind
         slowest = max(b_boots) if b_boots else 0.0
         wall_b = b["end"] - b["start"]
         rows.append({"hosts": len(b["hosts"]), "wall_s": round(wall_b, 2), "slowest_boot_s": slowest,
-                     "overhead_s": round(wall_b - slowest, 2)})
+                     "overhead_s": round(wall_b - slowest, 2), "batch_machinery_s": round(b["machinery_s"], 2)})
         overhead += wall_b - slowest
     out["batches"] = rows
     out["batches_seconds"] = round(sum(r["wall_s"] for r in rows), 2)
+    out["batch_machinery_seconds"] = round(sum(r["batch_machinery_s"] for r in rows), 2)
     deployed = sum(r["hosts"] for r in rows)
     out["hosts_in_batches"] = deployed
     out["missing_boot_times"] = sorted(n for n, b in boots.items() if b is None)
     size = len(names)
     if rc == 0 and deployed == size and not out["missing_boot_times"]:
         out["overhead_per_host_s"] = round(overhead / size, 3)
+        out["batch_machinery_per_host_s"] = round(out["batch_machinery_seconds"] / size, 3)
         out["within_goal"] = overhead / size < GOAL_SECONDS
     else:
         out["error"] = (f"rollout did not complete on every host (rc {rc}, {deployed}/{size} hosts in batches, "
