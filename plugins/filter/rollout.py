@@ -1,7 +1,7 @@
 # Copyright (c) gpufleet maintainers
 # GNU General Public License v3.0+ (see LICENSES/GPL-3.0-or-later.txt or https://www.gnu.org/licenses/gpl-3.0.txt)
 # SPDX-License-Identifier: GPL-3.0-or-later
-"""Filters: rollout_batches, rollout_plan, rollout_plan_drift, runtime_problems (documentation in the YAML files beside this one)."""
+"""Filters: release_history, rollout_batches, rollout_plan, rollout_plan_drift, runtime_problems (documentation in the YAML files beside this one)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 from ansible.errors import AnsibleFilterError
 
-from ansible_collections.gpufleet.vllm.plugins.module_utils import _compat, _rollout
+from ansible_collections.gpufleet.vllm.plugins.module_utils import _compat, _releases, _rollout
 
 
 def rollout_batches(classes: Any, serial: Any = None) -> list[dict[str, Any]]:
@@ -51,11 +51,20 @@ def runtime_problems(reference: Any, host: Any, reference_host: str = "the class
         raise AnsibleFilterError(str(exc)) from None
 
 
+def release_history(history: Any, previous: Any, current: Any, keep_previous: Any = 2) -> dict[str, list[str]]:
+    """The engine releases a host keeps after switching to ``current`` (and those it removes)."""
+    try:
+        return _releases.release_history(history, previous, current, keep_previous)
+    except _releases.ReleaseError as exc:
+        raise AnsibleFilterError(f"release_history: {exc}") from None
+
+
 class FilterModule:
     """gpufleet.vllm rollout filters."""
 
     def filters(self) -> dict[str, Callable[..., Any]]:
         return {
+            "release_history": release_history,
             "rollout_batches": rollout_batches,
             "rollout_plan": rollout_plan,
             "rollout_plan_drift": rollout_plan_drift,

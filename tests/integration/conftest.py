@@ -91,12 +91,14 @@ MODULE_SECONDS = {
     "test_rollout": 510,
     "test_kv_families": 420,
     "test_rollout_faults": 400,
+    "test_rollout_runtime": 400,
     "test_vllm_canary": 250,
     "test_rollout_ramps": 185,
     "test_vllm_cpu_engine": 180,
     "test_boot_gate": 135,
     "test_unit_quoting": 120,
     "test_sim_fidelity": 110,
+    "test_probe_interpreter": 60,
 }
 
 
