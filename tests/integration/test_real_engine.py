@@ -33,9 +33,6 @@ is there for an assertion (8 in all):
    the first batch's host (boot 7), the run fails with the engine's own words, in the report
    too, the previous real unit comes back byte for byte and is active again (boot 8), and
    no later batch runs;
-5. the simulator stays honest: the simulated engine under the same unit and budget gives
-   the collection the same figures (boot check from the journal and ``/metrics``, capacity
-   line, ``cache_config_info``) as the real engine gave in step 2 (no real boot).
 
 The wall time of the install, of each step and of each real boot (journal time from the
 unit's start to the engine's "Application startup complete") is written to
@@ -78,7 +75,6 @@ SERVICE = "vllm-main.service"
 UNIT = f"/etc/systemd/system/{SERVICE}"
 PLAN = "/etc/gpufleet/main.plan.json"
 ROLLOUT = REPO / "playbooks" / "rollout.yml"
-SERVICE_PLAYBOOK = REPO / "tests" / "integration" / "playbooks" / "real_engine_service.yml"
 GATE = "/usr/local/libexec/gpufleet-vllm-boot-gate"
 TIMES_FILE = CACHE / "integration" / "real-engine-times.json"
 GIB = 1 << 30
@@ -465,22 +461,6 @@ def test_second_run_changes_nothing(fleet, seen):
     assert len(fleet.profiles()) == 2
 
 
-def _service_vars(fleet: Fleet, host: str, plan: dict[str, Any], **extra: Any) -> dict[str, Any]:
-    """vllm_service's inputs as rollout.yml gives them (playbooks/vars/service.yml), with another plan."""
-    return {
-        "vllm_service_instances": GROUP_VARS["gpufleet_instances"],
-        "vllm_service_model": MODEL,
-        "vllm_service_serve_args": SERVE_ARGS,
-        "vllm_service_env": GROUP_VARS["gpufleet_env"],
-        "vllm_service_restart_sec": 2,
-        "vllm_service_boot_timeout": 300,
-        "vllm_service_host_class": CLASS,
-        "vllm_service_compat_key_hash": fleet.plan(host)["compat_key_hash"],
-        "vllm_service_plan": plan,
-        **extra,
-    }
-
-
 def _plan_with_budget(fleet: Fleet, host: str, geometry, budget: int) -> dict[str, Any]:
     current = fleet.plan(host)
     blocks = geometry.num_blocks(budget)
@@ -522,50 +502,3 @@ def test_a_budget_below_one_request_is_refused_by_the_engine_and_rolled_back(fle
     assert fleet.invocation(LAST) == seen["invocation"][LAST], "the last host was not touched"
     assert parse_metrics(fleet.metrics(CANARY)).kv_cache_memory_bytes == _budget(before[CANARY])
     assert fleet.boot_seconds(CANARY, "4 restored unit") is not None
-
-
-FIDELITY_FIELDS = ("ok", "num_blocks", "kv_cache_tokens", "kv_cache_memory_bytes", "reasons")
-CACHE_CONFIG_FIELDS = ("num_gpu_blocks", "block_size", "kv_cache_memory_bytes", "kv_cache_size_tokens")
-
-
-def test_simulator_gives_the_collection_what_the_real_engine_gave(fleet, geometry, seen):
-    """Same unit options and budget on the simulated engine (sim/engine/vllm): the boot check, the log
-    parser and the /metrics parser get the same figures from both. The simulator speaks the GPU
-    build's wording, so its floor is checked (it logs initial free memory) where the CPU build's is not
-    applicable; everything else must match."""
-    real, real_journal, real_metrics = seen["check"][LAST], seen["journal"][LAST], seen["metrics"][LAST]
-    sim = (REPO / "sim" / "engine" / "vllm").read_text(encoding="utf-8").split("\n", 1)[1]
-    fleet.h.exec(LAST, ["install", "-d", "/opt/sim/bin"], check=True)
-    fleet.h.exec(LAST, ["python3", "-c", "import sys; open('/opt/sim/bin/vllm', 'w').write(sys.argv[1])",
-                        "#!/usr/bin/python3\n" + sim], check=True)
-    fleet.h.exec(LAST, ["chmod", "0755", "/opt/sim/bin/vllm"], check=True)
-    # the simulator takes its memory from the fake GPU (the CPU build took none of it): give it a free one,
-    # so its own startup check passes the plan's utilization
-    state = nvml_state.new_state()
-    state["gpus"].append(nvml_state.make_gpu(0, GPU_TOTAL, name="NVIDIA L40S", reserved=0, cc="8.9"))
-    nvml_state.save(fleet.hosts.fake_nvml_state(LAST), state)
-    (fleet.hosts.fake_nvml_state(LAST).parent / "sim.json").write_text('{"boot_delay_s": 0.5}', encoding="utf-8")
-    fleet.h.exec(LAST, ["chown", "-R", "vllm", "/etc/fake-nvml"], check=True)
-    plan = fleet.plan(LAST)
-    budget = plan["kv_cache_memory_bytes"]
-    service_plan = _plan_with_budget(fleet, LAST, geometry, budget)
-    rc, out = fleet.playbook(SERVICE_PLAYBOOK, _service_vars(fleet, LAST, service_plan, vllm_service_executable="/opt/sim/bin/vllm",
-                                                             vllm_service_read_write_paths=["/etc/fake-nvml"]), limit=LAST,
-                             label="5 the simulator under the same unit and budget")
-    assert rc == 0, out[-4000:]
-    unit = fleet.read(LAST, UNIT)
-    command = re.sub(r"[ \t]*\\\n[ \t]*", " ", unit or "")
-    assert f"-- /opt/sim/bin/vllm serve {MODEL} " in command and f"--kv-cache-memory-bytes {budget}" in command, command
-    check = fleet.boot_check(LAST, plan)
-    assert {f: check.get(f) for f in FIDELITY_FIELDS} == {f: real.get(f) for f in FIDELITY_FIELDS}, (check, real)
-    assert check["log_source"].startswith(f"journal of {SERVICE} since ")
-    # the floor: checked against the simulator's logged free memory, not applicable on the CPU build
-    assert [c["applicable"] for c in real["checks"] if c["check"] == "free_floor"] == [False]
-    assert [(c["ok"], c.get("applicable", True)) for c in check["checks"] if c["check"] == "free_floor"] == [(True, True)]
-    journal = fleet.journal(LAST, since=check["log_source"].rsplit(" since ", 1)[1])
-    sim_log, real_log = parse_engine_log(journal), parse_engine_log(real_journal)
-    assert sim_log.errors == [] and real_log.errors == []
-    assert (sim_log.capacity.tokens, sim_log.capacity.max_model_len) == (real_log.capacity.tokens, real_log.capacity.max_model_len)
-    assert sim_log.capacity.max_concurrency == pytest.approx(real_log.capacity.max_concurrency, rel=1e-3)
-    sim_metrics = parse_metrics(fleet.metrics(LAST))
-    assert {f: getattr(sim_metrics, f) for f in CACHE_CONFIG_FIELDS} == {f: getattr(real_metrics, f) for f in CACHE_CONFIG_FIELDS}
