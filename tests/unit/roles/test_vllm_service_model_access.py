@@ -1,0 +1,106 @@
+# Copyright (c) gpufleet maintainers
+# GNU General Public License v3.0+ (see LICENSES/GPL-3.0-or-later.txt or https://www.gnu.org/licenses/gpl-3.0.txt)
+# SPDX-License-Identifier: GPL-3.0-or-later
+"""vllm_service model_access.yml: where the rollout checks that the service user can read the model,
+and what the check does for a user that does not exist yet (run by ansible-playbook on localhost;
+the unreadable file itself is found on real hosts in tests/integration/test_real_engine.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+import typing as t
+
+import pytest
+import yaml
+
+ROOT = pathlib.Path(__file__).resolve().parents[3]
+BIN = pathlib.Path(sys.executable).parent
+MISSING_USER = "gpufleet-no-such-user"
+
+
+def _tasks(tasks: list[dict[str, t.Any]]) -> list[dict[str, t.Any]]:
+    """Every task, those in blocks included, in file order."""
+    out = []
+    for task in tasks:
+        out.append(task)
+        for key in ("block", "rescue", "always"):
+            out.extend(_tasks(task.get(key, [])))
+    return out
+
+
+def test_the_rollout_checks_every_host_before_the_first_batch() -> None:
+    plays = yaml.safe_load((ROOT / "playbooks" / "rollout.yml").read_text(encoding="utf-8"))
+    names = [p.get("name") for p in plays]
+    check = plays[names.index("Check the service inputs of every host")]
+    assert names.index("Check the service inputs of every host") < names.index("Roll out in serial batches")
+    assert check["any_errors_fatal"] is True
+    tasks = _tasks(check["tasks"])
+    access = [task for task in tasks if (task.get("ansible.builtin.include_role") or {}).get("tasks_from") == "model_access"]
+    assert len(access) == 1, "the check of every host's inputs includes the model check"
+    assert access[0]["vars"] == {"vllm_service_model_access_user_optional": True}
+    # a failure there is rescued into the report and stops the run before any host is touched
+    rescue = check["tasks"][0]["rescue"]
+    assert access[0] in check["tasks"][0]["block"]
+    assert any("report_tasks.yml" in str(task.get("ansible.builtin.include_tasks", "")) for task in rescue)
+
+
+def test_the_role_checks_again_before_it_starts_a_unit() -> None:
+    tasks = yaml.safe_load((ROOT / "roles" / "vllm_service" / "tasks" / "start.yml").read_text(encoding="utf-8"))
+    names = [task["name"] for task in tasks]
+    first = tasks[0]
+    assert first.get("ansible.builtin.include_tasks") == "model_access.yml" and "vars" not in first
+    assert names.index(first["name"]) < names.index("Start the instances")
+
+
+@pytest.fixture(scope="module")
+def outcome(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    tmp = tmp_path_factory.mktemp("model-access")
+    collections = tmp / "collections"
+    (collections / "ansible_collections" / "gpufleet").mkdir(parents=True)
+    os.symlink(ROOT, collections / "ansible_collections" / "gpufleet" / "vllm")
+    model = tmp / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}", encoding="utf-8")
+    cases = {"optional": True, "required": False}
+    tasks = []
+    for case, optional in cases.items():
+        tasks.append({
+            "name": f"Case {case}",
+            "block": [
+                {"name": f"Check {case}",
+                 "ansible.builtin.include_role": {"name": "gpufleet.vllm.vllm_service", "tasks_from": "model_access"},
+                 "vars": {"vllm_service_user": MISSING_USER, "vllm_service_model": str(model),
+                          "vllm_service_model_access_user_optional": optional}},
+                {"name": f"Keep {case}", "ansible.builtin.set_fact": {f"case_{case}": "ok"}},
+            ],
+            "rescue": [{"name": f"Keep the failure of {case}",
+                        "ansible.builtin.set_fact": {f"case_{case}": "{{ ansible_failed_result.msg }}"}}],
+        })
+    tasks.append({"name": "Write the outcome", "ansible.builtin.copy": {
+        "dest": str(tmp / "outcome.json"), "mode": "0644",
+        "content": "{{ {" + ", ".join(f"'{c}': case_{c}" for c in cases) + "} | to_json }}"}})
+    playbook = tmp / "model_access.yml"
+    playbook.write_text(json.dumps([{"hosts": "localhost", "connection": "local", "gather_facts": False, "tasks": tasks}]))
+    binary = BIN / "ansible-playbook"
+    if not binary.exists():
+        binary = pathlib.Path(shutil.which("ansible-playbook") or "ansible-playbook")
+    env = dict(os.environ, ANSIBLE_COLLECTIONS_PATH=str(collections), ANSIBLE_NOCOLOR="1",
+               ANSIBLE_LOCALHOST_WARNING="0", ANSIBLE_INVENTORY_UNPARSED_WARNING="0")
+    argv = [str(binary), "-i", "localhost,", "-e", f"ansible_python_interpreter={sys.executable}", str(playbook)]
+    proc = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=180, check=False)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    return json.loads((tmp / "outcome.json").read_text(encoding="utf-8"))
+
+
+def test_a_user_not_created_yet_is_left_to_the_check_before_its_unit_starts(outcome: dict[str, str]) -> None:
+    assert outcome["optional"] == "ok", outcome["optional"]
+
+
+def test_the_check_before_a_unit_starts_needs_the_user(outcome: dict[str, str]) -> None:
+    msg = outcome["required"]
+    assert f"the service user {MISSING_USER} cannot read the model" in msg, msg
