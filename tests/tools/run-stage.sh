@@ -46,7 +46,7 @@ summary_of() {
 }
 
 case $stage in
-    units|harness|integration) tool=pytest ;;
+    units|harness|integration|real-engine) tool=pytest ;;
     *) tool=$stage ;;
 esac
 summary=$(summary_of "$tool" "$log")
