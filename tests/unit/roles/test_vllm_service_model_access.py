@@ -7,19 +7,14 @@ the unreadable file itself is found on real hosts in tests/integration/test_real
 
 from __future__ import annotations
 
-import json
-import os
 import pathlib
-import shutil
-import subprocess
-import sys
 import typing as t
 
 import pytest
 import yaml
+from _role_cases import run_role_cases  # pylint: disable=import-error  # beside this file
 
 ROOT = pathlib.Path(__file__).resolve().parents[3]
-BIN = pathlib.Path(sys.executable).parent
 MISSING_USER = "gpufleet-no-such-user"
 
 
@@ -60,41 +55,13 @@ def test_the_role_checks_again_before_it_starts_a_unit() -> None:
 @pytest.fixture(scope="module")
 def outcome(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     tmp = tmp_path_factory.mktemp("model-access")
-    collections = tmp / "collections"
-    (collections / "ansible_collections" / "gpufleet").mkdir(parents=True)
-    os.symlink(ROOT, collections / "ansible_collections" / "gpufleet" / "vllm")
     model = tmp / "model"
     model.mkdir()
     (model / "config.json").write_text("{}", encoding="utf-8")
-    cases = {"optional": True, "required": False}
-    tasks = []
-    for case, optional in cases.items():
-        tasks.append({
-            "name": f"Case {case}",
-            "block": [
-                {"name": f"Check {case}",
-                 "ansible.builtin.include_role": {"name": "gpufleet.vllm.vllm_service", "tasks_from": "model_access"},
-                 "vars": {"vllm_service_user": MISSING_USER, "vllm_service_model": str(model),
-                          "vllm_service_model_access_user_optional": optional}},
-                {"name": f"Keep {case}", "ansible.builtin.set_fact": {f"case_{case}": "ok"}},
-            ],
-            "rescue": [{"name": f"Keep the failure of {case}",
-                        "ansible.builtin.set_fact": {f"case_{case}": "{{ ansible_failed_result.msg }}"}}],
-        })
-    tasks.append({"name": "Write the outcome", "ansible.builtin.copy": {
-        "dest": str(tmp / "outcome.json"), "mode": "0644",
-        "content": "{{ {" + ", ".join(f"'{c}': case_{c}" for c in cases) + "} | to_json }}"}})
-    playbook = tmp / "model_access.yml"
-    playbook.write_text(json.dumps([{"hosts": "localhost", "connection": "local", "gather_facts": False, "tasks": tasks}]))
-    binary = BIN / "ansible-playbook"
-    if not binary.exists():
-        binary = pathlib.Path(shutil.which("ansible-playbook") or "ansible-playbook")
-    env = dict(os.environ, ANSIBLE_COLLECTIONS_PATH=str(collections), ANSIBLE_NOCOLOR="1",
-               ANSIBLE_LOCALHOST_WARNING="0", ANSIBLE_INVENTORY_UNPARSED_WARNING="0")
-    argv = [str(binary), "-i", "localhost,", "-e", f"ansible_python_interpreter={sys.executable}", str(playbook)]
-    proc = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=180, check=False)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
-    return json.loads((tmp / "outcome.json").read_text(encoding="utf-8"))
+    cases = {case: {"vllm_service_user": MISSING_USER, "vllm_service_model": str(model),
+                    "vllm_service_model_access_user_optional": optional}
+             for case, optional in {"optional": True, "required": False}.items()}
+    return run_role_cases(tmp, "vllm_service", "model_access", cases)[0]
 
 
 def test_a_user_not_created_yet_is_left_to_the_check_before_its_unit_starts(outcome: dict[str, str]) -> None:

@@ -6,17 +6,9 @@
 
 from __future__ import annotations
 
-import json
-import os
-import pathlib
-import shutil
-import subprocess
-import sys
-
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parents[3]
-BIN = pathlib.Path(sys.executable).parent
+from _role_cases import run_role_cases  # pylint: disable=import-error  # beside this file
 
 MANUAL = {"kv_cache_memory_bytes": 30333206528, "gpu_memory_utilization": 0.2854, "reasons": ["r"]}
 CASES = {
@@ -35,39 +27,10 @@ CASES = {
 
 @pytest.fixture(scope="module")
 def outcome(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("validate")
-    collections = tmp / "collections"
-    (collections / "ansible_collections" / "gpufleet").mkdir(parents=True)
-    os.symlink(ROOT, collections / "ansible_collections" / "gpufleet" / "vllm")
-    tasks = []
-    for case, (plan, serve_args) in CASES.items():
-        tasks.append({
-            "name": f"Case {case}",
-            "block": [
-                {"name": f"Validate {case}",
-                 "ansible.builtin.include_role": {"name": "gpufleet.vllm.vllm_service", "tasks_from": "validate"},
-                 "vars": {"vllm_service_plan": plan, "vllm_service_serve_args": serve_args,
-                          "vllm_service_model": "/srv/models/m",
-                          "vllm_service_instances": [{"name": "main", "gpus": [0], "port": 8000}]}},
-                {"name": f"Keep {case}", "ansible.builtin.set_fact": {f"case_{case}": "ok"}},
-            ],
-            "rescue": [{"name": f"Keep the failure of {case}",
-                        "ansible.builtin.set_fact": {f"case_{case}": "{{ ansible_failed_result.msg }}"}}],
-        })
-    tasks.append({"name": "Write the outcome", "ansible.builtin.copy": {
-        "dest": str(tmp / "outcome.json"), "mode": "0644",
-        "content": "{{ {" + ", ".join(f"'{c}': case_{c}" for c in CASES) + "} | to_json }}"}})
-    playbook = tmp / "validate.yml"
-    playbook.write_text(json.dumps([{"hosts": "localhost", "connection": "local", "gather_facts": False, "tasks": tasks}]))
-    binary = BIN / "ansible-playbook"
-    if not binary.exists():
-        binary = pathlib.Path(shutil.which("ansible-playbook") or "ansible-playbook")
-    env = dict(os.environ, ANSIBLE_COLLECTIONS_PATH=str(collections), ANSIBLE_NOCOLOR="1",
-               ANSIBLE_LOCALHOST_WARNING="0", ANSIBLE_INVENTORY_UNPARSED_WARNING="0")
-    argv = [str(binary), "-i", "localhost,", "-e", f"ansible_python_interpreter={sys.executable}", str(playbook)]
-    proc = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=180, check=False)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
-    return json.loads((tmp / "outcome.json").read_text()), proc.stdout
+    cases = {case: {"vllm_service_plan": plan, "vllm_service_serve_args": serve_args, "vllm_service_model": "/srv/models/m",
+                    "vllm_service_instances": [{"name": "main", "gpus": [0], "port": 8000}]}
+             for case, (plan, serve_args) in CASES.items()}
+    return run_role_cases(tmp_path_factory.mktemp("validate"), "vllm_service", "validate", cases)
 
 
 @pytest.mark.parametrize("case", ["deploy", "reprofile", "split", "auto_profile", "counting_options"])
