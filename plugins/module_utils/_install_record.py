@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import subprocess
 import sys
 import typing as t
@@ -87,7 +86,7 @@ def main(argv: t.Sequence[str]) -> int:
     args = list(argv)
     if len(args) >= 3 and args[0] == "write":
         write_record(args[1], args[2], args[3:])
-        print("recorded")
+        sys.stdout.write("recorded\n")
         return 0
     if len(args) >= 3 and args[0] == "check":
         units = []
@@ -99,11 +98,11 @@ def main(argv: t.Sequence[str]) -> int:
             rest = rest[2:]
         else:
             reason = stale_reason(args[1], args[2], units)
-            print("current" if reason is None else f"stale: {reason}")
+            sys.stdout.write("current\n" if reason is None else f"stale: {reason}\n")
             return 0 if reason is None else 1
-    print("usage: _install_record write RECORD INPUTS FILE... | check RECORD INPUTS [--unit NAME]...", file=sys.stderr)
+    sys.stderr.write("usage: _install_record write RECORD INPUTS FILE... | check RECORD INPUTS [--unit NAME]...\n")
     return 2
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    raise SystemExit(main(sys.argv[1:]))
