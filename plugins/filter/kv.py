@@ -12,9 +12,7 @@ from ansible.errors import AnsibleFilterError
 
 from ansible_collections.gpufleet.vllm.plugins.module_utils._canary_reference import ReferenceError, reference_from_canary
 from ansible_collections.gpufleet.vllm.plugins.module_utils._geometry import GeometryError, geometry_from_config
-from ansible_collections.gpufleet.vllm.plugins.module_utils._sizes import SizeError
-from ansible_collections.gpufleet.vllm.plugins.module_utils._sizes import human_bytes as _human_bytes
-from ansible_collections.gpufleet.vllm.plugins.module_utils._sizes import parse_size
+from ansible_collections.gpufleet.vllm.plugins.module_utils._sizes import SizeError, human_bytes as _human_bytes, parse_size
 from ansible_collections.gpufleet.vllm.plugins.module_utils._validate import ValidationError, boolean, integer
 
 

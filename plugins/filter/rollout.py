@@ -1,7 +1,10 @@
 # Copyright (c) gpufleet maintainers
 # GNU General Public License v3.0+ (see LICENSES/GPL-3.0-or-later.txt or https://www.gnu.org/licenses/gpl-3.0.txt)
 # SPDX-License-Identifier: GPL-3.0-or-later
-"""Filters: release_history, rollout_batches, rollout_plan, rollout_plan_drift, runtime_problems (documentation in the YAML files beside this one)."""
+"""Filters: gate_violations, release_history, rollout_batches, rollout_plan, rollout_plan_drift, runtime_problems.
+
+The documentation of each is in the YAML file of its name beside this one.
+"""
 
 from __future__ import annotations
 
@@ -51,6 +54,16 @@ def runtime_problems(reference: Any, host: Any, reference_host: str = "the class
         raise AnsibleFilterError(str(exc)) from None
 
 
+def gate_violations(gpus: Any, instances: Any, plan: Any, auto_utilization: Any = 0.9) -> list[str]:
+    """The free-memory gate of the serial batches: every rank below what its start needs."""
+    if not isinstance(plan, Mapping):
+        raise AnsibleFilterError("gate_violations: plan must be a mapping (the class's plan)")
+    try:
+        return _rollout.gate_violations(gpus, instances, plan, float(auto_utilization))
+    except (KeyError, TypeError, ValueError) as exc:
+        raise AnsibleFilterError(f"gate_violations: a GPU or instance lacks a field, or a figure is not a number: {exc!r}") from None
+
+
 def release_history(history: Any, previous: Any, current: Any, keep_previous: Any = 2) -> dict[str, list[str]]:
     """The engine releases a host keeps after switching to ``current`` (and those it removes)."""
     try:
@@ -64,6 +77,7 @@ class FilterModule:
 
     def filters(self) -> dict[str, Callable[..., Any]]:
         return {
+            "gate_violations": gate_violations,
             "release_history": release_history,
             "rollout_batches": rollout_batches,
             "rollout_plan": rollout_plan,

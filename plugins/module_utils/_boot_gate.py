@@ -44,8 +44,7 @@ import sys
 import time
 import typing as t
 
-from ._kv_capacity import SOURCES as CAPACITY_SOURCES
-from ._kv_capacity import blocks_for_bytes, floor_utilization, full_attention_request_blocks, one_request_blocks, tokens_for_blocks
+from ._kv_capacity import SOURCES as CAPACITY_SOURCES, blocks_for_bytes, floor_utilization, full_attention_request_blocks, one_request_blocks, tokens_for_blocks
 
 PLAN_FORMATS = (1, 2)
 PLAN_FORMAT = 2

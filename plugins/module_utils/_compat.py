@@ -29,18 +29,18 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 __all__ = [
-    "CompatKey",
+    "BOOL_FIELDS",
+    "INT_FIELDS",
+    "KNOWN_FIELDS",
+    "RUNTIME_FIELDS",
+    "RUNTIME_PROBE",
     "CompatError",
+    "CompatKey",
     "compat_key",
     "diff_keys",
-    "KNOWN_FIELDS",
-    "INT_FIELDS",
-    "BOOL_FIELDS",
-    "RUNTIME_PROBE",
-    "parse_runtime_probe",
     "missing_libraries",
     "model_fingerprint",
-    "RUNTIME_FIELDS",
+    "parse_runtime_probe",
     "runtime_problems",
 ]
 

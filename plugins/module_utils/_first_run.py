@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-__all__ = ["FirstRunError", "outline", "outline_lines", "CANARY_RULE"]
+__all__ = ["CANARY_RULE", "FirstRunError", "outline", "outline_lines"]
 
 CANARY_RULE = "the first healthy host of the class by name"
 # a canary's load test, warm-up included, when no earlier canary measured one

@@ -40,14 +40,14 @@ from ._kv_capacity import cdiv
 from ._kv_layout import FAMILIES, KVLayout, LayoutError, UnknownLayout, layer_kinds, layout_from_config
 
 __all__ = [
-    "GeometryError",
-    "UnpredictableGeometry",
-    "KVGeometry",
-    "geometry_from_config",
-    "capacity_model",
-    "load_config",
-    "cdiv",
     "DTYPE_BYTES",
+    "GeometryError",
+    "KVGeometry",
+    "UnpredictableGeometry",
+    "capacity_model",
+    "cdiv",
+    "geometry_from_config",
+    "load_config",
 ]
 
 

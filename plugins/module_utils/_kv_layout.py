@@ -41,13 +41,13 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 __all__ = [
+    "FAMILIES",
+    "KVLayout",
+    "LayerGroup",
     "LayoutError",
     "UnknownLayout",
-    "LayerGroup",
-    "KVLayout",
     "layer_kinds",
     "layout_from_config",
-    "FAMILIES",
 ]
 
 

@@ -388,7 +388,7 @@ def probe(nvml: Any, devices: Sequence[Any] | None = None, samples: int = 1, int
     warnings.extend(f"{host}: {text}" for text in unit_warnings)
     session = _Session(nvml, host, warnings)
     try:
-        init = getattr(nvml, "nvmlInit")
+        init = nvml.nvmlInit
         init()
     except session.error_type as exc:  # pylint: disable=catching-non-exception
         raise NvmlProbeError(f"{host}: {describe_error(exc)}", code=_code(exc)) from None

@@ -50,11 +50,10 @@ from ._kv_capacity import (
 )
 from ._kv_layout import KVLayout
 from ._sizes import MAX_BYTES, SizeError, human_bytes, parse_size
-from ._validate import ValidationError, boolean
-from ._validate import number as valid_number
+from ._validate import ValidationError, boolean, number as valid_number
 from ._vllm_log import GIB_ROUNDING_BYTES
 
-__all__ = ["PlanError", "plan_class", "startup_utilization", "round_budget", "keep_deployed", "DEFAULTS", "DECISIONS"]
+__all__ = ["DECISIONS", "DEFAULTS", "PlanError", "keep_deployed", "plan_class", "round_budget", "startup_utilization"]
 
 GIB = 1024**3
 MIB = 1024**2

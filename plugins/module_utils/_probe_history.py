@@ -82,13 +82,13 @@ def record(store: str, host: str, gpus: t.Sequence[t.Mapping[str, t.Any]], at: f
     path = _host_file(store, host)
     directory = os.path.dirname(path)
     if check:
-        return (load(store, host) + [entry(gpus, at)])[-keep:]
+        return [*load(store, host), entry(gpus, at)][-keep:]
     try:
         os.makedirs(directory, mode=0o750, exist_ok=True)
     except OSError as exc:
         raise ProbeHistoryError(f"probe history {directory}: cannot create it: {exc.strerror or exc}") from None
     with _locked(directory):
-        probes = (load(store, host) + [entry(gpus, at)])[-keep:]
+        probes = [*load(store, host), entry(gpus, at)][-keep:]
         fd, tmp = tempfile.mkstemp(prefix=f".{host}.", dir=directory)
         try:
             with os.fdopen(fd, "w", encoding="utf-8") as handle:

@@ -60,7 +60,7 @@ try:
 except ImportError:  # pragma: no cover - PyYAML is an ansible-core dependency
     yaml = None
 
-__all__ = ["ProfileStore", "ProfileStoreError", "FORMAT", "validate_host_class"]
+__all__ = ["FORMAT", "ProfileStore", "ProfileStoreError", "validate_host_class"]
 
 FORMAT = 2
 # A record is a few KiB; a larger file is not one (and parsing it would cost the query).

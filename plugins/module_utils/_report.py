@@ -34,17 +34,17 @@ from typing import Any
 from ._sizes import SizeError, human_bytes, parse_size
 
 __all__ = [
-    "SCHEMA_VERSION",
     "KINDS",
     "OUTCOMES",
+    "SCHEMA_VERSION",
     "ReportError",
     "build_report",
+    "class_artifacts",
     "load_report",
-    "render_markdown",
     "render_html",
+    "render_markdown",
     "render_svg",
     "summary_line",
-    "class_artifacts",
     "write_run_dir",
 ]
 

@@ -10,6 +10,8 @@ Plain Python, no Ansible import.
   classes follow one another in the given order and no batch mixes two classes.
   The serial play runs these batches as one ``serial`` list of sizes
   (:func:`serial_sizes`) over the hosts in the same order.
+* :func:`gate_violations` is the free-memory gate the serial batches run on every host,
+  before its instances stop and again after (with what they held counted free).
 * :func:`plan_artifact` builds the document ``plan.yml`` writes (plan -> approve ->
   apply); :func:`plan_drift` says, before any host is touched, what moved between that
   plan and the fleet an apply run finds (compatibility key, reference profile, hosts,
@@ -18,14 +20,24 @@ Plain Python, no Ansible import.
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ansible_collections.gpufleet.vllm.plugins.module_utils._sizes import human_bytes
 
-__all__ = ["RolloutError", "class_batches", "serial_sizes", "plan_artifact", "plan_drift", "unit_drift",
-           "check_artifact", "PLAN_FORMAT"]
+__all__ = [
+    "PLAN_FORMAT",
+    "RolloutError",
+    "check_artifact",
+    "class_batches",
+    "gate_violations",
+    "plan_artifact",
+    "plan_drift",
+    "serial_sizes",
+    "unit_drift",
+]
 
 PLAN_FORMAT = "gpufleet.vllm/plan-v1"
 _SERIAL_ITEM = re.compile(r"^(?:[1-9][0-9]*|(?:100|[1-9][0-9]?)(?:\.[0-9]+)?%)$")
@@ -107,6 +119,42 @@ def class_batches(classes: Sequence[Any], serial: Any) -> list[dict[str, Any]]:
 def serial_sizes(batches: Sequence[Mapping[str, Any]]) -> list[int]:
     """The ``serial`` list that makes Ansible run exactly these batches (hosts in the same order)."""
     return [len(b["hosts"]) for b in batches]
+
+
+# ---------------------------------------------------------------- the free-memory gate
+def gate_violations(gpus: Sequence[Mapping[str, Any]], instances: Sequence[Mapping[str, Any]],
+                    plan: Mapping[str, Any], auto_utilization: float) -> list[str]:
+    """Every rank of ``instances`` whose NVML boot-free memory is below what its start needs.
+
+    ``gpus``: gpu_memory_info's ``gpus`` (``index``, ``total_bytes``, ``boot_free_bytes`` -
+    free plus what this host's own units hold - and ``processes`` with ``own``);
+    ``instances``: ``{name, gpus}``, rank ``r`` on ``gpus[r]``. A manual budget needs the
+    plan's floor for the rank (``free_floor_bytes``); automatic profiling needs
+    ``ceil(total * utilization)``, vLLM's own startup check, with the plan's utilization
+    or ``auto_utilization`` when it names none. One sentence per rank that fails.
+    """
+    floors = plan.get("free_floor_bytes") or {}
+    auto = plan.get("decision", "deploy") == "auto_profile"
+    utilization = float(plan.get("gpu_memory_utilization") or auto_utilization)
+    by_index = {int(g["index"]): g for g in gpus}
+    out = []
+    for inst in instances:
+        for rank, index in enumerate(int(g) for g in inst["gpus"]):
+            where = f"{inst['name']} rank {rank} (GPU {index})"
+            gpu = by_index.get(index)
+            if gpu is None:
+                out.append(f"{where}: not found by NVML")
+                continue
+            need = math.ceil(int(gpu["total_bytes"]) * utilization) if auto else _floor(floors, rank)
+            if need is None:
+                out.append(f"{where}: the plan has no floor for this rank")
+                continue
+            free = int(gpu["boot_free_bytes"])
+            if free < need:
+                others = [str(p["pid"]) for p in gpu.get("processes") or [] if not p.get("own")]
+                out.append(f"{where}: boot-free {free} B ({human_bytes(free)}) < floor {need} B ({human_bytes(need)})"
+                           + (f", other processes: {','.join(others)}" if others else ""))
+    return out
 
 
 # ---------------------------------------------------------------- the plan artifact

@@ -23,7 +23,7 @@ import math
 import re
 from decimal import Decimal, InvalidOperation
 
-__all__ = ["SizeError", "parse_size", "human_bytes", "UNITS", "MAX_BYTES"]
+__all__ = ["MAX_BYTES", "UNITS", "SizeError", "human_bytes", "parse_size"]
 
 # The largest size accepted: a signed 64-bit count, what vLLM and the kernel take.
 MAX_BYTES = 2**63 - 1
@@ -173,7 +173,7 @@ def human_bytes(n: int, precision: int = 2, exact: bool = False) -> str:
         return min(candidates, key=lambda c: sum(ch.isdigit() for ch in c))
     if isinstance(precision, bool) or not isinstance(precision, int) or not 0 <= precision <= 20:
         raise SizeError(f"human_bytes: precision must be an integer in 0..20, got {precision!r}")
-    units = (("B", 1),) + tuple(reversed(_BINARY_RENDER))
+    units = (("B", 1), *reversed(_BINARY_RENDER))
     pick = 0
     for i, (_name, unit) in enumerate(units):
         if n >= unit:

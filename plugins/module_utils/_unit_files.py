@@ -55,6 +55,11 @@ from . import _validate as v
 from ._vllm_engine import CONTROLLED_OPTIONS, EngineSpecError, option_name, render_serve_args
 
 KINDS = ("unit", "plan", "env")
+# Plan-record fields whose change means the running engine is not the one the new plan was
+# made for, even when the unit is byte for byte the same: the compatibility key covers the
+# model's weights, the engine and the driver (a new weight file under the same model path
+# leaves every serve argument as it was, but the process still holds the old weights).
+RESTART_FIELDS = ("compat_key_hash",)
 SHOW_PROPERTIES = ("LoadState", "ActiveState", "NeedDaemonReload")
 # what is read of a unit the instances take over
 ADOPT_PROPERTIES = ("LoadState", "ActiveState", "UnitFileState", "FragmentPath", "DropInPaths")
@@ -433,8 +438,9 @@ def status(layout: Layout, instances: t.Sequence[t.Mapping[str, t.Any]], show: S
            want_diff: bool = False) -> list[dict[str, t.Any]]:
     """Per instance: does its unit, environment file or running state differ from the desired ones?
 
-    ``instances``: ``{name, unit?, env?}`` with the desired contents (text). The reasons
-    use the same words as the rollout's output. Never changes anything.
+    ``instances``: ``{name, unit?, env?, plan?}`` with the desired contents (text, and the
+    plan as a mapping: see :func:`plan_restart_reasons`). The reasons use the same words as
+    the rollout's output. Never changes anything.
     """
     names = [validate_name(i["name"]) for i in instances]
     props = show([layout.unit_name(n) for n in names])
@@ -467,12 +473,33 @@ def status(layout: Layout, instances: t.Sequence[t.Mapping[str, t.Any]], show: S
         applied = read_plan(layout, name)
         if on_disk is None or applied.get("unit_checksum") != sha1(on_disk):
             reasons.append("the unit on disk has not passed a boot check")
+        elif isinstance(inst.get("plan"), t.Mapping):
+            reasons += plan_restart_reasons(applied, inst["plan"])
         if os.path.exists(layout.changing_marker(name)):
             reasons.append("an earlier change was interrupted")
         entry["reasons"] = reasons
         entry["pending"] = bool(reasons)
         out.append(entry)
     return out
+
+
+def plan_restart_reasons(recorded: t.Mapping[str, t.Any], wanted: t.Mapping[str, t.Any]) -> list[str]:
+    """Why a running instance must restart although its unit is unchanged (RESTART_FIELDS).
+
+    Compared only when both plans name a value: a record without one (written by a plan
+    without a key, e.g. the role used on its own) restarts nothing.
+    """
+    reasons = []
+    for field in RESTART_FIELDS:
+        was, now = recorded.get(field), wanted.get(field)
+        if was and now and was != now:
+            reasons.append(f"the compatibility key changed since its boot check ({field} {str(was)[:12]} -> {str(now)[:12]})")
+    return reasons
+
+
+def plan_bytes(plan: t.Mapping[str, t.Any]) -> bytes:
+    """A plan file as the boot gate and applications read it: indented JSON, sorted keys."""
+    return (json.dumps(dict(plan), indent=4, sort_keys=True, ensure_ascii=False) + "\n").encode("utf-8")
 
 
 def account_ready(user: str, group: str, home: str, home_mode: int = 0o750) -> bool:
@@ -550,13 +577,19 @@ def _kept_snapshot(layout: Layout, name: str) -> dict[str, t.Any]:
 
 def write(layout: Layout, instances: t.Sequence[t.Mapping[str, t.Any]], check: bool,
           want_diff: bool = False) -> list[dict[str, t.Any]]:
-    """Write the given unit and environment files (``{name, unit?, env?}``); unchanged files are left alone."""
+    """Write the given files (``{name, unit?, env?, plan?}``); unchanged files are left alone.
+
+    ``plan`` is the plan file the boot gate reads at the first start, written without the
+    unit's checksum: only ``record`` adds it, after a passed boot check.
+    """
     out = []
     for inst in instances:  # every input first: nothing is written when one is wrong
         name = validate_name(inst["name"])
         for kind in ("env", "unit"):
             if inst.get(kind) is not None:
                 check_content(name, kind, inst[kind])
+        if inst.get("plan") is not None and not isinstance(inst["plan"], t.Mapping):
+            raise UnitFilesError(f"instance {name}: plan must be a mapping")
     changed_dir = ensure_dir(layout.state_dir, layout.uid, layout.plan_gid, 0o750, check)
     for inst in instances:
         name = validate_name(inst["name"])
@@ -575,6 +608,11 @@ def write(layout: Layout, instances: t.Sequence[t.Mapping[str, t.Any]], check: b
                                      "before": _text(before), "after": inst[kind]}
             if kind == "unit":
                 entry["unit_checksum"] = sha1(want)
+        if inst.get("plan") is not None:
+            doc = {k: v for k, v in inst["plan"].items() if k != "unit_checksum"}
+            uid, gid, mode = layout.owner("plan")
+            if ensure_file(layout.path(name, "plan"), plan_bytes(doc), uid, gid, mode, check):
+                entry["written"].append("plan")
         entry["changed"] = bool(entry["written"]) or changed_dir
         out.append(entry)
     return out
@@ -593,9 +631,8 @@ def record(layout: Layout, instances: t.Sequence[t.Mapping[str, t.Any]], check: 
             raise UnitFilesError(f"instance {name}: no unit at {layout.path(name, 'unit')} to record a plan for")
         doc = dict(plan)
         doc["unit_checksum"] = sha1(unit)
-        data = (json.dumps(doc, indent=4, sort_keys=True, ensure_ascii=False) + "\n").encode("utf-8")
         uid, gid, mode = layout.owner("plan")
-        changed = ensure_file(layout.path(name, "plan"), data, uid, gid, mode, check)
+        changed = ensure_file(layout.path(name, "plan"), plan_bytes(doc), uid, gid, mode, check)
         changed |= ensure_absent(layout.changing_marker(name), check)  # the change is complete
         out.append({"name": name, "unit_checksum": doc["unit_checksum"], "changed": changed})
     return out

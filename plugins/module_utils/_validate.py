@@ -27,26 +27,26 @@ import typing as t
 
 __all__ = [
     "ValidationError",
+    "abs_path",
+    "account_name",
     "boolean",
-    "number",
-    "integer",
-    "port",
-    "text",
-    "no_control",
-    "instance_name",
+    "check_environment_file",
     "class_name",
     "env_name",
-    "account_name",
-    "abs_path",
-    "systemd_unit_name",
-    "unique",
-    "is_secret_option",
-    "systemd_word",
-    "systemd_value",
-    "systemd_exec_start",
-    "systemd_environment",
     "environment_file",
-    "check_environment_file",
+    "instance_name",
+    "integer",
+    "is_secret_option",
+    "no_control",
+    "number",
+    "port",
+    "systemd_environment",
+    "systemd_exec_start",
+    "systemd_unit_name",
+    "systemd_value",
+    "systemd_word",
+    "text",
+    "unique",
 ]
 
 
@@ -186,7 +186,7 @@ def integer(value: object, field: str, *, low: int | None = None, high: int | No
         result = int(value)
     elif isinstance(value, str):
         word = value.strip(" ")
-        if not re.fullmatch(r"[+-]?[0-9]{1,%d}" % _NUMBER_TEXT_MAX, word):
+        if not re.fullmatch(rf"[+-]?[0-9]{{1,{_NUMBER_TEXT_MAX}}}", word):
             raise ValidationError(f"{field}: expected an integer, got {_shown(value)}")
         result = int(word)
     else:
@@ -339,7 +339,7 @@ def systemd_exec_start(executable: object, words: t.Sequence[t.Any], field: str 
         where = f"{field}[{i}]"
         if isinstance(word, (list, tuple)) and len(word) == 2 and isinstance(word[0], str):
             where, word = word  # (the variable it came from, the word): errors name the variable
-        if isinstance(word, bool) or isinstance(word, (dict, list, tuple)) or word is None:
+        if isinstance(word, (bool, dict, list, tuple)) or word is None:
             raise ValidationError(f"{where}: expected a string or a number, got {_kind(word)}")
         if isinstance(word, float):
             number(word, where)

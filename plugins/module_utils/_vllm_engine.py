@@ -29,9 +29,7 @@ import typing as t
 from dataclasses import dataclass, field
 
 from ._load_test import LoadSpec, run_load_test
-from ._validate import ValidationError, env_name, integer, is_secret_option, number
-from ._validate import text as v_text
-from ._validate import port as valid_port
+from ._validate import ValidationError, env_name, integer, is_secret_option, number, port as valid_port, text as v_text
 from ._vllm_log import GIB_ROUNDING_BYTES, EngineLog, parse_engine_log
 from ._vllm_metrics import EngineMetrics, MetricsParseError, parse_metrics
 
@@ -685,9 +683,8 @@ def compare_with_reference(
             f"KV cache tokens {result.get('kv_cache_tokens')} are {ratio:.4f} of the reference's "
             f"{reference.get('kv_cache_tokens')}, below the tolerated {tolerances.token_ratio}"
         )
-    if isinstance(load.get("failed"), int) and isinstance(ref_load.get("failed"), int):
-        if load["failed"] > ref_load["failed"]:
-            fails.append(f"{load['failed']} failed requests, the reference had {ref_load['failed']}")
+    if isinstance(load.get("failed"), int) and isinstance(ref_load.get("failed"), int) and load["failed"] > ref_load["failed"]:
+        fails.append(f"{load['failed']} failed requests, the reference had {ref_load['failed']}")
     pre, ref_pre = result.get("preemptions"), reference.get("preemptions")
     if isinstance(pre, (int, float)) and isinstance(ref_pre, (int, float)):
         if pre > ref_pre + tolerances.preemptions:

@@ -69,7 +69,7 @@ EXCEPTION_KIND = "exception"
 
 def gib_to_bytes(value: str | float) -> int:
     """Convert a GiB figure as printed by vLLM into bytes (rounded to an int)."""
-    return int(round(float(value) * GIB))
+    return round(float(value) * GIB)
 
 
 @dataclass

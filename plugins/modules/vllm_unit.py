@@ -18,15 +18,16 @@ description:
     environment file C(<state_dir>/vllm-NAME.env) (root, 0600) - and the snapshot of them a rollback restores.
   - O(state=status) compares the desired unit and environment file with the files on disk and reads the
     services' state (C(systemctl show)); an instance is pending when its unit or environment differ, its service
-    is not active, systemd has not loaded the unit on disk, or the plan record does not name the unit on disk
-    (the unit has not passed a boot check).
+    is not active, systemd has not loaded the unit on disk, the plan record does not name the unit on disk
+    (the unit has not passed a boot check), or the recorded plan names another compatibility key than the
+    desired one (O(instances[].plan)).
   - O(state=snapshot) keeps, under C(<state_dir>/units/), a copy C(<file>.previous) of each of the three files,
     or a marker C(<file>.absent) for a file that does not exist, and a marker C(vllm-NAME.service.inactive)
     when the service is not running. It also opens a change (marker C(vllm-NAME.service.changing)), which
     O(state=recorded) and O(state=restored) close. While a change is open - a run was interrupted between the
     snapshot and the boot check - the instance is pending (V(an earlier change was interrupted)) and a new
     snapshot keeps the existing one (RV(instances[].resumed)), so a rollback still restores what ran before.
-  - O(state=present) writes the given unit and environment files (the environment file first) and makes
+  - O(state=present) writes the given unit, environment and plan files (the environment file first) and makes
     O(state_dir) a directory owned by root and O(plan_group) with mode 0750; files already as desired are left alone.
   - O(state=recorded) writes each plan record with the checksum of the unit now on disk and closes the change.
     Record a plan only after the unit passed its boot check (M(gpufleet.vllm.vllm_boot_check)).
@@ -85,7 +86,13 @@ options:
         description: Desired unit file content (O(state=status), O(state=present)).
         type: str
       plan:
-        description: Plan to record (O(state=recorded)); C(unit_checksum) is added.
+        description:
+          - The instance's plan file (its launch contract). O(state=recorded) writes it with the C(unit_checksum) of
+            the unit on disk added; O(state=present) writes it without one (the boot gate reads it at the first start,
+            before the boot check passed).
+          - With O(state=status), an instance whose unit passed its boot check but whose recorded plan names another
+            C(compat_key_hash) than this one is pending (the model's weights, the engine or the driver changed under
+            an unchanged unit, and the running process is not what the plan was made for).
         type: dict
   env_files:
     description:
@@ -221,7 +228,7 @@ instances:
       description: The snapshot of an interrupted change was kept instead of taking a new one (O(state=snapshot)).
       type: bool
     written:
-      description: Files written (O(state=present)).
+      description: Files written (O(state=present)), of V(env), V(unit) and V(plan).
       type: list
       elements: str
     restored:
@@ -312,10 +319,10 @@ from ansible.module_utils.common.text.converters import to_native
 from ansible_collections.gpufleet.vllm.plugins.module_utils._unit_files import (
     ADOPT_PROPERTIES,
     Layout,
+    UnitFilesError,
     account_ready,
     adopted_status,
     adoption_reasons,
-    UnitFilesError,
     record,
     restore,
     restore_adopted,

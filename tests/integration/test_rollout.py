@@ -320,6 +320,36 @@ def test_compat_key_change_forces_a_profiled_canary(fleet):
         assert fleet.plan(host)["compat_key_hash"] in fleet.profiles()[0].name + fleet.profiles()[1].name
 
 
+def test_new_weights_under_the_same_model_path_restart_every_host(fleet):
+    """Other model files under the same path, the same serve arguments and budget: every unit stays
+    byte for byte the same, but the key moves (model_fingerprint) and each running engine still holds
+    the old weights, so every host restarts in its batch and records the new key."""
+    extra = {"gpufleet_guard": "1GiB", "gpufleet_canary_host": "sim-ro-2", "gpufleet_serve_args": {
+        "max_model_len": 8192, "tensor_parallel_size": 2, "max_num_seqs": 48, "dtype": "bfloat16", "block_size": 16}}
+    before, keys_before = fleet.units(), {h: fleet.plan(h)["compat_key_hash"] for h in HOSTS}
+    runs = {h: fleet.harness.exec(h, ["systemctl", "show", "vllm-main.service", "-p", "InvocationID", "--value"]).stdout
+            for h in HOSTS}
+    added = "/srv/models/llama-3.1-8b-instruct/generation_config.json"
+    for host in HOSTS:
+        fleet.harness.exec(host, ["sh", "-c", f"echo '{{\"temperature\": 0.6}}' > {added}"], check=True)
+    try:
+        rc, out = fleet.rollout(extra)
+    finally:
+        for host in HOSTS:
+            fleet.harness.exec(host, ["rm", "-f", added], check=True)
+    assert rc == 0, out[-6000:]
+    assert len(fleet.profiles()) == 3, "the new key gets a profiled canary of its own"
+    assert fleet.units() == before, "same serve arguments and budget: the same unit bytes"
+    restarted = set(re.findall(r"(sim-ro-\d): \[[^\n]*main: \[[^\n]*the compatibility key changed since its boot check", out))
+    assert restarted == set(HOSTS), out[-6000:]
+    for host in HOSTS:
+        plan = fleet.plan(host)
+        assert plan["compat_key_hash"] != keys_before[host], plan
+        assert any(plan["compat_key_hash"] in p.name for p in fleet.profiles()), plan
+        now = fleet.harness.exec(host, ["systemctl", "show", "vllm-main.service", "-p", "InvocationID", "--value"]).stdout
+        assert now != runs[host] and fleet.active(host) == "active", host
+
+
 def test_wrong_service_inputs_on_a_later_host_stop_the_run_before_any_host(fleet):
     """The last host's own inventory gives its instance a port no unit can listen on: every
     host's service inputs are checked before the first batch, so the run stops with that

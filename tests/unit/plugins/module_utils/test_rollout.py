@@ -17,6 +17,7 @@ from ansible_collections.gpufleet.vllm.plugins.module_utils._rollout import (
     RolloutError,
     check_artifact,
     class_batches,
+    gate_violations,
     plan_artifact,
     plan_drift,
     serial_sizes,
@@ -189,3 +190,45 @@ def test_malformed_artifact_names_the_field(mutate, field):
         check_artifact(doc)
     with pytest.raises(RolloutError):
         check_artifact("not a plan")
+
+
+# ---------------------------------------------------------------- the free-memory gate
+def gpu(index: int, free: int, total: int = 80 * GIB, processes: list | None = None) -> dict:
+    return {"index": index, "total_bytes": total, "boot_free_bytes": free, "processes": processes or []}
+
+
+MANUAL = {"decision": "deploy", "free_floor_bytes": {"0": 40 * GIB, "1": 40 * GIB}}
+
+
+def test_the_gate_passes_at_the_floor_and_names_each_rank_below_it():
+    inst = [{"name": "main", "gpus": [0, 1]}]
+    assert gate_violations([gpu(0, 40 * GIB), gpu(1, 41 * GIB)], inst, MANUAL, 0.9) == []
+    below = gate_violations([gpu(0, 40 * GIB - 1), gpu(1, 30 * GIB, processes=[{"pid": 4242, "own": False}, {"pid": 7, "own": True}])],
+                            inst, MANUAL, 0.9)
+    assert below == [
+        f"main rank 0 (GPU 0): boot-free {40 * GIB - 1} B (40GiB) < floor {40 * GIB} B (40GiB)",
+        f"main rank 1 (GPU 1): boot-free {30 * GIB} B (30GiB) < floor {40 * GIB} B (40GiB), other processes: 4242",
+    ]
+
+
+def test_the_gate_keys_floors_by_rank_not_by_gpu_index():
+    """An instance on GPUs 2 and 3 has ranks 0 and 1; integer and text keys both work (JSON has only text)."""
+    floors = {"decision": "deploy", "free_floor_bytes": {0: 10 * GIB, "1": 50 * GIB}}
+    out = gate_violations([gpu(2, 20 * GIB), gpu(3, 20 * GIB)], [{"name": "b", "gpus": ["2", 3]}], floors, 0.9)
+    assert out == [f"b rank 1 (GPU 3): boot-free {20 * GIB} B (20GiB) < floor {50 * GIB} B (50GiB)"]
+
+
+def test_the_gate_names_a_missing_gpu_and_a_missing_floor():
+    out = gate_violations([gpu(0, 80 * GIB)], [{"name": "main", "gpus": [0, 5]}],
+                          {"decision": "deploy", "free_floor_bytes": {}}, 0.9)
+    assert out == ["main rank 0 (GPU 0): the plan has no floor for this rank", "main rank 1 (GPU 5): not found by NVML"]
+
+
+def test_automatic_profiling_needs_vllms_own_startup_share():
+    inst = [{"name": "main", "gpus": [0]}]
+    auto = {"decision": "auto_profile", "gpu_memory_utilization": None}
+    assert gate_violations([gpu(0, 90, total=100)], inst, auto, 0.9) == []
+    assert gate_violations([gpu(0, 89, total=100)], inst, auto, 0.9) == ["main rank 0 (GPU 0): boot-free 89 B (89B) < floor 90 B (90B)"]
+    # the plan's own utilization wins over the default
+    assert gate_violations([gpu(0, 89, total=100)], inst, dict(auto, gpu_memory_utilization=0.5), 0.9) == []
+

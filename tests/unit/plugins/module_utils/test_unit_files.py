@@ -145,6 +145,24 @@ def test_diff_shows_the_unit_and_never_the_secret(layout):
     assert "hf_" not in json.dumps(written)
 
 
+def test_a_new_compatibility_key_under_an_unchanged_unit_restarts_the_instance(layout):
+    """New weights under the same model path: same unit, new key; the running engine holds the old weights."""
+    systemd = FakeSystemd()
+    write(layout, [{"name": "a", "unit": UNIT_A, "env": ENV_A}], check=False)
+    record(layout, [{"name": "a", "plan": {"compat_key_hash": "a" * 64}}], check=False)
+    systemd.active["vllm-a.service"] = "active"
+    same = [{"name": "a", "unit": UNIT_A, "env": ENV_A, "plan": {"compat_key_hash": "a" * 64}}]
+    assert status(layout, same, systemd.show)[0]["pending"] is False
+    moved = [{"name": "a", "unit": UNIT_A, "env": ENV_A, "plan": {"compat_key_hash": "b" * 64}}]
+    (entry,) = status(layout, moved, systemd.show)
+    assert entry["pending"] and entry["reasons"] == [
+        f"the compatibility key changed since its boot check (compat_key_hash {'a' * 12} -> {'b' * 12})"]
+    # a plan without a key (the role on its own) or a record without one restarts nothing
+    assert not status(layout, [dict(moved[0], plan={})], systemd.show)[0]["pending"]
+    record(layout, [{"name": "a", "plan": {}}], check=False)
+    assert not status(layout, moved, systemd.show)[0]["pending"]
+
+
 # ------------------------------------------------------------------ write and record
 def test_write_is_idempotent_and_sets_owner_and_mode(layout):
     first = write(layout, [{"name": "a", "unit": UNIT_A, "env": ENV_A}], check=False)
@@ -174,6 +192,21 @@ def test_record_names_the_unit_on_disk(layout):
     assert not record(layout, [{"name": "a", "plan": {"kv_cache_memory_bytes": 1000}}], check=False)[0]["changed"]
     with pytest.raises(UnitFilesError, match="no unit at .*vllm-b.service"):
         record(layout, [{"name": "b", "plan": {}}], check=False)
+
+
+def test_write_puts_the_plan_file_before_the_boot_check_without_a_unit_checksum(layout):
+    plan = {"compat_key_hash": "k", "kv_cache_memory_bytes": 1000, "unit_checksum": "from an older record"}
+    (entry,) = write(layout, [{"name": "a", "unit": UNIT_A, "plan": plan}], check=False)
+    assert entry["written"] == ["unit", "plan"]
+    assert json.loads(read(layout.path("a", "plan"))) == {"compat_key_hash": "k", "kv_cache_memory_bytes": 1000}
+    assert mode(layout.path("a", "plan")) == 0o640
+    # not recorded yet: the instance is pending until its boot check passes and record() names the unit
+    assert "the unit on disk has not passed a boot check" in status(
+        layout, [{"name": "a", "unit": UNIT_A, "plan": plan}], FakeSystemd().show)[0]["reasons"]
+    assert write(layout, [{"name": "a", "unit": UNIT_A, "plan": plan}], check=False)[0]["written"] == []
+    with pytest.raises(UnitFilesError, match="instance b: plan must be a mapping"):
+        write(layout, [{"name": "b", "unit": UNIT_A, "plan": "not a mapping"}], check=False)
+    assert read(layout.path("b", "unit")) is None, "nothing written when an input is wrong"
 
 
 # ------------------------------------------------------------------ snapshot and restore
