@@ -120,7 +120,7 @@ sanity: venv
 	tests/tools/run-stage.sh sanity tests/tools/ansible-test-sanity.sh
 
 lint: venv
-	tests/tools/run-stage.sh lint ansible-lint --profile production
+	tests/tools/run-stage.sh lint tests/tools/lint.sh
 
 # The test-host harness's own tests (tests/integration/test_harness.py), alone.
 harness: rootfs

@@ -5,7 +5,8 @@
 # The counts come from each tool's final summary:
 #   pytest        "12 passed, 1 skipped in 3.40s"
 #   ansible-test  "Sanity summary: 24 sanity tests run, 0 failed, 0 skipped" (ansible-test-sanity.sh)
-#   ansible-lint  "Passed: 0 failure(s), 0 warning(s) in 40 files processed of 52 encountered."
+#   ansible-lint  "Passed: 0 failure(s), 0 warning(s) in 40 files processed of 52 encountered.",
+#                 then ruff's "All checks passed!" (tests/tools/lint.sh)
 #   molecule      "Molecule executed 2 scenarios (2 successful)"
 set -uo pipefail
 
@@ -37,7 +38,11 @@ summary_of() {
             grep -E '^Sanity summary: ' <<<"$clean" | tail -n 1 | sed -E 's/^Sanity summary: //'
             ;;
         lint)
-            grep -E '^(Passed|Failed): [0-9]+ failure' <<<"$clean" | tail -n 1 | sed -E "s/ Profile '.*//"
+            # ansible-lint's line, then ruff's ("All checks passed!" or "Found 3 errors.")
+            local ansible_lint ruff
+            ansible_lint=$(grep -E '^(Passed|Failed): [0-9]+ failure' <<<"$clean" | tail -n 1 | sed -E "s/ Profile '.*//")
+            ruff=$(grep -E '^(All checks passed!|Found [0-9]+ errors?)' <<<"$clean" | tail -n 1)
+            [ -z "$ansible_lint" ] || echo "$ansible_lint${ruff:+; ruff: $ruff}"
             ;;
         molecule)
             grep -Eo 'Molecule executed [0-9]+ scenarios? \([^)]*\)' <<<"$clean" | tail -n 1

@@ -40,8 +40,9 @@ TOOL_OUTPUTS = {
     "lint": (
         "WARNING  Listing 2 violation(s) that are fatal\n"
         "Failed: 2 failure(s), 0 warning(s) in 37 files processed of 65 encountered. "
-        "Profile 'production' was required, but 'min' profile passed.\n",
-        "Failed: 2 failure(s), 0 warning(s) in 37 files processed of 65 encountered.",
+        "Profile 'production' was required, but 'min' profile passed.\n"
+        "==== ruff check plugins/\nFound 3 errors.\n",
+        "Failed: 2 failure(s), 0 warning(s) in 37 files processed of 65 encountered.; ruff: Found 3 errors.",
     ),
     "molecule": (
         "INFO     default ➜ destroy: Executed: Successful\n"
