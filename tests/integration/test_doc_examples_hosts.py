@@ -174,6 +174,25 @@ def test_vllm_unit_examples(sim, collections_path, texts, tmp_path):
         assert sim.h.exec(HOST, ["test", "-e", path]).returncode != 0, path
 
 
+def test_vllm_host_tools_examples(sim, collections_path, texts, tmp_path):
+    out = tmp_path / "tools.json"
+    playbook = doc_examples.module_playbook(texts["vllm_host_tools"], HOST, post_tasks=[keep(out, "tools")])
+    try:
+        proc = run(sim, collections_path, tmp_path, playbook)
+        doc_examples.assert_examples_ran(proc, texts["vllm_host_tools"])
+        got = json.loads(out.read_text(encoding="utf-8"))
+        assert got["started"] == ["example-tool.timer"] and got["compiled"] == ["/opt/example/lib/example_pkg"], got
+        assert sim.h.exec(HOST, ["systemctl", "is-active", "example-tool.timer"]).stdout.strip() == "active"
+        assert sim.h.exec(HOST, ["test", "-f", "/opt/example/lib/example_pkg/__pycache__/__init__.cpython-311.pyc"]).returncode == 0
+        # the same call again changes nothing
+        again = run(sim, collections_path, tmp_path, playbook)
+        assert json.loads(out.read_text(encoding="utf-8"))["changed"] is False, again.stdout[-3000:]
+    finally:
+        sim.h.exec(HOST, ["sh", "-c", "systemctl disable --now example-tool.timer; rm -rf /opt/example /usr/local/bin/example-tool "
+                                      "/etc/systemd/system/example-tool.service /etc/systemd/system/example-tool.timer; "
+                                      "systemctl daemon-reload"])
+
+
 @pytest.fixture()
 def engines(sim):
     """vllm-main.service on GPUs 2 and 3 with the plan kv_plan gives, and an engine on GPU 1 logging to a file."""

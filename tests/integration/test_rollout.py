@@ -85,6 +85,10 @@ GROUP_VARS = {
     # the simulated engine records its GPU processes in the fake NVML state
     "vllm_service_read_write_paths": ["/etc/fake-nvml"],
     "vllm_service_boot_timeout": 120,
+    # 3 probe samples 0.2 s apart instead of 9 at 0.5 s: nothing here moves free memory between samples
+    # (test_rollout_faults.py keeps the defaults for the faults that do)
+    "gpufleet_probe_samples": 3,
+    "gpufleet_probe_interval": 0.2,
 }
 
 

@@ -1,0 +1,153 @@
+# -*- coding: utf-8 -*-
+# Copyright (c) gpufleet maintainers
+# GNU General Public License v3.0+ (see LICENSES/GPL-3.0-or-later.txt or https://www.gnu.org/licenses/gpl-3.0.txt)
+# SPDX-License-Identifier: GPL-3.0-or-later
+
+"""The host tools of the vLLM units, installed in one call (gpufleet.vllm.vllm_host_tools).
+
+The boot gate, its library, the metrics exporter and the exporter's systemd units are a
+dozen files; a task per file costs a dozen round trips on every host's first deploy, and
+another call to find out, at every later deploy, whether they are still the ones to
+install. Here the role sends every file's content in one call, and each file is compared
+with the one on disk (content, owner ``root:root``, mode) and written atomically only when
+it differs, so an edited or removed file comes back and an unchanged host changes nothing.
+
+Plain Python with no Ansible import; the module runs the interpreter that compiles the
+library and ``systemctl`` itself.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+import typing as t
+from dataclasses import dataclass
+
+from . import _validate as v
+from ._unit_files import UnitFilesError, ensure_dir, ensure_file
+
+__all__ = ["HostToolsError", "ToolDir", "ToolFile", "install", "parse_dirs", "parse_files", "under"]
+
+
+class HostToolsError(ValueError):
+    """Bad input or a file that cannot be written; the message names the field or the path."""
+
+
+@dataclass(frozen=True)
+class ToolFile:
+    path: str
+    content: bytes
+    mode: int
+
+
+@dataclass(frozen=True)
+class ToolDir:
+    path: str
+    mode: int
+
+
+def _mode(value: t.Any, field: str) -> int:
+    word = v.text(value, field)
+    if not word.isdigit() or len(word) > 4 or any(c > "7" for c in word):
+        raise HostToolsError(f"{field}: an octal file mode such as '0644' (a quoted string), got {word!r}")
+    return int(word, 8)
+
+
+def parse_files(raw: t.Sequence[t.Mapping[str, t.Any]], field: str = "files") -> list[ToolFile]:
+    """``[{path, content, mode}]``: absolute paths, each once; ``content`` text (``mode`` default 0644)."""
+    out = []
+    try:
+        for i, item in enumerate(raw):
+            where = f"{field}[{i}]"
+            path = v.abs_path(item.get("path"), f"{where}.path")
+            content = item.get("content")
+            if not isinstance(content, str):
+                raise HostToolsError(f"{where}.content: expected the file's text, got {type(content).__name__}")
+            out.append(ToolFile(path, content.encode("utf-8"), _mode(item.get("mode") or "0644", f"{where}.mode")))
+        v.unique([f.path for f in out], f"{field}[].path")
+    except v.ValidationError as exc:
+        raise HostToolsError(str(exc)) from None
+    return out
+
+
+def parse_dirs(raw: t.Sequence[t.Mapping[str, t.Any]], field: str = "directories") -> list[ToolDir]:
+    """``[{path, mode}]``: absolute paths, each once (``mode`` default 0755)."""
+    out = []
+    try:
+        for i, item in enumerate(raw):
+            where = f"{field}[{i}]"
+            out.append(ToolDir(v.abs_path(item.get("path"), f"{where}.path"), _mode(item.get("mode") or "0755", f"{where}.mode")))
+        v.unique([d.path for d in out], f"{field}[].path")
+    except v.ValidationError as exc:
+        raise HostToolsError(str(exc)) from None
+    return out
+
+
+def _parents(path: str, check: bool) -> bool:
+    """Create the missing parent directories of ``path`` (root, 0755); True if any was missing."""
+    parent = os.path.dirname(path)
+    missing = []
+    while parent and parent != "/" and not os.path.isdir(parent):
+        if os.path.lexists(parent):
+            raise HostToolsError(f"{parent}: exists and is not a directory (needed for {path})")
+        missing.append(parent)
+        parent = os.path.dirname(parent)
+    if not check:
+        for directory in reversed(missing):
+            try:
+                os.mkdir(directory, 0o755)
+            except FileExistsError:
+                pass
+            except OSError as exc:
+                raise HostToolsError(f"{directory}: cannot create: {exc.strerror or exc}") from None
+    return bool(missing)
+
+
+def _ensure_dir(directory: ToolDir, check: bool, uid: int, gid: int) -> bool:
+    """Create a missing directory (root, its mode); an existing one keeps its owner and gets its mode.
+
+    The owner is kept: the textfile collector directory, for one, may belong to node_exporter.
+    """
+    try:
+        st = os.stat(directory.path)
+    except FileNotFoundError:
+        return ensure_dir(directory.path, uid, gid, directory.mode, check)
+    except OSError as exc:
+        raise HostToolsError(f"{directory.path}: cannot stat: {exc.strerror or exc}") from None
+    if not stat.S_ISDIR(st.st_mode):
+        raise HostToolsError(f"{directory.path}: exists and is not a directory")
+    if stat.S_IMODE(st.st_mode) == directory.mode:
+        return False
+    if not check:
+        try:
+            os.chmod(directory.path, directory.mode)
+        except OSError as exc:
+            raise HostToolsError(f"{directory.path}: cannot set its mode: {exc.strerror or exc}") from None
+    return True
+
+
+def install(files: t.Sequence[ToolFile], directories: t.Sequence[ToolDir], check: bool,
+            uid: int = 0, gid: int = 0) -> list[str]:
+    """Make every directory and file as given (files owned by ``uid:gid``, root by default); returns
+    the paths that changed, in order."""
+    changed = []
+    try:
+        for directory in directories:
+            parents = _parents(directory.path, check)
+            if check and parents:
+                changed.append(directory.path)  # its parents are missing: it is too
+            elif _ensure_dir(directory, check, uid, gid):
+                changed.append(directory.path)
+        for item in files:
+            missing = _parents(item.path, check)
+            if (check and missing) or ensure_file(item.path, item.content, uid, gid, item.mode, check):
+                changed.append(item.path)
+    except UnitFilesError as exc:
+        raise HostToolsError(str(exc)) from None
+    return changed
+
+
+def under(paths: t.Iterable[str], directory: str) -> bool:
+    """Is any of ``paths`` inside ``directory``?"""
+    prefix = directory.rstrip("/") + "/"
+    return any(p.startswith(prefix) for p in paths)

@@ -1,0 +1,94 @@
+# Copyright (c) gpufleet maintainers
+# GNU General Public License v3.0+ (see LICENSES/GPL-3.0-or-later.txt or https://www.gnu.org/licenses/gpl-3.0.txt)
+# SPDX-License-Identifier: GPL-3.0-or-later
+"""_host_tools: the boot gate, its library and the exporter written in one call, only where they differ."""
+
+from __future__ import annotations
+
+import os
+import stat
+
+import pytest
+
+from ansible_collections.gpufleet.vllm.plugins.module_utils._host_tools import (
+    HostToolsError,
+    install,
+    parse_dirs,
+    parse_files,
+    under,
+)
+
+
+def mode(path) -> int:
+    return stat.S_IMODE(os.stat(path).st_mode)
+
+
+@pytest.fixture()
+def tools(tmp_path):
+    lib = tmp_path / "lib" / "pkg"
+    files = parse_files([
+        {"path": str(lib / "__init__.py"), "content": ""},
+        {"path": str(lib / "_gate.py"), "content": "X = 1\n"},
+        {"path": str(tmp_path / "bin" / "gate"), "content": "#!/bin/sh\nexit 0\n", "mode": "0755"},
+    ])
+    dirs = parse_dirs([{"path": str(lib)}, {"path": str(tmp_path / "textfile"), "mode": "0755"}])
+    return tmp_path, files, dirs
+
+
+def ids():
+    return {"uid": os.getuid(), "gid": os.getgid()}
+
+
+def test_a_first_install_writes_everything_and_a_second_nothing(tools):
+    root, files, dirs = tools
+    written = install(files, dirs, check=False, **ids())
+    assert written == [str(root / "lib" / "pkg"), str(root / "textfile")] + [f.path for f in files]
+    assert (root / "lib" / "pkg" / "_gate.py").read_text() == "X = 1\n"
+    assert mode(root / "bin" / "gate") == 0o755 and mode(root / "lib" / "pkg" / "_gate.py") == 0o644
+    assert install(files, dirs, check=False, **ids()) == []
+    assert not [p for p in os.listdir(root / "lib" / "pkg") if p.startswith(".")], "no temporary file left"
+
+
+def test_an_edited_or_removed_file_comes_back_and_only_it(tools):
+    root, files, dirs = tools
+    install(files, dirs, check=False, **ids())
+    (root / "lib" / "pkg" / "_gate.py").write_text("X = 2  # edited by hand\n")
+    (root / "bin" / "gate").unlink()
+    os.chmod(root / "textfile", 0o777)
+    assert install(files, dirs, check=True, **ids()) == [str(root / "textfile"), files[1].path, files[2].path]
+    assert (root / "lib" / "pkg" / "_gate.py").read_text() == "X = 2  # edited by hand\n", "check mode writes nothing"
+    assert install(files, dirs, check=False, **ids()) == [str(root / "textfile"), files[1].path, files[2].path]
+    assert (root / "lib" / "pkg" / "_gate.py").read_text() == "X = 1\n" and (root / "bin" / "gate").exists()
+    assert mode(root / "textfile") == 0o755
+
+
+def test_check_mode_on_a_bare_host_names_everything_and_creates_nothing(tools):
+    root, files, dirs = tools
+    assert len(install(files, dirs, check=True, **ids())) == 5
+    assert not (root / "lib").exists() and not (root / "bin").exists()
+
+
+@pytest.mark.parametrize(("raw", "message"), [
+    ([{"path": "relative/file", "content": ""}], r"files\[0\]\.path: must be an absolute path"),
+    ([{"path": "/a/../b", "content": ""}], r"files\[0\]\.path: must not contain '\.\.'"),
+    ([{"path": "/a", "content": "", "mode": "644x"}], r"files\[0\]\.mode: an octal file mode"),
+    ([{"path": "/a", "content": "", "mode": "0999"}], r"files\[0\]\.mode: an octal file mode"),
+    ([{"path": "/a", "content": None}], r"files\[0\]\.content: expected the file's text"),
+    ([{"path": "/a", "content": ""}, {"path": "/a", "content": "x"}], r"files\[\]\.path: /a appear\(s\) more than once"),
+])
+def test_bad_files_are_refused_naming_the_field(raw, message):
+    with pytest.raises(HostToolsError, match=message):
+        parse_files(raw)
+
+
+def test_a_file_where_a_directory_must_be_is_a_clear_error(tmp_path):
+    (tmp_path / "lib").write_text("a file\n")
+    with pytest.raises(HostToolsError, match=r"lib: exists and is not a directory"):
+        install(parse_files([{"path": str(tmp_path / "lib" / "x.py"), "content": ""}]), [], check=False, **ids())
+    with pytest.raises(HostToolsError, match=r"lib: exists and is not a directory"):
+        install([], parse_dirs([{"path": str(tmp_path / "lib")}]), check=False, **ids())
+
+
+def test_under():
+    assert under(["/opt/lib/pkg/_a.py"], "/opt/lib/pkg") and under(["/opt/lib/pkg/_a.py"], "/opt/lib/pkg/")
+    assert not under(["/opt/lib/pkg2/_a.py", "/opt/lib/pkg"], "/opt/lib/pkg")
