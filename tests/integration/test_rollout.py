@@ -324,23 +324,30 @@ def test_compat_key_change_forces_a_profiled_canary(fleet):
         assert fleet.plan(host)["compat_key_hash"] in fleet.profiles()[0].name + fleet.profiles()[1].name
 
 
-def test_new_weights_under_the_same_model_path_restart_every_host(fleet):
-    """Other model files under the same path, the same serve arguments and budget: every unit stays
-    byte for byte the same, but the key moves (model_fingerprint) and each running engine still holds
-    the old weights, so every host restarts in its batch and records the new key."""
+def test_a_new_key_under_unchanged_units_restarts_every_host(fleet):
+    """The driver was upgraded on every host of the class under running engines: the serve arguments
+    and the budget are the same, so is every unit byte for byte, but the key moved (driver_version)
+    and each engine still runs on what it loaded before, so every host restarts in its batch and
+    records the new key. (New weights under the same model path move the key the same way, in
+    model_fingerprint, on the real engine: tests/integration/test_real_engine.py.)"""
     extra = {"gpufleet_guard": "1GiB", "gpufleet_canary_host": "sim-ro-2", "gpufleet_serve_args": {
         "max_model_len": 8192, "tensor_parallel_size": 2, "max_num_seqs": 48, "dtype": "bfloat16", "block_size": 16}}
     before, keys_before = fleet.units(), {h: fleet.plan(h)["compat_key_hash"] for h in HOSTS}
     runs = {h: fleet.harness.exec(h, ["systemctl", "show", "vllm-main.service", "-p", "InvocationID", "--value"]).stdout
             for h in HOSTS}
-    added = "/srv/models/llama-3.1-8b-instruct/generation_config.json"
+
+    def driver(version: str):
+        def mutate(state: dict[str, Any]) -> None:
+            state["system"]["driver"] = version
+        return mutate
+
     for host in HOSTS:
-        fleet.harness.exec(host, ["sh", "-c", f"echo '{{\"temperature\": 0.6}}' > {added}"], check=True)
+        fleet.sim._edit_state(host, driver("560.35.03"))  # pylint: disable=protected-access
     try:
         rc, out = fleet.rollout(extra)
     finally:
         for host in HOSTS:
-            fleet.harness.exec(host, ["rm", "-f", added], check=True)
+            fleet.sim._edit_state(host, driver("550.127.05"))  # pylint: disable=protected-access
     assert rc == 0, out[-6000:]
     assert len(fleet.profiles()) == 3, "the new key gets a profiled canary of its own"
     assert fleet.units() == before, "same serve arguments and budget: the same unit bytes"

@@ -332,8 +332,8 @@ def _verdict(run: Boot, expected: tuple[int, int]) -> dict[str, object]:
                          min_tokens=expected[1])
 
 
-def test_the_simulator_boots_the_same_argv_to_the_same_capacity(boot: Boot, sim_boot: Boot,
-                                                                 expected_tokens: tuple[int, int]) -> None:
+def test_the_simulator_boots_the_same_argv_to_the_same_capacity(
+        boot: Boot, sim_boot: Boot, expected_tokens: tuple[int, int]) -> None:
     assert sim_boot.argv[2:-1] == boot.argv[1:-1], "only the executable (and the free port) differ"
     real, sim = summarise_log(boot.log), summarise_log(sim_boot.log)
     assert capacity_figures(sim, sim_boot.metrics) == capacity_figures(real, boot.metrics)
@@ -359,11 +359,13 @@ def test_the_simulator_serves_the_same_metrics(boot: Boot, sim_boot: Boot) -> No
     assert missing == [], f"figures the real engine's /metrics gives and the simulator's does not: {missing}"
 
 
+def _check_shape(verdict: dict[str, object]) -> list[tuple[object, object, object]]:
+    return sorted((c["check"], c["rank"], c["ok"]) for c in verdict["checks"] if c["check"] != "free_floor")  # type: ignore[attr-defined]
+
+
 def test_the_boot_check_judges_both_boots_alike(boot: Boot, sim_boot: Boot, expected_tokens: tuple[int, int]) -> None:
     real, sim = _verdict(boot, expected_tokens), _verdict(sim_boot, expected_tokens)
     assert real["ok"] and sim["ok"], (real["reasons"], sim["reasons"])
     # the same checks, with the same outcome; the GPU build's free-memory line is what the CPU build lacks
-    shape = lambda v: sorted((c["check"], c["rank"], c["ok"]) for c in v["checks"] if c["check"] != "free_floor")  # noqa: E731
-    assert shape(sim) == shape(real)
+    assert _check_shape(sim) == _check_shape(real)
     assert sim_boot.leftover_pids == []
-

@@ -231,4 +231,3 @@ def test_automatic_profiling_needs_vllms_own_startup_share():
     assert gate_violations([gpu(0, 89, total=100)], inst, auto, 0.9) == ["main rank 0 (GPU 0): boot-free 89 B (89B) < floor 90 B (90B)"]
     # the plan's own utilization wins over the default
     assert gate_violations([gpu(0, 89, total=100)], inst, dict(auto, gpu_memory_utilization=0.5), 0.9) == []
-
