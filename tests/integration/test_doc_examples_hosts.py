@@ -88,7 +88,8 @@ def collections_path(tmp_path_factory):
 @pytest.fixture(scope="module")
 def texts(collections_path) -> dict[str, str]:
     return doc_examples.examples(collections_path, "module",
-                                 ["gpu_memory_info", "vllm_audit", "vllm_boot_check", "vllm_canary", "vllm_runtime_info", "vllm_unit"])
+                                 ["gpu_memory_info", "vllm_audit", "vllm_boot_check", "vllm_canary", "vllm_host_tools", "vllm_runtime_info",
+                                  "vllm_unit"])
 
 
 @pytest.fixture(scope="module")
