@@ -619,7 +619,7 @@ class Harness:
                     self._launch(name, index, binds, binds_ro)
                 deadline = time.monotonic() + timeout
                 for name in new:
-                    self._wait_ready(name, deadline)
+                    self._wait_ready_or_restart(name, deadline)
                 ok = True
             finally:
                 if not ok:
@@ -631,6 +631,28 @@ class Harness:
                                 log(f"{name}: cleanup after failed start: {exc}")
             current = self.hosts()
             return [current[n] for n in names]
+
+    def _wait_ready_or_restart(self, name: str, deadline: float) -> None:
+        """Wait for a new guest; when systemd-nspawn exits at once, start it once more on the same layer.
+
+        Seen once while other harness processes booted guests of the same cache: nspawn exited
+        within a second, printing nothing, and the guest never booted. The second start is logged
+        with the first one's exit status; a second failure fails the start as before.
+        """
+        try:
+            self._wait_ready(name, deadline)
+            return
+        except HarnessError as exc:
+            if "systemd-nspawn exited during boot" not in str(exc):
+                raise
+            info = HostInfo.load(self.host_dir(name) / "host.json")
+            status = next((c.returncode for c in self._children if c.pid == info.nspawn_pid), None)
+            log(f"{name}: systemd-nspawn exited during boot (exit status {status}); starting it once more")
+        info.leader_pid = 0
+        info.state = "starting"
+        info.started_at = time.time()
+        self._start_nspawn(info)
+        self._wait_ready(name, deadline)
 
     def reboot(self, name: str, timeout: float = 120.0) -> HostInfo:
         """Reboot a running host as a machine reboots: its systemd shuts down (SIGTERM to
