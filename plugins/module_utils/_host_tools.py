@@ -19,7 +19,6 @@ library and ``systemctl`` itself.
 from __future__ import annotations
 
 import os
-import stat
 import typing as t
 from dataclasses import dataclass
 
@@ -103,29 +102,6 @@ def _parents(path: str, check: bool) -> bool:
     return bool(missing)
 
 
-def _ensure_dir(directory: ToolDir, check: bool, uid: int, gid: int) -> bool:
-    """Create a missing directory (root, its mode); an existing one keeps its owner and gets its mode.
-
-    The owner is kept: the textfile collector directory, for one, may belong to node_exporter.
-    """
-    try:
-        st = os.stat(directory.path)
-    except FileNotFoundError:
-        return ensure_dir(directory.path, uid, gid, directory.mode, check)
-    except OSError as exc:
-        raise HostToolsError(f"{directory.path}: cannot stat: {exc.strerror or exc}") from None
-    if not stat.S_ISDIR(st.st_mode):
-        raise HostToolsError(f"{directory.path}: exists and is not a directory")
-    if stat.S_IMODE(st.st_mode) == directory.mode:
-        return False
-    if not check:
-        try:
-            os.chmod(directory.path, directory.mode)
-        except OSError as exc:
-            raise HostToolsError(f"{directory.path}: cannot set its mode: {exc.strerror or exc}") from None
-    return True
-
-
 def install(files: t.Sequence[ToolFile], directories: t.Sequence[ToolDir], check: bool,
             uid: int = 0, gid: int = 0) -> list[str]:
     """Make every directory and file as given (files owned by ``uid:gid``, root by default); returns
@@ -136,7 +112,9 @@ def install(files: t.Sequence[ToolFile], directories: t.Sequence[ToolDir], check
             parents = _parents(directory.path, check)
             if check and parents:
                 changed.append(directory.path)  # its parents are missing: it is too
-            elif _ensure_dir(directory, check, uid, gid):
+            # an existing directory keeps its owner: the textfile collector directory, for one,
+            # may belong to node_exporter
+            elif ensure_dir(directory.path, uid, gid, directory.mode, check, keep_owner=True):
                 changed.append(directory.path)
         for item in files:
             missing = _parents(item.path, check)

@@ -377,8 +377,12 @@ def ensure_absent(path: str, check: bool) -> bool:
     return True
 
 
-def ensure_dir(path: str, uid: int, gid: int, mode: int, check: bool) -> bool:
-    """Make ``path`` a directory with this owner and mode; True if it had to change."""
+def ensure_dir(path: str, uid: int, gid: int, mode: int, check: bool, keep_owner: bool = False) -> bool:
+    """Make ``path`` a directory with this owner and mode; True if it had to change.
+
+    ``keep_owner``: an existing directory keeps its owner and only gets the mode (one that
+    another service shares, such as node_exporter's textfile collector directory).
+    """
     try:
         st = os.stat(path)  # a symlink to a directory is that directory
     except FileNotFoundError:
@@ -387,6 +391,8 @@ def ensure_dir(path: str, uid: int, gid: int, mode: int, check: bool) -> bool:
         raise UnitFilesError(f"{path}: cannot stat: {exc.strerror or exc}") from None
     if st is not None and not stat.S_ISDIR(st.st_mode):
         raise UnitFilesError(f"{path}: exists and is not a directory")
+    if st is not None and keep_owner:
+        uid, gid = st.st_uid, st.st_gid
     if st is not None and (st.st_uid, st.st_gid, stat.S_IMODE(st.st_mode)) == (uid, gid, mode):
         return False
     if not check:

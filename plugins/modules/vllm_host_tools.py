@@ -186,7 +186,7 @@ def run_module(module: AnsibleModule) -> dict[str, Any]:
     written = install(files, directories, check)
     result: dict[str, Any] = {"written": written, "compiled": [], "started": []}
     for directory in params["compile"]:
-        if not (under(written, directory) or not _compiled(directory)):
+        if not under(written, directory) and _compiled(directory):
             continue
         result["compiled"].append(directory)
         if not check:
