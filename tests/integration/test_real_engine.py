@@ -12,27 +12,34 @@ free memory keeps the plan's startup utilization small, since the CPU build appl
 the NUMA node's memory). Nothing of the unit is relaxed: it runs as rendered for
 production, through the boot gate.
 
-The tests run in file order on one fleet. A real engine boot costs 20-60 s here, so each
-is there for an assertion (8 in all):
+The tests run in file order on one fleet. A real engine boot costs 20-90 s here, so each
+is there for an assertion (7 in all):
 
 1. rollout with the second host's model file readable only by root (as the generator
-   writes it): the profiled canary on the class's canary host (boot 1) and the manual canary
-   with the planned budget (boot 2) run, then the check of every host's inputs finds the
-   file the service user cannot read and stops the run before any host is touched: no
-   unit anywhere, the run and its report name the file;
-2. the model made readable and a weight file changed under the same path (same size and
-   header) on both hosts: the compatibility key changes in ``model_fingerprint``, named; a
-   fresh profiled canary (boot 3) and the manual canary (boot 4) run, both hosts are rolled
-   out in serial batches (boots 5, 6); ``vllm_boot_check`` reads each real unit's journal and
+   writes it): the check of every host before the canaries finds the file the service user
+   cannot read and stops the run before any engine boots or any host is touched: no
+   profile, no canary, no unit anywhere, the run and its report name the file;
+2. the model made readable: ``profile.yml`` runs the profiled canary on the class's canary
+   host (boot 1) and records the class's reference, on these weights;
+3. a weight file changed under the same path (same size and header) on both hosts: the
+   compatibility key changes in ``model_fingerprint``, named; the rollout runs a fresh
+   profiled canary (boot 2) and the manual canary (boot 3), and both hosts are rolled out in
+   serial batches (boots 4, 5); ``vllm_boot_check`` reads each real unit's journal and
    ``/metrics``: blocks and tokens equal the planner's prediction; the free-memory floor is
    reported as not applicable on the CPU build, with why;
-3. the same run again changes nothing and boots nothing (its wall time is the rollout's
-   own overhead);
-4. a rollout whose batches deploy a budget below one request (the plan the batches take,
+4. the production units serve, and the collection's parsers read their journals and scrapes;
+5. the simulator (``sim/engine/vllm``) boots on the controller with the argument vector of
+   the canary host's unit (only the executable, the model's path and the port differ) on
+   the same fake GPU, and what the collection parses from it (log summary, capacity,
+   ``/metrics``, the boot check's verdict with the plan's expectations) equals what it
+   parsed from the real unit: the fault tests on the simulator keep meaning something;
+6. the same rollout again changes nothing and boots nothing (its wall time is the
+   rollout's own overhead);
+7. a rollout whose batches deploy a budget below one request (the plan the batches take,
    replaced with extra vars: the planner never plans one): the engine refuses it at boot on
-   the first batch's host (boot 7), the run fails with the engine's own words, in the report
-   too, the previous real unit comes back byte for byte and is active again (boot 8), and
-   no later batch runs;
+   the first batch's host (boot 6), the run fails with the engine's own words, in the report
+   too, the previous real unit comes back byte for byte and is active again (boot 7), and
+   no later batch runs.
 
 The wall time of the install, of each step and of each real boot (journal time from the
 unit's start to the engine's "Application startup complete") is written to
@@ -45,10 +52,14 @@ import dataclasses
 import json
 import os
 import re
+import shlex
+import signal
+import socket
 import struct
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -56,6 +67,7 @@ import pytest
 import yaml
 
 from ansible_collections.gpufleet.vllm.plugins.module_utils._geometry import geometry_from_config
+from ansible_collections.gpufleet.vllm.plugins.module_utils._vllm_engine import capacity_figures, evaluate_boot, summarise_log
 from ansible_collections.gpufleet.vllm.plugins.module_utils._vllm_log import GIB_ROUNDING_BYTES, parse_engine_log
 from ansible_collections.gpufleet.vllm.plugins.module_utils._vllm_metrics import histogram_quantile, parse_metrics
 
@@ -75,6 +87,8 @@ SERVICE = "vllm-main.service"
 UNIT = f"/etc/systemd/system/{SERVICE}"
 PLAN = "/etc/gpufleet/main.plan.json"
 ROLLOUT = REPO / "playbooks" / "rollout.yml"
+PROFILE = REPO / "playbooks" / "profile.yml"
+SIM_ENGINE = REPO / "sim" / "engine" / "vllm"
 GATE = "/usr/local/libexec/gpufleet-vllm-boot-gate"
 TIMES_FILE = CACHE / "integration" / "real-engine-times.json"
 GIB = 1 << 30
@@ -314,17 +328,22 @@ def seen() -> dict[str, Any]:
     return {}
 
 
-def test_an_unreadable_model_stops_the_run_before_any_host_is_touched(fleet, seen):
+def test_geometry_of_the_tiny_model(geometry) -> None:
+    # 2 layers * 2 KV heads * (32 + 32) * 2 bytes = 512 bytes/token (tests/engine/make_tiny_model.py)
+    assert geometry.bytes_per_token == 512 and geometry.bytes_per_block == 512 * BLOCK_SIZE
+    assert (geometry.num_blocks(100_000_000), geometry.tokens(geometry.num_blocks(100_000_000))) == (1525, 195_200)
+
+
+def test_an_unreadable_model_stops_the_run_before_any_canary(fleet, seen):
     rc, out = fleet.playbook(ROLLOUT, label="1 unreadable model on the last host")
     assert rc != 0, out[-6000:]
-    # the profiled canary on the class's canary host, then the manual canary with the planned budget
-    assert "no reference profile in the store yet" in out, out[-6000:]
-    assert len(fleet.profiles()) == 1
-    assert f"Manual canary on {CANARY} passed" in out, out[-6000:]
-    # then the check of every host's inputs: the last host's model, before any batch
+    # the check of every host, before the canaries: the last host's model
     message = f"the service user vllm cannot read the model {MODEL}: {WEIGHTS}"
     stop = [line for line in out.splitlines() if "no host was touched" in line]
     assert any(message in line and f"{LAST}: " in line for line in stop), out[-6000:]
+    # no engine booted: no profiled canary, no manual canary, no batch
+    assert fleet.profiles() == [], "no profiled canary ran"
+    assert "Boot the canary engine" not in out and "Manual canary on" not in out, out[-6000:]
     assert _batches(out) == [], "no batch ran"
     assert fleet.units() == {CANARY: None, LAST: None}, "no unit was written on any host"
     for host in HOSTS:
@@ -338,7 +357,34 @@ def test_an_unreadable_model_stops_the_run_before_any_host_is_touched(fleet, see
     hosts = _report_hosts(fleet.last_report())
     assert hosts[LAST]["outcome"] == "failed" and message in (hosts[LAST]["error"] or ""), hosts[LAST]
     assert hosts[LAST]["failed_task"] == "Check that the service user can read the model", hosts[LAST]
-    assert hosts[CANARY]["outcome"] == "not_reached", hosts[CANARY]
+    # the run stopped before its class was planned
+    assert hosts[CANARY]["outcome"] == "skipped" and hosts[CANARY]["error"] is None, hosts[CANARY]
+    assert f"{CANARY}: stopped with the host that failed this check; no host was touched" in out, stop
+
+
+def test_the_profile_playbook_records_the_reference_on_the_canary_host(fleet, seen):
+    fleet.h.exec(LAST, ["chmod", "-R", "a+rX", MODEL], check=True)
+    rc, out = fleet.playbook(PROFILE, {"gpufleet_class": CLASS}, label="2 profile.yml: the profiled canary")
+    assert rc == 0, out[-6000:]
+    assert re.search(rf"TASK \[gpufleet\.vllm\.vllm_canary : Boot the canary engine \(profiled\)\][^\n]*\n(ok|changed): \[{CANARY}\]",
+                     out), out[-6000:]
+    profiles = fleet.profiles()
+    assert len(profiles) == 1, profiles
+    profile = yaml.safe_load(profiles[0].read_text(encoding="utf-8"))["profile"]
+    # recorded from the real engine: its own capacity at the canary's share of the node's memory
+    assert profile["kv_cache_tokens"] == profile["num_blocks"] * BLOCK_SIZE > 0 and profile["max_concurrency"] > 1, profile
+    canary = profile["canary"]
+    argv = profile["canary_result"]["argv"]
+    assert "--gpu-memory-utilization" in argv and "--kv-cache-memory-bytes" not in argv, argv
+    assert canary["host"] == CANARY and canary["verdict"] == "pass" and canary["preemptions"] == 0, canary
+    # the load test against the real engine: every request served, the real tokenizer's counts
+    load, asked = canary["load"], GROUP_VARS["gpufleet_canary_load"]
+    assert (load["completed"], load["failed"], load["errors"]) == (asked["requests"], 0, []), load
+    assert load["prompt_tokens_seen"] == asked["prompt_tokens"], load
+    assert load["completion_tokens"] == asked["requests"] * asked["max_tokens"], load
+    assert 0 < load["ttft_p50"] <= load["ttft_p95"] <= load["e2e_p95"], load
+    assert fleet.units() == {CANARY: None, LAST: None}, "profiling deploys nothing"
+    seen["first_profile"] = profiles[0]
 
 
 def _change_weights(fleet: Fleet, host: str) -> None:
@@ -353,19 +399,18 @@ def _change_weights(fleet: Fleet, host: str) -> None:
 
 
 def test_changed_weights_force_a_profiled_canary_and_every_host_runs_the_plan(fleet, geometry, seen):
-    fleet.h.exec(LAST, ["chmod", "-R", "a+rX", MODEL], check=True)
     sizes = {h: fleet.h.exec(h, ["stat", "-c", "%s", WEIGHTS], check=True).stdout for h in HOSTS}
     for host in HOSTS:
         _change_weights(fleet, host)
     assert {h: fleet.h.exec(h, ["stat", "-c", "%s", WEIGHTS], check=True).stdout for h in HOSTS} == sizes
-    rc, out = fleet.playbook(ROLLOUT, label="2 changed weights: profiled and manual canary, two batches")
+    rc, out = fleet.playbook(ROLLOUT, label="3 changed weights: profiled and manual canary, two batches")
     assert rc == 0, out[-8000:]
     # the key changed in the model's fingerprint, named, and a fresh profiled canary ran
     # (the debug line prints the difference as JSON inside JSON: its quotes escaped)
     assert "the compatibility key changed" in out, out[-6000:]
     assert re.search(r'class cpu-tiny: the compatibility key changed: \{\\"field\\": \\"model_fingerprint\\"', out), out[-6000:]
     profiles = fleet.profiles()
-    assert len(profiles) == 2, "a fresh profiled canary is recorded next to the old one"
+    assert len(profiles) == 2 and profiles[0] == seen["first_profile"], "a fresh profiled canary is recorded next to the old one"
     keys = [yaml.safe_load(p.read_text(encoding="utf-8"))["compat"] for p in profiles]
     assert keys[0]["model_fingerprint"] != keys[1]["model_fingerprint"]
     assert {k: v for k, v in keys[0].items() if k != "model_fingerprint"} == {
@@ -412,7 +457,7 @@ def test_changed_weights_force_a_profiled_canary_and_every_host_runs_the_plan(fl
         seen.setdefault("journal", {})[host] = journal
         seen.setdefault("metrics", {})[host] = metrics
         seen.setdefault("invocation", {})[host] = fleet.invocation(host)
-        assert fleet.boot_seconds(host, "2 batch") is not None, host
+        assert fleet.boot_seconds(host, "3 batch") is not None, host
     seen["units"] = units
     seen["plans"] = {h: fleet.read(h, PLAN) for h in HOSTS}
     seen["budget"], seen["tokens"] = budget, tokens
@@ -437,6 +482,7 @@ def test_the_production_unit_serves_and_the_parsers_read_it(fleet, seen):
     assert len(completion["choices"]) == 1, completion
     text = fleet.metrics(CANARY)
     served = parse_metrics(text)
+    seen["served_metrics"], seen["models"] = served, models
     assert served.requests_succeeded >= 1 and served.preemptions_total == 0 and served.running == 0 and served.waiting == 0
     assert served.ttft is not None and served.ttft.count >= 1 and served.e2e is not None and served.e2e.count >= 1
     assert (histogram_quantile(served.e2e, 0.5) or 0) > 0
@@ -446,8 +492,111 @@ def test_the_production_unit_serves_and_the_parsers_read_it(fleet, seen):
     assert dataclasses.replace(prom, parser="builtin") == builtin
 
 
+def _exec_start_argv(unit: str) -> list[str]:
+    """The engine's argument vector in the unit: what the boot gate execs after its ``--``."""
+    exec_start = re.search(r"^ExecStart=(.*)$", re.sub(r"[ \t]*\\\n[ \t]*", " ", unit), flags=re.M)
+    assert exec_start, unit
+    argv = shlex.split(exec_start.group(1))
+    return argv[argv.index("--") + 1:]
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _http(url: str, body: dict[str, Any] | None = None, timeout: float = 30.0) -> str:
+    data = json.dumps(body).encode() if body is not None else None
+    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"} if data else {})
+    with urllib.request.urlopen(request, timeout=timeout) as response:
+        return response.read().decode()
+
+
+def _simulate(argv: list[str], work: Path) -> dict[str, Any]:
+    """Boot ``sim/engine/vllm`` with ``argv`` on one fake GPU like the hosts', send the canary host's one
+    completion, scrape ``/metrics`` and stop it: its log and scrape as the collection parses them."""
+    state = nvml_state.new_state()
+    state["gpus"].append(nvml_state.make_gpu(0, GPU_TOTAL, name="NVIDIA L40S", reserved=0,
+                                             base_used=GPU_TOTAL - GPU_FREE, cc="8.9"))
+    nvml_state.save(work / "nvml-state", state)
+    (work / "sim.json").write_text(json.dumps({"boot_delay_s": 0.2, "token_delay_s": 0.001}), encoding="utf-8")
+    env = dict(os.environ, FAKE_NVML_STATE=str(work / "nvml-state"), VLLM_SIM_CONFIG=str(work / "sim.json"),
+               CUDA_VISIBLE_DEVICES="0", PYTHONUNBUFFERED="1")
+    port = _free_port()
+    base = f"http://127.0.0.1:{port}"
+    log_path = work / "engine.log"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen([sys.executable, str(SIM_ENGINE), *argv, "--host", "127.0.0.1", "--port", str(port)],
+                                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
+                                start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and proc.poll() is None:
+            try:
+                _http(base + "/health", timeout=2)
+                break
+            except OSError:
+                time.sleep(0.5)
+        else:
+            pytest.fail(f"the simulator did not come up (exit {proc.poll()}): {log_path.read_text(errors='replace')[-3000:]}")
+        models = json.loads(_http(base + "/v1/models"))["data"]
+        _http(base + "/v1/completions", {"model": models[0]["id"], "prompt": "a b c d e f g", "max_tokens": 8, "temperature": 0})
+        metrics = _http(base + "/metrics")
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=30)
+    return {"log": parse_engine_log(log_path.read_text(errors="replace")), "metrics": parse_metrics(metrics),
+            "models": models}
+
+
+def test_the_simulator_under_the_same_unit_and_budget_parses_alike(fleet, seen, tmp_path):
+    argv = _exec_start_argv(seen["units"][CANARY])
+    assert argv[:3] == ["/opt/vllm/venv/bin/vllm", "serve", MODEL] and "--port" in argv, argv
+    # the executable, the model's path on the controller (the same config) and the port are all that differ
+    port_at = argv.index("--port")
+    sim_argv = [argv[1], str(MODEL_SRC), *argv[3:port_at], *argv[port_at + 2:]]
+    sim = _simulate(sim_argv, tmp_path)
+    real_log = parse_engine_log(seen["journal"][CANARY])
+    real_metrics, sim_metrics = seen["served_metrics"], sim["metrics"]
+    real_summary, sim_summary = summarise_log(real_log), summarise_log(sim["log"])
+    # the journal's figures and the log's: the same capacity, with and without /metrics
+    assert capacity_figures(sim_summary, sim_metrics) == capacity_figures(real_summary, real_metrics)
+    for key in ("num_blocks", "kv_cache_tokens", "max_concurrency"):
+        assert sim_summary.get(key) == real_summary.get(key), (key, sim_summary.get(key), real_summary.get(key))
+    differ = {"port": None, "host": None, "model": None, "model_tag": None}
+    assert {**sim["log"].non_default_args, **differ} == {**real_log.non_default_args, **differ}
+    assert sim["log"].non_default_args.get("kv_cache_memory_bytes") == seen["budget"]
+    assert (sim["log"].capacity.max_model_len, sim["log"].server_started) == (MAX_MODEL_LEN, True)
+    assert sim["models"][0]["max_model_len"] == seen["models"][0]["max_model_len"]
+    # /metrics: the same cache figures and counters after the same one completion, no figure missing
+    assert (sim_metrics.kv_cache_memory_bytes, sim_metrics.block_size, sim_metrics.num_gpu_blocks,
+            sim_metrics.kv_cache_size_tokens) == (real_metrics.kv_cache_memory_bytes, real_metrics.block_size,
+                                                  real_metrics.num_gpu_blocks, real_metrics.kv_cache_size_tokens)
+    assert sim_metrics.requests_succeeded == real_metrics.requests_succeeded
+    assert (sim_metrics.preemptions_total, sim_metrics.running, sim_metrics.waiting) == (
+        real_metrics.preemptions_total, real_metrics.running, real_metrics.waiting)
+    assert sim_metrics.ttft is not None and real_metrics.ttft is not None and sim_metrics.ttft.count == real_metrics.ttft.count
+    real_fields, sim_fields = dataclasses.asdict(real_metrics), dataclasses.asdict(sim_metrics)
+    missing = sorted(k for k, v in real_fields.items() if v is not None and sim_fields.get(k) is None)
+    assert missing == [], f"figures the real engine's /metrics gives and the simulator's does not: {missing}"
+    # the boot check's verdict with the plan's expectations: the real unit's (vllm_boot_check on the host)
+    # and the simulator's, the same checks with the same outcomes (the GPU build's free-memory line aside)
+    plan = fleet.plan(CANARY)
+    verdict = evaluate_boot(sim_summary, sim_metrics, expected_kv_cache_memory_bytes=plan["kv_cache_memory_bytes"],
+                            min_tokens=plan["kv_cache_tokens"])
+    real_check = seen["check"][CANARY]
+    assert verdict["ok"] and real_check["ok"], verdict["reasons"]
+
+    def shape(result: dict[str, Any]) -> list[tuple[Any, Any, Any]]:
+        return sorted((c["check"], c["rank"], c["ok"]) for c in result["checks"] if c["check"] != "free_floor")
+
+    assert shape(verdict) == shape(real_check)
+    assert verdict["kv_cache_tokens"] == real_check["kv_cache_tokens"] == seen["tokens"]
+
+
 def test_second_run_changes_nothing(fleet, seen):
-    rc, out = fleet.playbook(ROLLOUT, label="3 second run: no change, no boot")
+    rc, out = fleet.playbook(ROLLOUT, label="6 second run: no change, no boot")
     assert rc == 0, out[-6000:]
     counters = _recap(out)
     for host in HOSTS:
@@ -478,7 +627,7 @@ def test_a_budget_below_one_request_is_refused_by_the_engine_and_rolled_back(fle
     # takes from the class state) is given instead, as a fault injection at the deploy step.
     small = geometry.bytes_per_block * 3 // 2
     rc, out = fleet.playbook(ROLLOUT, {"vllm_service_plan": _plan_with_budget(fleet, CANARY, geometry, small)},
-                             label="4 budget below one request: refused at boot, rolled back")
+                             label="7 budget below one request: refused at boot, rolled back")
     assert rc != 0, out[-6000:]
     words = f"To serve at least one request with the model's max seq len ({MAX_MODEL_LEN})"
     failure = [line for line in out.splitlines() if "the previous units were restored and restarted" in line]
@@ -501,4 +650,4 @@ def test_a_budget_below_one_request_is_refused_by_the_engine_and_rolled_back(fle
     assert fleet.invocation(CANARY) != seen["invocation"][CANARY], "the restored unit was started again"
     assert fleet.invocation(LAST) == seen["invocation"][LAST], "the last host was not touched"
     assert parse_metrics(fleet.metrics(CANARY)).kv_cache_memory_bytes == _budget(before[CANARY])
-    assert fleet.boot_seconds(CANARY, "4 restored unit") is not None
+    assert fleet.boot_seconds(CANARY, "7 restored unit") is not None

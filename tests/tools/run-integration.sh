@@ -17,15 +17,6 @@ set -uo pipefail
 py=$1; shift
 workers=${GPUFLEET_TEST_WORKERS:-2}
 alone=tests/integration/test_harness.py
-# The real-engine rollout lane takes about 23 minutes on two cores: it runs with `make
-# real-engine-lane`, or here with GPUFLEET_REAL_ENGINE_LANE=1 (docs/development.md).
-lane=tests/integration/test_real_engine.py
-lane_args=(--ignore="$lane")
-if [ "${GPUFLEET_REAL_ENGINE_LANE:-0}" = 1 ]; then
-    lane_args=()
-else
-    echo "run-integration: $lane is left out (make real-engine-lane runs it; GPUFLEET_REAL_ENGINE_LANE=1 takes it in)"
-fi
 logs=$(mktemp -d)
 trap 'rm -rf "$logs"' EXIT
 
@@ -37,7 +28,7 @@ if [ "${GPUFLEET_HARNESS_TESTED:-0}" != 1 ]; then
 else
     : > "$logs/alone.log"
 fi
-"$py" -m pytest -q -n "$workers" --dist loadfile --no-loadscope-reorder "$@" --ignore="$alone" "${lane_args[@]}" tests/integration 2>&1 \
+"$py" -m pytest -q -n "$workers" --dist loadfile --no-loadscope-reorder "$@" --ignore="$alone" tests/integration 2>&1 \
     | tee "$logs/rest.log"
 rc_rest=${PIPESTATUS[0]}
 secs=$(( $(date +%s) - start ))

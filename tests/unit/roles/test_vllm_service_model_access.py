@@ -28,20 +28,26 @@ def _tasks(tasks: list[dict[str, t.Any]]) -> list[dict[str, t.Any]]:
     return out
 
 
-def test_the_rollout_checks_every_host_before_the_first_batch() -> None:
+def test_the_rollout_checks_every_host_before_any_canary() -> None:
     plays = yaml.safe_load((ROOT / "playbooks" / "rollout.yml").read_text(encoding="utf-8"))
     names = [p.get("name") for p in plays]
-    check = plays[names.index("Check the service inputs of every host")]
-    assert names.index("Check the service inputs of every host") < names.index("Roll out in serial batches")
-    assert check["any_errors_fatal"] is True
+    check_play = "Stage the vLLM runtime and check the model on every host"
+    check = plays[names.index(check_play)]
+    # before the canaries take the canary host out of service, and so before the first batch
+    assert names.index(check_play) < names.index("Profile, plan and canary every class") < names.index("Roll out in serial batches")
+    assert check["hosts"] == "gpufleet_rollout" and check["any_errors_fatal"] is True
     tasks = _tasks(check["tasks"])
     access = [task for task in tasks if (task.get("ansible.builtin.include_role") or {}).get("tasks_from") == "model_access"]
-    assert len(access) == 1, "the check of every host's inputs includes the model check"
-    assert access[0]["vars"] == {"vllm_service_model_access_user_optional": True}
+    assert len(access) == 1, "the check of every host includes the model check"
+    assert access[0]["vars"] == {"vllm_service_model": "{{ gpufleet_model }}", "vllm_service_model_access_user_optional": True}
+    assert "when" not in access[0], "it runs whether or not the rollout stages a runtime"
     # a failure there is rescued into the report and stops the run before any host is touched
     rescue = check["tasks"][0]["rescue"]
     assert access[0] in check["tasks"][0]["block"]
     assert any("report_tasks.yml" in str(task.get("ansible.builtin.include_tasks", "")) for task in rescue)
+    # once per run: the later checks of every host's inputs do not look again
+    every_host = _tasks(plays[names.index("Check the service inputs of every host")]["tasks"])
+    assert not [task for task in every_host if (task.get("ansible.builtin.include_role") or {}).get("tasks_from") == "model_access"]
 
 
 def test_the_role_checks_again_before_it_starts_a_unit() -> None:
