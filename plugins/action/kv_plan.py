@@ -56,7 +56,7 @@ def _facts_gpus(hostvars: Mapping[str, Any]) -> list[Mapping[str, Any]] | None:
 
 def members_from_group(group: str, task_vars: Mapping[str, Any],
                        history: Mapping[str, list[dict[str, Any]]] | None = None,
-                       window: int = _probe_history.DEFAULT_WINDOW) -> dict[str, Any]:
+                       window: int = _probe_history.DEFAULT_WINDOW) -> dict[str, list[dict[str, Any]] | dict[str, Any]]:
     """``{"<host>/<instance>": [rank entries]}`` from the ``gpufleet_gpus`` facts of a group.
 
     Each instance of ``gpufleet_instances`` (default: one instance ``vllm`` on
@@ -69,7 +69,7 @@ def members_from_group(group: str, task_vars: Mapping[str, Any],
     if group not in groups:
         raise AnsibleActionFail(f"hosts_from: inventory group {group!r} does not exist")
     hostvars = task_vars.get("hostvars") or {}
-    members: dict[str, list[dict[str, Any]]] = {}
+    members: dict[str, list[dict[str, Any]] | dict[str, Any]] = {}
     no_facts: list[str] = []
     for host in groups[group]:
         hv = hostvars.get(host) or {}
@@ -141,7 +141,7 @@ def members_from_group(group: str, task_vars: Mapping[str, Any],
     return members
 
 
-class ActionModule(ActionBase):
+class ActionModule(ActionBase):  # type: ignore[misc]  # ActionBase is Any: ansible-core ships no type information
     """Plan a host class: launch bytes, floor, utilization, capacity, decision."""
 
     TRANSFERS_FILES = False
@@ -150,7 +150,7 @@ class ActionModule(ActionBase):
 
     def run(self, tmp: str | None = None, task_vars: dict[str, Any] | None = None) -> dict[str, Any]:
         task_vars = task_vars or {}
-        result = super().run(tmp, task_vars)
+        result: dict[str, Any] = super().run(tmp, task_vars)
         del tmp
         _validation, args = self.validate_argument_spec(
             argument_spec=ARGUMENT_SPEC,

@@ -21,7 +21,7 @@ ARGUMENT_SPEC: dict[str, Any] = {
 }
 
 
-class ActionModule(ActionBase):
+class ActionModule(ActionBase):  # type: ignore[misc]  # ActionBase is Any: ansible-core ships no type information
     """Query or record a reference profile in a profile store."""
 
     TRANSFERS_FILES = False
@@ -30,7 +30,7 @@ class ActionModule(ActionBase):
 
     def run(self, tmp: str | None = None, task_vars: dict[str, Any] | None = None) -> dict[str, Any]:
         task_vars = task_vars or {}
-        result = super().run(tmp, task_vars)
+        result: dict[str, Any] = super().run(tmp, task_vars)
         del tmp
         _validation, args = self.validate_argument_spec(
             argument_spec=ARGUMENT_SPEC,

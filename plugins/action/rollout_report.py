@@ -26,7 +26,7 @@ ARGUMENT_SPEC: dict[str, Any] = {
 }
 
 
-class ActionModule(ActionBase):
+class ActionModule(ActionBase):  # type: ignore[misc]  # ActionBase is Any: ansible-core ships no type information
     """Build the run report, write report.json/.md/.html into a new run directory."""
 
     TRANSFERS_FILES = False
@@ -35,7 +35,7 @@ class ActionModule(ActionBase):
 
     def run(self, tmp: str | None = None, task_vars: dict[str, Any] | None = None) -> dict[str, Any]:
         task_vars = task_vars or {}
-        result = super().run(tmp, task_vars)
+        result: dict[str, Any] = super().run(tmp, task_vars)
         del tmp
         _validation, args = self.validate_argument_spec(argument_spec=ARGUMENT_SPEC)
         data = dict(args["data"])

@@ -220,9 +220,13 @@ def exporter_main(argv: t.Sequence[str], nvml: t.Any = None, prometheus: t.Any =
         _say(sys.stderr, f"gpufleet-vllm-metrics: --out {opts['out']}: node_exporter reads only *.prom files")
         return 2
     if nvml is None:
-        import pynvml as nvml  # pylint: disable=import-outside-toplevel
+        import pynvml  # pylint: disable=import-outside-toplevel
+
+        nvml = pynvml
     if prometheus is None:
-        import prometheus_client as prometheus  # pylint: disable=import-outside-toplevel
+        import prometheus_client  # pylint: disable=import-outside-toplevel
+
+        prometheus = prometheus_client
     from ._nvml_probe import NvmlProbeError  # pylint: disable=import-outside-toplevel
     try:
         report = audit(opts["state-dir"], nvml, host=os.uname().nodename)

@@ -146,7 +146,8 @@ def parse_plan(doc: t.Any, where: str = "plan file") -> dict[str, t.Any]:
         plan["admission_blocks"] = _int(admission, "required_blocks", f"{where}: admission", required=False)
         plan["admission_tokens"] = _int(admission, "required_tokens", f"{where}: admission", required=False)
     plan["capacity"] = _capacity_figures(doc, plan, where)
-    gate = doc.get("boot_gate") if isinstance(doc.get("boot_gate"), t.Mapping) else {}
+    gate_doc = doc.get("boot_gate")
+    gate: t.Mapping[str, t.Any] = gate_doc if isinstance(gate_doc, t.Mapping) else {}
     plan["policy"] = gate.get("policy")
     plan["state_file"] = gate.get("state_file")
     return plan

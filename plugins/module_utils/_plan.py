@@ -34,9 +34,9 @@ Rules:
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
-from typing import Any
+from typing import Any, Optional, Tuple, TypedDict
 
 from ._geometry import GeometryError, KVGeometry, UnpredictableGeometry, capacity_model, load_config
 from ._kv_capacity import (
@@ -91,6 +91,53 @@ class PlanError(ValueError):
     """The plan input is malformed (message names the field)."""
 
 
+class _RefRankFigures(TypedDict):
+    rank: int
+    free_bytes: int  # F_ref
+    kv_bytes: int  # B_ref
+    kv_source: str  # "suggestion" (vLLM's fit suggestion) or "in_use" (the KV bytes the engine allocated)
+
+
+class _RefRank(_RefRankFigures, total=False):
+    """One rank of the parsed reference profile."""
+
+    kv_bytes_full: int  # vLLM's "fully utilize" suggestion, when it logged one
+
+
+class _Reference(TypedDict):
+    """The reference profile as :func:`_parse_reference` returns it (bytes as integers)."""
+
+    ranks: list[_RefRank]
+    vllm_free: dict[int, int]
+    total_bytes: int | None
+    block_size: int
+    block_size_given: bool
+    bytes_per_block: int | None
+    geometry: Any  # {config, serve_args} as given; _geometry checks it
+    kv_dtype_bytes: Any
+    num_blocks: int | None
+    kv_cache_tokens: int | None
+    engine_kv_bytes: int | None
+    max_concurrency: float | None
+    max_model_len: int | None
+    gpu_name: Any
+    compat_hash: Any
+
+
+# One rank of a host as _parse_hosts returns it: (rank, boot_free_bytes, free_min_bytes, free_max_bytes,
+# GPU name, total bytes, flagged unstable, history_spread_bytes, history_min_bytes). A typing alias,
+# evaluated at run time: target hosts may run Python < 3.9.
+_HostRank = Tuple[int, int, Optional[int], Optional[int], Any, Any, bool, Optional[int], Optional[int]]
+
+
+class _Host(TypedDict):
+    ranks: list[_HostRank]
+    unstable: bool
+    gpu_name: Any
+    total_bytes: Any
+    compat_hash: Any
+
+
 def _names(items: list[str]) -> str:
     shown = ", ".join(str(i) for i in items[:_LIST_LIMIT])
     more = len(items) - _LIST_LIMIT
@@ -140,7 +187,7 @@ def _rank_no(value: Any, field: str) -> int:
 
 
 def startup_utilization(
-    ranks: list[dict[str, int]],
+    ranks: Sequence[_RefRank],
     total_bytes: int,
     budget: int,
     guard: int,
@@ -166,12 +213,13 @@ def startup_utilization(
     ``cuda_context_bytes`` stands in for ``vllm_floor`` (source ``nvml``).
     Returns ``(utilization, source, {rank: vllm_floor_bytes})``.
     """
-    use_vllm = bool(vllm_free) and all(r["rank"] in vllm_free for r in ranks)
+    vllm_figures: Mapping[int, int] = vllm_free or {}
+    use_vllm = bool(vllm_figures) and all(r["rank"] in vllm_figures for r in ranks)
     floors: dict[int, int] = {}
     for r in ranks:
         shift = r["kv_bytes"] - guard - budget
         if use_vllm:
-            floors[r["rank"]] = vllm_free[r["rank"]] - shift - GIB_ROUNDING_BYTES  # type: ignore[index]
+            floors[r["rank"]] = vllm_figures[r["rank"]] - shift - GIB_ROUNDING_BYTES
         else:
             floors[r["rank"]] = r["free_bytes"] - shift - cuda_context_bytes
     lowest = min(floors.values())
@@ -252,7 +300,7 @@ def keep_deployed(
 
 
 # ---------------------------------------------------------------- input parsing
-def _parse_reference(raw: Any) -> dict[str, Any] | None:
+def _parse_reference(raw: Any) -> _Reference | None:
     if raw is None or raw == {} or raw == "":
         return None
     if not isinstance(raw, Mapping):
@@ -269,7 +317,7 @@ def _parse_reference(raw: Any) -> dict[str, Any] | None:
         return None
     if not isinstance(ranks_raw, list):
         raise PlanError("reference.ranks: expected a list of {rank, free_bytes, kv_bytes}")
-    ranks: list[dict[str, int]] = []
+    ranks: list[_RefRank] = []
     seen: set[int] = set()
     for i, entry in enumerate(ranks_raw):
         where = f"reference.ranks[{i}]"
@@ -297,7 +345,7 @@ def _parse_reference(raw: Any) -> dict[str, Any] | None:
                 f"{where}.kv_bytes is required (vLLM's fit suggestion), or the KV bytes the engine allocated "
                 f"({where}.kv_bytes_in_use, or reference.engine_kv_bytes)"
             )
-        item = {
+        item: _RefRank = {
             "rank": rank,
             "free_bytes": _size(entry["free_bytes"], f"{where}.free_bytes"),
             "kv_bytes": _signed_size(kv_raw, f"{where}.kv_bytes"),
@@ -315,7 +363,7 @@ def _parse_reference(raw: Any) -> dict[str, Any] | None:
         if value is None:
             continue
         vllm_free[_rank_no(key, "reference.vllm_free_bytes")] = _size(value, f"reference.vllm_free_bytes[{key}]")
-    out: dict[str, Any] = {
+    out: _Reference = {
         "ranks": ranks,
         "vllm_free": vllm_free,
         "total_bytes": _size(ref["total_bytes"], "reference.total_bytes") if ref.get("total_bytes") is not None else None,
@@ -366,12 +414,12 @@ def _flag(value: Any, field: str) -> bool:
         raise PlanError(str(exc)) from None
 
 
-def _parse_hosts(raw: Any) -> dict[str, dict[str, Any]]:
+def _parse_hosts(raw: Any) -> dict[str, _Host]:
     if raw is None:
         return {}
     if not isinstance(raw, Mapping):
         raise PlanError(f"hosts: expected a mapping host -> list of ranks, got {type(raw).__name__}")
-    hosts: dict[str, dict[str, Any]] = {}
+    hosts: dict[str, _Host] = {}
     for name, value in raw.items():
         host = str(name)
         attrs: Mapping[str, Any] = {}
@@ -380,7 +428,7 @@ def _parse_hosts(raw: Any) -> dict[str, dict[str, Any]]:
             value = value.get("ranks")
         if not isinstance(value, list):
             raise PlanError(f"hosts.{host}: expected a list of ranks (or a mapping with ranks)")
-        ranks = []
+        ranks: list[_HostRank] = []
         append = ranks.append
         for i, entry in enumerate(value):
             if not isinstance(entry, Mapping):
@@ -450,7 +498,7 @@ def _auto_profile_utilization(result: dict[str, Any], reasons: list[str], lowest
                        "utilization after the guard and the CUDA-context allowance; the unit's default utilization applies")
 
 
-def _geometry(ref: dict[str, Any]) -> tuple[KVGeometry | KVLayout | None, str | None]:
+def _geometry(ref: _Reference) -> tuple[KVGeometry | KVLayout | None, str | None]:
     """Capacity model from the reference (geometry: or bytes_per_block); (None, why) when unknown.
 
     One full-attention (or MLA) group gives a :class:`KVGeometry`; sliding-window,
@@ -583,7 +631,7 @@ class _Capacity:
         return a * b, one_request_blocks(a * self.request_blocks(b))
 
 
-def _engine_request_blocks(ref: Mapping[str, Any], max_model_len: int | None) -> int | None:
+def _engine_request_blocks(ref: _Reference, max_model_len: int | None) -> int | None:
     """Blocks per request of the profiled canary: its blocks over its max concurrency (vLLM's figure)."""
     blocks, conc = ref.get("num_blocks"), ref.get("max_concurrency")
     ref_len = ref.get("max_model_len") or max_model_len
@@ -593,7 +641,7 @@ def _engine_request_blocks(ref: Mapping[str, Any], max_model_len: int | None) ->
 
 
 def _capacity_model(
-    ref: dict[str, Any], geo: KVGeometry | KVLayout | None, geo_why: str | None, max_model_len: int | None, reasons: list[str]
+    ref: _Reference, geo: KVGeometry | KVLayout | None, geo_why: str | None, max_model_len: int | None, reasons: list[str]
 ) -> tuple[_Capacity | None, str | None]:
     """The capacity model of the class, checked against the profiled canary's own figures."""
     engine_blocks = _engine_request_blocks(ref, max_model_len)
@@ -608,7 +656,8 @@ def _capacity_model(
                 f"the {geo.family} layout predicts {exact // geo.bytes_per_block} blocks from the engine's {exact} bytes, the engine "
                 f"made {ref['num_blocks']}: capacity from the engine's own figures instead"
             )
-            geo, geo_why = None, f"{geo.family} layout disagrees with the engine"
+            geo_why = f"{geo.family} layout disagrees with the engine"
+            geo = None
         elif max_model_len:
             low, high = cap.request_blocks_bounds(max_model_len)
             if engine_blocks is not None and not low <= engine_blocks <= high and geo.family == "hybrid_state_space":
@@ -623,7 +672,8 @@ def _capacity_model(
                     f"the {geo.family} layout needs {low}..{high} blocks per request of {max_model_len} tokens, the engine "
                     f"{engine_blocks} ({ref['num_blocks']} blocks / {ref['max_concurrency']}x): capacity from the engine's own figures instead"
                 )
-                geo, geo_why = None, f"{geo.family} layout disagrees with the engine"
+                geo_why = f"{geo.family} layout disagrees with the engine"
+                geo = None
             elif low != high:
                 if engine_blocks is not None:
                     cap.fixed_request_blocks[max_model_len] = engine_blocks
@@ -640,13 +690,14 @@ def _capacity_model(
             return cap, None
     # unknown layout: the engine's own figures, if exact enough
     exact = ref.get("engine_kv_bytes")
-    if ref.get("num_blocks") and exact and engine_blocks is not None and max_model_len:
+    ref_blocks = ref.get("num_blocks")
+    if ref_blocks and exact and engine_blocks is not None and max_model_len:
         reasons.append(
-            f"KV layout not known ({geo_why}); capacity derived from the profiled canary's own figures: {ref['num_blocks']} blocks "
+            f"KV layout not known ({geo_why}); capacity derived from the profiled canary's own figures: {ref_blocks} blocks "
             f"from {exact} bytes, {engine_blocks} blocks per request of {max_model_len} tokens (blocks are a lower bound): "
             "verify with the manual canary"
         )
-        return _Capacity("engine", ref["block_size"], None, engine=(ref["num_blocks"], exact, engine_blocks, max_model_len)), None
+        return _Capacity("engine", ref["block_size"], None, engine=(ref_blocks, exact, engine_blocks, max_model_len)), None
     why = geo_why or "no KV geometry"
     return None, (
         f"{why}; the reference lacks the engine figures to derive capacity from (num_blocks, max_concurrency, max_model_len and the "
@@ -654,7 +705,7 @@ def _capacity_model(
     )
 
 
-def _geometry_family(ref: Mapping[str, Any], geo: KVGeometry | KVLayout | None) -> str | None:
+def _geometry_family(ref: _Reference, geo: KVGeometry | KVLayout | None) -> str | None:
     if isinstance(geo, KVLayout):
         return geo.family
     if not isinstance(geo, KVGeometry):
@@ -662,16 +713,18 @@ def _geometry_family(ref: Mapping[str, Any], geo: KVGeometry | KVLayout | None) 
     if not geo.mla:
         return "full_attention"
     spec = ref.get("geometry") or {}
+    config = spec.get("config")
     try:
-        cfg = load_config(spec.get("config")) if spec.get("config") else {}
+        cfg = load_config(config) if config else {}
     except GeometryError:
         cfg = {}
-    text = cfg.get("text_config") if isinstance(cfg.get("text_config"), Mapping) else cfg
+    text_cfg = cfg.get("text_config")
+    text = text_cfg if isinstance(text_cfg, Mapping) else cfg
     return "mla_indexer" if text.get("index_head_dim") else "mla"
 
 
 def _what_if_fp8(
-    ref: Mapping[str, Any],
+    ref: _Reference,
     geo: KVGeometry | KVLayout | None,
     cap: _Capacity | None,
     launch: int,
@@ -825,7 +878,7 @@ def plan_class(spec: Mapping[str, Any]) -> dict[str, Any]:
         )
     if not hosts:
         refuse.append(f"class {host_class}: no hosts to plan (probe them with gpu_memory_info first)")
-    if refuse:
+    if refuse or ref is None:  # no reference is one of the refusals
         result["reasons"] = refuse + reasons
         return result
 
@@ -836,15 +889,17 @@ def plan_class(spec: Mapping[str, Any]) -> dict[str, Any]:
     geo, geo_why = _geometry(ref)
     cap, cap_why = _capacity_model(ref, geo, geo_why, max_model_len, reasons)
     in_use = [r for r in ref["ranks"] if r["kv_source"] == "in_use"]
+    cap_bpb = cap.bytes_per_block if cap is not None else None
+    ref_blocks = ref.get("num_blocks")
     for r in in_use:
-        blocks_bytes = ref["num_blocks"] * cap.bytes_per_block if cap is not None and cap.bytes_per_block and ref.get("num_blocks") else None
+        blocks_bytes = ref_blocks * cap_bpb if cap_bpb and ref_blocks else None
         if blocks_bytes is not None and blocks_bytes <= r["kv_bytes"] + GIB_ROUNDING_BYTES:
             # the blocks the engine made hold exactly these bytes; the logged figure is rounded to 0.01 GiB
             r["kv_bytes"] = blocks_bytes
         elif ref.get("engine_kv_bytes") is None:
             if blocks_bytes is not None:
                 reasons.append(
-                    f"the engine's {ref['num_blocks']} blocks of {cap.bytes_per_block} bytes exceed the KV memory it logged "
+                    f"the engine's {ref_blocks} blocks of {cap_bpb} bytes exceed the KV memory it logged "
                     f"({human_bytes(r['kv_bytes'])}): the logged figure less its rounding is used"
                 )
             r["kv_bytes"] -= GIB_ROUNDING_BYTES

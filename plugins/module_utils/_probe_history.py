@@ -61,7 +61,8 @@ def load(store: str, host: str) -> list[dict[str, t.Any]]:
         raise ProbeHistoryError(f"probe history {path}: cannot read it: {exc}") from None
     if not isinstance(doc, dict) or doc.get("format") != FORMAT or not isinstance(doc.get("probes"), list):
         raise ProbeHistoryError(f"probe history {path}: not a format {FORMAT} history")
-    return doc["probes"]
+    # the file's own JSON: its probe records, as written by record()
+    return t.cast("list[dict[str, t.Any]]", doc["probes"])
 
 
 def entry(gpus: t.Sequence[t.Mapping[str, t.Any]], at: float) -> dict[str, t.Any]:

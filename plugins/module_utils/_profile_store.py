@@ -49,7 +49,7 @@ import secrets
 import stat
 import tempfile
 from contextlib import contextmanager
-from typing import Any, Iterator, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 from ._compat import CompatError, CompatKey, compat_key, diff_keys
 from ._sizes import SizeError, parse_size
@@ -58,7 +58,7 @@ from ._validate import ValidationError, class_name
 try:
     import yaml
 except ImportError:  # pragma: no cover - PyYAML is an ansible-core dependency
-    yaml = None
+    yaml = None  # type: ignore[assignment]  # the module or None: ProfileStore() refuses to open without it
 
 __all__ = ["FORMAT", "ProfileStore", "ProfileStoreError", "validate_host_class"]
 
@@ -96,7 +96,7 @@ if yaml is not None:
 
         def compose_node(self, parent: Any, index: Any) -> Any:
             if self.check_event(yaml.events.AliasEvent):
-                event = self.peek_event()
+                event = self.peek_event()  # type: ignore[no-untyped-call]  # types-PyYAML leaves Parser.peek_event unannotated
                 raise yaml.composer.ComposerError(None, None, "YAML aliases are not allowed in a profile", event.start_mark)
             return super().compose_node(parent, index)
 
@@ -145,7 +145,7 @@ def _utc_now() -> datetime.datetime:
 class ProfileStore:
     """Directory of reference profiles keyed by host class and compatibility key."""
 
-    def __init__(self, path: str, clock=_utc_now) -> None:
+    def __init__(self, path: str, clock: Callable[[], datetime.datetime] = _utc_now) -> None:
         if yaml is None:  # pragma: no cover
             raise ProfileStoreError("the profile store needs PyYAML (python3-yaml)")
         if not isinstance(path, str) or not path:
@@ -314,7 +314,7 @@ class ProfileStore:
             raise ProfileStoreError("profile.ranks: a profile needs a non-empty list of {rank, free_bytes, kv_bytes} "
                                     "(kv_bytes_in_use in place of kv_bytes when the engine logs no suggestion)")
         now = self._clock()
-        record = _plain(
+        record: dict[str, Any] = _plain(
             {
                 "format": FORMAT,
                 "host_class": host_class,
@@ -333,7 +333,8 @@ class ProfileStore:
 
     def dump(self, record: Mapping[str, Any]) -> str:
         body = {k: v for k, v in record.items() if k != "path"}
-        return yaml.safe_dump(body, sort_keys=False, default_flow_style=False, allow_unicode=False)
+        text: str = yaml.safe_dump(body, sort_keys=False, default_flow_style=False, allow_unicode=False)
+        return text
 
     def record(self, profile: Mapping[str, Any]) -> dict[str, Any]:
         """Write a new record (``profile`` has ``host_class``, ``compat`` and ``profile``); return it with ``path``."""
@@ -410,7 +411,7 @@ def _fsync_dir(directory: str) -> None:
 def _sizes_to_ints(value: Any, where: str) -> Any:
     """Size strings (``"42GiB"``) under keys ending in ``_bytes`` become integers, at any depth."""
     if isinstance(value, Mapping):
-        out = {}
+        out: dict[Any, Any] = {}
         for key, item in value.items():
             name = f"{where}.{key}"
             if str(key).endswith("_bytes") and isinstance(item, Mapping):

@@ -202,7 +202,8 @@ def _canary(raw: Any) -> dict[str, Any] | None:
     if not isinstance(raw, Mapping) or not raw:
         return None
     out: dict[str, Any] = {}
-    load = raw.get("load") if isinstance(raw.get("load"), Mapping) else {}
+    load_raw = raw.get("load")
+    load: Mapping[str, Any] = load_raw if isinstance(load_raw, Mapping) else {}
     for field in _CANARY_FIELDS:
         if field in _LOAD_FIELDS:
             # the load test's figures; a top-level "failed" is the task's flag, not a request count
@@ -318,7 +319,8 @@ def _class_entry(name: str, state: Mapping[str, Any], hosts: list[str]) -> dict[
     failed = bool(state.get("failed"))
     ok = bool(state.get("ok")) and not failed
     weakest = plan.get("weakest") if isinstance(plan.get("weakest"), Mapping) else None
-    canaries_raw = state.get("canaries") if isinstance(state.get("canaries"), Mapping) else {}
+    canaries_doc = state.get("canaries")
+    canaries_raw: Mapping[str, Any] = canaries_doc if isinstance(canaries_doc, Mapping) else {}
     entry: dict[str, Any] = {
         "name": name,
         "status": "failed" if failed else ("deployable" if ok else "skipped"),
@@ -498,7 +500,8 @@ def _audit_section(raw: Any) -> dict[str, Any]:
                               "free_bytes": _int(row.get("free_bytes"), f"{rwhere}.free_bytes"),
                               "floor_bytes": _int(row.get("floor_bytes"), f"{rwhere}.floor_bytes"),
                               "margin_bytes": _signed_int(row.get("margin_bytes"), f"{rwhere}.margin_bytes")})
-            last = inst.get("last_start") if isinstance(inst.get("last_start"), Mapping) else {}
+            last_raw = inst.get("last_start")
+            last: Mapping[str, Any] = last_raw if isinstance(last_raw, Mapping) else {}
             instances.append({
                 "instance": str(inst.get("instance") or ""),
                 "unit": str(inst.get("unit") or ""),
@@ -715,7 +718,7 @@ def _summary(report: Mapping[str, Any]) -> dict[str, Any]:
     counts = {o: 0 for o in OUTCOMES}
     for host in report["hosts"]:
         counts[host["outcome"]] = counts.get(host["outcome"], 0) + 1
-    out = {
+    out: dict[str, Any] = {
         "classes": len(report["classes"]),
         "deployable_classes": sum(1 for c in report["classes"] if c["status"] == "deployable"),
         "failed_classes": [c["name"] for c in report["classes"] if c["status"] == "failed"],
@@ -1186,7 +1189,7 @@ def render_svg(cls: Mapping[str, Any]) -> str:
         return ""
     # The axis is zoomed on the figures (free and floor are close, often within a GiB of
     # each other): from half a span below the lowest to a tenth above the highest.
-    values = [r["boot_free_bytes"] for r in rows] + [r["floor_bytes"] for r in rows if r["floor_bytes"] is not None]
+    values: list[int] = [r["boot_free_bytes"] for r in rows] + [r["floor_bytes"] for r in rows if r["floor_bytes"] is not None]
     low, high = min(values), max(values)
     span = max(high - low, high // 50, 1)
     axis_low = max(0, low - span // 2)

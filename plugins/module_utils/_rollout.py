@@ -292,7 +292,8 @@ def unit_drift(doc: Any, host: str, statuses: Sequence[Mapping[str, Any]]) -> li
     if host not in plan["hosts"]:
         return [f"{host} is not in the approved plan"]
     moved = []
-    now = {s.get("name"): s.get("unit_checksum") for s in statuses}
+    # instance names as the unit statuses give them (task results, not checked here), like the plan's
+    now: dict[Any, Any] = {s.get("name"): s.get("unit_checksum") for s in statuses}
     for name in sorted(set(planned) | set(now)):
         if name not in now:
             moved.append(f"{host}: instance {name} of the approved plan is not in this run's inventory")

@@ -160,7 +160,9 @@ def _instances_problems(instances: t.Any, problems: list[str]) -> None:
     if not isinstance(instances, (list, tuple)) or not instances:
         problems.append(f"{field}: expected a non-empty list of {{name, gpus, port}}")
         return
-    names, ports, owner = [], [], {}
+    names: list[str | None] = []
+    ports: list[int | None] = []
+    owner: dict[int, int] = {}
     for i, inst in enumerate(instances):
         where = f"{field}[{i}]"
         if not isinstance(inst, t.Mapping):
@@ -250,7 +252,7 @@ def service_input_problems(inputs: t.Mapping[str, t.Any]) -> list[str]:
         problems.append("vllm_service_listen_host: must not contain whitespace")
     if get("host_class"):
         _check(problems, v.class_name, get("host_class"), "vllm_service_host_class")
-    item_rules = {"read_write_paths": v.abs_path, "device_allow": v.text, "after_units": v.systemd_unit_name}
+    item_rules: dict[str, t.Callable[[object, str], str]] = {"read_write_paths": v.abs_path, "device_allow": v.text, "after_units": v.systemd_unit_name}
     for key, rule in item_rules.items():
         items = get(key) or []
         if not isinstance(items, (list, tuple)):

@@ -257,7 +257,7 @@ def _proc_stat(pid: int) -> tuple[str, int, int] | None:
 
 def group_members(pgid: int) -> list[int]:
     """Live (non-zombie) pids whose process group or session is ``pgid``."""
-    members = []
+    members: list[int] = []
     try:
         names = os.listdir("/proc")
     except OSError:
@@ -1226,7 +1226,7 @@ def last_boot(text: str) -> str:
     return text
 
 
-Runner = t.Callable[[list[str]], tuple[int, str, str]]
+Runner = t.Callable[["list[str]"], "tuple[int, str, str]"]
 
 
 def run_command(argv: list[str]) -> tuple[int, str, str]:
@@ -1307,7 +1307,8 @@ def run_boot_check(spec: BootCheckSpec, systemd: Systemd | None = None) -> dict[
     if not spec.journal and spec.log_path is None:
         raise EngineSpecError("journal=false needs a log_path")
     systemd = systemd or Systemd()
-    failed_state = (lambda: systemd.failed_state(spec.unit)) if spec.unit else None
+    unit = spec.unit
+    failed_state = (lambda: systemd.failed_state(unit)) if unit else None
     health = wait_healthy(spec.host, spec.port, timeout=spec.timeout, failed_state=failed_state, interval=spec.interval)
     result: dict[str, t.Any] = {"health": health.status, "startup_wait_seconds": health.seconds,
                                 "url": f"http://{spec.host}:{spec.port}"}

@@ -295,7 +295,8 @@ class LogParser:
 
     def __init__(self, tp_size: int | None = None) -> None:
         self._tp_override = tp_size
-        self._procs: dict[tuple[str, int | None], dict[str, object]] = {}
+        # per (process, explicit rank): RankFigures fields (bytes, utilization, flags, the CPU KV mode)
+        self._procs: dict[tuple[str, int | None], dict[str, int | float | str]] = {}
         # (error, process key, sentence) in order of appearance
         self._errors: list[tuple[EngineError, tuple[str, int | None], str]] = []
         self._seen_errors: set[tuple[str, str, str, int | None]] = set()
@@ -331,7 +332,7 @@ class LogParser:
         self._parse_message(key, msg)
 
     # ------------------------------------------------------------------ helpers
-    def _figs(self, key: tuple[str, int | None]) -> dict[str, object]:
+    def _figs(self, key: tuple[str, int | None]) -> dict[str, int | float | str]:
         return self._procs.setdefault(key, {})
 
     def _hit(self) -> None:

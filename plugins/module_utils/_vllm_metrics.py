@@ -18,11 +18,16 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass, field
-from typing import Dict, List, Tuple
+from typing import TYPE_CHECKING, Callable, Dict, Iterable, List, Tuple
+
+if TYPE_CHECKING:
+    from prometheus_client.metrics_core import Metric
 
 try:  # pragma: no cover - exercised through both code paths in the tests
-    from prometheus_client.parser import text_string_to_metric_families as _prom_parse
+    from prometheus_client.parser import text_string_to_metric_families as _prom_text_parser
 
+    # declared here, Optional: None below when prometheus_client is not importable
+    _prom_parse: Callable[[str], Iterable[Metric]] | None = _prom_text_parser
     HAS_PROMETHEUS_CLIENT = True
 except ImportError:  # pragma: no cover
     _prom_parse = None

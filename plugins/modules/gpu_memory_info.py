@@ -156,7 +156,7 @@ ansible_facts:
 
 import platform
 import traceback
-from typing import Any
+from typing import Any, Sequence, cast
 
 from ansible.module_utils.basic import AnsibleModule, missing_required_lib
 
@@ -177,8 +177,9 @@ def run_module(module: AnsibleModule, binding: Any) -> dict[str, Any]:
     params = module.params
     host = platform.node()
 
-    def run_command(argv: list[str]) -> tuple[int, str, str]:
-        return module.run_command(argv, environ_update={"LC_ALL": "C", "SYSTEMD_PAGER": ""})
+    def run_command(argv: Sequence[str]) -> tuple[int, str, str]:
+        # AnsibleModule.run_command returns (rc, stdout, stderr); ansible-core ships no types
+        return cast("tuple[int, str, str]", module.run_command(argv, environ_update={"LC_ALL": "C", "SYSTEMD_PAGER": ""}))
 
     result = probe(
         binding,

@@ -183,6 +183,7 @@ log_tail:
 
 import dataclasses
 import traceback
+from typing import Any, Mapping
 from urllib.parse import urlsplit
 
 from ansible.module_utils.basic import AnsibleModule
@@ -199,11 +200,11 @@ from ansible_collections.gpufleet.vllm.plugins.module_utils._vllm_engine import 
 )
 
 
-def _floor(value: object) -> int | dict | None:
+def _floor(value: object) -> int | dict[int, int] | None:
     if value is None:
         return None
     if isinstance(value, dict):
-        out = {}
+        out: dict[int, int] = {}
         for key, size in value.items():
             try:
                 rank = integer(key, "free_floor_bytes rank", low=0)
@@ -214,7 +215,7 @@ def _floor(value: object) -> int | dict | None:
     return parse_size(value, "free_floor_bytes")
 
 
-def build_spec(params: dict) -> BootCheckSpec:
+def build_spec(params: Mapping[str, Any]) -> BootCheckSpec:
     host, tcp_port = "127.0.0.1", port(params["port"], "port")
     if params["url"]:
         url = text(params["url"], "url")
@@ -247,8 +248,8 @@ def build_spec(params: dict) -> BootCheckSpec:
     )
 
 
-def planned_checks(spec: BootCheckSpec) -> list[dict]:
-    checks = [{"check": "health", "url": f"http://{spec.host}:{spec.port}/health", "timeout": spec.timeout}]
+def planned_checks(spec: BootCheckSpec) -> list[dict[str, Any]]:
+    checks: list[dict[str, Any]] = [{"check": "health", "url": f"http://{spec.host}:{spec.port}/health", "timeout": spec.timeout}]
     checks.append({"check": "engine_error", "log": f"journal of {spec.unit}" if spec.journal else spec.log_path})
     if spec.expected_kv_cache_memory_bytes is not None:
         checks.append({"check": "reserved_kv_bytes", "expected": spec.expected_kv_cache_memory_bytes})

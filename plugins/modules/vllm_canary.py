@@ -341,27 +341,27 @@ log_path:
 """
 
 import traceback
+from typing import Any, Mapping
 
 from ansible.module_utils.basic import AnsibleModule
 from ansible.module_utils.common.text.converters import to_native
 
 from ansible_collections.gpufleet.vllm.plugins.module_utils._load_test import LoadSpec
 from ansible_collections.gpufleet.vllm.plugins.module_utils._sizes import SizeError, parse_size
-from ansible_collections.gpufleet.vllm.plugins.module_utils._validate import ValidationError, integer, port, text
+from ansible_collections.gpufleet.vllm.plugins.module_utils._validate import ValidationError, integer, is_secret_option, port, text
 from ansible_collections.gpufleet.vllm.plugins.module_utils._vllm_engine import (
     CanarySpec,
     EngineSpecError,
     Tolerances,
     canary_argv,
     free_port,
-    is_secret_option,
     primary_error,
     redact_argv,
     run_canary,
 )
 
 
-def build_spec(params: dict) -> CanarySpec:
+def build_spec(params: Mapping[str, Any]) -> CanarySpec:
     kv_bytes = None
     if params["kv_cache_memory_bytes"] is not None:
         kv_bytes = parse_size(params["kv_cache_memory_bytes"], "kv_cache_memory_bytes")

@@ -312,6 +312,7 @@ pending:
 
 import grp
 import traceback
+from typing import Any
 
 from ansible.module_utils.basic import AnsibleModule
 from ansible.module_utils.common.text.converters import to_native
@@ -388,7 +389,7 @@ def main() -> None:
         rc, out, err = module.run_command(argv)
         return rc, out, err
 
-    result: dict = {"changed": False}
+    result: dict[str, Any] = {"changed": False}
     try:
         # the group may not exist yet when a first deploy is only being compared or snapshotted
         writes_plan_group = state in ("present", "recorded") and not check

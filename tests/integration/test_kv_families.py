@@ -4,8 +4,9 @@
 """KV capacity per model family, proven on the REAL vLLM CPU engine.
 
 Per family (a tiny Gemma-3-shaped sliding-window model and a tiny
-Granite-4.0-H-shaped Mamba2/attention hybrid, each with two KV-cache groups,
-and the full-attention Llama as the control): a profiled canary
+Granite-4.0-H-shaped Mamba2/attention hybrid, each with two KV-cache groups;
+the full-attention Llama, the control, is proven the same way in the real-engine
+lane, tests/integration/test_real_engine.py, on test hosts): a profiled canary
 (the engine sizes its own cache; the CPU build logs no fit suggestion) is
 turned into a reference the way ``roles/vllm_canary`` records it; the planner
 then plans a second budget whose blocks, tokens and max concurrency must equal
@@ -56,7 +57,6 @@ TOTAL = 24 * 1024**3
 
 # family -> (model directory, expected family, expected groups, blocks per request at 512 tokens)
 FAMILIES: dict[str, tuple[Path, str, int, int]] = {
-    "llama-full": (ENGINE / "model", "full_attention", 1, 4),
     "gemma3-sliding": (MODELS / "gemma3-sliding", "interleaved_sliding_window", 2, 4 + 5),
     # Mamba2 + attention: the state group holds 3 blocks per request (align mode with prefix caching)
     "granite-hybrid": (MODELS / "granite-hybrid", "hybrid_state_space", 2, 4 + 3),
@@ -65,19 +65,20 @@ FAMILIES: dict[str, tuple[Path, str, int, int]] = {
 
 def _model_dir(family: str) -> Path:
     path = FAMILIES[family][0]
-    if family != "llama-full":
-        proc = subprocess.run(
-            [str(PYTHON), str(REPO / "tests" / "engine" / "make_family_models.py"), str(MODELS), family],
-            capture_output=True, text=True, check=False, timeout=600,
-        )
-        assert proc.returncode == 0, f"model generation failed: {proc.stdout[-2000:]} {proc.stderr[-2000:]}"
+    proc = subprocess.run(
+        [str(PYTHON), str(REPO / "tests" / "engine" / "make_family_models.py"), str(MODELS), family],
+        capture_output=True, text=True, check=False, timeout=600,
+    )
+    assert proc.returncode == 0, f"model generation failed: {proc.stdout[-2000:]} {proc.stderr[-2000:]}"
     assert (path / "config.json").is_file(), f"no model at {path}"
     return path
 
 
 def _spec(model: Path, marker: str, **kw: Any) -> eng.CanarySpec:
     base: dict[str, Any] = dict(
-        executable=str(VLLM), model=str(model), serve_args=dict(SERVE_ARGS), env={MARK: marker},
+        executable=str(VLLM), model=str(model), serve_args=dict(SERVE_ARGS),
+        # the engine's caches stay in the test cache, not in the home directory of whoever runs the tests
+        env={MARK: marker, "VLLM_CACHE_ROOT": str(ENGINE / "vllm-cache")},
         startup_timeout=BOOT_TIMEOUT, stop_timeout=20, load=LoadSpec(**LOAD), tolerances=eng.Tolerances(**TOLERANCES),
     )
     base.update(kw)

@@ -20,7 +20,9 @@ is there for an assertion (7 in all):
    cannot read and stops the run before any engine boots or any host is touched: no
    profile, no canary, no unit anywhere, the run and its report name the file;
 2. the model made readable: ``profile.yml`` runs the profiled canary on the class's canary
-   host (boot 1) and records the class's reference, on these weights;
+   host (boot 1) and records the class's reference, on these weights; at zero drift the
+   planner reproduces that engine's own blocks and tokens from it, and refuses a budget one
+   byte short of one request (the full-attention control of ``test_kv_families.py``);
 3. a weight file changed under the same path (same size and header) on both hosts: the
    compatibility key changes in ``model_fingerprint``, named; the rollout runs a fresh
    profiled canary (boot 2) and the manual canary (boot 3), and both hosts are rolled out in
@@ -67,6 +69,7 @@ import pytest
 import yaml
 
 from ansible_collections.gpufleet.vllm.plugins.module_utils._geometry import geometry_from_config
+from ansible_collections.gpufleet.vllm.plugins.module_utils._plan import plan_class
 from ansible_collections.gpufleet.vllm.plugins.module_utils._vllm_engine import capacity_figures, evaluate_boot, summarise_log
 from ansible_collections.gpufleet.vllm.plugins.module_utils._vllm_log import GIB_ROUNDING_BYTES, parse_engine_log
 from ansible_collections.gpufleet.vllm.plugins.module_utils._vllm_metrics import histogram_quantile, parse_metrics
@@ -385,6 +388,32 @@ def test_the_profile_playbook_records_the_reference_on_the_canary_host(fleet, se
     assert 0 < load["ttft_p50"] <= load["ttft_p95"] <= load["e2e_p95"], load
     assert fleet.units() == {CANARY: None, LAST: None}, "profiling deploys nothing"
     seen["first_profile"] = profiles[0]
+
+
+def test_the_planner_reproduces_the_profiled_engine_and_refuses_less_than_one_request(seen):
+    """The full-attention control of the model families (tests/integration/test_kv_families.py has the
+    others), on the reference the real engine gave under profile.yml: at zero drift the planner
+    reproduces the profiled engine's own figures, and a budget one byte short of one request is
+    refused before any boot. No boot."""
+    reference = yaml.safe_load(seen["first_profile"].read_text(encoding="utf-8"))["profile"]
+    free = reference["ranks"][0]["free_bytes"]
+
+    def plan(boot_free: int) -> dict[str, Any]:
+        return plan_class({"host_class": CLASS, "reference": reference, "guard_bytes": 0, "max_model_len": MAX_MODEL_LEN,
+                           "hosts": {"h": [{"rank": 0, "boot_free_bytes": boot_free}]}})
+
+    at_zero = plan(free)
+    assert at_zero["decision"] == "deploy", at_zero["reasons"]
+    assert at_zero["kv_layout"]["family"] == "full_attention" and len(at_zero["kv_layout"].get("groups") or [None]) == 1
+    assert at_zero["blocks_per_request"] == MAX_MODEL_LEN // BLOCK_SIZE
+    assert (at_zero["num_blocks"], at_zero["kv_cache_tokens"]) == (reference["num_blocks"], reference["kv_cache_tokens"])
+    assert at_zero["kv_cache_memory_bytes"] == reference["num_blocks"] * at_zero["bytes_per_block"]
+    one_request = (at_zero["blocks_per_request"] + 1) * at_zero["bytes_per_block"]
+    short = plan(free - (at_zero["max_safe_bytes"] - (one_request - 1)))
+    assert short["kv_cache_memory_bytes"] == one_request - 1 and short["decision"] == "refuse", short["reasons"]
+    assert short["one_request_bytes"] == one_request
+    assert any(f"cannot hold one request of max_model_len {MAX_MODEL_LEN}" in r for r in short["reasons"]), short["reasons"]
+    assert plan(free - (at_zero["max_safe_bytes"] - one_request))["decision"] == "deploy"
 
 
 def _change_weights(fleet: Fleet, host: str) -> None:

@@ -11,19 +11,19 @@ and then checks, on every host, the unit file on disk, the kept previous unit an
 whether the service is active.
 
 The tests run in file order and build on each other's end state (one fleet per module,
-as booting and profiling cost most of the time):
+as booting and profiling cost most of the time). An engine that fails at boot and is rolled back
+is tested on the real engine (tests/integration/test_real_engine.py):
 
 1. clean rollout (profiled canary, plan, manual canary, three serial batches);
 2. the same run again, with free memory moved by a few MiB, changes nothing (the budget is kept);
 3. a co-tenant appears on the second host after planning: its gate stops the rollout
    before its service is touched, the first batch keeps the new unit, the third never runs;
-4. the engine fails at boot on the second host: the previous unit is restored byte for
-   byte and active again, the run fails with the engine's error;
-5. an admission plan the class cannot hold stops the class before any host is touched;
-6. an unreachable host is left out, the others are rolled out, the run fails;
-7. a changed serve argument changes the compatibility key: plan.yml outlines what the rollout will do
+4. an admission plan the class cannot hold stops the class before any host is touched;
+5. an unreachable host is left out, the others are rolled out, the run fails;
+6. a changed serve argument changes the compatibility key: plan.yml outlines what the rollout will do
    (the chosen canary host, the outage of its production instance); the rollout forces a profiled canary
    (as the service user) and re-probes only once the slowly restarted production instance has settled;
+7. a new key under unchanged units (a driver upgrade on every host) restarts every host in its batch;
 8. wrong service inputs on the last host stop the run before the first batch;
 9. a host on another driver than its class reference stops the run before any host;
 10. a host still on a hand-written ``vllm.service`` (simulated engine) with a drop-in: the
@@ -202,25 +202,6 @@ def test_cotenant_after_planning_stops_the_rollout(fleet, seen):
         assert fleet.active(host) == "active", host
     fleet.sim.inject_cotenant("sim-ro-2", gpu=1, size=None, pid=None, remove=True)
     seen["units_3"] = after
-
-
-def test_engine_failing_at_boot_is_rolled_back(fleet, seen):
-    before = fleet.units()
-    assert before == seen["units_3"]
-    fleet.sim.inject_fail_next_boot("sim-ro-2", "startup")
-    rc, out = fleet.rollout({"gpufleet_guard": "1GiB"})
-    assert rc != 0
-    # the engine's own error reaches the run's output
-    assert "on startup is less than desired GPU memory utilization" in out, out[-6000:]
-    assert "the previous units were restored and restarted" in out
-    after = fleet.units()
-    assert after["sim-ro-1"] == before["sim-ro-1"], "batch 1 already ran this plan"
-    assert after["sim-ro-2"] == before["sim-ro-2"], "sim-ro-2 is back on its previous unit, byte for byte"
-    assert after["sim-ro-3"] == before["sim-ro-3"], "sim-ro-3 is never reached"
-    for host in HOSTS:
-        assert fleet.active(host) == "active", host
-    # the restored plan file describes the restored unit
-    assert fleet.plan("sim-ro-2")["kv_cache_memory_bytes"] == budget(before["sim-ro-2"])
 
 
 def test_admission_shortfall_stops_the_class(fleet):

