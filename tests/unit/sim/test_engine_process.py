@@ -213,3 +213,37 @@ def test_slow_next_boot_grows_memory_while_loading_and_is_consumed_once(host) ->
     finally:
         quick.send_signal(signal.SIGTERM)
         quick.communicate(timeout=10)
+
+
+SIGTERM_UNDER_THE_LOCK = """
+import os, signal, sys, time
+sys.path.insert(0, {conftest_dir!r})
+from conftest import load_engine
+engine = load_engine()
+serve = engine.Serve(None)
+signal.signal(signal.SIGTERM, serve._on_signal)
+serve.registry.set(0, 0, os.getpid(), "VLLM::EngineCore", 500 * 1024 * 1024)
+with engine.locked(serve.registry.path):
+    # systemd's stop lands while a registry update holds the state lock
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(0.3)
+    print("released", flush=True)
+time.sleep(30)
+print("not stopped", flush=True)
+"""
+
+
+def test_a_sigterm_while_the_state_lock_is_held_still_stops_the_engine_and_frees_its_memory(host) -> None:
+    """The handler takes the state lock to drop the engine's entries: run inside a registry
+    update, it waited for ever on this process's own flock, systemd killed the engine at
+    TimeoutStopSec and its memory stayed in the fake NVML state for the next boot's gate."""
+    tmp_path, env = host
+    script = SIGTERM_UNDER_THE_LOCK.format(conftest_dir=str(Path(__file__).parent))
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=20,
+                          check=False)
+    assert done.returncode == 0, done.stdout + done.stderr
+    # the shutdown ran after the lock was released, not inside it, and not 30 s later
+    lines = done.stdout.splitlines()
+    assert lines[0] == "released" and "not stopped" not in lines, done.stdout + done.stderr
+    assert "Shutting down FastAPI HTTP server." in lines[1], done.stdout + done.stderr
+    assert not [p for p in nvml_state.load(tmp_path / "state")["procs"] if p["name"].startswith("VLLM::")]
