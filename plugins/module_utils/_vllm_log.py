@@ -32,6 +32,7 @@ import copy
 import dataclasses
 import re
 from dataclasses import dataclass, field
+from typing import Callable, TypeVar
 
 GIB = 1 << 30
 #: Half a unit of the last printed digit of a GiB figure (0.005 GiB), rounded up to a whole
@@ -277,6 +278,7 @@ _PROC_TP = re.compile(r"(?:^|_)TP(\d+)")
 _PROC_PP = re.compile(r"(?:^|_)PP(\d+)")
 _PROC_DP = re.compile(r"(?:^|_)DP(\d+)")
 _PROC_N = re.compile(r"^VllmWorker-(\d+)$")
+_N = TypeVar("_N", int, float)
 
 
 def _int_commas(text: str) -> int:
@@ -339,167 +341,132 @@ class LogParser:
         self._log.recognised = True
 
     def _parse_message(self, key: tuple[str, int | None], msg: str) -> None:
-        log = self._log
-
-        # Errors first: the startup-check failure shares its start with the
-        # profiled line.
+        # Errors first: the startup-check failure shares its start with the profiled line.
         for kind, pattern in _ERROR_PATTERNS:
             em = pattern.search(msg)
             if em:
                 self._add_error(key, kind, msg, em)
                 return
+        # The first rule whose pattern matches reads the line; a line no rule reads may
+        # still name the version and the parallel sizes (the engine's config line).
+        for rule in _LINE_RULES:
+            m = rule.pattern.search(msg)
+            if m:
+                if rule.recognised:
+                    self._hit()
+                rule.read(self, key, msg, m)
+                return
+        self._read_config(msg)
 
-        pm = _PROFILED_HEAD.search(msg)
-        if pm:
-            self._hit()
-            f = self._figs(key)
-            f["profiled"] = True
-            f["initial_free_bytes"] = gib_to_bytes(pm.group(1))
-            f["total_bytes"] = gib_to_bytes(pm.group(2))
-            f["gpu_memory_utilization"] = float(pm.group(3))
-            f["requested_bytes"] = gib_to_bytes(pm.group(4))
-            weights = _WEIGHTS.search(msg)
-            non_torch = _NON_TORCH.search(msg)
-            consumed = _CONSUMED.search(msg)
-            if weights:
-                f["weights_bytes"] = gib_to_bytes(weights.group(1))
-            if non_torch:
-                f["non_torch_bytes"] = gib_to_bytes(non_torch.group(1))
-            if consumed:
-                f["consumed_bytes"] = gib_to_bytes(consumed.group(1))
-            elif weights or non_torch:
-                f["consumed_bytes"] = int(f.get("weights_bytes") or 0) + int(
-                    f.get("non_torch_bytes") or 0
-                )
-            for name, rx in (("activation_bytes", _ACTIVATION), ("cuda_graph_bytes", _GRAPH)):
-                vm = rx.search(msg)
-                if vm:
-                    f[name] = gib_to_bytes(vm.group(1))
-            sugg = _SUGGESTION.findall(msg)
-            if len(sugg) >= 1:
-                f["suggested_kv_bytes_fit"] = int(sugg[0])
-            if len(sugg) >= 2:
-                f["suggested_kv_bytes_full"] = int(sugg[1])
-            cur = _CURRENT.search(msg)
-            if cur:
-                if cur.group(2) == "bytes":
-                    f["current_kv_bytes"] = int(float(cur.group(1)))
-                    f["current_kv_bytes_exact"] = True
-                else:
-                    f["current_kv_bytes"] = gib_to_bytes(cur.group(1))
-            return
+    # ------------------------------------------------------------------ line readers
+    def _read_profiled(self, key: tuple[str, int | None], msg: str, m: re.Match[str]) -> None:
+        f = self._figs(key)
+        f["profiled"] = True
+        f["initial_free_bytes"] = gib_to_bytes(m.group(1))
+        f["total_bytes"] = gib_to_bytes(m.group(2))
+        f["gpu_memory_utilization"] = float(m.group(3))
+        f["requested_bytes"] = gib_to_bytes(m.group(4))
+        weights = _WEIGHTS.search(msg)
+        non_torch = _NON_TORCH.search(msg)
+        consumed = _CONSUMED.search(msg)
+        if weights:
+            f["weights_bytes"] = gib_to_bytes(weights.group(1))
+        if non_torch:
+            f["non_torch_bytes"] = gib_to_bytes(non_torch.group(1))
+        if consumed:
+            f["consumed_bytes"] = gib_to_bytes(consumed.group(1))
+        elif weights or non_torch:
+            f["consumed_bytes"] = int(f.get("weights_bytes") or 0) + int(f.get("non_torch_bytes") or 0)
+        for name, rx in (("activation_bytes", _ACTIVATION), ("cuda_graph_bytes", _GRAPH)):
+            vm = rx.search(msg)
+            if vm:
+                f[name] = gib_to_bytes(vm.group(1))
+        sugg = _SUGGESTION.findall(msg)
+        if len(sugg) >= 1:
+            f["suggested_kv_bytes_fit"] = int(sugg[0])
+        if len(sugg) >= 2:
+            f["suggested_kv_bytes_full"] = int(sugg[1])
+        cur = _CURRENT.search(msg)
+        if cur:
+            if cur.group(2) == "bytes":
+                f["current_kv_bytes"] = int(float(cur.group(1)))
+                f["current_kv_bytes_exact"] = True
+            else:
+                f["current_kv_bytes"] = gib_to_bytes(cur.group(1))
 
-        mm = _MANUAL.search(msg)
-        if mm:
-            self._hit()
-            f = self._figs(key)
-            f["manual"] = True
-            f["initial_free_bytes"] = gib_to_bytes(mm.group(1))
-            f["reserved_kv_bytes"] = gib_to_bytes(mm.group(2))
-            return
+    def _read_manual(self, key: tuple[str, int | None], msg: str, m: re.Match[str]) -> None:
+        f = self._figs(key)
+        f["manual"] = True
+        f["initial_free_bytes"] = gib_to_bytes(m.group(1))
+        f["reserved_kv_bytes"] = gib_to_bytes(m.group(2))
 
-        cm = _CPU_SET.search(msg)
-        if cm:
-            self._hit()
-            f = self._figs(key)
-            f["cpu_kv_mode"] = "explicit" if cm.group(1) == "Explicitly" else "auto"
-            f["manual"] = cm.group(1) == "Explicitly"
-            f["cpu_kv_bytes"] = gib_to_bytes(cm.group(2))
-            f["total_bytes"] = gib_to_bytes(cm.group(3))
-            if cm.group(4) is not None:
-                f["requested_bytes"] = gib_to_bytes(cm.group(4))
-                f["consumed_bytes"] = gib_to_bytes(cm.group(5))
-            return
+    def _read_cpu_set(self, key: tuple[str, int | None], msg: str, m: re.Match[str]) -> None:
+        f = self._figs(key)
+        f["cpu_kv_mode"] = "explicit" if m.group(1) == "Explicitly" else "auto"
+        f["manual"] = m.group(1) == "Explicitly"
+        f["cpu_kv_bytes"] = gib_to_bytes(m.group(2))
+        f["total_bytes"] = gib_to_bytes(m.group(3))
+        if m.group(4) is not None:
+            f["requested_bytes"] = gib_to_bytes(m.group(4))
+            f["consumed_bytes"] = gib_to_bytes(m.group(5))
 
-        am = _AVAILABLE_KV.search(msg)
-        if am:
-            self._hit()
-            self._figs(key)["available_kv_bytes"] = gib_to_bytes(am.group(1))
-            return
+    def _read_available_kv(self, key: tuple[str, int | None], msg: str, m: re.Match[str]) -> None:
+        self._figs(key)["available_kv_bytes"] = gib_to_bytes(m.group(1))
 
-        matched = False
-        sm = _CAPACITY_SIZE.search(msg)
-        if sm:
-            matched = True
-            if self._capacity.tokens is None:
-                self._capacity.device = sm.group(1)
-                self._capacity.tokens = _int_commas(sm.group(2))
-        qm = _CAPACITY_CONC.search(msg)
-        if qm:
-            matched = True
-            if self._capacity.max_model_len is None:
-                self._capacity.max_model_len = _int_commas(qm.group(1))
-                self._capacity.max_concurrency = float(qm.group(2))
-        if matched:
-            self._hit()
-            return
+    def _read_capacity(self, key: tuple[str, int | None], msg: str, m: re.Match[str]) -> None:
+        # one line holds the size and the concurrency; the first line of each counts
+        size = _CAPACITY_SIZE.search(msg)
+        if size and self._capacity.tokens is None:
+            self._capacity.device = size.group(1)
+            self._capacity.tokens = _int_commas(size.group(2))
+        conc = _CAPACITY_CONC.search(msg)
+        if conc and self._capacity.max_model_len is None:
+            self._capacity.max_model_len = _int_commas(conc.group(1))
+            self._capacity.max_concurrency = float(conc.group(2))
 
-        lm = _MODEL_LOAD.search(msg)
-        if lm:
-            self._hit()
-            f = self._figs(key)
-            f["model_load_bytes"] = gib_to_bytes(lm.group(1))
-            f["model_load_seconds"] = float(lm.group(2))
-            t = log.timings
-            b = gib_to_bytes(lm.group(1))
-            s = float(lm.group(2))
-            t.model_load_bytes = b if t.model_load_bytes is None else max(t.model_load_bytes, b)
-            t.model_load_seconds = (
-                s if t.model_load_seconds is None else max(t.model_load_seconds, s)
-            )
-            return
-        wm = _WEIGHTS_LOAD.search(msg)
-        if wm:
-            s = float(wm.group(1))
-            t = log.timings
-            t.weights_load_seconds = (
-                s if t.weights_load_seconds is None else max(t.weights_load_seconds, s)
-            )
-            return
-        im = _INIT_ENGINE.search(msg)
-        if im:
-            self._hit()
-            log.timings.init_engine_seconds = float(im.group(1))
-            if im.group(2) is not None:
-                log.timings.compilation_seconds = float(im.group(2))
-            return
-        gm = _GRAPH_CAPTURE.search(msg)
-        if gm:
-            self._hit()
-            t = log.timings
-            s, b = float(gm.group(1)), gib_to_bytes(gm.group(2))
-            t.graph_capture_seconds = (
-                s if t.graph_capture_seconds is None else max(t.graph_capture_seconds, s)
-            )
-            t.graph_capture_bytes = (
-                b if t.graph_capture_bytes is None else max(t.graph_capture_bytes, b)
-            )
-            return
-        bm = _BLOCK_SIZE.search(msg)
-        if bm:
-            log.block_size = int(bm.group(1))
-            return
-        nb = _NUM_GPU_BLOCKS.search(msg)
-        if nb:
-            self._hit()
-            log.num_gpu_blocks = int(nb.group(1))
-            return
-        srv = _SERVER.search(msg)
-        if srv:
-            self._hit()
-            log.server_started = True
-            log.server_url = srv.group(1)
-            return
-        nd = _NON_DEFAULT.search(msg)
-        if nd:
-            self._hit()
-            try:
-                value = ast.literal_eval(nd.group(1))
-            except (ValueError, SyntaxError):
-                value = None
-            if isinstance(value, dict):
-                log.non_default_args = {str(k): v for k, v in value.items()}
-            return
+    def _read_model_load(self, key: tuple[str, int | None], msg: str, m: re.Match[str]) -> None:
+        f = self._figs(key)
+        b, s = gib_to_bytes(m.group(1)), float(m.group(2))
+        f["model_load_bytes"] = b
+        f["model_load_seconds"] = s
+        t = self._log.timings
+        t.model_load_bytes = _larger(t.model_load_bytes, b)
+        t.model_load_seconds = _larger(t.model_load_seconds, s)
+
+    def _read_weights_load(self, key: tuple[str, int | None], msg: str, m: re.Match[str]) -> None:
+        t = self._log.timings
+        t.weights_load_seconds = _larger(t.weights_load_seconds, float(m.group(1)))
+
+    def _read_init_engine(self, key: tuple[str, int | None], msg: str, m: re.Match[str]) -> None:
+        self._log.timings.init_engine_seconds = float(m.group(1))
+        if m.group(2) is not None:
+            self._log.timings.compilation_seconds = float(m.group(2))
+
+    def _read_graph_capture(self, key: tuple[str, int | None], msg: str, m: re.Match[str]) -> None:
+        t = self._log.timings
+        t.graph_capture_seconds = _larger(t.graph_capture_seconds, float(m.group(1)))
+        t.graph_capture_bytes = _larger(t.graph_capture_bytes, gib_to_bytes(m.group(2)))
+
+    def _read_block_size(self, key: tuple[str, int | None], msg: str, m: re.Match[str]) -> None:
+        self._log.block_size = int(m.group(1))
+
+    def _read_num_blocks(self, key: tuple[str, int | None], msg: str, m: re.Match[str]) -> None:
+        self._log.num_gpu_blocks = int(m.group(1))
+
+    def _read_server(self, key: tuple[str, int | None], msg: str, m: re.Match[str]) -> None:
+        self._log.server_started = True
+        self._log.server_url = m.group(1)
+
+    def _read_non_default(self, key: tuple[str, int | None], msg: str, m: re.Match[str]) -> None:
+        try:
+            value = ast.literal_eval(m.group(1))
+        except (ValueError, SyntaxError):
+            value = None
+        if isinstance(value, dict):
+            self._log.non_default_args = {str(k): v for k, v in value.items()}
+
+    def _read_config(self, msg: str) -> None:
+        log = self._log
         if "LLM engine" in msg or "version" in msg:
             vm = _VERSION.search(msg)
             if vm and log.version is None:
@@ -624,6 +591,45 @@ class LogParser:
         ) else None
         log.suggestion_problems = _suggestion_problems(log.ranks)
         return copy.deepcopy(log)
+
+
+Reader = Callable[[LogParser, "tuple[str, int | None]", str, "re.Match[str]"], None]
+
+
+@dataclass(frozen=True)
+class LineRule:
+    """A line vLLM prints, the reader that takes its figures, and whether it counts as
+    recognised engine output (a line that names only a block size or a weights-load time
+    is not enough to call a log vLLM's)."""
+
+    pattern: re.Pattern[str]
+    read: Reader
+    recognised: bool = True
+
+
+_CAPACITY_ANY = re.compile(f"{_CAPACITY_SIZE.pattern}|{_CAPACITY_CONC.pattern}")
+
+#: In order: the first rule whose pattern matches reads the line.
+_LINE_RULES: tuple[LineRule, ...] = (
+    LineRule(_PROFILED_HEAD, LogParser._read_profiled),
+    LineRule(_MANUAL, LogParser._read_manual),
+    LineRule(_CPU_SET, LogParser._read_cpu_set),
+    LineRule(_AVAILABLE_KV, LogParser._read_available_kv),
+    LineRule(_CAPACITY_ANY, LogParser._read_capacity),
+    LineRule(_MODEL_LOAD, LogParser._read_model_load),
+    LineRule(_WEIGHTS_LOAD, LogParser._read_weights_load, recognised=False),
+    LineRule(_INIT_ENGINE, LogParser._read_init_engine),
+    LineRule(_GRAPH_CAPTURE, LogParser._read_graph_capture),
+    LineRule(_BLOCK_SIZE, LogParser._read_block_size, recognised=False),
+    LineRule(_NUM_GPU_BLOCKS, LogParser._read_num_blocks),
+    LineRule(_SERVER, LogParser._read_server),
+    LineRule(_NON_DEFAULT, LogParser._read_non_default),
+)
+
+
+def _larger(current: _N | None, value: _N) -> _N:
+    """The larger of a timing kept so far and a new rank's (the slowest rank counts)."""
+    return value if current is None else max(current, value)
 
 
 def _suggestion_problems(ranks: dict[int, RankFigures]) -> list[SuggestionProblem]:
