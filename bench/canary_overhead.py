@@ -28,10 +28,10 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 CACHE = Path(os.environ.get("GPUFLEET_CACHE", REPO / ".cache"))
 try:
-    from ansible_collections.gpufleet.vllm.plugins.module_utils import _vllm_engine as eng
+    from ansible_collections.gpufleet.vllm.plugins.module_utils import _canary
 except ImportError:
     sys.path.insert(0, str(CACHE / "collections"))
-    from ansible_collections.gpufleet.vllm.plugins.module_utils import _vllm_engine as eng
+    from ansible_collections.gpufleet.vllm.plugins.module_utils import _canary
 from ansible_collections.gpufleet.vllm.plugins.module_utils._load_test import LoadSpec
 
 
@@ -54,7 +54,7 @@ def main() -> int:
 
     runs = []
     for _run in range(args.runs):
-        spec = eng.CanarySpec(
+        spec = _canary.CanarySpec(
             executable=args.executable, model=args.model, mode="manual",
             kv_cache_memory_bytes=args.kv_cache_memory_bytes,
             serve_args={"max_model_len": args.max_model_len}, startup_timeout=args.startup_timeout,
@@ -62,7 +62,7 @@ def main() -> int:
                           prompt_tokens=args.prompt_tokens, max_tokens=args.max_tokens),
         )
         start = time.monotonic()
-        result = eng.run_canary(spec)
+        result = _canary.run_canary(spec)
         outer = time.monotonic() - start
         wall = result["wall_seconds"]
         startup = result.get("startup_seconds") or 0.0

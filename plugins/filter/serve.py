@@ -10,6 +10,7 @@ from typing import Any, Callable, Mapping
 
 from ansible.errors import AnsibleFilterError
 
+from ansible_collections.gpufleet.vllm.plugins.module_utils._serve_argv import EngineSpecError, render_serve_args
 from ansible_collections.gpufleet.vllm.plugins.module_utils._unit_files import service_input_problems
 from ansible_collections.gpufleet.vllm.plugins.module_utils._validate import (
     ValidationError,
@@ -18,10 +19,6 @@ from ansible_collections.gpufleet.vllm.plugins.module_utils._validate import (
     systemd_environment as _systemd_environment,
     systemd_exec_start as _systemd_exec_start,
     systemd_value as _systemd_value,
-)
-from ansible_collections.gpufleet.vllm.plugins.module_utils._vllm_engine import (
-    EngineSpecError,
-    render_serve_args,
 )
 
 

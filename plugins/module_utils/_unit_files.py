@@ -52,7 +52,7 @@ import typing as t
 from dataclasses import dataclass
 
 from . import _validate as v
-from ._vllm_engine import CONTROLLED_OPTIONS, EngineSpecError, option_name, render_serve_args
+from ._serve_argv import CONTROLLED_OPTIONS, EngineSpecError, option_name, render_serve_args
 
 KINDS = ("unit", "plan", "env")
 # Plan-record fields whose change means the running engine is not the one the new plan was

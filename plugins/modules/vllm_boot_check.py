@@ -189,15 +189,11 @@ from urllib.parse import urlsplit
 from ansible.module_utils.basic import AnsibleModule
 from ansible.module_utils.common.text.converters import to_native
 
+from ansible_collections.gpufleet.vllm.plugins.module_utils._boot_check import BootCheckSpec, Systemd, run_boot_check
 from ansible_collections.gpufleet.vllm.plugins.module_utils._boot_gate import boot_expectations, wait_state
+from ansible_collections.gpufleet.vllm.plugins.module_utils._serve_argv import EngineSpecError
 from ansible_collections.gpufleet.vllm.plugins.module_utils._sizes import SizeError, parse_size
 from ansible_collections.gpufleet.vllm.plugins.module_utils._validate import ValidationError, integer, port, text
-from ansible_collections.gpufleet.vllm.plugins.module_utils._vllm_engine import (
-    BootCheckSpec,
-    EngineSpecError,
-    Systemd,
-    run_boot_check,
-)
 
 
 def _floor(value: object) -> int | dict[int, int] | None:

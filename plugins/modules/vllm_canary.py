@@ -346,19 +346,13 @@ from typing import Any, Mapping
 from ansible.module_utils.basic import AnsibleModule
 from ansible.module_utils.common.text.converters import to_native
 
+from ansible_collections.gpufleet.vllm.plugins.module_utils._boot_check import primary_error
+from ansible_collections.gpufleet.vllm.plugins.module_utils._canary import CanarySpec, Tolerances, canary_argv, run_canary
+from ansible_collections.gpufleet.vllm.plugins.module_utils._engine_process import free_port
 from ansible_collections.gpufleet.vllm.plugins.module_utils._load_test import LoadSpec
+from ansible_collections.gpufleet.vllm.plugins.module_utils._serve_argv import EngineSpecError, redact_argv
 from ansible_collections.gpufleet.vllm.plugins.module_utils._sizes import SizeError, parse_size
 from ansible_collections.gpufleet.vllm.plugins.module_utils._validate import ValidationError, integer, is_secret_option, port, text
-from ansible_collections.gpufleet.vllm.plugins.module_utils._vllm_engine import (
-    CanarySpec,
-    EngineSpecError,
-    Tolerances,
-    canary_argv,
-    free_port,
-    primary_error,
-    redact_argv,
-    run_canary,
-)
 
 
 def build_spec(params: Mapping[str, Any]) -> CanarySpec:

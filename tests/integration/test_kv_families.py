@@ -29,7 +29,7 @@ from typing import Any
 
 import pytest
 
-from ansible_collections.gpufleet.vllm.plugins.module_utils import _vllm_engine as eng
+from ansible_collections.gpufleet.vllm.plugins.module_utils import _canary
 from ansible_collections.gpufleet.vllm.plugins.module_utils._canary_reference import reference_from_canary
 from ansible_collections.gpufleet.vllm.plugins.module_utils._load_test import LoadSpec
 from ansible_collections.gpufleet.vllm.plugins.module_utils._plan import plan_class
@@ -74,15 +74,15 @@ def _model_dir(family: str) -> Path:
     return path
 
 
-def _spec(model: Path, marker: str, **kw: Any) -> eng.CanarySpec:
+def _spec(model: Path, marker: str, **kw: Any) -> _canary.CanarySpec:
     base: dict[str, Any] = dict(
         executable=str(VLLM), model=str(model), serve_args=dict(SERVE_ARGS),
         # the engine's caches stay in the test cache, not in the home directory of whoever runs the tests
         env={MARK: marker, "VLLM_CACHE_ROOT": str(ENGINE / "vllm-cache")},
-        startup_timeout=BOOT_TIMEOUT, stop_timeout=20, load=LoadSpec(**LOAD), tolerances=eng.Tolerances(**TOLERANCES),
+        startup_timeout=BOOT_TIMEOUT, stop_timeout=20, load=LoadSpec(**LOAD), tolerances=_canary.Tolerances(**TOLERANCES),
     )
     base.update(kw)
-    return eng.CanarySpec(**base)
+    return _canary.CanarySpec(**base)
 
 
 def _plan(reference: dict[str, Any], budget: int) -> dict[str, Any]:
@@ -108,7 +108,7 @@ def family(request: pytest.FixtureRequest) -> dict[str, Any]:
     name = request.param
     model = _model_dir(name)
     marker = uuid.uuid4().hex
-    profiled = eng.run_canary(_spec(model, marker, mode="profiled", gpu_memory_utilization=PROFILED_UTILIZATION,
+    profiled = _canary.run_canary(_spec(model, marker, mode="profiled", gpu_memory_utilization=PROFILED_UTILIZATION,
                                     log_path=str(OUT / f"{name}-profiled.log")))
     assert profiled["verdict"] in ("pass", "inconclusive"), profiled["reasons"]
     config = json.loads((model / "config.json").read_text())
@@ -118,7 +118,7 @@ def family(request: pytest.FixtureRequest) -> dict[str, Any]:
     manual = None
     if plan["decision"] == "deploy":
         ref_for_tokens = dict(profiled, kv_cache_tokens=plan["kv_cache_tokens"])
-        manual = eng.run_canary(_spec(model, marker, mode="manual", kv_cache_memory_bytes=plan["kv_cache_memory_bytes"],
+        manual = _canary.run_canary(_spec(model, marker, mode="manual", kv_cache_memory_bytes=plan["kv_cache_memory_bytes"],
                                       gpu_memory_utilization=0.3, reference=ref_for_tokens,
                                       log_path=str(OUT / f"{name}-manual.log")))
     return {"name": name, "profiled": profiled, "reference": reference, "plan": plan, "manual": manual}

@@ -68,8 +68,8 @@ import yaml
 
 from ansible_collections.gpufleet.vllm.plugins.module_utils._geometry import geometry_from_config
 from ansible_collections.gpufleet.vllm.plugins.module_utils._plan import plan_class
-from ansible_collections.gpufleet.vllm.plugins.module_utils import _vllm_engine as eng
-from ansible_collections.gpufleet.vllm.plugins.module_utils._vllm_engine import capacity_figures, evaluate_boot, summarise_log
+from ansible_collections.gpufleet.vllm.plugins.module_utils import _engine_process, _serve_argv
+from ansible_collections.gpufleet.vllm.plugins.module_utils._boot_check import capacity_figures, evaluate_boot, summarise_log
 from ansible_collections.gpufleet.vllm.plugins.module_utils._vllm_log import GIB_ROUNDING_BYTES, parse_engine_log
 from ansible_collections.gpufleet.vllm.plugins.module_utils._vllm_metrics import histogram_quantile, parse_metrics
 
@@ -542,20 +542,20 @@ def _simulate(argv: list[str], work: Path) -> dict[str, Any]:
     (work / "sim.json").write_text(json.dumps({"boot_delay_s": 0.2, "token_delay_s": 0.001}), encoding="utf-8")
     env = dict(os.environ, FAKE_NVML_STATE=str(work / "nvml-state"), VLLM_SIM_CONFIG=str(work / "sim.json"),
                CUDA_VISIBLE_DEVICES="0", PYTHONUNBUFFERED="1")
-    port = eng.free_port()
-    engine = eng.EngineProcess([sys.executable, str(SIM_ENGINE), *argv, "--host", eng.LOOPBACK, "--port", str(port)],
+    port = _engine_process.free_port()
+    engine = _engine_process.EngineProcess([sys.executable, str(SIM_ENGINE), *argv, "--host", _serve_argv.LOOPBACK, "--port", str(port)],
                                env, str(work / "engine.log"))
     engine.start()
     try:
-        health = eng.wait_healthy(eng.LOOPBACK, port, timeout=120, is_alive=engine.alive, returncode=engine.poll)
+        health = _engine_process.wait_healthy(_serve_argv.LOOPBACK, port, timeout=120, is_alive=engine.alive, returncode=engine.poll)
         assert health.status == "healthy", (health, engine.read_log()[-3000:])
-        models = json.loads(eng.http_get(eng.LOOPBACK, port, "/v1/models")[1])["data"]
+        models = json.loads(_engine_process.http_get(_serve_argv.LOOPBACK, port, "/v1/models")[1])["data"]
         body = json.dumps({"model": models[0]["id"], "prompt": "a b c d e f g", "max_tokens": 8, "temperature": 0}).encode()
-        completion = urllib.request.Request(f"http://{eng.LOOPBACK}:{port}/v1/completions", data=body,
+        completion = urllib.request.Request(f"http://{_serve_argv.LOOPBACK}:{port}/v1/completions", data=body,
                                             headers={"Content-Type": "application/json"})
         with urllib.request.urlopen(completion, timeout=30) as response:
             assert response.status == 200
-        metrics, why = eng.scrape_metrics(eng.LOOPBACK, port)
+        metrics, why = _engine_process.scrape_metrics(_serve_argv.LOOPBACK, port)
         assert metrics is not None, why
     finally:
         stopped = engine.stop()

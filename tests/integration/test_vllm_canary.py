@@ -30,7 +30,7 @@ from pathlib import Path
 
 import pytest
 
-from ansible_collections.gpufleet.vllm.plugins.module_utils import _vllm_engine as eng
+from ansible_collections.gpufleet.vllm.plugins.module_utils import _canary, _engine_process
 from ansible_collections.gpufleet.vllm.plugins.module_utils._load_test import LoadSpec
 
 REPO = Path(__file__).resolve().parents[2]
@@ -79,7 +79,7 @@ def assert_nothing_left(marker: str, port: int | None = None) -> None:
         time.sleep(0.2)
     assert marked_pids(marker) == [], f"engine processes of run {marker} survived"
     if port:
-        assert not eng.port_in_use(port), f"port {port} still answers"
+        assert not _engine_process.port_in_use(port), f"port {port} still answers"
 
 
 def ansible_module(module: str, args: dict, check: bool = False) -> tuple[int, dict]:
@@ -116,12 +116,12 @@ def canary_args(marker: str, **kw) -> dict:
     return args
 
 
-def core_spec(marker: str, **kw) -> eng.CanarySpec:
+def core_spec(marker: str, **kw) -> _canary.CanarySpec:
     base = dict(executable=str(VLLM), model=str(MODEL), serve_args=dict(SERVE_ARGS), env={MARK: marker, **ENGINE_ENV},
                 startup_timeout=BOOT_TIMEOUT, stop_timeout=20, load=LoadSpec(**LOAD),
-                tolerances=eng.Tolerances(**TOLERANCES))
+                tolerances=_canary.Tolerances(**TOLERANCES))
     base.update(kw)
-    return eng.CanarySpec(**base)
+    return _canary.CanarySpec(**base)
 
 
 def test_check_mode_starts_nothing():
@@ -189,14 +189,14 @@ def test_engine_killed_during_load_test():
     marker = uuid.uuid4().hex
     killed: dict[str, int] = {}
 
-    def kill_api_server(engine: eng.EngineProcess) -> None:
+    def kill_api_server(engine: _engine_process.EngineProcess) -> None:
         time.sleep(0.5)
         killed["pid"] = engine.pid or 0
         os.kill(engine.pid, signal.SIGKILL)  # only the top process: its children must still be cleaned up
 
     spec = core_spec(marker, mode="manual", kv_cache_memory_bytes=100_000_000,
                      load=LoadSpec(requests=400, concurrency=4, prompt_tokens=32, max_tokens=64, warmup=1))
-    result = eng.run_canary(spec, during_load=kill_api_server)
+    result = _canary.run_canary(spec, during_load=kill_api_server)
     assert_nothing_left(marker, result["port"])
     assert killed["pid"] == result["pid"]
     assert result["verdict"] == "fail"

@@ -34,7 +34,8 @@ from ansible_collections.gpufleet.vllm.plugins.module_utils._plan import PlanErr
 from ansible_collections.gpufleet.vllm.plugins.module_utils._profile_store import ProfileStore, ProfileStoreError
 from ansible_collections.gpufleet.vllm.plugins.module_utils._sizes import SizeError, parse_size
 from ansible_collections.gpufleet.vllm.plugins.module_utils._validate import ValidationError
-from ansible_collections.gpufleet.vllm.plugins.module_utils._vllm_engine import EngineSpecError, canary_env
+from ansible_collections.gpufleet.vllm.plugins.module_utils._canary import canary_env
+from ansible_collections.gpufleet.vllm.plugins.module_utils._serve_argv import EngineSpecError
 from ansible_collections.gpufleet.vllm.plugins.modules import gpu_memory_info, vllm_boot_check, vllm_canary
 
 F = {**KvFilters().filters(), **ServeFilters().filters()}

@@ -18,7 +18,7 @@ import yaml
 
 from ansible_collections.gpufleet.vllm.plugins.filter.kv import FilterModule as KvFilters
 from ansible_collections.gpufleet.vllm.plugins.filter.serve import FilterModule as ServeFilters
-from ansible_collections.gpufleet.vllm.plugins.module_utils import _vllm_engine as eng
+from ansible_collections.gpufleet.vllm.plugins.module_utils import _canary, _serve_argv
 from ansible_collections.gpufleet.vllm.plugins.module_utils._plan import PlanError, plan_class
 from ansible_collections.gpufleet.vllm.plugins.module_utils._profile_store import ProfileStore, ProfileStoreError
 from ansible_collections.gpufleet.vllm.plugins.module_utils._sizes import SizeError, parse_size
@@ -48,7 +48,7 @@ def test_canary_log_never_follows_a_planted_link(tmp_path, fake_vllm):
     os.symlink(victim, log_path)
     for pid in range(os.getpid(), os.getpid() + 3):
         os.symlink(victim, f"{log_path}.{pid}.partial")
-    result = eng.run_canary(spec_for(fake_vllm, log_path=str(log_path), env={"FAKE_ENGINE": "serving"}))
+    result = _canary.run_canary(spec_for(fake_vllm, log_path=str(log_path), env={"FAKE_ENGINE": "serving"}))
     assert result["health"] == "healthy"
     assert victim.read_text() == "precious\n"
     assert log_path.is_file() and not log_path.is_symlink()
@@ -60,10 +60,10 @@ def test_canary_log_never_follows_a_planted_link(tmp_path, fake_vllm):
 
 def test_canary_api_key_goes_in_the_environment_not_argv():
     spec = spec_for("/opt/vllm/bin/vllm", serve_args={"api_key": "k-secret", "max_model_len": 64})
-    argv = eng.canary_argv(spec, 8000)
+    argv = _canary.canary_argv(spec, 8000)
     assert "k-secret" not in argv and "--api-key" not in argv
     assert "--max-model-len" in argv
-    assert eng.canary_env(spec, base={})["VLLM_API_KEY"] == "k-secret"
+    assert _canary.canary_env(spec, base={})["VLLM_API_KEY"] == "k-secret"
 
 
 # ------------------------------------------------------------------ the profile store
@@ -210,8 +210,8 @@ def test_non_finite_numbers_are_refused(key, value):
 
 
 def test_port_70000_is_refused_not_wrapped():
-    with pytest.raises(eng.EngineSpecError, match="port: must be an integer in 1..65535, got 70000"):
-        eng.build_argv("/v", "m", mode="profiled", port=70000)
+    with pytest.raises(_serve_argv.EngineSpecError, match="port: must be an integer in 1..65535, got 70000"):
+        _serve_argv.build_argv("/v", "m", mode="profiled", port=70000)
 
 
 # ------------------------------------------------------------------ silent wrong results
@@ -285,7 +285,7 @@ def test_non_ascii_unit_name_is_refused():
 @pytest.mark.parametrize("key", ["apikey", "api_key", "--api-key", "API_KEY", "hf_token", "client_secret"])
 def test_one_secret_rule_for_the_filter_and_the_canary(key):
     assert F["vllm_secret_options"]({key: "x", "max_num_batched_tokens": 1}) == [key]
-    assert eng.redact_argv(["vllm", "--" + key.lstrip("-"), "s3cret"])[-1] == "********"
+    assert _serve_argv.redact_argv(["vllm", "--" + key.lstrip("-"), "s3cret"])[-1] == "********"
 
 
 @pytest.mark.parametrize("instances, message", [

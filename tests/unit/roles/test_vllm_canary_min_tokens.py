@@ -19,7 +19,7 @@ from ansible.errors import AnsibleValueOmittedError
 from ansible.parsing.dataloader import DataLoader
 from ansible.template import Templar, trust_as_template
 
-from ansible_collections.gpufleet.vllm.plugins.module_utils._vllm_engine import Tolerances, judge_canary
+from ansible_collections.gpufleet.vllm.plugins.module_utils._canary import Tolerances, judge_canary
 
 ROOT = pathlib.Path(__file__).resolve().parents[3]
 OMITTED = object()

@@ -11,19 +11,19 @@ import time
 
 import pytest
 
-from ansible_collections.gpufleet.vllm.plugins.module_utils import _vllm_engine as eng
+from ansible_collections.gpufleet.vllm.plugins.module_utils import _engine_process, _serve_argv
 
 
 def test_unknown_account_is_an_error_naming_it():
-    with pytest.raises(eng.EngineSpecError, match=r"user: no account 'no-such-user-x' on this host"):
-        eng.Account.lookup("no-such-user-x")
-    with pytest.raises(eng.EngineSpecError, match=r"group: no group 'no-such-group-x'"):
-        eng.Account.lookup("root", "no-such-group-x")
+    with pytest.raises(_serve_argv.EngineSpecError, match=r"user: no account 'no-such-user-x' on this host"):
+        _engine_process.Account.lookup("no-such-user-x")
+    with pytest.raises(_serve_argv.EngineSpecError, match=r"group: no group 'no-such-group-x'"):
+        _engine_process.Account.lookup("root", "no-such-group-x")
 
 
 def test_account_lookup_gives_ids_groups_and_home():
     me = pwd.getpwuid(os.getuid())
-    account = eng.Account.lookup(me.pw_name)
+    account = _engine_process.Account.lookup(me.pw_name)
     assert (account.uid, account.gid, account.home) == (me.pw_uid, me.pw_gid, me.pw_dir)
     assert me.pw_gid in account.groups
 
@@ -31,10 +31,10 @@ def test_account_lookup_gives_ids_groups_and_home():
 @pytest.mark.skipif(os.geteuid() != 0 or not os.access("/usr/bin/python3", os.X_OK),
                     reason="changing to another account needs root (the canary module runs as root)")
 def test_engine_process_runs_as_the_account(tmp_path):
-    nobody = eng.Account.lookup("nobody")
+    nobody = _engine_process.Account.lookup("nobody")
     out = tmp_path / "log"
     script = "import os; print(os.getuid(), os.getgid(), os.getcwd(), os.environ.get('HF_HOME'), flush=True)"
-    proc = eng.EngineProcess(["/usr/bin/python3", "-c", script], {"HF_HOME": "/srv/cache/hf", "PATH": os.environ.get("PATH", "")},
+    proc = _engine_process.EngineProcess(["/usr/bin/python3", "-c", script], {"HF_HOME": "/srv/cache/hf", "PATH": os.environ.get("PATH", "")},
                              str(out), nobody)
     proc.start()
     deadline = time.monotonic() + 10

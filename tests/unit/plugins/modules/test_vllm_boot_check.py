@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 from ansible.module_utils.testing import patch_module_args
 
-from ansible_collections.gpufleet.vllm.plugins.module_utils import _vllm_engine as eng
+from ansible_collections.gpufleet.vllm.plugins.module_utils import _engine_process
 from ansible_collections.gpufleet.vllm.plugins.modules import vllm_boot_check
 from ansible_collections.gpufleet.vllm.tests.unit.plugins.module_utils.test_vllm_engine import write_fake_vllm
 
@@ -35,11 +35,11 @@ def run(capsys, args: dict[str, Any]) -> tuple[int, dict[str, Any]]:
 
 @pytest.fixture
 def engine(tmp_path, fake_vllm):
-    port = eng.free_port()
-    proc = eng.EngineProcess([fake_vllm, "serve", "m", "--port", str(port), "--kv-cache-memory-bytes", "100000000"],
+    port = _engine_process.free_port()
+    proc = _engine_process.EngineProcess([fake_vllm, "serve", "m", "--port", str(port), "--kv-cache-memory-bytes", "100000000"],
                              dict(os.environ, FAKE_ENGINE="serving"), str(tmp_path / "engine.log"))
     proc.start()
-    health = eng.wait_healthy("127.0.0.1", port, timeout=20, is_alive=proc.alive, interval=0.05)
+    health = _engine_process.wait_healthy("127.0.0.1", port, timeout=20, is_alive=proc.alive, interval=0.05)
     assert health.status == "healthy"
     yield proc, port
     proc.stop(3)
@@ -113,7 +113,7 @@ def test_failed_unit_fails_fast(capsys, systemd_bin, tmp_path, monkeypatch):
     monkeypatch.setenv("FAKE_JOURNAL", str(journal))
     monkeypatch.setenv("FAKE_ACTIVE", "failed")
     monkeypatch.setenv("FAKE_SUB", "failed")
-    rc, out = run(capsys, {"unit": "vllm-main.service", "port": eng.free_port(), "timeout": 600})
+    rc, out = run(capsys, {"unit": "vllm-main.service", "port": _engine_process.free_port(), "timeout": 600})
     assert rc == 1 and out["health"] == "failed_state"
     assert "unit vllm-main.service is failed (failed)" in out["msg"]
     assert "To serve at least one request with the model's max seq len (256)" in out["msg"]

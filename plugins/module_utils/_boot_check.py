@@ -1,0 +1,387 @@
+# -*- coding: utf-8 -*-
+# Copyright (c) gpufleet maintainers
+# GNU General Public License v3.0+ (see LICENSES/GPL-3.0-or-later.txt or https://www.gnu.org/licenses/gpl-3.0.txt)
+# SPDX-License-Identifier: GPL-3.0-or-later
+
+"""Judging a boot: an engine log summarised as plain data, the capacity from ``/metrics`` (exact)
+then the log, and the post-restart boot check of ``vllm_boot_check`` (health while watching the
+unit, this start's journal, the plan's expectations: reserved bytes, free-memory floors, tokens).
+
+Plain Python (no Ansible import).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import typing as t
+from dataclasses import dataclass
+
+from ._engine_process import scrape_metrics, wait_healthy
+from ._serve_argv import LOOPBACK, EngineSpecError
+from ._vllm_log import GIB_ROUNDING_BYTES, EngineLog, parse_engine_log
+from ._vllm_metrics import EngineMetrics
+
+
+def summarise_log(log: EngineLog) -> dict[str, t.Any]:
+    """Per-rank figures, capacity and errors of a parsed engine log, as plain data."""
+    ranks = []
+    for rank, figs in sorted(log.ranks.items()):
+        reserved = figs.reserved_kv_bytes
+        if reserved is None and figs.cpu_kv_mode == "explicit":
+            reserved = figs.cpu_kv_bytes
+        ranks.append(
+            {
+                "rank": rank,
+                "initial_free_bytes": figs.initial_free_bytes,
+                "total_bytes": figs.total_bytes,
+                "suggested_kv_bytes_fit": figs.suggested_kv_bytes_fit,
+                "suggested_kv_bytes_full": figs.suggested_kv_bytes_full,
+                "reserved_kv_bytes": reserved,
+                "current_kv_bytes": figs.current_kv_bytes,
+                "auto_kv_bytes": figs.cpu_kv_bytes if figs.cpu_kv_mode == "auto" else None,
+                # the CPU build's way of sizing (explicit | auto); None on GPU builds
+                "cpu_kv_mode": figs.cpu_kv_mode,
+                "requested_bytes": figs.requested_bytes,
+                "consumed_bytes": figs.consumed_bytes,
+            }
+        )
+    capacity = log.capacity
+    return {
+        "recognised": log.recognised,
+        "version": log.version,
+        "ranks": ranks,
+        "kv_cache_tokens": capacity.tokens if capacity else None,
+        "max_concurrency": capacity.max_concurrency if capacity else None,
+        "max_model_len": capacity.max_model_len if capacity else None,
+        "device": capacity.device if capacity else None,
+        "block_size": log.block_size,
+        "num_blocks": log.num_gpu_blocks,
+        "server_started": log.server_started,
+        "errors": [
+            {"kind": e.kind, "rank": e.rank, "message": e.message, "details": dict(e.details)}
+            for e in log.errors
+        ],
+        "exceptions": [{"kind": e.kind, "rank": e.rank, "message": e.message} for e in log.exceptions],
+        "suggestion_problems": [
+            {"rank": p.rank, "kind": p.kind, "message": p.message} for p in log.suggestion_problems
+        ],
+        "init_engine_seconds": log.timings.init_engine_seconds,
+    }
+
+
+def primary_error(errors: t.Sequence[t.Mapping[str, t.Any]]) -> str | None:
+    """The engine's own root-cause message: a recognised kind, else the first other exception
+    of a traceback, before the generic "Engine core initialization failed"."""
+    specific = [e for e in errors if e.get("kind") not in ("engine_init_failed", "exception")]
+    other = [e for e in errors if e.get("kind") == "exception"]
+    chosen = (specific or other or list(errors))[:1]
+    if not chosen:
+        return None
+    err = chosen[0]
+    return f"rank {err.get('rank', 0)}: {err.get('message')}"
+
+
+def capacity_figures(log: dict[str, t.Any], metrics: EngineMetrics | None) -> dict[str, t.Any]:
+    """Blocks, block size, tokens and concurrency: ``/metrics`` (exact) first, then the log."""
+    out: dict[str, t.Any] = {
+        "num_blocks": None,
+        "block_size": None,
+        "kv_cache_tokens": None,
+        "max_concurrency": None,
+        "kv_cache_memory_bytes": None,
+        "source": None,
+    }
+    if metrics is not None and metrics.cache_config:
+        out.update(
+            num_blocks=metrics.num_gpu_blocks,
+            block_size=metrics.block_size,
+            kv_cache_tokens=metrics.kv_cache_size_tokens,
+            max_concurrency=metrics.kv_cache_max_concurrency,
+            kv_cache_memory_bytes=metrics.kv_cache_memory_bytes,
+            source="metrics",
+        )
+    for key, log_key in (
+        ("num_blocks", "num_blocks"),
+        ("block_size", "block_size"),
+        ("kv_cache_tokens", "kv_cache_tokens"),
+        ("max_concurrency", "max_concurrency"),
+    ):
+        if out[key] is None and log.get(log_key) is not None:
+            out[key] = log[log_key]
+            out["source"] = out["source"] or "log"
+    if out["num_blocks"] is None and out["kv_cache_tokens"] and out["block_size"]:
+        out["num_blocks"] = out["kv_cache_tokens"] // out["block_size"]
+    return out
+
+
+def log_tail(text: str, lines: int = 60, limit: int = 12000) -> str:
+    tail = "\n".join(text.splitlines()[-lines:])
+    return tail[-limit:]
+
+
+def _rank_floor(floor: int | t.Mapping[t.Any, t.Any] | None, rank: int) -> int | None:
+    if floor is None:
+        return None
+    if isinstance(floor, t.Mapping):
+        for key, value in floor.items():
+            if int(key) == rank:
+                return int(value)
+        return None
+    return int(floor)
+
+
+def _cpu_build(log: t.Mapping[str, t.Any], rank: t.Mapping[str, t.Any]) -> bool:
+    """Whether this boot's log is the CPU build's (its KV line per node, or a CPU capacity line)."""
+    return bool(rank.get("cpu_kv_mode")) or log.get("device") == "CPU"
+
+
+def evaluate_boot(
+    log: t.Mapping[str, t.Any],
+    metrics: EngineMetrics | None,
+    *,
+    expected_kv_cache_memory_bytes: int | None = None,
+    free_floor_bytes: int | t.Mapping[t.Any, t.Any] | None = None,
+    min_tokens: int | None = None,
+    metrics_error: str = "",
+) -> dict[str, t.Any]:
+    """Judge one boot from its parsed log (``summarise_log``) and ``/metrics``.
+
+    Logged GiB figures carry two decimals, so log comparisons allow half a unit
+    (``GIB_ROUNDING_BYTES``); ``/metrics`` figures are exact and compared exactly.
+    A floor the log cannot show because the engine does not measure it (the CPU build) is a
+    check with ``applicable: false`` and its reason in ``not_applicable``, neither passed nor failed.
+    Returns ``{"ok": bool, "reasons": [...], "checks": [...], "not_applicable": [...]}``.
+    """
+    checks: list[dict[str, t.Any]] = []
+    reasons: list[str] = []
+    not_applicable: list[str] = []
+
+    def check(name: str, ok: bool, reason: str, rank: int | None = None, **figures: t.Any) -> None:
+        checks.append({"check": name, "rank": rank, "ok": ok, **figures})
+        if not ok:
+            reasons.append(reason)
+
+    for err in log.get("errors") or []:
+        check("engine_error", False, f"rank {err.get('rank')}: engine error ({err.get('kind')}): {err.get('message')}",
+              rank=err.get("rank"), kind=err.get("kind"))
+    ranks = list(log.get("ranks") or [])
+    if not log.get("recognised"):
+        check("log_recognised", False, "no vLLM startup line was recognised in this boot's log")
+    if expected_kv_cache_memory_bytes is not None:
+        expected = int(expected_kv_cache_memory_bytes)
+        if not ranks:
+            check("reserved_kv_bytes", False,
+                  f"this boot's log has no per-rank KV cache line; cannot confirm {expected} bytes were reserved")
+        for rank in ranks:
+            got = rank.get("reserved_kv_bytes")
+            num = rank.get("rank")
+            if got is None:
+                check("reserved_kv_bytes", False,
+                      f"rank {num}: the log shows no KV cache reserved from kv_cache_memory_bytes "
+                      f"(expected {expected} bytes); the engine did not use the manual budget",
+                      rank=num, expected=expected, actual=None)
+            else:
+                ok = abs(int(got) - expected) <= GIB_ROUNDING_BYTES
+                check("reserved_kv_bytes", ok,
+                      f"rank {num}: reserved {got} bytes for KV cache (log, +/- {GIB_ROUNDING_BYTES}), "
+                      f"expected {expected}", rank=num, expected=expected, actual=int(got))
+        if metrics is not None and metrics.cache_config:
+            got = metrics.kv_cache_memory_bytes
+            check("metrics_kv_cache_memory_bytes", got == expected,
+                  f"/metrics cache_config_info kv_cache_memory_bytes={got}, expected {expected}",
+                  expected=expected, actual=got)
+        else:
+            check("metrics_kv_cache_memory_bytes", False,
+                  "cannot cross-check kv_cache_memory_bytes: " + (metrics_error or "no cache_config_info in /metrics"),
+                  expected=expected, actual=None)
+    if free_floor_bytes is not None:
+        floor_ranks = ranks or [{"rank": 0}]
+        for rank in floor_ranks:
+            num = int(rank.get("rank") or 0)
+            floor = _rank_floor(free_floor_bytes, num)
+            if floor is None:
+                check("free_floor", False, f"rank {num}: no free-memory floor given for this rank", rank=num)
+                continue
+            free = rank.get("initial_free_bytes")
+            if free is None and _cpu_build(log, rank):
+                # vLLM's CPU build sizes its KV cache from the NUMA node's memory and logs no
+                # initial free memory of a device: there is no figure to hold against the floor.
+                # Say so (never a silent pass): the NVML floor is the boot gate's job before the start.
+                why = (f"rank {num}: free-memory floor of {floor} bytes not applicable: the CPU build logs no "
+                       "initial free device memory (it sizes its KV cache from the NUMA node's memory)")
+                checks.append({"check": "free_floor", "rank": num, "ok": True, "applicable": False,
+                               "floor": floor, "actual": None, "why": why})
+                not_applicable.append(why)
+                continue
+            if free is None:
+                check("free_floor", False,
+                      f"rank {num}: the log shows no initial free memory; cannot verify the floor of {floor} bytes",
+                      rank=num, floor=floor, actual=None)
+            else:
+                ok = int(free) + GIB_ROUNDING_BYTES >= floor
+                check("free_floor", ok,
+                      f"rank {num}: initial free memory {free} bytes (log) is below the floor {floor} bytes",
+                      rank=num, floor=floor, actual=int(free))
+        if isinstance(free_floor_bytes, t.Mapping) and ranks:
+            seen = {int(r.get("rank") or 0) for r in ranks}
+            for key in free_floor_bytes:
+                if int(key) not in seen:
+                    check("free_floor", False, f"rank {int(key)}: has a floor but printed no figures in this boot's log",
+                          rank=int(key))
+    log_tokens = log.get("kv_cache_tokens")
+    metric_tokens = metrics.kv_cache_size_tokens if metrics is not None else None
+    tokens = metric_tokens if metric_tokens is not None else log_tokens
+    if log_tokens is not None and metric_tokens is not None:
+        check("tokens_consistent", log_tokens == metric_tokens,
+              f"the log reports {log_tokens} KV cache tokens, /metrics {metric_tokens}",
+              log=log_tokens, metrics=metric_tokens)
+    if min_tokens is not None:
+        if tokens is None:
+            check("min_tokens", False,
+                  f"the KV cache size in tokens is in neither the log nor /metrics; cannot verify >= {min_tokens}",
+                  expected=int(min_tokens), actual=None)
+        else:
+            check("min_tokens", int(tokens) >= int(min_tokens),
+                  f"KV cache holds {tokens} tokens, fewer than the {min_tokens} the plan needs",
+                  expected=int(min_tokens), actual=int(tokens))
+    return {"ok": not reasons, "reasons": reasons, "checks": checks, "kv_cache_tokens": tokens,
+            "not_applicable": not_applicable}
+
+
+BOOT_MARKER = "non-default args:"
+
+
+def last_boot(text: str) -> str:
+    """The part of a log file written by the latest boot (from its last ``non-default args`` line)."""
+    lines = text.splitlines()
+    for index in range(len(lines) - 1, -1, -1):
+        if BOOT_MARKER in lines[index]:
+            # Keep the banner lines printed just before it by the same boot.
+            start = index
+            while start > 0 and "api_utils.py" in lines[start - 1]:
+                start -= 1
+            return "\n".join(lines[start:])
+    return text
+
+
+Runner = t.Callable[["list[str]"], "tuple[int, str, str]"]
+
+
+def run_command(argv: list[str]) -> tuple[int, str, str]:
+    proc = subprocess.run(argv, capture_output=True, text=True, check=False, timeout=60)
+    return proc.returncode, proc.stdout, proc.stderr
+
+
+class Systemd:
+    """The few ``systemctl``/``journalctl`` calls a boot check needs (runner injectable)."""
+
+    PROPS = ("LoadState", "ActiveState", "SubState", "Result", "NRestarts",
+             "ExecMainStartTimestamp", "ActiveEnterTimestamp", "ExecMainPID")
+
+    def __init__(self, runner: Runner = run_command, systemctl: str = "systemctl", journalctl: str = "journalctl") -> None:
+        self.runner = runner
+        self.systemctl = systemctl
+        self.journalctl = journalctl
+
+    def show(self, unit: str, unix_time: bool = True) -> dict[str, str]:
+        argv = [self.systemctl, "show", unit, "--property=" + ",".join(self.PROPS)]
+        if unix_time:
+            argv.append("--timestamp=unix")
+        rc, out, err = self.runner(argv)
+        if rc != 0 and unix_time:
+            return self.show(unit, unix_time=False)
+        if rc != 0:
+            raise EngineSpecError(f"systemctl show {unit} failed (rc {rc}): {err.strip()}")
+        props: dict[str, str] = {}
+        for line in out.splitlines():
+            if "=" in line:
+                key, value = line.split("=", 1)
+                props[key] = value
+        return props
+
+    def failed_state(self, unit: str) -> str | None:
+        props = self.show(unit)
+        active, sub = props.get("ActiveState", ""), props.get("SubState", "")
+        if props.get("LoadState") == "not-found":
+            return f"unit {unit} does not exist"
+        if active == "failed" or sub == "auto-restart" or active == "inactive":
+            return (f"unit {unit} is {active} ({sub}), result {props.get('Result', '?')}, "
+                    f"restarts {props.get('NRestarts', '?')}")
+        return None
+
+    def journal(self, unit: str) -> tuple[str, str]:
+        """(text of this start's journal, the --since used)."""
+        props = self.show(unit)
+        since = props.get("ExecMainStartTimestamp") or props.get("ActiveEnterTimestamp") or ""
+        argv = [self.journalctl, "-u", unit, "-o", "cat", "--no-pager"]
+        if since and since not in ("n/a", "0"):
+            argv += ["--since", since]
+        rc, out, err = self.runner(argv)
+        if rc != 0:
+            raise EngineSpecError(f"journalctl -u {unit} failed (rc {rc}): {err.strip()}")
+        return out, since
+
+
+@dataclass
+class BootCheckSpec:
+    unit: str | None = None
+    host: str = LOOPBACK
+    port: int = 8000
+    expected_kv_cache_memory_bytes: int | None = None
+    free_floor_bytes: int | dict[t.Any, t.Any] | None = None
+    min_tokens: int | None = None
+    timeout: float = 900.0
+    journal: bool = True
+    log_path: str | None = None
+    interval: float = 1.0
+
+
+def run_boot_check(spec: BootCheckSpec, systemd: Systemd | None = None) -> dict[str, t.Any]:
+    """Wait for health (failing fast when the unit fails), then judge this boot."""
+    if spec.unit is None and spec.log_path is None:
+        raise EngineSpecError("give a systemd unit (with journal) or a log_path to read the engine log from")
+    if spec.journal and spec.unit is None:
+        raise EngineSpecError("journal=true needs a unit")
+    if not spec.journal and spec.log_path is None:
+        raise EngineSpecError("journal=false needs a log_path")
+    systemd = systemd or Systemd()
+    unit = spec.unit
+    failed_state = (lambda: systemd.failed_state(unit)) if unit else None
+    health = wait_healthy(spec.host, spec.port, timeout=spec.timeout, failed_state=failed_state, interval=spec.interval)
+    result: dict[str, t.Any] = {"health": health.status, "startup_wait_seconds": health.seconds,
+                                "url": f"http://{spec.host}:{spec.port}"}
+    if health.detail:
+        result["health_detail"] = health.detail
+    if spec.journal:
+        text, since = systemd.journal(spec.unit or "")
+        result["log_source"] = f"journal of {spec.unit} since {since or 'the beginning'}"
+    else:
+        try:
+            with open(spec.log_path or "", "rb") as handle:
+                text = last_boot(handle.read().decode("utf-8", "replace"))
+        except OSError as exc:
+            raise EngineSpecError(f"log_path {spec.log_path}: {exc.strerror or exc}") from exc
+        result["log_source"] = f"{spec.log_path} (latest boot)"
+    log = summarise_log(parse_engine_log(text))
+    result["engine_errors"] = log["errors"]
+    result["ranks"] = log["ranks"]
+    if health.status != "healthy":
+        root = primary_error(log["errors"] + log["exceptions"])
+        what = {
+            "timeout": f"not healthy within {spec.timeout} s ({health.detail})",
+            "failed_state": health.detail,
+        }.get(health.status, health.detail)
+        result.update(ok=False, reasons=[what + (f": {root}" if root else "")], checks=[],
+                      log_tail=log_tail(text))
+        return result
+    metrics, why = scrape_metrics(spec.host, spec.port)
+    verdict = evaluate_boot(
+        log, metrics, expected_kv_cache_memory_bytes=spec.expected_kv_cache_memory_bytes,
+        free_floor_bytes=spec.free_floor_bytes, min_tokens=spec.min_tokens, metrics_error=why,
+    )
+    result.update(verdict)
+    result["kv_cache_memory_bytes"] = metrics.kv_cache_memory_bytes if metrics else None
+    result["num_blocks"] = (metrics.num_gpu_blocks if metrics else None) or log["num_blocks"]
+    if not verdict["ok"]:
+        result["log_tail"] = log_tail(text)
+    return result

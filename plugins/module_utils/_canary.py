@@ -1,0 +1,456 @@
+# -*- coding: utf-8 -*-
+# Copyright (c) gpufleet maintainers
+# GNU General Public License v3.0+ (see LICENSES/GPL-3.0-or-later.txt or https://www.gnu.org/licenses/gpl-3.0.txt)
+# SPDX-License-Identifier: GPL-3.0-or-later
+
+"""The canary: boot one engine on loopback, warm it up, load it, scrape it, stop it, and judge it,
+on its own and against a profiled reference under the same request mix.
+
+Plain Python (no Ansible import).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import tempfile
+import threading
+import time
+import typing as t
+from dataclasses import dataclass, field
+
+from ._boot_check import capacity_figures, log_tail, primary_error, summarise_log
+from ._engine_process import Account, EngineProcess, free_port, port_in_use, scrape_metrics, wait_healthy
+from ._load_test import LoadSpec, run_load_test
+from ._serve_argv import LOOPBACK, EngineSpecError, api_key_of, build_argv, engine_env, redact_argv, without_api_key
+from ._validate import ValidationError, integer, number
+from ._vllm_log import GIB_ROUNDING_BYTES, parse_engine_log
+from ._vllm_metrics import EngineMetrics
+
+
+@dataclass
+class Tolerances:
+    token_ratio: float = 0.9
+    latency_ratio: float = 1.5
+    preemptions: int = 0
+
+    @classmethod
+    def from_dict(cls, data: t.Mapping[str, t.Any] | None) -> Tolerances:
+        data = {k: v for k, v in (data or {}).items() if v is not None}
+        unknown = sorted(set(data) - {"token_ratio", "latency_ratio", "preemptions"})
+        if unknown:
+            raise EngineSpecError(f"tolerances: unknown field(s) {', '.join(map(str, unknown))}")
+        try:
+            if "token_ratio" in data:
+                data["token_ratio"] = number(data["token_ratio"], "tolerances.token_ratio", low=0)
+            if "latency_ratio" in data:
+                data["latency_ratio"] = number(data["latency_ratio"], "tolerances.latency_ratio", low=0, low_open=True)
+            if "preemptions" in data:
+                data["preemptions"] = integer(data["preemptions"], "tolerances.preemptions", low=0)
+        except ValidationError as exc:
+            raise EngineSpecError(str(exc)) from None
+        return cls(**data)
+
+
+def _ratio(value: t.Any, ref: t.Any) -> float | None:
+    if not isinstance(value, (int, float)) or not isinstance(ref, (int, float)) or ref <= 0:
+        return None
+    return round(float(value) / float(ref), 4)
+
+
+def compare_with_reference(
+    result: t.Mapping[str, t.Any],
+    reference: t.Mapping[str, t.Any],
+    tolerances: Tolerances,
+) -> dict[str, t.Any]:
+    """Compare a canary with a profiled canary under the same request mix.
+
+    Returns ``{"verdict": pass|fail|inconclusive, "reasons": [...], ...figures}``.
+    """
+    fails: list[str] = []
+    unsure: list[str] = []
+    load = result.get("load") or {}
+    ref_load = reference.get("load") or {}
+    out: dict[str, t.Any] = {
+        "reference_mode": reference.get("mode"),
+        "token_ratio": _ratio(result.get("kv_cache_tokens"), reference.get("kv_cache_tokens")),
+        "ttft_p95_ratio": _ratio(load.get("ttft_p95"), ref_load.get("ttft_p95")),
+        "e2e_p95_ratio": _ratio(load.get("e2e_p95"), ref_load.get("e2e_p95")),
+        "preemptions": result.get("preemptions"),
+        "reference_preemptions": reference.get("preemptions"),
+        "tolerances": {
+            "token_ratio": tolerances.token_ratio,
+            "latency_ratio": tolerances.latency_ratio,
+            "preemptions": tolerances.preemptions,
+        },
+    }
+    if reference.get("mode") not in (None, "profiled"):
+        unsure.append(f"the reference is a {reference.get('mode')} canary, not a profiled one")
+    if reference.get("verdict") not in (None, "pass"):
+        unsure.append(f"the reference canary's own verdict is {reference.get('verdict')!r}")
+    mix = ("requests", "concurrency", "prompt_tokens", "max_tokens")
+    diff = [f"{k} {load.get(k)} vs {ref_load.get(k)}" for k in mix if load.get(k) != ref_load.get(k)]
+    if diff:
+        unsure.append("request mix differs from the reference: " + ", ".join(diff))
+    ratio = out["token_ratio"]
+    if ratio is None:
+        unsure.append("KV cache tokens missing here or in the reference")
+    elif ratio < tolerances.token_ratio:
+        fails.append(
+            f"KV cache tokens {result.get('kv_cache_tokens')} are {ratio:.4f} of the reference's "
+            f"{reference.get('kv_cache_tokens')}, below the tolerated {tolerances.token_ratio}"
+        )
+    if isinstance(load.get("failed"), int) and isinstance(ref_load.get("failed"), int) and load["failed"] > ref_load["failed"]:
+        fails.append(f"{load['failed']} failed requests, the reference had {ref_load['failed']}")
+    pre, ref_pre = result.get("preemptions"), reference.get("preemptions")
+    if isinstance(pre, (int, float)) and isinstance(ref_pre, (int, float)):
+        if pre > ref_pre + tolerances.preemptions:
+            fails.append(
+                f"{int(pre)} preemptions against the reference's {int(ref_pre)} "
+                f"(tolerated extra: {tolerances.preemptions})"
+            )
+    else:
+        unsure.append("preemption counts missing here or in the reference")
+    for name, label in (("ttft_p95_ratio", "TTFT p95"), ("e2e_p95_ratio", "e2e latency p95")):
+        value = out[name]
+        if value is None:
+            unsure.append(f"{label} missing here or in the reference")
+        elif value > tolerances.latency_ratio:
+            fails.append(
+                f"{label} is {value:.2f}x the reference's, above the tolerated {tolerances.latency_ratio}x"
+            )
+    out["verdict"] = "fail" if fails else ("inconclusive" if unsure else "pass")
+    out["reasons"] = fails + unsure
+    return out
+
+
+def _seconds(value: t.Any) -> str:
+    return f"{value:g}" if isinstance(value, (int, float)) else str(value)
+
+
+def judge_canary(
+    result: t.Mapping[str, t.Any],
+    *,
+    requested_kv_bytes: int | None,
+    tolerances: Tolerances,
+    reference: t.Mapping[str, t.Any] | None = None,
+) -> tuple[str, list[str], dict[str, t.Any] | None]:
+    """Verdict of one canary run from its figures: (verdict, reasons, comparison)."""
+    fails: list[str] = []
+    unsure: list[str] = []
+    health = result.get("health")
+    errors = result.get("engine_errors") or []
+    root = primary_error(errors)
+    if health != "healthy":
+        what = {
+            "exited": f"the engine exited while booting (exit code {result.get('exit_code')})",
+            "timeout": f"the engine was not healthy within {_seconds(result.get('startup_timeout'))} s",
+        }.get(str(health), f"the engine did not become healthy ({health})")
+        fails.append(what + (f": {root}" if root else ""))
+        return "fail", fails, None
+    if root:
+        fails.append(f"the engine reported an error: {root}")
+    for problem in result.get("suggestion_problems") or []:
+        fails.append(problem.get("message", ""))
+    if result.get("died_during_load"):
+        fails.append(f"the engine died during the load test (exit code {result.get('exit_code')})")
+    load = result.get("load") or {}
+    if load.get("warmup_ok") is False:
+        fails.append("a warm-up request failed: " + "; ".join((load.get("errors") or [])[:1]))
+    if load.get("failed"):
+        fails.append(f"{load['failed']} of {load.get('requests')} load-test requests failed: "
+                     + "; ".join((load.get("errors") or [])[:3]))
+    pre = result.get("preemptions")
+    if isinstance(pre, (int, float)) and pre > tolerances.preemptions:
+        fails.append(f"{int(pre)} preemptions during the load test (tolerated: {tolerances.preemptions})")
+    if requested_kv_bytes is not None:
+        exact = result.get("kv_cache_memory_bytes")
+        if exact is not None and int(exact) != int(requested_kv_bytes):
+            fails.append(
+                f"/metrics reports kv_cache_memory_bytes={exact}, the canary requested {requested_kv_bytes}"
+            )
+        for rank in result.get("ranks") or []:
+            reserved = rank.get("reserved_kv_bytes")
+            if reserved is not None and abs(int(reserved) - int(requested_kv_bytes)) > GIB_ROUNDING_BYTES:
+                fails.append(
+                    f"rank {rank.get('rank')}: the log reports {reserved} bytes reserved for KV cache, "
+                    f"the canary requested {requested_kv_bytes}"
+                )
+        if exact is None and not any(r.get("reserved_kv_bytes") is not None for r in result.get("ranks") or []):
+            unsure.append("neither /metrics nor the log confirmed the reserved KV bytes")
+    if result.get("kv_cache_tokens") is None:
+        unsure.append("the KV cache size (tokens) was found neither in /metrics nor in the log")
+    if not load.get("requests"):
+        unsure.append("no load test was run")
+    elif not load.get("completed") and not load.get("failed"):
+        unsure.append("the load test produced no result")
+    if result.get("preemptions") is None and load.get("requests"):
+        unsure.append("preemptions unknown (/metrics not readable before and after the load test)")
+    comparison = None
+    if reference:
+        comparison = compare_with_reference(result, reference, tolerances)
+        if comparison["verdict"] == "fail":
+            fails.extend(comparison["reasons"])
+        elif comparison["verdict"] == "inconclusive":
+            unsure.extend(comparison["reasons"])
+    if fails:
+        return "fail", fails + unsure, comparison
+    if unsure:
+        return "inconclusive", unsure, comparison
+    return "pass", [], comparison
+
+
+@dataclass
+class CanarySpec:
+    executable: str
+    model: str
+    mode: str = "profiled"
+    kv_cache_memory_bytes: int | None = None
+    gpu_memory_utilization: float | None = None
+    serve_args: dict[str, t.Any] = field(default_factory=dict)
+    env: dict[str, t.Any] = field(default_factory=dict)
+    port: int | None = None
+    startup_timeout: float = 900.0
+    stop_timeout: float = 30.0
+    load: LoadSpec = field(default_factory=LoadSpec)
+    reference: dict[str, t.Any] | None = None
+    tolerances: Tolerances = field(default_factory=Tolerances)
+    log_path: str | None = None
+    cuda_visible_devices: str | None = None
+    host: str = LOOPBACK
+    health_interval: float = 0.5
+    # the service's account (user, optional group): the engine runs as it, with its caches
+    user: str | None = None
+    group: str | None = None
+
+
+def canary_argv(spec: CanarySpec, port: int) -> list[str]:
+    """The canary's argv; an ``api_key`` serve option is not in it (see :func:`canary_env`)."""
+    return build_argv(
+        spec.executable,
+        spec.model,
+        mode=spec.mode,
+        port=port,
+        kv_cache_memory_bytes=spec.kv_cache_memory_bytes,
+        gpu_memory_utilization=spec.gpu_memory_utilization,
+        serve_args=without_api_key(spec.serve_args),
+        host=spec.host,
+    )
+
+
+def canary_env(spec: CanarySpec, base: t.Mapping[str, str] | None = None) -> dict[str, str]:
+    """The canary's environment: ``spec.env``, plus ``VLLM_API_KEY`` from an ``api_key`` serve option.
+
+    vLLM reads the key from ``VLLM_API_KEY``; in argv it would be readable by every user
+    of the host in ``/proc/PID/cmdline``.
+    """
+    extra = dict(spec.env or {})
+    key = api_key_of(spec.serve_args, None)
+    if key:
+        extra["VLLM_API_KEY"] = key
+    return engine_env(extra, mode=spec.mode, cuda_visible_devices=spec.cuda_visible_devices, base=base)
+
+
+def _place_log(partial: str, final: str) -> str | None:
+    """Move the finished log to ``final`` atomically; keep an existing one as ``.previous``.
+
+    ``rename(2)`` replaces a symlink at ``final`` (or ``.previous``) by the file itself,
+    it never writes through it; the private directory of the partial log is removed.
+    """
+    previous = None
+    try:
+        if os.path.lexists(final):
+            previous = final + ".previous"
+            os.replace(final, previous)
+        os.replace(partial, final)
+    except OSError as exc:
+        raise EngineSpecError(f"log_path {final}: cannot place the engine log: {exc.strerror or exc}") from None
+    finally:
+        _remove_private_dir(os.path.dirname(partial))
+    return previous
+
+
+def _private_log(directory: str | None) -> str:
+    """A log path inside a new private (0700) directory: nothing there can be a planted link."""
+    try:
+        private = tempfile.mkdtemp(prefix=".vllm-canary-", dir=directory)
+    except OSError as exc:
+        raise EngineSpecError(f"log_path: cannot create a private directory in {directory}: {exc.strerror or exc}") from None
+    return os.path.join(private, "engine.log")
+
+
+def _remove_private_dir(private: str) -> None:
+    try:
+        for name in os.listdir(private):
+            os.unlink(os.path.join(private, name))
+        os.rmdir(private)
+    except OSError:
+        pass
+
+
+class Terminated(Exception):
+    """The canary itself was asked to stop (SIGTERM/SIGHUP) while an engine ran."""
+
+
+def _raise_on_termination() -> t.Callable[[], None]:
+    """Turn SIGTERM/SIGHUP into an exception so ``finally`` stops the engine; returns the restorer."""
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+
+    def handler(signum: int, _frame: t.Any) -> None:
+        raise Terminated(f"the canary received signal {signum}; the engine was stopped")
+
+    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGHUP)}
+
+    def restore() -> None:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+
+    return restore
+
+
+def run_canary(
+    spec: CanarySpec,
+    *,
+    after_healthy: t.Callable[[EngineProcess, int], None] | None = None,
+    during_load: t.Callable[[EngineProcess], None] | None = None,
+) -> dict[str, t.Any]:
+    """Boot one engine on loopback, warm it up, load it, scrape it, stop it, judge it.
+
+    Nothing is left running whatever happens (the process group is stopped in
+    ``finally``). ``after_healthy`` runs once the engine answers ``/health``;
+    ``during_load`` runs in a thread when the measured load starts.
+    """
+    spec.load.validate()
+    account = Account.lookup(spec.user, spec.group) if spec.user else None
+    wall_start = time.monotonic()
+    port = int(spec.port) if spec.port else free_port(spec.host)
+    if port_in_use(port, spec.host):
+        raise EngineSpecError(f"port {port} on {spec.host} is already in use")
+    argv = canary_argv(spec, port)
+    env = canary_env(spec)
+    headers = None
+    key = api_key_of(spec.serve_args, spec.env)
+    if key:
+        headers = {"Authorization": f"Bearer {key}"}
+
+    if spec.log_path:
+        directory = os.path.dirname(os.path.abspath(spec.log_path))
+        if not os.path.isdir(directory):
+            raise EngineSpecError(f"log_path: directory {directory} does not exist")
+        if os.path.isdir(spec.log_path) and not os.path.islink(spec.log_path):
+            raise EngineSpecError(f"log_path: {spec.log_path} is a directory")
+        partial = _private_log(directory)
+    else:
+        partial = _private_log(None)
+
+    result: dict[str, t.Any] = {
+        "mode": spec.mode,
+        "argv": redact_argv(argv),
+        "port": port,
+        "startup_timeout": spec.startup_timeout,
+        "requested_kv_cache_memory_bytes": spec.kv_cache_memory_bytes,
+        "load": {**spec.load.shape(), "completed": 0, "failed": 0},
+        "preemptions": None,
+        "died_during_load": False,
+    }
+    engine = EngineProcess(argv, env, partial, account)
+    metrics_after: EngineMetrics | None = None
+    metrics_notes: list[str] = []
+    load_seconds = 0.0
+    restore = _raise_on_termination()
+    try:
+        engine.start()
+        result["pid"] = engine.pid
+        health = wait_healthy(
+            spec.host, port, timeout=spec.startup_timeout, is_alive=engine.alive,
+            returncode=engine.poll, interval=spec.health_interval,
+        )
+        result["health"] = health.status
+        result["startup_seconds"] = health.seconds
+        if health.status == "healthy":
+            if after_healthy is not None:
+                after_healthy(engine, port)
+            scraped: list[EngineMetrics | None] = []
+
+            def start_hook() -> None:
+                # After warm-up, before the measured requests.
+                before_metrics, why = scrape_metrics(spec.host, port)
+                scraped.append(before_metrics)
+                if why:
+                    metrics_notes.append("before load: " + why)
+                if during_load is not None:
+                    threading.Thread(target=during_load, args=(engine,), daemon=True).start()
+
+            load_start = time.monotonic()
+            load = run_load_test(spec.host, port, spec.model, spec.load, on_start=start_hook, headers=headers)
+            load_seconds = time.monotonic() - load_start
+            result["load"] = load.as_dict()
+            result["died_during_load"] = not engine.alive()
+            metrics_after, why = scrape_metrics(spec.host, port)
+            if why:
+                metrics_notes.append("after load: " + why)
+            before = scraped[0] if scraped else None
+            if (
+                before is not None and metrics_after is not None
+                and before.preemptions_total is not None and metrics_after.preemptions_total is not None
+            ):
+                result["preemptions"] = int(metrics_after.preemptions_total - before.preemptions_total)
+        else:
+            result["health_detail"] = health.detail
+    finally:
+        stop = engine.stop(spec.stop_timeout)
+        restore()
+        result["stop"] = {
+            "signal": stop.signal_used,
+            "seconds": stop.seconds,
+            "leftover_pids": stop.leftover_pids,
+        }
+        result["exit_code"] = stop.returncode if stop.returncode is not None else engine.poll()
+        text = engine.read_log()
+        if spec.log_path:
+            result["log_path"] = spec.log_path
+            result["previous_log_path"] = _place_log(partial, spec.log_path)
+        else:
+            _remove_private_dir(os.path.dirname(partial))
+
+    log = summarise_log(parse_engine_log(text))
+    result["log_recognised"] = log["recognised"]
+    result["vllm_version"] = log["version"]
+    result["ranks"] = [
+        {k: r[k] for k in ("rank", "initial_free_bytes", "suggested_kv_bytes_fit", "suggested_kv_bytes_full",
+                           "reserved_kv_bytes", "current_kv_bytes", "auto_kv_bytes", "total_bytes")}
+        for r in log["ranks"]
+    ]
+    result["engine_errors"] = log["errors"]
+    result["suggestion_problems"] = log["suggestion_problems"]
+    capacity = capacity_figures(log, metrics_after)
+    result.update(
+        num_blocks=capacity["num_blocks"],
+        block_size=capacity["block_size"],
+        kv_cache_tokens=capacity["kv_cache_tokens"],
+        max_concurrency=capacity["max_concurrency"],
+        kv_cache_memory_bytes=capacity["kv_cache_memory_bytes"],
+        capacity_source=capacity["source"],
+        log_kv_cache_tokens=log["kv_cache_tokens"],
+        max_model_len=log["max_model_len"],
+    )
+    if metrics_notes:
+        result["metrics_notes"] = metrics_notes
+    if stop.leftover_pids:
+        result.setdefault("engine_errors", []).append(
+            {"kind": "leftover_processes", "rank": None, "details": {},
+             "message": f"processes {stop.leftover_pids} of the engine survived SIGKILL"}
+        )
+    verdict, reasons, comparison = judge_canary(
+        result, requested_kv_bytes=spec.kv_cache_memory_bytes if spec.mode == "manual" else None,
+        tolerances=spec.tolerances, reference=spec.reference,
+    )
+    result["verdict"] = verdict
+    result["reasons"] = reasons
+    result["comparison"] = comparison
+    result["load_seconds"] = round(load_seconds, 3)
+    result["wall_seconds"] = round(time.monotonic() - wall_start, 3)
+    if verdict != "pass":
+        result["log_tail"] = log_tail(text)
+    return result
