@@ -22,10 +22,10 @@ import tracemalloc
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 try:
-    from ansible_collections.gpufleet.vllm.plugins.module_utils._plan import plan_class
+    from ansible_collections.gpufleet.vllm.plugins.plugin_utils._plan import plan_class
 except ImportError:  # run from a checkout without the collection on the path
     sys.path.insert(0, os.path.join(HERE, "..", ".cache", "collections"))
-    from ansible_collections.gpufleet.vllm.plugins.module_utils._plan import plan_class
+    from ansible_collections.gpufleet.vllm.plugins.plugin_utils._plan import plan_class
 
 GIB = 1024**3
 

@@ -11,9 +11,9 @@ from typing import Any, Mapping
 from ansible.errors import AnsibleActionFail
 from ansible.plugins.action import ActionBase
 
-from ansible_collections.gpufleet.vllm.plugins.module_utils import _probe_history
-from ansible_collections.gpufleet.vllm.plugins.module_utils._plan import PlanError, plan_class
 from ansible_collections.gpufleet.vllm.plugins.module_utils._validate import ValidationError, boolean, instance_name, integer
+from ansible_collections.gpufleet.vllm.plugins.plugin_utils import _probe_history
+from ansible_collections.gpufleet.vllm.plugins.plugin_utils._plan import PlanError, plan_class
 
 ARGUMENT_SPEC: dict[str, Any] = {
     "host_class": {"type": "str"},

@@ -10,7 +10,7 @@ from typing import Any
 from ansible.plugins.action import ActionBase
 
 from ansible_collections.gpufleet.vllm.plugins.module_utils._compat import CompatError, compat_key
-from ansible_collections.gpufleet.vllm.plugins.module_utils._profile_store import ProfileStore, ProfileStoreError
+from ansible_collections.gpufleet.vllm.plugins.plugin_utils._profile_store import ProfileStore, ProfileStoreError
 
 ARGUMENT_SPEC: dict[str, Any] = {
     "store": {"type": "path", "required": True},

@@ -10,7 +10,7 @@ from typing import Any
 from ansible.errors import AnsibleActionFail
 from ansible.plugins.action import ActionBase
 
-from ansible_collections.gpufleet.vllm.plugins.module_utils._report import (
+from ansible_collections.gpufleet.vllm.plugins.plugin_utils._report import (
     KINDS,
     ReportError,
     build_report,

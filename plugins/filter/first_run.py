@@ -9,7 +9,7 @@ from typing import Any, Callable
 
 from ansible.errors import AnsibleFilterError
 
-from ansible_collections.gpufleet.vllm.plugins.module_utils import _first_run
+from ansible_collections.gpufleet.vllm.plugins.plugin_utils import _first_run
 
 
 def first_run_outline(spec: Any) -> dict[str, Any]:

@@ -12,7 +12,8 @@ from typing import Any, Callable, Mapping, Sequence
 
 from ansible.errors import AnsibleFilterError
 
-from ansible_collections.gpufleet.vllm.plugins.module_utils import _compat, _releases, _rollout
+from ansible_collections.gpufleet.vllm.plugins.module_utils import _compat
+from ansible_collections.gpufleet.vllm.plugins.plugin_utils import _releases, _rollout
 
 
 def rollout_batches(classes: Any, serial: Any = None) -> list[dict[str, Any]]:

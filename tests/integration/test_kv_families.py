@@ -30,9 +30,9 @@ from typing import Any
 import pytest
 
 from ansible_collections.gpufleet.vllm.plugins.module_utils import _canary
-from ansible_collections.gpufleet.vllm.plugins.module_utils._canary_reference import reference_from_canary
+from ansible_collections.gpufleet.vllm.plugins.plugin_utils._canary_reference import reference_from_canary
 from ansible_collections.gpufleet.vllm.plugins.module_utils._load_test import LoadSpec
-from ansible_collections.gpufleet.vllm.plugins.module_utils._plan import plan_class
+from ansible_collections.gpufleet.vllm.plugins.plugin_utils._plan import plan_class
 from ansible_collections.gpufleet.vllm.plugins.module_utils._vllm_log import parse_engine_log
 
 REPO = Path(__file__).resolve().parents[2]

@@ -67,7 +67,7 @@ import pytest
 import yaml
 
 from ansible_collections.gpufleet.vllm.plugins.module_utils._geometry import geometry_from_config
-from ansible_collections.gpufleet.vllm.plugins.module_utils._plan import plan_class
+from ansible_collections.gpufleet.vllm.plugins.plugin_utils._plan import plan_class
 from ansible_collections.gpufleet.vllm.plugins.module_utils import _engine_process, _serve_argv
 from ansible_collections.gpufleet.vllm.plugins.module_utils._boot_check import capacity_figures, evaluate_boot, summarise_log
 from ansible_collections.gpufleet.vllm.plugins.module_utils._vllm_log import GIB_ROUNDING_BYTES, parse_engine_log

@@ -30,8 +30,8 @@ from ansible_collections.gpufleet.vllm.plugins.action.kv_profile import ActionMo
 from ansible_collections.gpufleet.vllm.plugins.filter.kv import FilterModule as KvFilters
 from ansible_collections.gpufleet.vllm.plugins.filter.serve import FilterModule as ServeFilters
 from ansible_collections.gpufleet.vllm.plugins.module_utils import _unit_files as uf
-from ansible_collections.gpufleet.vllm.plugins.module_utils._plan import PlanError, plan_class
-from ansible_collections.gpufleet.vllm.plugins.module_utils._profile_store import ProfileStore, ProfileStoreError
+from ansible_collections.gpufleet.vllm.plugins.plugin_utils._plan import PlanError, plan_class
+from ansible_collections.gpufleet.vllm.plugins.plugin_utils._profile_store import ProfileStore, ProfileStoreError
 from ansible_collections.gpufleet.vllm.plugins.module_utils._sizes import SizeError, parse_size
 from ansible_collections.gpufleet.vllm.plugins.module_utils._validate import ValidationError
 from ansible_collections.gpufleet.vllm.plugins.module_utils._canary import canary_env

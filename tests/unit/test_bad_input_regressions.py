@@ -19,8 +19,8 @@ import yaml
 from ansible_collections.gpufleet.vllm.plugins.filter.kv import FilterModule as KvFilters
 from ansible_collections.gpufleet.vllm.plugins.filter.serve import FilterModule as ServeFilters
 from ansible_collections.gpufleet.vllm.plugins.module_utils import _canary, _serve_argv
-from ansible_collections.gpufleet.vllm.plugins.module_utils._plan import PlanError, plan_class
-from ansible_collections.gpufleet.vllm.plugins.module_utils._profile_store import ProfileStore, ProfileStoreError
+from ansible_collections.gpufleet.vllm.plugins.plugin_utils._plan import PlanError, plan_class
+from ansible_collections.gpufleet.vllm.plugins.plugin_utils._profile_store import ProfileStore, ProfileStoreError
 from ansible_collections.gpufleet.vllm.plugins.module_utils._sizes import SizeError, parse_size
 from ansible_collections.gpufleet.vllm.tests.unit.plugins.module_utils.test_vllm_engine import spec_for, write_fake_vllm
 
@@ -114,7 +114,7 @@ def test_store_record_without_ranks_is_refused_and_never_hides_a_good_one(store)
     body = yaml.safe_load(open(good["path"], encoding="utf-8"))
     body["profile"] = {"total_bytes": 1}
     body["recorded_at"] = "2026-12-01T00:00:00.000000Z"
-    from ansible_collections.gpufleet.vllm.plugins.module_utils._profile_store import record_hash  # pylint: disable=import-outside-toplevel
+    from ansible_collections.gpufleet.vllm.plugins.plugin_utils._profile_store import record_hash  # pylint: disable=import-outside-toplevel
 
     body["record_hash"] = record_hash(body)
     newer = os.path.join(os.path.dirname(good["path"]), "c--n--20261201T000000000000Z--11111111.yml")

@@ -377,7 +377,7 @@ def _imports(path: Path) -> tuple[set[str], set[str]]:
 def test_ee_requirements_cover_controller_imports() -> None:
     """Third-party imports of controller-side code are declared in meta/ee-requirements.txt.
 
-    Controller-side code: action, filter and lookup plugins and every module_utils file
+    Controller-side code: action, filter and lookup plugins, plugin_utils and every module_utils file
     they import (transitively). Target-side dependencies (pynvml, ...) do not belong there.
     """
     from packaging.requirements import Requirement

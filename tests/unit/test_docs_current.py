@@ -16,7 +16,7 @@ from pathlib import Path
 
 import yaml
 
-from ansible_collections.gpufleet.vllm.plugins.module_utils._plan import DECISIONS
+from ansible_collections.gpufleet.vllm.plugins.plugin_utils._plan import DECISIONS
 from ansible_collections.gpufleet.vllm.plugins.module_utils._vllm_log import ERROR_KINDS
 
 REPO = Path(__file__).resolve().parents[2]
@@ -100,7 +100,7 @@ def test_every_planner_decision_is_explained():
 
 def refusal_texts() -> list[str]:
     """The literal text of every refuse.append(...) message in the planner."""
-    tree = ast.parse((REPO / "plugins" / "module_utils" / "_plan.py").read_text(encoding="utf-8"))
+    tree = ast.parse((REPO / "plugins" / "plugin_utils" / "_plan.py").read_text(encoding="utf-8"))
     texts = []
     for node in ast.walk(tree):
         if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "append"

@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from ansible_collections.gpufleet.vllm.plugins.module_utils._plan import plan_class
+from ansible_collections.gpufleet.vllm.plugins.plugin_utils._plan import plan_class
 from ansible_collections.gpufleet.vllm.plugins.module_utils._sizes import human_bytes
 
 README = Path(__file__).resolve().parents[2] / "README.md"

@@ -70,7 +70,7 @@ def test_kv_bytes_per_token_errors(args, match):
 
 
 def test_kv_reference_of_a_cpu_profiled_canary_is_plannable():
-    from ansible_collections.gpufleet.vllm.plugins.module_utils._plan import plan_class
+    from ansible_collections.gpufleet.vllm.plugins.plugin_utils._plan import plan_class
 
     run = {
         "ranks": [{"rank": 0, "initial_free_bytes": None, "suggested_kv_bytes_fit": None, "suggested_kv_bytes_full": None,

@@ -17,7 +17,8 @@ import prometheus_client
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from ansible_collections.gpufleet.vllm.plugins.module_utils import _audit, _boot_gate, _report
+from ansible_collections.gpufleet.vllm.plugins.module_utils import _audit, _boot_gate
+from ansible_collections.gpufleet.vllm.plugins.plugin_utils import _report
 from ansible_collections.gpufleet.vllm.tests.fake_nvml import nvml_state
 
 ROOT = Path(__file__).resolve().parents[4]

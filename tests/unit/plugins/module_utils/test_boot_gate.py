@@ -361,7 +361,7 @@ def _plan_file(plan: dict[str, Any]) -> dict[str, Any]:
 
 @pytest.mark.parametrize("config, family", [(GEMMA3_27B, "interleaved_sliding_window"), (MISTRAL_7B_V01, "sliding_window")])
 def test_a_shrunk_multi_group_budget_has_the_planners_blocks_and_tokens(config, family):
-    from ansible_collections.gpufleet.vllm.plugins.module_utils._plan import plan_class
+    from ansible_collections.gpufleet.vllm.plugins.plugin_utils._plan import plan_class
 
     planned = plan_class(_class_spec(config, 139 * GIB))
     assert planned["decision"] == "deploy", planned["reasons"]
@@ -382,7 +382,7 @@ def test_a_shrunk_multi_group_budget_has_the_planners_blocks_and_tokens(config, 
 
 
 def test_shrink_checks_one_request_with_the_blocks_of_every_kv_cache_group():
-    from ansible_collections.gpufleet.vllm.plugins.module_utils._plan import plan_class
+    from ansible_collections.gpufleet.vllm.plugins.plugin_utils._plan import plan_class
 
     planned = plan_class(_class_spec(GEMMA3_27B, 139 * GIB))
     doc = _plan_file(planned)
@@ -401,7 +401,8 @@ def test_shrink_checks_one_request_with_the_blocks_of_every_kv_cache_group():
 
 
 def test_the_gate_and_the_planner_share_one_floor_utilization():
-    from ansible_collections.gpufleet.vllm.plugins.module_utils import _kv_capacity, _plan
+    from ansible_collections.gpufleet.vllm.plugins.module_utils import _kv_capacity
+    from ansible_collections.gpufleet.vllm.plugins.plugin_utils import _plan
 
     assert gate.floor_utilization is _kv_capacity.floor_utilization is _plan.floor_utilization
 
@@ -411,7 +412,7 @@ def test_profile_never_lets_vllm_size_more_than_the_planned_budget():
     "fully utilize" suggestion shows ``non_kv``. The planner's cap keeps a profiled start at or below the plan."""
     import math
 
-    from ansible_collections.gpufleet.vllm.plugins.module_utils._plan import plan_class
+    from ansible_collections.gpufleet.vllm.plugins.plugin_utils._plan import plan_class
 
     vllm_free, full = 139 * GIB, 120 * GIB  # non_kv 19 GiB (weights, activations, buffer)
     spec = _class_spec(MISTRAL_7B_V01, 139 * GIB)

@@ -21,7 +21,7 @@ from ansible_collections.gpufleet.vllm.plugins.module_utils._geometry import (
     geometry_from_config,
 )
 from ansible_collections.gpufleet.vllm.plugins.module_utils._kv_layout import FAMILIES, KVLayout, layer_kinds
-from ansible_collections.gpufleet.vllm.plugins.module_utils._plan import plan_class
+from ansible_collections.gpufleet.vllm.plugins.plugin_utils._plan import plan_class
 
 GIB = 1024**3
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from ansible_collections.gpufleet.vllm.plugins.module_utils._first_run import CANARY_RULE, FirstRunError, outline, outline_lines
+from ansible_collections.gpufleet.vllm.plugins.plugin_utils._first_run import CANARY_RULE, FirstRunError, outline, outline_lines
 
 
 def spec(**over):

@@ -38,8 +38,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import Any, Optional, Tuple, TypedDict
 
-from ._geometry import GeometryError, KVGeometry, UnpredictableGeometry, capacity_model, load_config
-from ._kv_capacity import (
+from ansible_collections.gpufleet.vllm.plugins.module_utils._geometry import GeometryError, KVGeometry, UnpredictableGeometry, capacity_model, load_config
+from ansible_collections.gpufleet.vllm.plugins.module_utils._kv_capacity import (
     blocks_for_bytes,
     capacity_record,
     floor_utilization,
@@ -48,10 +48,10 @@ from ._kv_capacity import (
     profiled_utilization_cap,
     tokens_for_blocks,
 )
-from ._kv_layout import KVLayout
-from ._sizes import MAX_BYTES, SizeError, human_bytes, parse_size
-from ._validate import ValidationError, boolean, number as valid_number
-from ._vllm_log import GIB_ROUNDING_BYTES
+from ansible_collections.gpufleet.vllm.plugins.module_utils._kv_layout import KVLayout
+from ansible_collections.gpufleet.vllm.plugins.module_utils._sizes import MAX_BYTES, SizeError, human_bytes, parse_size
+from ansible_collections.gpufleet.vllm.plugins.module_utils._validate import ValidationError, boolean, number as valid_number
+from ansible_collections.gpufleet.vllm.plugins.module_utils._vllm_log import GIB_ROUNDING_BYTES
 
 __all__ = ["DECISIONS", "DEFAULTS", "PlanError", "keep_deployed", "plan_class", "round_budget", "startup_utilization"]
 

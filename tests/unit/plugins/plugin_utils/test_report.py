@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from ansible_collections.gpufleet.vllm.plugins.module_utils import _report
-from ansible_collections.gpufleet.vllm.plugins.module_utils._plan import plan_class
-from ansible_collections.gpufleet.vllm.plugins.module_utils._report import (
+from ansible_collections.gpufleet.vllm.plugins.plugin_utils import _report
+from ansible_collections.gpufleet.vllm.plugins.plugin_utils._plan import plan_class
+from ansible_collections.gpufleet.vllm.plugins.plugin_utils._report import (
     SCHEMA_VERSION,
     ReportError,
     build_report,

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from ansible_collections.gpufleet.vllm.plugins.module_utils._plan import PlanError, keep_deployed, plan_class, round_budget
+from ansible_collections.gpufleet.vllm.plugins.plugin_utils._plan import PlanError, keep_deployed, plan_class, round_budget
 
 GIB = 1024**3
 MIB = 1024**2

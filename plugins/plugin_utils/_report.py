@@ -31,7 +31,7 @@ import tempfile
 from collections.abc import Mapping
 from typing import Any
 
-from ._sizes import SizeError, human_bytes, parse_size
+from ansible_collections.gpufleet.vllm.plugins.module_utils._sizes import SizeError, human_bytes, parse_size
 
 __all__ = [
     "KINDS",

@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from ansible_collections.gpufleet.vllm.plugins.module_utils._compat import compat_key
-from ansible_collections.gpufleet.vllm.plugins.module_utils._profile_store import ProfileStore, ProfileStoreError
+from ansible_collections.gpufleet.vllm.plugins.plugin_utils._profile_store import ProfileStore, ProfileStoreError
 
 KEY = {"model": "tiny-llama", "vllm_version": "0.32.0", "gpu_name": "NVIDIA H200", "total_bytes": 150754820096}
 DATA = {"ranks": [{"rank": 0, "free_bytes": 45097156608, "kv_bytes": 32212254720}], "vllm_free_bytes": {0: 44560285696}, "total_bytes": 150754820096}

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ansible_collections.gpufleet.vllm.plugins.module_utils._plan import (
+from ansible_collections.gpufleet.vllm.plugins.plugin_utils._plan import (
     PlanError,
     floor_utilization,
     plan_class,

@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 
 from ansible_collections.gpufleet.vllm.plugins.action.kv_plan import members_from_group
-from ansible_collections.gpufleet.vllm.plugins.module_utils import _probe_history as ph
-from ansible_collections.gpufleet.vllm.plugins.module_utils._plan import floor_utilization, plan_class
+from ansible_collections.gpufleet.vllm.plugins.plugin_utils import _probe_history as ph
+from ansible_collections.gpufleet.vllm.plugins.plugin_utils._plan import floor_utilization, plan_class
 
 GIB = 1 << 30
 TOTAL = 48 * GIB

@@ -1,7 +1,7 @@
 # Copyright (c) gpufleet maintainers
 # GNU General Public License v3.0+ (see LICENSES/GPL-3.0-or-later.txt or https://www.gnu.org/licenses/gpl-3.0.txt)
 # SPDX-License-Identifier: GPL-3.0-or-later
-"""Per-class batches and the approved plan artifact (plugins/module_utils/_rollout.py)."""
+"""Per-class batches and the approved plan artifact (plugins/plugin_utils/_rollout.py)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from ansible_collections.gpufleet.vllm.plugins.module_utils._rollout import (
+from ansible_collections.gpufleet.vllm.plugins.plugin_utils._rollout import (
     PLAN_FORMAT,
     RolloutError,
     check_artifact,

@@ -51,9 +51,9 @@ import tempfile
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator, Mapping
 
-from ._compat import CompatError, CompatKey, compat_key, diff_keys
-from ._sizes import SizeError, parse_size
-from ._validate import ValidationError, class_name
+from ansible_collections.gpufleet.vllm.plugins.module_utils._compat import CompatError, CompatKey, compat_key, diff_keys
+from ansible_collections.gpufleet.vllm.plugins.module_utils._sizes import SizeError, parse_size
+from ansible_collections.gpufleet.vllm.plugins.module_utils._validate import ValidationError, class_name
 
 try:
     import yaml

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from ansible_collections.gpufleet.vllm.plugins.module_utils._releases import ReleaseError, release_history
+from ansible_collections.gpufleet.vllm.plugins.plugin_utils._releases import ReleaseError, release_history
 
 R = "/opt/vllm/releases/"
 
