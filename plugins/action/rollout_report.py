@@ -10,14 +10,8 @@ from typing import Any
 from ansible.errors import AnsibleActionFail
 from ansible.plugins.action import ActionBase
 
-from ansible_collections.gpufleet.vllm.plugins.plugin_utils._report import (
-    KINDS,
-    ReportError,
-    build_report,
-    class_artifacts,
-    summary_line,
-    write_run_dir,
-)
+from ansible_collections.gpufleet.vllm.plugins.plugin_utils._report import KINDS, ReportError, build_report, class_artifacts
+from ansible_collections.gpufleet.vllm.plugins.plugin_utils._report_render import summary_line, write_run_dir
 
 ARGUMENT_SPEC: dict[str, Any] = {
     "report_dir": {"type": "path"},

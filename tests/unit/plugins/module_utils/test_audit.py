@@ -18,7 +18,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from ansible_collections.gpufleet.vllm.plugins.module_utils import _audit, _boot_gate
-from ansible_collections.gpufleet.vllm.plugins.plugin_utils import _report
+from ansible_collections.gpufleet.vllm.plugins.plugin_utils import _report, _report_render
 from ansible_collections.gpufleet.vllm.tests.fake_nvml import nvml_state
 
 ROOT = Path(__file__).resolve().parents[4]
@@ -156,12 +156,12 @@ def test_audit_report_names_the_hosts_that_would_be_refused():
     assert summary["verdicts"] == {"would_refuse": 1, "would_shrink": 1, "ok": 1}
     assert report["failed_hosts"] == ["gpu-gone"] and report["summary"]["ok"] is False
     assert {h["host"]: h["outcome"] for h in report["hosts"]}["gpu-a"] == "audited"
-    line = _report.summary_line(report)
+    line = _report_render.summary_line(report)
     assert "refused at next start: gpu-b/main" in line and "failed hosts gpu-gone" in line
-    md = _report.render_markdown(report)
+    md = _report_render.render_markdown(report)
     assert "| main | would refuse | refuse | 0 | 0 |" in md
     assert "-1GiB" in md
-    page = _report.render_html(report)
+    page = _report_render.render_html(report)
     assert '<span class="bad">would refuse</span>' in page
     # stored and read back like every other report
     again = _report.load_report(json.loads(json.dumps(report)))

@@ -11,18 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from ansible_collections.gpufleet.vllm.plugins.plugin_utils import _report
+from ansible_collections.gpufleet.vllm.plugins.plugin_utils import _report, _report_render
 from ansible_collections.gpufleet.vllm.plugins.plugin_utils._plan import plan_class
-from ansible_collections.gpufleet.vllm.plugins.plugin_utils._report import (
-    SCHEMA_VERSION,
-    ReportError,
-    build_report,
-    load_report,
-    render_html,
-    render_markdown,
-    summary_line,
-    write_run_dir,
-)
+from ansible_collections.gpufleet.vllm.plugins.plugin_utils._report import SCHEMA_VERSION, ReportError, build_report, load_report
+from ansible_collections.gpufleet.vllm.plugins.plugin_utils._report_render import render_html, render_markdown, summary_line, write_run_dir
 
 GIB = 1024**3
 FIXTURES = Path(__file__).resolve().parents[2] / "fixtures" / "report"
@@ -205,7 +197,7 @@ def test_svg_marks_ranks_below_the_floor():
     plan = seed_plan()
     plan["per_rank"][0]["boot_free_bytes"] = int(39 * GIB)
     plan["per_rank"][0]["margin_bytes"] = int(39 * GIB) - plan["per_rank"][0]["floor_bytes"]
-    svg = _report.render_svg(build_report(rollout_data(plan), "rollout", generated=WHEN)["classes"][0])
+    svg = _report_render.render_svg(build_report(rollout_data(plan), "rollout", generated=WHEN)["classes"][0])
     assert svg.count("<rect") == 2
     assert 'fill="#c62828"' in svg and 'fill="#2e7d32"' in svg
     # zoomed axis: lowest 39, highest 41.5 GiB, span 2.5 GiB -> axis 37.75 .. 41.75 GiB
@@ -285,7 +277,7 @@ def test_write_run_dir_leaves_nothing_on_failure(tmp_path, monkeypatch):
     def broken(_report_obj):
         raise RuntimeError("renderer broke")
 
-    monkeypatch.setattr(_report, "render_html", broken)
+    monkeypatch.setattr(_report_render, "render_html", broken)
     with pytest.raises(RuntimeError):
         write_run_dir(str(tmp_path), report, WHEN)
     assert not os.listdir(tmp_path)
