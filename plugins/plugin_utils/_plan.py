@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from typing import Any, Optional, Tuple, TypedDict
 
 from ansible_collections.gpufleet.vllm.plugins.module_utils._geometry import GeometryError, KVGeometry, UnpredictableGeometry, capacity_model, load_config
@@ -838,12 +838,73 @@ def _empty_result(host_class: str, budget_mode: str) -> dict[str, Any]:
     }
 
 
-def plan_class(spec: Mapping[str, Any]) -> dict[str, Any]:
-    """Plan one host class. ``spec`` is the ``kv_plan`` input; raises :class:`PlanError` on malformed input.
+@dataclass
+class _Inputs:
+    """The checked ``kv_plan`` input of one class."""
 
-    Returns the plan (all bytes integers). A class that cannot be planned safely
-    is not an error: ``decision`` is ``refuse`` and ``reasons`` say why.
-    """
+    spec: Mapping[str, Any]
+    host_class: str
+    budget_mode: str
+    guard: int
+    fit_headroom: float
+    max_loss: float
+    unstable_share: float
+    cuda_ctx: int
+    max_model_len: int | None
+    ref: _Reference | None
+    hosts: dict[str, _Host]
+
+
+@dataclass
+class _Drift:
+    """What the drift stage found: the weakest rank and what every rank keeps."""
+
+    launch: int
+    weakest: tuple[str, int]
+    host_min: dict[str, int]
+    rows: list[tuple[str, int, int, int, int, bool, int | None]]
+    min_headroom: int | None
+    max_headroom: int
+    headroom_ranks: int
+    unstable: list[dict[str, Any]]
+    lowest_seen: tuple[int, str, int] | None
+    share_limit: float
+
+
+@dataclass
+class _Planning:
+    """One class's planning as it goes: the inputs, what each stage found, the result being built.
+    ``refuse`` collects what makes the class unplannable; ``reasons`` is the result's own list."""
+
+    inputs: _Inputs
+    ref: _Reference
+    result: dict[str, Any]
+    refuse: list[str] = field(default_factory=list)
+    geo: KVGeometry | KVLayout | None = None
+    cap: _Capacity | None = None
+    cap_why: str | None = None
+    totals: dict[str, Any] = field(default_factory=dict)
+    drift: _Drift | None = None
+    need: tuple[int, int] | None = None
+    one_req_blocks: int | None = None
+    margin: int = 0
+    granularity: int = 0
+    safe_budget: int = 0
+    budget: int = 0
+    floors: dict[int, int] = field(default_factory=dict)
+    total: int | None = None
+    num_blocks: int | None = None
+    reprofile: bool = False
+    split_groups: list[dict[str, Any]] = field(default_factory=list)
+    unstable_reason: str = ""
+
+    @property
+    def reasons(self) -> list[str]:
+        reasons: list[str] = self.result["reasons"]
+        return reasons
+
+
+def _read_inputs(spec: Mapping[str, Any]) -> _Inputs:
     if not isinstance(spec, Mapping):
         raise PlanError("plan input must be a mapping")
     host_class = str(spec.get("host_class") or "class")
@@ -864,32 +925,18 @@ def plan_class(spec: Mapping[str, Any]) -> dict[str, Any]:
         if max_model_len <= 0:
             raise PlanError("max_model_len must be positive")
     hosts = _parse_hosts(spec.get("hosts"))
+    return _Inputs(spec, host_class, budget_mode, guard, fit_headroom, max_loss, unstable_share, cuda_ctx,
+                   max_model_len, ref, hosts)
 
-    result = _empty_result(host_class, budget_mode)
-    result["guard_bytes"] = guard
-    result["host_count"] = len(hosts)
-    reasons: list[str] = result["reasons"]
-    refuse: list[str] = []
 
-    if ref is None:
-        refuse.append(
-            f"class {host_class}: no reference profile: run a profiled canary for this class and "
-            "compatibility key (playbooks/profile.yml) before planning a manual budget"
-        )
-    if not hosts:
-        refuse.append(f"class {host_class}: no hosts to plan (probe them with gpu_memory_info first)")
-    if refuse or ref is None:  # no reference is one of the refusals
-        result["reasons"] = refuse + reasons
-        return result
-
-    ref_by_rank = {r["rank"]: r for r in ref["ranks"]}
-    result["rank_count"] = sum(len(h["ranks"]) for h in hosts.values())
-
-    # ---- capacity model (before the drift: a reference without vLLM's suggestion uses the bytes its blocks hold)
+def _settle_reference_kv(p: _Planning) -> None:
+    """The capacity model, then B_ref of a reference without vLLM's suggestion: the bytes its blocks hold."""
+    ref, reasons = p.ref, p.reasons
     geo, geo_why = _geometry(ref)
-    cap, cap_why = _capacity_model(ref, geo, geo_why, max_model_len, reasons)
+    p.geo = geo
+    p.cap, p.cap_why = _capacity_model(ref, geo, geo_why, p.inputs.max_model_len, reasons)
     in_use = [r for r in ref["ranks"] if r["kv_source"] == "in_use"]
-    cap_bpb = cap.bytes_per_block if cap is not None else None
+    cap_bpb = p.cap.bytes_per_block if p.cap is not None else None
     ref_blocks = ref.get("num_blocks")
     for r in in_use:
         blocks_bytes = ref_blocks * cap_bpb if cap_bpb and ref_blocks else None
@@ -909,8 +956,11 @@ def plan_class(spec: Mapping[str, Any]) -> dict[str, Any]:
             "suggestion): " + ", ".join(f"rank {r['rank']}: {human_bytes(r['kv_bytes'])}" for r in in_use[:8])
         )
 
-    # ---- suggestions vLLM got wrong
-    for r in ref["ranks"]:
+
+def _check_reference_suggestions(p: _Planning) -> None:
+    """Suggestions vLLM got wrong make the reference unusable."""
+    refuse = p.refuse
+    for r in p.ref["ranks"]:
         if r["kv_bytes"] <= 0 and r["kv_source"] == "in_use":
             refuse.append(f"reference rank {r['rank']}: the engine allocated no KV memory ({r['kv_bytes']} bytes): re-profile")
         elif r["kv_bytes"] <= 0:
@@ -926,10 +976,12 @@ def plan_class(spec: Mapping[str, Any]) -> dict[str, Any]:
         if r["kv_bytes"] > r["free_bytes"]:
             refuse.append(f"reference rank {r['rank']}: suggested KV bytes {r['kv_bytes']} exceed the free memory {r['free_bytes']} it was measured with")
 
-    # ---- rank layout
-    ref_ranks = set(ref_by_rank)
+
+def _check_rank_layout(p: _Planning) -> None:
+    """Every host has the reference's ranks, no more, no fewer."""
+    ref_ranks = {r["rank"] for r in p.ref["ranks"]}
     missing_hosts: list[str] = []
-    for name, host in hosts.items():
+    for name, host in p.inputs.hosts.items():
         seen = [r[0] for r in host["ranks"]]
         host_ranks = set(seen)
         if len(seen) != len(host_ranks):
@@ -944,12 +996,16 @@ def plan_class(spec: Mapping[str, Any]) -> dict[str, Any]:
                 bits.append(f"reference ranks {lack} are missing")
             missing_hosts.append(f"{name} ({'; '.join(bits)})")
     if missing_hosts:
-        refuse.append(
+        p.refuse.append(
             f"rank layout differs from the reference ({len(ref_ranks)} ranks {sorted(ref_ranks)}): {_names(missing_hosts)}; "
             "plan such hosts in their own class with their own reference"
         )
 
-    # ---- mixed GPUs / keys
+
+def _check_uniform_class(p: _Planning) -> None:
+    """One GPU model, one memory size and one compatibility key across the class and its reference."""
+    ref, refuse, host_class = p.ref, p.refuse, p.inputs.host_class
+
     def mixed(label: str, ref_value: Any, per_host: dict[str, Any]) -> None:
         groups: dict[str, list[str]] = {}
         for host_name, value in per_host.items():
@@ -965,7 +1021,7 @@ def plan_class(spec: Mapping[str, Any]) -> dict[str, Any]:
 
     names: dict[str, Any] = {}
     totals: dict[str, Any] = {}
-    for name, host in hosts.items():
+    for name, host in p.inputs.hosts.items():
         rank_names = {r[4] for r in host["ranks"] if r[4] is not None}
         rank_totals = {_size(r[5], f"hosts.{name} rank {r[0]} total_bytes") for r in host["ranks"] if r[5] is not None}
         if host["gpu_name"] is not None:
@@ -984,9 +1040,15 @@ def plan_class(spec: Mapping[str, Any]) -> dict[str, Any]:
         # a reference total taken from vLLM's log is rounded to 0.01 GiB: NVML's exact figure matches it
         ref_total = None
     mixed("GPU total memory", ref_total, totals)
-    mixed("compatibility key hash", ref.get("compat_hash"), {n: h["compat_hash"] for n, h in hosts.items()})
+    mixed("compatibility key hash", ref.get("compat_hash"), {n: h["compat_hash"] for n, h in p.inputs.hosts.items()})
+    p.totals = totals
 
-    # ---- drift, weakest rank
+
+def _weakest_rank(p: _Planning) -> _Drift | None:
+    """Per rank: the drift from the reference's free memory, B_ref less the drift and the guard; the
+    lowest of those sets the class's max safe budget. None when no host rank has a reference rank."""
+    inp = p.inputs
+    ref_by_rank = {r["rank"]: r for r in p.ref["ranks"]}
     launch: int | None = None
     weakest: tuple[str, int] | None = None
     host_min: dict[str, int] = {}
@@ -996,15 +1058,15 @@ def plan_class(spec: Mapping[str, Any]) -> dict[str, Any]:
     headroom_ranks = 0
     unstable: list[dict[str, Any]] = []
     lowest_seen: tuple[int, str, int] | None = None
-    share_limit = unstable_share * guard
-    for name, host in hosts.items():
+    share_limit = inp.unstable_share * inp.guard
+    for name, host in inp.hosts.items():
         hmin: int | None = None
         for rank, free, fmin, fmax, _gname, _total, r_unstable, moved, seen_low in host["ranks"]:
             reference = ref_by_rank.get(rank)
             if reference is None:
                 continue
             drift = reference["free_bytes"] - free
-            adjusted = reference["kv_bytes"] - (drift if drift > 0 else 0) - guard
+            adjusted = reference["kv_bytes"] - (drift if drift > 0 else 0) - inp.guard
             head = -drift if drift < 0 else 0
             spread = None if fmin is None or fmax is None else fmax - fmin
             moved_too_far = moved is not None and moved > share_limit
@@ -1032,37 +1094,38 @@ def plan_class(spec: Mapping[str, Any]) -> dict[str, Any]:
             host_min[name] = hmin
         if host["unstable"]:
             unstable.append({"host": name, "rank": None, "spread_bytes": None, "flagged": True, "moved_bytes": None})
-
     if launch is None or weakest is None:
-        refuse.append(f"class {host_class}: no host rank matches a reference rank")
-        result["reasons"] = refuse + reasons
-        return result
+        return None
+    return _Drift(launch, weakest, host_min, rows, min_headroom, max_headroom, headroom_ranks, unstable, lowest_seen,
+                  share_limit)
 
-    result["max_safe_bytes"] = launch
-    result["weakest"] = {"host": weakest[0], "rank": weakest[1], "adjusted_bytes": launch}
-    if launch <= 0:
-        refuse.append(
-            f"the weakest rank (host {weakest[0]} rank {weakest[1]}) leaves no KV memory ({launch} bytes) after drift and "
-            f"guard {human_bytes(guard)}: free memory there is far below the reference; find the co-tenant or re-profile"
-        )
 
-    # ---- capacity model and admission
-    block_size = cap.block_size if cap else ref["block_size"]
+def _admission_blocks(p: _Planning) -> Any:
+    """The block geometry of the result and the blocks the admission plan needs; returns the admission spec."""
+    inp, cap, geo, result = p.inputs, p.cap, p.geo, p.result
+    block_size = cap.block_size if cap else p.ref["block_size"]
     result["block_size"] = block_size
     result["bytes_per_block"] = cap.bytes_per_block if cap else None
     result["bytes_per_token"] = geo.bytes_per_token if isinstance(geo, KVGeometry) and cap and cap.source == "geometry" else None
     result["kv_layout"] = (
-        cap.layout.as_dict() if cap and cap.layout else ({"family": _geometry_family(ref, geo)} if cap and cap.geometry else None)
+        cap.layout.as_dict() if cap and cap.layout else ({"family": _geometry_family(p.ref, geo)} if cap and cap.geometry else None)
     )
-    adm = _admission_need(spec.get("admission"))
-    need = cap.admission_blocks(adm, max_model_len) if cap and adm else None
+    adm = _admission_need(inp.spec.get("admission"))
+    need = cap.admission_blocks(adm, inp.max_model_len) if cap and adm else None
     if cap and adm and need is None:
-        reasons.append("admission {tokens: N} of a multi-group model needs max_model_len: the admission check was skipped")
-    one_req_blocks = one_request_blocks(cap.request_blocks(max_model_len)) if cap and max_model_len else None
+        p.reasons.append("admission {tokens: N} of a multi-group model needs max_model_len: the admission check was skipped")
+    one_req_blocks = one_request_blocks(cap.request_blocks(inp.max_model_len)) if cap and inp.max_model_len else None
     if need and one_req_blocks and need[1] < one_req_blocks:
-        need = (max(need[0], max_model_len or 0), one_req_blocks)
+        need = (max(need[0], inp.max_model_len or 0), one_req_blocks)
+    p.need, p.one_req_blocks = need, one_req_blocks
+    return adm
 
-    # ---- budget: max safe less the gate margin, rounded down (granularity, whole blocks)
+
+def _choose_budget(p: _Planning, drift: _Drift, adm: Any) -> None:
+    """Max safe less the gate margin, rounded down (granularity, whole blocks); fit_admission's smaller
+    one; a deployed budget kept when it is still safe."""
+    inp, cap, result, reasons, refuse = p.inputs, p.cap, p.result, p.reasons, p.refuse
+    spec, launch, need = inp.spec, drift.launch, p.need
     margin = _size(spec.get("gate_margin_bytes") or DEFAULTS["gate_margin_bytes"], "gate_margin_bytes")
     granularity = _size(spec.get("budget_granularity_bytes") or DEFAULTS["budget_granularity_bytes"], "budget_granularity_bytes")
     keep_step = _size(spec.get("keep_step_bytes") or DEFAULTS["keep_step_bytes"], "keep_step_bytes")
@@ -1071,14 +1134,14 @@ def plan_class(spec: Mapping[str, Any]) -> dict[str, Any]:
         raise PlanError(f"deployed: expected the plan record a host runs (a mapping), got {type(deployed).__name__}")
     safe_budget = round_budget(launch, cap.bytes_per_block if cap else None, granularity, margin)
     budget = safe_budget
-    if budget_mode == "fit_admission":
+    if inp.budget_mode == "fit_admission":
         if adm is None:
             raise PlanError("budget_mode fit_admission needs admission ({tokens: N} or {concurrency: C, tokens_per_request: L})")
         if cap is None or not cap.bytes_per_block or need is None:
-            refuse.append(f"budget_mode fit_admission needs the bytes of one KV block: {cap_why or 'the layout is derived from engine figures only'}")
+            refuse.append(f"budget_mode fit_admission needs the bytes of one KV block: {p.cap_why or 'the layout is derived from engine figures only'}")
         else:
             launch_blocks = safe_budget // cap.bytes_per_block
-            target = need[1] + math.ceil(need[1] * fit_headroom)
+            target = need[1] + math.ceil(need[1] * inp.fit_headroom)
             blocks = min(target, launch_blocks)
             budget = blocks * cap.bytes_per_block
             result["fit"] = {
@@ -1095,9 +1158,9 @@ def plan_class(spec: Mapping[str, Any]) -> dict[str, Any]:
                 f"leaving {human_bytes(max(0, launch) - budget)} per GPU for other work"
             )
     planned_budget = budget
-    keep_need = max(need[1] if need else 0, one_req_blocks or 0) or None
+    keep_need = max(need[1] if need else 0, p.one_req_blocks or 0) or None
     budget, kept, keep_reason = keep_deployed(
-        budget, max(0, launch) - margin, deployed, ref.get("compat_hash"), keep_step,
+        budget, max(0, launch) - margin, deployed, p.ref.get("compat_hash"), keep_step,
         cap.num_blocks if cap is not None else (lambda _bytes: 0), keep_need if cap is not None else None)
     result["budget_choice"] = {
         "max_safe_bytes": max(0, launch),
@@ -1119,33 +1182,43 @@ def plan_class(spec: Mapping[str, Any]) -> dict[str, Any]:
     if deployed:
         reasons.append(keep_reason)
     result["kv_cache_memory_bytes"] = budget
+    p.margin, p.granularity, p.safe_budget, p.budget = margin, granularity, safe_budget, budget
 
-    # ---- floors and startup utilization
-    floors = {r["rank"]: r["free_bytes"] - (r["kv_bytes"] - guard - budget) for r in ref["ranks"]}
+
+def _floors_and_utilization(p: _Planning) -> None:
+    """Per-rank NVML floors, vLLM's startup utilization and floors, the profile policy's cap."""
+    inp, ref, result, reasons, budget = p.inputs, p.ref, p.result, p.reasons, p.budget
+    floors = {r["rank"]: r["free_bytes"] - (r["kv_bytes"] - inp.guard - budget) for r in ref["ranks"]}
     result["free_floor_bytes"] = floors
+    p.floors = floors
     # NVML's exact total from the hosts when they agree, else the reference's
-    host_totals = {v for v in totals.values() if v is not None}
+    host_totals = {v for v in p.totals.values() if v is not None}
     total = host_totals.pop() if len(host_totals) == 1 else ref.get("total_bytes")
-    if total:
-        util, source, vfloors = startup_utilization(ref["ranks"], total, budget, guard, ref["vllm_free"], cuda_ctx)
-        result["gpu_memory_utilization"] = util
-        result["utilization_source"] = source
-        result["vllm_floor_bytes"] = vfloors
-        if source == "nvml":
-            reasons.append(
-                f"startup utilization {util} comes from the NVML floor minus a {human_bytes(cuda_ctx)} CUDA-context allowance: "
-                "the reference has no vLLM-logged free memory for every rank (record it from the profiled canary's log for a tighter value)"
-            )
-        if util <= 0:
-            refuse.append(f"no --gpu-memory-utilization lets vLLM's startup check pass at the free floor (floor {human_bytes(min(vfloors.values()))})")
-        # the boot gate's `profile` policy: vLLM's own profiling must not size more than the plan
-        caps = [profiled_utilization_cap(budget, ref["vllm_free"][r["rank"]], r["kv_bytes_full"], total)
-                for r in ref["ranks"] if r["rank"] in ref["vllm_free"] and r.get("kv_bytes_full") is not None]
-        result["profile_max_utilization"] = min(caps) if caps and len(caps) == len(ref["ranks"]) else None
-    else:
+    p.total = total
+    if not total:
         reasons.append("no GPU total memory in the reference or the hosts: --gpu-memory-utilization not computed")
+        return
+    util, source, vfloors = startup_utilization(ref["ranks"], total, budget, inp.guard, ref["vllm_free"], inp.cuda_ctx)
+    result["gpu_memory_utilization"] = util
+    result["utilization_source"] = source
+    result["vllm_floor_bytes"] = vfloors
+    if source == "nvml":
+        reasons.append(
+            f"startup utilization {util} comes from the NVML floor minus a {human_bytes(inp.cuda_ctx)} CUDA-context allowance: "
+            "the reference has no vLLM-logged free memory for every rank (record it from the profiled canary's log for a tighter value)"
+        )
+    if util <= 0:
+        p.refuse.append(f"no --gpu-memory-utilization lets vLLM's startup check pass at the free floor (floor {human_bytes(min(vfloors.values()))})")
+    # the boot gate's `profile` policy: vLLM's own profiling must not size more than the plan
+    caps = [profiled_utilization_cap(budget, ref["vllm_free"][r["rank"]], r["kv_bytes_full"], total)
+            for r in ref["ranks"] if r["rank"] in ref["vllm_free"] and r.get("kv_bytes_full") is not None]
+    result["profile_max_utilization"] = min(caps) if caps and len(caps) == len(ref["ranks"]) else None
 
-    # ---- capacity
+
+def _blocks_and_tokens(p: _Planning, drift: _Drift) -> None:
+    """Blocks, tokens and concurrency of the budget; the one-request check; the admission shortfall."""
+    inp, cap, result, reasons, budget, need = p.inputs, p.cap, p.result, p.reasons, p.budget, p.need
+    max_model_len = inp.max_model_len
     num_blocks = tokens = None
     if cap is not None:
         num_blocks = cap.num_blocks(budget)
@@ -1154,9 +1227,10 @@ def plan_class(spec: Mapping[str, Any]) -> dict[str, Any]:
         else:
             reasons.append("tokens not computed: a multi-group model's tokens are vLLM's max concurrency x max_model_len; give max_model_len")
     else:
-        reasons.append(f"blocks and tokens not computed: {cap_why}")
+        reasons.append(f"blocks and tokens not computed: {p.cap_why}")
     result.update(num_blocks=num_blocks, kv_cache_tokens=tokens, capacity_source=cap.source if cap else None,
                   kv_capacity=cap.record(max_model_len) if cap else None)
+    p.num_blocks = num_blocks
     if cap is not None and num_blocks is not None and max_model_len:
         per_req = cap.request_blocks(max_model_len)
         result["blocks_per_request"] = per_req
@@ -1166,15 +1240,16 @@ def plan_class(spec: Mapping[str, Any]) -> dict[str, Any]:
         if num_blocks < one_request_blocks(per_req):
             have = human_bytes(budget)
             groups = f" summed over {len(cap.layout.groups)} KV-cache groups" if cap.layout and len(cap.layout.groups) > 1 else ""
-            refuse.append(
+            p.refuse.append(
                 f"the budget {have} ({num_blocks} blocks) cannot hold one request of max_model_len {max_model_len} "
                 f"({per_req} blocks{groups} + the null block): vLLM would refuse to start; lower max_model_len or free memory on "
-                f"host {weakest[0]} rank {weakest[1]}"
+                f"host {drift.weakest[0]} rank {drift.weakest[1]}"
             )
     elif num_blocks is not None:
         reasons.append("max_model_len not given: max concurrency and the one-request check were skipped")
 
     if need is not None and num_blocks is not None:
+        block_size = result["block_size"]
         short_blocks = max(0, need[1] - num_blocks)
         short_tokens = short_blocks * block_size if cap and cap.source == "geometry" else (
             need[0] - (tokens or 0) if short_blocks else 0
@@ -1195,44 +1270,45 @@ def plan_class(spec: Mapping[str, Any]) -> dict[str, Any]:
                 "lower the admission plan, use fp8 KV, or split off the weak hosts)"
             )
 
-    # ---- what if fp8
-    result["what_if_fp8"] = _what_if_fp8(ref, geo, cap, launch, adm, max_model_len, reasons)
 
-    # ---- headroom / re-profile
-    threshold = spec.get("reprofile_headroom")
-    threshold = _size(threshold, "reprofile_headroom") if threshold is not None else max(1, min(max(1, r["kv_bytes"]) for r in ref["ranks"]) // 10)
-    min_head = min_headroom or 0
-    result["headroom"] = {
+def _headroom(p: _Planning, drift: _Drift) -> None:
+    """Free memory above the reference on every rank: a fresh profile would give more."""
+    reasons = p.reasons
+    threshold = p.inputs.spec.get("reprofile_headroom")
+    threshold = _size(threshold, "reprofile_headroom") if threshold is not None else max(1, min(max(1, r["kv_bytes"]) for r in p.ref["ranks"]) // 10)
+    min_head = drift.min_headroom or 0
+    p.result["headroom"] = {
         "min_bytes": min_head,
-        "max_bytes": max_headroom,
-        "ranks_with_headroom": headroom_ranks,
+        "max_bytes": drift.max_headroom,
+        "ranks_with_headroom": drift.headroom_ranks,
         "reprofile_threshold_bytes": threshold,
     }
-    reprofile = False
     if min_head >= threshold:
-        reprofile = True
+        p.reprofile = True
         reasons.append(
             f"every rank has at least {human_bytes(min_head)} more free memory than the reference (threshold "
             f"{human_bytes(threshold)}): a fresh profiled canary would give a larger budget"
         )
-    elif headroom_ranks:
+    elif drift.headroom_ranks:
         reasons.append(
-            f"{headroom_ranks} rank(s) have up to {human_bytes(max_headroom)} more free memory than the reference; "
+            f"{drift.headroom_ranks} rank(s) have up to {human_bytes(drift.max_headroom)} more free memory than the reference; "
             "the budget is capped at B_ref - G: re-profile the class to use it"
         )
 
-    # ---- split
-    split_groups: list[dict[str, Any]] = []
+
+def _split(p: _Planning, drift: _Drift) -> None:
+    """Outlier hosts that cost the class more than max_capacity_loss of the median host's budget."""
+    inp, launch, host_min = p.inputs, drift.launch, drift.host_min
     values = sorted(host_min.values())
     mid = len(values) // 2
     median = values[mid] if len(values) % 2 else (values[mid - 1] + values[mid]) // 2
-    limit = (1.0 - max_loss) * median
+    limit = (1.0 - inp.max_loss) * median
     # Host lists in name order: the plan must not depend on the order the hosts were probed in.
     outliers = sorted(n for n, v in host_min.items() if v < limit)
-    result["capacity"] = {
+    p.result["capacity"] = {
         "median_host_bytes": median,
         "loss_share": round(1.0 - launch / median, 4) if median > 0 else None,
-        "max_capacity_loss": max_loss,
+        "max_capacity_loss": inp.max_loss,
         "threshold_bytes": int(limit),
         "outlier_hosts": outliers,
     }
@@ -1241,83 +1317,144 @@ def plan_class(spec: Mapping[str, Any]) -> dict[str, Any]:
         keep_budget = min(host_min[n] for n in keep) if keep else None
         # Each sub-class's budget is settled like the class's own (margin, granularity, whole
         # blocks): the low group's is the budget the class deploys under split_policy warn.
-        bpb = cap.bytes_per_block if cap else None
-        split_groups = [
-            {"name": f"{host_class}-main", "hosts": keep,
-             "kv_cache_memory_bytes": round_budget(keep_budget, bpb, granularity, margin) if keep_budget is not None else None},
-            {"name": f"{host_class}-low", "hosts": outliers, "kv_cache_memory_bytes": safe_budget},
+        bpb = p.cap.bytes_per_block if p.cap else None
+        p.split_groups = [
+            {"name": f"{inp.host_class}-main", "hosts": keep,
+             "kv_cache_memory_bytes": round_budget(keep_budget, bpb, p.granularity, p.margin) if keep_budget is not None else None},
+            {"name": f"{inp.host_class}-low", "hosts": outliers, "kv_cache_memory_bytes": p.safe_budget},
         ]
-        reasons.append(
+        p.reasons.append(
             f"the weakest hosts cost {round(100 * (1 - launch / median), 1)}% of the typical host's budget "
-            f"({human_bytes(launch)} vs median {human_bytes(median)}, allowed {round(100 * max_loss, 1)}%): split outliers "
+            f"({human_bytes(launch)} vs median {human_bytes(median)}, allowed {round(100 * inp.max_loss, 1)}%): split outliers "
             f"{_names(outliers)} into their own class ({human_bytes(launch)}); the rest could run "
             f"{human_bytes(keep_budget) if keep_budget is not None else 'n/a'}"
         )
-    result["split"] = split_groups
+    p.result["split"] = p.split_groups
 
-    # ---- instability
-    result["unstable"] = unstable
-    if unstable:
-        shown = [
-            u["host"]
-            + (f" rank {u['rank']}" if u["rank"] is not None else "")
-            + (f" (moves {human_bytes(u['spread_bytes'])})" if u["spread_bytes"] is not None and u["spread_bytes"] > share_limit
-               else f" (moved {human_bytes(u['moved_bytes'])} across recent probes)" if u.get("moved_bytes") is not None
-               else " (flagged unstable)")
-            for u in unstable
-        ]
-        unstable_reason = (
-            f"free memory is not steady on {_names(shown)} (limit {human_bytes(int(share_limit))} = "
-            f"{unstable_share} x guard): a fixed byte budget is the wrong tool there; use automatic profiling "
-            f"(--gpu-memory-utilization) for this class"
-        )
-    # ---- per rank table
-    weakest_key = weakest
+
+def _instability(p: _Planning, drift: _Drift) -> None:
+    """Ranks whose free memory moves more than unstable_share x guard."""
+    unstable, share_limit = drift.unstable, drift.share_limit
+    p.result["unstable"] = unstable
+    if not unstable:
+        return
+    shown = [
+        u["host"]
+        + (f" rank {u['rank']}" if u["rank"] is not None else "")
+        + (f" (moves {human_bytes(u['spread_bytes'])})" if u["spread_bytes"] is not None and u["spread_bytes"] > share_limit
+           else f" (moved {human_bytes(u['moved_bytes'])} across recent probes)" if u.get("moved_bytes") is not None
+           else " (flagged unstable)")
+        for u in unstable
+    ]
+    p.unstable_reason = (
+        f"free memory is not steady on {_names(shown)} (limit {human_bytes(int(share_limit))} = "
+        f"{p.inputs.unstable_share} x guard): a fixed byte budget is the wrong tool there; use automatic profiling "
+        f"(--gpu-memory-utilization) for this class"
+    )
+
+
+def _per_rank_table(p: _Planning, drift: _Drift) -> None:
     per_rank = []
-    for name, rank, free, drift, adjusted, is_unstable, spread in rows:
-        floor = floors[rank]
+    for name, rank, free, drift_bytes, adjusted, is_unstable, spread in drift.rows:
+        floor = p.floors[rank]
         per_rank.append(
             {
                 "host": name,
                 "rank": rank,
                 "boot_free_bytes": free,
-                "drift_bytes": drift,
+                "drift_bytes": drift_bytes,
                 "adjusted_bytes": adjusted,
-                "headroom_bytes": -drift if drift < 0 else 0,
+                "headroom_bytes": -drift_bytes if drift_bytes < 0 else 0,
                 "floor_bytes": floor,
                 "margin_bytes": free - floor,
-                "weakest": (name, rank) == weakest_key,
+                "weakest": (name, rank) == drift.weakest,
                 "unstable": is_unstable,
                 "spread_bytes": spread,
             }
         )
-    result["per_rank"] = per_rank
+    p.result["per_rank"] = per_rank
 
-    # ---- decision
-    if refuse:
+
+def _decide(p: _Planning, drift: _Drift) -> None:
+    """refuse, auto_profile, split, reprofile or deploy, in that order of precedence."""
+    inp, result, reasons, budget, weakest = p.inputs, p.result, p.reasons, p.budget, drift.weakest
+    if p.refuse:
         decision = "refuse"
-        reasons[:0] = refuse
-    elif unstable:
+        reasons[:0] = p.refuse
+    elif drift.unstable:
         decision = "auto_profile"
-        reasons.insert(0, unstable_reason)
-        _auto_profile_utilization(result, reasons, lowest_seen, total, guard, cuda_ctx)
-    elif split_groups:
+        reasons.insert(0, p.unstable_reason)
+        _auto_profile_utilization(result, reasons, drift.lowest_seen, p.total, inp.guard, inp.cuda_ctx)
+    elif p.split_groups:
         decision = "split"
-    elif reprofile:
+    elif p.reprofile:
         decision = "reprofile"
     else:
         decision = "deploy"
         reasons.insert(
             0,
-            f"deploy {human_bytes(budget)} ({budget} bytes) on every GPU of class {host_class}: the weakest rank is "
+            f"deploy {human_bytes(budget)} ({budget} bytes) on every GPU of class {inp.host_class}: the weakest rank is "
             f"host {weakest[0]} rank {weakest[1]}; every boot needs NVML free memory >= the floor "
-            + ", ".join(f"rank {r}: {human_bytes(v)}" for r, v in sorted(floors.items())[:8]),
+            + ", ".join(f"rank {r}: {human_bytes(v)}" for r, v in sorted(p.floors.items())[:8]),
         )
     result["decision"] = decision
     result["human"] = {
         "kv_cache_memory_bytes": _hb(budget),
-        "max_safe_bytes": _hb(launch),
-        "guard_bytes": _hb(guard),
-        "free_floor_bytes": {r: human_bytes(v) for r, v in floors.items()},
+        "max_safe_bytes": _hb(drift.launch),
+        "guard_bytes": _hb(inp.guard),
+        "free_floor_bytes": {r: human_bytes(v) for r, v in p.floors.items()},
     }
+
+
+def plan_class(spec: Mapping[str, Any]) -> dict[str, Any]:
+    """Plan one host class. ``spec`` is the ``kv_plan`` input; raises :class:`PlanError` on malformed input.
+
+    Returns the plan (all bytes integers). A class that cannot be planned safely
+    is not an error: ``decision`` is ``refuse`` and ``reasons`` say why.
+    """
+    inputs = _read_inputs(spec)
+    result = _empty_result(inputs.host_class, inputs.budget_mode)
+    result["guard_bytes"] = inputs.guard
+    result["host_count"] = len(inputs.hosts)
+    refuse: list[str] = []
+    if inputs.ref is None:
+        refuse.append(
+            f"class {inputs.host_class}: no reference profile: run a profiled canary for this class and "
+            "compatibility key (playbooks/profile.yml) before planning a manual budget"
+        )
+    if not inputs.hosts:
+        refuse.append(f"class {inputs.host_class}: no hosts to plan (probe them with gpu_memory_info first)")
+    if refuse or inputs.ref is None:  # no reference is one of the refusals
+        result["reasons"] = refuse + result["reasons"]
+        return result
+
+    p = _Planning(inputs, inputs.ref, result)
+    result["rank_count"] = sum(len(h["ranks"]) for h in inputs.hosts.values())
+    _settle_reference_kv(p)
+    _check_reference_suggestions(p)
+    _check_rank_layout(p)
+    _check_uniform_class(p)
+    drift = _weakest_rank(p)
+    if drift is None:
+        p.refuse.append(f"class {inputs.host_class}: no host rank matches a reference rank")
+        result["reasons"] = p.refuse + result["reasons"]
+        return result
+    result["max_safe_bytes"] = drift.launch
+    result["weakest"] = {"host": drift.weakest[0], "rank": drift.weakest[1], "adjusted_bytes": drift.launch}
+    if drift.launch <= 0:
+        p.refuse.append(
+            f"the weakest rank (host {drift.weakest[0]} rank {drift.weakest[1]}) leaves no KV memory ({drift.launch} bytes) "
+            f"after drift and guard {human_bytes(inputs.guard)}: free memory there is far below the reference; find the "
+            "co-tenant or re-profile"
+        )
+    adm = _admission_blocks(p)
+    _choose_budget(p, drift, adm)
+    _floors_and_utilization(p)
+    _blocks_and_tokens(p, drift)
+    result["what_if_fp8"] = _what_if_fp8(p.ref, p.geo, p.cap, drift.launch, adm, inputs.max_model_len, p.reasons)
+    _headroom(p, drift)
+    _split(p, drift)
+    _instability(p, drift)
+    _per_rank_table(p, drift)
+    _decide(p, drift)
     return result
