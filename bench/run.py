@@ -459,7 +459,8 @@ def render_runtime(res: dict[str, Any]) -> tuple[list[str], list[tuple[str, str,
     return lines, goals
 
 
-RENDER = {"runtime": render_runtime, "planner": render_planner, "probe": render_probe, "gate": render_gate, "canary": render_canary, "rollout": render_rollout, "drift": render_drift}
+RENDER = {"planner": render_planner, "probe": render_probe, "gate": render_gate, "canary": render_canary,
+          "rollout": render_rollout, "drift": render_drift, "runtime": render_runtime}
 
 
 def render_recorded_gpu(measurements: Path = REPO / "docs" / "measurements") -> list[str]:
