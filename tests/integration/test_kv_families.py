@@ -109,7 +109,7 @@ def family(request: pytest.FixtureRequest) -> dict[str, Any]:
     model = _model_dir(name)
     marker = uuid.uuid4().hex
     profiled = _canary.run_canary(_spec(model, marker, mode="profiled", gpu_memory_utilization=PROFILED_UTILIZATION,
-                                    log_path=str(OUT / f"{name}-profiled.log")))
+                                        log_path=str(OUT / f"{name}-profiled.log")))
     assert profiled["verdict"] in ("pass", "inconclusive"), profiled["reasons"]
     config = json.loads((model / "config.json").read_text())
     preboot = [{"index": 0, "free_bytes": F_REF, "total_bytes": TOTAL, "name": "cpu"}]
@@ -119,8 +119,8 @@ def family(request: pytest.FixtureRequest) -> dict[str, Any]:
     if plan["decision"] == "deploy":
         ref_for_tokens = dict(profiled, kv_cache_tokens=plan["kv_cache_tokens"])
         manual = _canary.run_canary(_spec(model, marker, mode="manual", kv_cache_memory_bytes=plan["kv_cache_memory_bytes"],
-                                      gpu_memory_utilization=0.3, reference=ref_for_tokens,
-                                      log_path=str(OUT / f"{name}-manual.log")))
+                                          gpu_memory_utilization=0.3, reference=ref_for_tokens,
+                                          log_path=str(OUT / f"{name}-manual.log")))
     return {"name": name, "profiled": profiled, "reference": reference, "plan": plan, "manual": manual}
 
 

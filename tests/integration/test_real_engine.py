@@ -544,7 +544,7 @@ def _simulate(argv: list[str], work: Path) -> dict[str, Any]:
                CUDA_VISIBLE_DEVICES="0", PYTHONUNBUFFERED="1")
     port = _engine_process.free_port()
     engine = _engine_process.EngineProcess([sys.executable, str(SIM_ENGINE), *argv, "--host", _serve_argv.LOOPBACK, "--port", str(port)],
-                               env, str(work / "engine.log"))
+                                           env, str(work / "engine.log"))
     engine.start()
     try:
         health = _engine_process.wait_healthy(_serve_argv.LOOPBACK, port, timeout=120, is_alive=engine.alive, returncode=engine.poll)

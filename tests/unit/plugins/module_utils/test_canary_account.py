@@ -35,7 +35,7 @@ def test_engine_process_runs_as_the_account(tmp_path):
     out = tmp_path / "log"
     script = "import os; print(os.getuid(), os.getgid(), os.getcwd(), os.environ.get('HF_HOME'), flush=True)"
     proc = _engine_process.EngineProcess(["/usr/bin/python3", "-c", script], {"HF_HOME": "/srv/cache/hf", "PATH": os.environ.get("PATH", "")},
-                             str(out), nobody)
+                                         str(out), nobody)
     proc.start()
     deadline = time.monotonic() + 10
     while proc.poll() is None and time.monotonic() < deadline:

@@ -156,7 +156,7 @@ def spec_for(exe: str, **kw) -> _canary.CanarySpec:
 def test_no_process_with_sees_a_live_marker(tmp_path, fake_vllm):
     marker = f"live{time.time_ns()}"
     proc = _engine_process.EngineProcess([fake_vllm, "serve", marker, "--port", "1"], dict(os.environ, FAKE_ENGINE="stubborn"),
-                             str(tmp_path / "log"))
+                                         str(tmp_path / "log"))
     proc.start()
     try:
         deadline = time.monotonic() + 5
@@ -206,7 +206,7 @@ def test_render_serve_args_refuses_controlled_options(key):
 
 def test_build_argv_manual_and_profiled():
     argv = _serve_argv.build_argv("/v/vllm", "/m", mode="manual", port=8123, kv_cache_memory_bytes=100000000,
-                          gpu_memory_utilization=0.3, serve_args={"max_model_len": 256})
+                                  gpu_memory_utilization=0.3, serve_args={"max_model_len": 256})
     assert argv == ["/v/vllm", "serve", "/m", "--host", "127.0.0.1", "--port", "8123",
                     "--kv-cache-memory-bytes", "100000000", "--gpu-memory-utilization", "0.3",
                     "--max-model-len", "256"]
@@ -224,7 +224,7 @@ def test_build_argv_manual_and_profiled():
 def test_redact_argv_and_api_key():
     argv = ["vllm", "serve", "m", "--api-key", "s3cret", "--hf-token=abc", "--max-model-len", "8"]
     assert _serve_argv.redact_argv(argv) == ["vllm", "serve", "m", "--api-key", "********", "--hf-token=********",
-                                     "--max-model-len", "8"]
+                                             "--max-model-len", "8"]
     assert _serve_argv.api_key_of({"api_key": "k1"}, {}) == "k1"
     assert _serve_argv.api_key_of({}, {"VLLM_API_KEY": "k2"}) == "k2"
     assert _serve_argv.api_key_of({}, {}) is None
@@ -232,7 +232,7 @@ def test_redact_argv_and_api_key():
 
 def test_engine_env_manual_budget_override():
     env = _serve_argv.engine_env({"A": 1}, mode="manual", cuda_visible_devices="2,3",
-                         base={"VLLM_CPU_KVCACHE_SPACE": "4", "PATH": "/bin"})
+                                 base={"VLLM_CPU_KVCACHE_SPACE": "4", "PATH": "/bin"})
     assert env == {"A": "1", "CUDA_VISIBLE_DEVICES": "2,3", "PATH": "/bin"}
     with pytest.raises(_serve_argv.EngineSpecError, match="VLLM_CPU_KVCACHE_SPACE"):
         _serve_argv.engine_env({"VLLM_CPU_KVCACHE_SPACE": "4"}, mode="manual", base={})
@@ -271,7 +271,7 @@ def test_health_wait_notices_dead_engine_at_once(tmp_path, fake_vllm):
     try:
         start = time.monotonic()
         health = _engine_process.wait_healthy("127.0.0.1", port, timeout=60, is_alive=proc.alive, returncode=proc.poll,
-                                  interval=0.05)
+                                              interval=0.05)
         assert health.status == "exited"
         assert health.returncode == 1
         assert time.monotonic() - start < 10  # not the 60 s deadline
@@ -346,7 +346,7 @@ def test_canary_dead_boot_is_fail_with_engine_error(tmp_path, fake_vllm):
 def test_canary_health_timeout_stops_engine(tmp_path, fake_vllm):
     marker = f"m{time.time_ns()}"
     result = _canary.run_canary(spec_for(fake_vllm, model=marker, startup_timeout=0.5,
-                                     env={"FAKE_ENGINE": "never_healthy"}))
+                                         env={"FAKE_ENGINE": "never_healthy"}))
     assert result["verdict"] == "fail" and result["health"] == "timeout"
     assert "not healthy within 0.5 s" in result["reasons"][0]
     assert result["stop"]["signal"] == "SIGTERM" and result["stop"]["leftover_pids"] == []
@@ -366,9 +366,9 @@ def test_canary_killed_during_load(tmp_path, fake_vllm):
     def kill(engine):
         engine.kill_group(signal.SIGKILL)
     result = _canary.run_canary(spec_for(fake_vllm, model=marker, env={"FAKE_ENGINE": "serving"},
-                                     load=LoadSpec(requests=40, concurrency=2, prompt_tokens=8, max_tokens=50,
-                                                   warmup=0)),
-                            during_load=kill)
+                                         load=LoadSpec(requests=40, concurrency=2, prompt_tokens=8, max_tokens=50,
+                                                       warmup=0)),
+                                during_load=kill)
     assert result["verdict"] == "fail"
     assert result["died_during_load"] is True
     assert result["load"]["failed"] > 0
@@ -430,8 +430,8 @@ def test_compare_with_reference():
     cmp_ = _canary.compare_with_reference(other_mix, ref, tol)
     assert cmp_["verdict"] == "inconclusive" and "prompt_tokens 9 vs 8" in cmp_["reasons"][0]
     verdict, reasons, comparison = _canary.judge_canary(_result(preemptions=0), requested_kv_bytes=100,
-                                                    tolerances=tol, reference=_result(mode="profiled", preemptions=0,
-                                                                                      kv_cache_tokens=2000))
+                                                        tolerances=tol, reference=_result(mode="profiled", preemptions=0,
+                                                                                          kv_cache_tokens=2000))
     assert verdict == "fail" and comparison["token_ratio"] == 0.5
 
 
@@ -454,10 +454,10 @@ METRICS = parse_metrics(
 
 def test_evaluate_boot_pass_and_rank_named_failures():
     ok = _boot_check.evaluate_boot(_log(), METRICS, expected_kv_cache_memory_bytes=100_000_000,
-                           free_floor_bytes={0: 39 * 2**30, "1": 38 * 2**30}, min_tokens=195200)
+                                   free_floor_bytes={0: 39 * 2**30, "1": 38 * 2**30}, min_tokens=195200)
     assert ok["ok"], ok["reasons"]
     bad = _boot_check.evaluate_boot(_log(), METRICS, expected_kv_cache_memory_bytes=100_000_000,
-                            free_floor_bytes=39.5 * 2**30, min_tokens=200000)
+                                    free_floor_bytes=39.5 * 2**30, min_tokens=200000)
     assert not bad["ok"]
     assert any(r.startswith("rank 1: initial free memory 41875931136 bytes") for r in bad["reasons"])
     assert any("195200 tokens, fewer than the 200000" in r for r in bad["reasons"])
@@ -468,8 +468,8 @@ def test_evaluate_boot_pass_and_rank_named_failures():
 
 def test_evaluate_boot_missing_figures_fail_closed():
     res = _boot_check.evaluate_boot(_log(ranks=[{"rank": 0, "initial_free_bytes": None, "reserved_kv_bytes": None}]),
-                            None, expected_kv_cache_memory_bytes=1, free_floor_bytes=1, min_tokens=1,
-                            metrics_error="/metrics unreachable")
+                                    None, expected_kv_cache_memory_bytes=1, free_floor_bytes=1, min_tokens=1,
+                                    metrics_error="/metrics unreachable")
     text = " | ".join(res["reasons"])
     assert "did not use the manual budget" in text
     assert "cannot cross-check kv_cache_memory_bytes: /metrics unreachable" in text
@@ -485,7 +485,7 @@ def test_evaluate_boot_floor_not_applicable_on_the_cpu_build():
     assert log["device"] == "CPU" and log["ranks"][0]["cpu_kv_mode"] == "explicit"
     assert log["ranks"][0]["initial_free_bytes"] is None
     res = _boot_check.evaluate_boot(log, METRICS, expected_kv_cache_memory_bytes=100_000_000,
-                            free_floor_bytes={0: 4 * 2**30}, min_tokens=195200)
+                                    free_floor_bytes={0: 4 * 2**30}, min_tokens=195200)
     assert res["ok"], res["reasons"]
     floor = [c for c in res["checks"] if c["check"] == "free_floor"]
     assert floor == [{"check": "free_floor", "rank": 0, "ok": True, "applicable": False, "floor": 4 * 2**30,
@@ -497,7 +497,7 @@ def test_evaluate_boot_floor_not_applicable_on_the_cpu_build():
     assert not wrong["ok"] and any("expected 200000000" in r for r in wrong["reasons"])
     # a GPU log without the figure still fails closed (covered above); so does a GPU log naming no device
     gpu = _boot_check.evaluate_boot(_log(ranks=[{"rank": 0, "initial_free_bytes": None, "reserved_kv_bytes": 100_000_000}]),
-                            METRICS, free_floor_bytes=1)
+                                    METRICS, free_floor_bytes=1)
     assert not gpu["ok"] and gpu["not_applicable"] == []
 
 
@@ -547,13 +547,13 @@ def test_boot_check_against_double_with_log_file(tmp_path, fake_vllm):
     log_file.write_text("(APIServer pid=1) INFO x [a.py:1] non-default args: {}\n"
                         "(Worker pid=1) ERROR x [a.py:1] torch.OutOfMemoryError: CUDA out of memory. old boot\n")
     proc = _engine_process.EngineProcess([fake_vllm, "serve", "m", "--port", str(port), "--kv-cache-memory-bytes", "100000000"],
-                             dict(os.environ, FAKE_ENGINE="serving"), str(tmp_path / "new.log"))
+                                         dict(os.environ, FAKE_ENGINE="serving"), str(tmp_path / "new.log"))
     proc.start()
     try:
         _engine_process.wait_healthy("127.0.0.1", port, timeout=20, is_alive=proc.alive, interval=0.05)
         log_file.write_text(log_file.read_text() + proc.read_log())
         spec = _boot_check.BootCheckSpec(port=port, journal=False, log_path=str(log_file), timeout=5,
-                                 expected_kv_cache_memory_bytes=100_000_000, min_tokens=195000)
+                                         expected_kv_cache_memory_bytes=100_000_000, min_tokens=195000)
         result = _boot_check.run_boot_check(spec)
         assert result["ok"], result["reasons"]
         assert result["engine_errors"] == []  # the old boot's OOM is not this boot's

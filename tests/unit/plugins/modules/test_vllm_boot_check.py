@@ -37,7 +37,7 @@ def run(capsys, args: dict[str, Any]) -> tuple[int, dict[str, Any]]:
 def engine(tmp_path, fake_vllm):
     port = _engine_process.free_port()
     proc = _engine_process.EngineProcess([fake_vllm, "serve", "m", "--port", str(port), "--kv-cache-memory-bytes", "100000000"],
-                             dict(os.environ, FAKE_ENGINE="serving"), str(tmp_path / "engine.log"))
+                                         dict(os.environ, FAKE_ENGINE="serving"), str(tmp_path / "engine.log"))
     proc.start()
     health = _engine_process.wait_healthy("127.0.0.1", port, timeout=20, is_alive=proc.alive, interval=0.05)
     assert health.status == "healthy"
