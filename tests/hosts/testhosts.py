@@ -301,7 +301,13 @@ class Harness:
             out[info.name] = info
         return out
 
-    def _nspawn_running(self, info: HostInfo) -> bool:
+    def _nspawn_running(self, info: HostInfo, settle: float = 0.0) -> bool:
+        """Whether the host's systemd-nspawn runs; ``settle``: look again after that many seconds
+        (a booting guest's check must not fail on one read of ``/proc`` under load)."""
+        if settle:
+            time.sleep(settle)
+            for child in self._children:
+                child.poll()
         argv = proc_cmdline(info.nspawn_pid)
         return (
             pid_alive(info.nspawn_pid)
@@ -647,7 +653,12 @@ class Harness:
                 raise
             info = HostInfo.load(self.host_dir(name) / "host.json")
             status = next((c.returncode for c in self._children if c.pid == info.nspawn_pid), None)
-            log(f"{name}: systemd-nspawn exited during boot (exit status {status}); starting it once more")
+            # What that start left (its guest's systemd and services, seen alive after such an
+            # exit) holds the guest's root directory: the second nspawn would find it "busy".
+            left = self._nspawn_pids(name) + self._guest_pids(name)
+            log(f"{name}: systemd-nspawn exited during boot (exit status {status}); stopping the {len(left)} "
+                "process(es) that start left and starting it once more")
+            self._stop_processes(name)
         info.leader_pid = 0
         info.state = "starting"
         info.started_at = time.time()
@@ -796,7 +807,7 @@ class Harness:
         while time.monotonic() < deadline:
             for child in self._children:
                 child.poll()
-            if not self._nspawn_running(info):
+            if not self._nspawn_running(info) and not self._nspawn_running(info, settle=0.5):
                 raise HarnessError(f"{name}: systemd-nspawn exited during boot; console:\n{self._console_tail(name)}")
             if not info.leader_pid:
                 info.leader_pid = self._find_leader(info.nspawn_pid)
@@ -993,13 +1004,9 @@ class Harness:
         return [p for p in all_pids()
                 if (argv := proc_cmdline(p)) and os.path.basename(argv[0]) == "systemd-nspawn" and want in argv]
 
-    def _down_one(self, name: str) -> None:
-        hdir = self.host_dir(name)
-        record = hdir / "host.json"
-        info: HostInfo | None = None
-        if record.is_file():
-            with contextlib.suppress(OSError, ValueError, TypeError):
-                info = HostInfo.load(record)
+    def _stop_processes(self, name: str) -> None:
+        """Stop the guest's systemd-nspawn (SIGTERM: its systemd shuts down) and every process
+        left in the guest (SIGKILL), and wait until they are gone."""
         nspawn = self._nspawn_pids(name)
         for pid in nspawn:
             with contextlib.suppress(ProcessLookupError):
@@ -1020,6 +1027,15 @@ class Harness:
                 child.poll()
             time.sleep(0.1)
         self._children = [c for c in self._children if c.poll() is None]
+
+    def _down_one(self, name: str) -> None:
+        hdir = self.host_dir(name)
+        record = hdir / "host.json"
+        info: HostInfo | None = None
+        if record.is_file():
+            with contextlib.suppress(OSError, ValueError, TypeError):
+                info = HostInfo.load(record)
+        self._stop_processes(name)
         prefix = str(hdir) + "/"
         for point in reversed(read_mountinfo()):
             if point.startswith(prefix) or point == str(hdir):

@@ -162,3 +162,28 @@ def test_inotify_limit_is_raised_for_many_hosts_and_never_lowered(tmp_path: Path
     limit.write_text("100000\n")
     h._ensure_inotify_instances(32)  # pylint: disable=protected-access
     assert int(limit.read_text()) == 100000
+
+
+def test_a_start_that_exits_during_boot_is_cleared_before_the_second_start(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """What the first systemd-nspawn left (its guest's processes, seen alive after such an exit) held
+    the root directory, and the second start failed with "Directory tree ... is currently busy"."""
+    h = testhosts.Harness(tmp_path)
+    info = _info("sim-a", 3, tmp_path)
+    (tmp_path / "hosts" / "sim-a").mkdir(parents=True)
+    info.save(tmp_path / "hosts" / "sim-a" / "host.json")
+    calls: list[str] = []
+    waits = iter([testhosts.HarnessError("sim-a: systemd-nspawn exited during boot; console:\n"), None])
+
+    def wait_ready(name: str, deadline: float) -> None:
+        calls.append("wait")
+        error = next(waits)
+        if error is not None:
+            raise error
+
+    monkeypatch.setattr(h, "_wait_ready", wait_ready)
+    monkeypatch.setattr(h, "_nspawn_pids", lambda name: [4242])
+    monkeypatch.setattr(h, "_guest_pids", lambda name: [4243, 4244])
+    monkeypatch.setattr(h, "_stop_processes", lambda name: calls.append(f"stop {name}"))
+    monkeypatch.setattr(h, "_start_nspawn", lambda i: calls.append(f"start {i.name}"))
+    h._wait_ready_or_restart("sim-a", 0.0)  # pylint: disable=protected-access
+    assert calls == ["wait", "stop sim-a", "start sim-a", "wait"]
