@@ -301,13 +301,7 @@ class Harness:
             out[info.name] = info
         return out
 
-    def _nspawn_running(self, info: HostInfo, settle: float = 0.0) -> bool:
-        """Whether the host's systemd-nspawn runs; ``settle``: look again after that many seconds
-        (a booting guest's check must not fail on one read of ``/proc`` under load)."""
-        if settle:
-            time.sleep(settle)
-            for child in self._children:
-                child.poll()
+    def _nspawn_running(self, info: HostInfo) -> bool:
         argv = proc_cmdline(info.nspawn_pid)
         return (
             pid_alive(info.nspawn_pid)
@@ -655,10 +649,9 @@ class Harness:
             status = next((c.returncode for c in self._children if c.pid == info.nspawn_pid), None)
             # What that start left (its guest's systemd and services, seen alive after such an
             # exit) holds the guest's root directory: the second nspawn would find it "busy".
-            left = self._nspawn_pids(name) + self._guest_pids(name)
-            log(f"{name}: systemd-nspawn exited during boot (exit status {status}); stopping the {len(left)} "
-                "process(es) that start left and starting it once more")
-            self._stop_processes(name)
+            left = self._stop_processes(name)
+            log(f"{name}: systemd-nspawn exited during boot (exit status {status}); stopped the {left} "
+                "process(es) that start left, starting it once more")
         info.leader_pid = 0
         info.state = "starting"
         info.started_at = time.time()
@@ -807,7 +800,12 @@ class Harness:
         while time.monotonic() < deadline:
             for child in self._children:
                 child.poll()
-            if not self._nspawn_running(info) and not self._nspawn_running(info, settle=0.5):
+            if not self._nspawn_running(info):
+                # look once more before calling it an exit: one read of /proc under load is not enough
+                time.sleep(0.5)
+                for child in self._children:
+                    child.poll()
+            if not self._nspawn_running(info):
                 raise HarnessError(f"{name}: systemd-nspawn exited during boot; console:\n{self._console_tail(name)}")
             if not info.leader_pid:
                 info.leader_pid = self._find_leader(info.nspawn_pid)
@@ -1004,9 +1002,10 @@ class Harness:
         return [p for p in all_pids()
                 if (argv := proc_cmdline(p)) and os.path.basename(argv[0]) == "systemd-nspawn" and want in argv]
 
-    def _stop_processes(self, name: str) -> None:
+    def _stop_processes(self, name: str) -> int:
         """Stop the guest's systemd-nspawn (SIGTERM: its systemd shuts down) and every process
-        left in the guest (SIGKILL), and wait until they are gone."""
+        left in the guest (SIGKILL), and wait until they are gone; returns how many were killed
+        beside the nspawn processes stopped."""
         nspawn = self._nspawn_pids(name)
         for pid in nspawn:
             with contextlib.suppress(ProcessLookupError):
@@ -1016,8 +1015,10 @@ class Harness:
             for child in self._children:
                 child.poll()
             time.sleep(0.1)
+        stopped = len(nspawn)
         for pid in nspawn + self._guest_pids(name):
             if pid_alive(pid):
+                stopped += pid not in nspawn
                 log(f"{name}: killing pid {pid} that did not stop on SIGTERM")
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
@@ -1027,6 +1028,7 @@ class Harness:
                 child.poll()
             time.sleep(0.1)
         self._children = [c for c in self._children if c.poll() is None]
+        return stopped
 
     def _down_one(self, name: str) -> None:
         hdir = self.host_dir(name)

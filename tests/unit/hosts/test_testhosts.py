@@ -181,9 +181,7 @@ def test_a_start_that_exits_during_boot_is_cleared_before_the_second_start(tmp_p
             raise error
 
     monkeypatch.setattr(h, "_wait_ready", wait_ready)
-    monkeypatch.setattr(h, "_nspawn_pids", lambda name: [4242])
-    monkeypatch.setattr(h, "_guest_pids", lambda name: [4243, 4244])
-    monkeypatch.setattr(h, "_stop_processes", lambda name: calls.append(f"stop {name}"))
+    monkeypatch.setattr(h, "_stop_processes", lambda name: calls.append(f"stop {name}") or 3)
     monkeypatch.setattr(h, "_start_nspawn", lambda i: calls.append(f"start {i.name}"))
     h._wait_ready_or_restart("sim-a", 0.0)  # pylint: disable=protected-access
     assert calls == ["wait", "stop sim-a", "start sim-a", "wait"]
