@@ -13,6 +13,7 @@ from typing import Any, Callable, Mapping, Sequence
 from ansible.errors import AnsibleFilterError
 
 from ansible_collections.gpufleet.vllm.plugins.module_utils import _compat
+from ansible_collections.gpufleet.vllm.plugins.module_utils._launch import LaunchError
 from ansible_collections.gpufleet.vllm.plugins.plugin_utils import _releases, _rollout
 
 
@@ -55,12 +56,14 @@ def runtime_problems(reference: Any, host: Any, reference_host: str = "the class
         raise AnsibleFilterError(str(exc)) from None
 
 
-def gate_violations(gpus: Any, instances: Any, plan: Any, auto_utilization: Any = 0.9) -> list[str]:
+def gate_violations(gpus: Any, instances: Any, launch: Any) -> list[str]:
     """The free-memory gate of the serial batches: every rank below what its start needs."""
-    if not isinstance(plan, Mapping):
-        raise AnsibleFilterError("gate_violations: plan must be a mapping (the class's plan)")
+    if not isinstance(launch, Mapping):
+        raise AnsibleFilterError("gate_violations: launch must be a mapping (the class's launch record, from launch_contract)")
     try:
-        return _rollout.gate_violations(gpus, instances, plan, float(auto_utilization))
+        return _rollout.gate_violations(gpus, instances, launch)
+    except LaunchError as exc:
+        raise AnsibleFilterError(f"gate_violations: {exc}") from None
     except (KeyError, TypeError, ValueError) as exc:
         raise AnsibleFilterError(f"gate_violations: a GPU or instance lacks a field, or a figure is not a number: {exc!r}") from None
 

@@ -30,9 +30,11 @@ Policies (``vllm_service_boot_gate``):
 
 It never raises a budget: a rank above its floor starts the plan as written.
 
-The plan file (``<state_dir>/<instance>.plan.json``, the launch contract) is read in
-format 1 (budget, floors, utilization, tokens) or 2 (also guard, max_model_len,
-admission, capacity figures, GPU ranks and the gate's policy and state file).
+The plan file (``<state_dir>/<instance>.plan.json``) is read in format 3 (the instance,
+its GPUs and the gate's policy and state file, and the class's launch record, ``_launch``
+and ``docs/launch-contract.md``), and in the formats earlier releases wrote: 1 (budget,
+floors, utilization, tokens) and 2 (also guard, max_model_len, admission, capacity figures,
+GPU ranks and the gate's policy and state file, beside each other).
 """
 
 from __future__ import annotations
@@ -45,9 +47,10 @@ import time
 import typing as t
 
 from ._kv_capacity import SOURCES as CAPACITY_SOURCES, blocks_for_bytes, floor_utilization, full_attention_request_blocks, one_request_blocks, tokens_for_blocks
+from ._launch import PLAN_FILE_FORMAT, LaunchError, check_launch
 
-PLAN_FORMATS = (1, 2)
-PLAN_FORMAT = 2
+PLAN_FORMATS = (1, 2, PLAN_FILE_FORMAT)
+PLAN_FORMAT = PLAN_FILE_FORMAT
 STATE_FORMAT = 1
 POLICIES = ("refuse", "shrink", "profile")
 # EX_CONFIG: systemd shows "status=78/CONFIG"; the unit lists it in RestartPreventExitStatus
@@ -100,12 +103,14 @@ def _rank_map(raw: t.Any, where: str) -> dict[int, int]:
 # ---------------------------------------------------------------- plan file
 
 def parse_plan(doc: t.Any, where: str = "plan file") -> dict[str, t.Any]:
-    """Normalise a plan record of format 1 or 2 into what the gate needs."""
+    """Normalise a plan record of format 1, 2 or 3 into what the gate needs."""
     if not isinstance(doc, t.Mapping):
         raise BootGateError(f"{where}: expected a JSON object")
     fmt = doc.get("format")
     if fmt not in PLAN_FORMATS:
         raise BootGateError(f"{where}: format {fmt!r} is not one this gate reads ({', '.join(map(str, PLAN_FORMATS))})")
+    if fmt == PLAN_FILE_FORMAT:
+        doc = _with_launch_fields(doc, where)
     decision = doc.get("decision")
     manual = decision != "auto_profile"
     gpus = doc.get("gpus")
@@ -151,6 +156,19 @@ def parse_plan(doc: t.Any, where: str = "plan file") -> dict[str, t.Any]:
     plan["policy"] = gate.get("policy")
     plan["state_file"] = gate.get("state_file")
     return plan
+
+
+def _with_launch_fields(doc: t.Mapping[str, t.Any], where: str) -> dict[str, t.Any]:
+    """A format 3 plan file's launch record (``_launch``), checked, with its figures where
+    formats 1 and 2 keep them (beside the instance's own fields)."""
+    try:
+        launch = check_launch(doc.get("launch"), f"{where}: launch")
+    except LaunchError as exc:
+        raise BootGateError(str(exc)) from None
+    expect = launch["expect"] or {}
+    flat = {key: launch[key] for key in ("decision", "kv_cache_memory_bytes", "gpu_memory_utilization", "profile_max_utilization",
+                                         "free_floor_bytes", "vllm_floor_bytes", "guard_bytes", "admission", "capacity")}
+    return {**doc, **flat, "num_blocks": expect.get("num_blocks"), "kv_cache_tokens": expect.get("kv_cache_tokens")}
 
 
 def _capacity_figures(doc: t.Mapping[str, t.Any], plan: t.Mapping[str, t.Any], where: str) -> dict[str, t.Any] | None:

@@ -155,24 +155,32 @@ def build_argv(
     except ValidationError as exc:
         raise EngineSpecError(str(exc)) from None
     argv = [str(executable), "serve", str(model), "--host", host, "--port", str(port)]
-    if mode == "manual":
-        if kv_cache_memory_bytes is None:
-            raise EngineSpecError("mode=manual needs kv_cache_memory_bytes")
+    if mode == "manual" and kv_cache_memory_bytes is None:
+        raise EngineSpecError("mode=manual needs kv_cache_memory_bytes")
+    if mode != "manual" and kv_cache_memory_bytes is not None:
+        raise EngineSpecError("kv_cache_memory_bytes is only valid with mode=manual")
+    argv += budget_args(kv_cache_memory_bytes, gpu_memory_utilization)
+    argv += render_serve_args(serve_args)
+    return argv
+
+
+def budget_args(kv_cache_memory_bytes: int | None, gpu_memory_utilization: float | None) -> list[str]:
+    """The budget options of ``vllm serve``, for a canary and for a unit (a launch record's figures):
+    the byte budget when there is one, and the startup utilization when there is one."""
+    args = []
+    if kv_cache_memory_bytes is not None:
         if int(kv_cache_memory_bytes) <= 0:
             raise EngineSpecError(
                 f"kv_cache_memory_bytes must be positive (vLLM treats {kv_cache_memory_bytes} as unset)"
             )
-        argv += ["--kv-cache-memory-bytes", str(int(kv_cache_memory_bytes))]
-    elif kv_cache_memory_bytes is not None:
-        raise EngineSpecError("kv_cache_memory_bytes is only valid with mode=manual")
+        args += ["--kv-cache-memory-bytes", str(int(kv_cache_memory_bytes))]
     if gpu_memory_utilization is not None:
         try:
             util = number(gpu_memory_utilization, "gpu_memory_utilization", low=0, high=1, low_open=True)
         except ValidationError as exc:
             raise EngineSpecError(f"{exc} (must be in (0, 1])") from None
-        argv += ["--gpu-memory-utilization", repr(util)]
-    argv += render_serve_args(serve_args)
-    return argv
+        args += ["--gpu-memory-utilization", repr(util)]
+    return args
 
 
 def engine_env(

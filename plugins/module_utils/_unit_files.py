@@ -52,6 +52,7 @@ import typing as t
 from dataclasses import dataclass
 
 from . import _validate as v
+from ._launch import LaunchError, for_instance
 from ._serve_argv import CONTROLLED_OPTIONS, EngineSpecError, option_name, render_serve_args
 
 KINDS = ("unit", "plan", "env")
@@ -139,7 +140,6 @@ def check_content(name: str, kind: str, content: object) -> str:
         raise UnitFilesError(str(exc)) from None
 
 
-_DECISIONS = ("deploy", "reprofile", "split", "auto_profile")
 # role variable (less the vllm_service_ prefix) -> check; every one is rendered into the unit
 _SERVICE_PATHS = ("executable", "home", "state_dir", "unit_dir")
 _SERVICE_COUNTS = {"restart_sec": 0, "start_limit_burst": 0, "start_limit_interval_sec": 0,
@@ -192,22 +192,12 @@ def _instances_problems(instances: t.Any, problems: list[str]) -> None:
     _check(problems, v.unique, [p for p in ports if p is not None], f"{field} ports")
 
 
-def _plan_problems(plan: t.Any, problems: list[str]) -> None:
-    field = "vllm_service_plan"
-    if not isinstance(plan, t.Mapping):
-        problems.append(f"{field}: expected a mapping (the output of gpufleet.vllm.kv_plan)")
-        return
-    decision = plan.get("decision")
-    if decision not in _DECISIONS:
-        problems.append(f"{field}.decision: must be one of {', '.join(_DECISIONS)}, got {decision!r}")
-        return
-    if decision != "auto_profile":
-        _check(problems, v.integer, plan.get("kv_cache_memory_bytes"), f"{field}.kv_cache_memory_bytes", low=1)
-        _check(problems, v.number, plan.get("gpu_memory_utilization"), f"{field}.gpu_memory_utilization",
-               low=0, high=1, low_open=True)
-    elif plan.get("gpu_memory_utilization") is not None:
-        _check(problems, v.number, plan.get("gpu_memory_utilization"), f"{field}.gpu_memory_utilization",
-               low=0, high=1, low_open=True)
+def _plan_problems(plan: t.Any, default_utilization: t.Any, problems: list[str]) -> None:
+    """The plan must give a launch record an instance can start with (``_launch.for_instance``)."""
+    try:
+        for_instance(plan, default_utilization, "vllm_service_plan")
+    except LaunchError as exc:
+        problems.append(str(exc))
 
 
 def _env_problems(env: t.Any, field: str, problems: list[str], secret: bool = False) -> None:
@@ -240,7 +230,7 @@ def service_input_problems(inputs: t.Mapping[str, t.Any]) -> list[str]:
         return inputs.get("vllm_service_" + key)
 
     _instances_problems(get("instances"), problems)
-    _plan_problems(get("plan"), problems)
+    _plan_problems(get("plan"), inputs.get("vllm_service_auto_gpu_memory_utilization", 0.9), problems)
     if _check(problems, v.text, get("model"), "vllm_service_model") and str(get("model")).startswith("-"):
         problems.append("vllm_service_model: must not start with '-' (vLLM would read it as an option)")
     for key in _SERVICE_PATHS:

@@ -53,6 +53,15 @@ options:
     description: Port of the engine on 127.0.0.1.
     type: int
     default: 8000
+  launch:
+    description:
+      - The launch record the unit was started with (C(launch) of M(gpufleet.vllm.kv_plan)'s plan, schema in
+        C(docs/launch-contract.md)). Its budget, vLLM floors (C(vllm_floor_bytes)) and tokens
+        (C(expect.kv_cache_tokens)) are the checks; an C(auto_profile) record checks health and errors only.
+      - Mutually exclusive with O(expected_kv_cache_memory_bytes) and O(free_floor_bytes), which give the same
+        checks one by one for a unit without a plan. O(min_tokens) overrides the record's tokens.
+    type: dict
+    version_added: 1.2.0
   expected_kv_cache_memory_bytes:
     description: The budget the unit was started with (integer or size string); each rank must have reserved it.
     type: raw
@@ -93,14 +102,12 @@ seealso:
 """
 
 EXAMPLES = r"""
-- name: Check the boot of the restarted unit against its plan (a kv_plan result)
+- name: Check the boot of the restarted unit against its launch record (of a kv_plan result)
   gpufleet.vllm.vllm_boot_check:
     unit: vllm-main.service
     port: 8000
-    expected_kv_cache_memory_bytes: "{{ gpufleet_plan.kv_cache_memory_bytes }}"
-    # vLLM logs its own free memory: compare it with the floor in vLLM's terms
-    free_floor_bytes: "{{ gpufleet_plan.vllm_floor_bytes }}"
-    min_tokens: "{{ gpufleet_plan.kv_cache_tokens }}"
+    # the budget, vLLM's own logged free memory against the floor in vLLM's terms, the tokens
+    launch: "{{ gpufleet_plan.launch }}"
     timeout: 600
 
 - name: Check an engine that logs to a file
@@ -191,6 +198,7 @@ from ansible.module_utils.common.text.converters import to_native
 
 from ansible_collections.gpufleet.vllm.plugins.module_utils._boot_check import BootCheckSpec, Systemd, run_boot_check
 from ansible_collections.gpufleet.vllm.plugins.module_utils._boot_gate import boot_expectations, wait_state
+from ansible_collections.gpufleet.vllm.plugins.module_utils._launch import LaunchError, check_launch
 from ansible_collections.gpufleet.vllm.plugins.module_utils._serve_argv import EngineSpecError
 from ansible_collections.gpufleet.vllm.plugins.module_utils._sizes import SizeError, parse_size
 from ansible_collections.gpufleet.vllm.plugins.module_utils._validate import ValidationError, integer, port, text
@@ -229,15 +237,23 @@ def build_spec(params: Mapping[str, Any]) -> BootCheckSpec:
     if params["min_tokens"] is not None:
         integer(params["min_tokens"], "min_tokens", low=0)
     expected = None
-    if params["expected_kv_cache_memory_bytes"] is not None:
+    floor = _floor(params["free_floor_bytes"])
+    min_tokens = params["min_tokens"]
+    if params.get("launch") is not None:
+        record = check_launch(params["launch"], "launch")
+        expected = record["kv_cache_memory_bytes"]
+        floor = record["vllm_floor_bytes"] or None
+        if min_tokens is None and record["expect"] is not None:
+            min_tokens = record["expect"]["kv_cache_tokens"]
+    elif params["expected_kv_cache_memory_bytes"] is not None:
         expected = parse_size(params["expected_kv_cache_memory_bytes"], "expected_kv_cache_memory_bytes")
     return BootCheckSpec(
         unit=params["unit"],
         host=host,
         port=tcp_port,
         expected_kv_cache_memory_bytes=expected,
-        free_floor_bytes=_floor(params["free_floor_bytes"]),
-        min_tokens=params["min_tokens"],
+        free_floor_bytes=floor,
+        min_tokens=min_tokens,
         timeout=float(params["timeout"]),
         journal=params["journal"],
         log_path=params["log_path"],
@@ -263,6 +279,7 @@ def main() -> None:
             unit=dict(type="str"),
             url=dict(type="str"),
             port=dict(type="int", default=8000),
+            launch=dict(type="dict"),
             expected_kv_cache_memory_bytes=dict(type="raw"),
             free_floor_bytes=dict(type="raw"),
             min_tokens=dict(type="int", no_log=False),
@@ -272,6 +289,7 @@ def main() -> None:
             boot_gate_state=dict(type="path"),
         ),
         required_if=[("journal", True, ("unit",)), ("journal", False, ("log_path",))],
+        mutually_exclusive=[("launch", "expected_kv_cache_memory_bytes"), ("launch", "free_floor_bytes")],
         supports_check_mode=True,
     )
     try:
@@ -306,7 +324,7 @@ def main() -> None:
             result["degraded"] = degraded if gate is not None else None
             if gate is not None:
                 result["boot_gate"] = gate
-    except (EngineSpecError, SizeError, ValidationError, ValueError) as exc:
+    except (EngineSpecError, LaunchError, SizeError, ValidationError, ValueError) as exc:
         module.fail_json(msg=to_native(exc))
     except Exception as exc:  # pylint: disable=broad-exception-caught
         module.fail_json(msg=f"vllm_boot_check failed unexpectedly: {to_native(exc)}", exception=traceback.format_exc())

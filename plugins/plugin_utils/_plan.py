@@ -49,6 +49,7 @@ from ansible_collections.gpufleet.vllm.plugins.module_utils._kv_capacity import 
     tokens_for_blocks,
 )
 from ansible_collections.gpufleet.vllm.plugins.module_utils._kv_layout import KVLayout
+from ansible_collections.gpufleet.vllm.plugins.module_utils._launch import deployed as launch_deployed, from_plan as launch_from_plan
 from ansible_collections.gpufleet.vllm.plugins.module_utils._sizes import MAX_BYTES, SizeError, human_bytes, parse_size
 from ansible_collections.gpufleet.vllm.plugins.module_utils._validate import ValidationError, boolean, number as valid_number
 from ansible_collections.gpufleet.vllm.plugins.module_utils._vllm_log import GIB_ROUNDING_BYTES
@@ -260,8 +261,7 @@ def keep_deployed(
 ) -> tuple[int, bool, str]:
     """Keep the budget the class runs now instead of the freshly planned one, when that is safe.
 
-    ``deployed`` is the plan record of the class's canary host (``kv_cache_memory_bytes``,
-    ``compat_key_hash``); ``safe_bytes`` the most this plan allows (max safe less the gate margin);
+    ``deployed`` is the plan file of the class's canary host (any format, ``_launch.deployed``); ``safe_bytes`` the most this plan allows (max safe less the gate margin);
     ``blocks_of`` gives the blocks of a budget; ``need_blocks`` the blocks the admission plan (or
     one ``max_model_len`` request) needs. The deployed budget is kept when its key is this plan's,
     it is still safe, it still holds ``need_blocks`` and it is within ``keep_step_bytes`` of the
@@ -269,6 +269,7 @@ def keep_deployed(
     """
     if keep_step_bytes <= 0:
         return planned_bytes, False, "keeping a deployed budget is off (keep step 0)"
+    deployed = launch_deployed(deployed)
     if not deployed:
         return planned_bytes, False, "no budget deployed yet on the canary host"
     raw = deployed.get("kv_cache_memory_bytes")
@@ -1409,9 +1410,16 @@ def _decide(p: _Planning, drift: _Drift) -> None:
 def plan_class(spec: Mapping[str, Any]) -> dict[str, Any]:
     """Plan one host class. ``spec`` is the ``kv_plan`` input; raises :class:`PlanError` on malformed input.
 
-    Returns the plan (all bytes integers). A class that cannot be planned safely
-    is not an error: ``decision`` is ``refuse`` and ``reasons`` say why.
+    Returns the plan (all bytes integers): the analysis, and under ``launch`` the class's
+    launch contract (``_launch``), which is what every start and check reads. A class that
+    cannot be planned safely is not an error: ``decision`` is ``refuse`` and ``reasons`` say why.
     """
+    result = _analyse_class(spec)
+    result["launch"] = launch_from_plan(result)
+    return result
+
+
+def _analyse_class(spec: Mapping[str, Any]) -> dict[str, Any]:
     inputs = _read_inputs(spec)
     result = _empty_result(inputs.host_class, inputs.budget_mode)
     result["guard_bytes"] = inputs.guard

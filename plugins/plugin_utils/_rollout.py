@@ -25,6 +25,7 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from ansible_collections.gpufleet.vllm.plugins.module_utils._launch import LaunchError, check_launch
 from ansible_collections.gpufleet.vllm.plugins.module_utils._sizes import human_bytes
 
 __all__ = [
@@ -39,7 +40,7 @@ __all__ = [
     "unit_drift",
 ]
 
-PLAN_FORMAT = "gpufleet.vllm/plan-v1"
+PLAN_FORMAT = "gpufleet.vllm/plan-v2"
 _SERIAL_ITEM = re.compile(r"^(?:[1-9][0-9]*|(?:100|[1-9][0-9]?)(?:\.[0-9]+)?%)$")
 
 
@@ -123,19 +124,22 @@ def serial_sizes(batches: Sequence[Mapping[str, Any]]) -> list[int]:
 
 # ---------------------------------------------------------------- the free-memory gate
 def gate_violations(gpus: Sequence[Mapping[str, Any]], instances: Sequence[Mapping[str, Any]],
-                    plan: Mapping[str, Any], auto_utilization: float) -> list[str]:
+                    launch: Mapping[str, Any]) -> list[str]:
     """Every rank of ``instances`` whose NVML boot-free memory is below what its start needs.
 
     ``gpus``: gpu_memory_info's ``gpus`` (``index``, ``total_bytes``, ``boot_free_bytes`` -
     free plus what this host's own units hold - and ``processes`` with ``own``);
-    ``instances``: ``{name, gpus}``, rank ``r`` on ``gpus[r]``. A manual budget needs the
-    plan's floor for the rank (``free_floor_bytes``); automatic profiling needs
-    ``ceil(total * utilization)``, vLLM's own startup check, with the plan's utilization
-    or ``auto_utilization`` when it names none. One sentence per rank that fails.
+    ``instances``: ``{name, gpus}``, rank ``r`` on ``gpus[r]``; ``launch``: the class's launch
+    record (``_launch``, utilization resolved). A manual budget needs the record's floor for
+    the rank (``free_floor_bytes``); automatic profiling needs ``ceil(total * utilization)``,
+    vLLM's own startup check. One sentence per rank that fails.
     """
-    floors = plan.get("free_floor_bytes") or {}
-    auto = plan.get("decision", "deploy") == "auto_profile"
-    utilization = float(plan.get("gpu_memory_utilization") or auto_utilization)
+    record = check_launch(launch)
+    floors = record["free_floor_bytes"]
+    auto = not record["manual"]
+    if auto and record["gpu_memory_utilization"] is None:
+        raise LaunchError("launch.gpu_memory_utilization: an auto_profile record needs the utilization (launch_contract sets it)")
+    utilization = float(record["gpu_memory_utilization"] or 0)
     by_index = {int(g["index"]): g for g in gpus}
     out = []
     for inst in instances:
@@ -170,7 +174,7 @@ def plan_artifact(classes: Mapping[str, Mapping[str, Any]], hosts: Mapping[str, 
     """The document plan.yml writes and rollout.yml applies.
 
     ``classes``: ``{class: {decision, ok, reasons, plan, key_hash, compat, reference_id}}``
-    (``plan`` is the class's launch record from the planner); ``hosts``: ``{host: {class,
+    (``plan`` is the class's plan from the planner, its launch record under ``launch``); ``hosts``: ``{host: {class,
     instances: [{name, gpus, unit_checksum}], gpus: [{index, boot_free_bytes}]}}``.
     Every figure an apply run checks is kept: per class the decision, budget, floors,
     utilization, tokens, reference id and compatibility key; per host its instances' GPUs,
@@ -179,18 +183,21 @@ def plan_artifact(classes: Mapping[str, Mapping[str, Any]], hosts: Mapping[str, 
     out_classes: dict[str, Any] = {}
     for name, cls in sorted(classes.items()):
         plan = dict(cls.get("plan") or {})
+        # the figures an approver reads, from the class's launch record (a class that failed before planning has none)
+        launch = plan.get("launch") or {}
+        expect = launch.get("expect") or {}
         out_classes[name] = {
             "deployable": bool(cls.get("ok")),
-            "decision": plan.get("decision", "none"),
+            "decision": launch.get("decision", "none"),
             "reasons": [str(r) for r in cls.get("reasons") or []],
-            "kv_cache_memory_bytes": plan.get("kv_cache_memory_bytes"),
-            "free_floor_bytes": {str(k): int(v) for k, v in (plan.get("free_floor_bytes") or {}).items()},
-            "gpu_memory_utilization": plan.get("gpu_memory_utilization"),
-            "kv_cache_tokens": plan.get("kv_cache_tokens"),
+            "kv_cache_memory_bytes": launch.get("kv_cache_memory_bytes"),
+            "free_floor_bytes": {str(k): int(v) for k, v in (launch.get("free_floor_bytes") or {}).items()},
+            "gpu_memory_utilization": launch.get("gpu_memory_utilization"),
+            "kv_cache_tokens": expect.get("kv_cache_tokens"),
             "reference_id": cls.get("reference_id") or None,
             "key_hash": cls.get("key_hash") or None,
             "compat": dict(cls.get("compat") or {}),
-            "launch": plan,
+            "plan": plan,
             "hosts": sorted(h for h, hv in hosts.items() if hv.get("class") == name),
         }
     out_hosts: dict[str, Any] = {}
@@ -216,8 +223,10 @@ def check_artifact(doc: Any) -> dict[str, Any]:
         if not isinstance(doc.get(field), Mapping):
             raise RolloutError(f"gpufleet_plan.{field}: expected a mapping")
     for name, cls in doc["classes"].items():
-        if not isinstance(cls, Mapping) or not isinstance(cls.get("launch"), Mapping):
-            raise RolloutError(f"gpufleet_plan.classes.{name}.launch: expected the class's launch record")
+        if not isinstance(cls, Mapping) or not isinstance(cls.get("plan"), Mapping):
+            raise RolloutError(f"gpufleet_plan.classes.{name}.plan: expected the class's plan")
+        if cls["plan"] and not isinstance(cls["plan"].get("launch"), Mapping):
+            raise RolloutError(f"gpufleet_plan.classes.{name}.plan.launch: expected the class's launch record")
         if not isinstance(cls.get("hosts"), list):
             raise RolloutError(f"gpufleet_plan.classes.{name}.hosts: expected a list of hosts")
     for name, host in doc["hosts"].items():
@@ -259,8 +268,9 @@ def plan_drift(doc: Any, host_class: str, current: Mapping[str, Any]) -> list[st
         moved.append(f"class {host_class}: hosts not in the approved plan: {', '.join(added)}")
     if gone:
         moved.append(f"class {host_class}: planned hosts missing from this run: {', '.join(gone)}")
-    floors = cls.get("free_floor_bytes") or {}
-    if cls.get("launch", {}).get("kv_cache_memory_bytes") and floors:
+    launch = cls["plan"].get("launch") or {}
+    floors = launch.get("free_floor_bytes") or {}
+    if launch.get("kv_cache_memory_bytes") and floors:
         for host in planned_hosts:
             if host not in hosts_now:
                 continue

@@ -71,12 +71,16 @@ def render(cases: Mapping[str, Mapping[str, Any]], out: pathlib.Path) -> dict[st
 def template_errors(cases: Mapping[str, Mapping[str, Any]], out: pathlib.Path) -> dict[str, str | None]:
     """Render the unit and environment templates of each case with the template module, in one looped
     task each; ``{case: the failure messages, or None when both templates rendered}``."""
+    import yaml  # pylint: disable=import-outside-toplevel
+
     out.mkdir(parents=True, exist_ok=True)
     # task vars rank below include_vars, so the defaults are merged here, not loaded in the play
     items = [{k: v for k, v in dict(role_vars(facts), unit_render_case=case).items()
-              if not (isinstance(v, str) and "{{" in v)} for case, facts in cases.items()]
+              if "{{" not in json.dumps(v)} for case, facts in cases.items()]
     keys = sorted({k for item in items for k in item})
     per_item = {k: "{{ item['" + k + "'] }}" for k in keys}
+    # the role's internal launch record, worked out from each item's variables as the role does
+    per_item["__vllm_service_launch"] = yaml.safe_load((ROLE / "vars" / "main.yml").read_text())["__vllm_service_launch"]
     tasks: list[dict[str, Any]] = []
     for kind, template in (("unit", "vllm.service.j2"), ("env", "vllm.env.j2")):
         # debug on the controller: no module runs per item, only the template engine

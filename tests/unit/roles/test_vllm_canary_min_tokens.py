@@ -20,6 +20,7 @@ from ansible.parsing.dataloader import DataLoader
 from ansible.template import Templar, trust_as_template
 
 from ansible_collections.gpufleet.vllm.plugins.module_utils._canary import Tolerances, judge_canary
+from ansible_collections.gpufleet.vllm.plugins.module_utils._launch import from_plan
 
 ROOT = pathlib.Path(__file__).resolve().parents[3]
 OMITTED = object()
@@ -72,10 +73,16 @@ def judge(tokens: int, min_tokens: int, ttft: float = 0.2) -> tuple[str, list[st
 def test_playbook_passes_the_planned_tokens_only_for_fit_admission_and_split():
     tasks = yaml.safe_load((ROOT / "playbooks" / "parts" / "plan_classes.yml").read_text())[0]["tasks"]
     expr = find_task(tasks, "Run the manual canary with the planned budget")["vars"]["vllm_canary_min_tokens"]
-    fit = {"kv_plan_result": {"budget_mode": "fit_admission", "decision": "deploy", "kv_cache_tokens": PLAN_TOKENS}}
-    safe = {"kv_plan_result": {"budget_mode": "max_safe", "decision": "deploy", "kv_cache_tokens": 490000}}
+
+    def planned(budget_mode: str, decision: str, tokens: int) -> dict:
+        plan = {"budget_mode": budget_mode, "decision": decision, "kv_cache_tokens": tokens,
+                "kv_cache_memory_bytes": 8 << 30, "gpu_memory_utilization": 0.5}
+        return {"kv_plan_result": dict(plan, launch=from_plan(plan))}
+
+    fit = planned("fit_admission", "deploy", PLAN_TOKENS)
+    safe = planned("max_safe", "deploy", 490000)
     # split_policy warn deploys the weakest host's budget on the whole class
-    split = {"kv_plan_result": {"budget_mode": "max_safe", "decision": "split", "kv_cache_tokens": 416000}}
+    split = planned("max_safe", "split", 416000)
     assert int(render(expr, fit)) == PLAN_TOKENS
     assert int(render(expr, safe)) == 0
     assert int(render(expr, split)) == 416000

@@ -45,7 +45,7 @@ def test_reprofile_reason_is_reported(outcome):
 
 def test_refused_decision(outcome):
     msg = outcome[0]["refuse"]
-    assert "vllm_service_plan.decision: must be one of deploy, reprofile, split, auto_profile, got 'refuse'" in msg, msg
+    assert "vllm_service_plan.decision: refuse is not deployable (the planner refused the class: too small)" in msg, msg
 
 
 @pytest.mark.parametrize(("case", "key", "env"), [("api_key", "api_key", "VLLM_API_KEY"), ("hf_token", "--hf-token", "HF_TOKEN")])

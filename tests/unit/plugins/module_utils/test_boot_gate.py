@@ -129,7 +129,7 @@ def test_format_1_plan_files_are_read_and_shrink_scales_the_recorded_capacity():
 
 
 @pytest.mark.parametrize("field,value,needle", [
-    ("format", 3, "format 3 is not one this gate reads"),
+    ("format", 4, "format 4 is not one this gate reads"),
     ("gpus", [], "gpus must be a non-empty list"),
     ("kv_cache_memory_bytes", "30GiB", "kv_cache_memory_bytes must be an integer"),
     ("free_floor_bytes", {"x": 1}, "free_floor_bytes: rank 'x' is not an integer"),
@@ -347,16 +347,14 @@ def _class_spec(config: dict[str, Any], boot_free: int) -> dict[str, Any]:
 
 
 def _plan_file(plan: dict[str, Any]) -> dict[str, Any]:
-    """The keys roles/vllm_service/templates/plan.json.j2 writes from the planner's result."""
-    return {"format": 2, "instance": "main", "unit": "vllm-main.service", "decision": plan["decision"], "gpus": [0],
-            "kv_cache_memory_bytes": plan["kv_cache_memory_bytes"], "gpu_memory_utilization": plan["gpu_memory_utilization"],
-            "free_floor_bytes": {str(k): v for k, v in plan["free_floor_bytes"].items()},
-            "vllm_floor_bytes": {str(k): v for k, v in plan["vllm_floor_bytes"].items()},
-            "guard_bytes": GIB // 2, "num_blocks": plan["num_blocks"], "kv_cache_tokens": plan["kv_cache_tokens"],
-            "max_model_len": 32768,
-            "admission": {"required_tokens": plan["admission"]["required_tokens"],
-                          "required_blocks": plan["admission"]["required_blocks"]},
-            "capacity": plan["kv_capacity"], "boot_gate": {"policy": "shrink", "state_file": None}}
+    """The plan file the role writes from the planner's result (its launch record), as JSON reads it back."""
+    from ansible_collections.gpufleet.vllm.plugins.module_utils._launch import plan_file
+
+    doc = plan_file(plan["launch"], {"name": "main", "gpus": [0], "port": 8000}, host_class="h200", compat_key_hash=None,
+                    model="/srv/m", max_model_len=32768, planned_at="2026-12-02T00:00:00Z", gate_policy="shrink",
+                    gate_state_dir="/var/lib/gpufleet-vllm")
+    loaded: dict[str, Any] = json.loads(json.dumps(doc))
+    return loaded
 
 
 @pytest.mark.parametrize("config, family", [(GEMMA3_27B, "interleaved_sliding_window"), (MISTRAL_7B_V01, "sliding_window")])
@@ -386,7 +384,7 @@ def test_shrink_checks_one_request_with_the_blocks_of_every_kv_cache_group():
 
     planned = plan_class(_class_spec(GEMMA3_27B, 139 * GIB))
     doc = _plan_file(planned)
-    doc["admission"] = None
+    doc["launch"]["admission"] = None
     per_request = planned["blocks_per_request"]
     assert per_request > -(-32768 // planned["block_size"])  # more than one full-attention group would need
     floor = planned["free_floor_bytes"][0]
@@ -421,10 +419,11 @@ def test_profile_never_lets_vllm_size_more_than_the_planned_budget():
     planned = plan_class(spec)
     cap = planned["profile_max_utilization"]
     assert cap is not None and cap <= planned["gpu_memory_utilization"]
-    doc = dict(_plan_file(planned), profile_max_utilization=cap)
+    doc = _plan_file(planned)
+    assert doc["launch"]["profile_max_utilization"] == cap
     floor = planned["free_floor_bytes"][0]
     free = floor - GIB // 4  # just below the floor: the free figure alone would profile far above the plan
-    uncapped = gate.decide(gate.parse_plan(dict(doc, profile_max_utilization=None)),
+    uncapped = gate.decide(gate.parse_plan(dict(doc, launch=dict(doc["launch"], profile_max_utilization=None))),
                            [{"index": 0, "boot_free_bytes": free, "total_bytes": H200}], "profile")
     verdict = gate.decide(gate.parse_plan(doc), [{"index": 0, "boot_free_bytes": free, "total_bytes": H200}], "profile")
     assert verdict["action"] == uncapped["action"] == "profile"

@@ -12,6 +12,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from ansible_collections.gpufleet.vllm.plugins.module_utils._launch import LaunchError, for_instance, from_plan
 from ansible_collections.gpufleet.vllm.plugins.plugin_utils._rollout import (
     PLAN_FORMAT,
     RolloutError,
@@ -107,6 +108,8 @@ def artifact() -> dict:
                  "plan": {"decision": "deploy", "kv_cache_memory_bytes": 20 * GIB, "gpu_memory_utilization": 0.8,
                           "kv_cache_tokens": 160000, "free_floor_bytes": {"0": 40 * GIB, "1": 41 * GIB}}},
     }
+    # the planner's result carries its launch record, which the artifact's figures come from
+    classes["l40s"]["plan"]["launch"] = from_plan(classes["l40s"]["plan"])
     host_facts = {
         h: {"class": "l40s", "instances": [{"name": "main", "gpus": [0, 1], "unit_checksum": f"sum-{h}"}],
             "gpus": [{"index": 0, "boot_free_bytes": 42 * GIB}, {"index": 1, "boot_free_bytes": 42 * GIB}]}
@@ -127,6 +130,8 @@ def test_artifact_keeps_what_an_apply_checks():
     assert doc["format"] == PLAN_FORMAT
     cls = doc["classes"]["l40s"]
     assert cls["kv_cache_memory_bytes"] == 20 * GIB and cls["free_floor_bytes"] == {"0": 40 * GIB, "1": 41 * GIB}
+    assert cls["gpu_memory_utilization"] == 0.8 and cls["kv_cache_tokens"] == 160000
+    assert cls["plan"]["launch"]["expect"]["reserved_bytes"] == 20 * GIB
     assert cls["hosts"] == ["a", "b"] and cls["key_hash"] == "k1" and cls["reference_id"].endswith(".yml")
     assert doc["hosts"]["a"]["instances"][0]["unit_checksum"] == "sum-a"
     assert doc["hosts"]["b"]["boot_free_bytes"] == {"0": 42 * GIB, "1": 42 * GIB}
@@ -179,7 +184,8 @@ def test_unit_drift_names_the_instance():
     [
         (lambda d: d.update(format="other"), "gpufleet_plan.format"),
         (lambda d: d.update(classes=[]), "gpufleet_plan.classes"),
-        (lambda d: d["classes"]["l40s"].pop("launch"), "gpufleet_plan.classes.l40s.launch"),
+        (lambda d: d["classes"]["l40s"].pop("plan"), "gpufleet_plan.classes.l40s.plan"),
+        (lambda d: d["classes"]["l40s"]["plan"].pop("launch"), "gpufleet_plan.classes.l40s.plan.launch"),
         (lambda d: d["hosts"]["a"].update(instances=None), "gpufleet_plan.hosts.a.instances"),
     ],
 )
@@ -197,14 +203,20 @@ def gpu(index: int, free: int, total: int = 80 * GIB, processes: list | None = N
     return {"index": index, "total_bytes": total, "boot_free_bytes": free, "processes": processes or []}
 
 
-MANUAL = {"decision": "deploy", "free_floor_bytes": {"0": 40 * GIB, "1": 40 * GIB}}
+def launch(plan: dict, default_utilization: float = 0.9) -> dict:
+    """The launch record a deploy gates with: a manual plan's budget and utilization, the floors given."""
+    figures = {"kv_cache_memory_bytes": 8 * GIB, "gpu_memory_utilization": 0.5} if plan["decision"] != "auto_profile" else {}
+    return for_instance({**figures, **plan}, default_utilization)
+
+
+MANUAL = launch({"decision": "deploy", "free_floor_bytes": {"0": 40 * GIB, "1": 40 * GIB}})
 
 
 def test_the_gate_passes_at_the_floor_and_names_each_rank_below_it():
     inst = [{"name": "main", "gpus": [0, 1]}]
-    assert gate_violations([gpu(0, 40 * GIB), gpu(1, 41 * GIB)], inst, MANUAL, 0.9) == []
+    assert gate_violations([gpu(0, 40 * GIB), gpu(1, 41 * GIB)], inst, MANUAL) == []
     below = gate_violations([gpu(0, 40 * GIB - 1), gpu(1, 30 * GIB, processes=[{"pid": 4242, "own": False}, {"pid": 7, "own": True}])],
-                            inst, MANUAL, 0.9)
+                            inst, MANUAL)
     assert below == [
         f"main rank 0 (GPU 0): boot-free {40 * GIB - 1} B (40GiB) < floor {40 * GIB} B (40GiB)",
         f"main rank 1 (GPU 1): boot-free {30 * GIB} B (30GiB) < floor {40 * GIB} B (40GiB), other processes: 4242",
@@ -213,21 +225,30 @@ def test_the_gate_passes_at_the_floor_and_names_each_rank_below_it():
 
 def test_the_gate_keys_floors_by_rank_not_by_gpu_index():
     """An instance on GPUs 2 and 3 has ranks 0 and 1; integer and text keys both work (JSON has only text)."""
-    floors = {"decision": "deploy", "free_floor_bytes": {0: 10 * GIB, "1": 50 * GIB}}
-    out = gate_violations([gpu(2, 20 * GIB), gpu(3, 20 * GIB)], [{"name": "b", "gpus": ["2", 3]}], floors, 0.9)
+    floors = launch({"decision": "deploy", "free_floor_bytes": {0: 10 * GIB, "1": 50 * GIB}})
+    out = gate_violations([gpu(2, 20 * GIB), gpu(3, 20 * GIB)], [{"name": "b", "gpus": ["2", 3]}], floors)
     assert out == [f"b rank 1 (GPU 3): boot-free {20 * GIB} B (20GiB) < floor {50 * GIB} B (50GiB)"]
 
 
 def test_the_gate_names_a_missing_gpu_and_a_missing_floor():
     out = gate_violations([gpu(0, 80 * GIB)], [{"name": "main", "gpus": [0, 5]}],
-                          {"decision": "deploy", "free_floor_bytes": {}}, 0.9)
+                          launch({"decision": "deploy", "free_floor_bytes": {}}))
     assert out == ["main rank 0 (GPU 0): the plan has no floor for this rank", "main rank 1 (GPU 5): not found by NVML"]
 
 
 def test_automatic_profiling_needs_vllms_own_startup_share():
     inst = [{"name": "main", "gpus": [0]}]
     auto = {"decision": "auto_profile", "gpu_memory_utilization": None}
-    assert gate_violations([gpu(0, 90, total=100)], inst, auto, 0.9) == []
-    assert gate_violations([gpu(0, 89, total=100)], inst, auto, 0.9) == ["main rank 0 (GPU 0): boot-free 89 B (89B) < floor 90 B (90B)"]
+    assert gate_violations([gpu(0, 90, total=100)], inst, launch(auto)) == []
+    assert gate_violations([gpu(0, 89, total=100)], inst, launch(auto)) == ["main rank 0 (GPU 0): boot-free 89 B (89B) < floor 90 B (90B)"]
     # the plan's own utilization wins over the default
-    assert gate_violations([gpu(0, 89, total=100)], inst, dict(auto, gpu_memory_utilization=0.5), 0.9) == []
+    assert gate_violations([gpu(0, 89, total=100)], inst, launch(dict(auto, gpu_memory_utilization=0.5))) == []
+
+
+def test_the_gate_takes_only_a_launch_record():
+    """A plan's flat fields are not a launch record: launch_contract makes one (the role does)."""
+    with pytest.raises(LaunchError, match=r"launch.schema: None is not the schema"):
+        gate_violations([gpu(0, 90, total=100)], [{"name": "main", "gpus": [0]}], {"decision": "deploy", "free_floor_bytes": {}})
+    with pytest.raises(LaunchError, match=r"auto_profile record needs the utilization"):
+        gate_violations([gpu(0, 90, total=100)], [{"name": "main", "gpus": [0]}],
+                        dict(launch({"decision": "auto_profile"}), gpu_memory_utilization=None))

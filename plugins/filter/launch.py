@@ -1,0 +1,66 @@
+# Copyright (c) gpufleet maintainers
+# GNU General Public License v3.0+ (see https://www.gnu.org/licenses/gpl-3.0.txt)
+# SPDX-License-Identifier: GPL-3.0-or-later
+"""Filters: launch_contract, launch_plan_file, launch_runs, launch_serve_args (documentation in the YAML files beside this one).
+
+Each is one call into ``module_utils/_launch`` or ``_serve_argv``: the launch contract's
+rules live there, not here."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Mapping
+
+from ansible.errors import AnsibleFilterError
+
+from ansible_collections.gpufleet.vllm.plugins.module_utils._launch import LaunchError, check_launch, for_instance, plan_file, runs
+from ansible_collections.gpufleet.vllm.plugins.module_utils._serve_argv import EngineSpecError, budget_args
+
+
+def launch_contract(plan: Any, default_utilization: Any = 0.9, field: Any = "vllm_service_plan") -> dict[str, Any]:
+    """kv_plan's result (or a plan written by hand) -> the checked launch record an instance starts with."""
+    try:
+        return for_instance(plan, default_utilization, field if isinstance(field, str) and field else "plan")
+    except LaunchError as exc:
+        raise AnsibleFilterError(f"launch_contract: {exc}") from None
+
+
+def launch_plan_file(launch: Any, instance: Any, host: Any) -> dict[str, Any]:
+    """A launch record, an instance (name, gpus, port) and the host's facts -> the instance's plan file."""
+    if not isinstance(instance, Mapping) or not isinstance(host, Mapping):
+        raise AnsibleFilterError("launch_plan_file: expected an instance {name, gpus, port} and a mapping of host facts")
+    try:
+        return plan_file(launch, instance, host_class=host.get("host_class") or None, compat_key_hash=host.get("compat_key_hash") or None,
+                         model=str(host["model"]), max_model_len=int(host.get("max_model_len") or 0), planned_at=str(host["planned_at"]),
+                         gate_policy=host.get("gate_policy"), gate_state_dir=host.get("gate_state_dir"))
+    except KeyError as exc:
+        raise AnsibleFilterError(f"launch_plan_file: {exc.args[0]} is missing") from None
+    except (LaunchError, TypeError, ValueError) as exc:
+        raise AnsibleFilterError(f"launch_plan_file: {exc}") from None
+
+
+def launch_runs(plan_file_doc: Any, launch: Any, key_hash: Any) -> bool:
+    """A host's plan file (any format, ``{}`` for none), a launch record and a key hash -> whether the host runs that record."""
+    if not isinstance(launch, Mapping):
+        raise AnsibleFilterError("launch_runs: launch must be a mapping (a launch record)")
+    return runs(plan_file_doc, launch, str(key_hash) if key_hash else None)
+
+
+def launch_serve_args(launch: Any) -> list[str]:
+    """A launch record -> its ``vllm serve`` budget options (the byte budget, the startup utilization)."""
+    try:
+        record = check_launch(launch)
+        return budget_args(record["kv_cache_memory_bytes"], record["gpu_memory_utilization"])
+    except (LaunchError, EngineSpecError) as exc:
+        raise AnsibleFilterError(f"launch_serve_args: {exc}") from None
+
+
+class FilterModule:
+    """gpufleet.vllm launch contract filters."""
+
+    def filters(self) -> dict[str, Callable[..., Any]]:
+        return {
+            "launch_contract": launch_contract,
+            "launch_plan_file": launch_plan_file,
+            "launch_runs": launch_runs,
+            "launch_serve_args": launch_serve_args,
+        }

@@ -1,0 +1,305 @@
+# -*- coding: utf-8 -*-
+# Copyright (c) gpufleet maintainers
+# GNU General Public License v3.0+ (see LICENSES/GPL-3.0-or-later.txt or https://www.gnu.org/licenses/gpl-3.0.txt)
+# SPDX-License-Identifier: GPL-3.0-or-later
+
+"""The launch contract: what one host class starts vLLM with, and what every start must show.
+
+Plain Python with no Ansible import: the planner (``kv_plan``) builds the record on the
+controller, and the boot gate reads it on the host from the instance's plan file.
+
+``kv_plan`` returns, besides its analysis, one ``launch`` record per class (schema
+:data:`SCHEMA`). Everything that starts or checks an engine reads that record and nothing
+else: the unit (``vllm_service``'s template), the rollout's free-memory gate, the boot gate
+on the host, ``vllm_boot_check``, the manual canary, the host's plan file and the report.
+``docs/launch-contract.md`` is the schema's documentation; a change to a field there and
+here goes with a new :data:`SCHEMA`.
+
+Record (every byte figure an integer, ranks as keys of the instance's GPU list):
+
+``schema``
+    :data:`SCHEMA`.
+``decision``, ``reasons``
+    The planner's decision (``deploy``, ``reprofile``, ``split``, ``auto_profile``,
+    ``refuse``) and why.
+``manual``
+    ``True`` when the engine takes the byte budget (every decision but ``auto_profile``).
+``kv_cache_memory_bytes``
+    ``--kv-cache-memory-bytes`` per GPU; ``None`` when vLLM profiles (``auto_profile``).
+``gpu_memory_utilization``, ``utilization_source``
+    ``--gpu-memory-utilization`` and where it comes from: ``vllm`` or ``nvml`` (the
+    startup check at the floor, from vLLM's or NVML's free figures), ``lowest_free``
+    (``auto_profile``: the lowest free memory seen), ``default`` (the deploying role's
+    ``vllm_service_auto_gpu_memory_utilization``: an ``auto_profile`` plan without one), or
+    ``None`` on a refused class.
+``profile_max_utilization``
+    The boot gate's ``profile`` policy: the utilization at which vLLM's own profiling
+    sizes the planned budget (never more).
+``guard_bytes``
+    The guard the floors keep.
+``free_floor_bytes``, ``vllm_floor_bytes``
+    Per rank: the least NVML free memory a start needs (the rollout's gate and the boot
+    gate) and the least free memory vLLM may log at startup (the boot check).
+``expect``
+    What the engine must report once up (manual budgets; ``None`` otherwise):
+    ``reserved_bytes`` (the KV memory each rank reserves), ``num_blocks``,
+    ``kv_cache_tokens``, ``max_concurrency``.
+``admission``
+    ``{required_tokens, required_blocks}`` of the admission plan, or ``None``.
+``capacity``
+    What turns bytes into blocks and tokens (``_kv_capacity.capacity_record``), or ``None``.
+"""
+
+from __future__ import annotations
+
+import typing as t
+
+SCHEMA = 1
+# The host's plan file (<state_dir>/<instance>.plan.json) with the launch record inside.
+PLAN_FILE_FORMAT = 3
+DECISIONS = ("deploy", "reprofile", "split", "auto_profile", "refuse")
+UTILIZATION_SOURCES = ("vllm", "nvml", "lowest_free", "default")
+EXPECT_FIELDS = ("reserved_bytes", "num_blocks", "kv_cache_tokens", "max_concurrency")
+FIELDS = ("schema", "decision", "reasons", "manual", "kv_cache_memory_bytes", "gpu_memory_utilization",
+          "utilization_source", "profile_max_utilization", "guard_bytes", "free_floor_bytes", "vllm_floor_bytes",
+          "expect", "admission", "capacity")
+
+__all__ = ["DECISIONS", "EXPECT_FIELDS", "FIELDS", "PLAN_FILE_FORMAT", "SCHEMA", "LaunchError", "check_launch",
+           "deployed", "for_instance", "from_plan", "plan_file", "runs"]
+
+
+class LaunchError(ValueError):
+    """A launch record (or the plan it is built from) that cannot be used; the message names the field."""
+
+
+def _int(doc: t.Mapping[str, t.Any], key: str, where: str, low: int = 0) -> int | None:
+    value = doc.get(key)
+    if value is None:
+        return None
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if isinstance(value, str) and value.strip().isdigit():
+        value = int(value.strip())
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise LaunchError(f"{where}.{key}: expected an integer, got {value!r}")
+    if value < low:
+        raise LaunchError(f"{where}.{key}: expected at least {low}, got {value}")
+    return value
+
+
+def _fraction(doc: t.Mapping[str, t.Any], key: str, where: str, low_open: bool) -> float | None:
+    value = doc.get(key)
+    if value is None:
+        return None
+    try:
+        number = float(value) if not isinstance(value, bool) else None
+    except (TypeError, ValueError):
+        number = None
+    if number is None or not (0 < number <= 1 if low_open else 0 <= number <= 1):
+        raise LaunchError(f"{where}.{key}: expected a number in {'(0, 1]' if low_open else '[0, 1]'}, got {value!r}")
+    return number
+
+
+def _rank_bytes(raw: t.Any, where: str) -> dict[int, int]:
+    if raw is None:
+        return {}
+    if not isinstance(raw, t.Mapping):
+        raise LaunchError(f"{where}: expected a mapping rank -> bytes, got {type(raw).__name__}")
+    out: dict[int, int] = {}
+    for key, value in raw.items():
+        try:
+            rank = int(key)
+        except (TypeError, ValueError):
+            raise LaunchError(f"{where}: rank {key!r} is not an integer") from None
+        if rank < 0:
+            raise LaunchError(f"{where}: rank {rank} is negative")
+        figure = _int({"v": value}, "v", f"{where}[{rank}]")
+        if figure is None:
+            raise LaunchError(f"{where}[{rank}]: expected bytes, got None")
+        out[rank] = figure
+    return out
+
+
+def from_plan(plan: t.Mapping[str, t.Any], where: str = "plan") -> dict[str, t.Any]:
+    """The launch record of a class from ``kv_plan``'s analysis (its flat fields).
+
+    The planner calls this once per class; a plan written by hand with the same fields
+    (``decision``, ``kv_cache_memory_bytes``, ``free_floor_bytes``, ...) goes through it too,
+    so both give the same record.
+    """
+    if not isinstance(plan, t.Mapping):
+        raise LaunchError(f"{where}: expected a mapping, got {type(plan).__name__}")
+    decision = plan.get("decision")
+    # a refused class starts nothing: its record carries the decision and the reasons only
+    if decision == "refuse":
+        return check_launch({"schema": SCHEMA, "decision": decision, "reasons": list(plan.get("reasons") or []),
+                             "manual": True}, where)
+    manual = decision != "auto_profile"
+    admission = plan.get("admission")
+    capacity = plan.get("kv_capacity") or None
+    if manual and capacity is None and plan.get("block_size") and plan.get("bytes_per_block"):
+        capacity = {"source": plan.get("capacity_source"), "bytes_per_block": plan["bytes_per_block"],
+                    "block_size": plan["block_size"]}
+    budget = plan.get("kv_cache_memory_bytes") if manual else None
+    record = {
+        "schema": SCHEMA,
+        "decision": decision,
+        "reasons": list(plan.get("reasons") or []),
+        "manual": manual,
+        "kv_cache_memory_bytes": budget,
+        "gpu_memory_utilization": plan.get("gpu_memory_utilization"),
+        "utilization_source": plan.get("utilization_source"),
+        "profile_max_utilization": plan.get("profile_max_utilization") if manual else None,
+        "guard_bytes": plan.get("guard_bytes"),
+        "free_floor_bytes": dict(plan.get("free_floor_bytes") or {}) if manual else {},
+        "vllm_floor_bytes": dict(plan.get("vllm_floor_bytes") or {}) if manual else {},
+        "expect": {
+            "reserved_bytes": budget,
+            "num_blocks": plan.get("num_blocks"),
+            "kv_cache_tokens": plan.get("kv_cache_tokens"),
+            "max_concurrency": plan.get("max_concurrency"),
+        } if manual and budget is not None else None,
+        "admission": {"required_tokens": admission.get("required_tokens"), "required_blocks": admission.get("required_blocks")}
+        if manual and isinstance(admission, t.Mapping) else None,
+        "capacity": dict(capacity) if manual and isinstance(capacity, t.Mapping) else None,
+    }
+    return check_launch(record, where)
+
+
+def check_launch(doc: t.Any, where: str = "launch") -> dict[str, t.Any]:
+    """A launch record checked and normalised (ranks as integers, figures as numbers).
+
+    Raises :class:`LaunchError` naming the field for anything a start could not use.
+    """
+    if not isinstance(doc, t.Mapping):
+        raise LaunchError(f"{where}: expected a mapping (the launch record), got {type(doc).__name__}")
+    unknown = sorted(set(map(str, doc)) - set(FIELDS))
+    if unknown:
+        raise LaunchError(f"{where}: unknown field(s) {', '.join(unknown)} (schema {SCHEMA} has {', '.join(FIELDS)})")
+    if doc.get("schema") != SCHEMA:
+        raise LaunchError(f"{where}.schema: {doc.get('schema')!r} is not the schema this collection reads ({SCHEMA})")
+    decision = doc.get("decision")
+    if decision not in DECISIONS:
+        raise LaunchError(f"{where}.decision: expected one of {', '.join(DECISIONS)}, got {decision!r}")
+    manual = decision != "auto_profile"
+    if doc.get("manual") is not manual:
+        raise LaunchError(f"{where}.manual: must be {manual} for decision {decision}")
+    reasons = doc.get("reasons") or []
+    if not isinstance(reasons, list) or not all(isinstance(r, str) for r in reasons):
+        raise LaunchError(f"{where}.reasons: expected a list of strings")
+    budget = _int(doc, "kv_cache_memory_bytes", where, low=1)
+    if manual and budget is None and decision != "refuse":
+        raise LaunchError(f"{where}.kv_cache_memory_bytes: a {decision} plan needs the byte budget")
+    if not manual and budget is not None:
+        raise LaunchError(f"{where}.kv_cache_memory_bytes: an auto_profile plan has no byte budget (vLLM profiles)")
+    source = doc.get("utilization_source")
+    if source is not None and source not in UTILIZATION_SOURCES:
+        raise LaunchError(f"{where}.utilization_source: expected one of {', '.join(UTILIZATION_SOURCES)}, got {source!r}")
+    expect = doc.get("expect")
+    if expect is not None:
+        if not isinstance(expect, t.Mapping) or set(map(str, expect)) - set(EXPECT_FIELDS):
+            raise LaunchError(f"{where}.expect: expected a mapping of {', '.join(EXPECT_FIELDS)}")
+        expect = {key: _int(expect, key, f"{where}.expect") for key in EXPECT_FIELDS}
+        if expect["reserved_bytes"] != budget:
+            raise LaunchError(f"{where}.expect.reserved_bytes: {expect['reserved_bytes']} is not the budget {budget}")
+    admission = doc.get("admission")
+    if admission is not None:
+        if not isinstance(admission, t.Mapping):
+            raise LaunchError(f"{where}.admission: expected {{required_tokens, required_blocks}}")
+        admission = {key: _int(admission, key, f"{where}.admission") for key in ("required_tokens", "required_blocks")}
+    capacity = doc.get("capacity")
+    if capacity is not None and not isinstance(capacity, t.Mapping):
+        raise LaunchError(f"{where}.capacity: expected a mapping")
+    return {
+        "schema": SCHEMA,
+        "decision": decision,
+        "reasons": list(reasons),
+        "manual": manual,
+        "kv_cache_memory_bytes": budget,
+        "gpu_memory_utilization": _fraction(doc, "gpu_memory_utilization", where, low_open=True),
+        "utilization_source": source,
+        "profile_max_utilization": _fraction(doc, "profile_max_utilization", where, low_open=False),
+        "guard_bytes": _int(doc, "guard_bytes", where),
+        "free_floor_bytes": _rank_bytes(doc.get("free_floor_bytes"), f"{where}.free_floor_bytes"),
+        "vllm_floor_bytes": _rank_bytes(doc.get("vllm_floor_bytes"), f"{where}.vllm_floor_bytes"),
+        "expect": expect,
+        "admission": admission,
+        "capacity": dict(capacity) if capacity is not None else None,
+    }
+
+
+def for_instance(plan: t.Mapping[str, t.Any], default_utilization: float, where: str = "plan") -> dict[str, t.Any]:
+    """The launch record a deploy starts an instance with.
+
+    ``plan``: ``kv_plan``'s result (its ``launch`` record is used) or a plan written by hand
+    with the analysis's flat fields. An ``auto_profile`` plan that names no utilization takes
+    ``default_utilization`` (``utilization_source: default``); a refused plan is not
+    deployable.
+    """
+    if not isinstance(plan, t.Mapping):
+        raise LaunchError(f"{where}: expected a mapping (kv_plan's result), got {type(plan).__name__}")
+    record = check_launch(plan["launch"], f"{where}.launch") if "launch" in plan else from_plan(plan, where)
+    if record["decision"] == "refuse":
+        raise LaunchError(f"{where}.decision: refuse is not deployable (the planner refused the class: "
+                          + ("; ".join(record["reasons"]) or "no reason given") + ")")
+    if record["gpu_memory_utilization"] is None:
+        if record["manual"]:
+            raise LaunchError(f"{where}.gpu_memory_utilization: a manual budget needs the startup utilization")
+        try:
+            record["gpu_memory_utilization"] = _fraction({"v": default_utilization}, "v", "", low_open=True)
+        except LaunchError:
+            raise LaunchError(f"{where}: an auto_profile plan without gpu_memory_utilization takes the default utilization, "
+                              f"which must be a number in (0, 1], got {default_utilization!r}") from None
+        record["utilization_source"] = "default"
+    return record
+
+
+def plan_file(launch: t.Mapping[str, t.Any], instance: t.Mapping[str, t.Any], *, host_class: str | None,
+              compat_key_hash: str | None, model: str, max_model_len: int | None, planned_at: str,
+              gate_policy: str | None, gate_state_dir: str | None) -> dict[str, t.Any]:
+    """The host's plan file of one instance (format :data:`PLAN_FILE_FORMAT`): where it runs and its launch record.
+
+    The boot gate reads it at every start; an application embedding vLLM reads the same
+    record (``docs/launch-contract.md``). ``max_model_len`` 0 or ``None``: not set.
+    """
+    record = check_launch(launch)
+    name = str(instance["name"])
+    return {
+        "format": PLAN_FILE_FORMAT,
+        "instance": name,
+        "unit": f"vllm-{name}.service",
+        "host_class": host_class,
+        "compat_key_hash": compat_key_hash,
+        "model": model,
+        "gpus": [int(g) for g in instance["gpus"]],
+        "port": int(instance["port"]),
+        "max_model_len": int(max_model_len) if max_model_len else None,
+        "planned_at": planned_at,
+        "boot_gate": {"policy": gate_policy, "state_file": f"{gate_state_dir}/{name}.boot-gate.json"}
+        if record["manual"] and gate_state_dir else None,
+        "launch": record,
+    }
+
+
+def deployed(doc: t.Any) -> dict[str, t.Any]:
+    """What a host's plan file says the instance runs: ``{decision, kv_cache_memory_bytes,
+    gpu_memory_utilization, compat_key_hash}``, from format 3 (the launch record) or the
+    flat fields of formats 1 and 2; empty for no file (``{}``) or one without a decision."""
+    if not isinstance(doc, t.Mapping) or not doc:
+        return {}
+    figures = doc["launch"] if doc.get("format") == PLAN_FILE_FORMAT and isinstance(doc.get("launch"), t.Mapping) else doc
+    if figures.get("decision") is None and figures.get("kv_cache_memory_bytes") is None:
+        return {}
+    return {"decision": figures.get("decision"), "kv_cache_memory_bytes": figures.get("kv_cache_memory_bytes"),
+            "gpu_memory_utilization": figures.get("gpu_memory_utilization"), "compat_key_hash": doc.get("compat_key_hash")}
+
+
+def runs(doc: t.Any, launch: t.Mapping[str, t.Any], key_hash: str | None) -> bool:
+    """Whether a host's plan file records this launch record's budget and utilization for this
+    compatibility key (a boot that passed its check with exactly this record)."""
+    now = deployed(doc)
+    if not now or not key_hash:
+        return False
+    return (now["kv_cache_memory_bytes"] == launch.get("kv_cache_memory_bytes")
+            and now["gpu_memory_utilization"] == launch.get("gpu_memory_utilization")
+            and now["compat_key_hash"] == key_hash)
