@@ -65,7 +65,7 @@ FIELDS = ("schema", "decision", "reasons", "manual", "kv_cache_memory_bytes", "g
           "expect", "admission", "capacity")
 
 __all__ = ["DECISIONS", "EXPECT_FIELDS", "FIELDS", "PLAN_FILE_FORMAT", "SCHEMA", "LaunchError", "check_launch",
-           "deployed", "for_instance", "from_plan", "plan_file", "runs"]
+           "deployed", "figures", "for_instance", "from_plan", "plan_file", "plan_file_figures", "runs"]
 
 
 class LaunchError(ValueError):
@@ -281,17 +281,37 @@ def plan_file(launch: t.Mapping[str, t.Any], instance: t.Mapping[str, t.Any], *,
     }
 
 
-def deployed(doc: t.Any) -> dict[str, t.Any]:
-    """What a host's plan file says the instance runs: ``{decision, kv_cache_memory_bytes,
-    gpu_memory_utilization, compat_key_hash}``, from format 3 (the launch record) or the
-    flat fields of formats 1 and 2; empty for no file (``{}``) or one without a decision."""
+def plan_file_figures(doc: t.Any) -> dict[str, t.Any]:
+    """A host's plan file as one flat mapping, whatever format wrote it: the instance's fields,
+    and beside them the launch figures (format 3 keeps them in ``launch``, its expectations
+    ``num_blocks``, ``kv_cache_tokens`` and ``max_concurrency`` in ``launch.expect``; formats 1
+    and 2 kept them flat). ``{}`` for no file. Not checked: the boot gate checks what it starts."""
     if not isinstance(doc, t.Mapping) or not doc:
         return {}
-    figures = doc["launch"] if doc.get("format") == PLAN_FILE_FORMAT and isinstance(doc.get("launch"), t.Mapping) else doc
+    launch = doc.get("launch")
+    if doc.get("format") != PLAN_FILE_FORMAT or not isinstance(launch, t.Mapping):
+        return dict(doc)
+    flat = {k: v for k, v in doc.items() if k != "launch"}
+    flat.update(figures(launch))
+    return flat
+
+
+def figures(launch: t.Mapping[str, t.Any]) -> dict[str, t.Any]:
+    """A launch record's fields with its expectations beside them (``num_blocks``,
+    ``kv_cache_tokens``, ``max_concurrency``), as the report and the tests read them."""
+    expect = launch.get("expect") if isinstance(launch.get("expect"), t.Mapping) else {}
+    flat = {k: v for k, v in launch.items() if k != "expect"}
+    flat.update((k, v) for k, v in expect.items() if k != "reserved_bytes")
+    return flat
+
+
+def deployed(doc: t.Any) -> dict[str, t.Any]:
+    """What a host's plan file says the instance runs: ``{decision, kv_cache_memory_bytes,
+    gpu_memory_utilization, compat_key_hash}`` (any format); empty for no file or one without a decision."""
+    figures = plan_file_figures(doc)
     if figures.get("decision") is None and figures.get("kv_cache_memory_bytes") is None:
         return {}
-    return {"decision": figures.get("decision"), "kv_cache_memory_bytes": figures.get("kv_cache_memory_bytes"),
-            "gpu_memory_utilization": figures.get("gpu_memory_utilization"), "compat_key_hash": doc.get("compat_key_hash")}
+    return {key: figures.get(key) for key in ("decision", "kv_cache_memory_bytes", "gpu_memory_utilization", "compat_key_hash")}
 
 
 def runs(doc: t.Any, launch: t.Mapping[str, t.Any], key_hash: str | None) -> bool:

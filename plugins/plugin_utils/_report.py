@@ -24,6 +24,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
+from ansible_collections.gpufleet.vllm.plugins.module_utils._launch import figures as launch_figures, plan_file_figures
 from ansible_collections.gpufleet.vllm.plugins.module_utils._sizes import SizeError, human_bytes, parse_size
 
 __all__ = [
@@ -310,6 +311,10 @@ def _what_if_fp8(plan: Mapping[str, Any]) -> dict[str, Any] | None:
 def _class_entry(name: str, state: Mapping[str, Any], hosts: list[str]) -> dict[str, Any]:
     plan = state.get("plan") if isinstance(state.get("plan"), Mapping) else {}
     plan = plan or {}
+    # what the class starts with comes from its launch record; the analysis (weakest rank,
+    # split, per-rank table, budget mode) from the rest of the plan
+    launch = plan.get("launch")
+    started = {**plan, **launch_figures(launch)} if isinstance(launch, Mapping) else plan
     failed = bool(state.get("failed"))
     ok = bool(state.get("ok")) and not failed
     weakest = plan.get("weakest") if isinstance(plan.get("weakest"), Mapping) else None
@@ -318,12 +323,12 @@ def _class_entry(name: str, state: Mapping[str, Any], hosts: list[str]) -> dict[
     entry: dict[str, Any] = {
         "name": name,
         "status": "failed" if failed else ("deployable" if ok else "skipped"),
-        "decision": plan.get("decision") or state.get("decision"),
+        "decision": started.get("decision") or state.get("decision"),
         "reasons": _str_list(state.get("reasons") or plan.get("reasons")),
         "key_hash": str(state.get("key_hash") or ""),
-        "plan": {field: plan.get(field) for field in _PLAN_FIELDS},
-        "free_floor_bytes": _rank_map(plan.get("free_floor_bytes"), f"class {name}: free_floor_bytes"),
-        "vllm_floor_bytes": _rank_map(plan.get("vllm_floor_bytes"), f"class {name}: vllm_floor_bytes"),
+        "plan": {field: started.get(field) for field in _PLAN_FIELDS},
+        "free_floor_bytes": _rank_map(started.get("free_floor_bytes"), f"class {name}: free_floor_bytes"),
+        "vllm_floor_bytes": _rank_map(started.get("vllm_floor_bytes"), f"class {name}: vllm_floor_bytes"),
         "weakest": (
             {"host": str(weakest.get("host")), "rank": weakest.get("rank"), "adjusted_bytes": _int(weakest.get("adjusted_bytes"), "weakest")}
             if weakest
@@ -426,7 +431,7 @@ def _probe_instance(raw: Any, where: str) -> dict[str, Any]:
     plan_raw = inst.get("plan")
     plan = None
     if plan_raw:
-        plan_map = _mapping(plan_raw, f"{where}.plan")
+        plan_map = plan_file_figures(_mapping(plan_raw, f"{where}.plan"))
         plan = {field: plan_map.get(field) for field in _INSTANCE_PLAN_FIELDS}
         plan["kv_cache_memory_bytes"] = _int(plan["kv_cache_memory_bytes"], f"{where}.plan.kv_cache_memory_bytes")
         for field in ("gpu_memory_utilization", "num_blocks", "kv_cache_tokens", "max_concurrency"):

@@ -23,6 +23,8 @@ from typing import Any
 
 import yaml
 
+from ansible_collections.gpufleet.vllm.plugins.module_utils._launch import plan_file_figures
+
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "sim"))
 sys.path.insert(0, str(REPO / "tests" / "hosts"))
@@ -36,6 +38,13 @@ STATE_DIR = "/etc/gpufleet"
 
 L40S = {"name": "NVIDIA L40S", "total": 48305799168, "reserved": 462422016, "cc": "8.9"}
 BATCH_RE = re.compile(r"TASK \[Report what changes on this host\][^\n]*\nok: \[(\S+)\]")
+
+
+def plan_view(doc: Mapping[str, Any]) -> dict[str, Any]:
+    """A host's plan file (format 3, launch schema 1) as the collection reads it flat
+    (``_launch.plan_file_figures``), so a test reads ``plan["kv_cache_memory_bytes"]``."""
+    assert doc.get("format") == 3 and doc["launch"]["schema"] == 1, doc
+    return plan_file_figures(doc)
 
 
 class SimFleet:
@@ -158,8 +167,9 @@ class SimFleet:
         return self.read(host, self.previous_path)
 
     def plan(self, host: str) -> dict[str, Any]:
+        """The host's plan file, its launch record's figures beside the instance's fields (:func:`plan_view`)."""
         text = self.read(host, self.plan_path)
-        return json.loads(text) if text else {}
+        return plan_view(json.loads(text)) if text else {}
 
     def profiles(self, host_class: str = "*") -> list[Path]:
         return sorted(self.store.glob(f"{host_class}/*.yml"))

