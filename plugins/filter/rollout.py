@@ -1,7 +1,7 @@
 # Copyright (c) gpufleet maintainers
 # GNU General Public License v3.0+ (see LICENSES/GPL-3.0-or-later.txt or https://www.gnu.org/licenses/gpl-3.0.txt)
 # SPDX-License-Identifier: GPL-3.0-or-later
-"""Filters: gate_violations, release_history, rollout_batches, rollout_plan, rollout_plan_drift, runtime_problems.
+"""Filters: compat_fields, gate_violations, release_history, rollout_batches, rollout_plan, rollout_plan_drift, runtime_problems.
 
 The documentation of each is in the YAML file of its name beside this one.
 """
@@ -48,6 +48,26 @@ def rollout_plan_drift(plan: Any, host_class: str | None = None, current: Mappin
         raise AnsibleFilterError(f"rollout_plan_drift: {exc}") from None
 
 
+def compat_fields(host: Any) -> dict[str, Any]:
+    """An instance's engine, model, serve args and GPU as the fields of its compatibility key."""
+    if not isinstance(host, Mapping):
+        raise AnsibleFilterError(f"compat_fields: expected a mapping of the instance's facts, got {type(host).__name__}")
+    unknown = sorted(set(host) - _COMPAT_INPUTS)
+    if unknown or "model" not in host:
+        raise AnsibleFilterError(f"compat_fields: model is required; unknown input(s) {', '.join(unknown) or 'none'} "
+                                 f"(it takes {', '.join(sorted(_COMPAT_INPUTS))})")
+    try:
+        return _compat.host_fields(
+            str(host["model"]), host.get("serve_args"), host.get("env"), version_output=host.get("version_output"),
+            gpu=host.get("gpu"), driver_version=host.get("driver_version"), rank_count=int(host.get("rank_count") or 0),
+            runtime=host.get("runtime"))
+    except (TypeError, ValueError, AttributeError) as exc:
+        raise AnsibleFilterError(f"compat_fields: {exc}") from None
+
+
+_COMPAT_INPUTS = frozenset({"model", "serve_args", "env", "version_output", "gpu", "driver_version", "rank_count", "runtime"})
+
+
 def runtime_problems(reference: Any, host: Any, reference_host: str = "the class reference") -> list[str]:
     """A host's driver, vLLM, torch and CUDA build against the class reference, and its driver against the CUDA build."""
     try:
@@ -81,6 +101,7 @@ class FilterModule:
 
     def filters(self) -> dict[str, Callable[..., Any]]:
         return {
+            "compat_fields": compat_fields,
             "gate_violations": gate_violations,
             "release_history": release_history,
             "rollout_batches": rollout_batches,

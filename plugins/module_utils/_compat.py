@@ -34,10 +34,12 @@ __all__ = [
     "KNOWN_FIELDS",
     "RUNTIME_FIELDS",
     "RUNTIME_PROBE",
+    "SERVE_ARG_FIELDS",
     "CompatError",
     "CompatKey",
     "compat_key",
     "diff_keys",
+    "host_fields",
     "missing_libraries",
     "model_fingerprint",
     "parse_runtime_probe",
@@ -79,6 +81,31 @@ KNOWN_FIELDS: tuple[str, ...] = (
     "block_size",
     "enable_sleep_mode",
     "pytorch_cuda_alloc_conf",
+    "kv_offloading_backend",
+    "kv_offloading_size",
+    "kv_transfer_config",
+    "cpu_offload_gb",
+    "limit_mm_per_prompt",
+)
+
+# The key fields a deployment sets through ``vllm serve`` options (the option of the same
+# name; ``model_revision`` is ``revision``). :func:`host_fields` reads them, and only them,
+# from the serve args.
+SERVE_ARG_FIELDS: tuple[str, ...] = (
+    "kv_cache_dtype",
+    "dtype",
+    "quantization",
+    "tensor_parallel_size",
+    "pipeline_parallel_size",
+    "data_parallel_size",
+    "enforce_eager",
+    "compilation_config",
+    "cuda_graph_sizes",
+    "max_model_len",
+    "max_num_batched_tokens",
+    "max_num_seqs",
+    "block_size",
+    "enable_sleep_mode",
     "kv_offloading_backend",
     "kv_offloading_size",
     "kv_transfer_config",
@@ -165,6 +192,36 @@ class CompatKey:
 
     def as_dict(self) -> dict[str, Any]:
         return {"fields": dict(self.fields), "hash": self.hash, "full_hash": self.full_hash}
+
+
+def host_fields(model: str, serve_args: Mapping[str, Any] | None, env: Mapping[str, Any] | None, *,
+                version_output: str | None, gpu: Mapping[str, Any] | None, driver_version: str | None,
+                rank_count: int, runtime: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The compatibility-key fields of one instance on its host, before :func:`compat_key`.
+
+    ``version_output``: what ``vllm --version`` printed (its last line is the version);
+    ``gpu``: the instance's first GPU as ``gpu_memory_info`` reports it; ``runtime``:
+    ``vllm_runtime_info``'s ``compat`` (commit, torch, CUDA, the model's fingerprint), whose
+    ``vllm_version`` the CLI's own answer overrides. Serve options give the
+    :data:`SERVE_ARG_FIELDS` they set.
+    """
+    args = serve_args or {}
+    lines = [line.strip() for line in (version_output or "").strip().splitlines()]
+    gpu = gpu or {}
+    fields: dict[str, Any] = {
+        "model": model,
+        "model_revision": args.get("revision"),
+        "vllm_version": (lines[-1] if lines else "") or None,
+        "gpu_name": gpu.get("name"),
+        "total_bytes": gpu.get("total_bytes"),
+        "compute_capability": gpu.get("compute_capability"),
+        "driver_version": driver_version,
+        "rank_count": rank_count,
+        "pytorch_cuda_alloc_conf": (env or {}).get("PYTORCH_CUDA_ALLOC_CONF"),
+    }
+    fields.update((k, v) for k, v in (runtime or {}).items() if k != "vllm_version")
+    fields.update((name, args[name]) for name in SERVE_ARG_FIELDS if name in args)
+    return fields
 
 
 def canonical_json(fields: Mapping[str, Any]) -> str:

@@ -113,10 +113,9 @@ def _rank_bytes(raw: t.Any, where: str) -> dict[int, int]:
             raise LaunchError(f"{where}: rank {key!r} is not an integer") from None
         if rank < 0:
             raise LaunchError(f"{where}: rank {rank} is negative")
-        figure = _int({"v": value}, "v", f"{where}[{rank}]")
-        if figure is None:
-            raise LaunchError(f"{where}[{rank}]: expected bytes, got None")
-        out[rank] = figure
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise LaunchError(f"{where}[{rank}]: expected bytes as a non-negative integer, got {value!r}")
+        out[rank] = value
     return out
 
 
@@ -299,7 +298,8 @@ def plan_file_figures(doc: t.Any) -> dict[str, t.Any]:
 def figures(launch: t.Mapping[str, t.Any]) -> dict[str, t.Any]:
     """A launch record's fields with its expectations beside them (``num_blocks``,
     ``kv_cache_tokens``, ``max_concurrency``), as the report and the tests read them."""
-    expect = launch.get("expect") if isinstance(launch.get("expect"), t.Mapping) else {}
+    raw = launch.get("expect")
+    expect: t.Mapping[str, t.Any] = raw if isinstance(raw, t.Mapping) else {}
     flat = {k: v for k, v in launch.items() if k != "expect"}
     flat.update((k, v) for k, v in expect.items() if k != "reserved_bytes")
     return flat
@@ -308,10 +308,10 @@ def figures(launch: t.Mapping[str, t.Any]) -> dict[str, t.Any]:
 def deployed(doc: t.Any) -> dict[str, t.Any]:
     """What a host's plan file says the instance runs: ``{decision, kv_cache_memory_bytes,
     gpu_memory_utilization, compat_key_hash}`` (any format); empty for no file or one without a decision."""
-    figures = plan_file_figures(doc)
-    if figures.get("decision") is None and figures.get("kv_cache_memory_bytes") is None:
+    flat = plan_file_figures(doc)
+    if flat.get("decision") is None and flat.get("kv_cache_memory_bytes") is None:
         return {}
-    return {key: figures.get(key) for key in ("decision", "kv_cache_memory_bytes", "gpu_memory_utilization", "compat_key_hash")}
+    return {key: flat.get(key) for key in ("decision", "kv_cache_memory_bytes", "gpu_memory_utilization", "compat_key_hash")}
 
 
 def runs(doc: t.Any, launch: t.Mapping[str, t.Any], key_hash: str | None) -> bool:
@@ -320,6 +320,6 @@ def runs(doc: t.Any, launch: t.Mapping[str, t.Any], key_hash: str | None) -> boo
     now = deployed(doc)
     if not now or not key_hash:
         return False
-    return (now["kv_cache_memory_bytes"] == launch.get("kv_cache_memory_bytes")
-            and now["gpu_memory_utilization"] == launch.get("gpu_memory_utilization")
-            and now["compat_key_hash"] == key_hash)
+    return bool(now["kv_cache_memory_bytes"] == launch.get("kv_cache_memory_bytes")
+                and now["gpu_memory_utilization"] == launch.get("gpu_memory_utilization")
+                and now["compat_key_hash"] == key_hash)

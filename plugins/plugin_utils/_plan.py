@@ -261,7 +261,8 @@ def keep_deployed(
 ) -> tuple[int, bool, str]:
     """Keep the budget the class runs now instead of the freshly planned one, when that is safe.
 
-    ``deployed`` is the plan file of the class's canary host (any format, ``_launch.deployed``); ``safe_bytes`` the most this plan allows (max safe less the gate margin);
+    ``deployed`` is the plan file of the class's canary host (any format, ``_launch.deployed``);
+    ``safe_bytes`` the most this plan allows (max safe less the gate margin);
     ``blocks_of`` gives the blocks of a budget; ``need_blocks`` the blocks the admission plan (or
     one ``max_model_len`` request) needs. The deployed budget is kept when its key is this plan's,
     it is still safe, it still holds ``need_blocks`` and it is within ``keep_step_bytes`` of the
@@ -1133,6 +1134,7 @@ def _choose_budget(p: _Planning, drift: _Drift, adm: Any) -> None:
     deployed = spec.get("deployed") or None
     if deployed is not None and not isinstance(deployed, Mapping):
         raise PlanError(f"deployed: expected the plan record a host runs (a mapping), got {type(deployed).__name__}")
+    deployed = launch_deployed(deployed) or None  # its launch figures, whichever plan file format wrote it
     safe_budget = round_budget(launch, cap.bytes_per_block if cap else None, granularity, margin)
     budget = safe_budget
     if inp.budget_mode == "fit_admission":

@@ -9,10 +9,12 @@ import pytest
 
 from ansible_collections.gpufleet.vllm.plugins.module_utils._compat import (
     KNOWN_FIELDS,
+    SERVE_ARG_FIELDS,
     CompatError,
     CompatKey,
     compat_key,
     diff_keys,
+    host_fields,
 )
 
 BASE = {
@@ -126,3 +128,26 @@ def test_subclassed_values_canonicalise_to_builtin_types():
     key = compat_key({TaggedStr("max_model_len"): TaggedInt(8192), "model": TaggedStr("m"), "extra": TaggedInt(3)})
     assert [type(v) for v in key.fields.values()] == [int, int, str]
     assert diff_keys(key, {"max_model_len": 8192, "model": "m", "extra": 3}) == []
+
+
+# ---------------------------------------------------------------- the fields of a host's instance
+def test_host_fields_take_each_field_from_where_it_lives():
+    fields = host_fields(
+        "/srv/m", {"revision": "r1", "max_model_len": 8192, "dtype": "bfloat16", "enable_prefix_caching": True, "api_server_count": 2},
+        {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True", "OTHER": "x"},
+        version_output="INFO some log line\n0.32.0\n", gpu={"name": "NVIDIA H200", "total_bytes": 150110961664, "compute_capability": "9.0"},
+        driver_version="570.86.15", rank_count=2, runtime={"vllm_version": "0.32.0+cu128", "vllm_commit": "abc", "torch_version": "2.9.0"})
+    assert fields == {
+        "model": "/srv/m", "model_revision": "r1", "vllm_version": "0.32.0", "gpu_name": "NVIDIA H200", "total_bytes": 150110961664,
+        "compute_capability": "9.0", "driver_version": "570.86.15", "rank_count": 2,
+        "pytorch_cuda_alloc_conf": "expandable_segments:True", "vllm_commit": "abc", "torch_version": "2.9.0",
+        "max_model_len": 8192, "dtype": "bfloat16",
+    }
+    # every serve-arg field is a key field, and the key's fields are the serve-arg ones plus the host's
+    assert set(SERVE_ARG_FIELDS) <= set(KNOWN_FIELDS)
+    assert compat_key(fields).hash == compat_key(dict(fields, max_model_len="8192")).hash
+
+
+def test_host_fields_without_a_version_or_a_gpu_leave_them_out_of_the_key():
+    fields = host_fields("/srv/m", None, None, version_output="", gpu=None, driver_version=None, rank_count=1)
+    assert compat_key(fields).fields == {"model": "/srv/m", "rank_count": 1}
