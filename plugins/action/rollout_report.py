@@ -10,13 +10,14 @@ from typing import Any
 from ansible.errors import AnsibleActionFail
 from ansible.plugins.action import ActionBase
 
-from ansible_collections.gpufleet.vllm.plugins.plugin_utils._report import KINDS, ReportError, build_report, class_artifacts
+from ansible_collections.gpufleet.vllm.plugins.plugin_utils._report import KINDS, ReportError, build_report, class_artifacts, run_data
 from ansible_collections.gpufleet.vllm.plugins.plugin_utils._report_render import summary_line, write_run_dir
 
 ARGUMENT_SPEC: dict[str, Any] = {
     "report_dir": {"type": "path"},
     "kind": {"type": "str", "default": "rollout", "choices": list(KINDS)},
-    "data": {"type": "dict", "required": True},
+    "data": {"type": "dict"},
+    "hosts_from": {"type": "str", "default": "gpufleet_rollout"},
 }
 
 
@@ -32,7 +33,13 @@ class ActionModule(ActionBase):  # type: ignore[misc]  # ActionBase is Any: ansi
         result: dict[str, Any] = super().run(tmp, task_vars)
         del tmp
         _validation, args = self.validate_argument_spec(argument_spec=ARGUMENT_SPEC)
-        data = dict(args["data"])
+        if args["data"] is not None:
+            data = dict(args["data"])
+        else:
+            # a run that failed before it grouped its hosts has no group yet: a report of no host
+            hostvars = task_vars.get("hostvars") or {}
+            raw = getattr(hostvars, "raw_get", None)
+            data = run_data(hostvars, task_vars.get("groups") or {}, args["hosts_from"], raw_vars=raw)
         # A dry run is recorded as one: ansible_check_mode stays true under a task's check_mode: false.
         data.setdefault("check_mode", bool(task_vars.get("ansible_check_mode", False)))
         try:

@@ -80,8 +80,19 @@ options:
       - "C(audit) (required with O(kind=audit)) maps C(hosts) to C({host: {class, error, instances}}) where
         C(instances) are the RV(gpufleet.vllm.vllm_audit#module:instances) entries. An audit report's hosts come
         from this section; its summary lists the instances that would be refused at their next start."
+      - Omitted, the rollout's data is read from the hostvars of the O(hosts_from) group (what
+        C(playbooks/rollout.yml) and C(playbooks/plan.yml) keep on each host and on C(localhost)).
     type: dict
-    required: true
+  hosts_from:
+    description:
+      - Without O(data), the inventory group whose hosts the report covers. Per class it reads the canary host's
+        C(gpufleet_class_state), C(gpufleet_reference) and C(vllm_canary_result); per host its class, batch
+        (C(gpufleet_batch_index)), pending instances (C(vllm_service_pending)), C(gpufleet_touched) and, for a host
+        that failed in a serial batch, C(ansible_failed_result) and C(ansible_failed_task); from C(localhost),
+        C(gpufleet_run.started) and C(gpufleet_batches).
+    type: str
+    default: gpufleet_rollout
+    version_added: 1.2.0
 notes:
   - The playbooks of this collection call this action in their last play; set C(gpufleet_report_dir) to
     keep the reports.

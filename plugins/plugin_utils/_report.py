@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from ansible_collections.gpufleet.vllm.plugins.module_utils._launch import figures as launch_figures, plan_file_figures
@@ -581,6 +581,72 @@ def _host_outcome(kind: str, host: Mapping[str, Any], class_entry: dict[str, Any
     if host.get("batch") is None:
         return "not_reached"
     return "deployed" if host.get("pending") else "unchanged"
+
+
+_MANUAL_VERDICTS = ("pass", "fail", "inconclusive")
+
+
+def _class_group(host_class: str) -> str:
+    """The inventory group of a class's hosts (playbooks/parts/validate.yml adds them)."""
+    return "gpufleet_class_" + "".join(c if c.isascii() and (c.isalnum() or c == "_") else "_" for c in host_class)
+
+
+def run_data(hostvars: Mapping[str, Any], groups: Mapping[str, Any], hosts_from: str = "gpufleet_rollout",
+             controller: str = "localhost", raw_vars: Callable[[str], Mapping[str, Any]] | None = None) -> dict[str, Any]:
+    """What :func:`build_report` takes, read from a rollout's hostvars.
+
+    Per class, from its canary host (``gpufleet_canary_of_class``, else its first host by name):
+    ``gpufleet_class_state``, with the canaries it ran (``gpufleet_reference``'s profiled canary,
+    and ``vllm_canary_result`` when the manual canary gave a verdict). Per host of ``hosts_from``: its class, batch
+    (``gpufleet_batch_index``), pending instances (``vllm_service_pending``), whether it was
+    touched, and - for a host that failed in a serial batch or in the input check before them -
+    the failure's message (each failed item's too) and task. ``controller``'s vars give the
+    run's start (``gpufleet_run.started``) and the batches (``gpufleet_batches``).
+
+    ``raw_vars(host)`` gives a host's vars untemplated (Ansible's ``hostvars.raw_get``): the
+    failed task is read from there, since templating it whole would template its arguments
+    (``{{ item }}`` of a loop) outside the task.
+    """
+    run = dict((hostvars.get(controller) or {}).get("gpufleet_run") or {})
+    classes: dict[str, Any] = {}
+    hosts: dict[str, Any] = {}
+    for host in groups.get(hosts_from) or []:
+        hv = hostvars.get(host) or {}
+        cls = str(hv.get("gpufleet_host_class") or "")
+        if cls not in classes:
+            # the canary results live on the class's canary host (plan_classes.yml keeps its name on every host)
+            canary = hv.get("gpufleet_canary_of_class") or sorted(groups.get(_class_group(cls)) or [host])[0]
+            ch = hostvars.get(canary) or {}
+            state = dict(ch.get("gpufleet_class_state") or hv.get("gpufleet_class_state") or {})
+            manual = ch.get("vllm_canary_result") if state.get("manual_canary") in _MANUAL_VERDICTS else None
+            reference = ch.get("gpufleet_reference") or {}
+            profiled = ((reference.get("profile") or {}) if isinstance(reference, Mapping) else {}).get("canary_result")
+            state["canaries"] = {"profiled": profiled, "manual": manual}
+            classes[cls] = state
+        in_batch = "gpufleet_batch_index" in hv or bool(hv.get("gpufleet_inputs_failed"))
+        failure = hv.get("ansible_failed_result") if in_batch else None
+        error = task = None
+        if isinstance(failure, Mapping):
+            # a looped task (one item per instance) fails with "One or more items failed": add each item's message
+            items = [r for r in failure.get("results") or [] if isinstance(r, Mapping) and r.get("failed")]
+            error = str(failure.get("msg") or "failed without a message")
+            if items:
+                error += ": " + "; ".join(str(r.get("msg") or "no message") for r in items)
+            failed_task = (raw_vars(host) if raw_vars else hv).get("ansible_failed_task")
+            task = failed_task.get("name") if isinstance(failed_task, Mapping) else None
+        hosts[host] = {
+            "class": cls,
+            "batch": hv.get("gpufleet_batch_index"),
+            "pending": [i.get("name") for i in hv.get("vllm_service_pending") or [] if isinstance(i, Mapping)],
+            "touched": bool(hv.get("gpufleet_touched") or False),
+            "error": error,
+            "failed_task": task,
+        }
+    started = str(run.get("started") or "")
+    if started and "+" not in started:
+        started += "+00:00"
+    return {"started": started or None, "classes": classes, "hosts": hosts,
+            "batches": list((hostvars.get(controller) or {}).get("gpufleet_batches") or [])}
 
 
 def build_report(data: Mapping[str, Any], kind: str = "rollout", generated: _dt.datetime | None = None) -> dict[str, Any]:

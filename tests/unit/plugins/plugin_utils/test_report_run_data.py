@@ -1,0 +1,55 @@
+# Copyright (c) gpufleet maintainers
+# GNU General Public License v3.0+ (see https://www.gnu.org/licenses/gpl-3.0.txt)
+"""rollout_report reads a rollout's hostvars itself (_report.run_data): what each class and host
+contributes, and that a failed looped task names each failed item."""
+from __future__ import annotations
+
+from ansible_collections.gpufleet.vllm.plugins.plugin_utils._report import build_report, run_data
+
+STATE = {"ok": True, "failed": False, "needs_profile": False, "plan": {}, "key_hash": "k1", "manual_canary": "pass", "reasons": []}
+
+
+def fleet() -> tuple[dict, dict]:
+    hostvars = {
+        "localhost": {"gpufleet_run": {"started": "2026-12-02T10:00:00"}, "gpufleet_batches": [{"index": 1, "total": 1, "hosts": ["a", "b"]}]},
+        # b is the class's canary host (gpufleet_canary_host), not its first by name
+        "a": {"gpufleet_host_class": "l40s", "gpufleet_class_state": STATE, "gpufleet_canary_of_class": "b",
+              "gpufleet_batch_index": 1, "vllm_service_pending": [{"name": "main"}], "gpufleet_touched": True},
+        "b": {"gpufleet_host_class": "l40s", "gpufleet_class_state": STATE, "gpufleet_canary_of_class": "b",
+              "vllm_canary_result": {"verdict": "pass"}, "gpufleet_reference": {"profile": {"canary_result": {"verdict": "pass", "mode": "profiled"}}},
+              "gpufleet_batch_index": 1, "vllm_service_pending": [{"name": "main"}], "gpufleet_touched": True,
+              "ansible_failed_result": {"msg": "One or more items failed", "results": [
+                  {"failed": True, "msg": "vllm-main.service: boot check failed"}, {"failed": False, "msg": "ok"}]},
+              "ansible_failed_task": {"name": "Start and check the new units", "args": {"msg": "{{ item }}"}}},
+    }
+    groups = {"gpufleet_rollout": ["a", "b"], "gpufleet_class_l40s": ["a", "b"]}
+    return hostvars, groups
+
+
+def test_the_run_data_of_a_rollout_with_a_failed_host():
+    hostvars, groups = fleet()
+    data = run_data(hostvars, groups)
+    assert data["started"] == "2026-12-02T10:00:00+00:00"
+    assert data["batches"] == [{"index": 1, "total": 1, "hosts": ["a", "b"]}]
+    assert data["classes"]["l40s"]["canaries"] == {"profiled": {"verdict": "pass", "mode": "profiled"}, "manual": {"verdict": "pass"}}
+    assert data["hosts"]["a"] == {"class": "l40s", "batch": 1, "pending": ["main"], "touched": True, "error": None, "failed_task": None}
+    assert data["hosts"]["b"]["error"] == "One or more items failed: vllm-main.service: boot check failed"
+    assert data["hosts"]["b"]["failed_task"] == "Start and check the new units"
+    report = build_report(data, "rollout")
+    assert {h["host"]: h["outcome"] for h in report["hosts"]} == {"a": "deployed", "b": "rolled_back"}
+
+
+def test_the_failed_task_is_read_untemplated_when_ansible_gives_raw_vars():
+    hostvars, groups = fleet()
+    templated = dict(hostvars)
+    templated["b"] = {k: v for k, v in hostvars["b"].items() if k != "ansible_failed_task"}
+    data = run_data(templated, groups, raw_vars=lambda host: hostvars[host])
+    assert data["hosts"]["b"]["failed_task"] == "Start and check the new units"
+
+
+def test_a_host_that_never_reached_a_batch_has_no_error_and_no_group_means_no_host():
+    hostvars, groups = fleet()
+    del hostvars["b"]["gpufleet_batch_index"]
+    assert run_data(hostvars, groups)["hosts"]["b"]["error"] is None
+    assert run_data(hostvars, {}) == {"started": "2026-12-02T10:00:00+00:00", "classes": {}, "hosts": {},
+                                      "batches": [{"index": 1, "total": 1, "hosts": ["a", "b"]}]}
