@@ -51,43 +51,6 @@ class CompatError(ValueError):
     """A compatibility key field has a value that cannot be canonicalised."""
 
 
-# design step 2 plus the fields of vLLM's own startup-plan key
-KNOWN_FIELDS: tuple[str, ...] = (
-    "model",
-    "model_revision",
-    "model_fingerprint",
-    "vllm_version",
-    "vllm_commit",
-    "torch_version",
-    "cuda_version",
-    "gpu_name",
-    "total_bytes",
-    "compute_capability",
-    "driver_version",
-    "world_size",
-    "rank_count",
-    "kv_cache_dtype",
-    "dtype",
-    "quantization",
-    "tensor_parallel_size",
-    "pipeline_parallel_size",
-    "data_parallel_size",
-    "enforce_eager",
-    "compilation_config",
-    "cuda_graph_sizes",
-    "max_model_len",
-    "max_num_batched_tokens",
-    "max_num_seqs",
-    "block_size",
-    "enable_sleep_mode",
-    "pytorch_cuda_alloc_conf",
-    "kv_offloading_backend",
-    "kv_offloading_size",
-    "kv_transfer_config",
-    "cpu_offload_gb",
-    "limit_mm_per_prompt",
-)
-
 # The key fields a deployment sets through ``vllm serve`` options (the option of the same
 # name; ``model_revision`` is ``revision``). :func:`host_fields` reads them, and only them,
 # from the serve args.
@@ -111,6 +74,25 @@ SERVE_ARG_FIELDS: tuple[str, ...] = (
     "kv_transfer_config",
     "cpu_offload_gb",
     "limit_mm_per_prompt",
+)
+
+# design step 2 plus the fields of vLLM's own startup-plan key: the host's, then the serve options
+KNOWN_FIELDS: tuple[str, ...] = (
+    "model",
+    "model_revision",
+    "model_fingerprint",
+    "vllm_version",
+    "vllm_commit",
+    "torch_version",
+    "cuda_version",
+    "gpu_name",
+    "total_bytes",
+    "compute_capability",
+    "driver_version",
+    "world_size",
+    "rank_count",
+    "pytorch_cuda_alloc_conf",
+    *SERVE_ARG_FIELDS,
 )
 
 INT_FIELDS = frozenset(
