@@ -135,6 +135,20 @@ def _cpu_build(log: t.Mapping[str, t.Any], rank: t.Mapping[str, t.Any]) -> bool:
     return bool(rank.get("cpu_kv_mode")) or log.get("device") == "CPU"
 
 
+def reserved_kv_by_rank(ranks: t.Iterable[t.Mapping[str, t.Any]], expected: int) -> list[tuple[t.Any, int | None, bool]]:
+    """Each rank's logged KV reservation against the byte budget: ``(rank, logged bytes or None, ok)``.
+
+    The log prints GiB with two decimals, so a figure within ``GIB_ROUNDING_BYTES`` of
+    ``expected`` is the budget; a rank whose log shows no figure is not ok.
+    """
+    out: list[tuple[t.Any, int | None, bool]] = []
+    for rank in ranks:
+        got = rank.get("reserved_kv_bytes")
+        logged = None if got is None else int(got)
+        out.append((rank.get("rank"), logged, logged is not None and abs(logged - int(expected)) <= GIB_ROUNDING_BYTES))
+    return out
+
+
 def evaluate_boot(
     log: t.Mapping[str, t.Any],
     metrics: EngineMetrics | None,
@@ -172,19 +186,16 @@ def evaluate_boot(
         if not ranks:
             check("reserved_kv_bytes", False,
                   f"this boot's log has no per-rank KV cache line; cannot confirm {expected} bytes were reserved")
-        for rank in ranks:
-            got = rank.get("reserved_kv_bytes")
-            num = rank.get("rank")
+        for num, got, ok in reserved_kv_by_rank(ranks, expected):
             if got is None:
                 check("reserved_kv_bytes", False,
                       f"rank {num}: the log shows no KV cache reserved from kv_cache_memory_bytes "
                       f"(expected {expected} bytes); the engine did not use the manual budget",
                       rank=num, expected=expected, actual=None)
             else:
-                ok = abs(int(got) - expected) <= GIB_ROUNDING_BYTES
                 check("reserved_kv_bytes", ok,
                       f"rank {num}: reserved {got} bytes for KV cache (log, +/- {GIB_ROUNDING_BYTES}), "
-                      f"expected {expected}", rank=num, expected=expected, actual=int(got))
+                      f"expected {expected}", rank=num, expected=expected, actual=got)
         if metrics is not None and metrics.cache_config:
             got = metrics.kv_cache_memory_bytes
             check("metrics_kv_cache_memory_bytes", got == expected,

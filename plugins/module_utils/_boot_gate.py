@@ -47,7 +47,7 @@ import time
 import typing as t
 
 from ._kv_capacity import SOURCES as CAPACITY_SOURCES, blocks_for_bytes, floor_utilization, full_attention_request_blocks, one_request_blocks, tokens_for_blocks
-from ._launch import PLAN_FILE_FORMAT, LaunchError, check_launch
+from ._launch import PLAN_FILE_FORMAT, LaunchError, check_launch, rank_bytes
 
 PLAN_FORMATS = (1, 2, PLAN_FILE_FORMAT)
 PLAN_FORMAT = PLAN_FILE_FORMAT
@@ -83,23 +83,6 @@ def _int(doc: t.Mapping[str, t.Any], key: str, where: str, required: bool = True
     return value
 
 
-def _rank_map(raw: t.Any, where: str) -> dict[int, int]:
-    if raw is None:
-        return {}
-    if not isinstance(raw, t.Mapping):
-        raise BootGateError(f"{where}: expected a mapping rank -> bytes, got {type(raw).__name__}")
-    out: dict[int, int] = {}
-    for key, value in raw.items():
-        try:
-            rank = int(key)
-        except (TypeError, ValueError):
-            raise BootGateError(f"{where}: rank {key!r} is not an integer") from None
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise BootGateError(f"{where}[{rank}]: expected bytes as an integer, got {value!r}")
-        out[rank] = value
-    return out
-
-
 # ---------------------------------------------------------------- plan file
 
 def parse_plan(doc: t.Any, where: str = "plan file") -> dict[str, t.Any]:
@@ -127,8 +110,8 @@ def parse_plan(doc: t.Any, where: str = "plan file") -> dict[str, t.Any]:
         "kv_cache_memory_bytes": _int(doc, "kv_cache_memory_bytes", where, required=manual),
         "num_blocks": _int(doc, "num_blocks", where, required=False),
         "kv_cache_tokens": _int(doc, "kv_cache_tokens", where, required=False),
-        "free_floor_bytes": _rank_map(doc.get("free_floor_bytes"), f"{where}: free_floor_bytes"),
-        "vllm_floor_bytes": _rank_map(doc.get("vllm_floor_bytes"), f"{where}: vllm_floor_bytes"),
+        "free_floor_bytes": rank_bytes(doc.get("free_floor_bytes"), f"{where}: free_floor_bytes", signed=True, error=BootGateError),
+        "vllm_floor_bytes": rank_bytes(doc.get("vllm_floor_bytes"), f"{where}: vllm_floor_bytes", signed=True, error=BootGateError),
         "guard_bytes": _int(doc, "guard_bytes", where, required=False),
         "max_model_len": _int(doc, "max_model_len", where, required=False),
         "planned_at": doc.get("planned_at"),

@@ -19,12 +19,12 @@ import time
 import typing as t
 from dataclasses import dataclass, field
 
-from ._boot_check import capacity_figures, log_tail, primary_error, summarise_log
+from ._boot_check import capacity_figures, log_tail, primary_error, reserved_kv_by_rank, summarise_log
 from ._engine_process import Account, EngineProcess, free_port, port_in_use, scrape_metrics, wait_healthy
 from ._load_test import LoadSpec, run_load_test
 from ._serve_argv import LOOPBACK, EngineSpecError, api_key_of, build_argv, engine_env, redact_argv, without_api_key
 from ._validate import ValidationError, integer, number
-from ._vllm_log import GIB_ROUNDING_BYTES, parse_engine_log
+from ._vllm_log import parse_engine_log
 from ._vllm_metrics import EngineMetrics
 
 
@@ -128,6 +128,19 @@ def _seconds(value: t.Any) -> str:
     return f"{value:g}" if isinstance(value, (int, float)) else str(value)
 
 
+def _judge_budget(result: t.Mapping[str, t.Any], requested: int, fails: list[str], unsure: list[str]) -> None:
+    """The reserved KV bytes against the canary's budget: /metrics exactly, each rank's log line
+    as the boot check reads it (:func:`reserved_kv_by_rank`); unsure when neither shows them."""
+    exact = result.get("kv_cache_memory_bytes")
+    if exact is not None and int(exact) != requested:
+        fails.append(f"/metrics reports kv_cache_memory_bytes={exact}, the canary requested {requested}")
+    by_rank = reserved_kv_by_rank(result.get("ranks") or [], requested)
+    fails.extend(f"rank {num}: the log reports {got} bytes reserved for KV cache, the canary requested {requested}"
+                 for num, got, ok in by_rank if got is not None and not ok)
+    if exact is None and all(got is None for _num, got, _ok in by_rank):
+        unsure.append("neither /metrics nor the log confirmed the reserved KV bytes")
+
+
 def judge_canary(
     result: t.Mapping[str, t.Any],
     *,
@@ -164,20 +177,7 @@ def judge_canary(
     if isinstance(pre, (int, float)) and pre > tolerances.preemptions:
         fails.append(f"{int(pre)} preemptions during the load test (tolerated: {tolerances.preemptions})")
     if requested_kv_bytes is not None:
-        exact = result.get("kv_cache_memory_bytes")
-        if exact is not None and int(exact) != int(requested_kv_bytes):
-            fails.append(
-                f"/metrics reports kv_cache_memory_bytes={exact}, the canary requested {requested_kv_bytes}"
-            )
-        for rank in result.get("ranks") or []:
-            reserved = rank.get("reserved_kv_bytes")
-            if reserved is not None and abs(int(reserved) - int(requested_kv_bytes)) > GIB_ROUNDING_BYTES:
-                fails.append(
-                    f"rank {rank.get('rank')}: the log reports {reserved} bytes reserved for KV cache, "
-                    f"the canary requested {requested_kv_bytes}"
-                )
-        if exact is None and not any(r.get("reserved_kv_bytes") is not None for r in result.get("ranks") or []):
-            unsure.append("neither /metrics nor the log confirmed the reserved KV bytes")
+        _judge_budget(result, int(requested_kv_bytes), fails, unsure)
     if result.get("kv_cache_tokens") is None:
         unsure.append("the KV cache size (tokens) was found neither in /metrics nor in the log")
     if not load.get("requests"):

@@ -65,7 +65,7 @@ FIELDS = ("schema", "decision", "reasons", "manual", "kv_cache_memory_bytes", "g
           "expect", "admission", "capacity")
 
 __all__ = ["DECISIONS", "EXPECT_FIELDS", "FIELDS", "PLAN_FILE_FORMAT", "SCHEMA", "LaunchError", "check_launch",
-           "deployed", "figures", "for_instance", "from_plan", "plan_file", "plan_file_figures", "runs"]
+           "deployed", "figures", "for_instance", "from_plan", "plan_file", "plan_file_figures", "rank_bytes", "runs"]
 
 
 class LaunchError(ValueError):
@@ -100,21 +100,28 @@ def _fraction(doc: t.Mapping[str, t.Any], key: str, where: str, low_open: bool) 
     return number
 
 
-def _rank_bytes(raw: t.Any, where: str) -> dict[int, int]:
+def rank_bytes(raw: t.Any, where: str, *, signed: bool = False,
+               error: type[Exception] = LaunchError) -> dict[int, int]:
+    """A per-rank bytes map (``{rank: bytes}``, ranks as integers); ``where`` names the field in errors.
+
+    ``signed``: negative ranks and figures pass, as the boot gate has always read plan files
+    of formats 1 and 2. ``error``: the exception class the caller's errors are.
+    """
     if raw is None:
         return {}
     if not isinstance(raw, t.Mapping):
-        raise LaunchError(f"{where}: expected a mapping rank -> bytes, got {type(raw).__name__}")
+        raise error(f"{where}: expected a mapping rank -> bytes, got {type(raw).__name__}")
     out: dict[int, int] = {}
     for key, value in raw.items():
         try:
             rank = int(key)
         except (TypeError, ValueError):
-            raise LaunchError(f"{where}: rank {key!r} is not an integer") from None
-        if rank < 0:
-            raise LaunchError(f"{where}: rank {rank} is negative")
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise LaunchError(f"{where}[{rank}]: expected bytes as a non-negative integer, got {value!r}")
+            raise error(f"{where}: rank {key!r} is not an integer") from None
+        if rank < 0 and not signed:
+            raise error(f"{where}: rank {rank} is negative")
+        if isinstance(value, bool) or not isinstance(value, int) or (value < 0 and not signed):
+            kind = "an integer" if signed else "a non-negative integer"
+            raise error(f"{where}[{rank}]: expected bytes as {kind}, got {value!r}")
         out[rank] = value
     return out
 
@@ -219,8 +226,8 @@ def check_launch(doc: t.Any, where: str = "launch") -> dict[str, t.Any]:
         "utilization_source": source,
         "profile_max_utilization": _fraction(doc, "profile_max_utilization", where, low_open=False),
         "guard_bytes": _int(doc, "guard_bytes", where),
-        "free_floor_bytes": _rank_bytes(doc.get("free_floor_bytes"), f"{where}.free_floor_bytes"),
-        "vllm_floor_bytes": _rank_bytes(doc.get("vllm_floor_bytes"), f"{where}.vllm_floor_bytes"),
+        "free_floor_bytes": rank_bytes(doc.get("free_floor_bytes"), f"{where}.free_floor_bytes"),
+        "vllm_floor_bytes": rank_bytes(doc.get("vllm_floor_bytes"), f"{where}.vllm_floor_bytes"),
         "expect": expect,
         "admission": admission,
         "capacity": dict(capacity) if capacity is not None else None,
