@@ -13,7 +13,7 @@ from ansible.plugins.action import ActionBase
 
 from ansible_collections.gpufleet.vllm.plugins.module_utils._validate import ValidationError, boolean, instance_name, integer
 from ansible_collections.gpufleet.vllm.plugins.plugin_utils import _probe_history
-from ansible_collections.gpufleet.vllm.plugins.plugin_utils._plan import PlanError, plan_class
+from ansible_collections.gpufleet.vllm.plugins.plugin_utils._plan import SPLIT_POLICIES, PlanError, plan_class, plan_deployable
 
 ARGUMENT_SPEC: dict[str, Any] = {
     "host_class": {"type": "str"},
@@ -33,6 +33,8 @@ ARGUMENT_SPEC: dict[str, Any] = {
     "budget_granularity_bytes": {"type": "raw", "default": 0},
     "keep_step_bytes": {"type": "raw", "default": 0},
     "deployed": {"type": "dict"},
+    "split_policy": {"type": "str", "default": "warn", "choices": list(SPLIT_POLICIES)},
+    "require_admission": {"type": "bool", "default": False},
     "probe_history": {
         "type": "dict",
         "options": {
@@ -169,14 +171,17 @@ class ActionModule(ActionBase):  # type: ignore[misc]  # ActionBase is Any: ansi
                 if name in hosts:
                     raise AnsibleActionFail(f"host {name} is given both in hosts and by hosts_from")
                 hosts[name] = ranks
-        spec = {k: v for k, v in args.items() if k not in ("hosts_from", "probe_history")}
+        # split_policy and require_admission judge the plan (deployable); they do not change it
+        spec = {k: v for k, v in args.items() if k not in ("hosts_from", "probe_history", "split_policy", "require_admission")}
         spec["hosts"] = hosts
         try:
             plan = plan_class(spec)
+            deployable = plan_deployable(plan, args["split_policy"], args["require_admission"])
         except PlanError as exc:
             result.update(failed=True, msg=f"kv_plan ({args.get('host_class') or 'class'}): {exc}")
             return result
         result.update(plan)
+        result["deployable"] = deployable
         result["changed"] = False
         result["msg"] = f"{plan['decision']}: {plan['reasons'][0]}" if plan["reasons"] else plan["decision"]
         return result

@@ -30,7 +30,10 @@ description:
     cost more than O(max_capacity_loss) of the median host's budget), V(reprofile) (every rank has at least
     O(reprofile_headroom) more free memory than the reference), else V(deploy)."
   - An admission shortfall (fewer blocks than the admission plan needs, but at least one full request) is
-    deployable; it is reported in RV(admission) and RV(reasons).
+    deployable unless O(require_admission); it is reported in RV(admission) and RV(reasons).
+  - "RV(deployable) says whether the plan may be deployed: V(deploy), V(reprofile) and V(auto_profile) may, V(split)
+    only with O(split_policy=warn), V(refuse) never; with O(require_admission) a failed admission check
+    (RV(admission.ok) false) may not either."
   - Never changes anything.
 author:
   - gpufleet maintainers (@gpufleet)
@@ -155,6 +158,20 @@ options:
       - The plan record the class runs now (the canary host's C(<instance>.plan.json)), with C(kv_cache_memory_bytes)
         and C(compat_key_hash); only a record of the reference's compatibility key is kept.
     type: dict
+  split_policy:
+    description:
+      - What a V(split) decision means for RV(deployable). V(warn) deploys the weakest rank's budget on every host
+        of the class (deployable), V(fail) stops the class (not deployable).
+      - The plan itself does not change.
+    type: str
+    choices: [warn, fail]
+    default: warn
+  require_admission:
+    description:
+      - A plan that cannot hold its admission plan (RV(admission.ok) false) is not deployable (RV(deployable)).
+      - The plan itself does not change.
+    type: bool
+    default: false
   probe_history:
     description:
       - Keep each planned host's probe (every GPU's boot-free memory) in a bounded per-host history beside the profile
@@ -228,6 +245,13 @@ decision:
   returned: always
   type: str
   sample: deploy
+deployable:
+  description:
+    - Whether the plan may be deployed, from RV(decision), O(split_policy) and, with O(require_admission),
+      RV(admission) (the rule is in the module's description).
+  returned: always
+  type: bool
+  sample: true
 reasons:
   description: Why, first the reason for the decision, then notes a person can act on.
   returned: always

@@ -8,7 +8,7 @@ from __future__ import annotations
 DOCUMENTATION = r"""
 ---
 module: kv_profile
-short_description: Read or record vLLM reference profiles in a profile store
+short_description: Read, build or record vLLM reference profiles in a profile store
 version_added: 1.0.0
 description:
   - Runs on the controller. A profile store is a directory of YAML files, one per recorded reference
@@ -22,6 +22,9 @@ description:
     that differ from the newest one; else RV(status=missing).
   - Unreadable or edited files are skipped and reported in RV(corrupt) and as warnings; they never hide the
     other profiles and are never rewritten.
+  - With O(canary), the reference profile is built from a profiled M(gpufleet.vllm.vllm_canary) run (the same
+    builder as the P(gpufleet.vllm.kv_reference#filter) filter) and returned in RV(reference_profile);
+    O(state=present) records it, O(state=build) only builds it.
 author:
   - gpufleet maintainers (@gpufleet)
 extends_documentation_fragment:
@@ -33,6 +36,7 @@ attributes:
     support: full
     details:
       - With O(state=present) nothing is written; the result shows the record that would be written and C(changed=true).
+      - O(state=build) writes nothing in any mode.
   diff_mode:
     support: full
     details:
@@ -40,24 +44,29 @@ attributes:
   idempotent:
     support: partial
     details:
-      - O(state=query) never changes anything. O(state=present) records a new profile every time.
+      - O(state=query), O(state=latest) and O(state=build) never change anything. O(state=present) records a new profile every time.
 options:
   store:
-    description: Directory of the profile store on the controller (created when recording).
+    description:
+      - Directory of the profile store on the controller (created when recording).
+      - Required unless O(state=build), which does not use it.
     type: path
-    required: true
   state:
     description:
-      - V(query) reads, V(present) records O(profile) as a new file.
+      - V(query) reads, V(present) records O(profile) (or the profile built from O(canary)) as a new file.
       - V(latest) returns the newest profile of O(host_class) whatever its key (RV(key_hash) is its key), for
         checking a deployed plan's key against the class's current reference; it needs no O(compat).
+      - V(build) builds the reference profile from O(canary) and returns it in RV(reference_profile) without
+        reading or writing the store (a profiled canary that is not recorded); O(store), O(host_class) and
+        O(compat) are not used.
     type: str
-    choices: [query, present, latest]
+    choices: [query, present, latest, build]
     default: query
   host_class:
-    description: Host class name (letters, digits, C(.), C(_), C(-); at most 128 characters).
+    description:
+      - Host class name (letters, digits, C(.), C(_), C(-); at most 128 characters).
+      - Required unless O(state=build).
     type: str
-    required: true
   compat:
     description:
       - Compatibility key fields, for example C(model), C(model_revision), C(vllm_version), C(vllm_commit),
@@ -74,9 +83,55 @@ options:
     description:
       - Data to record with O(state=present), in the shape M(gpufleet.vllm.kv_plan) reads as its reference
         (C(ranks) with C(rank), C(free_bytes), C(kv_bytes); C(vllm_free_bytes), C(total_bytes), C(block_size), ...).
+      - O(state=present) needs this or O(canary); they are mutually exclusive.
     type: dict
+  canary:
+    description:
+      - The inputs of a profiled M(gpufleet.vllm.vllm_canary) run, from which the reference profile is built
+        (per rank the pre-boot NVML free memory, vLLM's fit suggestion and the KV memory the engine allocated;
+        the engine's capacity figures; the geometry; facts about the run). See the
+        P(gpufleet.vllm.kv_reference#filter) filter for the profile's fields.
+      - Used with O(state=present) (the built profile is recorded) and O(state=build) (it is only returned).
+    type: dict
+    suboptions:
+      result:
+        description: The registered result of the profiled M(gpufleet.vllm.vllm_canary) task.
+        type: dict
+        required: true
+      preboot_gpus:
+        description: The C(gpus) list of M(gpufleet.vllm.gpu_memory_info) read just before the canary's boot.
+        type: list
+        elements: dict
+        required: true
+      gpus:
+        description: The instance's GPU indices, in rank order.
+        type: list
+        elements: int
+        required: true
+      model_config:
+        description:
+          - The model's C(config.json), kept as the reference's geometry. A mapping is the config itself; a
+            non-empty string is the path of the file on the controller (a relative path is looked up as
+            P(ansible.builtin.file#lookup) looks it up, in the role's and the playbook's C(files/)).
+          - Omitted or empty uses O(canary.model_config_file).
+        type: raw
+      model_config_file:
+        description:
+          - The registered result of M(ansible.builtin.slurp) reading the model's C(config.json) on the canary host,
+            used when O(canary.model_config) is empty.
+          - A skipped slurp, or none, leaves the reference without geometry (RV(reference_profile.geometry) is V(null)).
+        type: dict
+      serve_args:
+        description: The C(vllm serve) options of the canary, kept with the geometry.
+        type: dict
+      facts:
+        description: Facts about the canary run kept under the profile's C(canary) (host, instance, GPUs, utilization...).
+        type: dict
 seealso:
   - module: gpufleet.vllm.kv_plan
+  - module: gpufleet.vllm.vllm_canary
+  - plugin: gpufleet.vllm.kv_reference
+    plugin_type: filter
 """
 
 EXAMPLES = r"""
@@ -112,6 +167,28 @@ EXAMPLES = r"""
   register: gpufleet_reference
   run_once: true
 
+# state=present records the built profile the same way; build only returns it.
+- name: Build the reference profile of a profiled canary without recording it
+  gpufleet.vllm.kv_profile:
+    state: build
+    canary:
+      result:  # the registered gpufleet.vllm.vllm_canary result (mode profiled)
+        ranks:
+          - {rank: 0, initial_free_bytes: 44560285696, suggested_kv_bytes_fit: 32212254720, suggested_kv_bytes_full: 42949672960}
+        block_size: 16
+        num_blocks: 15360
+        kv_cache_tokens: 245760
+        max_concurrency: 30.0
+        max_model_len: 8192
+        verdict: pass
+      preboot_gpus:  # gpu_memory_info's gpus, read just before the boot
+        - {index: 0, name: NVIDIA H200, free_bytes: 45097156608, total_bytes: 150754820096}
+      gpus: [0]
+      serve_args: {max_model_len: 8192}
+      facts: {host: gpu-a1, instance: vllm, gpus: [0], gpu_memory_utilization: 0.9}
+  register: gpufleet_built
+  run_once: true
+
 - name: Say whether the store holds a profile for this key
   ansible.builtin.debug:
     msg: >-
@@ -131,7 +208,7 @@ profile:
   description:
     - The stored record (C(format), C(host_class), C(key_hash), C(compat), C(recorded_at), C(profile), C(path)).
     - For V(mismatch), the newest record of the class; V(null) for V(missing).
-  returned: always
+  returned: state is not build
   type: dict
 differences:
   description: Key fields that differ from the newest profile of the class (C(field), C(reference), C(current)).
@@ -140,7 +217,7 @@ differences:
   elements: dict
 key_hash:
   description: Hash of the canonical O(compat).
-  returned: always
+  returned: state is not build
   type: str
   sample: 3f2a9c0e5b7d1a44
 compat:
@@ -160,4 +237,19 @@ record:
   description: The record written (C(path) is V(null) in check mode).
   returned: state is present
   type: dict
+reference_profile:
+  description:
+    - The reference profile built from O(canary), as the P(gpufleet.vllm.kv_reference#filter) filter builds it
+      (C(ranks), C(vllm_free_bytes), C(total_bytes), C(gpu_name), C(block_size), C(num_blocks), C(kv_cache_tokens),
+      C(max_concurrency), C(max_model_len), C(engine_kv_bytes), C(geometry), C(canary), C(canary_result)).
+    - With O(state=present), the data recorded under C(profile) in RV(record).
+  returned: canary is given
+  type: dict
+  sample:
+    ranks:
+      - {rank: 0, free_bytes: 45097156608, kv_bytes: 32212254720, kv_bytes_full: 42949672960}
+    vllm_free_bytes: {0: 44560285696}
+    total_bytes: 150754820096
+    block_size: 16
+    num_blocks: 15360
 """

@@ -11,13 +11,20 @@ build's "Auto set ... GiB for KV cache", which prints no suggestion). Engine
 figures kept for capacity: blocks, block size, tokens, max concurrency (the
 ``/metrics`` figure, unrounded), ``max_model_len`` and, when ``/metrics`` gives
 it, the exact KV bytes (``engine_kv_bytes``).
+
+``reference_from_canary`` is the one builder: the ``kv_reference`` filter and
+``kv_profile``'s ``canary`` option both call it. ``model_config_from`` picks the
+model's ``config.json`` for the geometry from what the ``vllm_canary`` role has.
 """
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+import base64
+import binascii
+import json
+from typing import Any, Callable, Mapping, Sequence
 
-__all__ = ["ReferenceError", "reference_from_canary"]
+__all__ = ["ReferenceError", "model_config_from", "reference_from_canary"]
 
 _DROPPED = ("log_tail", "invocation", "changed", "failed", "msg")
 
@@ -32,8 +39,50 @@ def _rank_gpu(preboot: Sequence[Mapping[str, Any]], gpus: Sequence[Any], rank: i
     index = int(gpus[rank])
     for gpu in preboot:
         if int(gpu.get("index", -1)) == index:
+            if gpu.get("free_bytes") is None:
+                raise ReferenceError(f"pre-boot probe: GPU {index} has no free_bytes")
             return gpu
     raise ReferenceError(f"canary rank {rank}: GPU {index} is not in the pre-boot probe")
+
+
+def _config_mapping(text: str | bytes, field: str) -> dict[str, Any]:
+    try:
+        config = json.loads(text)
+    except ValueError as exc:
+        raise ReferenceError(f"{field}: not JSON: {exc}") from None
+    if not isinstance(config, dict):
+        raise ReferenceError(f"{field}: expected a JSON object (the model's config.json), got {type(config).__name__}")
+    return config
+
+
+def model_config_from(
+    model_config: Any,
+    host_file: Mapping[str, Any] | None,
+    read_controller_file: Callable[[str], str],
+) -> dict[str, Any] | None:
+    """The model's ``config.json`` for the reference's geometry, or ``None`` when there is none.
+
+    ``model_config`` wins: a mapping is the config itself, a non-empty string the path
+    of a ``config.json`` on the controller (read with ``read_controller_file``). Else
+    ``host_file``, the registered result of ``ansible.builtin.slurp`` reading the
+    config on the canary host; a skipped slurp (no ``content``) means no geometry.
+    """
+    if isinstance(model_config, Mapping):
+        return dict(model_config)
+    if model_config not in (None, ""):
+        if not isinstance(model_config, str):
+            raise ReferenceError(f"model_config: expected a mapping or a controller path, got {type(model_config).__name__}")
+        return _config_mapping(read_controller_file(model_config), f"model_config ({model_config})")
+    if host_file is None or host_file.get("content") is None:
+        return None
+    content = host_file["content"]
+    if not isinstance(content, str):
+        raise ReferenceError("model_config_file.content: expected the base64 text ansible.builtin.slurp returns")
+    try:
+        raw = base64.b64decode(content, validate=True)
+    except (binascii.Error, ValueError):
+        raise ReferenceError("model_config_file.content: not base64 (expected the result of ansible.builtin.slurp)") from None
+    return _config_mapping(raw, f"model_config_file ({host_file.get('source') or 'config.json'})")
 
 
 def reference_from_canary(

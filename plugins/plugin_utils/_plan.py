@@ -54,12 +54,15 @@ from ansible_collections.gpufleet.vllm.plugins.module_utils._sizes import MAX_BY
 from ansible_collections.gpufleet.vllm.plugins.module_utils._validate import ValidationError, boolean, number as valid_number
 from ansible_collections.gpufleet.vllm.plugins.module_utils._vllm_log import GIB_ROUNDING_BYTES
 
-__all__ = ["DECISIONS", "DEFAULTS", "PlanError", "keep_deployed", "plan_class", "round_budget", "startup_utilization"]
+__all__ = ["DECISIONS", "DEFAULTS", "SPLIT_POLICIES", "PlanError", "keep_deployed", "plan_class", "plan_deployable", "round_budget",
+           "startup_utilization"]
 
 GIB = 1024**3
 MIB = 1024**2
 
 DECISIONS = ("deploy", "reprofile", "split", "auto_profile", "refuse")
+# What a split decision does: warn deploys the weakest rank's budget on every host, fail stops the class.
+SPLIT_POLICIES = ("warn", "fail")
 
 DEFAULTS: dict[str, Any] = {
     "guard_bytes": 512 * MIB,
@@ -1407,6 +1410,33 @@ def _decide(p: _Planning, drift: _Drift) -> None:
         "guard_bytes": _hb(inp.guard),
         "free_floor_bytes": {r: human_bytes(v) for r, v in p.floors.items()},
     }
+
+
+def plan_deployable(plan: Mapping[str, Any], split_policy: str = "warn", require_admission: bool = False) -> bool:
+    """Whether a class's plan may be deployed: the one rule ``kv_plan`` returns as ``deployable``.
+
+    ``deploy``, ``reprofile`` and ``auto_profile`` plans are; a ``split`` is with
+    ``split_policy`` ``warn`` (the weakest rank's budget on every host), not with
+    ``fail``; ``refuse`` never is. With ``require_admission``, a plan whose admission
+    check failed (``admission.ok`` false) is not deployable either; a plan without an
+    admission check passes it.
+    """
+    if not isinstance(plan, Mapping):
+        raise PlanError(f"plan: expected a kv_plan result (a mapping), got {type(plan).__name__}")
+    if split_policy not in SPLIT_POLICIES:
+        raise PlanError(f"split_policy: expected warn or fail, got {split_policy!r}")
+    try:
+        require_admission = boolean(require_admission, "require_admission")
+    except ValidationError as exc:
+        raise PlanError(str(exc)) from None
+    decision = plan.get("decision")
+    if decision not in DECISIONS:
+        raise PlanError(f"plan.decision: expected one of {', '.join(DECISIONS)}, got {decision!r}")
+    if decision == "refuse" or (decision == "split" and split_policy == "fail"):
+        return False
+    admission = plan.get("admission")
+    admission_failed = isinstance(admission, Mapping) and admission.get("ok") is False
+    return not (require_admission and admission_failed)
 
 
 def plan_class(spec: Mapping[str, Any]) -> dict[str, Any]:

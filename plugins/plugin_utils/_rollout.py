@@ -183,6 +183,9 @@ def plan_artifact(classes: Mapping[str, Mapping[str, Any]], hosts: Mapping[str, 
     out_classes: dict[str, Any] = {}
     for name, cls in sorted(classes.items()):
         plan = dict(cls.get("plan") or {})
+        # the class's verdict is its "deployable" below (kv_plan's rule, or false when the class failed after
+        # planning, say on its manual canary): kv_plan's own copy in the plan would contradict it then
+        plan.pop("deployable", None)
         # the figures an approver reads, from the class's launch record (a class that failed before planning has none)
         launch = plan.get("launch") or {}
         expect = launch.get("expect") or {}

@@ -2,7 +2,10 @@
 # GNU General Public License v3.0+ (see https://www.gnu.org/licenses/gpl-3.0.txt)
 from __future__ import annotations
 
+import base64
+import json
 import os
+import re
 from unittest.mock import MagicMock
 
 import pytest
@@ -159,3 +162,170 @@ def test_kv_profile_errors(tmp_path):
     assert result["failed"] is True and "host_class" in result["msg"]
     with pytest.raises(AnsibleActionFail, match="profile"):
         action(KvProfile, {"store": str(tmp_path), "state": "present", "host_class": "c", "compat": COMPAT}).run(task_vars={})
+
+
+@pytest.mark.parametrize(
+    "extra, deployable",
+    [
+        ({}, True),
+        ({"admission": {"tokens": 300_000}}, True),  # a shortfall is deployable unless admission is required
+        ({"admission": {"tokens": 300_000}, "require_admission": True}, False),
+        ({"admission": {"tokens": 300_000}, "require_admission": False, "split_policy": "fail"}, True),
+    ],
+)
+def test_kv_plan_action_says_whether_the_plan_is_deployable(extra, deployable):
+    args = dict({"host_class": "h200", "reference": REFERENCE, "guard_bytes": "0.5GiB", "max_model_len": 8192,
+                 "hosts": {"a": [{"rank": 0, "boot_free_bytes": 42 * GIB}, {"rank": 1, "boot_free_bytes": 42 * GIB}]}}, **extra)
+    result = action(KvPlan, args).run(task_vars={})
+    assert not result.get("failed"), result
+    assert result["decision"] == "deploy"
+    assert result["deployable"] is deployable
+    assert "split_policy" not in result and "require_admission" not in result
+
+
+def test_kv_plan_action_split_policy_decides_a_split():
+    hosts = {f"h{i}": [{"rank": 0, "boot_free_bytes": 42 * GIB}, {"rank": 1, "boot_free_bytes": 42 * GIB}] for i in range(3)}
+    hosts["weak"] = [{"rank": 0, "boot_free_bytes": 38 * GIB}, {"rank": 1, "boot_free_bytes": 42 * GIB}]
+    args = {"host_class": "h200", "reference": REFERENCE, "guard_bytes": "0.5GiB", "max_model_len": 8192, "hosts": hosts}
+    warn = action(KvPlan, args).run(task_vars={})
+    assert warn["decision"] == "split" and warn["deployable"] is True
+    fail = action(KvPlan, dict(args, split_policy="fail")).run(task_vars={})
+    assert fail["decision"] == "split" and fail["deployable"] is False
+    assert {k: v for k, v in fail.items() if k != "deployable"} == {k: v for k, v in warn.items() if k != "deployable"}
+
+
+def test_kv_plan_action_rejects_a_bad_split_policy():
+    with pytest.raises(AnsibleActionFail, match="split_policy"):
+        action(KvPlan, {"reference": REFERENCE, "hosts": {}, "split_policy": "maybe"}).run(task_vars={})
+
+
+# ---------------------------------------------------------------- kv_profile canary (the profile built from a canary run)
+CANARY_RUN = {
+    "changed": False, "mode": "profiled", "verdict": "pass", "log_tail": "...", "invocation": {"module_args": {}},
+    "ranks": [{"rank": 0, "initial_free_bytes": 44560285696, "suggested_kv_bytes_fit": 32212254720,
+               "suggested_kv_bytes_full": 42949672960}],
+    "block_size": 16, "num_blocks": 15360, "kv_cache_tokens": 245760, "max_concurrency": 30.0, "max_model_len": 8192,
+}
+PREBOOT = [{"index": 3, "name": "NVIDIA H200", "free_bytes": 45097156608, "total_bytes": 150754820096}]
+TINY_CONFIG = {"model_type": "llama", "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+               "head_dim": 32, "hidden_size": 128, "torch_dtype": "bfloat16"}
+FACTS = {"host": "gpu-a1", "instance": "vllm", "gpus": [3], "gpu_memory_utilization": 0.9}
+
+
+def canary(**over):
+    return dict({"result": CANARY_RUN, "preboot_gpus": PREBOOT, "gpus": ["3"], "serve_args": {"max_model_len": 8192},
+                 "facts": FACTS}, **over)
+
+
+def profile_action(args, check_mode=False, diff=False):
+    """kv_profile with a real DataLoader (the canary's model_config may be a controller file)."""
+    from ansible.parsing.dataloader import DataLoader  # pylint: disable=import-outside-toplevel
+
+    plugin = action(KvProfile, args, check_mode=check_mode, diff=diff)
+    plugin._loader = DataLoader()  # pylint: disable=protected-access
+    return plugin
+
+
+def test_kv_profile_build_is_what_the_kv_reference_filter_builds():
+    from ansible_collections.gpufleet.vllm.plugins.filter.kv import kv_reference  # pylint: disable=import-outside-toplevel
+
+    result = profile_action({"state": "build", "canary": canary(model_config=TINY_CONFIG)}).run(task_vars={})
+    assert not result.get("failed"), result
+    assert result["changed"] is False
+    assert "record" not in result and "profile" not in result
+    expected = kv_reference(CANARY_RUN, PREBOOT, [3], config=TINY_CONFIG, serve_args={"max_model_len": 8192}, canary=FACTS)
+    assert result["reference_profile"] == expected
+    built = result["reference_profile"]
+    assert built["ranks"] == [{"rank": 0, "free_bytes": 45097156608, "kv_bytes": 32212254720, "kv_bytes_full": 42949672960}]
+    assert built["geometry"] == {"config": TINY_CONFIG, "serve_args": {"max_model_len": 8192}}
+    assert built["canary"]["host"] == "gpu-a1" and built["canary"]["verdict"] == "pass"
+    assert "log_tail" not in built["canary_result"] and "invocation" not in built["canary_result"]
+
+
+def test_kv_profile_build_needs_no_store_and_writes_nothing_in_check_mode(tmp_path):
+    store = tmp_path / "store"
+    args = {"state": "build", "store": str(store), "host_class": "c", "compat": COMPAT, "canary": canary()}
+    for check_mode in (False, True):
+        result = profile_action(args, check_mode=check_mode, diff=True).run(task_vars={})
+        assert result["changed"] is False and result["reference_profile"]["geometry"] is None
+        assert "diff" not in result
+    assert not store.exists()
+
+
+def test_kv_profile_present_records_the_built_profile(tmp_path):
+    store = str(tmp_path / "store")
+    result = profile_action({"store": store, "state": "present", "host_class": "c", "compat": COMPAT,
+                             "canary": canary(model_config=TINY_CONFIG)}).run(task_vars={})
+    assert not result.get("failed"), result
+    assert result["changed"] is True and os.path.isfile(result["record"]["path"])
+    assert result["record"]["profile"] == result["reference_profile"]
+    found = action(KvProfile, {"store": store, "host_class": "c", "compat": COMPAT}).run(task_vars={})
+    assert found["status"] == "found" and found["profile"]["profile"]["num_blocks"] == 15360
+
+
+def test_kv_profile_present_canary_check_mode_writes_nothing(tmp_path):
+    store = tmp_path / "store"
+    result = profile_action({"store": str(store), "state": "present", "host_class": "c", "compat": COMPAT, "canary": canary()},
+                            check_mode=True).run(task_vars={})
+    assert result["changed"] is True and result["record"]["path"] is None
+    assert result["reference_profile"]["ranks"][0]["kv_bytes"] == 32212254720
+    assert not store.exists()
+
+
+def test_kv_profile_canary_model_config_sources(tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(TINY_CONFIG), encoding="utf-8")
+    from_file = profile_action({"state": "build", "canary": canary(model_config=str(path))}).run(task_vars={})
+    assert from_file["reference_profile"]["geometry"]["config"] == TINY_CONFIG
+    slurped = {"content": base64.b64encode(json.dumps(TINY_CONFIG).encode()).decode(), "source": "/models/tiny/config.json"}
+    from_host = profile_action({"state": "build", "canary": canary(model_config="", model_config_file=slurped)}).run(task_vars={})
+    assert from_host["reference_profile"]["geometry"]["config"] == TINY_CONFIG
+    # model_config wins over the host's file; a skipped slurp is no geometry
+    given = profile_action({"state": "build", "canary": canary(model_config={"model_type": "x"}, model_config_file=slurped)}).run(task_vars={})
+    assert given["reference_profile"]["geometry"]["config"] == {"model_type": "x"}
+    skipped = profile_action({"state": "build", "canary": canary(model_config="", model_config_file={"skipped": True})}).run(task_vars={})
+    assert skipped["reference_profile"]["geometry"] is None
+
+
+@pytest.mark.parametrize(
+    "over, match",
+    [
+        ({"model_config": "/nonexistent/config.json"}, r"^kv_profile \(canary\): canary\.model_config: cannot read /nonexistent/config.json"),
+        ({"model_config_file": {"content": "!!!"}}, r"^kv_profile \(canary\): canary\.model_config_file\.content: not base64"),
+        ({"model_config_file": {"content": base64.b64encode(b"[1]").decode()}},
+         r"^kv_profile \(canary\): canary\.model_config_file \(config.json\): expected a JSON object"),
+        ({"model_config": 5}, r"canary\.model_config: expected a mapping or a controller path, got int"),
+        ({"gpus": [5]}, r"^kv_profile \(canary\): canary: canary rank 0: GPU 5 is not in the pre-boot probe$"),
+        ({"result": {"verdict": "fail"}}, r"canary: canary result: ranks missing"),
+        ({"preboot_gpus": [{"index": 3}]}, r"canary: pre-boot probe: GPU 3 has no free_bytes"),
+    ],
+)
+def test_kv_profile_canary_errors_name_the_field(over, match):
+    result = profile_action({"state": "build", "canary": canary(**over)}).run(task_vars={})
+    assert result["failed"] is True
+    assert re.search(match, result["msg"]), result["msg"]
+
+
+def test_kv_profile_invalid_model_config_json_names_the_file(tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text("{not json", encoding="utf-8")
+    result = profile_action({"state": "build", "host_class": "c", "canary": canary(model_config=str(path))}).run(task_vars={})
+    assert result["failed"] is True and result["msg"].startswith(f"kv_profile (c): canary.model_config ({path}): not JSON")
+
+
+@pytest.mark.parametrize(
+    "args, match",
+    [
+        ({"state": "build"}, "state is build but all of the following are missing: canary"),
+        ({"state": "present", "store": "/x", "host_class": "c", "compat": COMPAT, "profile": PROFILE, "canary": canary()},
+         "mutually exclusive: profile|canary"),
+        ({"state": "present", "store": "/x", "host_class": "c", "compat": COMPAT}, "any of the following are missing: profile, canary"),
+        ({"state": "present", "host_class": "c", "compat": COMPAT, "canary": canary()}, "missing: store"),
+        ({"state": "query", "store": "/x", "compat": COMPAT}, "missing: host_class"),
+        ({"state": "query", "store": "/x", "host_class": "c", "compat": COMPAT, "canary": canary()}, "canary: only used with state present or build"),
+        ({"state": "build", "canary": {"result": CANARY_RUN, "gpus": [0]}}, "preboot_gpus"),
+    ],
+)
+def test_kv_profile_canary_argument_rules(args, match):
+    with pytest.raises(AnsibleActionFail, match=re.escape(match)):
+        profile_action(args).run(task_vars={})

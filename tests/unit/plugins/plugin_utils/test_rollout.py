@@ -118,6 +118,15 @@ def artifact() -> dict:
     return plan_artifact(classes, host_facts, "2026-12-01T10:00:00+00:00", [1, "50%"])
 
 
+def test_artifact_class_verdict_is_the_class_state_not_the_plans_copy():
+    """A class planned deployable whose manual canary then failed is not deployable in the artifact."""
+    plan = {"decision": "deploy", "deployable": True, "kv_cache_memory_bytes": GIB, "gpu_memory_utilization": 0.5}
+    plan["launch"] = from_plan(plan)
+    doc = plan_artifact({"c": {"ok": False, "reasons": ["manual canary failed"], "plan": plan}}, {}, "2026-12-01T10:00:00+00:00")
+    assert doc["classes"]["c"]["deployable"] is False
+    assert "deployable" not in doc["classes"]["c"]["plan"]
+
+
 def current(**over) -> dict:
     now = {"key_hash": "k1", "compat": {"model": "m", "dtype": "bfloat16"}, "reference_id": "l40s/20261201T100000Z.yml",
            "hosts": {h: [{"index": 0, "boot_free_bytes": 42 * GIB}, {"index": 1, "boot_free_bytes": 42 * GIB}] for h in ("a", "b")}}

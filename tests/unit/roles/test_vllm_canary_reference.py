@@ -1,0 +1,121 @@
+# Copyright (c) gpufleet maintainers
+# GNU General Public License v3.0+ (see LICENSES/GPL-3.0-or-later.txt or https://www.gnu.org/licenses/gpl-3.0.txt)
+# SPDX-License-Identifier: GPL-3.0-or-later
+"""The vllm_canary role's reference profile: kv_profile builds it from the canary's inputs.
+
+The role's task arguments are templated by Ansible's own templar with the role's variables and
+given to the kv_profile action; the fact the role keeps is read back from that result.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import pathlib
+import typing as t
+from unittest.mock import MagicMock
+
+import pytest
+import yaml
+from ansible.parsing.dataloader import DataLoader
+from ansible.template import Templar, trust_as_template
+
+from ansible_collections.gpufleet.vllm.plugins.action.kv_profile import ActionModule as KvProfile
+from ansible_collections.gpufleet.vllm.plugins.filter.kv import kv_reference
+
+ROOT = pathlib.Path(__file__).resolve().parents[3]
+TASKS = yaml.safe_load((ROOT / "roles" / "vllm_canary" / "tasks" / "main.yml").read_text(encoding="utf-8"))
+CONFIG = {"model_type": "llama", "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+          "head_dim": 32, "hidden_size": 128, "torch_dtype": "bfloat16"}
+RUN = {"mode": "profiled", "verdict": "pass", "log_tail": "...",
+       "ranks": [{"rank": 0, "initial_free_bytes": 9 * 1024**3, "suggested_kv_bytes_fit": 6 * 1024**3},
+                 {"rank": 1, "initial_free_bytes": 9 * 1024**3, "suggested_kv_bytes_fit": 6 * 1024**3}],
+       "block_size": 16, "num_blocks": 1000, "kv_cache_tokens": 16000, "max_concurrency": 3.9, "max_model_len": 4096}
+PREBOOT = [{"index": 2, "free_bytes": 10 * 1024**3, "total_bytes": 24 * 1024**3, "name": "L4"},
+           {"index": 5, "free_bytes": 11 * 1024**3, "total_bytes": 24 * 1024**3, "name": "L4"}]
+
+
+def task(name: str) -> dict[str, t.Any]:
+    return next(x for x in TASKS if x.get("name") == name)
+
+
+def trusted(value: t.Any) -> t.Any:
+    if isinstance(value, str):
+        return trust_as_template(value)
+    if isinstance(value, dict):
+        return {k: trusted(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [trusted(v) for v in value]
+    return value
+
+
+def render(value: t.Any, variables: dict[str, t.Any]) -> t.Any:
+    return Templar(loader=DataLoader(), variables=variables).template(trusted(value))
+
+
+def role_vars(**over: t.Any) -> dict[str, t.Any]:
+    return dict({
+        "inventory_hostname": "gpu-a1", "vllm_canary_mode": "profiled", "vllm_canary_record": True,
+        "vllm_canary_profile_store": "", "vllm_canary_host_class": "l4-tp2", "vllm_canary_compat_key": {"model": "tiny"},
+        "vllm_canary_instance": {"name": "left", "gpus": ["5", 2], "port": 8000}, "vllm_canary_gpu_memory_utilization": "0.85",
+        "vllm_canary_model_config": "", "vllm_canary_serve_args": {"tensor_parallel_size": 2},
+        "__vllm_canary_run": RUN, "__vllm_canary_preboot": {"gpus": PREBOOT},
+        "__vllm_canary_config_file": {"changed": False, "skipped": True, "skip_reason": "Conditional result was False"},
+    }, **over)
+
+
+def run_role_task(variables: dict[str, t.Any], check_mode: bool = False) -> tuple[dict[str, t.Any], t.Any]:
+    """kv_profile's result with the role's arguments, and the reference profile fact the role keeps."""
+    build = task("Build the reference profile and record it in the store")
+    assert render("{{ " + build["when"] + " }}", variables) is True
+    plugin_task = MagicMock()
+    plugin_task.args = render(build["gpufleet.vllm.kv_profile"], variables)
+    plugin_task.async_val = 0
+    plugin_task.check_mode = check_mode
+    plugin_task.diff = False
+    plugin = KvProfile(plugin_task, MagicMock(), MagicMock(check_mode=check_mode), DataLoader(), MagicMock(), MagicMock())
+    result = plugin.run(task_vars={})
+    keep = task("Keep the reference profile")["ansible.builtin.set_fact"]["vllm_canary_reference_profile"]
+    return result, render(keep, dict(variables, vllm_canary_recorded=result))
+
+
+def test_not_recorded_the_profile_is_only_built(tmp_path):
+    result, fact = run_role_task(role_vars(vllm_canary_record=False))
+    assert not result.get("failed"), result
+    assert result["changed"] is False and "record" not in result
+    # the same profile the kv_reference filter built in the role before
+    assert fact == kv_reference(RUN, PREBOOT, [5, 2], config=None, serve_args={"tensor_parallel_size": 2},
+                                canary={"host": "gpu-a1", "instance": "left", "gpus": ["5", 2], "gpu_memory_utilization": 0.85})
+    # rank 0 runs on GPU 5, rank 1 on GPU 2 (the instance's order)
+    assert [r["free_bytes"] for r in fact["ranks"]] == [11 * 1024**3, 10 * 1024**3]
+    assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("check_mode", [False, True])
+def test_recorded_the_fact_is_the_profile_recorded(tmp_path, check_mode):
+    store = tmp_path / "store"
+    result, fact = run_role_task(role_vars(vllm_canary_profile_store=str(store)), check_mode=check_mode)
+    assert not result.get("failed"), result
+    assert result["changed"] is True
+    assert result["record"]["profile"] == fact and result["record"]["host_class"] == "l4-tp2"
+    assert store.exists() is not check_mode
+
+
+def test_the_host_config_json_gives_the_geometry():
+    slurped = {"content": base64.b64encode(json.dumps(CONFIG).encode()).decode(), "source": "/models/tiny/config.json"}
+    _result, fact = run_role_task(role_vars(vllm_canary_record=False, __vllm_canary_config_file=slurped))
+    assert fact["geometry"] == {"config": CONFIG, "serve_args": {"tensor_parallel_size": 2}}
+
+
+def test_a_controller_config_file_gives_the_geometry(tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(CONFIG), encoding="utf-8")
+    _result, fact = run_role_task(role_vars(vllm_canary_record=False, vllm_canary_model_config=str(path)))
+    assert fact["geometry"]["config"] == CONFIG
+    _result, fact = run_role_task(role_vars(vllm_canary_record=False, vllm_canary_model_config=CONFIG))
+    assert fact["geometry"]["config"] == CONFIG
+
+
+def test_manual_mode_keeps_no_reference_profile():
+    keep = task("Keep the reference profile")["ansible.builtin.set_fact"]["vllm_canary_reference_profile"]
+    assert render(keep, role_vars(vllm_canary_mode="manual", vllm_canary_recorded={"skipped": True})) == {}
