@@ -139,7 +139,7 @@ def members_from_group(group: str, task_vars: Mapping[str, Any],
             members[f"{host}/{inst['name']}"] = {"ranks": ranks, "unstable": True} if flagged else ranks
     if no_facts:
         shown = ", ".join(no_facts[:10]) + (f" and {len(no_facts) - 10} more" if len(no_facts) > 10 else "")
-        raise AnsibleActionFail(f"hosts_from {group}: no gpufleet_gpus facts for {shown}; run gpufleet.vllm.gpu_memory_info on them first")
+        raise AnsibleActionFail(f"hosts_from {group}: no gpufleet_gpus facts for {shown}; run gpufleet.vllm.gpu_memory_facts on them first")
     return members
 
 

@@ -87,6 +87,10 @@ attributes:
     support: N/A
     details:
       - This action does not modify state.
+  idempotent:
+    support: full
+    details:
+      - This action does not modify state.
   facts:
     support: full
 """

@@ -19,55 +19,19 @@ description:
   - With O(samples) greater than one, reads memory repeatedly O(interval) seconds apart and
     reports the lowest and highest free figure, to spot GPUs whose free memory moves.
   - Never changes anything; always returns C(changed=false).
+  - Returns the figures only and sets no facts; use M(gpufleet.vllm.gpu_memory_facts) to set facts
+    (C(gpufleet_gpus), C(gpufleet_nvml)).
 author:
   - gpufleet maintainers (@gpufleet)
-requirements:
-  - C(nvidia-ml-py) (the C(pynvml) module) importable by the Python interpreter that runs
-    the module on the target, and the NVIDIA driver's C(libnvidia-ml.so.1). The vLLM virtual
-    environment already ships C(nvidia-ml-py); point C(ansible_python_interpreter) at it.
 extends_documentation_fragment:
   - gpufleet.vllm.attributes
-  - gpufleet.vllm.attributes.FACTS
   - gpufleet.vllm.attributes.INFO_MODULE
   - gpufleet.vllm.attributes.PLATFORM_LINUX
   - gpufleet.vllm.attributes.ACTIONGROUP_VLLM
-attributes:
-  facts:
-    support: full
-    details:
-      - Sets C(ansible_facts.gpufleet_gpus) (the GPU list) and C(ansible_facts.gpufleet_nvml) (versions, own pids, host).
-options:
-  devices:
-    description:
-      - GPUs to read, by index (V(0)) or UUID (V(GPU-...)), in the order given
-        (like C(CUDA_VISIBLE_DEVICES)). Omit (or give an empty list) to read every GPU in index order.
-      - An unknown or repeated GPU is an error.
-    type: list
-    elements: str
-  samples:
-    description: Number of memory readings per GPU.
-    type: int
-    default: 1
-  interval:
-    description: Seconds between two readings when O(samples) is greater than one.
-    type: float
-    default: 1.0
-  service_units:
-    description:
-      - systemd units (for example V(vllm-main.service)) whose processes are this host's own engine.
-        Their control group members, main process and its descendants count as own.
-    type: list
-    elements: str
-    default: []
-  service_pids:
-    description: Extra process ids (and their descendants) that count as this host's own engine.
-    type: list
-    elements: int
-    default: []
-notes:
-  - NVML free memory is read before any CUDA context of the engine exists; the engine's own logged
-    initial free memory is typically a few hundred MiB lower. Compare NVML with NVML.
+  - gpufleet.vllm.gpu_memory
 seealso:
+  - module: gpufleet.vllm.gpu_memory_facts
+    description: The same probe, its result kept as host facts.
   - name: NVML API reference
     description: Device queries used by this module.
     link: https://docs.nvidia.com/deploy/nvml-api/group__nvmlDeviceQueries.html
@@ -87,10 +51,11 @@ EXAMPLES = r"""
       - vllm-main.service
   vars:
     ansible_python_interpreter: /opt/vllm/venv/bin/python
+  register: gpu_pair
 
 - name: Show the boot-time free memory per GPU
   ansible.builtin.debug:
-    msg: "{{ ansible_facts.gpufleet_gpus | map(attribute='boot_free_bytes') | list }}"
+    msg: "{{ gpu_pair.gpus | map(attribute='boot_free_bytes') | list }}"
 """
 
 RETURN = r"""
@@ -136,32 +101,13 @@ driver_version: {description: NVIDIA driver version., type: str, returned: succe
 cuda_driver_version: {description: Highest CUDA version the driver supports., type: str, returned: success, sample: "12.4"}
 nvml_version: {description: NVML library version., type: str, returned: success, sample: "12.550.127.05"}
 own_pids: {description: Process ids counted as this host's own engine., type: list, elements: int, returned: success, sample: [4242]}
-ansible_facts:
-  description: Facts set by the module.
-  returned: success
-  type: dict
-  contains:
-    gpufleet_gpus:
-      description: The same list as RV(gpus), one entry per GPU read (what the planner reads per host).
-      type: list
-      elements: dict
-      returned: success
-      sample: [{index: 0, uuid: GPU-6f0c0d1e-0000-4000-8000-000000000000, total_bytes: 150754820096, boot_free_bytes: 149114847232}]
-    gpufleet_nvml:
-      description: The host-level part of the result, with the host name NVML was read on.
-      type: dict
-      returned: success
-      sample: {host: gpu-a1, driver_version: "550.127.05", cuda_driver_version: "12.4", nvml_version: "12.550.127.05", own_pids: []}
 """
 
-import platform
 import traceback
-from typing import Any, Sequence, cast
 
 from ansible.module_utils.basic import AnsibleModule, missing_required_lib
 
-from ansible_collections.gpufleet.vllm.plugins.module_utils._nvml_probe import NvmlProbeError, probe
-from ansible_collections.gpufleet.vllm.plugins.module_utils._validate import ValidationError, integer, number, text
+from ansible_collections.gpufleet.vllm.plugins.module_utils._gpu_memory import ARGUMENT_SPEC, run
 
 try:
     import pynvml
@@ -172,75 +118,9 @@ else:
     PYNVML_IMPORT_ERROR = None
 
 
-def run_module(module: AnsibleModule, binding: Any) -> dict[str, Any]:
-    """Probe through ``binding`` with the module's parameters; returns the module result."""
-    params = module.params
-    host = platform.node()
-
-    def run_command(argv: Sequence[str]) -> tuple[int, str, str]:
-        # AnsibleModule.run_command returns (rc, stdout, stderr); ansible-core ships no types
-        return cast("tuple[int, str, str]", module.run_command(argv, environ_update={"LC_ALL": "C", "SYSTEMD_PAGER": ""}))
-
-    result = probe(
-        binding,
-        devices=params["devices"],
-        samples=params["samples"],
-        interval=params["interval"],
-        service_units=params["service_units"],
-        service_pids=params["service_pids"],
-        host=host,
-        run_command=run_command,
-    )
-    warnings = result.pop("warnings")
-    nvml_facts = {key: result[key] for key in ("driver_version", "cuda_driver_version", "nvml_version", "own_pids")}
-    nvml_facts["host"] = host
-    facts = {"gpufleet_gpus": result["gpus"], "gpufleet_nvml": nvml_facts}
-    return {"changed": False, "ansible_facts": facts, "warnings": warnings, **result}
-
-
-MAX_SAMPLES = 1000
-MAX_INTERVAL = 3600.0
-
-
-def check_params(params: dict[str, Any]) -> None:
-    """The edge checks: finite, bounded sample count and interval; unit names and devices as plain text."""
-    integer(params["samples"], "samples", low=1, high=MAX_SAMPLES)
-    number(params["interval"], "interval", low=0, high=MAX_INTERVAL)
-    for i, device in enumerate(params["devices"] or []):
-        text(device, f"devices[{i}]")
-    for i, unit in enumerate(params["service_units"] or []):
-        text(unit, f"service_units[{i}]")
-    for i, pid in enumerate(params["service_pids"] or []):
-        integer(pid, f"service_pids[{i}]", low=1)
-
-
 def main() -> None:
-    module = AnsibleModule(
-        argument_spec={
-            "devices": {"type": "list", "elements": "str"},
-            "samples": {"type": "int", "default": 1},
-            "interval": {"type": "float", "default": 1.0},
-            "service_units": {"type": "list", "elements": "str", "default": []},
-            "service_pids": {"type": "list", "elements": "int", "default": []},
-        },
-        supports_check_mode=True,
-    )
-    try:
-        check_params(module.params)
-    except ValidationError as exc:
-        module.fail_json(msg=str(exc))
-    if pynvml is None:
-        module.fail_json(msg=missing_required_lib("nvidia-ml-py"), exception=PYNVML_IMPORT_ERROR)
-    try:
-        result = run_module(module, pynvml)
-    except NvmlProbeError as exc:
-        host = platform.node()
-        msg = exc.message if exc.message.startswith(host) else f"{host}: {exc.message}"
-        module.fail_json(msg=msg, gpu=exc.gpu, nvml_error=exc.code)
-    warnings = result.pop("warnings")
-    for warning in warnings:
-        module.warn(warning)
-    module.exit_json(**result)
+    module = AnsibleModule(argument_spec=ARGUMENT_SPEC, supports_check_mode=True)
+    run(module, pynvml, set_facts=False, missing_binding=missing_required_lib("nvidia-ml-py"), import_error=PYNVML_IMPORT_ERROR)
 
 
 if __name__ == "__main__":

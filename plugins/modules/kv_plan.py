@@ -77,7 +77,7 @@ options:
     type: dict
   hosts_from:
     description:
-      - Inventory group whose hosts' C(gpufleet_gpus) facts (from M(gpufleet.vllm.gpu_memory_info)) are planned.
+      - Inventory group whose hosts' C(gpufleet_gpus) facts (from M(gpufleet.vllm.gpu_memory_facts)) are planned.
       - Each entry of the host's C(gpufleet_instances) (default one instance C(vllm) on every GPU) becomes a member
         C(<host>/<instance>) whose ranks are the instance's GPUs in order.
       - A host of the group without those facts is an error.
@@ -195,7 +195,7 @@ options:
         default: 5
 seealso:
   - module: gpufleet.vllm.kv_profile
-  - module: gpufleet.vllm.gpu_memory_info
+  - module: gpufleet.vllm.gpu_memory_facts
 """
 
 EXAMPLES = r"""

@@ -1463,7 +1463,7 @@ def _analyse_class(spec: Mapping[str, Any]) -> dict[str, Any]:
             "compatibility key (playbooks/profile.yml) before planning a manual budget"
         )
     if not inputs.hosts:
-        refuse.append(f"class {inputs.host_class}: no hosts to plan (probe them with gpu_memory_info first)")
+        refuse.append(f"class {inputs.host_class}: no hosts to plan (probe them with gpu_memory_facts first)")
     if refuse or inputs.ref is None:  # no reference is one of the refusals
         result["reasons"] = refuse + result["reasons"]
         return result

@@ -7,7 +7,7 @@ One systemd guest is created with sim/fleetctl.py: four H200 GPUs from the fake 
 library, the simulated engine at /opt/vllm/venv/bin/vllm and the model config under
 /srv/models (as tests/integration/test_sim_fidelity.py and test_rollout.py set them up).
 The test provides what the examples name and a real host would have: the vLLM
-virtual environment's interpreter (gpu_memory_info), engines already running as the
+virtual environment's interpreter (gpu_memory_info, gpu_memory_facts), engines already running as the
 units the examples check (vllm_boot_check, with the plan kv_plan gives), a unit
 template and a token (vllm_unit). Every example task must run and succeed.
 The controller-side examples run in tests/unit/test_doc_examples.py.
@@ -88,8 +88,8 @@ def collections_path(tmp_path_factory):
 @pytest.fixture(scope="module")
 def texts(collections_path) -> dict[str, str]:
     return doc_examples.examples(collections_path, "module",
-                                 ["gpu_memory_info", "vllm_audit", "vllm_boot_check", "vllm_canary", "vllm_host_tools", "vllm_runtime_info",
-                                  "vllm_unit"])
+                                 ["gpu_memory_facts", "gpu_memory_info", "vllm_audit", "vllm_boot_check", "vllm_canary", "vllm_host_tools",
+                                  "vllm_runtime_info", "vllm_unit"])
 
 
 @pytest.fixture(scope="module")
@@ -228,13 +228,18 @@ def engines(sim):
             time.sleep(0.2)
 
 
-def test_boot_check_and_gpu_memory_info_examples(sim, collections_path, texts, tmp_path, engines):
+def test_boot_check_and_gpu_memory_examples(sim, collections_path, texts, tmp_path, engines):
     out = tmp_path / "gpus.json"
+    facts_out = tmp_path / "facts.json"
     playbook = doc_examples.module_playbook(texts["vllm_boot_check"], HOST, {"gpufleet_plan": engines})
-    playbook += doc_examples.module_playbook(texts["gpu_memory_info"], HOST, post_tasks=[keep(out, "{'all': gpu.gpus, 'last': ansible_facts.gpufleet_gpus}")])
+    playbook += doc_examples.module_playbook(texts["gpu_memory_info"], HOST, post_tasks=[
+        keep(out, "{'all': gpu.gpus, 'last': gpu_pair.gpus, 'facts': ansible_facts.gpufleet_gpus | default(none)}")])
+    playbook += doc_examples.module_playbook(texts["gpu_memory_facts"], HOST, post_tasks=[
+        keep(facts_out, "{'gpus': ansible_facts.gpufleet_gpus, 'nvml': ansible_facts.gpufleet_nvml, 'probed': probed.gpus}")])
     proc = run(sim, collections_path, tmp_path, playbook)
     doc_examples.assert_examples_ran(proc, texts["vllm_boot_check"])
     doc_examples.assert_examples_ran(proc, texts["gpu_memory_info"])
+    doc_examples.assert_examples_ran(proc, texts["gpu_memory_facts"])
     # the embedder's 2 GiB: 1024 blocks of 16 tokens of Llama-3.1-8B (2 MiB per block)
     assert "16384 tokens in 2GiB" in proc.stdout, proc.stdout[-3000:]
     got = json.loads(out.read_text(encoding="utf-8"))
@@ -244,6 +249,12 @@ def test_boot_check_and_gpu_memory_info_examples(sim, collections_path, texts, t
     for gpu in got["last"]:
         assert gpu["own_used_bytes"] > engines["kv_cache_memory_bytes"] and all(p["own"] for p in gpu["processes"])
         assert gpu["boot_free_bytes"] == TOTAL - RESERVED
+    assert got["facts"] is None, "gpu_memory_info sets no facts"
+    # gpu_memory_facts: its last probe (every GPU, vllm-main.service's memory its own) is the facts
+    facts = json.loads(facts_out.read_text(encoding="utf-8"))
+    assert facts["gpus"] == facts["probed"] and [g["index"] for g in facts["gpus"]] == [0, 1, 2, 3]
+    assert facts["nvml"]["host"] == HOST and facts["nvml"]["driver_version"] == "580.159.04"
+    assert [g["boot_free_bytes"] for g in facts["gpus"][2:]] == [TOTAL - RESERVED] * 2
 
 
 def test_vllm_audit_examples(sim, collections_path, texts, tmp_path):

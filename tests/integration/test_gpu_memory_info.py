@@ -1,4 +1,4 @@
-"""gpu_memory_info and the gpu_probe role on real systemd test hosts, over SSH.
+"""gpu_memory_info, gpu_memory_facts and the gpu_probe role on real systemd test hosts, over SSH.
 
 Inside each guest the real pynvml loads the fake libnvidia-ml.so.1 (bound where the
 driver puts it) which reads /etc/fake-nvml/state, written here with nvml_state.
@@ -52,10 +52,10 @@ def update_state(th: TestHosts, name: str, change) -> None:
         nvml_state.save(path, state)
 
 
-def adhoc(th: TestHosts, pattern: str, args: str) -> dict[str, dict[str, Any]]:
-    """Run gpu_memory_info ad hoc; returns every host's result, failed or not."""
+def adhoc(th: TestHosts, pattern: str, args: str, module: str = "gpu_memory_info") -> dict[str, dict[str, Any]]:
+    """Run ``module`` (gpu_memory_info by default) ad hoc; returns every host's result, failed or not."""
     with tempfile.TemporaryDirectory(prefix="gmi-") as tree:
-        argv = ["ansible", "-i", str(th.inventory), pattern, "-m", "gpufleet.vllm.gpu_memory_info",
+        argv = ["ansible", "-i", str(th.inventory), pattern, "-m", f"gpufleet.vllm.{module}",
                 "-a", args, "--tree", tree]
         env = dict(os.environ, ANSIBLE_HOST_KEY_CHECKING="False")
         proc = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=300, check=False)
@@ -125,7 +125,13 @@ def test_several_gpus_with_cotenants_and_our_own_unit(hosts: TestHosts, engine_u
         assert gpu["samples"] == 3 and gpu["free_min_bytes"] == gpu["free_max_bytes"] == gpu["free_bytes"]
         assert gpu["reserved_bytes"] == RESERVED and gpu["memory_info_version"] == 2
         assert gpu["name"] == "NVIDIA H200" and gpu["compute_capability"] == "9.0"
-    facts = result["ansible_facts"]
+    # (ansible_facts may still hold the interpreter Ansible discovered)
+    assert not {"gpufleet_gpus", "gpufleet_nvml"} & set(result.get("ansible_facts") or {}), "gpu_memory_info sets no facts"
+    # the same probe through gpu_memory_facts: the same result, kept as facts
+    with_facts = adhoc(hosts, A, f"service_units={UNIT} samples=3 interval=0.1", module="gpu_memory_facts")[A]
+    assert with_facts["failed"] is False, with_facts.get("msg")
+    assert with_facts["gpus"] == gpus and with_facts["own_pids"] == result["own_pids"]
+    facts = with_facts["ansible_facts"]
     assert facts["gpufleet_gpus"] == gpus
     assert facts["gpufleet_nvml"]["host"] == A
 

@@ -36,7 +36,8 @@ from ansible_collections.gpufleet.vllm.plugins.module_utils._sizes import SizeEr
 from ansible_collections.gpufleet.vllm.plugins.module_utils._validate import ValidationError
 from ansible_collections.gpufleet.vllm.plugins.module_utils._canary import canary_env
 from ansible_collections.gpufleet.vllm.plugins.module_utils._serve_argv import EngineSpecError
-from ansible_collections.gpufleet.vllm.plugins.modules import gpu_memory_info, vllm_boot_check, vllm_canary
+from ansible_collections.gpufleet.vllm.plugins.module_utils import _gpu_memory
+from ansible_collections.gpufleet.vllm.plugins.modules import vllm_boot_check, vllm_canary
 
 F = {**KvFilters().filters(), **ServeFilters().filters()}
 COUNTS: collections.Counter[str] = collections.Counter()
@@ -311,7 +312,7 @@ GPU_BAD = st.one_of(st.tuples(st.just("samples"), st.one_of(st.integers(max_valu
 def test_gpu_memory_info_params(bad):
     key, value = bad
     params = dict({"devices": None, "samples": 1, "interval": 1.0, "service_units": [], "service_pids": []}, **{key: value})
-    refused(lambda: gpu_memory_info.check_params(params), (ValidationError,), key)
+    refused(lambda: _gpu_memory.check_params(params), (ValidationError,), key)
 
 
 BOOT_OK = {"unit": "vllm-a.service", "url": None, "port": 8000, "expected_kv_cache_memory_bytes": None,

@@ -198,9 +198,9 @@ _DOC_LOADER = textwrap.dedent(
     out = {}
     for path in sys.argv[2:]:
         try:
-            doc, _plainexamples, _returndocs, _metadata = get_docstring(
+            doc, _plainexamples, returndocs, _metadata = get_docstring(
                 path, fragment_loader, collection_name="gpufleet.vllm", is_module=True)
-            out[path] = {"doc": json.loads(json.dumps(doc, default=str))}
+            out[path] = {"doc": json.loads(json.dumps(doc, default=str)), "returns": sorted(returndocs or {})}
         except Exception as exc:  # report every module, not the first failure
             out[path] = {"error": f"{type(exc).__name__}: {exc}"}
     print(json.dumps(out))
@@ -237,6 +237,23 @@ def test_modules_declare_check_and_diff_mode(module_docs: dict[str, dict[str, ob
             spec = attributes.get(attribute)
             if not isinstance(spec, dict) or spec.get("support") not in ("full", "partial", "none", "N/A"):
                 problems.append(f"{name}: attributes.{attribute}.support missing")
+    assert not problems, "\n".join(problems)
+
+
+def test_info_modules_set_no_facts_and_facts_modules_do(module_docs: dict[str, dict[str, object]]) -> None:
+    """The community convention: a ``*_info`` module returns results only, a ``*_facts`` module sets facts."""
+    problems = []
+    for name, entry in sorted(module_docs.items()):
+        doc = entry.get("doc")
+        if not isinstance(doc, dict) or not name.endswith(("_info", "_facts")):
+            continue
+        facts = (doc.get("attributes") or {}).get("facts") or {}
+        documented = "ansible_facts" in (entry.get("returns") or [])
+        if name.endswith("_info") and (documented or facts.get("support") not in (None, "none")):
+            problems.append(f"{name}: an info module returns no ansible_facts (move them to a _facts module)")
+        if name.endswith("_facts") and not (documented and facts.get("support") == "full"):
+            problems.append(f"{name}: a facts module documents RETURN ansible_facts and attributes.facts.support full")
+    assert "gpu_memory_facts" in module_docs and "gpu_memory_info" in module_docs
     assert not problems, "\n".join(problems)
 
 
@@ -285,6 +302,7 @@ def test_attributes_fragment_merges(tmp_path: Path) -> None:
     # The documented group must be the one meta/runtime.yml declares.
     assert "gpufleet.vllm.vllm" in group["membership"] and "vllm" in _runtime()["action_groups"]  # type: ignore[operator]
     assert merged[".facts_module"]["facts"]["support"] == "full"
+    assert merged[".facts_module"]["idempotent"]["support"] == "full"
     assert merged[".action_plugin"]["action"]["support"] == "full"
 
 

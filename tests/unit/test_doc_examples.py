@@ -29,7 +29,7 @@ MODULES = sorted(p.stem for p in (REPO / "plugins" / "modules").glob("*.py") if 
 FILTERS = sorted(p.stem for p in (REPO / "plugins" / "filter").glob("*.yml"))
 # Modules whose examples run here (controller side); the others need a GPU host.
 CONTROLLER_MODULES = ["kv_plan", "kv_profile", "rollout_report"]
-HOST_MODULES = ["gpu_memory_info", "vllm_audit", "vllm_boot_check", "vllm_canary", "vllm_host_tools", "vllm_runtime_info", "vllm_unit"]
+HOST_MODULES = ["gpu_memory_facts", "gpu_memory_info", "vllm_audit", "vllm_boot_check", "vllm_canary", "vllm_host_tools", "vllm_runtime_info", "vllm_unit"]
 MODEL_CONFIG = REPO / "sim" / "models" / "llama-3.1-8b-instruct" / "config.json"
 GIB = 1024**3
 
@@ -43,7 +43,7 @@ def collections_path():
 
 
 def test_plugins_found():
-    assert "rollout_report" in MODULES and "kv_plan" in MODULES and "gpu_memory_info" in MODULES
+    assert "rollout_report" in MODULES and "kv_plan" in MODULES and "gpu_memory_info" in MODULES and "gpu_memory_facts" in MODULES
     assert FILTERS == ["compat_fields", "first_run_outline", "gate_violations", "human_bytes", "kv_bytes_per_token", "kv_reference", "launch_contract",
                        "launch_plan_file", "launch_runs", "launch_serve_args", "release_history", "rollout_batches",
                        "rollout_plan", "rollout_plan_drift", "runtime_problems", "systemd_environment",
@@ -125,7 +125,7 @@ def test_profile_and_plan_examples_run_in_sequence(collections_path, tmp_path):
         return [{"index": 0, "name": "NVIDIA H200", "total_bytes": 150754820096, "boot_free_bytes": int(free_gib * GIB),
                  "free_bytes": int(free_gib * GIB), "free_min_bytes": int(free_gib * GIB), "free_max_bytes": int(free_gib * GIB)}]
 
-    # The class group kv_plan reads (hosts_from), with the facts gpu_memory_info leaves on each host.
+    # The class group kv_plan reads (hosts_from), with the facts gpu_memory_facts leaves on each host.
     inventory = tmp_path / "inventory.yml"
     inventory.write_text(yaml.safe_dump({"all": {
         "hosts": {"localhost": {"ansible_connection": "local", "ansible_python_interpreter": sys.executable}},

@@ -1,9 +1,10 @@
 # Copyright (c) gpufleet.vllm contributors
 # GNU General Public License v3.0+ (see https://www.gnu.org/licenses/gpl-3.0.txt)
-"""The gpu_memory_info module shell: arguments, result, facts, failures."""
+"""The gpu_memory_info module shell: arguments, result (no facts), failures."""
 from __future__ import annotations
 
 import json
+import platform
 from typing import Any
 
 import pytest
@@ -19,13 +20,13 @@ from ansible_collections.gpufleet.vllm.tests.unit.plugins.module_utils.test_nvml
 
 def run(monkeypatch, capsys, args: dict[str, Any], binding: Any, node: str = "gpu-a1") -> tuple[int, dict[str, Any]]:
     monkeypatch.setattr(gpu_memory_info, "pynvml", binding)
-    monkeypatch.setattr(gpu_memory_info.platform, "node", lambda: node)
+    monkeypatch.setattr(platform, "node", lambda: node)
     with patch_module_args(args), pytest.raises(SystemExit) as exc:
         gpu_memory_info.main()
     return exc.value.code or 0, json.loads(capsys.readouterr().out)
 
 
-def test_reports_gpus_and_facts(monkeypatch, capsys):
+def test_reports_gpus_without_facts(monkeypatch, capsys):
     state = make_state(2)
     state["procs"] = [{"gpu": 1, "pid": 4242, "used": 2 * GIB, "kind": "compute"}]
     rc, out = run(monkeypatch, capsys, {"samples": 2, "interval": 0}, FakeNvml(state))
@@ -33,11 +34,7 @@ def test_reports_gpus_and_facts(monkeypatch, capsys):
     assert out["changed"] is False
     assert [g["index"] for g in out["gpus"]] == [0, 1]
     assert out["driver_version"] == "550.127.05" and out["cuda_driver_version"] == "12.4"
-    assert out["ansible_facts"]["gpufleet_gpus"] == out["gpus"]
-    host_facts = out["ansible_facts"]["gpufleet_nvml"]
-    assert host_facts["host"] == "gpu-a1"
-    for key in ("driver_version", "cuda_driver_version", "nvml_version", "own_pids"):
-        assert host_facts[key] == out[key]
+    assert "ansible_facts" not in out, "an info module sets no facts (gpu_memory_facts does)"
     assert out["gpus"][1]["processes"][0]["pid"] == 4242
     assert out["gpus"][0]["samples"] == 2
     assert "warnings" not in out
