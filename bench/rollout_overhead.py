@@ -23,6 +23,10 @@ per-host overhead is the sum over batches divided by the hosts (goal < 5 s).
 The marginal cost of a host, ``(batches wall at 32 - at 8) / 24`` (installs), is
 reported too.
 
+Remote calls: ``ssh`` runs through a wrapper that logs the host and the time of every
+call (pipelining on, so one call is one module run or one raw command on the host); the
+calls a host gets inside the roll-out play's batches are its deploy's round trips.
+
 Run as root. Prints one JSON object.
 """
 
@@ -109,17 +113,60 @@ def group_vars(workdir: Path, serial: list[Any], hooks: bool = False) -> dict[st
     }
 
 
-def run_playbook(inventory: Path, forks: int, timeout: float,
-                 extra_vars: dict[str, Any] | None = None) -> tuple[int, list[tuple[float, str]], float]:
-    """ansible-playbook with every line time-stamped (seconds since start)."""
+SSH_LOGGER = """\
+#!/bin/sh
+# Logs the time and the arguments of every ssh call the playbook makes, then runs ssh.
+printf '%s %s\\n' "$(date +%s.%N)" "$*" >> "$GPUFLEET_BENCH_SSH_LOG"
+exec ssh "$@"
+"""
+
+
+def ssh_logger(workdir: Path) -> tuple[Path, Path]:
+    """(the ssh wrapper, its log), for ANSIBLE_SSH_EXECUTABLE."""
+    wrapper = workdir / "ssh-logged"
+    wrapper.write_text(SSH_LOGGER, encoding="utf-8")
+    wrapper.chmod(0o755)
+    return wrapper, workdir / "ssh-calls.log"
+
+
+def remote_calls(log: Path, addresses: dict[str, str], windows: list[tuple[float, float]]) -> dict[str, int]:
+    """Per host, the ssh calls whose time falls inside one of ``windows`` (epoch seconds)."""
+    by_address = {address: host for host, address in addresses.items()}
+    counts = dict.fromkeys(addresses, 0)
+    if not log.exists():
+        return counts
+    for line in log.read_text(encoding="utf-8").splitlines():
+        stamp, _sep, args = line.partition(" ")
+        try:
+            when = float(stamp)
+        except ValueError:
+            continue
+        if not any(start <= when <= end for start, end in windows):
+            continue
+        for word in args.split():
+            host = by_address.get(word.rpartition("@")[2])
+            if host is not None:
+                counts[host] += 1
+                break
+    return counts
+
+
+def run_playbook(inventory: Path, forks: int, timeout: float, extra_vars: dict[str, Any] | None = None,
+                 ssh_log: tuple[Path, Path] | None = None) -> tuple[int, list[tuple[float, str]], float, float]:
+    """ansible-playbook with every line time-stamped (seconds since start); also returns the start's epoch time."""
     env = dict(os.environ, ANSIBLE_NOCOLOR="1", ANSIBLE_PIPELINING="1", ANSIBLE_HOST_KEY_CHECKING="False",
                ANSIBLE_TIMEOUT="20", ANSIBLE_COLLECTIONS_PATH=str(CACHE / "collections"), ANSIBLE_FORKS=str(forks))
+    if ssh_log is not None:
+        env["ANSIBLE_SSH_EXECUTABLE"] = str(ssh_log[0])
+        env["GPUFLEET_BENCH_SSH_LOG"] = str(ssh_log[1])
+        ssh_log[1].unlink(missing_ok=True)
     playbook = shutil.which("ansible-playbook", path=str(CACHE / "venv" / "bin") + os.pathsep + env.get("PATH", ""))
     if playbook is None:
         raise RuntimeError("no ansible-playbook command (make venv)")
     argv = [playbook, "-i", str(inventory), str(PLAYBOOK)]
     if extra_vars:
         argv += ["--extra-vars", json.dumps(extra_vars)]
+    epoch = time.time()
     start = time.monotonic()
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=str(REPO))
     lines: list[tuple[float, str]] = []
@@ -133,7 +180,7 @@ def run_playbook(inventory: Path, forks: int, timeout: float,
         rc = proc.wait()
     finally:
         timer.cancel()
-    return rc, lines, time.monotonic() - start
+    return rc, lines, time.monotonic() - start, epoch
 
 
 def batch_task_names() -> set[str]:
@@ -210,7 +257,10 @@ def measure_rollout(sim: fleetctl.Fleet, inventory: Path, names: list[str], kind
                     extra_vars: dict[str, Any] | None = None) -> dict[str, Any]:
     """One ``rollout.yml`` run on the fleet, split into its fixed part and its batches."""
     out: dict[str, Any] = {"kind": kind, "extra_vars": extra_vars or {}}
-    rc, lines, wall = run_playbook(inventory, forks, timeout, extra_vars)
+    ssh_log = ssh_logger(inventory.parent)
+    rc, lines, wall, epoch = run_playbook(inventory, forks, timeout, extra_vars, ssh_log)
+    # the time-stamped output, kept beside the fleet for a per-task look
+    (inventory.parent / f"{kind}.log").write_text("".join(f"{stamp:9.3f} {line}\n" for stamp, line in lines), encoding="utf-8")
     out["rc"] = rc
     out["playbook_seconds"] = round(wall, 2)
     first, batches = split_batches(lines, names)
@@ -231,6 +281,10 @@ def measure_rollout(sim: fleetctl.Fleet, inventory: Path, names: list[str], kind
                      "overhead_s": round(wall_b - slowest, 2), "batch_machinery_s": round(b["machinery_s"], 2)})
         overhead += wall_b - slowest
     out["batches"] = rows
+    addresses = {n: str(sim.h.inventory_data(names=names)["all"]["hosts"][n]["ansible_host"]) for n in names}
+    calls = remote_calls(ssh_log[1], addresses, [(epoch + b["start"], epoch + b["end"]) for b in batches])
+    out["remote_calls_in_batches"] = calls
+    out["remote_calls_per_host"] = {"min": min(calls.values()), "max": max(calls.values())} if calls else None
     out["batches_seconds"] = round(sum(r["wall_s"] for r in rows), 2)
     out["batch_machinery_seconds"] = round(sum(r["batch_machinery_s"] for r in rows), 2)
     deployed = sum(r["hosts"] for r in rows)

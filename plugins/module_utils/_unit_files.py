@@ -273,11 +273,27 @@ def service_input_problems(inputs: t.Mapping[str, t.Any]) -> list[str]:
     if serve_args is not None and not isinstance(serve_args, t.Mapping):
         problems.append("vllm_service_serve_args: expected a mapping of vllm serve options")
     elif serve_args:
-        try:  # the options the role sets itself are refused by the next check, with its own message
-            render_serve_args({k: a for k, a in serve_args.items() if option_name(k) not in CONTROLLED_OPTIONS})
-        except (EngineSpecError, v.ValidationError) as exc:
-            problems.append(f"vllm_service_serve_args: {exc}")
+        _serve_args_problems(serve_args, problems)
     return problems
+
+
+def _serve_args_problems(serve_args: t.Mapping[str, t.Any], problems: list[str]) -> None:
+    """The options the role sets itself, secrets, then every other option as ``vllm serve`` takes it."""
+    if any(option_name(key) in CONTROLLED_OPTIONS for key in serve_args):
+        problems.append(f"vllm_service_serve_args must not set {', '.join(sorted(CONTROLLED_OPTIONS))}; the role sets them from the plan "
+                        "and the instance")
+    secrets = sorted(str(key) for key in serve_args if v.is_secret_option(str(key)))
+    if secrets:
+        # names the options, never their values
+        problems.append(f"vllm_service_serve_args {', '.join(secrets)} would put a secret on the unit's command line (a world-readable "
+                        "unit file, /proc/PID/cmdline, diffs in logs); set it in vllm_service_secret_env instead (for "
+                        "example VLLM_API_KEY for api_key, HF_TOKEN for hf_token), which is written to a root-only "
+                        "EnvironmentFile")
+    try:
+        render_serve_args({key: value for key, value in serve_args.items()
+                           if option_name(key) not in CONTROLLED_OPTIONS and not v.is_secret_option(str(key))})
+    except (EngineSpecError, v.ValidationError) as exc:
+        problems.append(f"vllm_service_serve_args: {exc}")
 
 
 def sha1(data: bytes) -> str:
@@ -562,6 +578,43 @@ def snapshot(layout: Layout, names: t.Sequence[str], show: ShowRunner, check: bo
         out.append({"name": name, "kept": kept, "absent": absent, "active_state": active, "resumed": False,
                     "changed": changed})
     return out
+
+
+def _systemctl(systemctl: SystemctlRunner, argv: list[str]) -> None:
+    rc, _out, err = systemctl(argv)
+    if rc != 0:
+        raise UnitFilesError(f"{' '.join(argv)} failed (rc {rc}): {err.strip()}")
+
+
+def stop_services(layout: Layout, names: t.Sequence[str], adopted: t.Sequence[t.Mapping[str, t.Any]], show: ShowRunner,
+                  systemctl: SystemctlRunner, check: bool, systemctl_bin: str = "systemctl") -> list[str]:
+    """Stop the services of ``names`` that are loaded and not inactive, then stop and disable the
+    ``adopted`` units (``snapshot_adopted``'s entries) that still hold; the units stopped, in that order.
+
+    After the snapshot, in the same round trip: what it kept is what ran before the stop.
+    """
+    units = [layout.unit_name(validate_name(n)) for n in names]
+    props = show(units) if units else {}
+    running = [u for u in units if props.get(u, {}).get("LoadState") != "not-found"
+               and props.get(u, {}).get("ActiveState", "inactive") != "inactive"]
+    holding = [str(a["unit"]) for a in adopted if a.get("holds")]
+    if not check:
+        if running:
+            _systemctl(systemctl, [systemctl_bin, "stop", *running])
+        if holding:
+            _systemctl(systemctl, [systemctl_bin, "disable", "--now", *holding])
+    return running + holding
+
+
+def restart_services(layout: Layout, names: t.Sequence[str], systemctl: SystemctlRunner, check: bool,
+                     systemctl_bin: str = "systemctl") -> list[str]:
+    """Reload systemd, then enable and (re)start the services of ``names`` (the units just written)."""
+    units = [layout.unit_name(validate_name(n)) for n in names]
+    if units and not check:
+        _systemctl(systemctl, [systemctl_bin, "daemon-reload"])
+        _systemctl(systemctl, [systemctl_bin, "enable", *units])
+        _systemctl(systemctl, [systemctl_bin, "restart", *units])
+    return units
 
 
 def _kept_snapshot(layout: Layout, name: str) -> dict[str, t.Any]:

@@ -87,7 +87,7 @@ options:
     description:
       - Without O(data), the inventory group whose hosts the report covers. Per class it reads the canary host's
         C(gpufleet_class_state), C(gpufleet_reference) and C(vllm_canary_result); per host its class, batch
-        (C(gpufleet_batch_index)), pending instances (C(vllm_service_pending)), C(gpufleet_touched) and, for a host
+        (C(gpufleet_batch_index)), pending instances (C(vllm_service_pending)), C(vllm_service_touched) and, for a host
         that failed in a serial batch, C(ansible_failed_result) and C(ansible_failed_task); from C(localhost),
         C(gpufleet_run.started) and C(gpufleet_batches).
     type: str

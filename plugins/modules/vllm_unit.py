@@ -73,10 +73,10 @@ options:
     choices: [status, snapshot, present, recorded, restored]
   instances:
     description:
-      - The instances. O(state=snapshot) and O(state=restored) need only their names.
+      - The instances. O(state=snapshot) and O(state=restored) need only their names, which O(names) gives instead.
+      - One of O(instances) and O(names) is required.
     type: list
     elements: dict
-    required: true
     suboptions:
       name:
         description: Instance name (letters, digits, C(_), C(.), C(-)); the unit is C(vllm-NAME.service).
@@ -94,11 +94,32 @@ options:
             C(compat_key_hash) than this one is pending (the model's weights, the engine or the driver changed under
             an unchanged unit, and the running process is not what the plan was made for).
         type: dict
+  names:
+    description:
+      - The instances' names, for O(state=snapshot) and O(state=restored), in place of O(instances).
+    type: list
+    elements: str
+    version_added: 1.2.0
   env_files:
     description:
       - Desired secret environment file content per instance name (O(state=status), O(state=present)).
       - A separate option, not a key of O(instances), so that Ansible never logs it (also not in the host's journal).
     type: dict
+  stop:
+    description:
+      - With O(state=snapshot), then stop, in the same round trip, the services of the instances that are loaded and
+        not inactive, and stop and disable the units of O(adopt_units) that still run or are enabled; RV(stopped)
+        lists them. The snapshot keeps whether each ran, so O(state=restored) starts them again.
+    type: bool
+    default: false
+    version_added: 1.2.0
+  restart:
+    description:
+      - With O(state=present), then reload systemd and enable and (re)start the instances' services, in the same
+        round trip (check each boot with M(gpufleet.vllm.vllm_boot_check)); RV(started) lists them.
+    type: bool
+    default: false
+    version_added: 1.2.0
   close_change:
     description:
       - With O(state=restored), close the change the snapshot opened. Restore with V(false) first, restart or stop
@@ -163,8 +184,7 @@ EXAMPLES = r"""
 - name: Keep the files of instance main before stopping it
   gpufleet.vllm.vllm_unit:
     state: snapshot
-    instances:
-      - name: main
+    names: [main]
   when: "'main' in vllm_status.pending"
 
 - name: Write a unit and its secret environment file
@@ -188,8 +208,7 @@ EXAMPLES = r"""
 - name: Put back the last snapshot
   gpufleet.vllm.vllm_unit:
     state: restored
-    instances:
-      - name: main
+    names: [main]
   register: vllm_restored
 """
 
@@ -298,6 +317,18 @@ adopted:
       holds: true
       running: true
       enabled: true
+stopped:
+  description: The units stopped (O(stop=true)), the instances' first, then those of O(adopt_units).
+  returned: when O(state=snapshot) and O(stop=true)
+  type: list
+  elements: str
+  sample: [vllm-main.service, vllm.service]
+started:
+  description: The units (re)started (O(restart=true)).
+  returned: when O(state=present) and O(restart=true)
+  type: list
+  elements: str
+  sample: [vllm-main.service]
 account_ready:
   description: Whether the service user, group and home given in O(account) exist as set up (O(state=status)).
   returned: when O(state=status) and O(account) is given
@@ -319,17 +350,20 @@ from ansible.module_utils.common.text.converters import to_native
 
 from ansible_collections.gpufleet.vllm.plugins.module_utils._unit_files import (
     ADOPT_PROPERTIES,
+    SHOW_PROPERTIES,
     Layout,
     UnitFilesError,
     account_ready,
     adopted_status,
     adoption_reasons,
     record,
+    restart_services,
     restore,
     restore_adopted,
     snapshot,
     snapshot_adopted,
     status,
+    stop_services,
     systemctl_show,
     validate_adopted,
     write,
@@ -353,14 +387,16 @@ def main() -> None:
             instances=dict(
                 type="list",
                 elements="dict",
-                required=True,
                 options=dict(
                     name=dict(type="str", required=True),
                     unit=dict(type="str"),
                     plan=dict(type="dict"),
                 ),
             ),
+            names=dict(type="list", elements="str"),
             env_files=dict(type="dict", no_log=True),
+            stop=dict(type="bool", default=False),
+            restart=dict(type="bool", default=False),
             close_change=dict(type="bool", default=True),
             adopt_units=dict(type="list", elements="str", default=[]),
             unit_dir=dict(type="path", default="/etc/systemd/system"),
@@ -375,11 +411,19 @@ def main() -> None:
                 ),
             ),
         ),
+        required_one_of=[("instances", "names")],
+        mutually_exclusive=[("instances", "names")],
         supports_check_mode=True,
     )
     state = module.params["state"]
     env_files = module.params["env_files"] or {}
-    instances = [dict(i, env=env_files.get(i["name"])) for i in module.params["instances"]]
+    if module.params["names"] is not None and state not in ("snapshot", "restored"):
+        module.fail_json(msg=f"vllm_unit ({state}): names is for state snapshot or restored; give instances with their unit and plan")
+    for option, allowed in (("stop", "snapshot"), ("restart", "present")):
+        if module.params[option] and state != allowed:
+            module.fail_json(msg=f"vllm_unit ({state}): {option} is for state {allowed}")
+    given = module.params["instances"] or [{"name": name} for name in module.params["names"]]
+    instances = [dict(i, env=env_files.get(i["name"])) for i in given]
     check = module.check_mode
     unknown = sorted(set(env_files) - {i["name"] for i in instances})
     if unknown:
@@ -399,7 +443,7 @@ def main() -> None:
         adopt = validate_adopted(module.params["adopt_units"], names, "adopt_units")
         if adopt and state in ("present", "recorded"):
             raise UnitFilesError("adopt_units is for state status, snapshot or restored")
-        if state in ("status", "snapshot", "restored"):
+        if state in ("status", "snapshot", "restored") or module.params["restart"]:
             systemctl = module.get_bin_path("systemctl", required=True)
             show_adopted = systemctl_show(runner, systemctl, ADOPT_PROPERTIES)
         if state == "status":
@@ -417,8 +461,13 @@ def main() -> None:
             entries = snapshot(layout, names, systemctl_show(runner, systemctl), check)
             result["adopted"] = snapshot_adopted(layout, adopt, show_adopted, check,
                                                  resumed=any(e.get("resumed") for e in entries))
+            if module.params["stop"]:
+                result["stopped"] = stop_services(layout, names, result["adopted"], systemctl_show(runner, systemctl, SHOW_PROPERTIES),
+                                                  runner, check, systemctl_bin=systemctl)
         elif state == "present":
             entries = write(layout, instances, check, want_diff=module._diff)
+            if module.params["restart"]:
+                result["started"] = restart_services(layout, names, runner, check, systemctl_bin=systemctl)
         elif state == "recorded":
             entries = record(layout, instances, check)
         else:
@@ -434,7 +483,7 @@ def main() -> None:
         result["diff"] = diffs
     changes = [e.pop("changed", False) for e in entries + result.get("adopted", [])]
     if state != "status":
-        result["changed"] = any(changes)
+        result["changed"] = any(changes) or bool(result.get("stopped") or result.get("started"))
     result["instances"] = entries
     module.exit_json(**result)
 

@@ -638,7 +638,7 @@ def run_data(hostvars: Mapping[str, Any], groups: Mapping[str, Any], hosts_from:
             "class": cls,
             "batch": hv.get("gpufleet_batch_index"),
             "pending": [i.get("name") for i in hv.get("vllm_service_pending") or [] if isinstance(i, Mapping)],
-            "touched": bool(hv.get("gpufleet_touched")),
+            "touched": bool(hv.get("vllm_service_touched")),
             "error": error,
             "failed_task": task,
         }

@@ -116,7 +116,7 @@ PLAYBOOK = """
         - name: Find what changes
           ansible.builtin.set_fact:
             vllm_service_pending: [{name: vllm}]
-            gpufleet_touched: true
+            vllm_service_touched: true
 
         - name: Start and check the new units
           ansible.builtin.fail:

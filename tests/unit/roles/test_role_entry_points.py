@@ -25,9 +25,8 @@ CALLER_DIRS = ("roles", "playbooks", "molecule", "tests")
 INCLUDE_ROLE = {"include_role", "ansible.builtin.include_role", "import_role", "ansible.builtin.import_role"}
 # Python tests that build playbooks as dicts: {"name": "gpufleet.vllm.<role>", "tasks_from": "<entry>"}
 PY_INCLUDE = re.compile(r'"name":\s*"gpufleet\.vllm\.(\w+)",\s*"tasks_from":\s*"(\w+)"')
-INCLUDE_TASKS = re.compile(r"include_tasks:\s*([\w./-]+\.yml)\s*$", re.M)
-# the role's entry points are not covered by argument specs yet
-NO_ENTRY_POINT_SPECS = {"vllm_service"}
+TEMPLATE = re.compile(r"lookup\('ansible\.builtin\.template',\s*'([\w./-]+)'")
+INCLUDE_TASKS = re.compile(r"(?:include|import)_tasks:\s*([\w./-]+\.yml)\s*$", re.M)
 
 
 def load(path: pathlib.Path) -> t.Any:
@@ -75,8 +74,6 @@ def test_callers_are_found():
 
 @pytest.mark.parametrize(("role", "entry"), sorted(CALLERS))
 def test_every_tasks_from_entry_point_has_a_spec(role, entry):
-    if role in NO_ENTRY_POINT_SPECS:
-        pytest.skip(f"{role}: entry points without argument specs yet")
     assert (ROOT / "roles" / role / "tasks" / f"{entry}.yml").is_file(), f"{role}/{entry}: no such task file"
     assert entry in SPECS.get(role, {}), (
         f"{role}: tasks_from {entry} (from {', '.join(CALLERS[role, entry])}) has no argument_specs.{entry}"
@@ -106,24 +103,32 @@ def test_entry_point_options_match_main_and_defaults(role, entry):
 
 
 def _read_text(role: str, entry: str) -> str:
-    """The entry point's task file and the role's task files it includes with include_tasks."""
-    tasks_dir = ROOT / "roles" / role / "tasks"
+    """The entry point's task file, the role's task files it includes or imports, the role's
+    templates they render, and the role variables (vars/main.yml) any of these read."""
+    role_dir = ROOT / "roles" / role
+    role_vars = load(role_dir / "vars" / "main.yml") if (role_dir / "vars" / "main.yml").is_file() else {}
     seen: list[str] = []
-    todo = [f"{entry}.yml"]
+    texts: list[str] = []
+    todo = [f"tasks/{entry}.yml"]
     while todo:
         name = todo.pop()
-        if name not in seen and (tasks_dir / name).is_file():
-            seen.append(name)
-            todo += INCLUDE_TASKS.findall((tasks_dir / name).read_text(encoding="utf-8"))
-    return "\n".join((tasks_dir / name).read_text(encoding="utf-8") for name in seen)
+        if name in seen or not (role_dir / name).is_file():
+            continue
+        seen.append(name)
+        texts.append((role_dir / name).read_text(encoding="utf-8"))
+        todo += [f"tasks/{n}" for n in INCLUDE_TASKS.findall(texts[-1])] + [f"templates/{n}" for n in TEMPLATE.findall(texts[-1])]
+        for var, value in role_vars.items():
+            if f"vars/{var}" not in seen and re.search(rf"(?<!\w){var}(?!\w)", texts[-1]):
+                seen.append(f"vars/{var}")
+                texts.append(str(value))
+                todo += [f"templates/{n}" for n in TEMPLATE.findall(texts[-1])]
+    return "\n".join(texts)
 
 
 @pytest.mark.parametrize(("role", "entry"), ENTRY_POINTS)
 def test_entry_point_options_are_the_variables_it_reads(role, entry):
     defaults = load(ROOT / "roles" / role / "defaults" / "main.yml")
     text = _read_text(role, entry)
-    role_vars = load(ROOT / "roles" / role / "vars" / "main.yml") if (ROOT / "roles" / role / "vars" / "main.yml").is_file() else {}
-    text += "\n".join(str(value) for name, value in role_vars.items() if re.search(rf"(?<!\w){name}(?!\w)", text))
 
     def read(name: str) -> bool:
         return re.search(rf"(?<!\w){name}(?!\w)", text) is not None

@@ -51,11 +51,14 @@ def test_the_rollout_checks_every_host_before_any_canary() -> None:
 
 
 def test_the_role_checks_again_before_it_starts_a_unit() -> None:
-    tasks = yaml.safe_load((ROOT / "roles" / "vllm_service" / "tasks" / "start.yml").read_text(encoding="utf-8"))
+    tasks = yaml.safe_load((ROOT / "roles" / "vllm_service" / "tasks" / "deploy.yml").read_text(encoding="utf-8"))
     names = [task["name"] for task in tasks]
     first = tasks[0]
     assert first.get("ansible.builtin.include_tasks") == "model_access.yml" and "vars" not in first
-    assert names.index(first["name"]) < names.index("Start the instances")
+    # the unit write (re)starts the instances
+    write = next(task for task in tasks if "gpufleet.vllm.vllm_unit" in task)
+    assert write["gpufleet.vllm.vllm_unit"]["restart"] is True
+    assert names.index(first["name"]) < names.index(write["name"])
 
 
 @pytest.fixture(scope="module")

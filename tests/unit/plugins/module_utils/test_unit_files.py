@@ -27,6 +27,7 @@ from ansible_collections.gpufleet.vllm.plugins.module_utils._unit_files import (
     atomic_write,
     parse_show,
     record,
+    restart_services,
     restore,
     restore_adopted,
     service_input_problems,
@@ -34,6 +35,7 @@ from ansible_collections.gpufleet.vllm.plugins.module_utils._unit_files import (
     snapshot,
     snapshot_adopted,
     status,
+    stop_services,
     validate_adopted,
     validate_name,
     write,
@@ -247,6 +249,48 @@ def test_a_running_service_is_restarted_after_restore(layout):
     assert not [c for c in systemd.calls if c[0] != "show"], "restarting is left to the role"
     # restoring again changes nothing
     assert restore(layout, ["a"], systemd.run, check=False)[0]["changed"] is False
+
+
+def test_the_snapshot_stops_what_runs_in_one_call_and_the_units_it_takes_over_in_another(layout, tmp_path):
+    systemd = FakeSystemd()
+    deployed(layout, systemd, "a")
+    deployed(layout, systemd, "b")
+    systemd.active[layout.unit_name("b")] = "inactive"
+    systemd.active[layout.unit_name("c")] = "failed"
+    legacy = FakeLegacy(tmp_path)
+    kept = snapshot(layout, ["a", "b", "c"], systemd.show, check=False)
+    adopted = snapshot_adopted(layout, ["vllm.service"], legacy.show, check=False)
+    assert [k["active_state"] for k in kept] == ["active", "inactive", "failed"], "the snapshot keeps what ran before the stop"
+    stopped = stop_services(layout, ["a", "b", "c"], adopted, systemd.show, systemd.run, check=False)
+    assert stopped == ["vllm-a.service", "vllm-c.service", "vllm.service"]
+    assert [c for c in systemd.calls if c[0] != "show"] == [["stop", "vllm-a.service", "vllm-c.service"],
+                                                            ["disable", "--now", "vllm.service"]]
+
+
+def test_stopping_in_check_mode_or_with_nothing_running_calls_no_systemctl(layout):
+    systemd = FakeSystemd()
+    deployed(layout, systemd, "a")
+    assert stop_services(layout, ["a"], [], systemd.show, systemd.run, check=True) == ["vllm-a.service"]
+    systemd.active[layout.unit_name("a")] = "inactive"
+    assert stop_services(layout, ["a"], [{"unit": "vllm.service", "holds": False}], systemd.show, systemd.run, check=False) == []
+    assert not [c for c in systemd.calls if c[0] != "show"]
+
+
+def test_a_failing_stop_names_the_units_and_the_error(layout):
+    systemd = FakeSystemd()
+    deployed(layout, systemd, "a")
+    with pytest.raises(UnitFilesError, match=r"systemctl stop vllm-a.service failed \(rc 1\): access denied"):
+        stop_services(layout, ["a"], [], systemd.show, lambda argv: (1, "", "access denied\n"), check=False,
+                      systemctl_bin="systemctl")
+
+
+def test_written_units_are_reloaded_enabled_and_restarted_together(layout):
+    systemd = FakeSystemd()
+    assert restart_services(layout, ["a", "b"], systemd.run, check=False) == ["vllm-a.service", "vllm-b.service"]
+    assert systemd.calls == [["daemon-reload"], ["enable", "vllm-a.service", "vllm-b.service"],
+                             ["restart", "vllm-a.service", "vllm-b.service"]]
+    assert restart_services(layout, ["a"], systemd.run, check=True) == ["vllm-a.service"]
+    assert len(systemd.calls) == 3, "check mode restarts nothing"
 
 
 def test_new_instance_is_stopped_disabled_and_removed_and_an_unknown_one_left_alone(layout):

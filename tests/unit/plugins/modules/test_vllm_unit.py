@@ -65,3 +65,25 @@ def test_env_files_must_name_given_instances(tmp_path, capsys, monkeypatch, fake
             "unit_dir": str(tmp_path), "state_dir": str(tmp_path / "gpufleet")}
     rc, result, _logged = run(capsys, monkeypatch, args)
     assert rc == 1 and "env_files names instances that are not in instances: other" in result["msg"]
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    ({"state": "present", "names": ["main"]}, "vllm_unit (present): names is for state snapshot or restored"),
+    ({"state": "status", "instances": [{"name": "main"}], "stop": True}, "vllm_unit (status): stop is for state snapshot"),
+    ({"state": "snapshot", "names": ["main"], "restart": True}, "vllm_unit (snapshot): restart is for state present"),
+    ({"state": "snapshot", "names": ["main"], "instances": [{"name": "main"}]}, "mutually exclusive: instances|names"),
+    ({"state": "snapshot"}, "one of the following is required: instances, names"),
+])
+def test_options_that_do_not_fit_the_state_are_refused_by_name(tmp_path, capsys, monkeypatch, fake_systemctl, args, message):
+    rc, result, _logged = run(capsys, monkeypatch, dict(args, unit_dir=str(tmp_path), state_dir=str(tmp_path / "gpufleet")))
+    assert rc == 1 and message in result["msg"], result
+
+
+def test_a_snapshot_by_names_with_stop_keeps_the_files_and_stops_nothing_inactive(tmp_path, capsys, monkeypatch, fake_systemctl):
+    (tmp_path / "systemd").mkdir()
+    args = {"state": "snapshot", "names": ["main"], "stop": True,
+            "unit_dir": str(tmp_path / "systemd"), "state_dir": str(tmp_path / "gpufleet")}
+    rc, result, _logged = run(capsys, monkeypatch, args)
+    assert rc == 0, result
+    assert result["stopped"] == [] and result["instances"][0]["absent"] == ["unit", "plan", "env"]
+    assert (tmp_path / "gpufleet" / "units" / "vllm-main.service.absent").exists()
