@@ -20,7 +20,7 @@ import typing as t
 from dataclasses import dataclass, field
 
 from ._boot_check import capacity_figures, log_tail, primary_error, reserved_kv_by_rank, summarise_log
-from ._engine_process import Account, EngineProcess, free_port, port_in_use, scrape_metrics, wait_healthy
+from ._engine_process import Account, EngineProcess, StopResult, free_port, port_in_use, scrape_metrics, wait_healthy
 from ._load_test import LoadSpec, run_load_test
 from ._serve_argv import LOOPBACK, EngineSpecError, api_key_of, build_argv, engine_env, redact_argv, without_api_key
 from ._validate import ValidationError, integer, number
@@ -309,6 +309,195 @@ def _raise_on_termination() -> t.Callable[[], None]:
     return restore
 
 
+@dataclass
+class _Launch:
+    """What the canary starts, settled before anything runs: the engine's port, argv and
+    environment, the headers its requests carry, and the partial log in its private directory."""
+
+    port: int
+    argv: list[str]
+    env: dict[str, str]
+    headers: dict[str, str] | None
+    partial_log: str
+
+
+@dataclass
+class _CanaryRun:
+    """One canary as it goes: the spec, the launch, the engine, the result being built, and
+    what the load stage measured for the later stages."""
+
+    spec: CanarySpec
+    launch: _Launch
+    engine: EngineProcess
+    result: dict[str, t.Any]
+    metrics_after: EngineMetrics | None = None
+    metrics_notes: list[str] = field(default_factory=list)
+    load_seconds: float = 0.0
+
+
+def _partial_log(spec: CanarySpec) -> str:
+    """The private partial log, next to ``log_path`` when one is asked for (checked first)."""
+    if not spec.log_path:
+        return _private_log(None)
+    directory = os.path.dirname(os.path.abspath(spec.log_path))
+    if not os.path.isdir(directory):
+        raise EngineSpecError(f"log_path: directory {directory} does not exist")
+    if os.path.isdir(spec.log_path) and not os.path.islink(spec.log_path):
+        raise EngineSpecError(f"log_path: {spec.log_path} is a directory")
+    return _private_log(directory)
+
+
+def _prepare_launch(spec: CanarySpec) -> _Launch:
+    """Port (free, or the given one if nothing listens there), argv, environment, auth headers, partial log."""
+    port = int(spec.port) if spec.port else free_port(spec.host)
+    if port_in_use(port, spec.host):
+        raise EngineSpecError(f"port {port} on {spec.host} is already in use")
+    argv = canary_argv(spec, port)
+    env = canary_env(spec)
+    headers = None
+    key = api_key_of(spec.serve_args, spec.env)
+    if key:
+        headers = {"Authorization": f"Bearer {key}"}
+    return _Launch(port, argv, env, headers, _partial_log(spec))
+
+
+def _initial_result(spec: CanarySpec, launch: _Launch) -> dict[str, t.Any]:
+    """The result before the engine starts: what a canary that never boots still reports."""
+    return {
+        "mode": spec.mode,
+        "argv": redact_argv(launch.argv),
+        "port": launch.port,
+        "startup_timeout": spec.startup_timeout,
+        "requested_kv_cache_memory_bytes": spec.kv_cache_memory_bytes,
+        "load": {**spec.load.shape(), "completed": 0, "failed": 0},
+        "preemptions": None,
+        "died_during_load": False,
+    }
+
+
+def _boot(
+    run: _CanaryRun,
+    after_healthy: t.Callable[[EngineProcess, int], None] | None,
+    during_load: t.Callable[[EngineProcess], None] | None,
+) -> None:
+    """Start the engine and wait for ``/health``; load a healthy one, note why another is not."""
+    spec, engine, port, result = run.spec, run.engine, run.launch.port, run.result
+    engine.start()
+    result["pid"] = engine.pid
+    health = wait_healthy(
+        spec.host, port, timeout=spec.startup_timeout, is_alive=engine.alive,
+        returncode=engine.poll, interval=spec.health_interval,
+    )
+    result["health"] = health.status
+    result["startup_seconds"] = health.seconds
+    if health.status == "healthy":
+        if after_healthy is not None:
+            after_healthy(engine, port)
+        _load(run, during_load)
+    else:
+        result["health_detail"] = health.detail
+
+
+def _load(run: _CanaryRun, during_load: t.Callable[[EngineProcess], None] | None) -> None:
+    """Warm-up and measured load, /metrics scraped between the two and after; the preemptions in between."""
+    spec, engine, port, result = run.spec, run.engine, run.launch.port, run.result
+    scraped: list[EngineMetrics | None] = []
+
+    def start_hook() -> None:
+        # After warm-up, before the measured requests.
+        before_metrics, why = scrape_metrics(spec.host, port)
+        scraped.append(before_metrics)
+        if why:
+            run.metrics_notes.append("before load: " + why)
+        if during_load is not None:
+            threading.Thread(target=during_load, args=(engine,), daemon=True).start()
+
+    load_start = time.monotonic()
+    load = run_load_test(spec.host, port, spec.model, spec.load, on_start=start_hook, headers=run.launch.headers)
+    run.load_seconds = time.monotonic() - load_start
+    result["load"] = load.as_dict()
+    result["died_during_load"] = not engine.alive()
+    run.metrics_after, why = scrape_metrics(spec.host, port)
+    if why:
+        run.metrics_notes.append("after load: " + why)
+    before, after = (scraped[0] if scraped else None), run.metrics_after
+    if (
+        before is not None and after is not None
+        and before.preemptions_total is not None and after.preemptions_total is not None
+    ):
+        result["preemptions"] = int(after.preemptions_total - before.preemptions_total)
+
+
+def _stop(run: _CanaryRun, restore_signals: t.Callable[[], None]) -> tuple[StopResult, str]:
+    """Stop the engine's process group, restore the signal handlers, read the log and place it
+    at ``log_path`` (or remove it); returns the stop and the log's text."""
+    spec, engine, result = run.spec, run.engine, run.result
+    stop = engine.stop(spec.stop_timeout)
+    restore_signals()
+    result["stop"] = {
+        "signal": stop.signal_used,
+        "seconds": stop.seconds,
+        "leftover_pids": stop.leftover_pids,
+    }
+    result["exit_code"] = stop.returncode if stop.returncode is not None else engine.poll()
+    text = engine.read_log()
+    if spec.log_path:
+        result["log_path"] = spec.log_path
+        result["previous_log_path"] = _place_log(run.launch.partial_log, spec.log_path)
+    else:
+        _remove_private_dir(os.path.dirname(run.launch.partial_log))
+    return stop, text
+
+
+_RANK_FIELDS = ("rank", "initial_free_bytes", "suggested_kv_bytes_fit", "suggested_kv_bytes_full",
+                "reserved_kv_bytes", "current_kv_bytes", "auto_kv_bytes", "total_bytes")
+
+
+def _read_findings(run: _CanaryRun, text: str, stop: StopResult) -> None:
+    """What the log and /metrics show: version, ranks, errors, capacity; scrape notes; survivors of SIGKILL."""
+    result = run.result
+    log = summarise_log(parse_engine_log(text))
+    result["log_recognised"] = log["recognised"]
+    result["vllm_version"] = log["version"]
+    result["ranks"] = [{k: r[k] for k in _RANK_FIELDS} for r in log["ranks"]]
+    result["engine_errors"] = log["errors"]
+    result["suggestion_problems"] = log["suggestion_problems"]
+    capacity = capacity_figures(log, run.metrics_after)
+    result.update(
+        num_blocks=capacity["num_blocks"],
+        block_size=capacity["block_size"],
+        kv_cache_tokens=capacity["kv_cache_tokens"],
+        max_concurrency=capacity["max_concurrency"],
+        kv_cache_memory_bytes=capacity["kv_cache_memory_bytes"],
+        capacity_source=capacity["source"],
+        log_kv_cache_tokens=log["kv_cache_tokens"],
+        max_model_len=log["max_model_len"],
+    )
+    if run.metrics_notes:
+        result["metrics_notes"] = run.metrics_notes
+    if stop.leftover_pids:
+        result.setdefault("engine_errors", []).append(
+            {"kind": "leftover_processes", "rank": None, "details": {},
+             "message": f"processes {stop.leftover_pids} of the engine survived SIGKILL"}
+        )
+
+
+def _judge(run: _CanaryRun, text: str, wall_start: float) -> None:
+    """The verdict and its reasons, the timings, and the log's tail when the canary did not pass."""
+    spec, result = run.spec, run.result
+    verdict, reasons, comparison = judge_canary(
+        result, requested_kv_bytes=spec.kv_cache_memory_bytes if spec.mode == "manual" else None,
+        tolerances=spec.tolerances, reference=spec.reference,
+    )
+    result["verdict"] = verdict
+    result["reasons"] = reasons
+    result["comparison"] = comparison
+    result["load_seconds"] = round(run.load_seconds, 3)
+    result["wall_seconds"] = round(time.monotonic() - wall_start, 3)
+    if verdict != "pass":
+        result["log_tail"] = log_tail(text)
+
+
 def run_canary(
     spec: CanarySpec,
     *,
@@ -324,133 +513,14 @@ def run_canary(
     spec.load.validate()
     account = Account.lookup(spec.user, spec.group) if spec.user else None
     wall_start = time.monotonic()
-    port = int(spec.port) if spec.port else free_port(spec.host)
-    if port_in_use(port, spec.host):
-        raise EngineSpecError(f"port {port} on {spec.host} is already in use")
-    argv = canary_argv(spec, port)
-    env = canary_env(spec)
-    headers = None
-    key = api_key_of(spec.serve_args, spec.env)
-    if key:
-        headers = {"Authorization": f"Bearer {key}"}
-
-    if spec.log_path:
-        directory = os.path.dirname(os.path.abspath(spec.log_path))
-        if not os.path.isdir(directory):
-            raise EngineSpecError(f"log_path: directory {directory} does not exist")
-        if os.path.isdir(spec.log_path) and not os.path.islink(spec.log_path):
-            raise EngineSpecError(f"log_path: {spec.log_path} is a directory")
-        partial = _private_log(directory)
-    else:
-        partial = _private_log(None)
-
-    result: dict[str, t.Any] = {
-        "mode": spec.mode,
-        "argv": redact_argv(argv),
-        "port": port,
-        "startup_timeout": spec.startup_timeout,
-        "requested_kv_cache_memory_bytes": spec.kv_cache_memory_bytes,
-        "load": {**spec.load.shape(), "completed": 0, "failed": 0},
-        "preemptions": None,
-        "died_during_load": False,
-    }
-    engine = EngineProcess(argv, env, partial, account)
-    metrics_after: EngineMetrics | None = None
-    metrics_notes: list[str] = []
-    load_seconds = 0.0
-    restore = _raise_on_termination()
+    launch = _prepare_launch(spec)
+    result = _initial_result(spec, launch)
+    run = _CanaryRun(spec, launch, EngineProcess(launch.argv, launch.env, launch.partial_log, account), result)
+    restore_signals = _raise_on_termination()
     try:
-        engine.start()
-        result["pid"] = engine.pid
-        health = wait_healthy(
-            spec.host, port, timeout=spec.startup_timeout, is_alive=engine.alive,
-            returncode=engine.poll, interval=spec.health_interval,
-        )
-        result["health"] = health.status
-        result["startup_seconds"] = health.seconds
-        if health.status == "healthy":
-            if after_healthy is not None:
-                after_healthy(engine, port)
-            scraped: list[EngineMetrics | None] = []
-
-            def start_hook() -> None:
-                # After warm-up, before the measured requests.
-                before_metrics, why = scrape_metrics(spec.host, port)
-                scraped.append(before_metrics)
-                if why:
-                    metrics_notes.append("before load: " + why)
-                if during_load is not None:
-                    threading.Thread(target=during_load, args=(engine,), daemon=True).start()
-
-            load_start = time.monotonic()
-            load = run_load_test(spec.host, port, spec.model, spec.load, on_start=start_hook, headers=headers)
-            load_seconds = time.monotonic() - load_start
-            result["load"] = load.as_dict()
-            result["died_during_load"] = not engine.alive()
-            metrics_after, why = scrape_metrics(spec.host, port)
-            if why:
-                metrics_notes.append("after load: " + why)
-            before = scraped[0] if scraped else None
-            if (
-                before is not None and metrics_after is not None
-                and before.preemptions_total is not None and metrics_after.preemptions_total is not None
-            ):
-                result["preemptions"] = int(metrics_after.preemptions_total - before.preemptions_total)
-        else:
-            result["health_detail"] = health.detail
+        _boot(run, after_healthy, during_load)
     finally:
-        stop = engine.stop(spec.stop_timeout)
-        restore()
-        result["stop"] = {
-            "signal": stop.signal_used,
-            "seconds": stop.seconds,
-            "leftover_pids": stop.leftover_pids,
-        }
-        result["exit_code"] = stop.returncode if stop.returncode is not None else engine.poll()
-        text = engine.read_log()
-        if spec.log_path:
-            result["log_path"] = spec.log_path
-            result["previous_log_path"] = _place_log(partial, spec.log_path)
-        else:
-            _remove_private_dir(os.path.dirname(partial))
-
-    log = summarise_log(parse_engine_log(text))
-    result["log_recognised"] = log["recognised"]
-    result["vllm_version"] = log["version"]
-    result["ranks"] = [
-        {k: r[k] for k in ("rank", "initial_free_bytes", "suggested_kv_bytes_fit", "suggested_kv_bytes_full",
-                           "reserved_kv_bytes", "current_kv_bytes", "auto_kv_bytes", "total_bytes")}
-        for r in log["ranks"]
-    ]
-    result["engine_errors"] = log["errors"]
-    result["suggestion_problems"] = log["suggestion_problems"]
-    capacity = capacity_figures(log, metrics_after)
-    result.update(
-        num_blocks=capacity["num_blocks"],
-        block_size=capacity["block_size"],
-        kv_cache_tokens=capacity["kv_cache_tokens"],
-        max_concurrency=capacity["max_concurrency"],
-        kv_cache_memory_bytes=capacity["kv_cache_memory_bytes"],
-        capacity_source=capacity["source"],
-        log_kv_cache_tokens=log["kv_cache_tokens"],
-        max_model_len=log["max_model_len"],
-    )
-    if metrics_notes:
-        result["metrics_notes"] = metrics_notes
-    if stop.leftover_pids:
-        result.setdefault("engine_errors", []).append(
-            {"kind": "leftover_processes", "rank": None, "details": {},
-             "message": f"processes {stop.leftover_pids} of the engine survived SIGKILL"}
-        )
-    verdict, reasons, comparison = judge_canary(
-        result, requested_kv_bytes=spec.kv_cache_memory_bytes if spec.mode == "manual" else None,
-        tolerances=spec.tolerances, reference=spec.reference,
-    )
-    result["verdict"] = verdict
-    result["reasons"] = reasons
-    result["comparison"] = comparison
-    result["load_seconds"] = round(load_seconds, 3)
-    result["wall_seconds"] = round(time.monotonic() - wall_start, 3)
-    if verdict != "pass":
-        result["log_tail"] = log_tail(text)
+        stop, text = _stop(run, restore_signals)
+    _read_findings(run, text, stop)
+    _judge(run, text, wall_start)
     return result
