@@ -22,6 +22,7 @@ from __future__ import annotations
 import datetime as _dt
 import math
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from ansible_collections.gpufleet.vllm.plugins.module_utils._launch import figures as launch_figures, plan_file_figures
@@ -674,6 +675,49 @@ def build_report(data: Mapping[str, Any], kind: str = "rollout", generated: _dt.
     """
     if kind not in KINDS:
         raise ReportError(f"kind: expected one of {', '.join(KINDS)}, got {kind!r}")
+    sources = _read_sources(data, kind)
+    classes = _class_entries(sources.classes, sources.hosts)
+    hosts = _host_entries(kind, sources.hosts, {c["name"]: c for c in classes})
+    finished = data.get("finished") or (generated or utc_now()).isoformat()
+    batches = _batch_entries(data.get("batches") or [], hosts, finished)
+    rolled_back = [
+        {"host": h["host"], "class": h["class"], "batch": h["batch"], "failed_task": h["failed_task"], "error": h["error"]}
+        for h in hosts
+        if h["outcome"] == "rolled_back"
+    ]
+    stamp = generated or utc_now()
+    report = {
+        "schema_version": SCHEMA_VERSION,
+        "kind": kind,
+        "generated": stamp.isoformat(),
+        "started": _iso(data.get("started")),
+        "finished": finished,
+        "classes": classes,
+        "hosts": hosts,
+        "batches": batches,
+        "rolled_back": rolled_back,
+        "failed_hosts": [h["host"] for h in hosts if h["outcome"] in ("rolled_back", "failed")],
+        "check_mode": bool(data.get("check_mode")),
+        "probe": sources.probe,
+        "audit": sources.audit,
+        "upgraded_from": None,
+    }
+    report["summary"] = _summary(report)
+    return report
+
+
+@dataclass
+class _Sources:
+    """The checked sections of :func:`build_report`'s data. ``hosts`` are the audited or probed
+    hosts in an audit or probe report, the data's own hosts otherwise."""
+
+    classes: Mapping[str, Any]
+    hosts: Mapping[str, Any]
+    audit: dict[str, Any] | None
+    probe: dict[str, Any] | None
+
+
+def _read_sources(data: Any, kind: str) -> _Sources:
     if not isinstance(data, Mapping):
         raise ReportError("data: expected a mapping")
     classes_raw = data.get("classes") or {}
@@ -696,6 +740,11 @@ def build_report(data: Mapping[str, Any], kind: str = "rollout", generated: _dt.
         if kind == "probe":
             # a probe report's hosts are the probed ones
             hosts_raw = {h["host"]: {"class": h["class"], "error": h["error"]} for h in probe["hosts"]}
+    return _Sources(classes_raw, hosts_raw, audit, probe)
+
+
+def _class_entries(classes_raw: Mapping[str, Any], hosts_raw: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """One entry per class, sorted by name, each with its hosts (checked to be mappings first)."""
     members: dict[str, list[str]] = {}
     for host, facts in hosts_raw.items():
         if not isinstance(facts, Mapping):
@@ -706,8 +755,11 @@ def build_report(data: Mapping[str, Any], kind: str = "rollout", generated: _dt.
         if not isinstance(state, Mapping):
             raise ReportError(f"data.classes.{name}: expected a mapping")
         classes.append(_class_entry(str(name), state, members.get(str(name), [])))
-    by_name = {c["name"]: c for c in classes}
+    return classes
 
+
+def _host_entries(kind: str, hosts_raw: Mapping[str, Any], by_name: Mapping[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    """One entry per host, sorted by name, with its outcome."""
     hosts = []
     for host, facts in sorted(hosts_raw.items()):
         cls = by_name.get(str(facts.get("class") or ""))
@@ -729,9 +781,13 @@ def build_report(data: Mapping[str, Any], kind: str = "rollout", generated: _dt.
                 "error": str(error) if error is not None else None,
             }
         )
-    finished = data.get("finished") or (generated or utc_now()).isoformat()
+    return hosts
+
+
+def _batch_entries(batches_raw: Any, hosts: list[dict[str, Any]], finished: Any) -> list[dict[str, Any]]:
+    """One entry per batch with its hosts' outcomes; a batch still running counts up to ``finished``."""
     batches = []
-    for pos, raw in enumerate(data.get("batches") or []):
+    for pos, raw in enumerate(batches_raw):
         if not isinstance(raw, Mapping):
             raise ReportError(f"data.batches[{pos}]: expected a mapping")
         index = int(raw.get("index", pos + 1))
@@ -753,30 +809,7 @@ def build_report(data: Mapping[str, Any], kind: str = "rollout", generated: _dt.
                 "outcome": "failed" if bad else ("ok" if raw.get("finished") else "stopped"),
             }
         )
-    rolled_back = [
-        {"host": h["host"], "class": h["class"], "batch": h["batch"], "failed_task": h["failed_task"], "error": h["error"]}
-        for h in hosts
-        if h["outcome"] == "rolled_back"
-    ]
-    stamp = generated or utc_now()
-    report = {
-        "schema_version": SCHEMA_VERSION,
-        "kind": kind,
-        "generated": stamp.isoformat(),
-        "started": _iso(data.get("started")),
-        "finished": finished,
-        "classes": classes,
-        "hosts": hosts,
-        "batches": batches,
-        "rolled_back": rolled_back,
-        "failed_hosts": [h["host"] for h in hosts if h["outcome"] in ("rolled_back", "failed")],
-        "check_mode": bool(data.get("check_mode")),
-        "probe": probe,
-        "audit": audit,
-        "upgraded_from": None,
-    }
-    report["summary"] = _summary(report)
-    return report
+    return batches
 
 
 def _summary(report: Mapping[str, Any]) -> dict[str, Any]:
