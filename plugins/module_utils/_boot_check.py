@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import subprocess
 import typing as t
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ._engine_process import scrape_metrics, wait_healthy
 from ._serve_argv import LOOPBACK, EngineSpecError
@@ -149,6 +149,21 @@ def reserved_kv_by_rank(ranks: t.Iterable[t.Mapping[str, t.Any]], expected: int)
     return out
 
 
+@dataclass
+class _BootChecks:
+    """The boot check's findings as they are made: every check, the failed ones' reasons, and
+    the reasons of the checks that do not apply to this engine."""
+
+    checks: list[dict[str, t.Any]] = field(default_factory=list)
+    reasons: list[str] = field(default_factory=list)
+    not_applicable: list[str] = field(default_factory=list)
+
+    def check(self, name: str, ok: bool, reason: str, rank: int | None = None, **figures: t.Any) -> None:
+        self.checks.append({"check": name, "rank": rank, "ok": ok, **figures})
+        if not ok:
+            self.reasons.append(reason)
+
+
 def evaluate_boot(
     log: t.Mapping[str, t.Any],
     metrics: EngineMetrics | None,
@@ -166,97 +181,112 @@ def evaluate_boot(
     check with ``applicable: false`` and its reason in ``not_applicable``, neither passed nor failed.
     Returns ``{"ok": bool, "reasons": [...], "checks": [...], "not_applicable": [...]}``.
     """
-    checks: list[dict[str, t.Any]] = []
-    reasons: list[str] = []
-    not_applicable: list[str] = []
-
-    def check(name: str, ok: bool, reason: str, rank: int | None = None, **figures: t.Any) -> None:
-        checks.append({"check": name, "rank": rank, "ok": ok, **figures})
-        if not ok:
-            reasons.append(reason)
-
+    found = _BootChecks()
     for err in log.get("errors") or []:
-        check("engine_error", False, f"rank {err.get('rank')}: engine error ({err.get('kind')}): {err.get('message')}",
-              rank=err.get("rank"), kind=err.get("kind"))
+        found.check("engine_error", False, f"rank {err.get('rank')}: engine error ({err.get('kind')}): {err.get('message')}",
+                    rank=err.get("rank"), kind=err.get("kind"))
     ranks = list(log.get("ranks") or [])
     if not log.get("recognised"):
-        check("log_recognised", False, "no vLLM startup line was recognised in this boot's log")
+        found.check("log_recognised", False, "no vLLM startup line was recognised in this boot's log")
     if expected_kv_cache_memory_bytes is not None:
-        expected = int(expected_kv_cache_memory_bytes)
-        if not ranks:
-            check("reserved_kv_bytes", False,
-                  f"this boot's log has no per-rank KV cache line; cannot confirm {expected} bytes were reserved")
-        for num, got, ok in reserved_kv_by_rank(ranks, expected):
-            if got is None:
-                check("reserved_kv_bytes", False,
-                      f"rank {num}: the log shows no KV cache reserved from kv_cache_memory_bytes "
-                      f"(expected {expected} bytes); the engine did not use the manual budget",
-                      rank=num, expected=expected, actual=None)
-            else:
-                check("reserved_kv_bytes", ok,
-                      f"rank {num}: reserved {got} bytes for KV cache (log, +/- {GIB_ROUNDING_BYTES}), "
-                      f"expected {expected}", rank=num, expected=expected, actual=got)
-        if metrics is not None and metrics.cache_config:
-            got = metrics.kv_cache_memory_bytes
-            check("metrics_kv_cache_memory_bytes", got == expected,
-                  f"/metrics cache_config_info kv_cache_memory_bytes={got}, expected {expected}",
-                  expected=expected, actual=got)
-        else:
-            check("metrics_kv_cache_memory_bytes", False,
-                  "cannot cross-check kv_cache_memory_bytes: " + (metrics_error or "no cache_config_info in /metrics"),
-                  expected=expected, actual=None)
+        _check_reserved_kv(found, ranks, int(expected_kv_cache_memory_bytes), metrics, metrics_error)
     if free_floor_bytes is not None:
-        floor_ranks = ranks or [{"rank": 0}]
-        for rank in floor_ranks:
-            num = int(rank.get("rank") or 0)
-            floor = _rank_floor(free_floor_bytes, num)
-            if floor is None:
-                check("free_floor", False, f"rank {num}: no free-memory floor given for this rank", rank=num)
-                continue
-            free = rank.get("initial_free_bytes")
-            if free is None and _cpu_build(log, rank):
-                # vLLM's CPU build sizes its KV cache from the NUMA node's memory and logs no
-                # initial free memory of a device: there is no figure to hold against the floor.
-                # Say so (never a silent pass): the NVML floor is the boot gate's job before the start.
-                why = (f"rank {num}: free-memory floor of {floor} bytes not applicable: the CPU build logs no "
-                       "initial free device memory (it sizes its KV cache from the NUMA node's memory)")
-                checks.append({"check": "free_floor", "rank": num, "ok": True, "applicable": False,
-                               "floor": floor, "actual": None, "why": why})
-                not_applicable.append(why)
-                continue
-            if free is None:
-                check("free_floor", False,
-                      f"rank {num}: the log shows no initial free memory; cannot verify the floor of {floor} bytes",
-                      rank=num, floor=floor, actual=None)
-            else:
-                ok = int(free) + GIB_ROUNDING_BYTES >= floor
-                check("free_floor", ok,
-                      f"rank {num}: initial free memory {free} bytes (log) is below the floor {floor} bytes",
-                      rank=num, floor=floor, actual=int(free))
-        if isinstance(free_floor_bytes, t.Mapping) and ranks:
-            seen = {int(r.get("rank") or 0) for r in ranks}
-            for key in free_floor_bytes:
-                if int(key) not in seen:
-                    check("free_floor", False, f"rank {int(key)}: has a floor but printed no figures in this boot's log",
-                          rank=int(key))
+        _check_free_floors(found, log, ranks, free_floor_bytes)
+    tokens = _check_tokens(found, log, metrics, min_tokens)
+    return {"ok": not found.reasons, "reasons": found.reasons, "checks": found.checks, "kv_cache_tokens": tokens,
+            "not_applicable": found.not_applicable}
+
+
+def _check_reserved_kv(found: _BootChecks, ranks: list[t.Any], expected: int, metrics: EngineMetrics | None,
+                       metrics_error: str) -> None:
+    """Each rank's logged KV reservation (GiB-rounded), then ``/metrics``' exact figure, against ``expected``."""
+    if not ranks:
+        found.check("reserved_kv_bytes", False,
+                    f"this boot's log has no per-rank KV cache line; cannot confirm {expected} bytes were reserved")
+    for num, got, ok in reserved_kv_by_rank(ranks, expected):
+        if got is None:
+            found.check("reserved_kv_bytes", False,
+                        f"rank {num}: the log shows no KV cache reserved from kv_cache_memory_bytes "
+                        f"(expected {expected} bytes); the engine did not use the manual budget",
+                        rank=num, expected=expected, actual=None)
+        else:
+            found.check("reserved_kv_bytes", ok,
+                        f"rank {num}: reserved {got} bytes for KV cache (log, +/- {GIB_ROUNDING_BYTES}), "
+                        f"expected {expected}", rank=num, expected=expected, actual=got)
+    if metrics is not None and metrics.cache_config:
+        got = metrics.kv_cache_memory_bytes
+        found.check("metrics_kv_cache_memory_bytes", got == expected,
+                    f"/metrics cache_config_info kv_cache_memory_bytes={got}, expected {expected}",
+                    expected=expected, actual=got)
+    else:
+        found.check("metrics_kv_cache_memory_bytes", False,
+                    "cannot cross-check kv_cache_memory_bytes: " + (metrics_error or "no cache_config_info in /metrics"),
+                    expected=expected, actual=None)
+
+
+def _check_free_floors(found: _BootChecks, log: t.Mapping[str, t.Any], ranks: list[t.Any],
+                       free_floor_bytes: int | t.Mapping[t.Any, t.Any]) -> None:
+    """Each logged rank's initial free memory against its floor (rank 0 when the log shows none),
+    then every rank that has a floor but printed nothing."""
+    for rank in ranks or [{"rank": 0}]:
+        _check_rank_floor(found, log, rank, free_floor_bytes)
+    if isinstance(free_floor_bytes, t.Mapping) and ranks:
+        seen = {int(r.get("rank") or 0) for r in ranks}
+        for key in free_floor_bytes:
+            if int(key) not in seen:
+                found.check("free_floor", False, f"rank {int(key)}: has a floor but printed no figures in this boot's log",
+                            rank=int(key))
+
+
+def _check_rank_floor(found: _BootChecks, log: t.Mapping[str, t.Any], rank: t.Mapping[str, t.Any],
+                      free_floor_bytes: int | t.Mapping[t.Any, t.Any]) -> None:
+    num = int(rank.get("rank") or 0)
+    floor = _rank_floor(free_floor_bytes, num)
+    if floor is None:
+        found.check("free_floor", False, f"rank {num}: no free-memory floor given for this rank", rank=num)
+        return
+    free = rank.get("initial_free_bytes")
+    if free is None and _cpu_build(log, rank):
+        # vLLM's CPU build sizes its KV cache from the NUMA node's memory and logs no
+        # initial free memory of a device: there is no figure to hold against the floor.
+        # Say so (never a silent pass): the NVML floor is the boot gate's job before the start.
+        why = (f"rank {num}: free-memory floor of {floor} bytes not applicable: the CPU build logs no "
+               "initial free device memory (it sizes its KV cache from the NUMA node's memory)")
+        found.checks.append({"check": "free_floor", "rank": num, "ok": True, "applicable": False,
+                             "floor": floor, "actual": None, "why": why})
+        found.not_applicable.append(why)
+        return
+    if free is None:
+        found.check("free_floor", False,
+                    f"rank {num}: the log shows no initial free memory; cannot verify the floor of {floor} bytes",
+                    rank=num, floor=floor, actual=None)
+    else:
+        ok = int(free) + GIB_ROUNDING_BYTES >= floor
+        found.check("free_floor", ok,
+                    f"rank {num}: initial free memory {free} bytes (log) is below the floor {floor} bytes",
+                    rank=num, floor=floor, actual=int(free))
+
+
+def _check_tokens(found: _BootChecks, log: t.Mapping[str, t.Any], metrics: EngineMetrics | None,
+                  min_tokens: int | None) -> t.Any:
+    """The log's and /metrics' KV cache tokens agree, and hold ``min_tokens``; returns the tokens (/metrics first)."""
     log_tokens = log.get("kv_cache_tokens")
     metric_tokens = metrics.kv_cache_size_tokens if metrics is not None else None
     tokens = metric_tokens if metric_tokens is not None else log_tokens
     if log_tokens is not None and metric_tokens is not None:
-        check("tokens_consistent", log_tokens == metric_tokens,
-              f"the log reports {log_tokens} KV cache tokens, /metrics {metric_tokens}",
-              log=log_tokens, metrics=metric_tokens)
+        found.check("tokens_consistent", log_tokens == metric_tokens,
+                    f"the log reports {log_tokens} KV cache tokens, /metrics {metric_tokens}",
+                    log=log_tokens, metrics=metric_tokens)
     if min_tokens is not None:
         if tokens is None:
-            check("min_tokens", False,
-                  f"the KV cache size in tokens is in neither the log nor /metrics; cannot verify >= {min_tokens}",
-                  expected=int(min_tokens), actual=None)
+            found.check("min_tokens", False,
+                        f"the KV cache size in tokens is in neither the log nor /metrics; cannot verify >= {min_tokens}",
+                        expected=int(min_tokens), actual=None)
         else:
-            check("min_tokens", int(tokens) >= int(min_tokens),
-                  f"KV cache holds {tokens} tokens, fewer than the {min_tokens} the plan needs",
-                  expected=int(min_tokens), actual=int(tokens))
-    return {"ok": not reasons, "reasons": reasons, "checks": checks, "kv_cache_tokens": tokens,
-            "not_applicable": not_applicable}
+            found.check("min_tokens", int(tokens) >= int(min_tokens),
+                        f"KV cache holds {tokens} tokens, fewer than the {min_tokens} the plan needs",
+                        expected=int(min_tokens), actual=int(tokens))
+    return tokens
 
 
 BOOT_MARKER = "non-default args:"
