@@ -29,30 +29,36 @@ Rules:
    figures scaled by bytes for models whose geometry is unpredictable);
 7. decision, first that applies: ``refuse`` > ``auto_profile`` > ``split`` >
    ``reprofile`` > ``deploy``, each with reasons.
+
+The input types and their parsing live in ``_plan_inputs``, the KV capacity model in
+``_plan_capacity``; this module holds the planner's stages and the public API.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, replace
-from typing import Any, Optional, Tuple, TypedDict
+from dataclasses import dataclass, field
+from typing import Any
 
-from ansible_collections.gpufleet.vllm.plugins.module_utils._geometry import GeometryError, KVGeometry, UnpredictableGeometry, capacity_model, load_config
-from ansible_collections.gpufleet.vllm.plugins.module_utils._kv_capacity import (
-    blocks_for_bytes,
-    capacity_record,
-    floor_utilization,
-    full_attention_request_blocks,
-    one_request_blocks,
-    profiled_utilization_cap,
-    tokens_for_blocks,
-)
+from ansible_collections.gpufleet.vllm.plugins.module_utils._geometry import KVGeometry
+from ansible_collections.gpufleet.vllm.plugins.module_utils._kv_capacity import floor_utilization, one_request_blocks, profiled_utilization_cap
 from ansible_collections.gpufleet.vllm.plugins.module_utils._kv_layout import KVLayout
 from ansible_collections.gpufleet.vllm.plugins.module_utils._launch import deployed as launch_deployed, from_plan as launch_from_plan
-from ansible_collections.gpufleet.vllm.plugins.module_utils._sizes import MAX_BYTES, SizeError, human_bytes, parse_size
+from ansible_collections.gpufleet.vllm.plugins.module_utils._sizes import human_bytes
 from ansible_collections.gpufleet.vllm.plugins.module_utils._validate import ValidationError, boolean, number as valid_number
 from ansible_collections.gpufleet.vllm.plugins.module_utils._vllm_log import GIB_ROUNDING_BYTES
+from ansible_collections.gpufleet.vllm.plugins.plugin_utils._plan_capacity import Capacity, class_capacity, geometry_family, reference_geometry, what_if_fp8
+from ansible_collections.gpufleet.vllm.plugins.plugin_utils._plan_inputs import (
+    Host,
+    PlanError,
+    Reference,
+    RefRank,
+    admission_need,
+    parse_hosts,
+    parse_reference,
+    size,
+)
 
 __all__ = ["DECISIONS", "DEFAULTS", "SPLIT_POLICIES", "PlanError", "keep_deployed", "plan_class", "plan_deployable", "round_budget",
            "startup_utilization"]
@@ -91,57 +97,6 @@ _BUG_HINT = (
 )
 
 
-class PlanError(ValueError):
-    """The plan input is malformed (message names the field)."""
-
-
-class _RefRankFigures(TypedDict):
-    rank: int
-    free_bytes: int  # F_ref
-    kv_bytes: int  # B_ref
-    kv_source: str  # "suggestion" (vLLM's fit suggestion) or "in_use" (the KV bytes the engine allocated)
-
-
-class _RefRank(_RefRankFigures, total=False):
-    """One rank of the parsed reference profile."""
-
-    kv_bytes_full: int  # vLLM's "fully utilize" suggestion, when it logged one
-
-
-class _Reference(TypedDict):
-    """The reference profile as :func:`_parse_reference` returns it (bytes as integers)."""
-
-    ranks: list[_RefRank]
-    vllm_free: dict[int, int]
-    total_bytes: int | None
-    block_size: int
-    block_size_given: bool
-    bytes_per_block: int | None
-    geometry: Any  # {config, serve_args} as given; _geometry checks it
-    kv_dtype_bytes: Any
-    num_blocks: int | None
-    kv_cache_tokens: int | None
-    engine_kv_bytes: int | None
-    max_concurrency: float | None
-    max_model_len: int | None
-    gpu_name: Any
-    compat_hash: Any
-
-
-# One rank of a host as _parse_hosts returns it: (rank, boot_free_bytes, free_min_bytes, free_max_bytes,
-# GPU name, total bytes, flagged unstable, history_spread_bytes, history_min_bytes). A typing alias,
-# evaluated at run time: target hosts may run Python < 3.9.
-_HostRank = Tuple[int, int, Optional[int], Optional[int], Any, Any, bool, Optional[int], Optional[int]]
-
-
-class _Host(TypedDict):
-    ranks: list[_HostRank]
-    unstable: bool
-    gpu_name: Any
-    total_bytes: Any
-    compat_hash: Any
-
-
 def _names(items: list[str]) -> str:
     shown = ", ".join(str(i) for i in items[:_LIST_LIMIT])
     more = len(items) - _LIST_LIMIT
@@ -150,26 +105,6 @@ def _names(items: list[str]) -> str:
 
 def _hb(n: int | None) -> str | None:
     return None if n is None else human_bytes(int(n))
-
-
-def _size(value: Any, field: str) -> int:
-    if isinstance(value, int) and 0 <= value <= MAX_BYTES and not isinstance(value, bool):  # fast path for large fleets
-        return value
-    try:
-        return parse_size(value, field)
-    except SizeError as exc:
-        raise PlanError(str(exc)) from None
-
-
-def _signed_size(value: Any, field: str) -> int:
-    """Like _size but keeps a negative integer (vLLM suggestions can be negative)."""
-    if isinstance(value, int) and not isinstance(value, bool) and abs(value) <= MAX_BYTES:
-        return value
-    if isinstance(value, int) and not isinstance(value, bool) and value < 0:
-        return -_size(-value, field)
-    if isinstance(value, str) and value.strip().startswith("-"):
-        return -_size(value.strip()[1:], field)
-    return _size(value, field)
 
 
 def _number(spec: Mapping[str, Any], key: str, low: float, high: float | None, low_open: bool = False) -> float:
@@ -182,16 +117,8 @@ def _number(spec: Mapping[str, Any], key: str, low: float, high: float | None, l
         raise PlanError(str(exc)) from None
 
 
-def _rank_no(value: Any, field: str) -> int:
-    if isinstance(value, str) and value.strip().isdigit():
-        value = int(value.strip())
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise PlanError(f"{field}: rank must be a non-negative integer, got {value!r}")
-    return value
-
-
 def startup_utilization(
-    ranks: Sequence[_RefRank],
+    ranks: Sequence[RefRank],
     total_bytes: int,
     budget: int,
     guard: int,
@@ -279,7 +206,7 @@ def keep_deployed(
     raw = deployed.get("kv_cache_memory_bytes")
     if raw in (None, "", 0) or deployed.get("decision") == "auto_profile":
         return planned_bytes, False, "the canary host runs no manual budget"
-    current = _size(raw, "deployed.kv_cache_memory_bytes")
+    current = size(raw, "deployed.kv_cache_memory_bytes")
     deployed_key = deployed.get("compat_key_hash") or None
     if not key_hash or deployed_key != key_hash:
         return planned_bytes, False, f"the deployed budget {human_bytes(current)} was planned for another compatibility key"
@@ -304,181 +231,7 @@ def keep_deployed(
         f"{human_bytes(keep_step_bytes)}")
 
 
-# ---------------------------------------------------------------- input parsing
-def _parse_reference(raw: Any) -> _Reference | None:
-    if raw is None or raw == {} or raw == "":
-        return None
-    if not isinstance(raw, Mapping):
-        raise PlanError(f"reference: expected a mapping (a recorded profile), got {type(raw).__name__}")
-    ref = dict(raw)
-    compat_hash = ref.get("compat_hash")
-    if "ranks" not in ref and isinstance(ref.get("profile"), Mapping):
-        # a whole kv_profile record: unwrap it
-        compat_hash = compat_hash or ref.get("key_hash")
-        ref = dict(ref["profile"])
-        compat_hash = ref.get("compat_hash") or compat_hash
-    ranks_raw = ref.get("ranks")
-    if not ranks_raw:
-        return None
-    if not isinstance(ranks_raw, list):
-        raise PlanError("reference.ranks: expected a list of {rank, free_bytes, kv_bytes}")
-    ranks: list[_RefRank] = []
-    seen: set[int] = set()
-    for i, entry in enumerate(ranks_raw):
-        where = f"reference.ranks[{i}]"
-        if not isinstance(entry, Mapping):
-            raise PlanError(f"{where}: expected a mapping with rank, free_bytes, kv_bytes")
-        rank = _rank_no(entry.get("rank", i), f"{where}.rank")
-        if rank in seen:
-            raise PlanError(f"{where}: rank {rank} appears twice in the reference")
-        seen.add(rank)
-        if entry.get("free_bytes") is None:
-            raise PlanError(f"{where}.free_bytes is required")
-        kv_source = "suggestion"
-        kv_raw = entry.get("kv_bytes")
-        if kv_raw is None:
-            # builds without a "fit" suggestion (the CPU build): the KV memory the engine actually allocated
-            for key, source in (("kv_bytes_in_use", "in_use"), ("current_kv_bytes", "in_use"), ("auto_kv_bytes", "in_use")):
-                if entry.get(key) is not None:
-                    kv_raw, kv_source = entry[key], source
-                    break
-            else:
-                if ref.get("engine_kv_bytes") is not None:
-                    kv_raw, kv_source = ref["engine_kv_bytes"], "in_use"
-        if kv_raw is None:
-            raise PlanError(
-                f"{where}.kv_bytes is required (vLLM's fit suggestion), or the KV bytes the engine allocated "
-                f"({where}.kv_bytes_in_use, or reference.engine_kv_bytes)"
-            )
-        item: _RefRank = {
-            "rank": rank,
-            "free_bytes": _size(entry["free_bytes"], f"{where}.free_bytes"),
-            "kv_bytes": _signed_size(kv_raw, f"{where}.kv_bytes"),
-            "kv_source": kv_source,
-        }
-        if entry.get("kv_bytes_full") is not None:
-            item["kv_bytes_full"] = _signed_size(entry["kv_bytes_full"], f"{where}.kv_bytes_full")
-        ranks.append(item)
-    ranks.sort(key=lambda r: r["rank"])
-    vllm_free: dict[int, int] = {}
-    raw_vf = ref.get("vllm_free_bytes") or {}
-    if not isinstance(raw_vf, Mapping):
-        raise PlanError("reference.vllm_free_bytes: expected a mapping rank -> bytes")
-    for key, value in raw_vf.items():
-        if value is None:
-            continue
-        vllm_free[_rank_no(key, "reference.vllm_free_bytes")] = _size(value, f"reference.vllm_free_bytes[{key}]")
-    out: _Reference = {
-        "ranks": ranks,
-        "vllm_free": vllm_free,
-        "total_bytes": _size(ref["total_bytes"], "reference.total_bytes") if ref.get("total_bytes") is not None else None,
-        "block_size": 16 if ref.get("block_size") is None else _size(ref["block_size"], "reference.block_size"),
-        "block_size_given": ref.get("block_size") is not None,
-        "bytes_per_block": _size(ref["bytes_per_block"], "reference.bytes_per_block") if ref.get("bytes_per_block") is not None else None,
-        "geometry": ref.get("geometry"),
-        "kv_dtype_bytes": ref.get("kv_dtype_bytes"),
-        "num_blocks": _size(ref["num_blocks"], "reference.num_blocks") if ref.get("num_blocks") is not None else None,
-        "kv_cache_tokens": _size(ref["kv_cache_tokens"], "reference.kv_cache_tokens") if ref.get("kv_cache_tokens") is not None else None,
-        "engine_kv_bytes": _size(ref["engine_kv_bytes"], "reference.engine_kv_bytes") if ref.get("engine_kv_bytes") is not None else None,
-        "max_concurrency": _concurrency(ref.get("max_concurrency")),
-        "max_model_len": _size(ref["max_model_len"], "reference.max_model_len") if ref.get("max_model_len") is not None else None,
-        "gpu_name": ref.get("gpu_name"),
-        "compat_hash": compat_hash,
-    }
-    if out["block_size"] <= 0:
-        raise PlanError(f"reference.block_size must be positive, got {ref.get('block_size')!r}")
-    total = out["total_bytes"]
-    if total is not None:
-        for item in ranks:
-            if item["free_bytes"] > total:
-                raise PlanError(f"reference.ranks[rank {item['rank']}].free_bytes {item['free_bytes']} is above "
-                                f"reference.total_bytes {total}: free memory cannot exceed the GPU's total")
-        for rank_no, free in vllm_free.items():
-            if free > total:
-                raise PlanError(f"reference.vllm_free_bytes[{rank_no}] {free} is above reference.total_bytes {total}")
-    return out
-
-
-def _concurrency(value: Any) -> float | None:
-    if value is None:
-        return None
-    try:
-        number = float(value)
-    except (TypeError, ValueError):
-        raise PlanError(f"reference.max_concurrency: expected a number (vLLM's maximum concurrency), got {value!r}") from None
-    if not math.isfinite(number) or number <= 0:
-        raise PlanError(f"reference.max_concurrency must be positive, got {value!r}")
-    return number
-
-
-def _flag(value: Any, field: str) -> bool:
-    """A boolean as Ansible reads it; any other word (``"maybe"``) is an error, never a quiet false."""
-    try:
-        return boolean(value, field)
-    except ValidationError as exc:
-        raise PlanError(str(exc)) from None
-
-
-def _parse_hosts(raw: Any) -> dict[str, _Host]:
-    if raw is None:
-        return {}
-    if not isinstance(raw, Mapping):
-        raise PlanError(f"hosts: expected a mapping host -> list of ranks, got {type(raw).__name__}")
-    hosts: dict[str, _Host] = {}
-    for name, value in raw.items():
-        host = str(name)
-        attrs: Mapping[str, Any] = {}
-        if isinstance(value, Mapping):
-            attrs = value
-            value = value.get("ranks")
-        if not isinstance(value, list):
-            raise PlanError(f"hosts.{host}: expected a list of ranks (or a mapping with ranks)")
-        ranks: list[_HostRank] = []
-        append = ranks.append
-        for i, entry in enumerate(value):
-            if not isinstance(entry, Mapping):
-                raise PlanError(f"hosts.{host}[{i}]: expected a mapping with rank and boot_free_bytes")
-            get = entry.get
-            rank = get("rank", i)
-            if not isinstance(rank, int) or rank < 0 or isinstance(rank, bool) or rank > MAX_BYTES:
-                rank = _rank_no(rank, f"hosts.{host}[{i}].rank")
-            free = get("boot_free_bytes")
-            if free is None:
-                free = get("free_bytes")
-                if free is None:
-                    raise PlanError(f"hosts.{host}[{i}] (rank {rank}): boot_free_bytes is required")
-                if not isinstance(free, int) or free < 0 or isinstance(free, bool) or free > MAX_BYTES:
-                    free = _size(free, f"hosts.{host}[{i}].free_bytes")
-            elif not isinstance(free, int) or free < 0 or isinstance(free, bool) or free > MAX_BYTES:
-                free = _size(free, f"hosts.{host}[{i}].boot_free_bytes")
-            fmin = get("free_min_bytes")
-            if fmin is not None and (not isinstance(fmin, int) or fmin < 0 or isinstance(fmin, bool) or fmin > MAX_BYTES):
-                fmin = _size(fmin, f"hosts.{host}[{i}].free_min_bytes")
-            fmax = get("free_max_bytes")
-            if fmax is not None and (not isinstance(fmax, int) or fmax < 0 or isinstance(fmax, bool) or fmax > MAX_BYTES):
-                fmax = _size(fmax, f"hosts.{host}[{i}].free_max_bytes")
-            flagged = get("unstable", False)
-            flagged = flagged if isinstance(flagged, bool) else _flag(flagged, f"hosts.{host}[{i}].unstable")
-            if fmin is not None and fmax is not None and fmin > fmax:
-                raise PlanError(f"hosts.{host}[{i}] (rank {rank}): free_min_bytes {fmin} is above free_max_bytes {fmax}")
-            # how far boot-free memory moved across this rank's recent probes (the probe history)
-            moved = get("history_spread_bytes")
-            if moved is not None and (not isinstance(moved, int) or moved < 0 or isinstance(moved, bool)):
-                moved = _size(moved, f"hosts.{host}[{i}].history_spread_bytes")
-            lowest = get("history_min_bytes")
-            if lowest is not None and (not isinstance(lowest, int) or lowest < 0 or isinstance(lowest, bool)):
-                lowest = _size(lowest, f"hosts.{host}[{i}].history_min_bytes")
-            append((rank, free, fmin, fmax, get("gpu_name") or get("name"), get("total_bytes"), flagged, moved, lowest))
-        hosts[host] = {
-            "ranks": ranks,
-            "unstable": _flag(attrs.get("unstable", False), f"hosts.{host}.unstable"),
-            "gpu_name": attrs.get("gpu_name"),
-            "total_bytes": attrs.get("total_bytes"),
-            "compat_hash": attrs.get("compat_hash"),
-        }
-    return hosts
-
-
+# ---------------------------------------------------------------- the planner
 def _auto_profile_utilization(result: dict[str, Any], reasons: list[str], lowest_seen: tuple[int, str, int] | None,
                               total: int | None, guard: int, cuda_ctx: int) -> None:
     """The utilization an ``auto_profile`` class runs with: vLLM's startup check must pass at the
@@ -503,305 +256,6 @@ def _auto_profile_utilization(result: dict[str, Any], reasons: list[str], lowest
                        "utilization after the guard and the CUDA-context allowance; the unit's default utilization applies")
 
 
-def _geometry(ref: _Reference) -> tuple[KVGeometry | KVLayout | None, str | None]:
-    """Capacity model from the reference (geometry: or bytes_per_block); (None, why) when unknown.
-
-    One full-attention (or MLA) group gives a :class:`KVGeometry`; sliding-window,
-    chunked-local and state-space hybrids give a :class:`KVLayout` grouped as vLLM
-    groups them. A hybrid's page follows the engine's block size, so the
-    reference's (the profiled canary's) block size is used for it.
-    """
-    geo_spec = ref.get("geometry")
-    geo: KVGeometry | KVLayout | None = None
-    why: str | None = None
-    if geo_spec:
-        if not isinstance(geo_spec, Mapping) or "config" not in geo_spec:
-            raise PlanError("reference.geometry: expected {config: <config.json path or dict>, serve_args: {...}}")
-        serve_args = dict(geo_spec.get("serve_args") or {})
-        if "block_size" not in serve_args and ref.get("block_size"):
-            serve_args["block_size"] = ref["block_size"]
-        try:
-            geo = capacity_model(geo_spec["config"], serve_args)
-            if isinstance(geo, KVLayout) and geo.family == "hybrid_state_space" and ref.get("block_size_given") and geo.block_size != ref["block_size"]:
-                serve_args["block_size"] = ref["block_size"]
-                geo = capacity_model(geo_spec["config"], serve_args)
-        except UnpredictableGeometry as exc:
-            geo, why = None, str(exc)
-        except GeometryError as exc:
-            raise PlanError(f"reference.geometry: {exc}") from None
-    bpb = ref.get("bytes_per_block")
-    if bpb is not None:
-        bs = ref["block_size"]
-        if bpb <= 0 or bpb % bs:
-            raise PlanError(f"reference.bytes_per_block {bpb} is not a positive multiple of block_size {bs}")
-        if geo is not None and (geo.bytes_per_block != bpb or geo.block_size != bs):
-            raise PlanError(
-                f"reference.bytes_per_block {bpb} (block {bs}) disagrees with the model geometry "
-                f"({geo.bytes_per_block} per block of {geo.block_size}); drop one of them"
-            )
-        if geo is None and why is not None:
-            return None, why
-        if geo is None:
-            dtype_bytes = ref.get("kv_dtype_bytes")
-            dtype_bytes = int(dtype_bytes) if isinstance(dtype_bytes, int) and not isinstance(dtype_bytes, bool) else 0
-            geo = KVGeometry(
-                bytes_per_token=bpb // bs,
-                bytes_per_block=bpb,
-                block_size=bs,
-                num_layers_on_rank=0,
-                kv_heads_per_rank=0,
-                dtype_bytes=dtype_bytes,
-            )
-    if geo is None:
-        return None, why or "the reference gives no KV geometry (bytes_per_block or geometry)"
-    return geo, None
-
-
-class _Capacity:
-    """Blocks, per-request blocks, tokens and concurrency of one capacity model.
-
-    ``source`` is ``geometry`` (one full-attention/MLA group: tokens are
-    ``blocks * block_size``), ``layout`` (KV-cache groups as vLLM groups them:
-    tokens are ``int(blocks / request_blocks * max_model_len)``, vLLM's own
-    definition) or ``engine`` (an unknown layout: the profiled canary's blocks
-    per byte and per request, a lower bound on blocks).
-    """
-
-    def __init__(
-        self,
-        source: str,
-        block_size: int,
-        bytes_per_block: int | None,
-        geometry: KVGeometry | None = None,
-        layout: KVLayout | None = None,
-        engine: tuple[int, int, int, int] | None = None,
-    ) -> None:
-        self.source = source
-        self.block_size = block_size
-        self.bytes_per_block = bytes_per_block
-        self.geometry = geometry
-        self.layout = layout
-        # (engine blocks, engine KV bytes, blocks per request, at max_model_len)
-        self.engine = engine
-        self.fixed_request_blocks: dict[int, int] = {}
-
-    def num_blocks(self, kv_bytes: int) -> int:
-        if not self.bytes_per_block and self.engine is None:
-            raise PlanError("internal: engine capacity without engine figures")
-        return blocks_for_bytes(kv_bytes, self.bytes_per_block, self.engine[:2] if self.engine else None)
-
-    def request_blocks(self, tokens: int) -> int:
-        """Blocks one request of ``tokens`` holds, summed over every KV-cache group."""
-        if tokens in self.fixed_request_blocks:
-            return self.fixed_request_blocks[tokens]
-        if self.layout is not None:
-            if self.layout.in_flight_tokens is None:
-                # in-flight tokens unknown: a window holds at most the whole request (conservative)
-                return replace(self.layout, in_flight_tokens=tokens).blocks_per_request(tokens)
-            return self.layout.blocks_per_request(tokens)
-        if self.engine is not None:
-            per_request, length = self.engine[2], self.engine[3]
-            return max(1, math.ceil(per_request * tokens / length))
-        return full_attention_request_blocks(tokens, self.block_size)
-
-    def request_blocks_bounds(self, tokens: int) -> tuple[int, int]:
-        if self.layout is not None and self.layout.in_flight_tokens is None:
-            return (
-                replace(self.layout, in_flight_tokens=1).blocks_per_request(tokens),
-                replace(self.layout, in_flight_tokens=tokens).blocks_per_request(tokens),
-            )
-        value = self.request_blocks(tokens)
-        return value, value
-
-    def tokens(self, num_blocks: int, max_model_len: int | None) -> int | None:
-        request_blocks = self.request_blocks(max_model_len) if self.source != "geometry" and max_model_len else None
-        return tokens_for_blocks(num_blocks, self.source, self.block_size, request_blocks, max_model_len)
-
-    def record(self, max_model_len: int | None) -> dict[str, Any] | None:
-        """The plan file's ``capacity``: what the boot gate needs to count blocks and tokens as this model does."""
-        request_blocks = self.request_blocks(max_model_len) if max_model_len else None
-        return capacity_record(self.source, self.block_size, self.bytes_per_block, request_blocks, max_model_len,
-                               self.engine[:2] if self.engine else None)
-
-    def admission_blocks(self, adm: tuple[str, int, int], max_model_len: int | None) -> tuple[int, int] | None:
-        """(required tokens, required blocks incl. the null block) of an admission plan."""
-        kind, a, b = adm
-        if kind == "tokens":
-            if self.source == "geometry":
-                return a, one_request_blocks(full_attention_request_blocks(a, self.block_size))
-            if not max_model_len:
-                return None
-            # vLLM counts tokens as max-length requests: tokens / max_model_len requests
-            return a, one_request_blocks(math.ceil(a * self.request_blocks(max_model_len) / max_model_len))
-        return a * b, one_request_blocks(a * self.request_blocks(b))
-
-
-def _engine_request_blocks(ref: _Reference, max_model_len: int | None) -> int | None:
-    """Blocks per request of the profiled canary: its blocks over its max concurrency (vLLM's figure)."""
-    blocks, conc = ref.get("num_blocks"), ref.get("max_concurrency")
-    ref_len = ref.get("max_model_len") or max_model_len
-    if not blocks or not conc or (max_model_len and ref_len != max_model_len):
-        return None
-    return max(1, round(blocks / conc))
-
-
-def _capacity_model(
-    ref: _Reference, geo: KVGeometry | KVLayout | None, geo_why: str | None, max_model_len: int | None, reasons: list[str]
-) -> tuple[_Capacity | None, str | None]:
-    """The capacity model of the class, checked against the profiled canary's own figures."""
-    engine_blocks = _engine_request_blocks(ref, max_model_len)
-    if isinstance(geo, KVGeometry):
-        cap = _Capacity("geometry", geo.block_size, geo.bytes_per_block, geometry=geo)
-        return cap, None
-    if isinstance(geo, KVLayout):
-        cap = _Capacity("layout", geo.block_size, geo.bytes_per_block, layout=geo)
-        exact = ref.get("engine_kv_bytes")
-        if exact and ref.get("num_blocks") and exact // geo.bytes_per_block != ref["num_blocks"]:
-            reasons.append(
-                f"the {geo.family} layout predicts {exact // geo.bytes_per_block} blocks from the engine's {exact} bytes, the engine "
-                f"made {ref['num_blocks']}: capacity from the engine's own figures instead"
-            )
-            geo_why = f"{geo.family} layout disagrees with the engine"
-            geo = None
-        elif max_model_len:
-            low, high = cap.request_blocks_bounds(max_model_len)
-            if engine_blocks is not None and not low <= engine_blocks <= high and geo.family == "hybrid_state_space":
-                # the state blocks per request depend on the vLLM release's mamba cache mode: the engine knows
-                cap.fixed_request_blocks[max_model_len] = engine_blocks
-                reasons.append(
-                    f"{geo.family}: the layout gives {low} blocks per request of {max_model_len} tokens, the profiled canary "
-                    f"{engine_blocks}; the engine's figure is used (state blocks per request differ between vLLM releases)"
-                )
-            elif engine_blocks is not None and not low <= engine_blocks <= high:
-                reasons.append(
-                    f"the {geo.family} layout needs {low}..{high} blocks per request of {max_model_len} tokens, the engine "
-                    f"{engine_blocks} ({ref['num_blocks']} blocks / {ref['max_concurrency']}x): capacity from the engine's own figures instead"
-                )
-                geo_why = f"{geo.family} layout disagrees with the engine"
-                geo = None
-            elif low != high:
-                if engine_blocks is not None:
-                    cap.fixed_request_blocks[max_model_len] = engine_blocks
-                    reasons.append(
-                        f"{geo.family}: blocks per request of {max_model_len} tokens taken from the profiled canary ({engine_blocks}); "
-                        "set serve_args.max_num_batched_tokens to size them from the config"
-                    )
-                else:
-                    reasons.append(
-                        f"{geo.family}: max_num_batched_tokens not given and no engine concurrency in the reference: "
-                        f"{high} blocks per request assumed (the most a window can hold)"
-                    )
-        if geo is not None:
-            return cap, None
-    # unknown layout: the engine's own figures, if exact enough
-    exact = ref.get("engine_kv_bytes")
-    ref_blocks = ref.get("num_blocks")
-    if ref_blocks and exact and engine_blocks is not None and max_model_len:
-        reasons.append(
-            f"KV layout not known ({geo_why}); capacity derived from the profiled canary's own figures: {ref_blocks} blocks "
-            f"from {exact} bytes, {engine_blocks} blocks per request of {max_model_len} tokens (blocks are a lower bound): "
-            "verify with the manual canary"
-        )
-        return _Capacity("engine", ref["block_size"], None, engine=(ref_blocks, exact, engine_blocks, max_model_len)), None
-    why = geo_why or "no KV geometry"
-    return None, (
-        f"{why}; the reference lacks the engine figures to derive capacity from (num_blocks, max_concurrency, max_model_len and the "
-        "exact KV bytes the engine allocated: a manual canary's kv_cache_memory_bytes)"
-    )
-
-
-def _geometry_family(ref: _Reference, geo: KVGeometry | KVLayout | None) -> str | None:
-    if isinstance(geo, KVLayout):
-        return geo.family
-    if not isinstance(geo, KVGeometry):
-        return None
-    if not geo.mla:
-        return "full_attention"
-    spec = ref.get("geometry") or {}
-    config = spec.get("config")
-    try:
-        cfg = load_config(config) if config else {}
-    except GeometryError:
-        cfg = {}
-    text_cfg = cfg.get("text_config")
-    text = text_cfg if isinstance(text_cfg, Mapping) else cfg
-    return "mla_indexer" if text.get("index_head_dim") else "mla"
-
-
-def _what_if_fp8(
-    ref: _Reference,
-    geo: KVGeometry | KVLayout | None,
-    cap: _Capacity | None,
-    launch: int,
-    adm: tuple[str, int, int] | None,
-    max_model_len: int | None,
-    reasons: list[str],
-) -> dict[str, Any] | None:
-    """The same plan with a 1-byte (fp8) KV cache; for a cache already 1 byte wide, the plan itself."""
-    if cap is None or cap.source == "engine" or not cap.bytes_per_block:
-        return None
-    spec = ref.get("geometry") or {}
-    fp8: _Capacity | None = None
-    already = False
-    if spec.get("config"):
-        if isinstance(geo, KVLayout) and geo.family == "hybrid_state_space":
-            reasons.append("what_if_fp8 not computed: a state-space hybrid's block size follows its state pages, which fp8 does not shrink")
-            return None
-        serve_args = dict(spec.get("serve_args") or {})
-        serve_args.setdefault("block_size", cap.block_size)
-        current = str(serve_args.get("kv_cache_dtype") or "auto").lower()
-        serve_args["kv_cache_dtype"] = current if current.startswith(("fp8", "int8")) else "fp8"
-        try:
-            model = capacity_model(spec["config"], serve_args)
-        except GeometryError:
-            return None
-        if isinstance(model, KVGeometry):
-            fp8 = _Capacity("geometry", model.block_size, model.bytes_per_block, geometry=model)
-        else:
-            fp8 = _Capacity("layout", model.block_size, model.bytes_per_block, layout=model)
-            fp8.fixed_request_blocks = dict(cap.fixed_request_blocks)
-        already = model.bytes_per_block == cap.bytes_per_block
-        dtype = serve_args["kv_cache_dtype"]
-    elif isinstance(geo, KVGeometry) and geo.dtype_bytes in (1, 2, 4):
-        bpb8 = geo.bytes_per_block // geo.dtype_bytes
-        fp8 = _Capacity("geometry", geo.block_size, bpb8, geometry=replace(geo, bytes_per_block=bpb8, bytes_per_token=geo.bytes_per_token // geo.dtype_bytes))
-        already = geo.dtype_bytes == 1
-        dtype = geo.kv_cache_dtype if already else "fp8"
-    else:
-        return None
-    blocks8 = fp8.num_blocks(max(0, launch))
-    out: dict[str, Any] = {
-        "kv_cache_dtype": dtype,
-        "already_one_byte": already,
-        "bytes_per_block": fp8.bytes_per_block,
-        "bytes_per_token": fp8.geometry.bytes_per_token if fp8.geometry else None,
-        "num_blocks": blocks8,
-        "kv_cache_tokens": fp8.tokens(blocks8, max_model_len),
-        "max_concurrency": (max(0, blocks8 - 1) // fp8.request_blocks(max_model_len)) if max_model_len else None,
-    }
-    if adm is not None:
-        need8 = fp8.admission_blocks(adm, max_model_len)
-        if need8 is not None:
-            out["admission_bytes"] = need8[1] * (fp8.bytes_per_block or 0)
-    return out
-
-
-def _admission_need(adm: Any) -> tuple[str, int, int] | None:
-    """The admission plan as ``("tokens", N, 0)`` or ``("concurrency", C, L)``."""
-    if not adm:
-        return None
-    if not isinstance(adm, Mapping):
-        raise PlanError("admission: expected {tokens: N} or {concurrency: C, tokens_per_request: L}")
-    if adm.get("tokens") is not None:
-        return "tokens", _size(adm["tokens"], "admission.tokens"), 0
-    if adm.get("concurrency") is not None and adm.get("tokens_per_request") is not None:
-        conc = _size(adm["concurrency"], "admission.concurrency")
-        per = _size(adm["tokens_per_request"], "admission.tokens_per_request")
-        return "concurrency", conc, per
-    raise PlanError("admission: expected {tokens: N} or {concurrency: C, tokens_per_request: L}")
-
-
-# ---------------------------------------------------------------- the planner
 def _empty_result(host_class: str, budget_mode: str) -> dict[str, Any]:
     return {
         "host_class": host_class,
@@ -856,8 +310,8 @@ class _Inputs:
     unstable_share: float
     cuda_ctx: int
     max_model_len: int | None
-    ref: _Reference | None
-    hosts: dict[str, _Host]
+    ref: Reference | None
+    hosts: dict[str, Host]
 
 
 @dataclass
@@ -882,11 +336,11 @@ class _Planning:
     ``refuse`` collects what makes the class unplannable; ``reasons`` is the result's own list."""
 
     inputs: _Inputs
-    ref: _Reference
+    ref: Reference
     result: dict[str, Any]
     refuse: list[str] = field(default_factory=list)
     geo: KVGeometry | KVLayout | None = None
-    cap: _Capacity | None = None
+    cap: Capacity | None = None
     cap_why: str | None = None
     totals: dict[str, Any] = field(default_factory=dict)
     drift: _Drift | None = None
@@ -916,20 +370,20 @@ def _read_inputs(spec: Mapping[str, Any]) -> _Inputs:
     budget_mode = spec.get("budget_mode") or DEFAULTS["budget_mode"]
     if budget_mode not in ("max_safe", "fit_admission"):
         raise PlanError(f"budget_mode: expected max_safe or fit_admission, got {budget_mode!r}")
-    guard = _size(spec["guard_bytes"] if spec.get("guard_bytes") is not None else DEFAULTS["guard_bytes"], "guard_bytes")
+    guard = size(spec["guard_bytes"] if spec.get("guard_bytes") is not None else DEFAULTS["guard_bytes"], "guard_bytes")
     fit_headroom = _number(spec, "fit_headroom", 0.0, None)
     max_loss = _number(spec, "max_capacity_loss", 0.0, 1.0)
     unstable_share = _number(spec, "unstable_share", 0.0, None, low_open=True)
-    cuda_ctx = _size(spec["cuda_context_bytes"] if spec.get("cuda_context_bytes") is not None else DEFAULTS["cuda_context_bytes"], "cuda_context_bytes")
+    cuda_ctx = size(spec["cuda_context_bytes"] if spec.get("cuda_context_bytes") is not None else DEFAULTS["cuda_context_bytes"], "cuda_context_bytes")
     max_model_len = spec.get("max_model_len")
-    ref = _parse_reference(spec.get("reference"))
+    ref = parse_reference(spec.get("reference"))
     if max_model_len is None and ref and isinstance(ref.get("geometry"), Mapping):
         max_model_len = (ref["geometry"].get("serve_args") or {}).get("max_model_len")
     if max_model_len is not None:
-        max_model_len = _size(max_model_len, "max_model_len")
+        max_model_len = size(max_model_len, "max_model_len")
         if max_model_len <= 0:
             raise PlanError("max_model_len must be positive")
-    hosts = _parse_hosts(spec.get("hosts"))
+    hosts = parse_hosts(spec.get("hosts"))
     return _Inputs(spec, host_class, budget_mode, guard, fit_headroom, max_loss, unstable_share, cuda_ctx,
                    max_model_len, ref, hosts)
 
@@ -937,9 +391,9 @@ def _read_inputs(spec: Mapping[str, Any]) -> _Inputs:
 def _settle_reference_kv(p: _Planning) -> None:
     """The capacity model, then B_ref of a reference without vLLM's suggestion: the bytes its blocks hold."""
     ref, reasons = p.ref, p.reasons
-    geo, geo_why = _geometry(ref)
+    geo, geo_why = reference_geometry(ref)
     p.geo = geo
-    p.cap, p.cap_why = _capacity_model(ref, geo, geo_why, p.inputs.max_model_len, reasons)
+    p.cap, p.cap_why = class_capacity(ref, geo, geo_why, p.inputs.max_model_len, reasons)
     in_use = [r for r in ref["ranks"] if r["kv_source"] == "in_use"]
     cap_bpb = p.cap.bytes_per_block if p.cap is not None else None
     ref_blocks = ref.get("num_blocks")
@@ -1028,11 +482,11 @@ def _check_uniform_class(p: _Planning) -> None:
     totals: dict[str, Any] = {}
     for name, host in p.inputs.hosts.items():
         rank_names = {r[4] for r in host["ranks"] if r[4] is not None}
-        rank_totals = {_size(r[5], f"hosts.{name} rank {r[0]} total_bytes") for r in host["ranks"] if r[5] is not None}
+        rank_totals = {size(r[5], f"hosts.{name} rank {r[0]} total_bytes") for r in host["ranks"] if r[5] is not None}
         if host["gpu_name"] is not None:
             rank_names.add(host["gpu_name"])
         if host["total_bytes"] is not None:
-            rank_totals.add(_size(host["total_bytes"], f"hosts.{name}.total_bytes"))
+            rank_totals.add(size(host["total_bytes"], f"hosts.{name}.total_bytes"))
         if len(rank_names) > 1:
             refuse.append(f"host {name} mixes GPU models {sorted(rank_names)} in one engine")
         if len(rank_totals) > 1:
@@ -1113,9 +567,9 @@ def _admission_blocks(p: _Planning) -> Any:
     result["bytes_per_block"] = cap.bytes_per_block if cap else None
     result["bytes_per_token"] = geo.bytes_per_token if isinstance(geo, KVGeometry) and cap and cap.source == "geometry" else None
     result["kv_layout"] = (
-        cap.layout.as_dict() if cap and cap.layout else ({"family": _geometry_family(p.ref, geo)} if cap and cap.geometry else None)
+        cap.layout.as_dict() if cap and cap.layout else ({"family": geometry_family(p.ref, geo)} if cap and cap.geometry else None)
     )
-    adm = _admission_need(inp.spec.get("admission"))
+    adm = admission_need(inp.spec.get("admission"))
     need = cap.admission_blocks(adm, inp.max_model_len) if cap and adm else None
     if cap and adm and need is None:
         p.reasons.append("admission {tokens: N} of a multi-group model needs max_model_len: the admission check was skipped")
@@ -1131,9 +585,9 @@ def _choose_budget(p: _Planning, drift: _Drift, adm: Any) -> None:
     one; a deployed budget kept when it is still safe."""
     inp, cap, result, reasons, refuse = p.inputs, p.cap, p.result, p.reasons, p.refuse
     spec, launch, need = inp.spec, drift.launch, p.need
-    margin = _size(spec.get("gate_margin_bytes") or DEFAULTS["gate_margin_bytes"], "gate_margin_bytes")
-    granularity = _size(spec.get("budget_granularity_bytes") or DEFAULTS["budget_granularity_bytes"], "budget_granularity_bytes")
-    keep_step = _size(spec.get("keep_step_bytes") or DEFAULTS["keep_step_bytes"], "keep_step_bytes")
+    margin = size(spec.get("gate_margin_bytes") or DEFAULTS["gate_margin_bytes"], "gate_margin_bytes")
+    granularity = size(spec.get("budget_granularity_bytes") or DEFAULTS["budget_granularity_bytes"], "budget_granularity_bytes")
+    keep_step = size(spec.get("keep_step_bytes") or DEFAULTS["keep_step_bytes"], "keep_step_bytes")
     deployed = spec.get("deployed") or None
     if deployed is not None and not isinstance(deployed, Mapping):
         raise PlanError(f"deployed: expected the plan record a host runs (a mapping), got {type(deployed).__name__}")
@@ -1174,7 +628,7 @@ def _choose_budget(p: _Planning, drift: _Drift, adm: Any) -> None:
         "granularity_bytes": granularity,
         "rounded_bytes": safe_budget,
         "planned_bytes": planned_budget,
-        "deployed_bytes": _size(deployed["kv_cache_memory_bytes"], "deployed.kv_cache_memory_bytes")
+        "deployed_bytes": size(deployed["kv_cache_memory_bytes"], "deployed.kv_cache_memory_bytes")
         if deployed and deployed.get("kv_cache_memory_bytes") not in (None, "", 0) else None,
         "keep_step_bytes": keep_step,
         "kept": kept,
@@ -1281,7 +735,7 @@ def _headroom(p: _Planning, drift: _Drift) -> None:
     """Free memory above the reference on every rank: a fresh profile would give more."""
     reasons = p.reasons
     threshold = p.inputs.spec.get("reprofile_headroom")
-    threshold = _size(threshold, "reprofile_headroom") if threshold is not None else max(1, min(max(1, r["kv_bytes"]) for r in p.ref["ranks"]) // 10)
+    threshold = size(threshold, "reprofile_headroom") if threshold is not None else max(1, min(max(1, r["kv_bytes"]) for r in p.ref["ranks"]) // 10)
     min_head = drift.min_headroom or 0
     p.result["headroom"] = {
         "min_bytes": min_head,
@@ -1491,7 +945,7 @@ def _analyse_class(spec: Mapping[str, Any]) -> dict[str, Any]:
     _choose_budget(p, drift, adm)
     _floors_and_utilization(p)
     _blocks_and_tokens(p, drift)
-    result["what_if_fp8"] = _what_if_fp8(p.ref, p.geo, p.cap, drift.launch, adm, inputs.max_model_len, p.reasons)
+    result["what_if_fp8"] = what_if_fp8(p.ref, p.geo, p.cap, drift.launch, adm, inputs.max_model_len, p.reasons)
     _headroom(p, drift)
     _split(p, drift)
     _instability(p, drift)
