@@ -33,7 +33,7 @@ description:
     deployable unless O(require_admission); it is reported in RV(admission) and RV(reasons).
   - "RV(deployable) says whether the plan may be deployed: V(deploy), V(reprofile) and V(auto_profile) may, V(split)
     only with O(split_policy=warn), V(refuse) never; with O(require_admission) a failed admission check
-    (RV(admission.ok) false) may not either."
+    (C(admission.ok) false) may not either."
   - Never changes anything.
 author:
   - gpufleet maintainers (@gpufleet)
@@ -168,7 +168,7 @@ options:
     default: warn
   require_admission:
     description:
-      - A plan that cannot hold its admission plan (RV(admission.ok) false) is not deployable (RV(deployable)).
+      - A plan that cannot hold its admission plan (C(admission.ok) false) is not deployable (RV(deployable)).
       - The plan itself does not change.
     type: bool
     default: false

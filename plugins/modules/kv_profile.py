@@ -119,7 +119,7 @@ options:
         description:
           - The registered result of M(ansible.builtin.slurp) reading the model's C(config.json) on the canary host,
             used when O(canary.model_config) is empty.
-          - A skipped slurp, or none, leaves the reference without geometry (RV(reference_profile.geometry) is V(null)).
+          - A skipped slurp, or none, leaves the reference without geometry (its C(geometry) is V(null)).
         type: dict
       serve_args:
         description: The C(vllm serve) options of the canary, kept with the geometry.
@@ -248,7 +248,7 @@ reference_profile:
   sample:
     ranks:
       - {rank: 0, free_bytes: 45097156608, kv_bytes: 32212254720, kv_bytes_full: 42949672960}
-    vllm_free_bytes: {0: 44560285696}
+    vllm_free_bytes: {"0": 44560285696}
     total_bytes: 150754820096
     block_size: 16
     num_blocks: 15360

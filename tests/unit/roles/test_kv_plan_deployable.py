@@ -56,7 +56,7 @@ def role_plan(**over: t.Any) -> tuple[dict[str, t.Any], t.Any]:
     result = plugin.run(task_vars=variables)
     assert not result.get("failed"), result
     keep = task("Keep the plan of class")["ansible.builtin.set_fact"]["kv_plan_deployable"]
-    return result, render(keep, dict(variables, kv_plan_run=result))
+    return result, render(keep, dict(variables, __kv_plan_run=result))
 
 
 @pytest.mark.parametrize(

@@ -162,17 +162,17 @@ VALIDATION = {
 
 
 def test_validation_cases_cover_every_entry_point_of_their_roles():
-    roles = {role for role, _ in VALIDATION}
+    roles = {role for role, _entry in VALIDATION}
     assert sorted(VALIDATION) == sorted(pair for pair in ENTRY_POINTS if pair[0] in roles)
 
 
 @pytest.mark.parametrize(("role", "entry"), sorted(VALIDATION))
 def test_wrong_variables_fail_argument_spec_validation(tmp_path, role, entry):
     good, bad = VALIDATION[role, entry]
-    cases = {"good": good, **{f"bad_{i}": role_vars for i, (role_vars, _) in enumerate(bad.values())}}
+    cases = {"good": good, **{f"bad_{i}": role_vars for i, (role_vars, _reason) in enumerate(bad.values())}}
     outcome, stdout = run_role_cases(tmp_path, role, entry, cases)
     assert f"Validating arguments against arg spec '{entry}'" in stdout
     assert "Validation of arguments failed" not in outcome["good"], outcome["good"]
-    for i, (name, (_, reason)) in enumerate(bad.items()):
+    for i, (name, (_role_vars, reason)) in enumerate(bad.items()):
         msg = outcome[f"bad_{i}"]
         assert "Validation of arguments failed" in msg and name in msg and reason in msg, msg
