@@ -380,99 +380,113 @@ def _group_id(name: str, required: bool) -> int:
         return 0
 
 
-def main() -> None:
-    module = AnsibleModule(
-        argument_spec=dict(
-            state=dict(type="str", required=True, choices=["status", "snapshot", "present", "recorded", "restored"]),
-            instances=dict(
-                type="list",
-                elements="dict",
-                options=dict(
-                    name=dict(type="str", required=True),
-                    unit=dict(type="str"),
-                    plan=dict(type="dict"),
-                ),
-            ),
-            names=dict(type="list", elements="str"),
-            env_files=dict(type="dict", no_log=True),
-            stop=dict(type="bool", default=False),
-            restart=dict(type="bool", default=False),
-            close_change=dict(type="bool", default=True),
-            adopt_units=dict(type="list", elements="str", default=[]),
-            unit_dir=dict(type="path", default="/etc/systemd/system"),
-            state_dir=dict(type="path", default="/etc/gpufleet"),
-            plan_group=dict(type="str", default="root"),
-            account=dict(
-                type="dict",
-                options=dict(
-                    user=dict(type="str", required=True),
-                    group=dict(type="str", required=True),
-                    home=dict(type="path", required=True),
-                ),
-            ),
+ARGUMENT_SPEC: dict[str, Any] = dict(
+    state=dict(type="str", required=True, choices=["status", "snapshot", "present", "recorded", "restored"]),
+    instances=dict(
+        type="list",
+        elements="dict",
+        options=dict(
+            name=dict(type="str", required=True),
+            unit=dict(type="str"),
+            plan=dict(type="dict"),
         ),
-        required_one_of=[("instances", "names")],
-        mutually_exclusive=[("instances", "names")],
-        supports_check_mode=True,
-    )
-    state = module.params["state"]
-    env_files = module.params["env_files"] or {}
-    if module.params["names"] is not None and state not in ("snapshot", "restored"):
-        module.fail_json(msg=f"vllm_unit ({state}): names is for state snapshot or restored; give instances with their unit and plan")
+    ),
+    names=dict(type="list", elements="str"),
+    env_files=dict(type="dict", no_log=True),
+    stop=dict(type="bool", default=False),
+    restart=dict(type="bool", default=False),
+    close_change=dict(type="bool", default=True),
+    adopt_units=dict(type="list", elements="str", default=[]),
+    unit_dir=dict(type="path", default="/etc/systemd/system"),
+    state_dir=dict(type="path", default="/etc/gpufleet"),
+    plan_group=dict(type="str", default="root"),
+    account=dict(
+        type="dict",
+        options=dict(
+            user=dict(type="str", required=True),
+            group=dict(type="str", required=True),
+            home=dict(type="path", required=True),
+        ),
+    ),
+)
+
+
+def _instances(params: dict[str, Any]) -> list[dict[str, Any]]:
+    """The instances with their secret environment file; raises for an option the state does not take."""
+    state = params["state"]
+    env_files = params["env_files"] or {}
+    if params["names"] is not None and state not in ("snapshot", "restored"):
+        raise UnitFilesError("names is for state snapshot or restored; give instances with their unit and plan")
     for option, allowed in (("stop", "snapshot"), ("restart", "present")):
-        if module.params[option] and state != allowed:
-            module.fail_json(msg=f"vllm_unit ({state}): {option} is for state {allowed}")
-    given = module.params["instances"] or [{"name": name} for name in module.params["names"]]
+        if params[option] and state != allowed:
+            raise UnitFilesError(f"{option} is for state {allowed}")
+    given = params["instances"] or [{"name": name} for name in params["names"]]
     instances = [dict(i, env=env_files.get(i["name"])) for i in given]
-    check = module.check_mode
     unknown = sorted(set(env_files) - {i["name"] for i in instances})
     if unknown:
-        module.fail_json(msg=f"vllm_unit ({state}): env_files names instances that are not in instances: {', '.join(unknown)}")
+        raise UnitFilesError(f"env_files names instances that are not in instances: {', '.join(unknown)}")
+    return instances
+
+
+def _run(module: AnsibleModule, instances: list[dict[str, Any]], result: dict[str, Any]) -> list[dict[str, Any]]:
+    """Carry out the state on the host; the per-instance entries (``result`` gets the rest)."""
+    params, check = module.params, module.check_mode
+    state = params["state"]
 
     def runner(argv: list[str]) -> tuple[int, str, str]:
         rc, out, err = module.run_command(argv)
         return rc, out, err
 
+    # the group may not exist yet when a first deploy is only being compared or snapshotted
+    writes_plan_group = state in ("present", "recorded") and not check
+    plan_gid = _group_id(params["plan_group"], writes_plan_group) if state in ("present", "recorded", "restored") else 0
+    layout = Layout(unit_dir=params["unit_dir"], state_dir=params["state_dir"], plan_gid=plan_gid)
+    names = [i["name"] for i in instances]
+    adopt = validate_adopted(params["adopt_units"], names, "adopt_units")
+    if adopt and state in ("present", "recorded"):
+        raise UnitFilesError("adopt_units is for state status, snapshot or restored")
+    systemctl = module.get_bin_path("systemctl", required=True) if state != "recorded" and (state != "present" or params["restart"]) else ""
+    if state == "status":
+        entries = status(layout, instances, systemctl_show(runner, systemctl), want_diff=module._diff)
+        result["adopted"] = adopted_status(adopt, systemctl_show(runner, systemctl, ADOPT_PROPERTIES))
+        # a unit still to take over makes every instance of the host pending: they take over together
+        for entry in entries:
+            entry["reasons"] = entry["reasons"] + adoption_reasons(result["adopted"])
+            entry["pending"] = bool(entry["reasons"])
+        result["pending"] = [e["name"] for e in entries if e["pending"]]
+        if params["account"]:
+            acct = params["account"]
+            result["account_ready"] = account_ready(acct["user"], acct["group"], acct["home"])
+    elif state == "snapshot":
+        entries = snapshot(layout, names, systemctl_show(runner, systemctl), check)
+        result["adopted"] = snapshot_adopted(layout, adopt, systemctl_show(runner, systemctl, ADOPT_PROPERTIES), check,
+                                             resumed=any(e.get("resumed") for e in entries))
+        if params["stop"]:
+            result["stopped"] = stop_services(layout, names, result["adopted"], systemctl_show(runner, systemctl, SHOW_PROPERTIES),
+                                              runner, check, systemctl_bin=systemctl)
+    elif state == "present":
+        entries = write(layout, instances, check, want_diff=module._diff)
+        if params["restart"]:
+            result["started"] = restart_services(layout, names, runner, check, systemctl_bin=systemctl)
+    elif state == "recorded":
+        entries = record(layout, instances, check)
+    else:
+        entries = restore(layout, names, runner, check, systemctl_bin=systemctl, close=params["close_change"])
+        result["adopted"] = restore_adopted(layout, adopt, check)
+    return entries
+
+
+def main() -> None:
+    module = AnsibleModule(
+        argument_spec=ARGUMENT_SPEC,
+        required_one_of=[("instances", "names")],
+        mutually_exclusive=[("instances", "names")],
+        supports_check_mode=True,
+    )
+    state = module.params["state"]
     result: dict[str, Any] = {"changed": False}
     try:
-        # the group may not exist yet when a first deploy is only being compared or snapshotted
-        writes_plan_group = state in ("present", "recorded") and not check
-        plan_gid = _group_id(module.params["plan_group"], writes_plan_group) if state in ("present", "recorded", "restored") else 0
-        layout = Layout(unit_dir=module.params["unit_dir"], state_dir=module.params["state_dir"], plan_gid=plan_gid)
-        names = [i["name"] for i in instances]
-        adopt = validate_adopted(module.params["adopt_units"], names, "adopt_units")
-        if adopt and state in ("present", "recorded"):
-            raise UnitFilesError("adopt_units is for state status, snapshot or restored")
-        if state in ("status", "snapshot", "restored") or module.params["restart"]:
-            systemctl = module.get_bin_path("systemctl", required=True)
-            show_adopted = systemctl_show(runner, systemctl, ADOPT_PROPERTIES)
-        if state == "status":
-            entries = status(layout, instances, systemctl_show(runner, systemctl), want_diff=module._diff)
-            result["adopted"] = adopted_status(adopt, show_adopted)
-            # a unit still to take over makes every instance of the host pending: they take over together
-            for entry in entries:
-                entry["reasons"] = entry["reasons"] + adoption_reasons(result["adopted"])
-                entry["pending"] = bool(entry["reasons"])
-            result["pending"] = [e["name"] for e in entries if e["pending"]]
-            if module.params["account"]:
-                acct = module.params["account"]
-                result["account_ready"] = account_ready(acct["user"], acct["group"], acct["home"])
-        elif state == "snapshot":
-            entries = snapshot(layout, names, systemctl_show(runner, systemctl), check)
-            result["adopted"] = snapshot_adopted(layout, adopt, show_adopted, check,
-                                                 resumed=any(e.get("resumed") for e in entries))
-            if module.params["stop"]:
-                result["stopped"] = stop_services(layout, names, result["adopted"], systemctl_show(runner, systemctl, SHOW_PROPERTIES),
-                                                  runner, check, systemctl_bin=systemctl)
-        elif state == "present":
-            entries = write(layout, instances, check, want_diff=module._diff)
-            if module.params["restart"]:
-                result["started"] = restart_services(layout, names, runner, check, systemctl_bin=systemctl)
-        elif state == "recorded":
-            entries = record(layout, instances, check)
-        else:
-            entries = restore(layout, names, runner, check, systemctl_bin=systemctl, close=module.params["close_change"])
-            result["adopted"] = restore_adopted(layout, adopt, check)
+        entries = _run(module, _instances(module.params), result)
     except UnitFilesError as exc:
         module.fail_json(msg=f"vllm_unit ({state}): {to_native(exc)}")
     except Exception as exc:  # pylint: disable=broad-exception-caught
