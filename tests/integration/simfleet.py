@@ -37,7 +37,7 @@ UNIT_DIR = "/etc/systemd/system"
 STATE_DIR = "/etc/gpufleet"
 
 L40S = {"name": "NVIDIA L40S", "total": 48305799168, "reserved": 462422016, "cc": "8.9"}
-BATCH_RE = re.compile(r"TASK \[Report what changes on this host\][^\n]*\nok: \[(\S+)\]")
+BATCH_RE = re.compile(r"TASK \[(?:gpufleet\.vllm\.vllm_service : )?Report what changes on this host\][^\n]*\nok: \[(\S+)\]")
 
 
 def plan_view(doc: Mapping[str, Any]) -> dict[str, Any]:

@@ -266,7 +266,7 @@ def _budget(unit: str | None) -> int | None:
 
 
 def _batches(output: str) -> list[str]:
-    return re.findall(r"TASK \[Report what changes on this host\][^\n]*\nok: \[(\S+)\]", output)
+    return re.findall(r"TASK \[(?:gpufleet\.vllm\.vllm_service : )?Report what changes on this host\][^\n]*\nok: \[(\S+)\]", output)
 
 
 def _exec_start(unit: str) -> str:

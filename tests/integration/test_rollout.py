@@ -127,7 +127,7 @@ def test_clean_rollout(fleet, seen):
     assert len(fleet.profiles()) == 1
     assert "Manual canary on sim-ro-1 passed" in out
     # batches of one host each, in order
-    batches = re.findall(r"TASK \[Report what changes on this host\][^\n]*\nok: \[(\S+)\]", out)
+    batches = re.findall(r"TASK \[(?:gpufleet\.vllm\.vllm_service : )?Report what changes on this host\][^\n]*\nok: \[(\S+)\]", out)
     assert batches == HOSTS, batches
     seen["units_1"] = units
 
@@ -196,7 +196,7 @@ def test_cotenant_after_planning_stops_the_rollout(fleet, seen):
     # sim-ro-2 was never touched, sim-ro-3 never reached
     assert after["sim-ro-2"] == before["sim-ro-2"]
     assert after["sim-ro-3"] == before["sim-ro-3"]
-    reached = re.findall(r"TASK \[Report what changes on this host\][^\n]*\nok: \[(\S+)\]", out)
+    reached = re.findall(r"TASK \[(?:gpufleet\.vllm\.vllm_service : )?Report what changes on this host\][^\n]*\nok: \[(\S+)\]", out)
     assert reached == ["sim-ro-1", "sim-ro-2"], reached
     for host in HOSTS:
         assert fleet.active(host) == "active", host
@@ -296,7 +296,7 @@ def test_compat_key_change_forces_a_profiled_canary(fleet):
     cls = next(c for c in report["classes"] if c["name"] == "ro-l40s")
     assert cls["decision"] == "deploy", cls["reasons"]
     # the chosen canary host goes first
-    batches = re.findall(r"TASK \[Report what changes on this host\][^\n]*\nok: \[(\S+)\]", out)
+    batches = re.findall(r"TASK \[(?:gpufleet\.vllm\.vllm_service : )?Report what changes on this host\][^\n]*\nok: \[(\S+)\]", out)
     assert batches == ["sim-ro-2", "sim-ro-1", "sim-ro-3"], batches
     units = fleet.units()
     for host in HOSTS:

@@ -173,7 +173,8 @@ def test_first_rollout_switches_each_host_in_its_batch_and_back_on_failure(fleet
     at_switch: list[dict[str, str]] = []
 
     def watch(line: str) -> None:
-        if line.startswith("TASK [Switch the engine runtime to the staged release]"):
+        # the vllm_service role's step of the host's deploy
+        if line.startswith("TASK [") and "Switch the engine runtime to the staged release]" in line:
             at_switch.append({h: venv_target(fleet, h) for h in HOSTS}
                              | {f"{h} serves": serving_release(fleet, h) if fleet.active(h) == "active" else "-"
                                 for h in HOSTS})
