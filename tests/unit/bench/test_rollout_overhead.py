@@ -1,0 +1,44 @@
+# Copyright (c) gpufleet maintainers
+# GNU General Public License v3.0+ (see LICENSES/GPL-3.0-or-later.txt or https://www.gnu.org/licenses/gpl-3.0.txt)
+# SPDX-License-Identifier: GPL-3.0-or-later
+"""bench/rollout_overhead.py's count of remote calls: the ssh wrapper logs every call, the
+count keeps the calls to each host inside the batches' time windows."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "bench"))
+
+import rollout_overhead  # noqa: E402  pylint: disable=wrong-import-position,import-error
+
+
+def test_calls_are_counted_per_host_inside_the_batches_only(tmp_path):
+    log = tmp_path / "ssh-calls.log"
+    log.write_text(
+        "100.0 -o ControlMaster=auto -o User=root 10.0.0.1 /bin/sh -c 'python3'\n"
+        "101.5 -C root@10.0.0.2 /bin/sh\n"
+        "102.0 -o User=root 10.0.0.1 /bin/sh\n"
+        "150.0 -o User=root 10.0.0.1 /bin/sh\n"  # after the batches
+        "not-a-time 10.0.0.1\n",
+        encoding="utf-8")
+    counts = rollout_overhead.remote_calls(log, {"a": "10.0.0.1", "b": "10.0.0.2", "c": "10.0.0.3"}, [(99.0, 103.0)])
+    assert counts == {"a": 2, "b": 1, "c": 0}
+    assert rollout_overhead.remote_calls(tmp_path / "none.log", {"a": "10.0.0.1"}, [(0, 1)]) == {"a": 0}
+
+
+def test_the_wrapper_logs_its_arguments_and_runs_ssh(tmp_path):
+    wrapper, log = rollout_overhead.ssh_logger(tmp_path)
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    fake_ssh = bin_dir / "ssh"
+    fake_ssh.write_text("#!/bin/sh\necho \"ssh $*\"\n", encoding="utf-8")
+    fake_ssh.chmod(0o755)
+    env = dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}", GPUFLEET_BENCH_SSH_LOG=str(log))
+    out = subprocess.run([str(wrapper), "-o", "User=root", "10.0.0.1", "true"], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout == "ssh -o User=root 10.0.0.1 true\n"
+    stamp, _sep, args = log.read_text(encoding="utf-8").strip().partition(" ")
+    assert float(stamp) > 0 and args == "-o User=root 10.0.0.1 true"
