@@ -1,5 +1,5 @@
-# Copyright (c) gpufleet.vllm contributors
-# GNU General Public License v3.0+ (see https://www.gnu.org/licenses/gpl-3.0.txt)
+# Copyright (c) gpufleet maintainers
+# GNU General Public License v3.0+ (see LICENSES/GPL-3.0-or-later.txt or https://www.gnu.org/licenses/gpl-3.0.txt)
 # SPDX-License-Identifier: GPL-3.0-or-later
 """The module shell shared by ``gpu_memory_info`` and ``gpu_memory_facts``.
 
@@ -11,10 +11,35 @@ and the message for a missing binding from the calling module.
 from __future__ import annotations
 
 import platform
+import traceback
 from typing import Any, NoReturn, Protocol, Sequence
 
 from ansible_collections.gpufleet.vllm.plugins.module_utils._nvml_probe import NvmlProbeError, probe
 from ansible_collections.gpufleet.vllm.plugins.module_utils._validate import ValidationError, integer, number, text
+
+__all__ = [
+    "ARGUMENT_SPEC",
+    "MAX_INTERVAL",
+    "MAX_SAMPLES",
+    "NVML_FACT_KEYS",
+    "PYNVML_IMPORT_ERROR",
+    "ModuleShell",
+    "check_params",
+    "host_facts",
+    "module_result",
+    "pynvml",
+    "run",
+]
+
+# The NVML binding of the modules that read NVML on the host (gpu_memory_info, gpu_memory_facts,
+# vllm_audit), or why it cannot be imported (they fail with missing_required_lib).
+try:
+    import pynvml
+except ImportError:
+    pynvml = None
+    PYNVML_IMPORT_ERROR: str | None = traceback.format_exc()
+else:
+    PYNVML_IMPORT_ERROR = None
 
 ARGUMENT_SPEC: dict[str, dict[str, Any]] = {
     "devices": {"type": "list", "elements": "str"},

@@ -1,6 +1,6 @@
 #!/usr/bin/python
-# Copyright (c) gpufleet.vllm contributors
-# GNU General Public License v3.0+ (see https://www.gnu.org/licenses/gpl-3.0.txt)
+# Copyright (c) gpufleet maintainers
+# GNU General Public License v3.0+ (see LICENSES/GPL-3.0-or-later.txt or https://www.gnu.org/licenses/gpl-3.0.txt)
 # SPDX-License-Identifier: GPL-3.0-or-later
 from __future__ import annotations
 
@@ -69,43 +69,10 @@ EXAMPLES = r"""
 
 RETURN = r"""
 gpus:
-  description: One entry per GPU read, in the order of O(devices) (else index order).
+  description: One entry per GPU read, as M(gpufleet.vllm.gpu_memory_info) returns it (its RETURN documents every field).
   returned: success
   type: list
   elements: dict
-  contains:
-    index: {description: NVML index., type: int, returned: always, sample: 0}
-    uuid: {description: GPU UUID., type: str, returned: always, sample: GPU-6f0c0d1e-0000-4000-8000-000000000000}
-    name: {description: Product name (absent when the driver cannot report it)., type: str, returned: when supported, sample: NVIDIA H200}
-    pci_bus_id: {description: PCI bus id., type: str, returned: when supported, sample: "00000000:18:00.0"}
-    compute_capability: {description: CUDA compute capability., type: str, returned: when supported, sample: "9.0"}
-    total_bytes: {description: Total memory (last sample)., type: int, returned: always, sample: 150754820096}
-    free_bytes: {description: Free memory (last sample)., type: int, returned: always, sample: 149114847232}
-    used_bytes: {description: Used memory (last sample; with v1 it includes the driver's reserve)., type: int, returned: always, sample: 1073741824}
-    reserved_bytes:
-      description: Memory the driver reserves (null when only the v1 memory call is available).
-      type: int
-      returned: always
-      sample: 566231040
-    memory_info_version: {description: NVML memory call used (2 or 1)., type: int, returned: always, sample: 2}
-    free_min_bytes: {description: Lowest free figure over the samples., type: int, returned: always, sample: 149114847232}
-    free_max_bytes: {description: Highest free figure over the samples., type: int, returned: always, sample: 149114847232}
-    samples: {description: Number of readings taken., type: int, returned: always, sample: 1}
-    own_used_bytes: {description: GPU memory held by this host's own engine processes., type: int, returned: always, sample: 0}
-    boot_free_bytes:
-      description:
-        - C(free_min_bytes) plus C(own_used_bytes), the free memory the engine would see if it booted now (capped at total).
-        - The lowest sample counts, because a dip seen while sampling is what a boot may meet.
-      type: int
-      returned: always
-      sample: 149114847232
-    processes:
-      description: Processes holding memory on this GPU (compute and graphics, one entry per pid).
-      type: list
-      elements: dict
-      returned: always
-      sample: [{pid: 4242, name: python3, used_bytes: 1073741824, kinds: [compute], own: false}]
-    processes_reported: {description: False when the driver cannot list processes (then V(processes) is empty)., type: bool, returned: always, sample: true}
 driver_version: {description: NVIDIA driver version., type: str, returned: success, sample: "550.127.05"}
 cuda_driver_version: {description: Highest CUDA version the driver supports., type: str, returned: success, sample: "12.4"}
 nvml_version: {description: NVML library version., type: str, returned: success, sample: "12.550.127.05"}
@@ -128,19 +95,9 @@ ansible_facts:
       sample: {host: gpu-a1, driver_version: "550.127.05", cuda_driver_version: "12.4", nvml_version: "12.550.127.05", own_pids: []}
 """
 
-import traceback
-
 from ansible.module_utils.basic import AnsibleModule, missing_required_lib
 
-from ansible_collections.gpufleet.vllm.plugins.module_utils._gpu_memory import ARGUMENT_SPEC, run
-
-try:
-    import pynvml
-except ImportError:
-    pynvml = None
-    PYNVML_IMPORT_ERROR: str | None = traceback.format_exc()
-else:
-    PYNVML_IMPORT_ERROR = None
+from ansible_collections.gpufleet.vllm.plugins.module_utils._gpu_memory import ARGUMENT_SPEC, PYNVML_IMPORT_ERROR, pynvml, run
 
 
 def main() -> None:

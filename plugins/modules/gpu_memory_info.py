@@ -103,19 +103,9 @@ nvml_version: {description: NVML library version., type: str, returned: success,
 own_pids: {description: Process ids counted as this host's own engine., type: list, elements: int, returned: success, sample: [4242]}
 """
 
-import traceback
-
 from ansible.module_utils.basic import AnsibleModule, missing_required_lib
 
-from ansible_collections.gpufleet.vllm.plugins.module_utils._gpu_memory import ARGUMENT_SPEC, run
-
-try:
-    import pynvml
-except ImportError:
-    pynvml = None
-    PYNVML_IMPORT_ERROR: str | None = traceback.format_exc()
-else:
-    PYNVML_IMPORT_ERROR = None
+from ansible_collections.gpufleet.vllm.plugins.module_utils._gpu_memory import ARGUMENT_SPEC, PYNVML_IMPORT_ERROR, pynvml, run
 
 
 def main() -> None:

@@ -91,20 +91,12 @@ worst:
 
 import platform
 import time
-import traceback
 
 from ansible.module_utils.basic import AnsibleModule, missing_required_lib
 
 from ansible_collections.gpufleet.vllm.plugins.module_utils._audit import VERDICTS, audit
+from ansible_collections.gpufleet.vllm.plugins.module_utils._gpu_memory import PYNVML_IMPORT_ERROR, pynvml
 from ansible_collections.gpufleet.vllm.plugins.module_utils._nvml_probe import NvmlProbeError
-
-try:
-    import pynvml
-except ImportError:
-    pynvml = None
-    PYNVML_IMPORT_ERROR: str | None = traceback.format_exc()
-else:
-    PYNVML_IMPORT_ERROR = None
 
 
 def main() -> None:

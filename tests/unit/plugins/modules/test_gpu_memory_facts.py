@@ -1,5 +1,5 @@
-# Copyright (c) gpufleet.vllm contributors
-# GNU General Public License v3.0+ (see https://www.gnu.org/licenses/gpl-3.0.txt)
+# Copyright (c) gpufleet maintainers
+# GNU General Public License v3.0+ (see LICENSES/GPL-3.0-or-later.txt or https://www.gnu.org/licenses/gpl-3.0.txt)
 """The gpu_memory_facts module shell: the gpu_memory_info result, plus the host facts."""
 from __future__ import annotations
 
