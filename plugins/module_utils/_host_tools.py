@@ -12,8 +12,10 @@ install. Here the role sends every file's content in one call, and each file is 
 with the one on disk (content, owner ``root:root``, mode) and written atomically only when
 it differs, so an edited or removed file comes back and an unchanged host changes nothing.
 
-Plain Python with no Ansible import; the module runs the interpreter that compiles the
-library and ``systemctl`` itself.
+Plain Python with no Ansible import; ``systemctl`` and the interpreter that compiles the
+library run through the caller's runner (the module's ``run_command``). ``apply`` is the
+whole install, for gpufleet.vllm.vllm_host_tools and for gpufleet.vllm.vllm_unit's
+``host_tools`` option, which installs them in the same round trip as the units that use them.
 """
 
 from __future__ import annotations
@@ -25,7 +27,25 @@ from dataclasses import dataclass
 from . import _validate as v
 from ._unit_files import UnitFilesError, ensure_dir, ensure_file
 
-__all__ = ["HostToolsError", "ToolDir", "ToolFile", "install", "parse_dirs", "parse_files", "under"]
+__all__ = ["ARGUMENT_SPEC", "HostToolsError", "ToolDir", "ToolFile", "apply", "install", "parse_dirs", "parse_files", "under"]
+
+# The options of vllm_host_tools, and the suboptions of vllm_unit's host_tools.
+ARGUMENT_SPEC: dict[str, t.Any] = {
+    "files": {"type": "list", "elements": "dict", "required": True, "options": {
+        "path": {"type": "path", "required": True},
+        "content": {"type": "str", "required": True},
+        "mode": {"type": "str", "default": "0644"},
+    }},
+    "directories": {"type": "list", "elements": "dict", "default": [], "options": {
+        "path": {"type": "path", "required": True},
+        "mode": {"type": "str", "default": "0755"},
+    }},
+    "compile": {"type": "list", "elements": "path", "default": []},
+    "python": {"type": "path"},
+    "units": {"type": "list", "elements": "str", "default": []},
+}
+
+Runner = t.Callable[[t.List[str]], t.Tuple[int, str, str]]
 
 
 class HostToolsError(ValueError):
@@ -129,3 +149,56 @@ def under(paths: t.Iterable[str], directory: str) -> bool:
     """Is any of ``paths`` inside ``directory``?"""
     prefix = directory.rstrip("/") + "/"
     return any(p.startswith(prefix) for p in paths)
+
+
+def _compiled(directory: str) -> bool:
+    """Every .py file of ``directory`` has a compiled file in its __pycache__."""
+    cache = os.path.join(directory, "__pycache__")
+    names = os.listdir(cache) if os.path.isdir(cache) else []
+    sources = [n[:-3] for n in os.listdir(directory) if n.endswith(".py")] if os.path.isdir(directory) else []
+    return all(any(n.startswith(src + ".") and n.endswith(".pyc") for n in names) for src in sources)
+
+
+def _run(run: Runner, argv: list[str]) -> None:
+    rc, out, err = run(argv)
+    if rc != 0:
+        raise HostToolsError(f"{' '.join(argv[1:])}: {(err or out).strip() or f'exit {rc}'}")
+
+
+def apply(params: t.Mapping[str, t.Any], run: Runner, systemctl: str, check: bool) -> dict[str, t.Any]:
+    """Install ``params`` (``ARGUMENT_SPEC``'s options): directories and files, then compile the
+    ``compile`` directories where a file changed or a compiled file is missing, then enable and
+    start the ``units`` (reloading systemd and restarting them after any change). Returns
+    ``{written, compiled, started, changed}``; in check mode only says what it would do."""
+    files = parse_files(params["files"])
+    directories = parse_dirs(params.get("directories") or [])
+    try:
+        units = [v.systemd_unit_name(u, f"units[{i}]") for i, u in enumerate(params.get("units") or [])]
+    except v.ValidationError as exc:
+        raise HostToolsError(str(exc)) from None
+    python: str = params.get("python") or ""
+    if params.get("compile") and not python:
+        raise HostToolsError("python: required with compile (the interpreter that runs the compiled files)")
+    written = install(files, directories, check)
+    result: dict[str, t.Any] = {"written": written, "compiled": [], "started": []}
+    for directory in params.get("compile") or []:
+        if not under(written, directory) and _compiled(directory):
+            continue
+        result["compiled"].append(directory)
+        if not check:
+            rc, out, err = run([python, "-m", "compileall", "-q", directory])
+            if rc != 0:
+                raise HostToolsError(f"compile {directory} with {python}: {(err or out).strip() or f'exit {rc}'}")
+    if units and written and not check:
+        _run(run, [systemctl, "daemon-reload"])
+    for unit in units:
+        enabled = run([systemctl, "is-enabled", unit])[0] == 0
+        active = run([systemctl, "is-active", unit])[0] == 0
+        if enabled and active and not written:
+            continue
+        result["started"].append(unit)
+        if not check:
+            _run(run, [systemctl, "enable", unit])
+            _run(run, [systemctl, "restart" if active else "start", unit])
+    result["changed"] = bool(written or result["compiled"] or result["started"])
+    return result

@@ -119,6 +119,16 @@ class Layout:
         return self.uid, self.gid, 0o600
 
 
+def group_id(name: str, required: bool) -> int:
+    """The group's id; root's when it does not exist and nothing needs it (a restore, a dry run)."""
+    try:
+        return grp.getgrnam(name).gr_gid
+    except KeyError:
+        if required:
+            raise UnitFilesError(f"plan_group {name!r} does not exist on this host") from None
+        return 0
+
+
 def validate_name(name: object) -> str:
     try:
         return v.instance_name(name, "instance name")
@@ -612,7 +622,8 @@ def restart_services(layout: Layout, names: t.Sequence[str], systemctl: Systemct
     units = [layout.unit_name(validate_name(n)) for n in names]
     if units and not check:
         _systemctl(systemctl, [systemctl_bin, "daemon-reload"])
-        _systemctl(systemctl, [systemctl_bin, "enable", *units])
+        # systemd was just reloaded: without --no-reload, enable would reload it a second time
+        _systemctl(systemctl, [systemctl_bin, "enable", "--no-reload", *units])
         _systemctl(systemctl, [systemctl_bin, "restart", *units])
     return units
 

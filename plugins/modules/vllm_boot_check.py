@@ -22,6 +22,8 @@ description:
     in RV(not_applicable) (neither passed nor failed); the boot gate checks the NVML floor before every start.
   - Cross-checks C(/metrics) C(vllm:cache_config_info) (C(kv_cache_memory_bytes) exactly, tokens against the log).
   - Fails with a message naming the rank and the figures.
+  - With O(record), a boot that passed every check and started as planned gets its plan record written in the same
+    round trip, as O(gpufleet.vllm.vllm_unit#module:state=recorded) writes it.
 author:
   - gpufleet maintainers (@gpufleet)
 extends_documentation_fragment:
@@ -32,16 +34,16 @@ attributes:
   check_mode:
     support: full
     details:
-      - The module never changes anything. In check mode it contacts nothing (in a dry run the unit was not
-        restarted, so there is no new boot to check) and returns the list of checks it would make in RV(checks).
+      - In check mode the module contacts nothing and records nothing (in a dry run the unit was not restarted, so
+        there is no new boot to check) and returns the list of checks it would make in RV(checks).
   diff_mode:
-    support: N/A
+    support: none
     details:
-      - The module does not change state.
+      - The plan record O(record) writes is not shown.
   idempotent:
     support: full
     details:
-      - The module does not change state.
+      - Without O(record) the module changes nothing; a second O(record) of the same plan and unit writes nothing.
 options:
   unit:
     description: systemd unit running the engine, for example V(vllm-main.service).
@@ -95,6 +97,36 @@ options:
         budget and tokens the gate started (never above O(expected_kv_cache_memory_bytes)) and reported in
         RV(degraded); a start the gate turned into vLLM's own profiling is not compared with a byte budget.
     type: path
+  record:
+    description:
+      - After a boot that passed every check and that the boot gate did not shrink (RV(degraded) empty), write the
+        instance's plan record C(<state_dir>/NAME.plan.json) (root and O(record.plan_group), 0640) with the checksum of
+        the unit now on disk, and close the change a O(gpufleet.vllm.vllm_unit#module:state=snapshot) opened, as
+        O(gpufleet.vllm.vllm_unit#module:state=recorded) does; RV(recorded) says what was written.
+      - A failed check or a degraded start records nothing, so the change stays open for the rollback.
+    type: dict
+    version_added: 1.2.0
+    suboptions:
+      name:
+        description: Instance name; O(unit) must be its unit C(vllm-NAME.service).
+        type: str
+        required: true
+      plan:
+        description: The instance's plan file (its launch contract), as O(gpufleet.vllm.vllm_unit#module:state=present) wrote it.
+        type: dict
+        required: true
+      unit_dir:
+        description: Directory of the systemd units.
+        type: path
+        default: /etc/systemd/system
+      state_dir:
+        description: Directory of the plan records.
+        type: path
+        default: /etc/gpufleet
+      plan_group:
+        description: Group of the plan record, so that an application embedding vLLM can read it.
+        type: str
+        default: root
 requirements:
   - systemd (C(systemctl), C(journalctl)) when O(unit) is set.
 seealso:
@@ -182,6 +214,18 @@ degraded:
     - V(null) when the unit started as planned.
   returned: when O(boot_gate_state) is given
   type: dict
+recorded:
+  description: The plan record O(record) wrote, with the unit's checksum, and whether it changed.
+  returned: when O(record) is given and the boot passed as planned
+  type: dict
+  contains:
+    name:
+      description: Instance name.
+      type: str
+    unit_checksum:
+      description: SHA-1 of the unit the plan record names.
+      type: str
+  sample: {name: main, unit_checksum: 2aae6c35c94fcfb415dbe95f408b9ce91ee846ed}
 log_tail:
   description: Last lines of this boot's log.
   returned: on failure
@@ -201,6 +245,7 @@ from ansible_collections.gpufleet.vllm.plugins.module_utils._boot_gate import bo
 from ansible_collections.gpufleet.vllm.plugins.module_utils._launch import LaunchError, check_launch
 from ansible_collections.gpufleet.vllm.plugins.module_utils._serve_argv import EngineSpecError
 from ansible_collections.gpufleet.vllm.plugins.module_utils._sizes import SizeError, parse_size
+from ansible_collections.gpufleet.vllm.plugins.module_utils._unit_files import Layout, UnitFilesError, group_id, record
 from ansible_collections.gpufleet.vllm.plugins.module_utils._validate import ValidationError, integer, port, text
 
 
@@ -260,6 +305,15 @@ def build_spec(params: Mapping[str, Any]) -> BootCheckSpec:
     )
 
 
+def record_layout(params: Mapping[str, Any], unit: str | None) -> Layout:
+    """The layout of O(record)'s plan record; its instance must own the checked ``unit``."""
+    rec = params["record"]
+    layout = Layout(unit_dir=rec["unit_dir"], state_dir=rec["state_dir"])
+    if unit != layout.unit_name(rec["name"]):
+        raise ValueError(f"record.name: instance {rec['name']!r} runs {layout.unit_name(rec['name'])}, not the checked unit {unit}")
+    return layout
+
+
 def planned_checks(spec: BootCheckSpec) -> list[dict[str, Any]]:
     checks: list[dict[str, Any]] = [{"check": "health", "url": f"http://{spec.host}:{spec.port}/health", "timeout": spec.timeout}]
     checks.append({"check": "engine_error", "log": f"journal of {spec.unit}" if spec.journal else spec.log_path})
@@ -287,6 +341,13 @@ def main() -> None:
             journal=dict(type="bool", default=True),
             log_path=dict(type="path"),
             boot_gate_state=dict(type="path"),
+            record=dict(type="dict", options=dict(
+                name=dict(type="str", required=True),
+                plan=dict(type="dict", required=True),
+                unit_dir=dict(type="path", default="/etc/systemd/system"),
+                state_dir=dict(type="path", default="/etc/gpufleet"),
+                plan_group=dict(type="str", default="root"),
+            )),
         ),
         required_if=[("journal", True, ("unit",)), ("journal", False, ("log_path",))],
         mutually_exclusive=[("launch", "expected_kv_cache_memory_bytes"), ("launch", "free_floor_bytes")],
@@ -294,6 +355,7 @@ def main() -> None:
     )
     try:
         spec = build_spec(module.params)
+        layout = record_layout(module.params, spec.unit) if module.params["record"] else None
         if module.check_mode:
             module.exit_json(changed=False, checks=planned_checks(spec))
         systemctl = journalctl = None
@@ -324,7 +386,13 @@ def main() -> None:
             result["degraded"] = degraded if gate is not None else None
             if gate is not None:
                 result["boot_gate"] = gate
-    except (EngineSpecError, LaunchError, SizeError, ValidationError, ValueError) as exc:
+        changed = False
+        if layout is not None and result["ok"] and not result.get("degraded"):
+            plan_layout = dataclasses.replace(layout, plan_gid=group_id(module.params["record"]["plan_group"], True))
+            entry = record(plan_layout, [{"name": module.params["record"]["name"], "plan": module.params["record"]["plan"]}], False)[0]
+            changed = entry.pop("changed")
+            result["recorded"] = entry
+    except (EngineSpecError, LaunchError, SizeError, UnitFilesError, ValidationError, ValueError) as exc:
         module.fail_json(msg=to_native(exc))
     except Exception as exc:  # pylint: disable=broad-exception-caught
         module.fail_json(msg=f"vllm_boot_check failed unexpectedly: {to_native(exc)}", exception=traceback.format_exc())
@@ -332,7 +400,7 @@ def main() -> None:
     if not result["ok"]:
         where = spec.unit or result.get("url")
         module.fail_json(msg=f"vLLM boot check of {where} failed: " + "; ".join(result["reasons"]), **result)
-    module.exit_json(changed=False, **result)
+    module.exit_json(changed=changed, **result)
 
 
 if __name__ == "__main__":

@@ -138,81 +138,22 @@ started:
   sample: [example-tool.timer]
 """
 
-import os
 import traceback
 from typing import Any
 
 from ansible.module_utils.basic import AnsibleModule
 from ansible.module_utils.common.text.converters import to_native
 
-from ansible_collections.gpufleet.vllm.plugins.module_utils._host_tools import HostToolsError, install, parse_dirs, parse_files, under
-from ansible_collections.gpufleet.vllm.plugins.module_utils._validate import ValidationError, systemd_unit_name
-
-ARGUMENT_SPEC: dict[str, Any] = {
-    "files": {"type": "list", "elements": "dict", "required": True, "options": {
-        "path": {"type": "path", "required": True},
-        "content": {"type": "str", "required": True},
-        "mode": {"type": "str", "default": "0644"},
-    }},
-    "directories": {"type": "list", "elements": "dict", "default": [], "options": {
-        "path": {"type": "path", "required": True},
-        "mode": {"type": "str", "default": "0755"},
-    }},
-    "compile": {"type": "list", "elements": "path", "default": []},
-    "python": {"type": "path"},
-    "units": {"type": "list", "elements": "str", "default": []},
-}
-
-
-def _compiled(directory: str) -> bool:
-    """Every .py file of ``directory`` has a compiled file in its __pycache__."""
-    cache = os.path.join(directory, "__pycache__")
-    names = os.listdir(cache) if os.path.isdir(cache) else []
-    sources = [n[:-3] for n in os.listdir(directory) if n.endswith(".py")] if os.path.isdir(directory) else []
-    return all(any(n.startswith(src + ".") and n.endswith(".pyc") for n in names) for src in sources)
+from ansible_collections.gpufleet.vllm.plugins.module_utils._host_tools import ARGUMENT_SPEC, HostToolsError, apply
 
 
 def run_module(module: AnsibleModule) -> dict[str, Any]:
-    params = module.params
-    check = module.check_mode
-    files = parse_files(params["files"])
-    directories = parse_dirs(params["directories"])
-    try:
-        units = [systemd_unit_name(u, f"units[{i}]") for i, u in enumerate(params["units"])]
-    except ValidationError as exc:
-        raise HostToolsError(str(exc)) from None
-    if params["compile"] and not params["python"]:
-        raise HostToolsError("python: required with compile (the interpreter that runs the compiled files)")
-    written = install(files, directories, check)
-    result: dict[str, Any] = {"written": written, "compiled": [], "started": []}
-    for directory in params["compile"]:
-        if not under(written, directory) and _compiled(directory):
-            continue
-        result["compiled"].append(directory)
-        if not check:
-            rc, out, err = module.run_command([params["python"], "-m", "compileall", "-q", directory])
-            if rc != 0:
-                raise HostToolsError(f"compile {directory} with {params['python']}: {(err or out).strip() or f'exit {rc}'}")
-    if units:
-        systemctl = module.get_bin_path("systemctl", required=True)
-        if written and not check:
-            rc, _out, err = module.run_command([systemctl, "daemon-reload"])
-            if rc != 0:
-                raise HostToolsError(f"systemctl daemon-reload: {err.strip()}")
-        for unit in units:
-            enabled = module.run_command([systemctl, "is-enabled", unit])[0] == 0
-            active = module.run_command([systemctl, "is-active", unit])[0] == 0
-            if enabled and active and not written:
-                continue
-            result["started"].append(unit)
-            if check:
-                continue
-            for argv in ([systemctl, "enable", unit], [systemctl, "restart" if active else "start", unit]):
-                rc, _out, err = module.run_command(argv)
-                if rc != 0:
-                    raise HostToolsError(f"{' '.join(argv[1:])}: {err.strip() or f'exit {rc}'}")
-    result["changed"] = bool(written or result["compiled"] or result["started"])
-    return result
+    def runner(argv: list[str]) -> tuple[int, str, str]:
+        rc, out, err = module.run_command(argv)
+        return rc, out, err
+
+    systemctl = module.get_bin_path("systemctl", required=True) if module.params["units"] else "systemctl"
+    return apply(module.params, runner, systemctl, module.check_mode)
 
 
 def main() -> None:

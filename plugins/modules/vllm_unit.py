@@ -120,6 +120,60 @@ options:
     type: bool
     default: false
     version_added: 1.2.0
+  host_tools:
+    description:
+      - With O(state=present), first install these host tools - the boot gate the units start through, its library,
+        the metrics exporter - exactly as M(gpufleet.vllm.vllm_host_tools) does with the same options (only what
+        differs is written; RV(host_tools) is its result), so that the units and the tools they use go to the host in
+        one round trip.
+    type: dict
+    version_added: 1.2.0
+    suboptions:
+      files:
+        description: The files, with their contents (O(gpufleet.vllm.vllm_host_tools#module:files)).
+        type: list
+        elements: dict
+        required: true
+        suboptions:
+          path:
+            description: Absolute path of the file.
+            type: path
+            required: true
+          content:
+            description: The file's text.
+            type: str
+            required: true
+          mode:
+            description: Octal mode, quoted.
+            type: str
+            default: '0644'
+      directories:
+        description: Directories to create (or fix) first (O(gpufleet.vllm.vllm_host_tools#module:directories)).
+        type: list
+        elements: dict
+        default: []
+        suboptions:
+          path:
+            description: Absolute path of the directory.
+            type: path
+            required: true
+          mode:
+            description: Octal mode, quoted.
+            type: str
+            default: '0755'
+      compile:
+        description: Directories of Python files to byte-compile with O(host_tools.python).
+        type: list
+        elements: path
+        default: []
+      python:
+        description: The interpreter that compiles O(host_tools.compile). Required with O(host_tools.compile).
+        type: path
+      units:
+        description: systemd units to enable and start (restarted after any file changed), for example a C(.timer).
+        type: list
+        elements: str
+        default: []
   close_change:
     description:
       - With O(state=restored), close the change the snapshot opened. Restore with V(false) first, restart or stop
@@ -329,6 +383,27 @@ started:
   type: list
   elements: str
   sample: [vllm-main.service]
+host_tools:
+  description: What O(host_tools) installed, as M(gpufleet.vllm.vllm_host_tools) returns it.
+  returned: when O(state=present) and O(host_tools) is given
+  type: dict
+  contains:
+    written:
+      description: The directories and files created or changed (would be, in check mode).
+      type: list
+      elements: str
+    compiled:
+      description: The O(host_tools.compile) directories byte-compiled.
+      type: list
+      elements: str
+    started:
+      description: The O(host_tools.units) enabled, started or restarted.
+      type: list
+      elements: str
+    changed:
+      description: Whether anything was written, compiled or started.
+      type: bool
+  sample: {written: [], compiled: [], started: [], changed: false}
 account_ready:
   description: Whether the service user, group and home given in O(account) exist as set up (O(state=status)).
   returned: when O(state=status) and O(account) is given
@@ -341,13 +416,13 @@ pending:
   sample: [main]
 """
 
-import grp
 import traceback
 from typing import Any
 
 from ansible.module_utils.basic import AnsibleModule
 from ansible.module_utils.common.text.converters import to_native
 
+from ansible_collections.gpufleet.vllm.plugins.module_utils._host_tools import ARGUMENT_SPEC as HOST_TOOLS_SPEC, HostToolsError, apply as apply_host_tools
 from ansible_collections.gpufleet.vllm.plugins.module_utils._unit_files import (
     ADOPT_PROPERTIES,
     SHOW_PROPERTIES,
@@ -356,6 +431,7 @@ from ansible_collections.gpufleet.vllm.plugins.module_utils._unit_files import (
     account_ready,
     adopted_status,
     adoption_reasons,
+    group_id,
     record,
     restart_services,
     restore,
@@ -368,17 +444,6 @@ from ansible_collections.gpufleet.vllm.plugins.module_utils._unit_files import (
     validate_adopted,
     write,
 )
-
-
-def _group_id(name: str, required: bool) -> int:
-    """The group's id; root's when it does not exist and nothing needs it (a restore, a dry run)."""
-    try:
-        return grp.getgrnam(name).gr_gid
-    except KeyError:
-        if required:
-            raise UnitFilesError(f"plan_group {name!r} does not exist on this host") from None
-        return 0
-
 
 ARGUMENT_SPEC: dict[str, Any] = dict(
     state=dict(type="str", required=True, choices=["status", "snapshot", "present", "recorded", "restored"]),
@@ -395,6 +460,7 @@ ARGUMENT_SPEC: dict[str, Any] = dict(
     env_files=dict(type="dict", no_log=True),
     stop=dict(type="bool", default=False),
     restart=dict(type="bool", default=False),
+    host_tools=dict(type="dict", options=HOST_TOOLS_SPEC),
     close_change=dict(type="bool", default=True),
     adopt_units=dict(type="list", elements="str", default=[]),
     unit_dir=dict(type="path", default="/etc/systemd/system"),
@@ -417,7 +483,7 @@ def _instances(params: dict[str, Any]) -> list[dict[str, Any]]:
     env_files = params["env_files"] or {}
     if params["names"] is not None and state not in ("snapshot", "restored"):
         raise UnitFilesError("names is for state snapshot or restored; give instances with their unit and plan")
-    for option, allowed in (("stop", "snapshot"), ("restart", "present")):
+    for option, allowed in (("stop", "snapshot"), ("restart", "present"), ("host_tools", "present")):
         if params[option] and state != allowed:
             raise UnitFilesError(f"{option} is for state {allowed}")
     given = params["instances"] or [{"name": name} for name in params["names"]]
@@ -439,13 +505,14 @@ def _run(module: AnsibleModule, instances: list[dict[str, Any]], result: dict[st
 
     # the group may not exist yet when a first deploy is only being compared or snapshotted
     writes_plan_group = state in ("present", "recorded") and not check
-    plan_gid = _group_id(params["plan_group"], writes_plan_group) if state in ("present", "recorded", "restored") else 0
+    plan_gid = group_id(params["plan_group"], writes_plan_group) if state in ("present", "recorded", "restored") else 0
     layout = Layout(unit_dir=params["unit_dir"], state_dir=params["state_dir"], plan_gid=plan_gid)
     names = [i["name"] for i in instances]
     adopt = validate_adopted(params["adopt_units"], names, "adopt_units")
     if adopt and state in ("present", "recorded"):
         raise UnitFilesError("adopt_units is for state status, snapshot or restored")
-    systemctl = module.get_bin_path("systemctl", required=True) if state != "recorded" and (state != "present" or params["restart"]) else ""
+    systemctl = module.get_bin_path("systemctl", required=True) if state != "recorded" and (
+        state != "present" or params["restart"] or (params["host_tools"] or {}).get("units")) else ""
     if state == "status":
         entries = status(layout, instances, systemctl_show(runner, systemctl), want_diff=module._diff)
         result["adopted"] = adopted_status(adopt, systemctl_show(runner, systemctl, ADOPT_PROPERTIES))
@@ -465,6 +532,11 @@ def _run(module: AnsibleModule, instances: list[dict[str, Any]], result: dict[st
             result["stopped"] = stop_services(layout, names, result["adopted"], systemctl_show(runner, systemctl, SHOW_PROPERTIES),
                                               runner, check, systemctl_bin=systemctl)
     elif state == "present":
+        if params["host_tools"]:
+            try:
+                result["host_tools"] = apply_host_tools(params["host_tools"], runner, systemctl, check)
+            except HostToolsError as exc:
+                raise UnitFilesError(f"host_tools: {exc}") from None
         entries = write(layout, instances, check, want_diff=module._diff)
         if params["restart"]:
             result["started"] = restart_services(layout, names, runner, check, systemctl_bin=systemctl)
@@ -497,7 +569,8 @@ def main() -> None:
         result["diff"] = diffs
     changes = [e.pop("changed", False) for e in entries + result.get("adopted", [])]
     if state != "status":
-        result["changed"] = any(changes) or bool(result.get("stopped") or result.get("started"))
+        result["changed"] = any(changes) or bool(result.get("stopped") or result.get("started")) or \
+            bool(result.get("host_tools", {}).get("changed"))
     result["instances"] = entries
     module.exit_json(**result)
 

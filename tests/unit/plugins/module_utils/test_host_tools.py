@@ -12,6 +12,7 @@ import pytest
 
 from ansible_collections.gpufleet.vllm.plugins.module_utils._host_tools import (
     HostToolsError,
+    apply,
     install,
     parse_dirs,
     parse_files,
@@ -92,3 +93,51 @@ def test_a_file_where_a_directory_must_be_is_a_clear_error(tmp_path):
 def test_under():
     assert under(["/opt/lib/pkg/_a.py"], "/opt/lib/pkg") and under(["/opt/lib/pkg/_a.py"], "/opt/lib/pkg/")
     assert not under(["/opt/lib/pkg2/_a.py", "/opt/lib/pkg"], "/opt/lib/pkg")
+
+
+class Runner:
+    """systemctl and the compiler as a log of argv; ``enabled`` units are enabled and active."""
+
+    def __init__(self, enabled=()):
+        self.calls: list[list[str]] = []
+        self.enabled = set(enabled)
+
+    def __call__(self, argv):
+        self.calls.append(argv)
+        if argv[1] in ("is-enabled", "is-active"):
+            return (0 if argv[2] in self.enabled else 1), "", ""
+        return 0, "", ""
+
+
+def test_apply_compiles_and_starts_after_a_change_and_does_nothing_on_a_current_host(tools):
+    root, _files, _dirs = tools
+    lib = root / "lib" / "pkg"
+    params = {"files": [{"path": str(lib / "_gate.py"), "content": "X = 1\n"}], "directories": [{"path": str(lib)}],
+              "compile": [str(lib)], "python": "/usr/bin/python3", "units": ["tool.timer"]}
+    run = Runner()
+    first = apply(params, run, "systemctl", check=False)
+    assert first == {"written": [str(lib), str(lib / "_gate.py")], "compiled": [str(lib)], "started": ["tool.timer"], "changed": True}
+    assert [c for c in run.calls if c[1] not in ("is-enabled", "is-active")] == [
+        ["/usr/bin/python3", "-m", "compileall", "-q", str(lib)], ["systemctl", "daemon-reload"],
+        ["systemctl", "enable", "tool.timer"], ["systemctl", "start", "tool.timer"]]
+    (lib / "__pycache__").mkdir()
+    (lib / "__pycache__" / "_gate.cpython-311.pyc").write_bytes(b"")
+    run = Runner(enabled={"tool.timer"})
+    assert apply(params, run, "systemctl", check=False) == {"written": [], "compiled": [], "started": [], "changed": False}
+    assert [c[1] for c in run.calls] == ["is-enabled", "is-active"], "a current host: only the two questions"
+
+
+def test_apply_in_check_mode_says_what_it_would_do_and_runs_nothing_that_changes(tools):
+    root, _files, _dirs = tools
+    params = {"files": [{"path": str(root / "bin" / "tool"), "content": "x"}], "compile": [], "units": ["tool.timer"]}
+    run = Runner()
+    assert apply(params, run, "systemctl", check=True)["started"] == ["tool.timer"]
+    assert not (root / "bin").exists()
+    assert {c[1] for c in run.calls} == {"is-enabled", "is-active"}
+
+
+def test_apply_refuses_a_bad_unit_name_and_compile_without_python(tools):
+    with pytest.raises(HostToolsError, match=r"units\[0\]"):
+        apply({"files": [], "units": ["bad name"]}, Runner(), "systemctl", check=True)
+    with pytest.raises(HostToolsError, match="python: required with compile"):
+        apply({"files": [], "compile": ["/opt/lib"]}, Runner(), "systemctl", check=True)

@@ -287,7 +287,7 @@ def test_a_failing_stop_names_the_units_and_the_error(layout):
 def test_written_units_are_reloaded_enabled_and_restarted_together(layout):
     systemd = FakeSystemd()
     assert restart_services(layout, ["a", "b"], systemd.run, check=False) == ["vllm-a.service", "vllm-b.service"]
-    assert systemd.calls == [["daemon-reload"], ["enable", "vllm-a.service", "vllm-b.service"],
+    assert systemd.calls == [["daemon-reload"], ["enable", "--no-reload", "vllm-a.service", "vllm-b.service"],
                              ["restart", "vllm-a.service", "vllm-b.service"]]
     assert restart_services(layout, ["a"], systemd.run, check=True) == ["vllm-a.service"]
     assert len(systemd.calls) == 3, "check mode restarts nothing"

@@ -8,6 +8,7 @@ unit-test double of `vllm serve` from test_vllm_engine (not an engine).
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import textwrap
@@ -19,6 +20,8 @@ from ansible.module_utils.testing import patch_module_args
 from ansible_collections.gpufleet.vllm.plugins.module_utils import _engine_process
 from ansible_collections.gpufleet.vllm.plugins.modules import vllm_boot_check
 from ansible_collections.gpufleet.vllm.tests.unit.plugins.module_utils.test_vllm_engine import write_fake_vllm
+
+UNIT = "[Service]\nExecStart=/opt/vllm/venv/bin/vllm serve m\n"
 
 
 @pytest.fixture
@@ -129,3 +132,52 @@ def test_failed_unit_fails_fast(capsys, systemd_bin, tmp_path, monkeypatch):
 def test_bad_arguments(capsys, args, message):
     rc, out = run(capsys, args)
     assert rc == 1 and message in out["msg"]
+
+
+def test_a_passing_boot_records_its_plan_once_with_the_unit_checksum(capsys, engine, systemd_bin, tmp_path, monkeypatch):
+    proc, port = engine
+    journal = tmp_path / "journal.txt"
+    journal.write_text(proc.read_log())
+    monkeypatch.setenv("FAKE_JOURNAL", str(journal))
+    units, state = tmp_path / "systemd", tmp_path / "gpufleet"
+    units.mkdir()
+    (state / "units").mkdir(parents=True)
+    (units / "vllm-main.service").write_text(UNIT)
+    (state / "units" / "vllm-main.service.changing").write_text("")  # the snapshot opened a change
+    args = {"unit": "vllm-main.service", "port": port, "expected_kv_cache_memory_bytes": 100000000, "timeout": 10,
+            "record": {"name": "main", "plan": {"format": 3, "instance": "main"}, "unit_dir": str(units), "state_dir": str(state)}}
+    rc, out = run(capsys, args)
+    assert rc == 0, out.get("msg")
+    assert out["changed"] is True and out["recorded"]["name"] == "main"
+    plan = json.loads((state / "main.plan.json").read_text())
+    assert plan == {"format": 3, "instance": "main", "unit_checksum": out["recorded"]["unit_checksum"]}
+    assert out["recorded"]["unit_checksum"] == hashlib.sha1(UNIT.encode()).hexdigest()
+    assert not (state / "units" / "vllm-main.service.changing").exists(), "the change is closed"
+    rc, again = run(capsys, args)
+    assert rc == 0 and again["changed"] is False, "the same plan and unit: nothing to write"
+
+
+def test_a_failed_boot_records_nothing_and_leaves_the_change_open(capsys, engine, systemd_bin, tmp_path, monkeypatch):
+    proc, port = engine
+    journal = tmp_path / "journal.txt"
+    journal.write_text(proc.read_log())
+    monkeypatch.setenv("FAKE_JOURNAL", str(journal))
+    (tmp_path / "systemd").mkdir()
+    (tmp_path / "systemd" / "vllm-main.service").write_text("[Service]\n")
+    (tmp_path / "gpufleet" / "units").mkdir(parents=True)
+    (tmp_path / "gpufleet" / "units" / "vllm-main.service.changing").write_text("")
+    rc, out = run(capsys, {"unit": "vllm-main.service", "port": port, "expected_kv_cache_memory_bytes": "0.5GiB", "timeout": 10,
+                           "record": {"name": "main", "plan": {"format": 3}, "unit_dir": str(tmp_path / "systemd"),
+                                      "state_dir": str(tmp_path / "gpufleet")}})
+    assert rc == 1 and "recorded" not in out
+    assert not (tmp_path / "gpufleet" / "main.plan.json").exists()
+    assert (tmp_path / "gpufleet" / "units" / "vllm-main.service.changing").exists()
+
+
+@pytest.mark.parametrize("record, message", [
+    ({"name": "other", "plan": {}}, "record.name: instance 'other' runs vllm-other.service, not the checked unit vllm-main.service"),
+    ({"name": "main"}, "missing required arguments: plan found in record"),
+])
+def test_a_record_for_another_instance_is_refused_by_name(capsys, record, message):
+    rc, out = run(capsys, {"_ansible_check_mode": True, "unit": "vllm-main.service", "record": record})
+    assert rc == 1 and message in out["msg"], out

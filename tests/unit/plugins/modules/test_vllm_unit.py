@@ -87,3 +87,39 @@ def test_a_snapshot_by_names_with_stop_keeps_the_files_and_stops_nothing_inactiv
     assert rc == 0, result
     assert result["stopped"] == [] and result["instances"][0]["absent"] == ["unit", "plan", "env"]
     assert (tmp_path / "gpufleet" / "units" / "vllm-main.service.absent").exists()
+
+
+def test_present_installs_the_host_tools_in_the_same_call_and_only_once(tmp_path, capsys, monkeypatch, fake_systemctl):
+    (tmp_path / "systemd").mkdir()
+    gate = tmp_path / "bin" / "gpufleet-vllm-boot-gate"
+    args = {"state": "present", "instances": [{"name": "main", "unit": UNIT}], "unit_dir": str(tmp_path / "systemd"),
+            "state_dir": str(tmp_path / "gpufleet"),
+            "host_tools": {"files": [{"path": str(gate), "content": "#!/bin/sh\nexit 0\n", "mode": "0755"}]}}
+    rc, result, _logged = run(capsys, monkeypatch, args)
+    assert rc == 0, result
+    assert result["host_tools"] == {"written": [str(gate)], "compiled": [], "started": [], "changed": True}
+    assert gate.read_text() == "#!/bin/sh\nexit 0\n" and oct(gate.stat().st_mode & 0o777) == "0o755"
+    assert result["instances"][0]["written"] == ["unit"]
+    rc, again, _logged = run(capsys, monkeypatch, args)
+    assert rc == 0 and again["changed"] is False and again["host_tools"]["changed"] is False
+
+
+@pytest.mark.parametrize(("host_tools", "message"), [
+    ({"files": [{"path": "relative/gate", "content": ""}]}, "vllm_unit (present): host_tools: files[0].path"),
+    ({"files": [], "compile": ["/opt/lib"]}, "vllm_unit (present): host_tools: python: required with compile"),
+])
+def test_bad_host_tools_are_refused_by_field_before_any_unit_is_written(tmp_path, capsys, monkeypatch, fake_systemctl,
+                                                                         host_tools, message):
+    (tmp_path / "systemd").mkdir()
+    rc, result, _logged = run(capsys, monkeypatch, {
+        "state": "present", "instances": [{"name": "main", "unit": UNIT}], "unit_dir": str(tmp_path / "systemd"),
+        "state_dir": str(tmp_path / "gpufleet"), "host_tools": host_tools})
+    assert rc == 1 and message in result["msg"], result
+    assert not (tmp_path / "systemd" / "vllm-main.service").exists()
+
+
+def test_host_tools_are_for_state_present(tmp_path, capsys, monkeypatch, fake_systemctl):
+    rc, result, _logged = run(capsys, monkeypatch, {"state": "status", "instances": [{"name": "main", "unit": UNIT}],
+                                                    "unit_dir": str(tmp_path), "state_dir": str(tmp_path / "gpufleet"),
+                                                    "host_tools": {"files": []}})
+    assert rc == 1 and "vllm_unit (status): host_tools is for state present" in result["msg"], result
