@@ -109,7 +109,7 @@ def test_present_installs_the_host_tools_in_the_same_call_and_only_once(tmp_path
     ({"files": [], "compile": ["/opt/lib"]}, "vllm_unit (present): host_tools: python: required with compile"),
 ])
 def test_bad_host_tools_are_refused_by_field_before_any_unit_is_written(tmp_path, capsys, monkeypatch, fake_systemctl,
-                                                                         host_tools, message):
+                                                                        host_tools, message):
     (tmp_path / "systemd").mkdir()
     rc, result, _logged = run(capsys, monkeypatch, {
         "state": "present", "instances": [{"name": "main", "unit": UNIT}], "unit_dir": str(tmp_path / "systemd"),
