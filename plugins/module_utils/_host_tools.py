@@ -159,10 +159,11 @@ def _compiled(directory: str) -> bool:
     return all(any(n.startswith(src + ".") and n.endswith(".pyc") for n in names) for src in sources)
 
 
-def _run(run: Runner, argv: list[str]) -> None:
+def _run(run: Runner, argv: list[str], what: str) -> None:
+    """Run ``argv``; a failure names ``what`` ran and its error output (or exit status)."""
     rc, out, err = run(argv)
     if rc != 0:
-        raise HostToolsError(f"{' '.join(argv[1:])}: {(err or out).strip() or f'exit {rc}'}")
+        raise HostToolsError(f"{what}: {(err or out).strip() or f'exit {rc}'}")
 
 
 def apply(params: t.Mapping[str, t.Any], run: Runner, systemctl: str, check: bool) -> dict[str, t.Any]:
@@ -186,11 +187,9 @@ def apply(params: t.Mapping[str, t.Any], run: Runner, systemctl: str, check: boo
             continue
         result["compiled"].append(directory)
         if not check:
-            rc, out, err = run([python, "-m", "compileall", "-q", directory])
-            if rc != 0:
-                raise HostToolsError(f"compile {directory} with {python}: {(err or out).strip() or f'exit {rc}'}")
+            _run(run, [python, "-m", "compileall", "-q", directory], f"compile {directory} with {python}")
     if units and written and not check:
-        _run(run, [systemctl, "daemon-reload"])
+        _run(run, [systemctl, "daemon-reload"], "systemctl daemon-reload")
     for unit in units:
         enabled = run([systemctl, "is-enabled", unit])[0] == 0
         active = run([systemctl, "is-active", unit])[0] == 0
@@ -198,7 +197,7 @@ def apply(params: t.Mapping[str, t.Any], run: Runner, systemctl: str, check: boo
             continue
         result["started"].append(unit)
         if not check:
-            _run(run, [systemctl, "enable", unit])
-            _run(run, [systemctl, "restart" if active else "start", unit])
+            for action in ("enable", "restart" if active else "start"):
+                _run(run, [systemctl, action, unit], f"systemctl {action} {unit}")
     result["changed"] = bool(written or result["compiled"] or result["started"])
     return result

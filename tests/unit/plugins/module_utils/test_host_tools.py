@@ -141,3 +141,18 @@ def test_apply_refuses_a_bad_unit_name_and_compile_without_python(tools):
         apply({"files": [], "units": ["bad name"]}, Runner(), "systemctl", check=True)
     with pytest.raises(HostToolsError, match="python: required with compile"):
         apply({"files": [], "compile": ["/opt/lib"]}, Runner(), "systemctl", check=True)
+
+
+def test_apply_names_the_command_that_failed_and_its_error(tools):
+    root, _files, _dirs = tools
+    lib = root / "lib" / "pkg"
+
+    def failing(argv):
+        return (1, "", "SyntaxError: bad\n") if "compileall" in argv else (1, "", "Unit tool.timer not found.\n")
+
+    with pytest.raises(HostToolsError, match=rf"^compile {lib} with /usr/bin/python3: SyntaxError: bad$"):
+        apply({"files": [{"path": str(lib / "_gate.py"), "content": "X = (\n"}], "compile": [str(lib)],
+               "python": "/usr/bin/python3"}, failing, "systemctl", check=False)
+    with pytest.raises(HostToolsError, match=r"^systemctl daemon-reload: Unit tool.timer not found.$"):
+        apply({"files": [{"path": str(root / "bin" / "tool"), "content": "x"}], "units": ["tool.timer"]},
+              failing, "systemctl", check=False)
