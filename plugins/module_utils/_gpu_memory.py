@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import platform
 import traceback
-from typing import Any, NoReturn, Protocol, Sequence
+from typing import Any, Callable, NoReturn, Protocol, Sequence
 
 from ansible_collections.gpufleet.vllm.plugins.module_utils._nvml_probe import NvmlProbeError, probe
 from ansible_collections.gpufleet.vllm.plugins.module_utils._validate import ValidationError, integer, number, text
@@ -27,7 +27,9 @@ __all__ = [
     "check_params",
     "host_facts",
     "module_result",
+    "probe_report",
     "pynvml",
+    "read",
     "run",
 ]
 
@@ -89,15 +91,9 @@ def host_facts(result: dict[str, Any], host: str) -> dict[str, Any]:
     return {"gpufleet_gpus": result["gpus"], "gpufleet_nvml": nvml}
 
 
-def module_result(module: ModuleShell, binding: Any, host: str, *, set_facts: bool) -> dict[str, Any]:
-    """Probe through ``binding`` with the module's parameters; returns the module result (with ``warnings``)."""
-    params = module.params
-
-    def run_command(argv: Sequence[str]) -> tuple[int, str, str]:
-        rc, out, err = module.run_command(argv, environ_update={"LC_ALL": "C", "SYSTEMD_PAGER": ""})
-        return int(rc), str(out), str(err)
-
-    result = probe(
+def read(params: dict[str, Any], binding: Any, host: str, run_command: Callable[[Sequence[str]], tuple[int, str, str]]) -> dict[str, Any]:
+    """The probe with the options of :data:`ARGUMENT_SPEC` (checked by :func:`check_params`); raises NvmlProbeError."""
+    return probe(
         binding,
         devices=params["devices"],
         samples=params["samples"],
@@ -107,10 +103,40 @@ def module_result(module: ModuleShell, binding: Any, host: str, *, set_facts: bo
         host=host,
         run_command=run_command,
     )
+
+
+def _module_runner(module: ModuleShell) -> Callable[[Sequence[str]], tuple[int, str, str]]:
+    def run_command(argv: Sequence[str]) -> tuple[int, str, str]:
+        rc, out, err = module.run_command(argv, environ_update={"LC_ALL": "C", "SYSTEMD_PAGER": ""})
+        return int(rc), str(out), str(err)
+
+    return run_command
+
+
+def module_result(module: ModuleShell, binding: Any, host: str, *, set_facts: bool) -> dict[str, Any]:
+    """Probe through ``binding`` with the module's parameters; returns the module result (with ``warnings``)."""
+    result = read(module.params, binding, host, _module_runner(module))
     out: dict[str, Any] = {"changed": False, **result}
     if set_facts:
         out["ansible_facts"] = host_facts(result, host)
     return out
+
+
+def probe_report(module: ModuleShell, params: dict[str, Any], binding: Any, host: str) -> dict[str, Any]:
+    """The probe of a module that reports a failed probe rather than failing (vllm_unit's ``gpu_probe``).
+
+    Its result (``warnings`` handed to ``module.warn``), or ``{error, gpu, nvml_error}``
+    naming the host and the GPU: the caller has done its own work by then (read or stopped
+    the units), and the free-memory gate that reads the probe fails the host with the error.
+    """
+    try:
+        result = read(params, binding, host, _module_runner(module))
+    except NvmlProbeError as exc:
+        return {"error": exc.message if exc.message.startswith(host) else f"{host}: {exc.message}",
+                "gpu": exc.gpu, "nvml_error": exc.code}
+    for warning in result.pop("warnings"):
+        module.warn(warning)
+    return result
 
 
 def run(module: ModuleShell, binding: Any, *, set_facts: bool, missing_binding: str, import_error: str | None) -> NoReturn:

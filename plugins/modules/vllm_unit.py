@@ -174,6 +174,50 @@ options:
         type: list
         elements: str
         default: []
+  gpu_probe:
+    description:
+      - With O(state=status), then read the GPUs through NVML, in the same round trip, while the instances serve;
+        with O(state=snapshot), after the snapshot and the stop (O(stop=true)). RV(gpu_probe) is the reading, as
+        M(gpufleet.vllm.gpu_memory_info) returns it with the same options, for the free-memory gate before and after
+        the stop (the P(gpufleet.vllm.vllm_service#role) role compares it with the plan's floors).
+      - An NVML failure does not fail the module, which has read or stopped the units by then; RV(gpu_probe) holds the
+        error, and the gate that reads it fails the host. Bad options, or an interpreter without C(pynvml), are refused
+        before anything is read or stopped.
+      - The module's action plugin runs the module with O(gpu_probe.python), the interpreter that imports C(pynvml)
+        (C(nvidia-ml-py)), whatever C(ansible_python_interpreter) says.
+    type: dict
+    version_added: 1.2.0
+    suboptions:
+      python:
+        description:
+          - The Python interpreter on the host that imports C(pynvml), for example the vLLM virtual environment's
+            (the fact C(gpu_probe_interpreter) the P(gpufleet.vllm.gpu_probe#role) role chooses).
+        type: path
+        required: true
+      devices:
+        description: GPUs to read, by index or UUID (O(gpufleet.vllm.gpu_memory_info#module:devices)); every GPU when omitted.
+        type: list
+        elements: str
+      samples:
+        description: Number of memory readings per GPU (O(gpufleet.vllm.gpu_memory_info#module:samples)).
+        type: int
+        default: 1
+      interval:
+        description: Seconds between two readings (O(gpufleet.vllm.gpu_memory_info#module:interval)).
+        type: float
+        default: 1.0
+      service_units:
+        description:
+          - systemd units whose processes are this host's own engine, so that their memory counts as boot-free
+            (O(gpufleet.vllm.gpu_memory_info#module:service_units)).
+        type: list
+        elements: str
+        default: []
+      service_pids:
+        description: Extra process ids that count as this host's own engine (O(gpufleet.vllm.gpu_memory_info#module:service_pids)).
+        type: list
+        elements: int
+        default: []
   close_change:
     description:
       - With O(state=restored), close the change the snapshot opened. Restore with V(false) first, restart or stop
@@ -220,6 +264,7 @@ options:
         required: true
 requirements:
   - systemd (C(systemctl)) for O(state=status), O(state=snapshot) and O(state=restored).
+  - With O(gpu_probe), C(nvidia-ml-py) (C(pynvml)) importable by O(gpu_probe.python), and the NVIDIA driver's C(libnvidia-ml.so.1).
 seealso:
   - module: gpufleet.vllm.vllm_boot_check
   - module: ansible.builtin.systemd_service
@@ -404,6 +449,14 @@ host_tools:
       description: Whether anything was written, compiled or started.
       type: bool
   sample: {written: [], compiled: [], started: [], changed: false}
+gpu_probe:
+  description:
+    - The NVML reading of O(gpu_probe) - the keys M(gpufleet.vllm.gpu_memory_info) returns (RV(gpufleet.vllm.gpu_memory_info#module:gpus),
+      the driver and NVML versions, the own processes) - or, when NVML failed, C(error) (naming the host and the GPU),
+      C(gpu) and C(nvml_error) (the NVML return code).
+  returned: when O(gpu_probe) is given
+  type: dict
+  sample: {gpus: [{index: 0, total_bytes: 48305799168, boot_free_bytes: 47739011072, processes: []}], driver_version: 550.127.05}
 account_ready:
   description: Whether the service user, group and home given in O(account) exist as set up (O(state=status)).
   returned: when O(state=status) and O(account) is given
@@ -416,12 +469,21 @@ pending:
   sample: [main]
 """
 
+import platform
+import sys
 import traceback
 from typing import Any
 
-from ansible.module_utils.basic import AnsibleModule
+from ansible.module_utils.basic import AnsibleModule, missing_required_lib
 from ansible.module_utils.common.text.converters import to_native
 
+from ansible_collections.gpufleet.vllm.plugins.module_utils._gpu_memory import (
+    ARGUMENT_SPEC as GPU_PROBE_SPEC,
+    PYNVML_IMPORT_ERROR,
+    check_params as check_gpu_probe,
+    probe_report,
+    pynvml,
+)
 from ansible_collections.gpufleet.vllm.plugins.module_utils._host_tools import ARGUMENT_SPEC as HOST_TOOLS_SPEC, HostToolsError, apply as apply_host_tools
 from ansible_collections.gpufleet.vllm.plugins.module_utils._unit_files import (
     ADOPT_PROPERTIES,
@@ -444,6 +506,7 @@ from ansible_collections.gpufleet.vllm.plugins.module_utils._unit_files import (
     validate_adopted,
     write,
 )
+from ansible_collections.gpufleet.vllm.plugins.module_utils._validate import ValidationError
 
 ARGUMENT_SPEC: dict[str, Any] = dict(
     state=dict(type="str", required=True, choices=["status", "snapshot", "present", "recorded", "restored"]),
@@ -461,6 +524,8 @@ ARGUMENT_SPEC: dict[str, Any] = dict(
     stop=dict(type="bool", default=False),
     restart=dict(type="bool", default=False),
     host_tools=dict(type="dict", options=HOST_TOOLS_SPEC),
+    # the interpreter is the action plugin's: it runs the module with gpu_probe.python
+    gpu_probe=dict(type="dict", options=dict(GPU_PROBE_SPEC, python=dict(type="path", required=True))),
     close_change=dict(type="bool", default=True),
     adopt_units=dict(type="list", elements="str", default=[]),
     unit_dir=dict(type="path", default="/etc/systemd/system"),
@@ -483,9 +548,10 @@ def _instances(params: dict[str, Any]) -> list[dict[str, Any]]:
     env_files = params["env_files"] or {}
     if params["names"] is not None and state not in ("snapshot", "restored"):
         raise UnitFilesError("names is for state snapshot or restored; give instances with their unit and plan")
-    for option, allowed in (("stop", "snapshot"), ("restart", "present"), ("host_tools", "present")):
-        if params[option] and state != allowed:
-            raise UnitFilesError(f"{option} is for state {allowed}")
+    for option, allowed in (("stop", ("snapshot",)), ("restart", ("present",)), ("host_tools", ("present",)),
+                            ("gpu_probe", ("status", "snapshot"))):
+        if params[option] and state not in allowed:
+            raise UnitFilesError(f"{option} is for state {' or '.join(allowed)}")
     given = params["instances"] or [{"name": name} for name in params["names"]]
     instances = [dict(i, env=env_files.get(i["name"])) for i in given]
     unknown = sorted(set(env_files) - {i["name"] for i in instances})
@@ -494,10 +560,23 @@ def _instances(params: dict[str, Any]) -> list[dict[str, Any]]:
     return instances
 
 
+def _check_gpu_probe(params: dict[str, Any]) -> None:
+    """Refuse a gpu_probe that could not run before anything is read or stopped."""
+    try:
+        check_gpu_probe(params)
+    except ValidationError as exc:
+        raise UnitFilesError(f"gpu_probe: {exc}") from None
+    if pynvml is None:
+        raise UnitFilesError(f"gpu_probe: {missing_required_lib('nvidia-ml-py')} The interpreter is {sys.executable} "
+                             f"(gpu_probe.python {params['python']}): {(PYNVML_IMPORT_ERROR or '').strip().splitlines()[-1]}")
+
+
 def _run(module: AnsibleModule, instances: list[dict[str, Any]], result: dict[str, Any]) -> list[dict[str, Any]]:
     """Carry out the state on the host; the per-instance entries (``result`` gets the rest)."""
     params, check = module.params, module.check_mode
     state = params["state"]
+    if params["gpu_probe"]:
+        _check_gpu_probe(params["gpu_probe"])
 
     def runner(argv: list[str]) -> tuple[int, str, str]:
         rc, out, err = module.run_command(argv)
@@ -545,6 +624,9 @@ def _run(module: AnsibleModule, instances: list[dict[str, Any]], result: dict[st
     else:
         entries = restore(layout, names, runner, check, systemctl_bin=systemctl, close=params["close_change"])
         result["adopted"] = restore_adopted(layout, adopt, check)
+    if params["gpu_probe"]:
+        # after the read (the instances serve) or the stop: what the gate before or after the stop compares
+        result["gpu_probe"] = probe_report(module, params["gpu_probe"], pynvml, platform.node())
     return entries
 
 

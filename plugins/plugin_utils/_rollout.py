@@ -123,24 +123,32 @@ def serial_sizes(batches: Sequence[Mapping[str, Any]]) -> list[int]:
 
 
 # ---------------------------------------------------------------- the free-memory gate
-def gate_violations(gpus: Sequence[Mapping[str, Any]], instances: Sequence[Mapping[str, Any]],
+def gate_violations(gpus: Sequence[Mapping[str, Any]] | Mapping[str, Any], instances: Sequence[Mapping[str, Any]],
                     launch: Mapping[str, Any]) -> list[str]:
     """Every rank of ``instances`` whose NVML boot-free memory is below what its start needs.
 
     ``gpus``: gpu_memory_info's ``gpus`` (``index``, ``total_bytes``, ``boot_free_bytes`` -
-    free plus what this host's own units hold - and ``processes`` with ``own``);
+    free plus what this host's own units hold - and ``processes`` with ``own``), or a whole
+    reading with them under ``gpus`` (vllm_unit's ``gpu_probe``); a reading whose probe
+    failed (``error``) fails the gate with its error;
     ``instances``: ``{name, gpus}``, rank ``r`` on ``gpus[r]``; ``launch``: the class's launch
     record (``_launch``, utilization resolved). A manual budget needs the record's floor for
     the rank (``free_floor_bytes``); automatic profiling needs ``ceil(total * utilization)``,
     vLLM's own startup check. One sentence per rank that fails.
     """
     record = check_launch(launch)
+    if isinstance(gpus, Mapping):
+        if gpus.get("error"):
+            return [f"the NVML probe failed: {gpus['error']}"]
+        read: Sequence[Mapping[str, Any]] = gpus["gpus"]
+    else:
+        read = gpus
     floors = record["free_floor_bytes"]
     auto = not record["manual"]
     if auto and record["gpu_memory_utilization"] is None:
         raise LaunchError("launch.gpu_memory_utilization: an auto_profile record needs the utilization (launch_contract sets it)")
     utilization = float(record["gpu_memory_utilization"] or 0)
-    by_index = {int(g["index"]): g for g in gpus}
+    by_index = {int(g["index"]): g for g in read}
     out = []
     for inst in instances:
         for rank, index in enumerate(int(g) for g in inst["gpus"]):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import platform
 from typing import Any
 
 import pytest
@@ -17,6 +18,7 @@ from ansible.module_utils.basic import AnsibleModule
 from ansible.module_utils.testing import patch_module_args
 
 from ansible_collections.gpufleet.vllm.plugins.modules import vllm_unit
+from ansible_collections.gpufleet.vllm.tests.unit.plugins.module_utils.test_nvml_probe import FakeNvml, make_state
 
 SECRET = "hf_unit_test_secret_0123456789"
 ENV = f'# Managed by gpufleet.vllm\nHF_TOKEN="{SECRET}"\n'
@@ -123,3 +125,100 @@ def test_host_tools_are_for_state_present(tmp_path, capsys, monkeypatch, fake_sy
                                                     "unit_dir": str(tmp_path), "state_dir": str(tmp_path / "gpufleet"),
                                                     "host_tools": {"files": []}})
     assert rc == 1 and "vllm_unit (status): host_tools is for state present" in result["msg"], result
+
+
+# ---------------------------------------------------------------- gpu_probe: the gates' NVML reading
+@pytest.fixture
+def running_systemctl(tmp_path, monkeypatch) -> Any:
+    """systemctl where every vllm-* unit is loaded and active until ``systemctl stop``, which it logs."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    log = tmp_path / "systemctl.log"
+    script = bin_dir / "systemctl"
+    script.write_text(
+        "#!/bin/sh\n"
+        f"echo \"$*\" >> {log}\n"
+        f"if [ \"$1\" = stop ]; then touch {tmp_path}/stopped; exit 0; fi\n"
+        f"state=active; [ -e {tmp_path}/stopped ] && state=inactive\n"
+        "for a in \"$@\"; do case $a in vllm-*) "
+        "printf 'LoadState=loaded\\nActiveState=%s\\nNeedDaemonReload=no\\n\\n' $state;; esac; done\n")
+    script.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    return tmp_path / "stopped"
+
+
+class StopAwareNvml(FakeNvml):
+    """FakeNvml that notes, when NVML is initialised, whether the fake systemctl had stopped the units."""
+
+    def __init__(self, state: dict[str, Any], stopped: Any) -> None:
+        super().__init__(state)
+        self.stopped_marker = stopped
+        self.seen_stopped: list[bool] = []
+
+    def nvmlInit(self) -> None:
+        self.seen_stopped.append(self.stopped_marker.exists())
+        super().nvmlInit()
+
+
+def probe_args(tmp_path, state: str, **probe: Any) -> dict[str, Any]:
+    (tmp_path / "systemd").mkdir(exist_ok=True)
+    base = {"state": state, "unit_dir": str(tmp_path / "systemd"), "state_dir": str(tmp_path / "gpufleet"),
+            "gpu_probe": dict({"python": "/opt/vllm/venv/bin/python", "devices": ["1"], "samples": 2, "interval": 0,
+                               "service_units": ["vllm-main.service"]}, **probe)}
+    return base | ({"instances": [{"name": "main", "unit": UNIT}]} if state == "status" else {"names": ["main"], "stop": True})
+
+
+def test_status_reads_the_gpus_in_the_same_call_while_the_instances_serve(tmp_path, capsys, monkeypatch, running_systemctl):
+    nvml = StopAwareNvml(make_state(2), running_systemctl)
+    monkeypatch.setattr(vllm_unit, "pynvml", nvml)
+    rc, result, _logged = run(capsys, monkeypatch, probe_args(tmp_path, "status"))
+    assert rc == 0, result
+    assert result["pending"] == ["main"]
+    assert [g["index"] for g in result["gpu_probe"]["gpus"]] == [1] and result["gpu_probe"]["gpus"][0]["samples"] == 2
+    assert result["gpu_probe"]["gpus"][0]["boot_free_bytes"] > 0
+    assert nvml.seen_stopped == [False] and not running_systemctl.exists()
+
+
+def test_snapshot_reads_the_gpus_after_the_stop(tmp_path, capsys, monkeypatch, running_systemctl):
+    nvml = StopAwareNvml(make_state(2), running_systemctl)
+    monkeypatch.setattr(vllm_unit, "pynvml", nvml)
+    rc, result, _logged = run(capsys, monkeypatch, probe_args(tmp_path, "snapshot"))
+    assert rc == 0, result
+    assert result["stopped"] == ["vllm-main.service"] and result["changed"] is True
+    assert nvml.seen_stopped == [True], "the gate after the stop read NVML before the units had stopped"
+    assert [g["index"] for g in result["gpu_probe"]["gpus"]] == [1]
+
+
+def test_an_nvml_failure_is_reported_for_the_gate_after_the_stop_not_raised(tmp_path, capsys, monkeypatch, running_systemctl):
+    state = make_state(2)
+    state["gpus"][1]["error"] = 15
+    monkeypatch.setattr(vllm_unit, "pynvml", FakeNvml(state))
+    monkeypatch.setattr(platform, "node", lambda: "gpu-a1")
+    rc, result, _logged = run(capsys, monkeypatch, probe_args(tmp_path, "snapshot"))
+    assert rc == 0, result
+    # the snapshot and the stop happened: the rollback that the failed gate starts restores them
+    assert result["stopped"] == ["vllm-main.service"]
+    assert (tmp_path / "gpufleet" / "units" / "vllm-main.service.absent").exists()
+    assert result["gpu_probe"]["error"].startswith("gpu-a1: GPU 1: opening the GPU: GPU is lost (NVML_ERROR_GPU_IS_LOST)")
+    assert result["gpu_probe"]["gpu"] == "1" and result["gpu_probe"]["nvml_error"] == 15
+
+
+@pytest.mark.parametrize(("state", "probe", "binding", "message"), [
+    ("snapshot", {"samples": 0}, True, "vllm_unit (snapshot): gpu_probe: samples: "),
+    ("snapshot", {"interval": -1}, True, "vllm_unit (snapshot): gpu_probe: interval: "),
+    ("snapshot", {}, False, "vllm_unit (snapshot): gpu_probe: Failed to import the required Python library (nvidia-ml-py)"),
+    ("present", {}, True, "vllm_unit (present): gpu_probe is for state status or snapshot"),
+])
+def test_a_gpu_probe_that_cannot_run_is_refused_before_anything_stops(tmp_path, capsys, monkeypatch, running_systemctl,
+                                                                     state, probe, binding, message):
+    monkeypatch.setattr(vllm_unit, "pynvml", FakeNvml(make_state(2)) if binding else None)
+    monkeypatch.setattr(vllm_unit, "PYNVML_IMPORT_ERROR", None if binding else "ModuleNotFoundError: No module named 'pynvml'")
+    args = probe_args(tmp_path, "snapshot", **probe)
+    if state == "present":
+        args = dict(args, state="present", instances=[{"name": "main", "unit": UNIT}], names=None, stop=False)
+        del args["names"]
+    rc, result, _logged = run(capsys, monkeypatch, args)
+    assert rc == 1 and message in result["msg"], result
+    assert not running_systemctl.exists() and not (tmp_path / "gpufleet" / "units").exists()
+    if not binding:
+        assert "gpu_probe.python /opt/vllm/venv/bin/python" in result["msg"] and "No module named 'pynvml'" in result["msg"]

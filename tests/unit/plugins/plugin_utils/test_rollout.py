@@ -261,3 +261,12 @@ def test_the_gate_takes_only_a_launch_record():
     with pytest.raises(LaunchError, match=r"auto_profile record needs the utilization"):
         gate_violations([gpu(0, 90, total=100)], [{"name": "main", "gpus": [0]}],
                         dict(launch({"decision": "auto_profile"}), gpu_memory_utilization=None))
+
+
+def test_the_gate_takes_a_whole_reading_and_fails_with_its_nvml_error():
+    """vllm_unit's gpu_probe: the GPUs under ``gpus``, or the probe's error, which fails every gate it decides."""
+    inst = [{"name": "main", "gpus": [0, 1]}]
+    reading = {"gpus": [gpu(0, 40 * GIB), gpu(1, 30 * GIB)], "driver_version": "550.127.05"}
+    assert gate_violations(reading, inst, MANUAL) == gate_violations(reading["gpus"], inst, MANUAL) != []
+    lost = {"error": "gpu-a1: GPU 1: opening the GPU: GPU is lost (NVML_ERROR_GPU_IS_LOST)", "gpu": "1", "nvml_error": 15}
+    assert gate_violations(lost, inst, MANUAL) == ["the NVML probe failed: gpu-a1: GPU 1: opening the GPU: GPU is lost (NVML_ERROR_GPU_IS_LOST)"]
