@@ -210,7 +210,7 @@ def test_an_nvml_failure_is_reported_for_the_gate_after_the_stop_not_raised(tmp_
     ("present", {}, True, "vllm_unit (present): gpu_probe is for state status or snapshot"),
 ])
 def test_a_gpu_probe_that_cannot_run_is_refused_before_anything_stops(tmp_path, capsys, monkeypatch, running_systemctl,
-                                                                     state, probe, binding, message):
+                                                                      state, probe, binding, message):
     monkeypatch.setattr(vllm_unit, "pynvml", FakeNvml(make_state(2)) if binding else None)
     monkeypatch.setattr(vllm_unit, "PYNVML_IMPORT_ERROR", None if binding else "ModuleNotFoundError: No module named 'pynvml'")
     args = probe_args(tmp_path, "snapshot", **probe)
