@@ -19,17 +19,28 @@ from ansible.plugins.action import ActionBase
 from ansible.utils.vars import merge_hash
 
 
-def module_task_vars(args: Mapping[str, Any], task_vars: Mapping[str, Any]) -> dict[str, Any]:
-    """``task_vars`` with ``ansible_python_interpreter`` set to ``gpu_probe.python`` when the module probes."""
+def module_task_vars(args: Mapping[str, Any], task_vars: Mapping[str, Any], delegate_to: str | None = None) -> dict[str, Any]:
+    """``task_vars`` with ``ansible_python_interpreter`` set to ``gpu_probe.python`` when the module probes.
+
+    A delegated task takes its interpreter from the delegated host's variables
+    (``ansible_delegated_vars``), so the interpreter is set there too.
+    """
     probe = args.get("gpu_probe")
     python = probe.get("python") if isinstance(probe, Mapping) else None
-    if isinstance(python, str) and python:
-        return dict(task_vars, ansible_python_interpreter=python)
-    return dict(task_vars)
+    if not (isinstance(python, str) and python):
+        return dict(task_vars)
+    out = dict(task_vars, ansible_python_interpreter=python)
+    delegated = task_vars.get("ansible_delegated_vars")
+    if delegate_to and isinstance(delegated, Mapping) and isinstance(delegated.get(delegate_to), Mapping):
+        out["ansible_delegated_vars"] = dict(delegated, **{delegate_to: dict(delegated[delegate_to], ansible_python_interpreter=python)})
+    return out
 
 
 class ActionModule(ActionBase):  # type: ignore[misc]  # ActionBase is Any: ansible-core ships no type information
     """Run vllm_unit on the host, with gpu_probe.python as its interpreter when it probes."""
+
+    _supports_check_mode = True
+    _supports_async = True
 
     def run(self, tmp: str | None = None, task_vars: dict[str, Any] | None = None) -> dict[str, Any]:
         result: dict[str, Any] = super().run(tmp, task_vars)
@@ -37,7 +48,7 @@ class ActionModule(ActionBase):  # type: ignore[misc]  # ActionBase is Any: ansi
         wrap_async = bool(self._task.async_val) and not self._connection.has_native_async
         result = merge_hash(result, self._execute_module(
             module_name="gpufleet.vllm.vllm_unit", module_args=self._task.args,
-            task_vars=module_task_vars(self._task.args, task_vars or {}), wrap_async=wrap_async))
+            task_vars=module_task_vars(self._task.args, task_vars or {}, self._task.delegate_to), wrap_async=wrap_async))
         if not wrap_async:
             self._remove_tmp_path(self._connection._shell.tmpdir)
         return result

@@ -34,7 +34,7 @@ __all__ = [
 ]
 
 # The NVML binding of the modules that read NVML on the host (gpu_memory_info, gpu_memory_facts,
-# vllm_audit), or why it cannot be imported (they fail with missing_required_lib).
+# vllm_audit, vllm_unit's gpu_probe), or why it cannot be imported (they fail with missing_required_lib).
 try:
     import pynvml
 except ImportError:

@@ -18,15 +18,17 @@ is tested on the real engine (tests/integration/test_real_engine.py):
 2. the same run again, with free memory moved by a few MiB, changes nothing (the budget is kept);
 3. a co-tenant appears on the second host after planning: its gate stops the rollout
    before its service is touched, the first batch keeps the new unit, the third never runs;
-4. an admission plan the class cannot hold stops the class before any host is touched;
-5. an unreachable host is left out, the others are rolled out, the run fails;
-6. a changed serve argument changes the compatibility key: plan.yml outlines what the rollout will do
+4. a co-tenant appears on the second host between its two gates: the gate after the stop (read
+   in the call that stopped the instance) fails, the host is rolled back and restarted;
+5. an admission plan the class cannot hold stops the class before any host is touched;
+6. an unreachable host is left out, the others are rolled out, the run fails;
+7. a changed serve argument changes the compatibility key: plan.yml outlines what the rollout will do
    (the chosen canary host, the outage of its production instance); the rollout forces a profiled canary
    (as the service user) and re-probes only once the slowly restarted production instance has settled;
-7. a new key under unchanged units (a driver upgrade on every host) restarts every host in its batch;
-8. wrong service inputs on the last host stop the run before the first batch;
-9. a host on another driver than its class reference stops the run before any host;
-10. a host still on a hand-written ``vllm.service`` (simulated engine) with a drop-in: the
+8. a new key under unchanged units (a driver upgrade on every host) restarts every host in its batch;
+9. wrong service inputs on the last host stop the run before the first batch;
+10. a host on another driver than its class reference stops the run before any host;
+11. a host still on a hand-written ``vllm.service`` (simulated engine) with a drop-in: the
     rollout takes it over (the canaries stop and restart it, its memory counts as the host's
     own at the gates, it is stopped and disabled in the change that starts vllm-main, kept
     with its drop-in), and rollback.yml puts it back, enabled and running.
@@ -202,6 +204,44 @@ def test_cotenant_after_planning_stops_the_rollout(fleet, seen):
         assert fleet.active(host) == "active", host
     fleet.sim.inject_cotenant("sim-ro-2", gpu=1, size=None, pid=None, remove=True)
     seen["units_3"] = after
+
+
+def test_cotenant_between_the_gates_rolls_the_host_back(fleet, seen):
+    """The gate after the stop reads the GPUs in the call that stopped the instances (vllm_unit gpu_probe).
+
+    A co-tenant that takes memory once the gate before the stop passed on sim-ro-2 is seen there:
+    the host is rolled back to the unit it ran, restarted, and sim-ro-3 is never reached.
+    """
+    before = fleet.units()
+    assert before == seen["units_3"]
+    injected, removed = threading.Event(), threading.Event()
+
+    def remove() -> None:
+        if injected.is_set() and not removed.is_set():
+            removed.set()
+            fleet.sim.inject_cotenant("sim-ro-2", gpu=0, size=None, pid=None, remove=True)
+
+    def inject(line: str) -> None:
+        if '"msg": "Free-memory gate (before stop) passed on sim-ro-2"' in line and not injected.is_set():
+            fleet.sim.inject_cotenant("sim-ro-2", gpu=0, size=1 << 30, pid=None, remove=False)
+            injected.set()
+        # gone before the rollback restarts the previous unit, whose boot gate would shrink it
+        elif "Free-memory gate (after stop) failed on sim-ro-2" in line:
+            remove()
+
+    try:
+        rc, out = fleet.rollout({"gpufleet_guard": "1GiB"}, on_line=inject)
+    finally:
+        remove()
+    assert injected.is_set(), out[-6000:]
+    assert rc != 0, "a failed gate must fail the run"
+    assert re.search(r"Free-memory gate \(after stop\) failed on sim-ro-2: main rank 0 \(GPU 0\): boot-free", out), out[-6000:]
+    assert "the previous units were restored and restarted" in out, out[-6000:]
+    after = fleet.units()
+    # sim-ro-1 already ran the plan; sim-ro-2 runs its previous unit again, sim-ro-3 was never reached
+    assert after == before
+    for host in HOSTS:
+        assert fleet.active(host) == "active", host
 
 
 def test_admission_shortfall_stops_the_class(fleet):

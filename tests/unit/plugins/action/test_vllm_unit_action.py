@@ -18,6 +18,17 @@ def test_a_probing_call_runs_with_the_probe_interpreter():
     assert HOST_VARS["ansible_python_interpreter"] == "/usr/bin/python3", "the caller's variables are not changed"
 
 
+def test_a_delegated_probing_call_runs_with_the_probe_interpreter_on_the_delegated_host():
+    delegated = {"ansible_delegated_vars": {"gpu-b2": {"ansible_python_interpreter": "/usr/bin/python3", "ansible_host": "10.0.0.2"}}}
+    out = module_task_vars({"state": "status", "gpu_probe": {"python": "/opt/vllm/venv/bin/python"}}, dict(HOST_VARS, **delegated), "gpu-b2")
+    assert out["ansible_delegated_vars"]["gpu-b2"] == {"ansible_python_interpreter": "/opt/vllm/venv/bin/python", "ansible_host": "10.0.0.2"}
+    assert delegated["ansible_delegated_vars"]["gpu-b2"]["ansible_python_interpreter"] == "/usr/bin/python3"
+
+
+def test_the_plugin_keeps_the_modules_check_mode_and_async():
+    assert ActionModule._supports_check_mode is True and ActionModule._supports_async is True
+
+
 def test_other_calls_keep_the_hosts_interpreter():
     assert module_task_vars({"state": "present", "instances": []}, HOST_VARS) == HOST_VARS
     # bad gpu_probe values are the module's to refuse, by name
@@ -26,7 +37,8 @@ def test_other_calls_keep_the_hosts_interpreter():
 
 
 def test_run_hands_the_module_those_variables():
-    task = MagicMock(args={"state": "status", "instances": [], "gpu_probe": {"python": "/opt/vllm/venv/bin/python"}}, async_val=0)
+    task = MagicMock(args={"state": "status", "instances": [], "gpu_probe": {"python": "/opt/vllm/venv/bin/python"}}, async_val=0,
+                     delegate_to=None)
     connection = MagicMock()
     connection._shell.tmpdir = "/nonexistent"
     plugin = ActionModule(task, connection, MagicMock(check_mode=False), MagicMock(), MagicMock(), MagicMock())

@@ -176,7 +176,7 @@ def test_status_reads_the_gpus_in_the_same_call_while_the_instances_serve(tmp_pa
     assert result["pending"] == ["main"]
     assert [g["index"] for g in result["gpu_probe"]["gpus"]] == [1] and result["gpu_probe"]["gpus"][0]["samples"] == 2
     assert result["gpu_probe"]["gpus"][0]["boot_free_bytes"] > 0
-    assert nvml.seen_stopped == [False] and not running_systemctl.exists()
+    assert nvml.seen_stopped == [False]
 
 
 def test_snapshot_reads_the_gpus_after_the_stop(tmp_path, capsys, monkeypatch, running_systemctl):
