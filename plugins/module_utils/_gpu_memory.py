@@ -122,6 +122,11 @@ def module_result(module: ModuleShell, binding: Any, host: str, *, set_facts: bo
     return out
 
 
+def _host_message(exc: NvmlProbeError, host: str) -> str:
+    """The probe's message, naming the host once."""
+    return exc.message if exc.message.startswith(host) else f"{host}: {exc.message}"
+
+
 def probe_report(module: ModuleShell, params: dict[str, Any], binding: Any, host: str) -> dict[str, Any]:
     """The probe of a module that reports a failed probe rather than failing (vllm_unit's ``gpu_probe``).
 
@@ -132,8 +137,7 @@ def probe_report(module: ModuleShell, params: dict[str, Any], binding: Any, host
     try:
         result = read(params, binding, host, _module_runner(module))
     except NvmlProbeError as exc:
-        return {"error": exc.message if exc.message.startswith(host) else f"{host}: {exc.message}",
-                "gpu": exc.gpu, "nvml_error": exc.code}
+        return {"error": _host_message(exc, host), "gpu": exc.gpu, "nvml_error": exc.code}
     for warning in result.pop("warnings"):
         module.warn(warning)
     return result
@@ -155,8 +159,7 @@ def run(module: ModuleShell, binding: Any, *, set_facts: bool, missing_binding: 
     try:
         result = module_result(module, binding, host, set_facts=set_facts)
     except NvmlProbeError as exc:
-        msg = exc.message if exc.message.startswith(host) else f"{host}: {exc.message}"
-        module.fail_json(msg=msg, gpu=exc.gpu, nvml_error=exc.code)
+        module.fail_json(msg=_host_message(exc, host), gpu=exc.gpu, nvml_error=exc.code)
     for warning in result.pop("warnings"):
         module.warn(warning)
     module.exit_json(**result)
