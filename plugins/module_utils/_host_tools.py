@@ -197,7 +197,9 @@ def apply(params: t.Mapping[str, t.Any], run: Runner, systemctl: str, check: boo
             continue
         result["started"].append(unit)
         if not check:
-            for action in ("enable", "restart" if active else "start"):
-                _run(run, [systemctl, action, unit], f"systemctl {action} {unit}")
+            # systemd was reloaded above when a file changed: enable need not reload it again
+            _run(run, [systemctl, "enable", "--no-reload", unit], f"systemctl enable {unit}")
+            action = "restart" if active else "start"
+            _run(run, [systemctl, action, unit], f"systemctl {action} {unit}")
     result["changed"] = bool(written or result["compiled"] or result["started"])
     return result

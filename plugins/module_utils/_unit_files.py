@@ -151,9 +151,13 @@ def check_content(name: str, kind: str, content: object) -> str:
 
 
 # role variable (less the vllm_service_ prefix) -> check; every one is rendered into the unit
-_SERVICE_PATHS = ("executable", "home", "state_dir", "unit_dir")
+_SERVICE_PATHS = ("executable", "home", "state_dir", "unit_dir", "boot_gate_python", "boot_gate_bin", "boot_gate_lib_dir",
+                  "metrics_textfile_dir", "metrics_python", "metrics_bin")
 _SERVICE_COUNTS = {"restart_sec": 0, "start_limit_burst": 0, "start_limit_interval_sec": 0,
-                   "timeout_stop_sec": 0, "boot_timeout": 1, "gate_samples": 1, "min_tokens": 0}
+                   "timeout_stop_sec": 0, "boot_timeout": 1, "gate_samples": 1, "min_tokens": 0, "metrics_interval_sec": 1}
+BOOT_GATE_POLICIES = ("refuse", "shrink", "profile")
+# inputs with a role default: a given null is a mistake, not "unset"
+_DEFAULTED = ("metrics", "metrics_interval_sec")
 _MAX_GPUS = 1024
 
 
@@ -244,12 +248,20 @@ def service_input_problems(inputs: t.Mapping[str, t.Any]) -> list[str]:
     if _check(problems, v.text, get("model"), "vllm_service_model") and str(get("model")).startswith("-"):
         problems.append("vllm_service_model: must not start with '-' (vLLM would read it as an option)")
     for key in _SERVICE_PATHS:
-        _check(problems, v.abs_path, get(key), "vllm_service_" + key)
+        # the boot gate's and the exporter's paths have defaults: only a given one is checked
+        if key in ("executable", "home", "state_dir", "unit_dir") or "vllm_service_" + key in inputs:
+            _check(problems, v.abs_path, get(key), "vllm_service_" + key)
     for key in ("user", "group"):
         _check(problems, v.account_name, get(key), "vllm_service_" + key)
-    _check(problems, v.text, get("listen_host"), "vllm_service_listen_host")
-    if isinstance(get("listen_host"), str) and any(c.isspace() for c in get("listen_host")):
-        problems.append("vllm_service_listen_host: must not contain whitespace")
+    for key in ("listen_host", "health_host"):
+        if key == "listen_host" or "vllm_service_" + key in inputs:
+            _check(problems, v.text, get(key), "vllm_service_" + key)
+            if isinstance(get(key), str) and any(c.isspace() for c in get(key)):
+                problems.append(f"vllm_service_{key}: must not contain whitespace")
+    if "vllm_service_boot_gate" in inputs and get("boot_gate") not in BOOT_GATE_POLICIES:
+        problems.append(f"vllm_service_boot_gate: must be one of {', '.join(BOOT_GATE_POLICIES)}, got {get('boot_gate')!r}")
+    if get("compat_key_hash"):
+        _check(problems, v.text, get("compat_key_hash"), "vllm_service_compat_key_hash")
     if get("host_class"):
         _check(problems, v.class_name, get("host_class"), "vllm_service_host_class")
     item_rules: dict[str, t.Callable[[object, str], str]] = {"read_write_paths": v.abs_path, "device_allow": v.text, "after_units": v.systemd_unit_name}
@@ -261,15 +273,15 @@ def service_input_problems(inputs: t.Mapping[str, t.Any]) -> list[str]:
         for i, item in enumerate(items):
             _check(problems, rule, item, f"vllm_service_{key}[{i}]")
     for key, low in _SERVICE_COUNTS.items():
-        if get(key) is not None:
+        if get(key) is not None or (key in _DEFAULTED and "vllm_service_" + key in inputs):
             _check(problems, v.integer, get(key), "vllm_service_" + key, low=low)
     for key, bounds in (("gate_interval", {"low": 0}),
                         ("auto_gpu_memory_utilization", {"low": 0, "high": 1, "low_open": True})):
         # both have defaults: a given null is a mistake, not "unset"
         if "vllm_service_" + key in inputs:
             _check(problems, v.number, get(key), "vllm_service_" + key, **bounds)
-    for key in ("create_user", "boot_check"):
-        if get(key) is not None:
+    for key in ("create_user", "boot_check", "metrics"):
+        if get(key) is not None or (key in _DEFAULTED and "vllm_service_" + key in inputs):
             _check(problems, v.boolean, get(key), "vllm_service_" + key)
     instances = get("instances") if isinstance(get("instances"), (list, tuple)) else []
     names = [str(i.get("name")) for i in instances if isinstance(i, t.Mapping)]

@@ -97,6 +97,16 @@ options:
         budget and tokens the gate started (never above O(expected_kv_cache_memory_bytes)) and reported in
         RV(degraded); a start the gate turned into vLLM's own profiling is not compared with a byte budget.
     type: path
+  fail_degraded:
+    description:
+      - Fail the check when the boot gate started the unit degraded (RV(degraded) set) instead of the plan, naming
+        what the gate lowered; a deploy that must start what it planned sets it (the P(gpufleet.vllm.vllm_service#role)
+        role does).
+      - With V(false) a degraded start is only reported in RV(degraded).
+      - Needs O(boot_gate_state).
+    type: bool
+    default: false
+    version_added: 1.2.0
   record:
     description:
       - After a boot that passed every check and that the boot gate did not shrink (RV(degraded) empty), write the
@@ -341,6 +351,7 @@ def main() -> None:
             journal=dict(type="bool", default=True),
             log_path=dict(type="path"),
             boot_gate_state=dict(type="path"),
+            fail_degraded=dict(type="bool", default=False),
             record=dict(type="dict", options=dict(
                 name=dict(type="str", required=True),
                 plan=dict(type="dict", required=True),
@@ -349,7 +360,7 @@ def main() -> None:
                 plan_group=dict(type="str", default="root"),
             )),
         ),
-        required_if=[("journal", True, ("unit",)), ("journal", False, ("log_path",))],
+        required_if=[("journal", True, ("unit",)), ("journal", False, ("log_path",)), ("fail_degraded", True, ("boot_gate_state",))],
         mutually_exclusive=[("launch", "expected_kv_cache_memory_bytes"), ("launch", "free_floor_bytes")],
         supports_check_mode=True,
     )
@@ -397,9 +408,14 @@ def main() -> None:
     except Exception as exc:  # pylint: disable=broad-exception-caught
         module.fail_json(msg=f"vllm_boot_check failed unexpectedly: {to_native(exc)}", exception=traceback.format_exc())
 
+    where = spec.unit or result.get("url")
     if not result["ok"]:
-        where = spec.unit or result.get("url")
         module.fail_json(msg=f"vLLM boot check of {where} failed: " + "; ".join(result["reasons"]), **result)
+    if module.params["fail_degraded"] and result.get("degraded"):
+        # nothing was recorded (above): the change stays open for the caller's rollback
+        degraded = result["degraded"]
+        what = degraded.get("message") if isinstance(degraded, dict) and degraded.get("message") else degraded
+        module.fail_json(msg=f"{where}: the boot gate started it degraded instead of the plan: {what}", **result)
     module.exit_json(changed=changed, **result)
 
 

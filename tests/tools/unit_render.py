@@ -154,7 +154,21 @@ def role_vars(case: Mapping[str, Any]) -> dict[str, Any]:
     data.update(yaml.safe_load((ROLE / "vars" / "main.yml").read_text()))
     data.update(case)
     data["vllm_service_instances"] = [case["vllm_service_instance"]]
-    return data
+    # the defaults that are templates (vllm_service_boot_gate_python, vllm_service_health_host, ...)
+    # reach the validate tasks rendered
+    from ansible.parsing.dataloader import DataLoader  # pylint: disable=import-outside-toplevel
+    from ansible.template import Templar  # pylint: disable=import-outside-toplevel
+
+    try:
+        from ansible.template import trust_as_template  # pylint: disable=import-outside-toplevel
+    except ImportError:  # ansible-core before 2.19 templates every string
+        def trust_as_template(value: str) -> str:
+            return value
+
+    data = {k: trust_as_template(v) if isinstance(v, str) and "{{" in v else v for k, v in data.items()}
+    templar = Templar(loader=DataLoader(), variables=data)
+    return {k: templar.template(v) if k.startswith("vllm_service_") and isinstance(v, str) and "{{" in v else v
+            for k, v in data.items()}
 
 
 def hostile_case(executable: str, name: str = "q", port: int = 8000, gpus: list[int] | None = None,

@@ -208,8 +208,14 @@ ROLE_BAD = st.one_of(
     st.tuples(st.just("vllm_service_plan"), st.builds(lambda u: dict(ROLE_OK["vllm_service_plan"], gpu_memory_utilization=u),
                                                       st.one_of(BAD_NUMBER, st.floats(min_value=1.01, max_value=1e9))),
               st.just("gpu_memory_utilization")),
-    st.tuples(st.sampled_from(["vllm_service_home", "vllm_service_executable", "vllm_service_state_dir"]),
+    st.tuples(st.sampled_from(["vllm_service_home", "vllm_service_executable", "vllm_service_state_dir",
+                               "vllm_service_boot_gate_python", "vllm_service_boot_gate_bin", "vllm_service_boot_gate_lib_dir",
+                               "vllm_service_metrics_textfile_dir", "vllm_service_metrics_python", "vllm_service_metrics_bin"]),
               st.one_of(BAD_TEXT, st.sampled_from(["relative", "/a b", "/a/../b"])), st.just("")),
+    st.tuples(st.sampled_from(["vllm_service_metrics", "vllm_service_boot_check"]), BAD_BOOL, st.just("")),
+    st.tuples(st.just("vllm_service_metrics_interval_sec"), st.sampled_from([0, -1, "x", 1.5, None]), st.just("")),
+    st.tuples(st.just("vllm_service_boot_gate"), st.sampled_from(["", "Shrink", "skip", None, 1]), st.just("")),
+    st.tuples(st.just("vllm_service_health_host"), st.one_of(BAD_TEXT, st.just("127.0.0.1 x")), st.just("")),
     st.tuples(st.sampled_from(["vllm_service_user", "vllm_service_group"]), BAD_NAME, st.just("")),
     st.tuples(st.just("vllm_service_create_user"), BAD_BOOL, st.just("")),
     st.tuples(st.sampled_from(["vllm_service_gate_interval", "vllm_service_auto_gpu_memory_utilization"]),
@@ -228,6 +234,15 @@ def test_vllm_service_problems(bad):
 
 def test_vllm_service_problems_accepts_the_good_inputs():
     assert F["vllm_service_problems"](ROLE_OK) == []
+    # the role's defaults of the boot gate's and the exporter's settings
+    defaults = {"vllm_service_boot_gate": "shrink", "vllm_service_boot_gate_python": "/opt/vllm/venv/bin/python3",
+                "vllm_service_boot_gate_bin": "/usr/local/libexec/gpufleet-vllm-boot-gate",
+                "vllm_service_boot_gate_lib_dir": "/usr/local/lib/gpufleet-vllm", "vllm_service_metrics": True,
+                "vllm_service_metrics_textfile_dir": "/var/lib/prometheus/node-exporter", "vllm_service_metrics_interval_sec": 60,
+                "vllm_service_metrics_python": "/opt/vllm/venv/bin/python3",
+                "vllm_service_metrics_bin": "/usr/local/libexec/gpufleet-vllm-metrics", "vllm_service_health_host": "127.0.0.1",
+                "vllm_service_compat_key_hash": ""}
+    assert F["vllm_service_problems"](dict(ROLE_OK, **defaults)) == []
 
 
 # ------------------------------------------------------------------ actions

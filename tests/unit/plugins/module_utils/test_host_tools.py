@@ -119,7 +119,7 @@ def test_apply_compiles_and_starts_after_a_change_and_does_nothing_on_a_current_
     assert first == {"written": [str(lib), str(lib / "_gate.py")], "compiled": [str(lib)], "started": ["tool.timer"], "changed": True}
     assert [c for c in run.calls if c[1] not in ("is-enabled", "is-active")] == [
         ["/usr/bin/python3", "-m", "compileall", "-q", str(lib)], ["systemctl", "daemon-reload"],
-        ["systemctl", "enable", "tool.timer"], ["systemctl", "start", "tool.timer"]]
+        ["systemctl", "enable", "--no-reload", "tool.timer"], ["systemctl", "start", "tool.timer"]]
     (lib / "__pycache__").mkdir()
     (lib / "__pycache__" / "_gate.cpython-311.pyc").write_bytes(b"")
     run = Runner(enabled={"tool.timer"})

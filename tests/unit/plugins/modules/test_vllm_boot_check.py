@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 from ansible.module_utils.testing import patch_module_args
 
-from ansible_collections.gpufleet.vllm.plugins.module_utils import _engine_process
+from ansible_collections.gpufleet.vllm.plugins.module_utils import _boot_gate, _engine_process
 from ansible_collections.gpufleet.vllm.plugins.modules import vllm_boot_check
 from ansible_collections.gpufleet.vllm.tests.unit.plugins.module_utils.test_vllm_engine import write_fake_vllm
 
@@ -55,6 +55,7 @@ def systemd_bin(tmp_path, monkeypatch):
     bindir.mkdir()
     (bindir / "systemctl").write_text(textwrap.dedent("""\
         #!/bin/sh
+        case "$*" in *InvocationID*) echo "${FAKE_INVOCATION:-}"; exit 0;; esac
         printf 'LoadState=loaded\\nActiveState=%s\\nSubState=%s\\nResult=success\\nNRestarts=0\\n' \\
             "${FAKE_ACTIVE:-active}" "${FAKE_SUB:-running}"
         printf 'ExecMainStartTimestamp=@1764450249\\n'
@@ -181,3 +182,40 @@ def test_a_failed_boot_records_nothing_and_leaves_the_change_open(capsys, engine
 def test_a_record_for_another_instance_is_refused_by_name(capsys, record, message):
     rc, out = run(capsys, {"_ansible_check_mode": True, "unit": "vllm-main.service", "record": record})
     assert rc == 1 and message in out["msg"], out
+
+
+@pytest.mark.parametrize("fail_degraded", [False, True])
+def test_a_start_the_boot_gate_shrank_fails_only_with_fail_degraded(capsys, engine, systemd_bin, tmp_path, monkeypatch, fail_degraded):
+    proc, port = engine
+    journal = tmp_path / "journal.txt"
+    journal.write_text(proc.read_log())
+    monkeypatch.setenv("FAKE_JOURNAL", str(journal))
+    monkeypatch.setenv("FAKE_INVOCATION", "0123abcd")
+    (tmp_path / "systemd").mkdir()
+    (tmp_path / "systemd" / "vllm-main.service").write_text(UNIT)
+    (tmp_path / "gpufleet" / "units").mkdir(parents=True)
+    (tmp_path / "gpufleet" / "units" / "vllm-main.service.changing").write_text("")
+    # the gate's record of this start: shrunk from the plan's 0.2 GB to the 100 MB the engine runs
+    state = tmp_path / "main.boot-gate.json"
+    state.write_text(json.dumps({
+        "format": _boot_gate.STATE_FORMAT, "invocation_id": "0123abcd", "action": "shrink", "policy": "shrink",
+        "message": "boot gate (shrink) starts degraded: 200000000 -> 100000000 B", "started": {"kv_cache_memory_bytes": 100000000},
+        "degraded": {"kv_cache_memory_bytes_before": 200000000, "kv_cache_memory_bytes_after": 100000000}}))
+    rc, out = run(capsys, {"unit": "vllm-main.service", "port": port, "expected_kv_cache_memory_bytes": 200000000, "timeout": 10,
+                           "boot_gate_state": str(state), "fail_degraded": fail_degraded,
+                           "record": {"name": "main", "plan": {"format": 3}, "unit_dir": str(tmp_path / "systemd"),
+                                      "state_dir": str(tmp_path / "gpufleet")}})
+    # the boot itself passed against what the gate started; a degraded start records nothing either way
+    assert out["ok"] is True and out["degraded"]["kv_cache_memory_bytes_after"] == 100000000
+    assert "recorded" not in out and not (tmp_path / "gpufleet" / "main.plan.json").exists()
+    assert (tmp_path / "gpufleet" / "units" / "vllm-main.service.changing").exists()
+    if fail_degraded:
+        assert rc == 1 and out["msg"] == ("vllm-main.service: the boot gate started it degraded instead of the plan: "
+                                          "boot gate (shrink) starts degraded: 200000000 -> 100000000 B")
+    else:
+        assert rc == 0 and out["changed"] is False
+
+
+def test_fail_degraded_needs_the_boot_gate_state(capsys):
+    rc, out = run(capsys, {"_ansible_check_mode": True, "unit": "vllm-main.service", "fail_degraded": True})
+    assert rc == 1 and "fail_degraded is True but all of the following are missing: boot_gate_state" in out["msg"], out
