@@ -102,8 +102,8 @@ options:
       - Fail the check when the boot gate started the unit degraded (RV(degraded) set) instead of the plan, naming
         what the gate lowered; a deploy that must start what it planned sets it (the P(gpufleet.vllm.vllm_service#role)
         role does).
-      - With V(false) a degraded start is only reported in RV(degraded). Without O(boot_gate_state) no start is
-        degraded.
+      - With V(false) a degraded start is only reported in RV(degraded).
+      - Needs O(boot_gate_state).
     type: bool
     default: false
     version_added: 1.2.0
@@ -360,7 +360,7 @@ def main() -> None:
                 plan_group=dict(type="str", default="root"),
             )),
         ),
-        required_if=[("journal", True, ("unit",)), ("journal", False, ("log_path",))],
+        required_if=[("journal", True, ("unit",)), ("journal", False, ("log_path",)), ("fail_degraded", True, ("boot_gate_state",))],
         mutually_exclusive=[("launch", "expected_kv_cache_memory_bytes"), ("launch", "free_floor_bytes")],
         supports_check_mode=True,
     )

@@ -215,3 +215,7 @@ def test_a_start_the_boot_gate_shrank_fails_only_with_fail_degraded(capsys, engi
     else:
         assert rc == 0 and out["changed"] is False
 
+
+def test_fail_degraded_needs_the_boot_gate_state(capsys):
+    rc, out = run(capsys, {"_ansible_check_mode": True, "unit": "vllm-main.service", "fail_degraded": True})
+    assert rc == 1 and "fail_degraded is True but all of the following are missing: boot_gate_state" in out["msg"], out
