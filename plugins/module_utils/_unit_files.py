@@ -45,7 +45,6 @@ import grp
 import hashlib
 import json
 import os
-import pwd
 import stat
 import tempfile
 import typing as t
@@ -536,17 +535,6 @@ def plan_restart_reasons(recorded: t.Mapping[str, t.Any], wanted: t.Mapping[str,
 def plan_bytes(plan: t.Mapping[str, t.Any]) -> bytes:
     """A plan file as the boot gate and applications read it: indented JSON, sorted keys."""
     return (json.dumps(dict(plan), indent=4, sort_keys=True, ensure_ascii=False) + "\n").encode("utf-8")
-
-
-def account_ready(user: str, group: str, home: str, home_mode: int = 0o750) -> bool:
-    """The service user and group exist and own the home directory with this mode (what setup creates)."""
-    try:
-        uid = pwd.getpwnam(user).pw_uid
-        gid = grp.getgrnam(group).gr_gid
-        st = os.stat(home)
-    except (KeyError, OSError):
-        return False
-    return stat.S_ISDIR(st.st_mode) and (st.st_uid, st.st_gid, stat.S_IMODE(st.st_mode)) == (uid, gid, home_mode)
 
 
 def read_plan(layout: Layout, name: str) -> dict[str, t.Any]:

@@ -246,8 +246,9 @@ options:
     default: root
   account:
     description:
-      - With O(state=status), also report in RV(account_ready) whether this service user and group exist and own
-        this home directory with mode 0750, so that creating them can be skipped.
+      - With O(state=present), the service account the units run as, made what they expect before any file is
+        written (its group may be O(plan_group)), and the model checked as that user, in the same round trip - what
+        M(gpufleet.vllm.vllm_account) does with O(state=present), with the same suboptions.
     type: dict
     suboptions:
       user:
@@ -262,6 +263,13 @@ options:
         description: Home directory of the service.
         type: path
         required: true
+      create:
+        description: Create the group and the user where they do not exist.
+        type: bool
+        default: true
+      model:
+        description: A local model directory or file the user must be able to read, all of it; checked before any file is written.
+        type: path
 requirements:
   - systemd (C(systemctl)) for O(state=status), O(state=snapshot) and O(state=restored).
   - With O(gpu_probe), C(nvidia-ml-py) (C(pynvml)) importable by O(gpu_probe.python), and the NVIDIA driver's C(libnvidia-ml.so.1).
@@ -457,10 +465,12 @@ gpu_probe:
   returned: when O(gpu_probe) is given
   type: dict
   sample: {gpus: [{index: 0, total_bytes: 48305799168, boot_free_bytes: 47739011072, processes: []}], driver_version: 550.127.05}
-account_ready:
-  description: Whether the service user, group and home given in O(account) exist as set up (O(state=status)).
-  returned: when O(state=status) and O(account) is given
-  type: bool
+account:
+  description: What O(account) created or changed and whether the model was checked (RV(gpufleet.vllm.vllm_account#module:account_changed),
+    RV(gpufleet.vllm.vllm_account#module:ready), RV(gpufleet.vllm.vllm_account#module:model_checked)).
+  returned: when O(state=present) and O(account) is given
+  type: dict
+  sample: {account_changed: [group, user, home], ready: true, model_checked: true, changed: true}
 pending:
   description: Names of the pending instances (O(state=status)).
   returned: when O(state=status)
@@ -485,12 +495,16 @@ from ansible_collections.gpufleet.vllm.plugins.module_utils._gpu_memory import (
     pynvml,
 )
 from ansible_collections.gpufleet.vllm.plugins.module_utils._host_tools import ARGUMENT_SPEC as HOST_TOOLS_SPEC, HostToolsError, apply as apply_host_tools
+from ansible_collections.gpufleet.vllm.plugins.module_utils._service_account import (
+    ARGUMENT_SPEC as ACCOUNT_SPEC,
+    AccountError,
+    apply as apply_account,
+)
 from ansible_collections.gpufleet.vllm.plugins.module_utils._unit_files import (
     ADOPT_PROPERTIES,
     SHOW_PROPERTIES,
     Layout,
     UnitFilesError,
-    account_ready,
     adopted_status,
     adoption_reasons,
     group_id,
@@ -531,14 +545,7 @@ ARGUMENT_SPEC: dict[str, Any] = dict(
     unit_dir=dict(type="path", default="/etc/systemd/system"),
     state_dir=dict(type="path", default="/etc/gpufleet"),
     plan_group=dict(type="str", default="root"),
-    account=dict(
-        type="dict",
-        options=dict(
-            user=dict(type="str", required=True),
-            group=dict(type="str", required=True),
-            home=dict(type="path", required=True),
-        ),
-    ),
+    account=dict(type="dict", options=ACCOUNT_SPEC),
 )
 
 
@@ -548,7 +555,7 @@ def _instances(params: dict[str, Any]) -> list[dict[str, Any]]:
     env_files = params["env_files"] or {}
     if params["names"] is not None and state not in ("snapshot", "restored"):
         raise UnitFilesError("names is for state snapshot or restored; give instances with their unit and plan")
-    for option, allowed in (("stop", ("snapshot",)), ("restart", ("present",)), ("host_tools", ("present",)),
+    for option, allowed in (("stop", ("snapshot",)), ("restart", ("present",)), ("host_tools", ("present",)), ("account", ("present",)),
                             ("gpu_probe", ("status", "snapshot"))):
         if params[option] and state not in allowed:
             raise UnitFilesError(f"{option} is for state {' or '.join(allowed)}")
@@ -578,10 +585,16 @@ def _run(module: AnsibleModule, instances: list[dict[str, Any]], result: dict[st
     if params["gpu_probe"]:
         _check_gpu_probe(params["gpu_probe"])
 
-    def runner(argv: list[str]) -> tuple[int, str, str]:
-        rc, out, err = module.run_command(argv)
+    def runner(argv: list[str], cwd: str | None = None) -> tuple[int, str, str]:
+        rc, out, err = module.run_command(argv, cwd=cwd)
         return rc, out, err
 
+    # first: the units run as it, and its group may be the plan files' (plan_group)
+    if state == "present" and params["account"]:
+        try:
+            result["account"] = apply_account(params["account"], runner, check)
+        except AccountError as exc:
+            raise UnitFilesError(f"account: {exc}") from None
     # the group may not exist yet when a first deploy is only being compared or snapshotted
     writes_plan_group = state in ("present", "recorded") and not check
     plan_gid = group_id(params["plan_group"], writes_plan_group) if state in ("present", "recorded", "restored") else 0
@@ -600,9 +613,6 @@ def _run(module: AnsibleModule, instances: list[dict[str, Any]], result: dict[st
             entry["reasons"] = entry["reasons"] + adoption_reasons(result["adopted"])
             entry["pending"] = bool(entry["reasons"])
         result["pending"] = [e["name"] for e in entries if e["pending"]]
-        if params["account"]:
-            acct = params["account"]
-            result["account_ready"] = account_ready(acct["user"], acct["group"], acct["home"])
     elif state == "snapshot":
         entries = snapshot(layout, names, systemctl_show(runner, systemctl), check)
         result["adopted"] = snapshot_adopted(layout, adopt, systemctl_show(runner, systemctl, ADOPT_PROPERTIES), check,
@@ -652,7 +662,8 @@ def main() -> None:
     changes = [e.pop("changed", False) for e in entries + result.get("adopted", [])]
     if state != "status":
         result["changed"] = any(changes) or bool(result.get("stopped") or result.get("started")) or \
-            bool(result.get("host_tools", {}).get("changed"))
+            bool(result.get("host_tools", {}).get("changed")) or \
+            bool(result.get("account", {}).get("changed"))
     result["instances"] = entries
     module.exit_json(**result)
 

@@ -88,8 +88,8 @@ def collections_path(tmp_path_factory):
 @pytest.fixture(scope="module")
 def texts(collections_path) -> dict[str, str]:
     return doc_examples.examples(collections_path, "module",
-                                 ["gpu_memory_facts", "gpu_memory_info", "vllm_audit", "vllm_boot_check", "vllm_canary", "vllm_host_tools",
-                                  "vllm_runtime_info", "vllm_unit"])
+                                 ["gpu_memory_facts", "gpu_memory_info", "vllm_account", "vllm_audit", "vllm_boot_check", "vllm_canary",
+                                  "vllm_host_tools", "vllm_runtime_info", "vllm_unit"])
 
 
 @pytest.fixture(scope="module")
@@ -173,6 +173,32 @@ def test_vllm_unit_examples(sim, collections_path, texts, tmp_path):
     # the snapshot was taken before the unit existed: restoring it removes what the examples wrote
     for path in ("/etc/systemd/system/vllm-main.service", "/etc/gpufleet/vllm-main.env", "/etc/gpufleet/main.plan.json"):
         assert sim.h.exec(HOST, ["test", "-e", path]).returncode != 0, path
+
+
+def test_vllm_account_examples(sim, collections_path, texts, tmp_path):
+    out = tmp_path / "account.json"
+    existed = sim.h.exec(HOST, ["getent", "passwd", "vllm"]).returncode == 0
+    playbook = doc_examples.module_playbook(texts["vllm_account"], HOST, post_tasks=[keep(out, "access")])
+    try:
+        proc = run(sim, collections_path, tmp_path, playbook)
+        doc_examples.assert_examples_ran(proc, texts["vllm_account"])
+        # the first example made the account (useradd on a real host), the second found the model readable as it
+        got = json.loads(out.read_text(encoding="utf-8"))
+        assert {k: got[k] for k in ("account_changed", "ready", "model_checked")} == {
+            "account_changed": [], "ready": True, "model_checked": True}, got
+        entry = sim.h.exec(HOST, ["getent", "passwd", "vllm"], check=True).stdout.strip().split(":")
+        assert entry[5:] == ["/var/lib/vllm", "/usr/sbin/nologin"], entry
+        home = sim.h.exec(HOST, ["stat", "-c", "%U:%G %a", "/var/lib/vllm"], check=True).stdout.strip()
+        assert home == "vllm:vllm 750", home
+        # a file the user cannot read fails the check, naming it
+        sim.h.exec(HOST, ["sh", "-c", f"umask 077; touch {MODEL}/secret.bin"], check=True)
+        failed = run(sim, collections_path, tmp_path, playbook)
+        assert failed.returncode != 0 and f"the service user vllm cannot read the model {MODEL}: {MODEL}/secret.bin" in failed.stdout, \
+            failed.stdout[-3000:]
+    finally:
+        sim.h.exec(HOST, ["rm", "-f", f"{MODEL}/secret.bin"])
+        if not existed:
+            sim.h.exec(HOST, ["sh", "-c", "userdel vllm; groupdel vllm; rm -rf /var/lib/vllm"])
 
 
 def test_vllm_host_tools_examples(sim, collections_path, texts, tmp_path):

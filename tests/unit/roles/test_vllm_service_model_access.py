@@ -50,15 +50,14 @@ def test_the_rollout_checks_every_host_before_any_canary() -> None:
     assert not [task for task in every_host if (task.get("ansible.builtin.include_role") or {}).get("tasks_from") == "model_access"]
 
 
-def test_the_role_checks_again_before_it_starts_a_unit() -> None:
+def test_the_role_checks_again_in_the_call_that_creates_the_user_and_starts_the_units() -> None:
     tasks = yaml.safe_load((ROOT / "roles" / "vllm_service" / "tasks" / "deploy.yml").read_text(encoding="utf-8"))
-    names = [task["name"] for task in tasks]
-    first = tasks[0]
-    assert first.get("ansible.builtin.include_tasks") == "model_access.yml" and "vars" not in first
-    # the unit write (re)starts the instances
-    write = next(task for task in tasks if "gpufleet.vllm.vllm_unit" in task)
-    assert write["gpufleet.vllm.vllm_unit"]["restart"] is True
-    assert names.index(first["name"]) < names.index(write["name"])
+    write = next(task for task in tasks if "gpufleet.vllm.vllm_unit" in task)["gpufleet.vllm.vllm_unit"]
+    # the unit write (re)starts the instances, once the account exists and the model was found readable
+    assert write["restart"] is True
+    assert write["account"]["user"] == "{{ vllm_service_user }}" and write["account"]["create"] == "{{ vllm_service_create_user }}"
+    # where the rollout's check could not look (no user yet), and only there
+    assert "__vllm_service_model_readable" in write["account"]["model"] and "vllm_service_model" in write["account"]["model"]
 
 
 @pytest.fixture(scope="module")

@@ -8,9 +8,12 @@ tests/unit/plugins/module_utils/test_unit_files.py.
 """
 from __future__ import annotations
 
+import grp
 import json
 import os
+import pathlib
 import platform
+import pwd
 from typing import Any
 
 import pytest
@@ -104,6 +107,53 @@ def test_present_installs_the_host_tools_in_the_same_call_and_only_once(tmp_path
     assert result["instances"][0]["written"] == ["unit"]
     rc, again, _logged = run(capsys, monkeypatch, args)
     assert rc == 0 and again["changed"] is False and again["host_tools"]["changed"] is False
+
+
+@pytest.fixture
+def fake_runuser(tmp_path, monkeypatch) -> pathlib.Path:
+    """runuser runs its command as it is (the test may not run as root); a file 'unreadable' is what find prints."""
+    bin_dir = tmp_path / "runuser-bin"
+    bin_dir.mkdir()
+    script = bin_dir / "runuser"
+    script.write_text("#!/bin/sh\n[ \"$(pwd)\" = / ] || exit 97\nwhile [ \"$1\" != -- ]; do shift; done; shift\n"
+                      f"cat {bin_dir}/unreadable 2>/dev/null\nexit 0\n")
+    script.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    return bin_dir / "unreadable"
+
+
+def test_present_makes_the_account_and_checks_the_model_before_any_unit_is_written(tmp_path, capsys, monkeypatch, fake_systemctl,
+                                                                                   fake_runuser):
+    (tmp_path / "systemd").mkdir()
+    me = pwd.getpwuid(os.getuid())
+    # the user and group of this test, managed elsewhere (create: false): only the home is made theirs
+    account = {"user": me.pw_name, "group": grp.getgrgid(me.pw_gid).gr_name, "home": str(tmp_path / "home"), "create": False,
+               "model": str(tmp_path)}
+    args = {"state": "present", "instances": [{"name": "main", "unit": UNIT}], "unit_dir": str(tmp_path / "systemd"),
+            "state_dir": str(tmp_path / "gpufleet"), "account": account}
+    fake_runuser.write_text(f"{tmp_path}/weights.safetensors\n")
+    rc, result, _logged = run(capsys, monkeypatch, args)
+    assert rc == 1 and result["msg"] == (
+        f"vllm_unit (present): account: the service user {me.pw_name} cannot read the model {tmp_path}: "
+        f"{tmp_path}/weights.safetensors (give the files to that user or make them readable; the engine would fail with "
+        "FileNotFoundError)"), result
+    assert not (tmp_path / "systemd" / "vllm-main.service").exists()
+    # the account comes first (the model is checked as it): its home is there
+    assert oct((tmp_path / "home").stat().st_mode & 0o777) == "0o750"
+    fake_runuser.unlink()
+    rc, result, _logged = run(capsys, monkeypatch, args)
+    assert rc == 0, result
+    assert result["account"] == {"changed": False, "account_changed": [], "ready": True, "model_checked": True}
+    assert result["changed"] and result["instances"][0]["written"] == ["unit"]
+    rc, again, _logged = run(capsys, monkeypatch, args)
+    assert rc == 0 and again["changed"] is False and again["account"]["account_changed"] == []
+
+
+def test_the_account_is_for_state_present(tmp_path, capsys, monkeypatch, fake_systemctl):
+    rc, result, _logged = run(capsys, monkeypatch, {"state": "status", "instances": [{"name": "main", "unit": UNIT}],
+                                                    "unit_dir": str(tmp_path), "state_dir": str(tmp_path / "gpufleet"),
+                                                    "account": {"user": "vllm", "group": "vllm", "home": "/var/lib/vllm"}})
+    assert rc == 1 and result["msg"] == "vllm_unit (status): account is for state present", result
 
 
 @pytest.mark.parametrize(("host_tools", "message"), [
