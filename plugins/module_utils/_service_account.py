@@ -121,26 +121,42 @@ def ensure(runner: Runner, user: str, group: str, home: str, *, create: bool, ch
             _run(runner, ["usermod", "--gid", group, "--shell", SHELL, "--home", home, user])
             entry = _user(user)
     if entry is None or gid is None:
+        if not check:
+            # a name service that does not see a local account yet (nscd, sssd caching)
+            raise AccountError(f"the service {'group ' + group if gid is None else 'user ' + user} was created "
+                               "but is not found by name: the home is not made")
         # check mode: the account would be created first, and its home with it
-        return changed + (["home"] if not ready(user, group, home) else [])
-    parent = os.path.dirname(home.rstrip("/")) or "/"
+        return [*changed, "home"]
     try:
-        if not os.path.isdir(parent) and not check:
-            os.makedirs(parent, 0o755)
-        if not os.path.isdir(parent) or ensure_dir(home, entry.pw_uid, gid, HOME_MODE, check):
+        made_parents = _make_parents(home, check)
+        if ensure_dir(home, entry.pw_uid, gid, HOME_MODE, check) or made_parents:
             changed.append("home")
     except (UnitFilesError, OSError) as exc:
         raise AccountError(f"home: {exc}") from None
     return changed
 
 
+def _make_parents(path: str, check: bool) -> bool:
+    """Create the missing parent directories of ``path`` (root, 0755 whatever the umask); True if one was missing."""
+    missing = []
+    parent = os.path.dirname(path.rstrip("/"))
+    while parent not in ("", "/") and not os.path.isdir(parent):
+        missing.append(parent)
+        parent = os.path.dirname(parent)
+    if not check:
+        for directory in reversed(missing):
+            os.mkdir(directory, 0o755)
+            os.chmod(directory, 0o755)  # mkdir's mode goes through the umask
+    return bool(missing)
+
+
 def unreadable(runner: Runner, user: str, model: str) -> list[str]:
     """What ``user`` cannot read under ``model`` (following links), or find's own errors; [] when all is readable."""
     rc, out, err = runner(["runuser", "-u", user, "--", "find", "-L", model, "!", "-readable", "-print"], cwd="/")
-    lines = out.splitlines() + err.splitlines()
-    if rc != 0 and not lines:
-        lines = [f"find exited with status {rc}"]
-    return lines
+    if rc == 0:
+        # what find printed; a warning on stderr (PAM, runuser) with exit status 0 is no finding
+        return out.splitlines()
+    return out.splitlines() + err.splitlines() or [f"find exited with status {rc}"]
 
 
 def apply(params: t.Mapping[str, t.Any], runner: Runner, check: bool, *, read_only: bool = False) -> dict[str, t.Any]:
@@ -153,10 +169,13 @@ def apply(params: t.Mapping[str, t.Any], runner: Runner, check: bool, *, read_on
     user, group, home = _names(params)
     model = params.get("model")
     if model is not None:
+        # any absolute path vllm serve takes (the role's own rule for a model), not only a normalised one
         try:
-            model = v.abs_path(model, "model", spaces=True)
+            model = v.text(model, "model")
         except v.ValidationError as exc:
             raise AccountError(str(exc)) from None
+        if not model.startswith("/"):
+            raise AccountError(f"model: must be an absolute path (a local model), got {model!r}")
     changed = [] if read_only else ensure(runner, user, group, home, create=params["create"], check=check)
     checked = False if check and "user" in changed and _user(user) is None else \
         check_model(runner, user, model, user_optional=params.get("user_optional", False))

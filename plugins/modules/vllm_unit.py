@@ -589,7 +589,13 @@ def _run(module: AnsibleModule, instances: list[dict[str, Any]], result: dict[st
         rc, out, err = module.run_command(argv, cwd=cwd)
         return rc, out, err
 
-    # first: the units run as it, and its group may be the plan files' (plan_group)
+    names = [i["name"] for i in instances]
+    adopt = validate_adopted(params["adopt_units"], names, "adopt_units")
+    if adopt and state in ("present", "recorded"):
+        raise UnitFilesError("adopt_units is for state status, snapshot or restored")
+    systemctl = module.get_bin_path("systemctl", required=True) if state != "recorded" and (
+        state != "present" or params["restart"] or (params["host_tools"] or {}).get("units")) else ""
+    # before any file: the units run as it, and its group may be the plan files' (plan_group)
     if state == "present" and params["account"]:
         try:
             result["account"] = apply_account(params["account"], runner, check)
@@ -599,12 +605,6 @@ def _run(module: AnsibleModule, instances: list[dict[str, Any]], result: dict[st
     writes_plan_group = state in ("present", "recorded") and not check
     plan_gid = group_id(params["plan_group"], writes_plan_group) if state in ("present", "recorded", "restored") else 0
     layout = Layout(unit_dir=params["unit_dir"], state_dir=params["state_dir"], plan_gid=plan_gid)
-    names = [i["name"] for i in instances]
-    adopt = validate_adopted(params["adopt_units"], names, "adopt_units")
-    if adopt and state in ("present", "recorded"):
-        raise UnitFilesError("adopt_units is for state status, snapshot or restored")
-    systemctl = module.get_bin_path("systemctl", required=True) if state != "recorded" and (
-        state != "present" or params["restart"] or (params["host_tools"] or {}).get("units")) else ""
     if state == "status":
         entries = status(layout, instances, systemctl_show(runner, systemctl), want_diff=module._diff)
         result["adopted"] = adopted_status(adopt, systemctl_show(runner, systemctl, ADOPT_PROPERTIES))

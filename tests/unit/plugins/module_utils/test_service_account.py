@@ -29,7 +29,7 @@ class Accounts:
         self.users: dict[str, pwd.struct_passwd] = {}
         self.groups: dict[str, int] = {}
         self.calls: list[list[str]] = []
-        self.unreadable, self.find_rc = unreadable, find_rc
+        self.unreadable, self.find_rc, self.find_err = unreadable, find_rc, ""
         monkeypatch.setattr(sa, "_user", self.users.get)
         monkeypatch.setattr(sa, "_gid", self.groups.get)
 
@@ -47,7 +47,7 @@ class Accounts:
         elif argv[0] == "usermod":
             self.add_user(argv[-1], opts["--gid"], opts["--home"], opts["--shell"])
         elif argv[0] == "runuser":
-            return self.find_rc, self.unreadable, ""
+            return self.find_rc, self.unreadable, self.find_err
         return 0, "", ""
 
 
@@ -66,9 +66,33 @@ def test_a_first_call_creates_group_user_and_home_and_a_second_changes_nothing(t
     st = os.stat(home)
     assert (st.st_uid, st.st_gid, stat.S_IMODE(st.st_mode)) == (UID, GID, 0o750)
     assert stat.S_IMODE(os.stat(home.parent).st_mode) == 0o755, "a missing parent is created 0755"
+    assert stat.S_IMODE(os.stat(tmp_path / "var").st_mode) == 0o755
     accounts.calls.clear()
     again = sa.apply(params(str(home)), accounts, check=False)
     assert again == {"changed": False, "account_changed": [], "ready": True, "model_checked": False} and accounts.calls == []
+
+
+def test_missing_parents_are_0755_whatever_the_umask(tmp_path, monkeypatch):
+    accounts, home = Accounts(monkeypatch), tmp_path / "srv" / "engine" / "vllm"
+    old = os.umask(0o077)
+    try:
+        assert sa.apply(params(str(home)), accounts, check=False)["account_changed"] == ["group", "user", "home"]
+    finally:
+        os.umask(old)
+    assert [stat.S_IMODE(os.stat(p).st_mode) for p in (home.parent.parent, home.parent, home)] == [0o755, 0o755, 0o750]
+
+
+def test_an_account_the_name_service_does_not_see_after_useradd_is_an_error(tmp_path, monkeypatch):
+    accounts = Accounts(monkeypatch)
+    accounts.groups["vllm"] = GID
+
+    def useradd_unseen(argv: list[str], cwd: str | None = None) -> tuple[int, str, str]:
+        accounts.calls.append(argv)
+        return 0, "", ""
+
+    with pytest.raises(sa.AccountError, match=r"^the service user vllm was created but is not found by name: the home is not made$"):
+        sa.apply(params(str(tmp_path / "vllm")), useradd_unseen, check=False)
+    assert not (tmp_path / "vllm").exists()
 
 
 def test_check_mode_says_what_would_change_and_does_nothing(tmp_path, monkeypatch):
@@ -142,6 +166,10 @@ def test_the_model_is_checked_as_the_user_and_unreadable_files_are_named(tmp_pat
     assert accounts.calls[-1] == ["runuser", "-u", "vllm", "--", "find", "-L", "/srv/m", "!", "-readable", "-print"]
     accounts.unreadable = ""
     assert sa.apply(params(home, model="/srv/m"), accounts, check=False)["model_checked"] is True
+    # a warning on stderr with exit status 0 (PAM, runuser) is no finding
+    accounts.find_err = "runuser: warning: cannot open session\n"
+    assert sa.apply(params(home, model="/srv/m"), accounts, check=False)["model_checked"] is True
+    accounts.find_err = ""
     # find failing without output (a model path that does not exist says so on stderr in real life)
     accounts.find_rc = 1
     with pytest.raises(sa.AccountError, match=r"cannot read the model /srv/m: find exited with status 1"):
