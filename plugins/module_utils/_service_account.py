@@ -22,12 +22,13 @@ from __future__ import annotations
 import grp
 import os
 import pwd
+import stat
 import typing as t
 
 from . import _validate as v
 from ._unit_files import UnitFilesError, ensure_dir
 
-__all__ = ["ARGUMENT_SPEC", "HOME_MODE", "SHELL", "AccountError", "apply", "ensure", "ready", "unreadable"]
+__all__ = ["ARGUMENT_SPEC", "HOME_MODE", "SHELL", "AccountError", "apply", "check_model", "ensure", "ready", "unreadable"]
 
 # The suboptions of vllm_unit's account, and the options of vllm_account (which adds state and user_optional).
 ARGUMENT_SPEC: dict[str, t.Any] = {
@@ -59,11 +60,19 @@ def _names(params: t.Mapping[str, t.Any]) -> tuple[str, str, str]:
         raise AccountError(str(exc)) from None
 
 
-def _run(runner: Runner, argv: list[str]) -> str:
+def _run(runner: Runner, argv: list[str]) -> None:
     rc, out, err = runner(argv, cwd="/")
     if rc != 0:
         raise AccountError(f"{' '.join(argv)} failed (exit status {rc}): {(err or out).strip() or 'no message'}")
-    return out
+
+
+def _create(what: str, name: str, create: bool, changed: list[str], check: bool, runner: Runner, argv: list[str]) -> None:
+    """A missing group or user: created (``argv``) unless ``check``; an error when creating it is off."""
+    if not create:
+        raise AccountError(f"the service {what} {name} does not exist, and creating it is off (create: false)")
+    changed.append(what)
+    if not check:
+        _run(runner, argv)
 
 
 def _user(name: str) -> pwd.struct_passwd | None:
@@ -89,7 +98,7 @@ def ready(user: str, group: str, home: str, home_mode: int = HOME_MODE) -> bool:
         st = os.stat(home)
     except OSError:
         return False
-    return os.path.isdir(home) and (st.st_uid, st.st_gid, st.st_mode & 0o7777) == (entry.pw_uid, gid, home_mode)
+    return stat.S_ISDIR(st.st_mode) and (st.st_uid, st.st_gid, stat.S_IMODE(st.st_mode)) == (entry.pw_uid, gid, home_mode)
 
 
 def ensure(runner: Runner, user: str, group: str, home: str, *, create: bool, check: bool) -> list[str]:
@@ -98,23 +107,16 @@ def ensure(runner: Runner, user: str, group: str, home: str, *, create: bool, ch
     ``create`` false: the group and the user must exist already (an account managed elsewhere,
     a directory service); only the home is made theirs.
     """
-    changed = []
+    changed: list[str] = []
     gid = _gid(group)
     if gid is None:
-        if not create:
-            raise AccountError(f"the service group {group} does not exist, and creating it is off (create: false)")
-        changed.append("group")
-        if not check:
-            _run(runner, ["groupadd", "--system", group])
-            gid = _gid(group)
+        _create("group", group, create, changed, check, runner, ["groupadd", "--system", group])
+        gid = _gid(group)
     entry = _user(user)
     if entry is None:
-        if not create:
-            raise AccountError(f"the service user {user} does not exist, and creating it is off (create: false)")
-        changed.append("user")
-        if not check:
-            _run(runner, ["useradd", "--system", "--gid", group, "--shell", SHELL, "--home-dir", home, "--no-create-home", user])
-            entry = _user(user)
+        _create("user", user, create, changed, check, runner,
+                ["useradd", "--system", "--gid", group, "--shell", SHELL, "--home-dir", home, "--no-create-home", user])
+        entry = _user(user)
     elif create and (entry.pw_gid != gid or entry.pw_dir != home or entry.pw_shell != SHELL):
         changed.append("user")
         if not check:
