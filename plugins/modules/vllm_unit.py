@@ -113,6 +113,17 @@ options:
     type: bool
     default: false
     version_added: 1.2.0
+  snapshot:
+    description:
+      - With O(state=present), first take the snapshot O(state=snapshot) takes (and keep the units of O(adopt_units)
+        with it), in the same round trip, before any file is written - for a change in which nothing has to stop
+        first, such as a first install; RV(snapshot) is what it kept.
+      - Refused before anything is kept when a service of the instances is loaded and not inactive, or a unit of
+        O(adopt_units) still runs or is enabled: those stop behind the free-memory gate first, with O(state=snapshot)
+        and O(stop=true).
+    type: bool
+    default: false
+    version_added: 1.2.0
   restart:
     description:
       - With O(state=present), then reload systemd and enable and (re)start the instances' services, in the same
@@ -228,7 +239,8 @@ options:
   adopt_units:
     description:
       - Service units the instances take over, for example V(vllm.service) (O(state=status), O(state=snapshot),
-        O(state=restored)); not one of the instances' own C(vllm-NAME.service) units.
+        O(state=restored), and O(state=present) with O(snapshot=true)); not one of the instances' own
+        C(vllm-NAME.service) units.
     type: list
     elements: str
     default: []
@@ -271,7 +283,8 @@ options:
         description: A local model directory or file the user must be able to read, all of it; checked before any file is written.
         type: path
 requirements:
-  - systemd (C(systemctl)) for O(state=status), O(state=snapshot) and O(state=restored).
+  - systemd (C(systemctl)) for O(state=status), O(state=snapshot) and O(state=restored), and for O(state=present) with
+    O(snapshot), O(restart) or O(host_tools.units).
   - With O(gpu_probe), C(nvidia-ml-py) (C(pynvml)) importable by O(gpu_probe.python), and the NVIDIA driver's C(libnvidia-ml.so.1).
 seealso:
   - module: gpufleet.vllm.vllm_boot_check
@@ -294,9 +307,10 @@ EXAMPLES = r"""
     names: [main]
   when: "'main' in vllm_status.pending"
 
-- name: Write a unit and its secret environment file
+- name: Write a unit and its secret environment file, kept first as they are (nothing runs yet to stop first)
   gpufleet.vllm.vllm_unit:
     state: present
+    snapshot: true
     instances:
       - name: main
         unit: "{{ lookup('ansible.builtin.template', 'vllm.service.j2') }}"
@@ -386,7 +400,7 @@ instances:
       unit_checksum: 0b2c6ab4a3f5bb2f1a0f1c3e5b8b1c9a7b3f0e11
 adopted:
   description: One entry per unit of O(adopt_units), in the order given.
-  returned: when O(state) is V(status), V(snapshot) or V(restored)
+  returned: when O(state) is V(status), V(snapshot) or V(restored), or V(present) with O(snapshot=true)
   type: list
   elements: dict
   contains:
@@ -424,6 +438,35 @@ adopted:
       holds: true
       running: true
       enabled: true
+snapshot:
+  description: What the snapshot kept per instance (O(state=present) with O(snapshot=true)), as RV(instances) of O(state=snapshot).
+  returned: when O(state=present) and O(snapshot=true)
+  type: list
+  elements: dict
+  contains:
+    name:
+      description: Instance name.
+      type: str
+    kept:
+      description: Files kept as copies, by kind (V(unit), V(plan), V(env)).
+      type: list
+      elements: str
+    absent:
+      description: Files recorded as absent.
+      type: list
+      elements: str
+    active_state:
+      description: The service's C(ActiveState) when the snapshot was taken.
+      type: str
+    resumed:
+      description: The snapshot of an interrupted change was kept instead of taking a new one.
+      type: bool
+  sample:
+    - name: main
+      kept: []
+      absent: [unit, plan, env]
+      active_state: inactive
+      resumed: false
 stopped:
   description: The units stopped (O(stop=true)), the instances' first, then those of O(adopt_units).
   returned: when O(state=snapshot) and O(stop=true)
@@ -514,6 +557,7 @@ from ansible_collections.gpufleet.vllm.plugins.module_utils._unit_files import (
     restore_adopted,
     snapshot,
     snapshot_adopted,
+    snapshot_before_write,
     status,
     stop_services,
     systemctl_show,
@@ -536,6 +580,7 @@ ARGUMENT_SPEC: dict[str, Any] = dict(
     names=dict(type="list", elements="str"),
     env_files=dict(type="dict", no_log=True),
     stop=dict(type="bool", default=False),
+    snapshot=dict(type="bool", default=False),
     restart=dict(type="bool", default=False),
     host_tools=dict(type="dict", options=HOST_TOOLS_SPEC),
     # the interpreter is the action plugin's: it runs the module with gpu_probe.python
@@ -555,8 +600,8 @@ def _instances(params: dict[str, Any]) -> list[dict[str, Any]]:
     env_files = params["env_files"] or {}
     if params["names"] is not None and state not in ("snapshot", "restored"):
         raise UnitFilesError("names is for state snapshot or restored; give instances with their unit and plan")
-    for option, allowed in (("stop", ("snapshot",)), ("restart", ("present",)), ("host_tools", ("present",)), ("account", ("present",)),
-                            ("gpu_probe", ("status", "snapshot"))):
+    for option, allowed in (("stop", ("snapshot",)), ("snapshot", ("present",)), ("restart", ("present",)), ("host_tools", ("present",)),
+                            ("account", ("present",)), ("gpu_probe", ("status", "snapshot"))):
         if params[option] and state not in allowed:
             raise UnitFilesError(f"{option} is for state {' or '.join(allowed)}")
     given = params["instances"] or [{"name": name} for name in params["names"]]
@@ -591,10 +636,10 @@ def _run(module: AnsibleModule, instances: list[dict[str, Any]], result: dict[st
 
     names = [i["name"] for i in instances]
     adopt = validate_adopted(params["adopt_units"], names, "adopt_units")
-    if adopt and state in ("present", "recorded"):
-        raise UnitFilesError("adopt_units is for state status, snapshot or restored")
+    if adopt and (state == "recorded" or (state == "present" and not params["snapshot"])):
+        raise UnitFilesError("adopt_units is for state status, snapshot or restored, or present with snapshot")
     systemctl = module.get_bin_path("systemctl", required=True) if state != "recorded" and (
-        state != "present" or params["restart"] or (params["host_tools"] or {}).get("units")) else ""
+        state != "present" or params["restart"] or params["snapshot"] or (params["host_tools"] or {}).get("units")) else ""
     # before any file: the units run as it, and its group may be the plan files' (plan_group)
     if state == "present" and params["account"]:
         try:
@@ -621,6 +666,10 @@ def _run(module: AnsibleModule, instances: list[dict[str, Any]], result: dict[st
             result["stopped"] = stop_services(layout, names, result["adopted"], systemctl_show(runner, systemctl, SHOW_PROPERTIES),
                                               runner, check, systemctl_bin=systemctl)
     elif state == "present":
+        if params["snapshot"]:
+            # nothing runs that has to stop behind the gate: the snapshot in this call, before any file is written
+            result["snapshot"], result["adopted"] = snapshot_before_write(
+                layout, names, adopt, systemctl_show(runner, systemctl), systemctl_show(runner, systemctl, ADOPT_PROPERTIES), check)
         if params["host_tools"]:
             try:
                 result["host_tools"] = apply_host_tools(params["host_tools"], runner, systemctl, check)
@@ -659,7 +708,7 @@ def main() -> None:
     diffs = [e.pop("diff") for e in entries if "diff" in e]
     if diffs:
         result["diff"] = diffs
-    changes = [e.pop("changed", False) for e in entries + result.get("adopted", [])]
+    changes = [e.pop("changed", False) for e in entries + result.get("adopted", []) + result.get("snapshot", [])]
     if state != "status":
         result["changed"] = any(changes) or bool(result.get("stopped") or result.get("started")) or \
             bool(result.get("host_tools", {}).get("changed")) or \

@@ -78,6 +78,9 @@ def test_env_files_must_name_given_instances(tmp_path, capsys, monkeypatch, fake
     ({"state": "snapshot", "names": ["main"], "restart": True}, "vllm_unit (snapshot): restart is for state present"),
     ({"state": "snapshot", "names": ["main"], "instances": [{"name": "main"}]}, "mutually exclusive: instances|names"),
     ({"state": "snapshot"}, "one of the following is required: instances, names"),
+    ({"state": "snapshot", "names": ["main"], "snapshot": True}, "vllm_unit (snapshot): snapshot is for state present"),
+    ({"state": "present", "instances": [{"name": "main"}], "adopt_units": ["vllm.service"]},
+     "vllm_unit (present): adopt_units is for state status, snapshot or restored, or present with snapshot"),
 ])
 def test_options_that_do_not_fit_the_state_are_refused_by_name(tmp_path, capsys, monkeypatch, fake_systemctl, args, message):
     rc, result, _logged = run(capsys, monkeypatch, dict(args, unit_dir=str(tmp_path), state_dir=str(tmp_path / "gpufleet")))
@@ -92,6 +95,33 @@ def test_a_snapshot_by_names_with_stop_keeps_the_files_and_stops_nothing_inactiv
     assert rc == 0, result
     assert result["stopped"] == [] and result["instances"][0]["absent"] == ["unit", "plan", "env"]
     assert (tmp_path / "gpufleet" / "units" / "vllm-main.service.absent").exists()
+
+
+def test_present_with_snapshot_keeps_the_files_first_in_the_same_call(tmp_path, capsys, monkeypatch, fake_systemctl):
+    (tmp_path / "systemd").mkdir()
+    args = {"state": "present", "snapshot": True, "instances": [{"name": "main", "unit": UNIT}], "env_files": {"main": ENV},
+            "unit_dir": str(tmp_path / "systemd"), "state_dir": str(tmp_path / "gpufleet")}
+    rc, result, _logged = run(capsys, monkeypatch, args)
+    assert rc == 0, result
+    assert result["snapshot"] == [{"name": "main", "kept": [], "absent": ["unit", "plan", "env"], "active_state": "inactive",
+                                   "resumed": False}]
+    assert result["instances"][0]["written"] == ["env", "unit"] and result["changed"] is True
+    # the change is open until the boot check records the plan: the next call keeps the same snapshot
+    assert (tmp_path / "gpufleet" / "units" / "vllm-main.service.changing").exists()
+    rc, again, _logged = run(capsys, monkeypatch, args)
+    assert rc == 0 and again["snapshot"][0]["resumed"] is True and again["snapshot"][0]["absent"] == ["unit", "plan", "env"]
+    assert again["changed"] is False
+
+
+def test_present_with_snapshot_writes_nothing_while_an_instance_runs(tmp_path, capsys, monkeypatch, running_systemctl):
+    (tmp_path / "systemd").mkdir()
+    args = {"state": "present", "snapshot": True, "restart": True, "instances": [{"name": "main", "unit": UNIT}],
+            "unit_dir": str(tmp_path / "systemd"), "state_dir": str(tmp_path / "gpufleet")}
+    rc, result, _logged = run(capsys, monkeypatch, args)
+    assert rc == 1 and result["msg"] == ("vllm_unit (present): snapshot: vllm-main.service still run or are enabled; take the "
+                                         "snapshot and stop them before the write (state=snapshot with stop)"), result
+    assert not (tmp_path / "systemd" / "vllm-main.service").exists() and not (tmp_path / "gpufleet").exists()
+    assert "stop" not in (tmp_path / "systemctl.log").read_text()
 
 
 def test_present_installs_the_host_tools_in_the_same_call_and_only_once(tmp_path, capsys, monkeypatch, fake_systemctl):
