@@ -599,16 +599,19 @@ def run_data(hostvars: Mapping[str, Any], groups: Mapping[str, Any], hosts_from:
     Per class, from its canary host (``gpufleet_canary_of_class``, else its first host by name):
     ``gpufleet_class_state``, with the canaries it ran (``gpufleet_reference``'s profiled canary,
     and ``vllm_canary_result`` when the manual canary gave a verdict). Per host of ``hosts_from``: its class, batch
-    (``gpufleet_batch_index``), pending instances (``vllm_service_pending``), whether it was
+    (the batch record that lists it), pending instances (``vllm_service_pending``), whether it was
     touched, and - for a host that failed in a serial batch or in the input check before them -
     the failure's message (each failed item's too) and task. ``controller``'s vars give the
-    run's start (``gpufleet_run.started``) and the batches (``gpufleet_batches``).
+    run's start (``gpufleet_run.started``) and the batches (``gpufleet_batches``, each with its
+    ``index`` and ``hosts``: the batch of a host).
 
     ``raw_vars(host)`` gives a host's vars untemplated (Ansible's ``hostvars.raw_get``): the
     failed task is read from there, since templating it whole would template its arguments
     (``{{ item }}`` of a loop) outside the task.
     """
     run = dict((hostvars.get(controller) or {}).get("gpufleet_run") or {})
+    batches = list((hostvars.get(controller) or {}).get("gpufleet_batches") or [])
+    batch_of = {h: b.get("index") for b in batches if isinstance(b, Mapping) for h in b.get("hosts") or []}
     classes: dict[str, Any] = {}
     hosts: dict[str, Any] = {}
     for host in groups.get(hosts_from) or []:
@@ -624,7 +627,7 @@ def run_data(hostvars: Mapping[str, Any], groups: Mapping[str, Any], hosts_from:
             profiled = ((reference.get("profile") or {}) if isinstance(reference, Mapping) else {}).get("canary_result")
             state["canaries"] = {"profiled": profiled, "manual": manual}
             classes[cls] = state
-        in_batch = "gpufleet_batch_index" in hv or bool(hv.get("gpufleet_inputs_failed"))
+        in_batch = host in batch_of or bool(hv.get("gpufleet_inputs_failed"))
         failure = hv.get("ansible_failed_result") if in_batch else None
         error = task = None
         if isinstance(failure, Mapping):
@@ -637,7 +640,7 @@ def run_data(hostvars: Mapping[str, Any], groups: Mapping[str, Any], hosts_from:
             task = failed_task.get("name") if isinstance(failed_task, Mapping) else None
         hosts[host] = {
             "class": cls,
-            "batch": hv.get("gpufleet_batch_index"),
+            "batch": batch_of.get(host),
             "pending": [i.get("name") for i in hv.get("vllm_service_pending") or [] if isinstance(i, Mapping)],
             "touched": bool(hv.get("vllm_service_touched")),
             "error": error,
@@ -646,8 +649,7 @@ def run_data(hostvars: Mapping[str, Any], groups: Mapping[str, Any], hosts_from:
     started = str(run.get("started") or "")
     if started and "+" not in started:
         started += "+00:00"
-    return {"started": started or None, "classes": classes, "hosts": hosts,
-            "batches": list((hostvars.get(controller) or {}).get("gpufleet_batches") or [])}
+    return {"started": started or None, "classes": classes, "hosts": hosts, "batches": batches}
 
 
 def build_report(data: Mapping[str, Any], kind: str = "rollout", generated: _dt.datetime | None = None) -> dict[str, Any]:

@@ -107,6 +107,9 @@ PLAYBOOK = """
   serial: "{{ hostvars['localhost']['gpufleet_run']['serial'] }}"
   max_fail_percentage: 0
   order: inventory
+  vars:
+    # as rollout.yml's serial play: the batch that runs
+    gpufleet_hook_batch: "{{ hostvars['localhost']['gpufleet_batches'] | last }}"
   tasks:
     - name: Show the batch start
       ansible.builtin.import_tasks: REPO/playbooks/parts/batch_start.yml

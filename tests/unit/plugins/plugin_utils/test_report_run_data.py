@@ -14,10 +14,10 @@ def fleet() -> tuple[dict, dict]:
         "localhost": {"gpufleet_run": {"started": "2026-12-02T10:00:00"}, "gpufleet_batches": [{"index": 1, "total": 1, "hosts": ["a", "b"]}]},
         # b is the class's canary host (gpufleet_canary_host), not its first by name
         "a": {"gpufleet_host_class": "l40s", "gpufleet_class_state": STATE, "gpufleet_canary_of_class": "b",
-              "gpufleet_batch_index": 1, "vllm_service_pending": [{"name": "main"}], "vllm_service_touched": True},
+              "vllm_service_pending": [{"name": "main"}], "vllm_service_touched": True},
         "b": {"gpufleet_host_class": "l40s", "gpufleet_class_state": STATE, "gpufleet_canary_of_class": "b",
               "vllm_canary_result": {"verdict": "pass"}, "gpufleet_reference": {"profile": {"canary_result": {"verdict": "pass", "mode": "profiled"}}},
-              "gpufleet_batch_index": 1, "vllm_service_pending": [{"name": "main"}], "vllm_service_touched": True,
+              "vllm_service_pending": [{"name": "main"}], "vllm_service_touched": True,
               "ansible_failed_result": {"msg": "One or more items failed", "results": [
                   {"failed": True, "msg": "vllm-main.service: boot check failed"}, {"failed": False, "msg": "ok"}]},
               "ansible_failed_task": {"name": "Start and check the new units", "args": {"msg": "{{ item }}"}}},
@@ -49,7 +49,9 @@ def test_the_failed_task_is_read_untemplated_when_ansible_gives_raw_vars():
 
 def test_a_host_that_never_reached_a_batch_has_no_error_and_no_group_means_no_host():
     hostvars, groups = fleet()
-    del hostvars["b"]["gpufleet_batch_index"]
+    hostvars["localhost"]["gpufleet_batches"] = [{"index": 1, "total": 2, "hosts": ["a"]}]
     assert run_data(hostvars, groups)["hosts"]["b"]["error"] is None
+    assert run_data(hostvars, groups)["hosts"]["b"]["batch"] is None
+    hostvars["localhost"]["gpufleet_batches"] = [{"index": 1, "total": 1, "hosts": ["a", "b"]}]
     assert run_data(hostvars, {}) == {"started": "2026-12-02T10:00:00+00:00", "classes": {}, "hosts": {},
                                       "batches": [{"index": 1, "total": 1, "hosts": ["a", "b"]}]}
