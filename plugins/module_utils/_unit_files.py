@@ -596,32 +596,6 @@ def _systemctl(systemctl: SystemctlRunner, argv: list[str]) -> None:
         raise UnitFilesError(f"{' '.join(argv)} failed (rc {rc}): {err.strip()}")
 
 
-def units_to_stop(layout: Layout, names: t.Sequence[str], adopted: t.Sequence[t.Mapping[str, t.Any]],
-                  show: ShowRunner) -> tuple[list[str], list[str]]:
-    """The services of ``names`` that are loaded and not inactive, and the ``adopted`` units that still hold."""
-    units = [layout.unit_name(validate_name(n)) for n in names]
-    props = show(units) if units else {}
-    running = [u for u in units if props.get(u, {}).get("LoadState") != "not-found"
-               and props.get(u, {}).get("ActiveState", "inactive") != "inactive"]
-    return running, [str(a["unit"]) for a in adopted if a.get("holds")]
-
-
-def snapshot_before_write(layout: Layout, names: t.Sequence[str], adopt: t.Sequence[str], show: ShowRunner,
-                          show_adopted: ShowRunner, check: bool) -> tuple[list[dict[str, t.Any]], list[dict[str, t.Any]]]:
-    """The snapshot of a change in which nothing has to stop (a first install, instances that are down):
-    what :func:`snapshot` and :func:`snapshot_adopted` keep, taken in the call that writes the new files.
-
-    Refused before anything is kept when a service of ``names`` runs or a unit of ``adopt`` still
-    runs or is enabled: those stop behind the free-memory gate first (:func:`snapshot`, :func:`stop_services`).
-    """
-    running, holding = units_to_stop(layout, names, adopted_status(adopt, show_adopted), show)
-    if running or holding:
-        raise UnitFilesError(f"snapshot: {', '.join(running + holding)} still run or are enabled; take the snapshot "
-                             "and stop them before the write (state=snapshot with stop)")
-    entries = snapshot(layout, names, show, check)
-    return entries, snapshot_adopted(layout, adopt, show_adopted, check, resumed=any(e.get("resumed") for e in entries))
-
-
 def stop_services(layout: Layout, names: t.Sequence[str], adopted: t.Sequence[t.Mapping[str, t.Any]], show: ShowRunner,
                   systemctl: SystemctlRunner, check: bool, systemctl_bin: str = "systemctl") -> list[str]:
     """Stop the services of ``names`` that are loaded and not inactive, then stop and disable the
@@ -629,7 +603,11 @@ def stop_services(layout: Layout, names: t.Sequence[str], adopted: t.Sequence[t.
 
     After the snapshot, in the same round trip: what it kept is what ran before the stop.
     """
-    running, holding = units_to_stop(layout, names, adopted, show)
+    units = [layout.unit_name(validate_name(n)) for n in names]
+    props = show(units) if units else {}
+    running = [u for u in units if props.get(u, {}).get("LoadState") != "not-found"
+               and props.get(u, {}).get("ActiveState", "inactive") != "inactive"]
+    holding = [str(a["unit"]) for a in adopted if a.get("holds")]
     if not check:
         if running:
             _systemctl(systemctl, [systemctl_bin, "stop", *running])

@@ -107,7 +107,7 @@ options:
     type: dict
   stop:
     description:
-      - With O(state=snapshot), then stop, in the same round trip, the services of the instances that are loaded and
+      - With O(state=snapshot) (or O(state=present) with O(snapshot=true)), then stop, in the same round trip, the services of the instances that are loaded and
         not inactive, and stop and disable the units of O(adopt_units) that still run or are enabled; RV(stopped)
         lists them. The snapshot keeps whether each ran, so O(state=restored) starts them again.
     type: bool
@@ -115,12 +115,9 @@ options:
     version_added: 1.2.0
   snapshot:
     description:
-      - With O(state=present), first take the snapshot O(state=snapshot) takes (and keep the units of O(adopt_units)
-        with it), in the same round trip, before any file is written - for a change in which nothing has to stop
-        first, such as a first install; RV(snapshot) is what it kept.
-      - Refused before anything is kept when a service of the instances is loaded and not inactive, or a unit of
-        O(adopt_units) still runs or is enabled: those stop behind the free-memory gate first, with O(state=snapshot)
-        and O(stop=true).
+      - With O(state=present), first do what O(state=snapshot) does with the same options - keep the files and the
+        units of O(adopt_units), then O(stop), O(gpu_probe) and O(gate) - in the same round trip, before any file is
+        written, so that a host's change is one call; RV(snapshot) is what it kept. A failed O(gate) writes nothing.
     type: bool
     default: false
     version_added: 1.2.0
@@ -188,7 +185,8 @@ options:
   gpu_probe:
     description:
       - With O(state=status), then read the GPUs through NVML, in the same round trip, while the instances serve;
-        with O(state=snapshot), after the snapshot and the stop (O(stop=true)). RV(gpu_probe) is the reading, as
+        with O(state=snapshot) (or O(state=present) with O(snapshot=true)), after the snapshot and the stop
+        (O(stop=true)). RV(gpu_probe) is the reading, as
         M(gpufleet.vllm.gpu_memory_info) returns it with the same options, for the free-memory gate before and after
         the stop (the P(gpufleet.vllm.vllm_service#role) role compares it with the plan's floors).
       - An NVML failure does not fail the module, which has read or stopped the units by then; RV(gpu_probe) holds the
@@ -229,6 +227,29 @@ options:
         type: list
         elements: int
         default: []
+  gate:
+    description:
+      - With O(gpu_probe) and O(state=snapshot) (or O(state=present) with O(snapshot=true)), compare the reading taken
+        after the stop with the launch record, as the filter P(gpufleet.vllm.gate_violations#filter) does, and fail -
+        before anything is written - when a rank is below what its start needs (RV(gate_violations)); the message
+        names the gate after the stop, the host and each rank, in the words of the gate before it. The snapshot and
+        the stop stay, so that a rollback (O(state=restored)) starts the previous units again.
+    type: dict
+    version_added: 1.2.0
+    suboptions:
+      host:
+        description: The host's name in the message.
+        type: str
+        required: true
+      launch:
+        description: The class's launch record (P(gpufleet.vllm.launch_contract#filter)).
+        type: dict
+        required: true
+      instances:
+        description: The instances that change, each with its C(name) and C(gpus) (rank R on C(gpus[R])).
+        type: list
+        elements: dict
+        required: true
   close_change:
     description:
       - With O(state=restored), close the change the snapshot opened. Restore with V(false) first, restart or stop
@@ -467,9 +488,15 @@ snapshot:
       absent: [unit, plan, env]
       active_state: inactive
       resumed: false
+gate_violations:
+  description: The ranks below what their start needs, one sentence each (O(gate)); the module failed.
+  returned: when O(gate) failed
+  type: list
+  elements: str
+  sample: ["main rank 0 (GPU 0): boot-free 1073741824 B (1.00 GiB) < floor 42949672960 B (40.00 GiB), other processes: 4242"]
 stopped:
   description: The units stopped (O(stop=true)), the instances' first, then those of O(adopt_units).
-  returned: when O(state=snapshot) and O(stop=true)
+  returned: when O(stop=true)
   type: list
   elements: str
   sample: [vllm-main.service, vllm.service]
@@ -530,6 +557,7 @@ from typing import Any
 from ansible.module_utils.basic import AnsibleModule, missing_required_lib
 from ansible.module_utils.common.text.converters import to_native
 
+from ansible_collections.gpufleet.vllm.plugins.module_utils._free_memory_gate import gate_violations
 from ansible_collections.gpufleet.vllm.plugins.module_utils._gpu_memory import (
     ARGUMENT_SPEC as GPU_PROBE_SPEC,
     PYNVML_IMPORT_ERROR,
@@ -538,6 +566,7 @@ from ansible_collections.gpufleet.vllm.plugins.module_utils._gpu_memory import (
     pynvml,
 )
 from ansible_collections.gpufleet.vllm.plugins.module_utils._host_tools import ARGUMENT_SPEC as HOST_TOOLS_SPEC, HostToolsError, apply as apply_host_tools
+from ansible_collections.gpufleet.vllm.plugins.module_utils._launch import LaunchError
 from ansible_collections.gpufleet.vllm.plugins.module_utils._service_account import (
     ARGUMENT_SPEC as ACCOUNT_SPEC,
     AccountError,
@@ -557,7 +586,6 @@ from ansible_collections.gpufleet.vllm.plugins.module_utils._unit_files import (
     restore_adopted,
     snapshot,
     snapshot_adopted,
-    snapshot_before_write,
     status,
     stop_services,
     systemctl_show,
@@ -585,6 +613,11 @@ ARGUMENT_SPEC: dict[str, Any] = dict(
     host_tools=dict(type="dict", options=HOST_TOOLS_SPEC),
     # the interpreter is the action plugin's: it runs the module with gpu_probe.python
     gpu_probe=dict(type="dict", options=dict(GPU_PROBE_SPEC, python=dict(type="path", required=True))),
+    gate=dict(type="dict", options=dict(
+        host=dict(type="str", required=True),
+        launch=dict(type="dict", required=True),
+        instances=dict(type="list", elements="dict", required=True),
+    )),
     close_change=dict(type="bool", default=True),
     adopt_units=dict(type="list", elements="str", default=[]),
     unit_dir=dict(type="path", default="/etc/systemd/system"),
@@ -600,10 +633,16 @@ def _instances(params: dict[str, Any]) -> list[dict[str, Any]]:
     env_files = params["env_files"] or {}
     if params["names"] is not None and state not in ("snapshot", "restored"):
         raise UnitFilesError("names is for state snapshot or restored; give instances with their unit and plan")
-    for option, allowed in (("stop", ("snapshot",)), ("snapshot", ("present",)), ("restart", ("present",)), ("host_tools", ("present",)),
-                            ("account", ("present",)), ("gpu_probe", ("status", "snapshot"))):
+    # the deploy's write call takes the snapshot (state=present, snapshot) with its stop and its gate
+    keeps = state == "snapshot" or (state == "present" and params["snapshot"])
+    for option, allowed in (("snapshot", ("present",)), ("restart", ("present",)), ("host_tools", ("present",)), ("account", ("present",))):
         if params[option] and state not in allowed:
             raise UnitFilesError(f"{option} is for state {' or '.join(allowed)}")
+    for option, status_too in (("stop", False), ("gpu_probe", True), ("gate", False)):
+        if params[option] and not keeps and not (status_too and state == "status"):
+            raise UnitFilesError(f"{option} is for state {'status, ' if status_too else ''}snapshot, or present with snapshot")
+    if params["gate"] and not params["gpu_probe"]:
+        raise UnitFilesError("gate compares the reading of gpu_probe: give gpu_probe too")
     given = params["instances"] or [{"name": name} for name in params["names"]]
     instances = [dict(i, env=env_files.get(i["name"])) for i in given]
     unknown = sorted(set(env_files) - {i["name"] for i in instances})
@@ -636,7 +675,7 @@ def _run(module: AnsibleModule, instances: list[dict[str, Any]], result: dict[st
 
     names = [i["name"] for i in instances]
     adopt = validate_adopted(params["adopt_units"], names, "adopt_units")
-    if adopt and (state == "recorded" or (state == "present" and not params["snapshot"])):
+    if adopt and state in ("present", "recorded") and not params["snapshot"]:
         raise UnitFilesError("adopt_units is for state status, snapshot or restored, or present with snapshot")
     systemctl = module.get_bin_path("systemctl", required=True) if state != "recorded" and (
         state != "present" or params["restart"] or params["snapshot"] or (params["host_tools"] or {}).get("units")) else ""
@@ -659,17 +698,11 @@ def _run(module: AnsibleModule, instances: list[dict[str, Any]], result: dict[st
             entry["pending"] = bool(entry["reasons"])
         result["pending"] = [e["name"] for e in entries if e["pending"]]
     elif state == "snapshot":
-        entries = snapshot(layout, names, systemctl_show(runner, systemctl), check)
-        result["adopted"] = snapshot_adopted(layout, adopt, systemctl_show(runner, systemctl, ADOPT_PROPERTIES), check,
-                                             resumed=any(e.get("resumed") for e in entries))
-        if params["stop"]:
-            result["stopped"] = stop_services(layout, names, result["adopted"], systemctl_show(runner, systemctl, SHOW_PROPERTIES),
-                                              runner, check, systemctl_bin=systemctl)
+        entries = _snapshot(module, layout, names, adopt, runner, systemctl, result)
     elif state == "present":
         if params["snapshot"]:
-            # nothing runs that has to stop behind the gate: the snapshot in this call, before any file is written
-            result["snapshot"], result["adopted"] = snapshot_before_write(
-                layout, names, adopt, systemctl_show(runner, systemctl), systemctl_show(runner, systemctl, ADOPT_PROPERTIES), check)
+            # before any file is written; a gate that fails here leaves them all as they were
+            _snapshot(module, layout, names, adopt, runner, systemctl, result)
         if params["host_tools"]:
             try:
                 result["host_tools"] = apply_host_tools(params["host_tools"], runner, systemctl, check)
@@ -683,9 +716,38 @@ def _run(module: AnsibleModule, instances: list[dict[str, Any]], result: dict[st
     else:
         entries = restore(layout, names, runner, check, systemctl_bin=systemctl, close=params["close_change"])
         result["adopted"] = restore_adopted(layout, adopt, check)
-    if params["gpu_probe"]:
-        # after the read (the instances serve) or the stop: what the gate before or after the stop compares
+    if state == "status" and params["gpu_probe"]:
+        # after the read, while the instances serve: what the gate before the stop compares
         result["gpu_probe"] = probe_report(module, params["gpu_probe"], pynvml, platform.node())
+    return entries
+
+
+def _snapshot(module: AnsibleModule, layout: Layout, names: list[str], adopt: list[str], runner: Any, systemctl: str,
+              result: dict[str, Any]) -> list[dict[str, Any]]:
+    """Keep the files (and the units to take over), then stop, read the GPUs and gate, as the options ask."""
+    params, check = module.params, module.check_mode
+    entries = snapshot(layout, names, systemctl_show(runner, systemctl), check)
+    if params["state"] == "present":
+        # kept in the result at once: a gate that fails below still returns what was kept
+        result["snapshot"] = entries
+    result["adopted"] = snapshot_adopted(layout, adopt, systemctl_show(runner, systemctl, ADOPT_PROPERTIES), check,
+                                         resumed=any(e.get("resumed") for e in entries))
+    if params["stop"]:
+        result["stopped"] = stop_services(layout, names, result["adopted"], systemctl_show(runner, systemctl, SHOW_PROPERTIES),
+                                          runner, check, systemctl_bin=systemctl)
+    if params["gpu_probe"]:
+        # after the stop: what the gate after the stop compares
+        result["gpu_probe"] = probe_report(module, params["gpu_probe"], pynvml, platform.node())
+    gate = params["gate"]
+    if gate:
+        try:
+            violations = gate_violations(result["gpu_probe"], gate["instances"], gate["launch"])
+        except (LaunchError, KeyError, TypeError, ValueError) as exc:
+            raise UnitFilesError(f"gate: {exc}") from None
+        if violations:
+            result["gate_violations"] = violations
+            # the words of the gate before the stop (the role's gate.yml), for the same check
+            raise UnitFilesError(f"Free-memory gate (after stop) failed on {gate['host']}: {'; '.join(violations)}")
     return entries
 
 
@@ -701,7 +763,9 @@ def main() -> None:
     try:
         entries = _run(module, _instances(module.params), result)
     except UnitFilesError as exc:
-        module.fail_json(msg=f"vllm_unit ({state}): {to_native(exc)}")
+        # what happened before the failure (the snapshot, the stop, the reading) for the rollback and the report
+        done = {k: result[k] for k in ("snapshot", "adopted", "stopped", "gpu_probe", "gate_violations") if k in result}
+        module.fail_json(msg=f"vllm_unit ({state}): {to_native(exc)}", changed=bool(done.get("stopped")), **done)
     except Exception as exc:  # pylint: disable=broad-exception-caught
         module.fail_json(msg=f"vllm_unit ({state}) failed unexpectedly: {to_native(exc)}", exception=traceback.format_exc())
 

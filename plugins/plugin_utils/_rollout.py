@@ -10,8 +10,9 @@ Plain Python, no Ansible import.
   classes follow one another in the given order and no batch mixes two classes.
   The serial play runs these batches as one ``serial`` list of sizes
   (:func:`serial_sizes`) over the hosts in the same order.
-* :func:`gate_violations` is the free-memory gate the serial batches run on every host,
-  before its instances stop and again after (with what they held counted free).
+* :func:`gate_violations` (``module_utils/_free_memory_gate.py``, which the host's write call
+  runs too) is the free-memory gate the serial batches run on every host, before its
+  instances stop and again after (with what they held counted free).
 * :func:`plan_artifact` builds the document ``plan.yml`` writes (plan -> approve ->
   apply); :func:`plan_drift` says, before any host is touched, what moved between that
   plan and the fleet an apply run finds (compatibility key, reference profile, hosts,
@@ -20,12 +21,11 @@ Plain Python, no Ansible import.
 
 from __future__ import annotations
 
-import math
 import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from ansible_collections.gpufleet.vllm.plugins.module_utils._launch import LaunchError, check_launch
+from ansible_collections.gpufleet.vllm.plugins.module_utils._free_memory_gate import gate_violations, rank_floor
 from ansible_collections.gpufleet.vllm.plugins.module_utils._sizes import human_bytes
 
 __all__ = [
@@ -122,61 +122,7 @@ def serial_sizes(batches: Sequence[Mapping[str, Any]]) -> list[int]:
     return [len(b["hosts"]) for b in batches]
 
 
-# ---------------------------------------------------------------- the free-memory gate
-def gate_violations(gpus: Sequence[Mapping[str, Any]] | Mapping[str, Any], instances: Sequence[Mapping[str, Any]],
-                    launch: Mapping[str, Any]) -> list[str]:
-    """Every rank of ``instances`` whose NVML boot-free memory is below what its start needs.
-
-    ``gpus``: gpu_memory_info's ``gpus`` (``index``, ``total_bytes``, ``boot_free_bytes`` -
-    free plus what this host's own units hold - and ``processes`` with ``own``), or a whole
-    reading with them under ``gpus`` (vllm_unit's ``gpu_probe``); a reading whose probe
-    failed (``error``) fails the gate with its error;
-    ``instances``: ``{name, gpus}``, rank ``r`` on ``gpus[r]``; ``launch``: the class's launch
-    record (``_launch``, utilization resolved). A manual budget needs the record's floor for
-    the rank (``free_floor_bytes``); automatic profiling needs ``ceil(total * utilization)``,
-    vLLM's own startup check. One sentence per rank that fails.
-    """
-    record = check_launch(launch)
-    if isinstance(gpus, Mapping):
-        if gpus.get("error"):
-            return [f"the NVML probe failed: {gpus['error']}"]
-        read: Sequence[Mapping[str, Any]] = gpus["gpus"]
-    else:
-        read = gpus
-    floors = record["free_floor_bytes"]
-    auto = not record["manual"]
-    if auto and record["gpu_memory_utilization"] is None:
-        raise LaunchError("launch.gpu_memory_utilization: an auto_profile record needs the utilization (launch_contract sets it)")
-    utilization = float(record["gpu_memory_utilization"] or 0)
-    by_index = {int(g["index"]): g for g in read}
-    out = []
-    for inst in instances:
-        for rank, index in enumerate(int(g) for g in inst["gpus"]):
-            where = f"{inst['name']} rank {rank} (GPU {index})"
-            gpu = by_index.get(index)
-            if gpu is None:
-                out.append(f"{where}: not found by NVML")
-                continue
-            need = math.ceil(int(gpu["total_bytes"]) * utilization) if auto else _floor(floors, rank)
-            if need is None:
-                out.append(f"{where}: the plan has no floor for this rank")
-                continue
-            free = int(gpu["boot_free_bytes"])
-            if free < need:
-                others = [str(p["pid"]) for p in gpu.get("processes") or [] if not p.get("own")]
-                out.append(f"{where}: boot-free {free} B ({human_bytes(free)}) < floor {need} B ({human_bytes(need)})"
-                           + (f", other processes: {','.join(others)}" if others else ""))
-    return out
-
-
 # ---------------------------------------------------------------- the plan artifact
-def _floor(floors: Mapping[Any, Any], rank: int) -> int | None:
-    for key in (rank, str(rank)):
-        if key in floors:
-            return int(floors[key])
-    return None
-
-
 def plan_artifact(classes: Mapping[str, Mapping[str, Any]], hosts: Mapping[str, Mapping[str, Any]],
                   created: str, serial: Any = None) -> dict[str, Any]:
     """The document plan.yml writes and rollout.yml applies.
@@ -289,7 +235,7 @@ def plan_drift(doc: Any, host_class: str, current: Mapping[str, Any]) -> list[st
             planned_free = (plan["hosts"].get(host) or {}).get("boot_free_bytes") or {}
             for inst in (plan["hosts"].get(host) or {}).get("instances") or []:
                 for rank, index in enumerate(inst.get("gpus") or []):
-                    floor = _floor(floors, rank)
+                    floor = rank_floor(floors, rank)
                     if floor is None:
                         continue
                     gpu = gpus.get(int(index))

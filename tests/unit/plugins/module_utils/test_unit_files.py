@@ -34,7 +34,6 @@ from ansible_collections.gpufleet.vllm.plugins.module_utils._unit_files import (
     sha1,
     snapshot,
     snapshot_adopted,
-    snapshot_before_write,
     status,
     stop_services,
     validate_adopted,
@@ -477,37 +476,6 @@ def test_snapshot_of_a_unit_to_take_over_in_check_mode_writes_nothing(layout, tm
     legacy = FakeLegacy(tmp_path)
     (kept,) = snapshot_adopted(layout, ["vllm.service"], legacy.show, check=True)
     assert kept["changed"] and not os.path.exists(os.path.join(layout.kept_dir, "adopted-vllm.service.json"))
-
-
-def test_the_snapshot_in_the_write_call_is_the_snapshot_and_drops_an_older_take_over(layout, tmp_path):
-    """Nothing runs (a first install): the write call keeps what snapshot() keeps, and a unit taken
-    over by an older change that no longer holds loses its record, so restoring this change leaves it off."""
-    systemd, legacy = FakeSystemd(), FakeLegacy(tmp_path)
-    snapshot_adopted(layout, ["vllm.service"], legacy.show, check=False)
-    legacy.active, legacy.enabled = "inactive", "disabled"
-    kept, adopted = snapshot_before_write(layout, ["a"], ["vllm.service"], systemd.show, legacy.show, check=False)
-    assert kept == [{"name": "a", "kept": [], "absent": ["unit", "plan", "env"], "active_state": "inactive", "resumed": False,
-                     "changed": True}]
-    assert adopted[0]["kept"] is False and adopted[0]["changed"] is True
-    assert sorted(os.listdir(layout.kept_dir)) == [
-        "a.plan.json.absent", "vllm-a.env.absent", "vllm-a.service.absent", "vllm-a.service.changing", "vllm-a.service.inactive"]
-    assert not [c for c in systemd.calls if c[0] != "show"], "nothing is stopped"
-
-
-@pytest.mark.parametrize(("running", "holds", "named"), [
-    (True, False, "vllm-a.service"),
-    (False, True, "vllm.service"),
-])
-def test_the_snapshot_in_the_write_call_is_refused_while_something_has_to_stop(layout, tmp_path, running, holds, named):
-    systemd, legacy = FakeSystemd(), FakeLegacy(tmp_path)
-    if running:
-        deployed(layout, systemd, "a")
-    if not holds:
-        legacy.active, legacy.enabled = "inactive", "disabled"
-    with pytest.raises(UnitFilesError, match=f"^snapshot: {named} still run or are enabled; take the snapshot and stop them "
-                                             r"before the write \(state=snapshot with stop\)$"):
-        snapshot_before_write(layout, ["a"], ["vllm.service"], systemd.show, legacy.show, check=False)
-    assert not os.path.exists(layout.kept_dir), "nothing is kept"
 
 
 @pytest.mark.parametrize(("units", "message"), [

@@ -20,6 +20,7 @@ import pytest
 from ansible.module_utils.basic import AnsibleModule
 from ansible.module_utils.testing import patch_module_args
 
+from ansible_collections.gpufleet.vllm.plugins.module_utils._launch import for_instance
 from ansible_collections.gpufleet.vllm.plugins.modules import vllm_unit
 from ansible_collections.gpufleet.vllm.tests.unit.plugins.module_utils.test_nvml_probe import FakeNvml, make_state
 
@@ -74,7 +75,10 @@ def test_env_files_must_name_given_instances(tmp_path, capsys, monkeypatch, fake
 
 @pytest.mark.parametrize(("args", "message"), [
     ({"state": "present", "names": ["main"]}, "vllm_unit (present): names is for state snapshot or restored"),
-    ({"state": "status", "instances": [{"name": "main"}], "stop": True}, "vllm_unit (status): stop is for state snapshot"),
+    ({"state": "status", "instances": [{"name": "main"}], "stop": True}, "vllm_unit (status): stop is for state snapshot, or present with snapshot"),
+    ({"state": "present", "instances": [{"name": "main"}], "stop": True}, "vllm_unit (present): stop is for state snapshot, or present with snapshot"),
+    ({"state": "snapshot", "names": ["main"], "gate": {"host": "h", "launch": {}, "instances": []}},
+     "vllm_unit (snapshot): gate compares the reading of gpu_probe: give gpu_probe too"),
     ({"state": "snapshot", "names": ["main"], "restart": True}, "vllm_unit (snapshot): restart is for state present"),
     ({"state": "snapshot", "names": ["main"], "instances": [{"name": "main"}]}, "mutually exclusive: instances|names"),
     ({"state": "snapshot"}, "one of the following is required: instances, names"),
@@ -111,17 +115,6 @@ def test_present_with_snapshot_keeps_the_files_first_in_the_same_call(tmp_path, 
     rc, again, _logged = run(capsys, monkeypatch, args)
     assert rc == 0 and again["snapshot"][0]["resumed"] is True and again["snapshot"][0]["absent"] == ["unit", "plan", "env"]
     assert again["changed"] is False
-
-
-def test_present_with_snapshot_writes_nothing_while_an_instance_runs(tmp_path, capsys, monkeypatch, running_systemctl):
-    (tmp_path / "systemd").mkdir()
-    args = {"state": "present", "snapshot": True, "restart": True, "instances": [{"name": "main", "unit": UNIT}],
-            "unit_dir": str(tmp_path / "systemd"), "state_dir": str(tmp_path / "gpufleet")}
-    rc, result, _logged = run(capsys, monkeypatch, args)
-    assert rc == 1 and result["msg"] == ("vllm_unit (present): snapshot: vllm-main.service still run or are enabled; take the "
-                                         "snapshot and stop them before the write (state=snapshot with stop)"), result
-    assert not (tmp_path / "systemd" / "vllm-main.service").exists() and not (tmp_path / "gpufleet").exists()
-    assert "stop" not in (tmp_path / "systemctl.log").read_text()
 
 
 def test_present_installs_the_host_tools_in_the_same_call_and_only_once(tmp_path, capsys, monkeypatch, fake_systemctl):
@@ -287,7 +280,7 @@ def test_an_nvml_failure_is_reported_for_the_gate_after_the_stop_not_raised(tmp_
     ("snapshot", {"samples": 0}, True, "vllm_unit (snapshot): gpu_probe: samples: "),
     ("snapshot", {"interval": -1}, True, "vllm_unit (snapshot): gpu_probe: interval: "),
     ("snapshot", {}, False, "vllm_unit (snapshot): gpu_probe: Failed to import the required Python library (nvidia-ml-py)"),
-    ("present", {}, True, "vllm_unit (present): gpu_probe is for state status or snapshot"),
+    ("present", {}, True, "vllm_unit (present): gpu_probe is for state status, snapshot, or present with snapshot"),
 ])
 def test_a_gpu_probe_that_cannot_run_is_refused_before_anything_stops(tmp_path, capsys, monkeypatch, running_systemctl,
                                                                       state, probe, binding, message):
@@ -302,3 +295,34 @@ def test_a_gpu_probe_that_cannot_run_is_refused_before_anything_stops(tmp_path, 
     assert not running_systemctl.exists() and not (tmp_path / "gpufleet" / "units").exists()
     if not binding:
         assert "gpu_probe.python /opt/vllm/venv/bin/python" in result["msg"] and "No module named 'pynvml'" in result["msg"]
+
+
+# ---------------------------------------------------------------- the deploy's one call: keep, stop, gate, write
+def write_call_args(tmp_path, floor: int) -> dict[str, Any]:
+    launch = for_instance({"decision": "deploy", "kv_cache_memory_bytes": 8 << 30, "gpu_memory_utilization": 0.5,
+                           "free_floor_bytes": {"0": floor}}, 0.9)
+    return dict(probe_args(tmp_path, "snapshot"), state="present", snapshot=True, restart=True, names=None,
+                instances=[{"name": "main", "unit": UNIT}],
+                gate={"host": "gpu-a1", "launch": launch, "instances": [{"name": "main", "gpus": [1]}]})
+
+
+@pytest.mark.parametrize("passes", [True, False])
+def test_present_with_snapshot_stops_reads_and_gates_before_it_writes(tmp_path, capsys, monkeypatch, running_systemctl, passes):
+    nvml = StopAwareNvml(make_state(2), running_systemctl)
+    monkeypatch.setattr(vllm_unit, "pynvml", nvml)
+    args = write_call_args(tmp_path, (100 if passes else 200) << 30)
+    del args["names"]
+    rc, result, _logged = run(capsys, monkeypatch, args)
+    assert result["stopped"] == ["vllm-main.service"] and nvml.seen_stopped == [True], result
+    assert result["snapshot"][0]["active_state"] == "active", "the snapshot keeps that it ran, so a rollback restarts it"
+    assert (tmp_path / "gpufleet" / "units" / "vllm-main.service.changing").exists()
+    unit = tmp_path / "systemd" / "vllm-main.service"
+    if passes:
+        assert rc == 0 and result["instances"][0]["written"] == ["unit"] and result["started"] == ["vllm-main.service"], result
+        assert unit.read_text() == UNIT
+    else:
+        assert rc == 1 and result["msg"].startswith(
+            "vllm_unit (present): Free-memory gate (after stop) failed on gpu-a1: main rank 0 (GPU 1): boot-free "), result
+        assert result["gate_violations"] == [result["msg"].split("gpu-a1: ", 1)[1]] and result["changed"] is True
+        assert not unit.exists(), "a failed gate writes nothing"
+        assert "restart" not in (tmp_path / "systemctl.log").read_text()
