@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from . import _validate as v
 from ._unit_files import UnitFilesError, ensure_dir, ensure_file
 
-__all__ = ["ARGUMENT_SPEC", "HostToolsError", "ToolDir", "ToolFile", "apply", "install", "parse_dirs", "parse_files", "under"]
+__all__ = ["ARGUMENT_SPEC", "HostToolsError", "ToolDir", "ToolFile", "apply", "install", "parse_dirs", "parse_files", "start_units", "under", "units_of"]
 
 # The options of vllm_host_tools, and the suboptions of vllm_unit's host_tools.
 ARGUMENT_SPEC: dict[str, t.Any] = {
@@ -166,17 +166,17 @@ def _run(run: Runner, argv: list[str], what: str) -> None:
         raise HostToolsError(f"{what}: {(err or out).strip() or f'exit {rc}'}")
 
 
-def apply(params: t.Mapping[str, t.Any], run: Runner, systemctl: str, check: bool) -> dict[str, t.Any]:
+def apply(params: t.Mapping[str, t.Any], run: Runner, systemctl: str, check: bool, start: bool = True) -> dict[str, t.Any]:
     """Install ``params`` (``ARGUMENT_SPEC``'s options): directories and files, then compile the
     ``compile`` directories where a file changed or a compiled file is missing, then enable and
     start the ``units`` (reloading systemd and restarting them after any change). Returns
-    ``{written, compiled, started, changed}``; in check mode only says what it would do."""
+    ``{written, compiled, started, changed}``; in check mode only says what it would do.
+
+    ``start=False`` leaves the units to :func:`start_units`, for a caller that reloads systemd
+    itself in between (vllm_unit writes the instances' units and reloads once for both)."""
     files = parse_files(params["files"])
     directories = parse_dirs(params.get("directories") or [])
-    try:
-        units = [v.systemd_unit_name(u, f"units[{i}]") for i, u in enumerate(params.get("units") or [])]
-    except v.ValidationError as exc:
-        raise HostToolsError(str(exc)) from None
+    units_of(params)
     python: str = params.get("python") or ""
     if params.get("compile") and not python:
         raise HostToolsError("python: required with compile (the interpreter that runs the compiled files)")
@@ -188,7 +188,27 @@ def apply(params: t.Mapping[str, t.Any], run: Runner, systemctl: str, check: boo
         result["compiled"].append(directory)
         if not check:
             _run(run, [python, "-m", "compileall", "-q", directory], f"compile {directory} with {python}")
-    if units and written and not check:
+    if start:
+        start_units(params, result, run, systemctl, check)
+    result["changed"] = bool(written or result["compiled"] or result["started"])
+    return result
+
+
+def units_of(params: t.Mapping[str, t.Any]) -> list[str]:
+    """The ``units`` of ``params``, checked."""
+    try:
+        return [v.systemd_unit_name(u, f"units[{i}]") for i, u in enumerate(params.get("units") or [])]
+    except v.ValidationError as exc:
+        raise HostToolsError(str(exc)) from None
+
+
+def start_units(params: t.Mapping[str, t.Any], result: dict[str, t.Any], run: Runner, systemctl: str, check: bool,
+                reloaded: bool = False) -> None:
+    """Enable and start the ``units`` after :func:`apply` installed the files (``result``), reloading
+    systemd first when a file changed unless the caller did (``reloaded``); updates ``result``."""
+    units = units_of(params)
+    written = result["written"]
+    if units and written and not check and not reloaded:
         _run(run, [systemctl, "daemon-reload"], "systemctl daemon-reload")
     for unit in units:
         enabled = run([systemctl, "is-enabled", unit])[0] == 0
@@ -197,9 +217,8 @@ def apply(params: t.Mapping[str, t.Any], run: Runner, systemctl: str, check: boo
             continue
         result["started"].append(unit)
         if not check:
-            # systemd was reloaded above when a file changed: enable need not reload it again
+            # systemd was reloaded when a file changed: enable need not reload it again
             _run(run, [systemctl, "enable", "--no-reload", unit], f"systemctl enable {unit}")
             action = "restart" if active else "start"
             _run(run, [systemctl, action, unit], f"systemctl {action} {unit}")
     result["changed"] = bool(written or result["compiled"] or result["started"])
-    return result

@@ -565,7 +565,12 @@ from ansible_collections.gpufleet.vllm.plugins.module_utils._gpu_memory import (
     probe_report,
     pynvml,
 )
-from ansible_collections.gpufleet.vllm.plugins.module_utils._host_tools import ARGUMENT_SPEC as HOST_TOOLS_SPEC, HostToolsError, apply as apply_host_tools
+from ansible_collections.gpufleet.vllm.plugins.module_utils._host_tools import (
+    ARGUMENT_SPEC as HOST_TOOLS_SPEC,
+    HostToolsError,
+    apply as apply_host_tools,
+    start_units,
+)
 from ansible_collections.gpufleet.vllm.plugins.module_utils._launch import LaunchError
 from ansible_collections.gpufleet.vllm.plugins.module_utils._service_account import (
     ARGUMENT_SPEC as ACCOUNT_SPEC,
@@ -703,14 +708,19 @@ def _run(module: AnsibleModule, instances: list[dict[str, Any]], result: dict[st
         if params["snapshot"]:
             # before any file is written; a gate that fails here leaves them all as they were
             _snapshot(module, layout, names, adopt, runner, systemctl, result)
-        if params["host_tools"]:
-            try:
-                result["host_tools"] = apply_host_tools(params["host_tools"], runner, systemctl, check)
-            except HostToolsError as exc:
-                raise UnitFilesError(f"host_tools: {exc}") from None
-        entries = write(layout, instances, check, want_diff=module._diff)
-        if params["restart"]:
-            result["started"] = restart_services(layout, names, runner, check, systemctl_bin=systemctl)
+        tools = params["host_tools"]
+        # the restart below reloads systemd: the tools' units start after it, without a reload of their own
+        reloads = bool(params["restart"] and names)
+        try:
+            if tools:
+                result["host_tools"] = apply_host_tools(tools, runner, systemctl, check, start=not reloads)
+            entries = write(layout, instances, check, want_diff=module._diff)
+            if params["restart"]:
+                result["started"] = restart_services(layout, names, runner, check, systemctl_bin=systemctl)
+            if tools and reloads:
+                start_units(tools, result["host_tools"], runner, systemctl, check, reloaded=True)
+        except HostToolsError as exc:
+            raise UnitFilesError(f"host_tools: {exc}") from None
     elif state == "recorded":
         entries = record(layout, instances, check)
     else:

@@ -326,3 +326,18 @@ def test_present_with_snapshot_stops_reads_and_gates_before_it_writes(tmp_path, 
         assert result["gate_violations"] == [result["msg"].split("gpu-a1: ", 1)[1]] and result["changed"] is True
         assert not unit.exists(), "a failed gate writes nothing"
         assert "restart" not in (tmp_path / "systemctl.log").read_text()
+
+
+def test_the_host_tools_units_start_after_the_one_reload_of_the_restart(tmp_path, capsys, monkeypatch, running_systemctl):
+    (tmp_path / "systemd").mkdir(exist_ok=True)
+    timer = tmp_path / "systemd" / "gpufleet-vllm-metrics.timer"
+    args = {"state": "present", "restart": True, "instances": [{"name": "main", "unit": UNIT}], "unit_dir": str(tmp_path / "systemd"),
+            "state_dir": str(tmp_path / "gpufleet"),
+            "host_tools": {"files": [{"path": str(timer), "content": "[Timer]\nOnCalendar=minutely\n"}],
+                           "units": ["gpufleet-vllm-metrics.timer"]}}
+    rc, result, _logged = run(capsys, monkeypatch, args)
+    assert rc == 0, result
+    calls = (tmp_path / "systemctl.log").read_text().splitlines()
+    assert calls.count("daemon-reload") == 1, calls
+    assert calls.index("daemon-reload") < calls.index("restart vllm-main.service") < calls.index("restart gpufleet-vllm-metrics.timer")
+    assert result["host_tools"]["started"] == ["gpufleet-vllm-metrics.timer"] and result["host_tools"]["changed"] is True
