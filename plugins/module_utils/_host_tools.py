@@ -20,14 +20,19 @@ whole install, for gpufleet.vllm.vllm_host_tools and for gpufleet.vllm.vllm_unit
 
 from __future__ import annotations
 
+import compileall
+import contextlib
+import io
 import os
+import sys
 import typing as t
 from dataclasses import dataclass
 
 from . import _validate as v
 from ._unit_files import UnitFilesError, ensure_dir, ensure_file
 
-__all__ = ["ARGUMENT_SPEC", "HostToolsError", "ToolDir", "ToolFile", "apply", "install", "parse_dirs", "parse_files", "start_units", "under", "units_of"]
+__all__ = ["ARGUMENT_SPEC", "HostToolsError", "ToolDir", "ToolFile", "apply", "compile_dir", "install", "parse_dirs", "parse_files",
+           "start_units", "under", "units_of"]
 
 # The options of vllm_host_tools, and the suboptions of vllm_unit's host_tools.
 ARGUMENT_SPEC: dict[str, t.Any] = {
@@ -166,6 +171,23 @@ def _run(run: Runner, argv: list[str], what: str) -> None:
         raise HostToolsError(f"{what}: {(err or out).strip() or f'exit {rc}'}")
 
 
+def compile_dir(run: Runner, python: str, directory: str) -> None:
+    """Byte-compile ``directory`` for ``python``: in this process when ``python`` is this
+    process's interpreter (a host whose engine venv links to the system python, the usual
+    case: starting another interpreter would cost a host's deploy a process start for the
+    same files), else with ``python -m compileall``."""
+    what = f"compile {directory} with {python}"
+    if not sys.executable or os.path.realpath(python) != os.path.realpath(sys.executable):
+        _run(run, [python, "-m", "compileall", "-q", directory], what)
+        return
+    # compileall prints what failed on stdout, which is the module's JSON result: keep it aside
+    errors = io.StringIO()
+    with contextlib.redirect_stdout(errors):
+        compiled = compileall.compile_dir(directory, quiet=1)
+    if not compiled:
+        raise HostToolsError(f"{what}: {errors.getvalue().strip() or 'compileall failed'}")
+
+
 def apply(params: t.Mapping[str, t.Any], run: Runner, systemctl: str, check: bool, start: bool = True) -> dict[str, t.Any]:
     """Install ``params`` (``ARGUMENT_SPEC``'s options): directories and files, then compile the
     ``compile`` directories where a file changed or a compiled file is missing, then enable and
@@ -187,7 +209,7 @@ def apply(params: t.Mapping[str, t.Any], run: Runner, systemctl: str, check: boo
             continue
         result["compiled"].append(directory)
         if not check:
-            _run(run, [python, "-m", "compileall", "-q", directory], f"compile {directory} with {python}")
+            compile_dir(run, python, directory)
     if start:
         start_units(params, result, run, systemctl, check)
     result["changed"] = bool(written or result["compiled"] or result["started"])

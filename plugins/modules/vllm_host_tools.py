@@ -21,6 +21,8 @@ description:
     (root, 0755).
   - O(compile) directories are byte-compiled with O(python) (the interpreter that runs them, whose user may not write
     C(__pycache__) there) when one of their files changed or a compiled file is missing.
+  - When O(python) resolves to the interpreter that runs the module, the module compiles them itself instead of
+    starting that interpreter again.
   - O(units) are enabled and started; after a change to any file (for example the unit files themselves) systemd is
     reloaded and each unit is restarted, so the new files take effect.
 author:

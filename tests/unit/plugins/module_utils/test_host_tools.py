@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import os
 import stat
+import sys
 
 import pytest
 
 from ansible_collections.gpufleet.vllm.plugins.module_utils._host_tools import (
     HostToolsError,
     apply,
+    compile_dir,
     install,
     parse_dirs,
     parse_files,
@@ -95,6 +97,10 @@ def test_under():
     assert not under(["/opt/lib/pkg2/_a.py", "/opt/lib/pkg"], "/opt/lib/pkg")
 
 
+# An interpreter that is not the one running the tests: compiling for it starts it.
+OTHER_PYTHON = "/opt/other-python/bin/python3"
+
+
 class Runner:
     """systemctl and the compiler as a log of argv; ``enabled`` units are enabled and active."""
 
@@ -113,12 +119,12 @@ def test_apply_compiles_and_starts_after_a_change_and_does_nothing_on_a_current_
     root, _files, _dirs = tools
     lib = root / "lib" / "pkg"
     params = {"files": [{"path": str(lib / "_gate.py"), "content": "X = 1\n"}], "directories": [{"path": str(lib)}],
-              "compile": [str(lib)], "python": "/usr/bin/python3", "units": ["tool.timer"]}
+              "compile": [str(lib)], "python": OTHER_PYTHON, "units": ["tool.timer"]}
     run = Runner()
     first = apply(params, run, "systemctl", check=False)
     assert first == {"written": [str(lib), str(lib / "_gate.py")], "compiled": [str(lib)], "started": ["tool.timer"], "changed": True}
     assert [c for c in run.calls if c[1] not in ("is-enabled", "is-active")] == [
-        ["/usr/bin/python3", "-m", "compileall", "-q", str(lib)], ["systemctl", "daemon-reload"],
+        [OTHER_PYTHON, "-m", "compileall", "-q", str(lib)], ["systemctl", "daemon-reload"],
         ["systemctl", "enable", "--no-reload", "tool.timer"], ["systemctl", "start", "tool.timer"]]
     (lib / "__pycache__").mkdir()
     (lib / "__pycache__" / "_gate.cpython-311.pyc").write_bytes(b"")
@@ -150,9 +156,23 @@ def test_apply_names_the_command_that_failed_and_its_error(tools):
     def failing(argv):
         return (1, "", "SyntaxError: bad\n") if "compileall" in argv else (1, "", "Unit tool.timer not found.\n")
 
-    with pytest.raises(HostToolsError, match=rf"^compile {lib} with /usr/bin/python3: SyntaxError: bad$"):
+    with pytest.raises(HostToolsError, match=rf"^compile {lib} with {OTHER_PYTHON}: SyntaxError: bad$"):
         apply({"files": [{"path": str(lib / "_gate.py"), "content": "X = (\n"}], "compile": [str(lib)],
-               "python": "/usr/bin/python3"}, failing, "systemctl", check=False)
+               "python": OTHER_PYTHON}, failing, "systemctl", check=False)
     with pytest.raises(HostToolsError, match=r"^systemctl daemon-reload: Unit tool.timer not found.$"):
         apply({"files": [{"path": str(root / "bin" / "tool"), "content": "x"}], "units": ["tool.timer"]},
               failing, "systemctl", check=False)
+
+
+def test_compile_dir_compiles_in_this_process_for_this_interpreter_and_names_what_failed(tools, capsys):
+    root, _files, _dirs = tools
+    lib = root / "lib" / "pkg"
+    run = Runner()
+    apply({"files": [{"path": str(lib / "_gate.py"), "content": "X = 1\n"}], "compile": [str(lib)],
+           "python": sys.executable}, run, "systemctl", check=False)
+    assert run.calls == [], "the same interpreter: no process started"
+    assert [p.name.split(".")[0] for p in (lib / "__pycache__").iterdir()] == ["_gate"]
+    (lib / "_bad.py").write_text("X = (\n", encoding="utf-8")
+    with pytest.raises(HostToolsError, match=rf"^compile {lib} with .*: \*\*\* Error compiling .*_bad\.py"):
+        compile_dir(run, sys.executable, str(lib))
+    assert capsys.readouterr().out == "", "nothing printed on the module's stdout"
