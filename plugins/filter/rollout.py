@@ -1,7 +1,8 @@
 # Copyright (c) gpufleet maintainers
 # GNU General Public License v3.0+ (see LICENSES/GPL-3.0-or-later.txt or https://www.gnu.org/licenses/gpl-3.0.txt)
 # SPDX-License-Identifier: GPL-3.0-or-later
-"""Filters: compat_fields, gate_violations, release_history, rollout_batches, rollout_plan, rollout_plan_drift, runtime_problems.
+"""Filters: compat_fields, gate_violations, release_history, rollout_batches, rollout_plan, rollout_plan_drift, run_settings,
+runtime_problems.
 
 The documentation of each is in the YAML file of its name beside this one.
 """
@@ -46,6 +47,15 @@ def rollout_plan_drift(plan: Any, host_class: str | None = None, current: Mappin
         return moved
     except _rollout.RolloutError as exc:
         raise AnsibleFilterError(f"rollout_plan_drift: {exc}") from None
+
+
+def run_settings(names: Any, given: Any, inventory: Any) -> dict[str, Any]:
+    """The run's settings: extra vars first, else the first target host's inventory; survey text lists read."""
+    if not isinstance(given, Mapping) or not isinstance(inventory, Mapping):
+        raise AnsibleFilterError("run_settings: the extra vars (vars) and the first host's variables must be mappings")
+    if isinstance(names, str) or not isinstance(names, (Mapping, Sequence)):
+        raise AnsibleFilterError("run_settings: expected the names of the run settings (a list, or the argument spec)")
+    return _rollout.run_settings([str(name) for name in names], given, inventory)
 
 
 def compat_fields(host: Any) -> dict[str, Any]:
@@ -107,5 +117,6 @@ class FilterModule:
             "rollout_batches": rollout_batches,
             "rollout_plan": rollout_plan,
             "rollout_plan_drift": rollout_plan_drift,
+            "run_settings": run_settings,
             "runtime_problems": runtime_problems,
         }

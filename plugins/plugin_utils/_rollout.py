@@ -13,6 +13,8 @@ Plain Python, no Ansible import.
 * :func:`gate_violations` (``module_utils/_free_memory_gate.py``, which the host's write call
   runs too) is the free-memory gate the serial batches run on every host, before its
   instances stop and again after (with what they held counted free).
+* :func:`run_settings` collects the run's settings (extra vars first, else the first target
+  host's inventory), reading an AWX survey's text answers for the list settings.
 * :func:`plan_artifact` builds the document ``plan.yml`` writes (plan -> approve ->
   apply); :func:`plan_drift` says, before any host is touched, what moved between that
   plan and the fleet an apply run finds (compatibility key, reference profile, hosts,
@@ -22,7 +24,7 @@ Plain Python, no Ansible import.
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from ansible_collections.gpufleet.vllm.plugins.module_utils._free_memory_gate import gate_violations, rank_floor
@@ -36,12 +38,19 @@ __all__ = [
     "gate_violations",
     "plan_artifact",
     "plan_drift",
+    "run_settings",
     "serial_sizes",
     "unit_drift",
 ]
 
 PLAN_FORMAT = "gpufleet.vllm/plan-v2"
 _SERIAL_ITEM = re.compile(r"^(?:[1-9][0-9]*|(?:100|[1-9][0-9]?)(?:\.[0-9]+)?%)$")
+
+
+# The run settings that are lists, which an AWX survey answers as text.
+LIST_SETTINGS = ("gpufleet_rollout_serial", "gpufleet_classes")
+_BRACKETS = re.compile(r"^\[(.*)\]$")
+_QUOTES = re.compile(r"^[\"']|[\"']$")
 
 
 class RolloutError(ValueError):
@@ -66,6 +75,38 @@ def _size(item: str, class_size: int) -> int:
     if item.endswith("%"):
         return max(1, int(float(item[:-1]) / 100.0 * class_size))
     return int(item)
+
+
+def _given(value: Any) -> bool:
+    """An AWX survey question left blank comes as an empty text: not given."""
+    return not (isinstance(value, str) and value == "")
+
+
+def _text_list(text: str) -> list[str]:
+    """``1,10%,50%`` or ``[1, "10%", "50%"]`` as its items (quotes, blanks and empty items dropped)."""
+    text = _BRACKETS.sub(r"\1", text.strip())
+    return [item for item in (_QUOTES.sub("", part.strip()) for part in text.split(",")) if item]
+
+
+def run_settings(names: Iterable[str], given: Mapping[str, Any], inventory: Mapping[str, Any]) -> dict[str, Any]:
+    """The run settings ``names``: each from the extra vars (``given``) when it is there and not
+    blank, else from the first target host's inventory (``inventory``), else left out (the
+    defaults apply). A list setting given as text (an AWX survey answers every question as
+    text) becomes its items; serial batches that are all digits become numbers."""
+    out: dict[str, Any] = {}
+    for name in names:
+        for source in (given, inventory):
+            if name in source and _given(source[name]):
+                out[name] = source[name]
+                break
+    for name in LIST_SETTINGS:
+        value = out.get(name)
+        if isinstance(value, str):
+            items: list[Any] = _text_list(value)
+            if name == "gpufleet_rollout_serial" and all(item.isdigit() and item.isascii() for item in items):
+                items = [int(item) for item in items]
+            out[name] = items
+    return out
 
 
 def class_batches(classes: Sequence[Any], serial: Any) -> list[dict[str, Any]]:

@@ -21,6 +21,7 @@ from ansible_collections.gpufleet.vllm.plugins.plugin_utils._rollout import (
     gate_violations,
     plan_artifact,
     plan_drift,
+    run_settings,
     serial_sizes,
     unit_drift,
 )
@@ -270,3 +271,32 @@ def test_the_gate_takes_a_whole_reading_and_fails_with_its_nvml_error():
     assert gate_violations(reading, inst, MANUAL) == gate_violations(reading["gpus"], inst, MANUAL) != []
     lost = {"error": "gpu-a1: GPU 1: opening the GPU: GPU is lost (NVML_ERROR_GPU_IS_LOST)", "gpu": "1", "nvml_error": 15}
     assert gate_violations(lost, inst, MANUAL) == ["the NVML probe failed: gpu-a1: GPU 1: opening the GPU: GPU is lost (NVML_ERROR_GPU_IS_LOST)"]
+
+
+RUN_NAMES = ["gpufleet_rollout_serial", "gpufleet_classes", "gpufleet_report_dir", "gpufleet_force_profile"]
+
+
+@pytest.mark.parametrize(("answer", "serial"), [
+    ("1,10%,50%", ["1", "10%", "50%"]),
+    ('[1, "10%", "50%"]', ["1", "10%", "50%"]),
+    ("1, 2 ,4", [1, 2, 4]),
+    ("['2']", [2]),
+    ("1,,2,", [1, 2]),
+    ("\u0661", ["\u0661"]),  # an Arabic-Indic digit is text: the argument spec refuses it by name
+])
+def test_run_settings_read_survey_text_as_lists(answer, serial):
+    got = run_settings(RUN_NAMES, {"gpufleet_rollout_serial": answer, "gpufleet_classes": " h200-tp1, 'l40s' "}, {})
+    assert got == {"gpufleet_rollout_serial": serial, "gpufleet_classes": ["h200-tp1", "l40s"]}
+
+
+def test_run_settings_take_extra_vars_first_then_the_first_host_and_treat_a_blank_answer_as_not_given():
+    inventory = {"gpufleet_rollout_serial": [2, "20%"], "gpufleet_classes": ["h200"], "gpufleet_report_dir": "/r",
+                 "gpufleet_force_profile": True}
+    given = {"gpufleet_rollout_serial": "", "gpufleet_classes": "", "gpufleet_report_dir": "/given",
+             "gpufleet_force_profile": False, "unrelated": 1}
+    assert run_settings(RUN_NAMES, given, inventory) == {
+        "gpufleet_rollout_serial": [2, "20%"], "gpufleet_classes": ["h200"], "gpufleet_report_dir": "/given",
+        "gpufleet_force_profile": False}
+    # blank in both: left out, so that the default applies; a list given as a list stays as it is
+    assert run_settings(RUN_NAMES, {"gpufleet_report_dir": ""}, {"gpufleet_report_dir": ""}) == {}
+    assert run_settings(["gpufleet_rollout_serial"], {"gpufleet_rollout_serial": ["1", 5]}, {}) == {"gpufleet_rollout_serial": ["1", 5]}
