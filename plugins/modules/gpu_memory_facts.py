@@ -8,7 +8,7 @@ DOCUMENTATION = r"""
 ---
 module: gpu_memory_facts
 short_description: Per-GPU memory, processes and driver figures from NVML, kept as host facts
-version_added: 1.2.0
+version_added: 2.0.0
 description:
   - Runs the probe of M(gpufleet.vllm.gpu_memory_info) (same options, same result) and also sets its
     result as host facts, for the plays and plugins that read them from C(hostvars), such as

@@ -166,12 +166,14 @@ options:
     type: str
     choices: [warn, fail]
     default: warn
+    version_added: 2.0.0
   require_admission:
     description:
       - A plan that cannot hold its admission plan (C(admission.ok) false) is not deployable (RV(deployable)).
       - The plan itself does not change.
     type: bool
     default: false
+    version_added: 2.0.0
   probe_history:
     description:
       - Keep each planned host's probe (every GPU's boot-free memory) in a bounded per-host history beside the profile

@@ -58,7 +58,7 @@ options:
         checking a deployed plan's key against the class's current reference; it needs no O(compat).
       - V(build) builds the reference profile from O(canary) and returns it in RV(reference_profile) without
         reading or writing the store (a profiled canary that is not recorded); O(store), O(host_class) and
-        O(compat) are not used.
+        O(compat) are not used. V(build) was added in version 2.0.0.
     type: str
     choices: [query, present, latest, build]
     default: query
@@ -93,6 +93,7 @@ options:
         P(gpufleet.vllm.kv_reference#filter) filter for the profile's fields.
       - Used with O(state=present) (the built profile is recorded) and O(state=build) (it is only returned).
     type: dict
+    version_added: 2.0.0
     suboptions:
       result:
         description: The registered result of the profiled M(gpufleet.vllm.vllm_canary) task.

@@ -92,7 +92,7 @@ options:
         C(gpufleet_run.started) and C(gpufleet_batches).
     type: str
     default: gpufleet_rollout
-    version_added: 1.2.0
+    version_added: 2.0.0
 notes:
   - The playbooks of this collection call this action in their last play; set C(gpufleet_report_dir) to
     keep the reports.

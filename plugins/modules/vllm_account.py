@@ -10,7 +10,7 @@ from __future__ import annotations
 DOCUMENTATION = r"""
 module: vllm_account
 short_description: Create the unprivileged account vLLM runs as, and check that it can read the model, in one call
-version_added: 1.2.0
+version_added: 2.0.0
 description:
   - With O(state=present), makes the service account what the units of the P(gpufleet.vllm.vllm_service#role) role
     expect, in one round trip - a system group, a system user in it (shell C(/usr/sbin/nologin), home O(home), no

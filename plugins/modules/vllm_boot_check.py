@@ -63,7 +63,7 @@ options:
       - Mutually exclusive with O(expected_kv_cache_memory_bytes) and O(free_floor_bytes), which give the same
         checks one by one for a unit without a plan. O(min_tokens) overrides the record's tokens.
     type: dict
-    version_added: 1.2.0
+    version_added: 2.0.0
   expected_kv_cache_memory_bytes:
     description: The budget the unit was started with (integer or size string); each rank must have reserved it.
     type: raw
@@ -106,7 +106,7 @@ options:
       - Needs O(boot_gate_state).
     type: bool
     default: false
-    version_added: 1.2.0
+    version_added: 2.0.0
   record:
     description:
       - After a boot that passed every check and that the boot gate did not shrink (RV(degraded) empty), write the
@@ -115,7 +115,7 @@ options:
         O(gpufleet.vllm.vllm_unit#module:state=recorded) does; RV(recorded) says what was written.
       - A failed check or a degraded start records nothing, so the change stays open for the rollback.
     type: dict
-    version_added: 1.2.0
+    version_added: 2.0.0
     suboptions:
       name:
         description: Instance name; O(unit) must be its unit C(vllm-NAME.service).

@@ -99,7 +99,7 @@ options:
       - The instances' names, for O(state=snapshot) and O(state=restored), in place of O(instances).
     type: list
     elements: str
-    version_added: 1.2.0
+    version_added: 2.0.0
   env_files:
     description:
       - Desired secret environment file content per instance name (O(state=status), O(state=present)).
@@ -112,7 +112,7 @@ options:
         lists them. The snapshot keeps whether each ran, so O(state=restored) starts them again.
     type: bool
     default: false
-    version_added: 1.2.0
+    version_added: 2.0.0
   snapshot:
     description:
       - With O(state=present), first do what O(state=snapshot) does with the same options - keep the files and the
@@ -120,14 +120,14 @@ options:
         written, so that a host's change is one call; RV(snapshot) is what it kept. A failed O(gate) writes nothing.
     type: bool
     default: false
-    version_added: 1.2.0
+    version_added: 2.0.0
   restart:
     description:
       - With O(state=present), then reload systemd and enable and (re)start the instances' services, in the same
         round trip (check each boot with M(gpufleet.vllm.vllm_boot_check)); RV(started) lists them.
     type: bool
     default: false
-    version_added: 1.2.0
+    version_added: 2.0.0
   host_tools:
     description:
       - With O(state=present), first install these host tools - the boot gate the units start through, its library,
@@ -135,7 +135,7 @@ options:
         differs is written; RV(host_tools) is its result), so that the units and the tools they use go to the host in
         one round trip.
     type: dict
-    version_added: 1.2.0
+    version_added: 2.0.0
     suboptions:
       files:
         description: The files, with their contents (O(gpufleet.vllm.vllm_host_tools#module:files)).
@@ -195,7 +195,7 @@ options:
       - The module's action plugin runs the module with O(gpu_probe.python), the interpreter that imports C(pynvml)
         (C(nvidia-ml-py)), whatever C(ansible_python_interpreter) says.
     type: dict
-    version_added: 1.2.0
+    version_added: 2.0.0
     suboptions:
       python:
         description:
@@ -235,7 +235,7 @@ options:
         names the gate after the stop, the host and each rank, in the words of the gate before it. The snapshot and
         the stop stay, so that a rollback (O(state=restored)) starts the previous units again.
     type: dict
-    version_added: 1.2.0
+    version_added: 2.0.0
     suboptions:
       host:
         description: The host's name in the message.
@@ -300,9 +300,11 @@ options:
         description: Create the group and the user where they do not exist.
         type: bool
         default: true
+        version_added: 2.0.0
       model:
         description: A local model directory or file the user must be able to read, all of it; checked before any file is written.
         type: path
+        version_added: 2.0.0
 requirements:
   - systemd (C(systemctl)) for O(state=status), O(state=snapshot) and O(state=restored), and for O(state=present) with
     O(snapshot), O(restart) or O(host_tools.units).

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from packaging.version import Version
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
@@ -474,11 +475,21 @@ def test_lint_excluded_trees_hold_no_ansible_content(monkeypatch: pytest.MonkeyP
     )
 
 
+def _newest_version_added() -> str | None:
+    """The newest ``version_added`` in the modules' and filters' documentation (None when none has one)."""
+    found = []
+    for path in [*(REPO_ROOT / "plugins" / "modules").glob("*.py"), *(REPO_ROOT / "plugins" / "filter").glob("*.yml")]:
+        found += re.findall(r"^\s*version_added:\s*['\"]?([0-9][0-9.]*)['\"]?\s*$", path.read_text(encoding="utf-8"), re.MULTILINE)
+    return max(found, key=Version) if found else None
+
+
 def test_changelog_release_lists_every_module(tmp_path: Path) -> None:
     """A release of the current tree (in a copy) renders notes naming every module.
 
-    galaxy.yml's version is a release of changelogs/changelog.yaml; unreleased fragments and
-    plugins of that version are folded into it here as ``--update-existing`` does.
+    galaxy.yml's version is a release of changelogs/changelog.yaml (it moves at a release). What
+    came after it is released here as the next version, the newest ``version_added`` of the
+    modules and filters, or folded into galaxy.yml's version (``--update-existing``) when none
+    is newer.
 
     antsibull-changelog finds new plugins through ansible-doc, so this also proves that
     every module's documentation loads from an installed-style collection tree.
@@ -497,11 +508,15 @@ def test_changelog_release_lists_every_module(tmp_path: Path) -> None:
     assert isinstance(galaxy, dict)
     changelog = _load_yaml(REPO_ROOT / "changelogs" / "changelog.yaml")
     assert isinstance(changelog, dict) and str(galaxy["version"]) in changelog["releases"], "galaxy.yml's version is not released"
+    upcoming = _newest_version_added()
+    if upcoming is not None and Version(upcoming) > Version(str(galaxy["version"])):
+        release = ["--version", upcoming]
+    else:
+        release = ["--version", str(galaxy["version"]), "--update-existing"]
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "ANSIBLE_COLLECTIONS_PATH")}
     env["PATH"] = f"{BIN}{os.pathsep}{env.get('PATH', '')}"
     result = subprocess.run(
-        # the release of galaxy.yml's version exists (changelogs/changelog.yaml): fold in what came after it
-        [_tool("antsibull-changelog"), "release", "--version", str(galaxy["version"]), "--update-existing", "--reload-plugins"],
+        [_tool("antsibull-changelog"), "release", *release, "--reload-plugins"],
         cwd=dest, env=env, capture_output=True, text=True, timeout=300, check=False,
     )
     assert result.returncode == 0, result.stdout + result.stderr
