@@ -11,7 +11,10 @@ from __future__ import annotations
 
 from typing import Any, Callable, Mapping, Sequence
 
-from ansible.errors import AnsibleFilterError
+from ansible.errors import AnsibleFilterError, AnsibleUndefinedVariable
+from ansible.module_utils.common.arg_spec import ArgumentSpecValidator
+from jinja2 import Undefined
+from jinja2.exceptions import UndefinedError
 
 from ansible_collections.gpufleet.vllm.plugins.module_utils import _compat
 from ansible_collections.gpufleet.vllm.plugins.module_utils._launch import LaunchError
@@ -50,12 +53,36 @@ def rollout_plan_drift(plan: Any, host_class: str | None = None, current: Mappin
 
 
 def run_settings(names: Any, given: Any, inventory: Any) -> dict[str, Any]:
-    """The run's settings: extra vars first, else the first target host's inventory; survey text lists read."""
+    """The run's settings: the play's variables first, else the first target host's; survey text lists read.
+    Given the argument spec, the settings are validated against it (as ``validate_argument_spec`` would, but
+    without reading the play's variables again: a setting whose template is undefined there is not given)."""
     if not isinstance(given, Mapping) or not isinstance(inventory, Mapping):
-        raise AnsibleFilterError("run_settings: the extra vars (vars) and the first host's variables must be mappings")
+        raise AnsibleFilterError("run_settings: the play's variables (vars) and the first host's variables must be mappings")
     if isinstance(names, str) or not isinstance(names, (Mapping, Sequence)):
         raise AnsibleFilterError("run_settings: expected the names of the run settings (a list, or the argument spec)")
-    return _rollout.run_settings([str(name) for name in names], given, inventory)
+    wanted = [str(name) for name in names]
+    settings = _rollout.run_settings(wanted, _defined(given, wanted), _defined(inventory, wanted))
+    if isinstance(names, Mapping):
+        errors = ArgumentSpecValidator(dict(names)).validate(dict(settings)).error_messages
+        if errors:
+            raise AnsibleFilterError("run_settings: Validation of arguments failed:\n" + "\n".join(errors))
+    return settings
+
+
+def _defined(variables: Mapping[str, Any], names: list[str]) -> dict[str, Any]:
+    """The values of ``names`` that resolve: a value whose template is undefined where it is read (a group
+    variable built from a host's own variable, read on localhost) is not given, as ``is defined`` says."""
+    out: dict[str, Any] = {}
+    for name in names:
+        try:
+            if name not in variables:
+                continue
+            value = variables[name]
+        except (UndefinedError, AnsibleUndefinedVariable):
+            continue
+        if not isinstance(value, Undefined):
+            out[name] = value
+    return out
 
 
 def compat_fields(host: Any) -> dict[str, Any]:

@@ -182,8 +182,12 @@ def compile_dir(run: Runner, python: str, directory: str) -> None:
         return
     # compileall prints what failed on stdout, which is the module's JSON result: keep it aside
     errors = io.StringIO()
-    with contextlib.redirect_stdout(errors):
-        compiled = compileall.compile_dir(directory, quiet=1)
+    try:
+        with contextlib.redirect_stdout(errors):
+            compiled = compileall.compile_dir(directory, quiet=1)
+    except Exception as exc:  # pylint: disable=broad-exception-caught
+        # what the other interpreter's non-zero exit would say: the caller keeps its context (snapshot, stop)
+        raise HostToolsError(f"{what}: {type(exc).__name__}: {exc}") from None
     if not compiled:
         raise HostToolsError(f"{what}: {errors.getvalue().strip() or 'compileall failed'}")
 

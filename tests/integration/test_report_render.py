@@ -339,9 +339,9 @@ all:
 """
 
 
-def run_validate(tmp_path: Path, extra: dict) -> tuple[subprocess.CompletedProcess[str], dict | None]:
+def run_validate(tmp_path: Path, extra: dict, inventory: str = VALIDATE_INVENTORY) -> tuple[subprocess.CompletedProcess[str], dict | None]:
     (tmp_path / "validate.yml").write_text(VALIDATE_PLAY.replace("REPO/", f"{REPO}/"), encoding="utf-8")
-    (tmp_path / "hosts.yml").write_text(VALIDATE_INVENTORY, encoding="utf-8")
+    (tmp_path / "hosts.yml").write_text(inventory, encoding="utf-8")
     env = dict(os.environ, ANSIBLE_NOCOLOR="1", ANSIBLE_PYTHON_INTERPRETER=sys.executable)
     paths = [str(Path(p).resolve()) for p in env.get("ANSIBLE_COLLECTIONS_PATH", "").split(":") if p]
     env["ANSIBLE_COLLECTIONS_PATH"] = ":".join(paths or [str(REPO / ".cache" / "collections")])
@@ -360,6 +360,23 @@ def test_unwritable_report_dir_stops_the_run_up_front(tmp_path):
     proc, run = run_validate(tmp_path, {"gpufleet_profile_store": str(tmp_path / "store"), "gpufleet_report_dir": str(blocker / "reports")})
     assert proc.returncode != 0 and run is None
     assert f"gpufleet_report_dir {blocker / 'reports'} cannot be created or written on the controller" in proc.stdout, proc.stdout[-3000:]
+
+
+def test_a_setting_built_from_a_host_variable_comes_from_the_first_target_host(tmp_path):
+    # gpufleet_report_dir is a group variable of every host built from fleet_root, which only the GPU host has:
+    # on localhost it is undefined, so it is not given there and the first target host's value is used
+    fleet = tmp_path / "fleet"
+    inventory = VALIDATE_INVENTORY.replace("gpufleet_model: m,", f"gpufleet_model: m, fleet_root: {fleet},") + (
+        "  vars:\n    gpufleet_report_dir: \"{{ fleet_root }}/reports\"\n")
+    proc, run = run_validate(tmp_path, {"gpufleet_profile_store": str(tmp_path / "store")}, inventory)
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    assert run["report_dir"] == f"{fleet}/reports" and (fleet / "reports").is_dir()
+
+
+def test_a_wrong_run_setting_stops_the_run_naming_it(tmp_path):
+    proc, run = run_validate(tmp_path, {"gpufleet_profile_store": str(tmp_path / "store"), "gpufleet_split_policy": "maybe"})
+    assert proc.returncode != 0 and run is None
+    assert "value of gpufleet_split_policy must be one of: warn, fail, got: maybe" in proc.stdout, proc.stdout[-3000:]
 
 
 def test_survey_answers_as_text(tmp_path):

@@ -11,6 +11,7 @@ import sys
 
 import pytest
 
+from ansible_collections.gpufleet.vllm.plugins.module_utils import _host_tools
 from ansible_collections.gpufleet.vllm.plugins.module_utils._host_tools import (
     HostToolsError,
     apply,
@@ -176,3 +177,23 @@ def test_compile_dir_compiles_in_this_process_for_this_interpreter_and_names_wha
     with pytest.raises(HostToolsError, match=rf"^compile {lib} with .*: \*\*\* Error compiling .*_bad\.py"):
         compile_dir(run, sys.executable, str(lib))
     assert capsys.readouterr().out == "", "nothing printed on the module's stdout"
+
+
+def test_compile_dir_takes_a_venv_link_to_this_interpreter_as_this_interpreter(tools, tmp_path, monkeypatch):
+    root, _files, _dirs = tools
+    lib = root / "lib" / "pkg"
+    lib.mkdir(parents=True)
+    (lib / "_gate.py").write_text("X = 1\n", encoding="utf-8")
+    venv_python = tmp_path / "venv" / "bin" / "python3"
+    venv_python.parent.mkdir(parents=True)
+    venv_python.symlink_to(sys.executable)
+    run = Runner()
+    compile_dir(run, str(venv_python), str(lib))
+    assert run.calls == [] and [p.name.split(".")[0] for p in (lib / "__pycache__").iterdir()] == ["_gate"]
+
+    # whatever compileall raises itself is the module's error naming the directory, as another interpreter's exit is
+    def explode(*_args, **_kwargs):
+        raise RecursionError("maximum recursion depth exceeded")
+    monkeypatch.setattr(_host_tools.compileall, "compile_dir", explode)
+    with pytest.raises(HostToolsError, match=rf"^compile {lib} with .*: RecursionError: maximum recursion depth exceeded$"):
+        compile_dir(run, str(venv_python), str(lib))
