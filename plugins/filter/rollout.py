@@ -66,6 +66,11 @@ def run_settings(names: Any, given: Any, inventory: Any) -> dict[str, Any]:
         errors = ArgumentSpecValidator(dict(names)).validate(dict(settings)).error_messages
         if errors:
             raise AnsibleFilterError("run_settings: Validation of arguments failed:\n" + "\n".join(errors))
+    if "gpufleet_rollout_serial" in settings:
+        try:
+            _rollout.check_serial(settings["gpufleet_rollout_serial"])
+        except _rollout.RolloutError as exc:
+            raise AnsibleFilterError(f"run_settings: {exc}") from None
     return settings
 
 

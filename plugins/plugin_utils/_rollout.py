@@ -13,8 +13,9 @@ Plain Python, no Ansible import.
 * :func:`gate_violations` (``module_utils/_free_memory_gate.py``, which the host's write call
   runs too) is the free-memory gate the serial batches run on every host, before its
   instances stop and again after (with what they held counted free).
-* :func:`run_settings` collects the run's settings (extra vars first, else the first target
-  host's inventory), reading an AWX survey's text answers for the list settings.
+* :func:`run_settings` collects the run's settings (the play's variables first, else the first
+  target host's inventory), reading an AWX survey's text answers for the list settings;
+  :func:`check_serial` checks the serial batches as :func:`class_batches` reads them.
 * :func:`plan_artifact` builds the document ``plan.yml`` writes (plan -> approve ->
   apply); :func:`plan_drift` says, before any host is touched, what moved between that
   plan and the fleet an apply run finds (compatibility key, reference profile, hosts,
@@ -34,6 +35,7 @@ __all__ = [
     "PLAN_FORMAT",
     "RolloutError",
     "check_artifact",
+    "check_serial",
     "class_batches",
     "gate_violations",
     "plan_artifact",
@@ -70,6 +72,11 @@ def _serial_list(serial: Any) -> list[str]:
     return out
 
 
+def check_serial(serial: Any) -> None:
+    """Serial batches :func:`class_batches` takes; else :class:`RolloutError` naming the entry."""
+    _serial_list(serial)
+
+
 def _size(item: str, class_size: int) -> int:
     """Ansible's rule, applied to one class: a share rounds down, every batch holds at least one host."""
     if item.endswith("%"):
@@ -89,10 +96,10 @@ def _text_list(text: str) -> list[str]:
 
 
 def run_settings(names: Iterable[str], given: Mapping[str, Any], inventory: Mapping[str, Any]) -> dict[str, Any]:
-    """The run settings ``names``: each from the extra vars (``given``) when it is there and not
-    blank, else from the first target host's inventory (``inventory``), else left out (the
-    defaults apply). A list setting given as text (an AWX survey answers every question as
-    text) becomes its items; serial batches that are all digits become numbers."""
+    """The run settings ``names``: each from the play's variables (``given``, extra vars first)
+    when it is there and not blank, else from the first target host's inventory (``inventory``),
+    else left out (the defaults apply). A list setting given as text (an AWX survey answers every
+    question as text) becomes its items; serial batches that are all digits become numbers."""
     out: dict[str, Any] = {}
     for name in names:
         for source in (given, inventory):

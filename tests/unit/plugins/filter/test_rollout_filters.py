@@ -17,6 +17,7 @@ from ansible_collections.gpufleet.vllm.plugins.filter.rollout import FilterModul
 run_settings = FilterModule().filters()["run_settings"]
 
 SPEC = {
+    "gpufleet_rollout_serial": {"type": "raw", "description": "batches"},
     "gpufleet_profile_store": {"type": "path", "required": True, "description": "store"},
     "gpufleet_report_dir": {"type": "path", "description": "reports"},
     "gpufleet_split_policy": {"type": "str", "choices": ["warn", "fail"], "default": "warn", "description": "split"},
@@ -66,6 +67,19 @@ def test_the_settings_are_validated_against_the_spec_naming_the_field() -> None:
 def test_a_list_of_names_is_not_validated_and_defaults_are_not_added() -> None:
     assert run_settings(list(SPEC), {"gpufleet_split_policy": "maybe"}, {}) == {"gpufleet_split_policy": "maybe"}
     assert run_settings(SPEC, {"gpufleet_profile_store": "/srv/profiles"}, {}) == {"gpufleet_profile_store": "/srv/profiles"}
+
+
+@pytest.mark.parametrize("serial, message", [
+    ("1,0,50%", r"gpufleet_rollout_serial\[1\]: expected a positive int or a share 'N%' \(0 < N <= 100\), got '0'"),
+    ("[]", "gpufleet_rollout_serial: expected at least one batch size"),
+    ([1, "150%"], r"gpufleet_rollout_serial\[1\]: .*got '150%'"),
+    ("\u0661", r"gpufleet_rollout_serial\[0\]: .*got '\u0661'"),
+])
+def test_serial_batches_are_checked_as_the_batch_arithmetic_reads_them(serial: Any, message: str) -> None:
+    with pytest.raises(AnsibleFilterError, match="^run_settings: " + message):
+        run_settings(SPEC, {"gpufleet_profile_store": "/srv/profiles", "gpufleet_rollout_serial": serial}, {})
+    assert run_settings(SPEC, {"gpufleet_profile_store": "/srv/profiles", "gpufleet_rollout_serial": "1,10%"}, {})[
+        "gpufleet_rollout_serial"] == ["1", "10%"]
 
 
 @pytest.mark.parametrize("names, given, inventory, message", [
