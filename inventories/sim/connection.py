@@ -7,6 +7,13 @@ and their classes, and this script adds the connection variables of those of
 them that are up, as recorded by the test host harness.  Hosts that are down
 get no connection variables and show up as unreachable; other test hosts are
 never added.
+
+It also gives every host, the implicit localhost included, ``sim_checkout``: the
+absolute path of the checkout this inventory lies in. The group variables build the
+controller paths (profile store, report directory, model configs) from it, because
+``playbook_dir`` is the directory of whichever playbook file holds the play (a play
+of an imported playbook such as ``playbooks/parts/plan_classes.yml`` sees
+``playbooks/parts``) and the implicit localhost has no ``inventory_dir``.
 """
 
 from __future__ import annotations
@@ -58,7 +65,8 @@ def main(argv: list[str]) -> int:
     if len(argv) > 2 and argv[1] == "--host":
         print(json.dumps(hostvars.get(argv[2], {})))
         return 0
-    print(json.dumps({"_meta": {"hostvars": hostvars}, "all": {"hosts": sorted(hostvars)}}))
+    print(json.dumps({"_meta": {"hostvars": hostvars},
+                      "all": {"hosts": sorted(hostvars), "vars": {"sim_checkout": REPO}}}))
     return 0
 
 
