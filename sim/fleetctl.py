@@ -187,9 +187,12 @@ def build_state(fleet: dict[str, Any], host: str) -> dict[str, Any]:
             i, parse_size(model["total"]), name=model["name"], uuid=gpu_uuid(host, i),
             reserved=parse_size(model.get("reserved", 0)), cc=str(model.get("cc", "9.0")),
             base_used=parse_size(base[i]), noise=[parse_size(v) for v in noise[i]]))
+    # A co-tenant is a process no guest runs (a made-up pid): recorded as one of another pid
+    # namespace, like a container's process, so the fake NVML keeps listing it (it drops the
+    # records of this namespace's pids that no longer exist, as a driver frees a dead process's memory).
     for n, co in enumerate(spec.get("cotenants") or []):
         nvml_state.add_process(state, gpu=co["gpu"], pid=int(co.get("pid") or COTENANT_PID_BASE + n),
-                               used=parse_size(co["bytes"]), name=str(co.get("name", "python3")))
+                               used=parse_size(co["bytes"]), name=str(co.get("name", "python3")), pidns="other")
     nvml_state.validate(state)
     return state
 
@@ -363,7 +366,7 @@ class Fleet:
                 raise FleetError("cotenant: --bytes is required (unless --remove)")
             taken = {p["pid"] for p in state["procs"]}
             new_pid = pid or next(p for p in range(COTENANT_PID_BASE + 100, COTENANT_PID_BASE + 1000) if p not in taken)
-            nvml_state.add_process(state, gpu=gpu, pid=new_pid, used=size, name="python3")
+            nvml_state.add_process(state, gpu=gpu, pid=new_pid, used=size, name="python3", pidns="other")
             print(f"{host}: co-tenant pid {new_pid} holds {human(size)} on GPU {gpu}")
         self._edit_state(host, mutate)
 

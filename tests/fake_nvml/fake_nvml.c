@@ -18,6 +18,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #define API __attribute__((visibility("default")))
 
@@ -127,6 +128,7 @@ struct fake_proc {
     unsigned int pid;
     unsigned long long used;
     int kinds;
+    int other_pidns; /* pidns=other: a process of another pid namespace, not looked up in /proc */
 };
 
 struct fake_state {
@@ -354,8 +356,32 @@ static int apply_proc(struct fake_proc *p, const char *key, const char *raw)
         else
             return -1;
     }
+    else if (!strcmp(key, "pidns")) {
+        if (!strcmp(val, "local"))
+            p->other_pidns = 0;
+        else if (!strcmp(val, "other"))
+            p->other_pidns = 1;
+        else
+            return -1;
+    }
     /* name= is informational: NVML itself does not report process names here */
     return 0;
+}
+
+/*
+ * Whether a process record still holds its memory.  The driver frees a process's memory
+ * when the process dies, so a record of this pid namespace (pidns=local, the default)
+ * counts only while /proc/<pid> exists: a simulated engine killed by SIGKILL, whose
+ * records nobody removed, holds nothing.  A record of another pid namespace (a
+ * container's process, which this /proc cannot show) counts until it is removed.
+ */
+static int proc_alive(const struct fake_proc *p)
+{
+    if (p->other_pidns)
+        return 1;
+    char path[32];
+    snprintf(path, sizeof path, "/proc/%u", p->pid);
+    return access(path, F_OK) == 0;
 }
 
 static int parse_line(struct fake_state *st, char *line)
@@ -404,7 +430,8 @@ static int parse_line(struct fake_state *st, char *line)
     } else if (kind == 2) {
         if (st->n_procs >= MAX_PROCS)
             return -1;
-        st->procs[st->n_procs++] = proc;
+        if (proc_alive(&proc))
+            st->procs[st->n_procs++] = proc;
     }
     return 0;
 }

@@ -43,6 +43,11 @@ The dict shape returned by :func:`load` and accepted by :func:`save`::
     }
 
 ``kind`` is ``compute``, ``graphics`` or ``both`` (listed by both NVML process calls).
+``pidns`` is ``local`` (the default: a process of the reader's pid namespace, listed and
+counted only while ``/proc/<pid>`` exists, since the driver frees a dead process's memory)
+or ``other`` (a process of another pid namespace, such as a container's co-tenant, which
+that ``/proc`` cannot show: listed until its record is removed). :func:`alive` is the rule
+the fake library applies.
 Memory as reported: ``used = base_used + noise + sum(procs on the GPU)``,
 ``free = max(0, total - reserved - used)``; the v1 struct reports ``used = total - free``.
 """
@@ -80,6 +85,7 @@ GPU_DEFAULTS: dict[str, Any] = {
 }
 
 PROC_KINDS = ("compute", "graphics", "both")
+PROC_PIDNS = ("local", "other")
 _INT_GPU_KEYS = ("index", "total", "reserved", "base_used", "error")
 _INT_PROC_KEYS = ("gpu", "pid", "used")
 
@@ -112,12 +118,23 @@ def make_gpu(index: int, total: int, **fields: Any) -> dict[str, Any]:
 
 
 def add_process(state: dict[str, Any], gpu: int, pid: int, used: int,
-                kind: str = "compute", name: str = "") -> dict[str, Any]:
-    """Append a process holding ``used`` bytes on GPU ``gpu``; returns the record."""
+                kind: str = "compute", name: str = "", pidns: str = "local") -> dict[str, Any]:
+    """Append a process holding ``used`` bytes on GPU ``gpu``; returns the record.
+
+    ``pidns="other"`` for a process that is not one of the reader's (a co-tenant with a
+    made-up pid): a ``local`` record counts only while its pid exists."""
     proc = {"gpu": gpu, "pid": pid, "used": used, "kind": kind, "name": name}
+    if pidns != "local":
+        proc["pidns"] = pidns
     _check_proc(proc, len(state["procs"]))
     state["procs"].append(proc)
     return proc
+
+
+def alive(proc: dict[str, Any], proc_root: str = "/proc") -> bool:
+    """Whether ``proc`` still holds its memory, as the fake library decides it: a record of
+    another pid namespace always; a local one while ``<proc_root>/<pid>`` exists."""
+    return proc.get("pidns", "local") == "other" or os.path.exists(os.path.join(proc_root, str(proc["pid"])))
 
 
 def remove_processes(state: dict[str, Any], pids: set[int] | list[int]) -> int:
@@ -157,6 +174,8 @@ def _check_proc(proc: dict[str, Any], pos: int) -> None:
             raise StateError(f"procs[{pos}].{key}: expected a non-negative integer, got {proc.get(key)!r}")
     if proc.get("kind", "compute") not in PROC_KINDS:
         raise StateError(f"procs[{pos}].kind: {proc.get('kind')!r} is not one of {', '.join(PROC_KINDS)}")
+    if proc.get("pidns", "local") not in PROC_PIDNS:
+        raise StateError(f"procs[{pos}].pidns: {proc.get('pidns')!r} is not one of {', '.join(PROC_PIDNS)}")
 
 
 def validate(state: dict[str, Any]) -> None:
@@ -210,11 +229,12 @@ def dumps(state: dict[str, Any]) -> str:
             tokens.append(f"pci_id={int(full['pci_id'])}")
         lines.append("gpu " + " ".join(tokens))
     for proc in state.get("procs", []):
-        lines.append(
-            "proc gpu={} pid={} used={} kind={} name={}".format(
-                proc["gpu"], proc["pid"], proc["used"], proc.get("kind", "compute"), _enc(proc.get("name", ""))
-            )
+        line = "proc gpu={} pid={} used={} kind={} name={}".format(
+            proc["gpu"], proc["pid"], proc["used"], proc.get("kind", "compute"), _enc(proc.get("name", ""))
         )
+        if proc.get("pidns", "local") != "local":
+            line += f" pidns={proc['pidns']}"
+        lines.append(line)
     return "\n".join(lines) + "\n"
 
 

@@ -97,7 +97,8 @@ def test_several_gpus_with_cotenants_and_our_own_unit(hosts: TestHosts, engine_u
         nvml_state.add_process(state, gpu=0, pid=1, used=3 * GIB, name="embedder")          # co-tenant
         nvml_state.add_process(state, gpu=1, pid=engine_unit["child"], used=40 * GIB)       # our engine
         nvml_state.add_process(state, gpu=1, pid=engine_unit["main"], used=GIB, kind="both")
-        nvml_state.add_process(state, gpu=3, pid=99999, used=512 << 20, kind="graphics")    # gone pid
+        # a pid this host's /proc does not show (a container's process)
+        nvml_state.add_process(state, gpu=3, pid=99999, used=512 << 20, kind="graphics", pidns="other")
 
     update_state(hosts, A, add)
     result = adhoc(hosts, A, f"service_units={UNIT} samples=3 interval=0.1")[A]

@@ -89,7 +89,7 @@ def test_pynvml_in_guest_loads_fake_library(pair: TestHosts) -> None:
     # The guest reads the state file on every call: a change on the controller shows at once.
     with nvml_state.locked(state_file):
         state = nvml_state.load(state_file)
-        nvml_state.add_process(state, gpu=0, pid=4242, used=3 * GIB, name="cotenant")
+        nvml_state.add_process(state, gpu=0, pid=4242, used=3 * GIB, name="cotenant", pidns="other")
         nvml_state.save(state_file, state)
     second = json.loads(_ssh(pair, A, cmd))
     assert second[0][1] == 77 * GIB

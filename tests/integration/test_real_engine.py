@@ -125,14 +125,20 @@ GROUP_VARS: dict[str, Any] = {
     # short probes: this lane does not test the sampling window
     "gpufleet_probe_samples": 2,
     "gpufleet_probe_interval": 0.2,
-    # the profiled canary's share of memory: on the CPU build, of the NUMA node's
-    "vllm_canary_gpu_memory_utilization": 0.12,
+    # the profiled canary's share of memory: on the CPU build, of the NUMA node's, so it is the share that
+    # asks for CANARY_REQUESTED_BYTES on this machine, whatever its memory (canary_utilization())
+    "vllm_canary_gpu_memory_utilization": None,
     "vllm_service_boot_timeout": 300,
     "vllm_service_restart_sec": 2,
     "vllm_runtime_version": "0.32.0+cpu",
     "vllm_runtime_wheelhouse": "/srv/wheelhouse",
     "vllm_runtime_remove_packages": ["torchvision", "torchaudio", "torchcodec", "triton"],
 }
+# What the profiled canary asks the CPU build for: its KV space is this less the worker's own resident
+# memory (vLLM's cpu_worker: requested = ceil(node total * utilization), KV = requested - RSS), about
+# 1.2 GiB for the tiny model. Asking for a fixed amount, not a fixed share, keeps the reference budget (and
+# every figure planned from it) the same on a 16 GiB and on a 512 GiB machine.
+CANARY_REQUESTED_BYTES = 2 * GIB
 HARDENING = ("User=vllm", "ProtectSystem=strict", "ProtectHome=yes", "PrivateTmp=yes", "NoNewPrivileges=yes",
              "DevicePolicy=closed", "CapabilityBoundingSet=", "LimitNOFILE=65536")
 
@@ -149,7 +155,7 @@ class Fleet:
         self.inventory = workdir / "inventory.yml"
         data = self.h.inventory_data(names=HOSTS)
         group = {"hosts": {n: data["all"]["hosts"][n] for n in HOSTS},
-                 "vars": dict(GROUP_VARS, gpufleet_profile_store=str(self.store), gpufleet_report_dir=str(self.report_dir))}
+                 "vars": dict(group_vars(), gpufleet_profile_store=str(self.store), gpufleet_report_dir=str(self.report_dir))}
         self.inventory.write_text(yaml.safe_dump({"all": {"children": {"cpu_tiny": group}}}), encoding="utf-8")
         self.runs = 0
         self.times: dict[str, Any] = {"runs": [], "boots": []}
@@ -276,11 +282,37 @@ def _exec_start(unit: str) -> str:
     return exec_start.group(1)
 
 
-def _fake_gpu_state() -> dict[str, Any]:
-    """The fake NVML state of every lane host (and of the simulator beside them): one GPU, GPU_FREE free."""
+def node_memory_bytes() -> int:
+    """The memory of NUMA node 0 as the CPU build reads it (``vllm.utils.cpu_resource_utils``): the node's
+    ``MemTotal``, else the machine's. The test hosts share the controller's kernel, so it is theirs too."""
+    for path, pattern in (("/sys/devices/system/node/node0/meminfo", r"Node 0 MemTotal:\s+(\d+) kB"),
+                          ("/proc/meminfo", r"MemTotal:\s+(\d+) kB")):
+        try:
+            match = re.search(pattern, Path(path).read_text(encoding="ascii"))
+        except OSError:
+            continue
+        if match:
+            return int(match.group(1)) * 1024
+    raise AssertionError("no MemTotal in /sys/devices/system/node/node0/meminfo or /proc/meminfo")
+
+
+def canary_utilization(node_bytes: int) -> float:
+    """The profiled canary's --gpu-memory-utilization that asks for CANARY_REQUESTED_BYTES of ``node_bytes``."""
+    utilization = round(CANARY_REQUESTED_BYTES / node_bytes, 4)
+    assert 0 < utilization < 0.5, f"a {node_bytes}-byte node is too small for the lane's canary"
+    return utilization
+
+
+def group_vars() -> dict[str, Any]:
+    """GROUP_VARS with the canary's utilization for this machine."""
+    return dict(GROUP_VARS, vllm_canary_gpu_memory_utilization=canary_utilization(node_memory_bytes()))
+
+
+def _fake_gpu_state(free: int = GPU_FREE) -> dict[str, Any]:
+    """The fake NVML state of every lane host (and of the simulator beside them): one GPU, ``free`` free."""
     state = nvml_state.new_state()
     state["gpus"].append(nvml_state.make_gpu(0, GPU_TOTAL, name="NVIDIA L40S", reserved=0,
-                                             base_used=GPU_TOTAL - GPU_FREE, cc="8.9"))
+                                             base_used=GPU_TOTAL - free, cc="8.9"))
     return state
 
 
@@ -536,11 +568,27 @@ def _engine_argv(unit: str) -> list[str]:
     return argv[argv.index("--") + 1:]
 
 
-def _simulate(argv: list[str], work: Path) -> dict[str, Any]:
-    """Boot ``sim/engine/vllm`` with ``argv`` on the hosts' fake GPU (the collection's own engine process,
-    health wait and scrape), send the canary host's one completion, scrape ``/metrics`` and stop it."""
-    nvml_state.save(work / "nvml-state", _fake_gpu_state())
-    (work / "sim.json").write_text(json.dumps({"boot_delay_s": 0.2, "token_delay_s": 0.001}), encoding="utf-8")
+# The simulator's memory costs beside the KV cache (sim/engine/vllm DEFAULT_COSTS, made small and explicit):
+# its fake GPU is sized from them and the budget it is handed, so it never runs out of memory for a reason
+# the real engine (whose "GPU" is the machine's memory) does not have.
+SIM_COSTS = {"cuda_context_bytes": 64 << 20, "peak_activation_bytes": 64 << 20, "non_torch_bytes": 64 << 20,
+             "cuda_graph_bytes": 0, "weights_bytes": 1 << 20}
+
+
+def simulator_free_bytes(budget: int) -> int:
+    """NVML free memory of the simulator's GPU for a boot with ``budget`` KV bytes: what the simulator needs
+    beside the cache plus 256 MiB, and never less than the lane hosts' GPU_FREE (the unit's startup utilization
+    was planned from that, and the simulator checks it as vLLM does)."""
+    non_kv = sum(SIM_COSTS.values())
+    return max(GPU_FREE, budget + non_kv + (256 << 20)) + SIM_COSTS["cuda_context_bytes"]
+
+
+def _simulate(argv: list[str], work: Path, budget: int) -> dict[str, Any]:
+    """Boot ``sim/engine/vllm`` with ``argv`` on a fake GPU sized for ``budget`` (the collection's own engine
+    process, health wait and scrape), send the canary host's one completion, scrape ``/metrics`` and stop it."""
+    nvml_state.save(work / "nvml-state", _fake_gpu_state(simulator_free_bytes(budget)))
+    (work / "sim.json").write_text(json.dumps({"boot_delay_s": 0.2, "token_delay_s": 0.001, "costs": SIM_COSTS}),
+                                   encoding="utf-8")
     env = dict(os.environ, FAKE_NVML_STATE=str(work / "nvml-state"), VLLM_SIM_CONFIG=str(work / "sim.json"),
                CUDA_VISIBLE_DEVICES="0", PYTHONUNBUFFERED="1")
     port = _engine_process.free_port()
@@ -570,7 +618,7 @@ def test_the_simulator_under_the_same_unit_and_budget_parses_alike(fleet, seen, 
     # the executable, the model's path on the controller (the same config) and the port are all that differ
     port_at = argv.index("--port")
     sim_argv = [argv[1], str(MODEL_SRC), *argv[3:port_at], *argv[port_at + 2:]]
-    sim = _simulate(sim_argv, tmp_path)
+    sim = _simulate(sim_argv, tmp_path, seen["budget"])
     real_log = parse_engine_log(seen["journal"][CANARY])
     real_metrics, sim_metrics = seen["served_metrics"], sim["metrics"]
     real_summary, sim_summary = summarise_log(real_log), summarise_log(sim["log"])

@@ -125,7 +125,7 @@ def test_system_and_device_identity(tmp_path):
 def test_memory_v1_and_v2(tmp_path):
     state = fleet_state(2)
     state["gpus"][0]["base_used"] = 300 << 20
-    nvml_state.add_process(state, gpu=0, pid=4242, used=4 * GIB, name="python3")
+    nvml_state.add_process(state, gpu=0, pid=4242, used=4 * GIB, name="python3", pidns="other")
     out = run_nvml(tmp_path, """
         n.nvmlInit()
         h = n.nvmlDeviceGetHandleByIndex(0)
@@ -161,10 +161,10 @@ def test_free_override_is_reported_verbatim(tmp_path):
 
 def test_processes_two_call_protocol_and_struct(tmp_path):
     state = fleet_state(2)
-    nvml_state.add_process(state, gpu=0, pid=101, used=GIB, kind="compute")
-    nvml_state.add_process(state, gpu=0, pid=102, used=2 * GIB, kind="compute")
-    nvml_state.add_process(state, gpu=0, pid=103, used=64 << 20, kind="graphics", name="Xorg")
-    nvml_state.add_process(state, gpu=0, pid=104, used=128 << 20, kind="both")
+    nvml_state.add_process(state, gpu=0, pid=101, used=GIB, kind="compute", pidns="other")
+    nvml_state.add_process(state, gpu=0, pid=102, used=2 * GIB, kind="compute", pidns="other")
+    nvml_state.add_process(state, gpu=0, pid=103, used=64 << 20, kind="graphics", name="Xorg", pidns="other")
+    nvml_state.add_process(state, gpu=0, pid=104, used=128 << 20, kind="both", pidns="other")
     out = run_nvml(tmp_path, """
         n.nvmlInit()
         h = n.nvmlDeviceGetHandleByIndex(0)
@@ -208,7 +208,7 @@ def test_state_is_read_again_on_every_call_and_noise_cycles(tmp_path):
         with nvml_state.locked(STATE):
             s = nvml_state.load(STATE)
             s["gpus"][0]["noise"] = []
-            nvml_state.add_process(s, gpu=0, pid=77, used=1 << 30)
+            nvml_state.add_process(s, gpu=0, pid=77, used=1 << 30, pidns="other")
             s["system"]["driver"] = "999.1"
             nvml_state.save(STATE, s)
         out["after"] = n.nvmlDeviceGetMemoryInfo(h, version=n.nvmlMemory_v2).used
@@ -364,7 +364,7 @@ def test_probe_end_to_end_through_real_pynvml(tmp_path):
     """The collection's probe on top of real pynvml and the fake library."""
     state = fleet_state(2)
     state["gpus"][1]["noise"] = [0, 50 << 20]
-    nvml_state.add_process(state, gpu=0, pid=4242, used=6 * GIB, name="embedder")
+    nvml_state.add_process(state, gpu=0, pid=4242, used=6 * GIB, name="embedder", pidns="other")
     out = run_nvml(tmp_path, """
         sys.path.insert(0, os.environ["PYTHONPATH"].split(os.pathsep)[0])
         from ansible_collections.gpufleet.vllm.plugins.module_utils._nvml_probe import probe
@@ -393,7 +393,7 @@ def test_probe_end_to_end_through_real_pynvml(tmp_path):
 def test_real_gpu_check_script_runs_on_the_fake_library(tmp_path):
     """The prepared real-GPU check script, here on the fake library (no nvidia-smi)."""
     state = fleet_state(2)
-    nvml_state.add_process(state, gpu=1, pid=4242, used=3 * GIB, kind="both")
+    nvml_state.add_process(state, gpu=1, pid=4242, used=3 * GIB, kind="both", pidns="other")
     path = tmp_path / "state"
     nvml_state.save(path, state)
     out_dir = tmp_path / "out"
@@ -496,3 +496,44 @@ def test_probe_without_any_nvml_library_says_so(tmp_path):
     out = json.loads(done.stdout)
     assert out == {"msg": "nodriver: NVML library libnvidia-ml.so.1 not found: is the NVIDIA driver installed?",
                    "code": 12}
+
+
+def test_a_dead_process_frees_its_memory_as_the_driver_does(tmp_path):
+    """A record of this pid namespace counts only while its process lives (the driver frees a dead
+    process's memory); a record of another namespace (a container's pid) counts until it is removed."""
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        state = fleet_state(1)
+        nvml_state.add_process(state, gpu=0, pid=child.pid, used=2 * GIB, name="engine")
+        nvml_state.add_process(state, gpu=0, pid=child.pid + 100000, used=GIB, name="dead")  # no such pid
+        nvml_state.add_process(state, gpu=0, pid=4242, used=3 * GIB, name="container", pidns="other")
+        code = """
+            n.nvmlInit()
+            h = n.nvmlDeviceGetHandleByIndex(0)
+            out["used"] = n.nvmlDeviceGetMemoryInfo(h, version=n.nvmlMemory_v2).used
+            out["pids"] = sorted(p.pid for p in n.nvmlDeviceGetComputeRunningProcesses(h))
+            n.nvmlShutdown()
+        """
+        alive = run_nvml(tmp_path, code, state)
+        assert alive["used"] == 5 * GIB and alive["pids"] == sorted([child.pid, 4242])
+        assert [nvml_state.alive(p) for p in state["procs"]] == [True, False, True]
+    finally:
+        child.kill()
+        child.wait()
+    # the engine was killed and nobody removed its record: its memory is free again
+    gone = run_nvml(tmp_path, code, state)
+    assert gone["used"] == 3 * GIB and gone["pids"] == [4242]
+    assert [nvml_state.alive(p) for p in state["procs"]] == [False, False, True]
+
+
+def test_a_bad_pid_namespace_is_refused(tmp_path):
+    state = fleet_state(1)
+    with pytest.raises(nvml_state.StateError, match=r"procs\[0\]\.pidns: 'mine' is not one of local, other"):
+        nvml_state.add_process(state, gpu=0, pid=1, used=1, pidns="mine")
+    # the library refuses it too, naming the line
+    text = nvml_state.dumps(fleet_state(1)) + "proc gpu=0 pid=1 used=1 kind=compute name= pidns=mine\n"
+    out = run_nvml(tmp_path, """
+        out["init"] = err(n.nvmlInit)
+        out["count"] = err(n.nvmlDeviceGetCount)
+    """, text)
+    assert out["init"] == [999, "NVMLError_Unknown"] or out["count"] == [999, "NVMLError_Unknown"], out

@@ -41,7 +41,7 @@ def host(tmp_path: Path):
     state = nvml_state.new_state()
     for i in range(2):
         state["gpus"].append(nvml_state.make_gpu(i, H200, reserved=566231040))
-    nvml_state.add_process(state, gpu=1, pid=61002, used=int(1.5 * GiB), name="dcgm-exporter")
+    nvml_state.add_process(state, gpu=1, pid=61002, used=int(1.5 * GiB), name="dcgm-exporter", pidns="other")
     nvml_state.save(tmp_path / "state", state)
     (tmp_path / "sim.json").write_text(json.dumps({"boot_delay_s": 0.2, "token_delay_s": 0.002}))
     model = tmp_path / "model"

@@ -88,7 +88,7 @@ def test_state_written_for_each_host_is_valid(fleet) -> None:
     assert len(uuids) == sum(fleet["classes"][s["class"]]["gpus"] for s in fleet["hosts"].values())
     weak = fleetctl.build_state(fleet, "sim-h200-3")
     assert weak["procs"] == [{"gpu": 2, "pid": 61002, "used": int(1.5 * GiB), "kind": "compute",
-                              "name": "dcgm-exporter"}]
+                              "name": "dcgm-exporter", "pidns": "other"}]
 
 
 def test_sim_config_sizes_are_bytes(fleet) -> None:

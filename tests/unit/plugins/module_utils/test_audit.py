@@ -104,7 +104,7 @@ def test_exporter_end_to_end_on_the_fake_nvml(tmp_path):
     (one unreadable), a co-tenant below the floor."""
     state = nvml_state.new_state()
     state["gpus"] = [nvml_state.make_gpu(0, TOTAL, reserved=RESERVED, name="NVIDIA L40S", cc="8.9")]
-    nvml_state.add_process(state, gpu=0, pid=999999, used=2 * GIB, name="cotenant")
+    nvml_state.add_process(state, gpu=0, pid=999999, used=2 * GIB, name="cotenant", pidns="other")
     nvml_state.save(tmp_path / "state", state)
     plans = tmp_path / "etc"
     plans.mkdir()

@@ -191,7 +191,7 @@ def test_launcher_end_to_end_on_the_fake_nvml(tmp_path, policy, cotenant, rc, bu
     # the floor sits 1 GiB below today's free memory; a co-tenant takes `cotenant` + 1 GiB
     floor = free - GIB
     if cotenant:
-        nvml_state.add_process(state, gpu=1, pid=999999, used=cotenant + GIB, name="cotenant")
+        nvml_state.add_process(state, gpu=1, pid=999999, used=cotenant + GIB, name="cotenant", pidns="other")
     nvml_state.save(tmp_path / "state", state)
     plan_path, state_path = tmp_path / "main.plan.json", tmp_path / "main.boot-gate.json"
     plan_path.write_text(json.dumps(plan_doc(free_floor_bytes={"0": floor, "1": floor}, vllm_floor_bytes={})))
