@@ -39,6 +39,8 @@ sys.path.insert(0, str(REPO / "tests" / "hosts"))
 
 import testhosts  # noqa: E402  pylint: disable=wrong-import-position,import-error
 
+import procgroup  # noqa: E402  pylint: disable=wrong-import-position,import-error
+
 
 @dataclasses.dataclass
 class TestHosts:
@@ -65,8 +67,7 @@ class TestHosts:
             argv = ["ansible", "-i", str(self.inventory), pattern, "-m", module, "--tree", tree]
             if args:
                 argv += ["-a", args]
-            proc = subprocess.run(argv, capture_output=True, text=True, env=self._env(), timeout=timeout,
-                                  check=False)
+            proc = procgroup.run(argv, timeout=timeout, env=self._env())
             results = {p.name: json.loads(p.read_text(encoding="utf-8")) for p in Path(tree).iterdir()}
         if proc.returncode != 0 or not results:
             raise AssertionError(f"ansible {pattern} -m {module} failed (rc {proc.returncode}): "
@@ -75,12 +76,12 @@ class TestHosts:
 
     def playbook(self, path: Path, extra_vars: Mapping[str, Any] | None = None,
                  args: Sequence[str] = (), timeout: float = 1800) -> subprocess.CompletedProcess[str]:
-        """Run ``ansible-playbook`` against these hosts; returns the finished process (not checked)."""
+        """Run ``ansible-playbook`` against these hosts; returns the finished process (not checked), its
+        whole output in ``stdout``; nothing of it outlives the call (``procgroup.run``)."""
         argv = ["ansible-playbook", "-i", str(self.inventory), str(path), *args]
         if extra_vars:
             argv += ["--extra-vars", json.dumps(dict(extra_vars))]
-        return subprocess.run(argv, capture_output=True, text=True, env=self._env(), timeout=timeout,
-                              check=False, cwd=REPO)
+        return procgroup.run(argv, timeout=timeout, env=self._env(), cwd=REPO)
 
 
 # The integration stage runs the modules on two pytest-xdist workers, a module per worker

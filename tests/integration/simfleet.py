@@ -16,7 +16,6 @@ import os
 import re
 import subprocess
 import sys
-import threading
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -30,6 +29,7 @@ sys.path.insert(0, str(REPO / "sim"))
 sys.path.insert(0, str(REPO / "tests" / "hosts"))
 
 import fleetctl  # noqa: E402  pylint: disable=wrong-import-position,import-error
+import procgroup  # noqa: E402  pylint: disable=wrong-import-position,import-error
 
 ROLLOUT = REPO / "playbooks" / "rollout.yml"
 PLAN = REPO / "playbooks" / "plan.yml"
@@ -117,24 +117,13 @@ class SimFleet:
         argv = ["ansible-playbook", "-i", str(inventory or self.inventory), str(playbook), *args]
         if extra_vars:
             argv += ["--extra-vars", json.dumps(dict(extra_vars))]
-        lines: list[str] = []
-        # no terminal: a run never waits for an answer (a pause between classes takes its unattended policy)
-        with subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                              cwd=REPO, start_new_session=True) as proc:
-            timer = threading.Timer(timeout, proc.kill)
-            timer.start()
-            try:
-                if on_start is not None:
-                    on_start(proc)
-                assert proc.stdout is not None
-                for line in proc.stdout:
-                    lines.append(line)
-                    if on_line is not None:
-                        on_line(line)
-                rc = proc.wait()
-            finally:
-                timer.cancel()
-        output = "".join(lines)
+        # no terminal: a run never waits for an answer (a pause between classes takes its unattended policy);
+        # the whole run is killed at the timeout or when a callback raises, never left behind
+        try:
+            done = procgroup.run(argv, timeout=timeout, env=env, cwd=REPO, on_start=on_start, on_line=on_line)
+            rc, output = done.returncode, done.stdout
+        except subprocess.TimeoutExpired as exc:
+            rc, output = -9, str(exc.output or "") + f"\n(killed after {timeout:.0f} s)\n"
         # every run's whole output stays next to the fleet file, for a failed assertion's context
         self.runs += 1
         (self.workdir / f"rollout-{self.runs}.log").write_text(output, encoding="utf-8")

@@ -41,6 +41,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from ansible_collections.gpufleet.vllm.plugins.module_utils._kv_capacity import floor_utilization
 
 from simfleet import REPO, SimFleet, l40s_fleet  # pylint: disable=import-error
+import procgroup  # noqa: E402  pylint: disable=wrong-import-position,import-error
 
 GIB = 1 << 30
 MIB = 1 << 20
@@ -125,6 +126,20 @@ def restart(fleet: SimFleet, host: str) -> dict[str, Any]:
     raise AssertionError(f"{host}: the gate recorded no decision for invocation {invocation}")
 
 
+def starting_margins(fleet: SimFleet) -> dict[str, int]:
+    """Restart every host's unit and return each rank 0's margin to its floor, asserting that each host
+    starts at or above its floor: the tests of this module share one fleet, and a test that sizes a
+    co-tenant from the margin must not inherit what an earlier one left (a co-tenant, an engine's memory)."""
+    margins = {}
+    for host in HOSTS:
+        record = restart(fleet, host)
+        margins[host] = record["ranks"][0]["margin_bytes"]
+        assert record["action"] == "start" and margins[host] >= 0, (
+            f"{host} starts {margins[host]} B from its floor before this test changed anything; its fake NVML "
+            f"state: {fleet.read(host, '/etc/fake-nvml/state')}")
+    return margins
+
+
 def current_record(fleet: SimFleet, host: str, timeout: float = 60) -> dict[str, Any]:
     """The gate's record of the unit's current start (systemd starts it on its own at boot)."""
     deadline = time.monotonic() + timeout
@@ -143,9 +158,8 @@ def boot_check(fleet: SimFleet, host: str, plan: dict[str, Any]) -> dict[str, An
     args = {"unit": UNIT, "port": 8000, "expected_kv_cache_memory_bytes": plan["kv_cache_memory_bytes"],
             "min_tokens": plan["kv_cache_tokens"], "timeout": 90, "boot_gate_state": STATE}
     env = dict(os.environ, ANSIBLE_NOCOLOR="1", ANSIBLE_HOST_KEY_CHECKING="False", ANSIBLE_CALLBACK_RESULT_FORMAT="json")
-    done = subprocess.run(["ansible", "-i", str(fleet.inventory), host, "-m", "gpufleet.vllm.vllm_boot_check",
-                           "-a", json.dumps(args)], capture_output=True, text=True, env=env, cwd=REPO, timeout=180,
-                          check=False)
+    done = procgroup.run(["ansible", "-i", str(fleet.inventory), host, "-m", "gpufleet.vllm.vllm_boot_check",
+                          "-a", json.dumps(args)], env=env, cwd=REPO, timeout=180)
     # "<host> | SUCCESS => {...}" or "<host> | FAILED! => {...}"
     head, sep, body = done.stdout.partition(" => ")
     assert sep and host in head, done.stdout + done.stderr
@@ -367,7 +381,7 @@ def test_a_cotenant_below_the_floor_starts_vllm_profiling_under_profile(fleet):
 def test_a_guest_reboot_with_a_cotenant_below_the_floor(fleet):
     """The machines reboot (their disks kept, /run and processes not), a co-tenant 1 GiB below the
     floor on both: systemd starts the units at boot, no controller in the loop."""
-    margins = {h: restart(fleet, h)["ranks"][0]["margin_bytes"] for h in HOSTS}
+    margins = starting_margins(fleet)
     plans = {h: fleet.plan(h) for h in HOSTS}
     for host in HOSTS:
         wait_active(fleet, host)
@@ -433,7 +447,7 @@ def scrape(fleet: SimFleet, host: str) -> dict[tuple[str, tuple[tuple[str, str],
 def test_audit_and_textfile_metrics_report_the_hosts_below_their_floor(fleet):
     """Co-tenants below the floor on both hosts, no restart: audit.yml says what the next start
     would do (and fails), node_exporter serves the same margins from the exporter's textfile."""
-    margins = {h: restart(fleet, h)["ranks"][0]["margin_bytes"] for h in HOSTS}
+    margins = starting_margins(fleet)
     for host in HOSTS:
         wait_active(fleet, host)
         cotenant(fleet, host, margins[host] + GIB)
@@ -441,9 +455,8 @@ def test_audit_and_textfile_metrics_report_the_hosts_below_their_floor(fleet):
         report_dir = fleet.workdir / "audit-reports"
         report_dir.mkdir()
         env = dict(os.environ, ANSIBLE_NOCOLOR="1", ANSIBLE_HOST_KEY_CHECKING="False")
-        done = subprocess.run(["ansible-playbook", "-i", str(fleet.inventory), str(REPO / "playbooks" / "audit.yml"),
-                               "-e", json.dumps({"gpufleet_report_dir": str(report_dir)})],
-                              capture_output=True, text=True, env=env, cwd=REPO, timeout=300, check=False)
+        done = procgroup.run(["ansible-playbook", "-i", str(fleet.inventory), str(REPO / "playbooks" / "audit.yml"),
+                              "-e", json.dumps({"gpufleet_report_dir": str(report_dir)})], env=env, cwd=REPO, timeout=300)
         (fleet.workdir / "audit.log").write_text(done.stdout + done.stderr, encoding="utf-8")
         assert done.returncode != 0, "an instance that would be refused fails the audit"
         (run_dir,) = report_dir.glob("audit-*")

@@ -21,6 +21,7 @@ from conftest import REPO, TestHosts  # pylint: disable=import-error
 
 sys.path.insert(0, str(REPO / "tests" / "fake_nvml"))
 import nvml_state  # noqa: E402  pylint: disable=wrong-import-position,import-error
+import procgroup  # noqa: E402  pylint: disable=wrong-import-position,import-error
 
 A, B = "it-gmi-a", "it-gmi-b"
 GIB = 1 << 30
@@ -58,7 +59,7 @@ def adhoc(th: TestHosts, pattern: str, args: str, module: str = "gpu_memory_info
         argv = ["ansible", "-i", str(th.inventory), pattern, "-m", f"gpufleet.vllm.{module}",
                 "-a", args, "--tree", tree]
         env = dict(os.environ, ANSIBLE_HOST_KEY_CHECKING="False")
-        proc = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=300, check=False)
+        proc = procgroup.run(argv, env=env, timeout=300)
         results = {p.name: json.loads(p.read_text(encoding="utf-8")) for p in Path(tree).iterdir()}
     assert results, f"no result from ansible (rc {proc.returncode}): {proc.stdout[-2000:]}{proc.stderr[-2000:]}"
     # the tree callback drops the "failed" key: ansible's exit status (2) says a host failed
@@ -273,8 +274,7 @@ def test_role_installs_the_binding_into_a_venv(tmp_path: Path) -> None:
         content: "{{{{ {{'gpus': gpufleet_gpus, 'interpreter': gpu_probe_interpreter}} | to_json }}}}"
 """)
     env = dict(os.environ, LD_LIBRARY_PATH=str(cache / "fake-nvml"), FAKE_NVML_STATE=str(state_path))
-    proc = subprocess.run(["ansible-playbook", "-i", "localhost,", str(playbook)], capture_output=True, text=True,
-                          env=env, timeout=600, check=False, cwd=REPO)
+    proc = procgroup.run(["ansible-playbook", "-i", "localhost,", str(playbook)], env=env, timeout=600, cwd=REPO)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
     seen = json.loads(out.read_text())
     assert seen["interpreter"] == f"{venv}/bin/python"

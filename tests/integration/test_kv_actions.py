@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import procgroup  # noqa: E402  pylint: disable=wrong-import-position,import-error
 
 REPO = Path(__file__).resolve().parents[2]
 PLAYBOOK = REPO / "tests" / "integration" / "playbooks" / "kv_actions.yml"
@@ -69,7 +70,7 @@ def _playbook(tmp_path: Path, store: Path, out: Path, *extra: str) -> subprocess
     playbook = shutil.which("ansible-playbook", path=os.path.dirname(sys.executable)) or shutil.which("ansible-playbook")
     assert playbook, "ansible-playbook not found"
     cmd = [playbook, "-i", str(_inventory(tmp_path / "inventory.json")), str(PLAYBOOK), "-e", f"kv_store={store}", "-e", f"kv_out={out}", *extra]
-    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, check=False)
+    return procgroup.run(cmd, env=env, timeout=300)
 
 
 def _store_files(store: Path) -> list[Path]:

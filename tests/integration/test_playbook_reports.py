@@ -32,6 +32,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import test_report_render as render  # noqa: E402  pylint: disable=wrong-import-position,import-error
+import procgroup  # noqa: E402  pylint: disable=wrong-import-position,import-error
 
 HOSTS = ["sim-rp-1", "sim-rp-2"]
 CLASS = "rp-l40s"
@@ -75,7 +76,7 @@ def playbook(inventory: Path, name: str, *args: str, extra_vars: dict[str, Any] 
     argv = ["ansible-playbook", "-i", str(inventory), str(REPO / "playbooks" / name), *args]
     if extra_vars:
         argv += ["--extra-vars", json.dumps(extra_vars)]
-    proc = subprocess.run(argv, capture_output=True, text=True, env=env, cwd=REPO, timeout=600, check=False)
+    proc = procgroup.run(argv, env=env, cwd=REPO, timeout=600)
     return proc.returncode, proc.stdout + proc.stderr
 
 

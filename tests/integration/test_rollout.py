@@ -50,6 +50,7 @@ import yaml
 
 from simfleet import PLAN as PLAN_PLAYBOOK  # pylint: disable=import-error
 from simfleet import REPO, SimFleet, l40s_fleet, budget, fleetctl, recap  # pylint: disable=import-error
+import procgroup  # noqa: E402  pylint: disable=wrong-import-position,import-error
 
 HOSTS = ["sim-ro-1", "sim-ro-2", "sim-ro-3"]
 MIB = 1024**2
@@ -486,9 +487,8 @@ def test_a_hand_written_unit_is_taken_over_and_given_back_by_rollback(fleet):
         assert fleet.plan(host)["kv_cache_memory_bytes"] == budget(fleet.unit(host))
 
         env = dict(os.environ, ANSIBLE_NOCOLOR="1", ANSIBLE_PIPELINING="1", ANSIBLE_HOST_KEY_CHECKING="False")
-        back = subprocess.run(["ansible-playbook", "-i", str(fleet.inventory), str(REPO / "playbooks" / "rollback.yml"),
-                               "-e", f"gpufleet_rollback_hosts={host}"], cwd=REPO, env=env, capture_output=True, text=True,
-                              timeout=600, check=False)
+        back = procgroup.run(["ansible-playbook", "-i", str(fleet.inventory), str(REPO / "playbooks" / "rollback.yml"),
+                              "-e", f"gpufleet_rollback_hosts={host}"], cwd=REPO, env=env, timeout=600)
         assert back.returncode == 0, back.stdout[-6000:] + back.stderr[-2000:]
     finally:
         (host_vars / f"{host}.yml").unlink()

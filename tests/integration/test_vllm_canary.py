@@ -32,6 +32,7 @@ import pytest
 
 from ansible_collections.gpufleet.vllm.plugins.module_utils import _canary, _engine_process
 from ansible_collections.gpufleet.vllm.plugins.module_utils._load_test import LoadSpec
+import procgroup  # noqa: E402  pylint: disable=wrong-import-position,import-error
 
 REPO = Path(__file__).resolve().parents[2]
 CACHE = Path(os.environ.get("GPUFLEET_CACHE", REPO / ".cache"))
@@ -96,8 +97,7 @@ def ansible_module(module: str, args: dict, check: bool = False) -> tuple[int, d
         argv = [exe, "localhost", "-m", f"gpufleet.vllm.{module}", "-a", json.dumps(args), "--tree", tree]
         if check:
             argv.append("--check")
-        proc = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=BOOT_TIMEOUT + 120,
-                              check=False)
+        proc = procgroup.run(argv, env=env, timeout=BOOT_TIMEOUT + 120)
         try:
             result = json.loads(Path(tree, "localhost").read_text())
         except (OSError, ValueError) as exc:

@@ -19,10 +19,23 @@ mkdir -p "$cache"
 # Wide, colourless output so that summary lines are not wrapped or escaped.
 export COLUMNS=${COLUMNS:-200} NO_COLOR=1 PY_COLORS=0 ANSIBLE_NOCOLOR=1
 
+# Every process the stage starts inherits this token; whatever still carries it once the
+# stage's command has exited was left behind (tests/tools/leftovers.py lists, ends and fails it).
+GPUFLEET_STAGE_TOKEN="$stage-$$-$(date +%s%N)"
+export GPUFLEET_STAGE_TOKEN
+
 echo "==== stage $stage: $*"
 start=$(date +%s)
 "$@" 2>&1 | tee "$log"
 rc=${PIPESTATUS[0]}
+# (run without the token, and not in a pipeline whose other end would carry it)
+leftover_out=$(env -u GPUFLEET_STAGE_TOKEN python3 "$(dirname "$0")/leftovers.py" "$GPUFLEET_STAGE_TOKEN" 2>&1)
+leftover_rc=$?
+[ -z "$leftover_out" ] || printf '%s\n' "$leftover_out" | tee -a "$log" >&2
+if [ "$leftover_rc" -ne 0 ]; then
+    echo "FAILED stage $stage: it left processes running (listed above)" >&2
+    [ "$rc" -ne 0 ] || rc=1
+fi
 secs=$(( $(date +%s) - start ))
 
 # summary_of TOOL LOGFILE: print the tool's count line (empty when it printed none).
@@ -59,6 +72,7 @@ case $stage in
 esac
 summary=$(summary_of "$tool" "$log")
 [ -n "$summary" ] || summary="(no $tool summary line found; see $log)"
+[ "$leftover_rc" -eq 0 ] || summary="$summary; left processes running"
 
 # One line per stage: a rerun of a stage replaces its previous line.
 stages="$cache/stages.txt"

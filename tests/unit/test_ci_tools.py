@@ -84,6 +84,39 @@ def test_run_stage_records_the_tools_counts(tmp_path: Path, stage: str) -> None:
     assert (tmp_path / "cache" / f"stage-{stage}.log").read_text(encoding="utf-8") == output
 
 
+def test_run_stage_fails_a_stage_that_leaves_a_process_running(tmp_path: Path) -> None:
+    """A process the stage started and did not end (here in a session of its own, as a playbook run
+    with start_new_session would be) is listed, ended and fails the stage, even though the stage's
+    own command passed; a process outside the stage is left alone."""
+    outside = subprocess.Popen(["sleep", "120"])  # pylint: disable=consider-using-with
+    marker = tmp_path / "stray.pid"
+    env = dict(os.environ, GPUFLEET_CACHE=str(tmp_path / "cache"))
+    command = f"setsid sleep 300 >/dev/null 2>&1 & echo $! > {shlex.quote(str(marker))}; echo '1 passed in 0.01s'"
+    try:
+        result = subprocess.run([str(RUN_STAGE), "units", "bash", "-c", command], cwd=REPO_ROOT, env=env,
+                                capture_output=True, text=True, timeout=120, check=False)
+        stray = int(marker.read_text(encoding="utf-8"))
+        assert result.returncode == 1, result.stdout + result.stderr
+        assert f"pid {stray} " in result.stderr and "sleep 300" in result.stderr, result.stderr
+        assert "FAILED stage units: it left processes running" in result.stderr
+        (line,) = _stage_lines(tmp_path)
+        assert line.split()[:2] == ["units", "FAILED"] and line.endswith("1 passed in 0.01s; left processes running"), line
+        assert not Path(f"/proc/{stray}").exists(), "the stray process was ended"
+        assert outside.poll() is None, "a process of no stage is not touched"
+    finally:
+        outside.kill()
+        outside.wait()
+
+
+def test_leftovers_tells_an_ssh_connection_cache_from_a_stray() -> None:
+    sys.path.insert(0, str(REPO_ROOT / "tests" / "tools"))
+    import leftovers  # pylint: disable=import-outside-toplevel,import-error
+
+    assert leftovers.Proc(1, 1, "ssh: /root/.ansible/cp/3f2a1b [mux]").connection_cache
+    assert not leftovers.Proc(1, 1, "ssh -C -o ControlMaster=auto root@10.0.0.2 /bin/sh").connection_cache
+    assert not leftovers.Proc(1, 1, "/usr/bin/python3 /usr/bin/ansible-playbook rollout.yml").connection_cache
+
+
 def test_run_stage_lint_summary_of_a_clean_run(tmp_path: Path) -> None:
     """The lint line names each tool's own result: ansible-lint's counts, ruff's and mypy's final lines."""
     output = (
