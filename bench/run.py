@@ -4,7 +4,7 @@
 # SPDX-License-Identifier: GPL-3.0-or-later
 """Run the benchmarks and write ``docs/benchmarks.md``.
 
-    python bench/run.py --out docs/benchmarks.md [--only planner,probe,gate,canary,rollout,drift,runtime] [--quick]
+    python bench/run.py --out docs/benchmarks.md [--only planner,probe,gate,canary,rollout,drift,runtime] [--quick | --smoke]
 
 Each part is a script under ``bench/`` that prints one JSON object; this runner
 starts it, keeps its JSON, and renders the report: the machine, every command,
@@ -96,55 +96,68 @@ def can_boot_hosts() -> str | None:
     return None
 
 
-def part_planner(quick: bool) -> dict[str, Any]:
-    argv = [sys.executable, str(REPO / "bench" / "planner.py"), "--repeat", "2" if quick else "5"]
-    return {"planner": run_script(argv, 600)}
+# Each part's arguments at each size: "full" for docs/benchmarks.md, "quick" for a look, "smoke" the
+# smallest that still runs every code path of the script (make test runs it, asserting nothing about
+# the figures, so that no benchmark can rot unnoticed).
+SIZES = ("full", "quick", "smoke")
+ARGS: dict[str, dict[str, list[str]]] = {
+    "planner": {"full": ["--repeat", "5"], "quick": ["--repeat", "2"], "smoke": ["--sizes", "100", "--repeat", "1"]},
+    "probe_inprocess": {"full": ["--runs", "200"], "quick": ["--runs", "50"], "smoke": ["--runs", "3"]},
+    "probe_vs_ping": {"full": ["--hosts", "3", "--runs", "10"], "quick": ["--hosts", "3", "--runs", "4"],
+                      "smoke": ["--hosts", "1", "--runs", "1"]},
+    "boot_gate": {"full": ["--runs", "30"], "quick": ["--runs", "10"], "smoke": ["--runs", "2"]},
+    "canary": {"full": ["--runs", "2"], "quick": ["--runs", "1"], "smoke": ["--runs", "1", "--requests", "2", "--concurrency", "1"]},
+    "rollout": {"full": ["--sizes", "8,32"], "quick": ["--sizes", "4"], "smoke": ["--sizes", "2", "--serial", "[1]"]},
+    "drift": {"full": ["--seeds", "1,2,3,4,5"], "quick": ["--seeds", "1,2"], "smoke": ["--seeds", "1", "--hosts", "20"]},
+    "runtime": {"full": ["--runs", "2"], "quick": ["--runs", "1"], "smoke": ["--runs", "1"]},
+}
 
 
-def part_probe(quick: bool) -> dict[str, Any]:
+def part_planner(size: str) -> dict[str, Any]:
+    return {"planner": run_script([sys.executable, str(REPO / "bench" / "planner.py"), *ARGS["planner"][size]], 600)}
+
+
+def part_probe(size: str) -> dict[str, Any]:
     out: dict[str, Any] = {}
     out["probe_inprocess"] = run_script([sys.executable, str(REPO / "bench" / "probe_inprocess.py"),
-                                         "--runs", "50" if quick else "200"], 300)
+                                         *ARGS["probe_inprocess"][size]], 300)
     why = can_boot_hosts()
     out["probe_vs_ping"] = skipped(why) if why else run_script(
-        [sys.executable, str(REPO / "bench" / "probe_vs_ping.py"), "--hosts", "3", "--runs", "4" if quick else "10"], 900)
+        [sys.executable, str(REPO / "bench" / "probe_vs_ping.py"), *ARGS["probe_vs_ping"][size]], 900)
     return out
 
 
-def part_gate(quick: bool) -> dict[str, Any]:
-    return {"boot_gate": run_script([sys.executable, str(REPO / "bench" / "boot_gate.py"),
-                                     "--runs", "10" if quick else "30"], 600)}
+def part_gate(size: str) -> dict[str, Any]:
+    return {"boot_gate": run_script([sys.executable, str(REPO / "bench" / "boot_gate.py"), *ARGS["boot_gate"][size]], 600)}
 
 
-def part_canary(quick: bool) -> dict[str, Any]:
+def part_canary(size: str) -> dict[str, Any]:
     exe = CACHE / "vllm-cpu" / "venv" / "bin" / "vllm"
     if not exe.exists():
         return {"canary": skipped("the vLLM CPU engine is not built (run `make vllm-cpu`)")}
-    return {"canary": run_script([sys.executable, str(REPO / "bench" / "canary_overhead.py"),
-                                  "--runs", "1" if quick else "2"], 1500)}
+    return {"canary": run_script([sys.executable, str(REPO / "bench" / "canary_overhead.py"), *ARGS["canary"][size]], 1500)}
 
 
-def part_rollout(quick: bool) -> dict[str, Any]:
+def part_rollout(size: str) -> dict[str, Any]:
     why = can_boot_hosts()
     if why:
         return {"rollout": skipped(why)}
-    return {"rollout": run_script([sys.executable, str(REPO / "bench" / "rollout_overhead.py"),
-                                   "--sizes", "4" if quick else "8,32"], 3600)}
+    return {"rollout": run_script([sys.executable, str(REPO / "bench" / "rollout_overhead.py"), *ARGS["rollout"][size]],
+                                  3600)}
 
 
-def part_drift(quick: bool) -> dict[str, Any]:
-    return {"drift": run_script([sys.executable, str(REPO / "bench" / "drift_policies.py"),
-                                 "--seeds", "1,2" if quick else "1,2,3,4,5"], 600)}
+def part_drift(size: str) -> dict[str, Any]:
+    return {"drift": run_script([sys.executable, str(REPO / "bench" / "drift_policies.py"), *ARGS["drift"][size]], 600)}
 
 
-def part_runtime(quick: bool) -> dict[str, Any]:
+def part_runtime(size: str) -> dict[str, Any]:
     if not any((CACHE / "wheelhouse-vllm-cpu").glob("vllm-*.whl")):
         return {"runtime": skipped("no wheelhouse (run `make wheelhouse`)")}
-    return {"runtime": run_script([sys.executable, str(REPO / "bench" / "runtime_install.py"),
-                                   "--runs", "1" if quick else "2"], 1800)}
+    return {"runtime": run_script([sys.executable, str(REPO / "bench" / "runtime_install.py"), *ARGS["runtime"][size]],
+                                  1800)}
 
 
-RUNNERS: dict[str, Callable[[bool], dict[str, Any]]] = {
+RUNNERS: dict[str, Callable[[str], dict[str, Any]]] = {
     "gate": part_gate, "runtime": part_runtime,
     "planner": part_planner, "probe": part_probe, "canary": part_canary, "rollout": part_rollout, "drift": part_drift,
 }
@@ -561,12 +574,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", default=str(CACHE / "bench" / "results.json"))
     parser.add_argument("--only", default=",".join(PARTS), help=f"comma-separated parts: {', '.join(PARTS)}")
     parser.add_argument("--quick", action="store_true", help="fewer repeats, seeds and hosts")
+    parser.add_argument("--smoke", action="store_true",
+                        help="every part at its smallest size, to see that it runs (make test); a part that is "
+                             "skipped fails the run too")
     parser.add_argument("--from-json", help="render the report again from a previous run's results JSON (measures nothing)")
     parser.add_argument("--add-rollout", help="with --from-json: a separate rollout_overhead.py JSON whose runs replace "
                         "the same sizes' runs (the report says when they were measured)")
     args = parser.parse_args(argv)
     if args.add_rollout and not args.from_json:
         parser.error("--add-rollout needs --from-json")
+    if args.quick and args.smoke:
+        parser.error("--quick and --smoke exclude each other")
+    size = "smoke" if args.smoke else "quick" if args.quick else "full"
     if args.from_json:
         saved = json.loads(Path(args.from_json).read_text(encoding="utf-8"))
         if args.add_rollout:
@@ -588,12 +607,12 @@ def main(argv: list[str] | None = None) -> int:
         if part not in parts:
             continue
         print(f"bench: {part} ...", file=sys.stderr, flush=True)
-        results[part] = RUNNERS[part](args.quick)
+        results[part] = RUNNERS[part](size)
         for name, entry in results[part].items():
             state = "skipped: " + entry["skipped"] if "skipped" in entry else (
                 "FAILED: " + entry["error"] if entry.get("error") else f"ok in {entry['seconds']} s")
             print(f"bench: {name}: {state}", file=sys.stderr, flush=True)
-            if entry.get("error"):
+            if entry.get("error") or (args.smoke and "skipped" in entry):
                 failed.append(name)
     seconds = time.monotonic() - t0
     shown = ["python", "bench/run.py"] + list(argv if argv is not None else sys.argv[1:])

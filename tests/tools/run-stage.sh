@@ -67,7 +67,7 @@ summary_of() {
 }
 
 case $stage in
-    units|harness|integration|real-engine) tool=pytest ;;
+    units|harness|readme|integration|real-engine|bench) tool=pytest ;;
     *) tool=$stage ;;
 esac
 summary=$(summary_of "$tool" "$log")
