@@ -199,10 +199,10 @@ def test_stage_report_marks_stages_that_never_ran(tmp_path: Path) -> None:
     lines = [line for line in result.stdout.splitlines() if line.strip()]
     assert lines[0] == "==== make test: stage summary ===="
     body = {line.split()[0]: line for line in lines[1:]}
-    assert list(body) == ["units", "sanity", "lint", "harness", "molecule", "integration"]
+    assert list(body) == ["units", "sanity", "lint", "harness", "readme", "molecule", "integration", "bench"]
     assert body["units"].endswith("12 passed in 1.00s")
     assert "FAILED" in body["lint"]
-    for stage in ("sanity", "harness", "molecule", "integration"):
+    for stage in ("sanity", "harness", "readme", "molecule", "integration", "bench"):
         assert "NOT RUN" in body[stage]
 
 
