@@ -36,7 +36,8 @@ def build_state(path: Path, gpus: int) -> None:
     for i in range(gpus):
         nvml_state.add_process(state, gpu=i, pid=os.getpid(), used=(100 + i) << 30, name="bench")
         nvml_state.add_process(state, gpu=i, pid=1, used=2 << 30, kind="compute", name="init")
-        nvml_state.add_process(state, gpu=i, pid=2 + i, used=256 << 20, kind="graphics", name="other")
+        # a made-up pid: a process of another pid namespace (the fake NVML drops a dead local pid)
+        nvml_state.add_process(state, gpu=i, pid=2 + i, used=256 << 20, kind="graphics", name="other", pidns="other")
     nvml_state.save(path, state)
 
 

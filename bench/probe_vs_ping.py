@@ -47,9 +47,10 @@ def gpu_state(gpus: int) -> dict[str, Any]:
     state = nvml_state.new_state()
     state["gpus"] = [nvml_state.make_gpu(i, H200_TOTAL, reserved=H200_RESERVED, name="NVIDIA H200") for i in range(gpus)]
     for i in range(gpus):
-        nvml_state.add_process(state, gpu=i, pid=4000 + i, used=(100 + i) << 30, name="python3")
+        # made-up pids: processes of another pid namespace (the fake NVML drops a dead local pid)
+        nvml_state.add_process(state, gpu=i, pid=4000 + i, used=(100 + i) << 30, name="python3", pidns="other")
         nvml_state.add_process(state, gpu=i, pid=1, used=256 << 20, name="systemd")
-        nvml_state.add_process(state, gpu=i, pid=5000 + i, used=64 << 20, kind="graphics", name="Xorg")
+        nvml_state.add_process(state, gpu=i, pid=5000 + i, used=64 << 20, kind="graphics", name="Xorg", pidns="other")
     return state
 
 
