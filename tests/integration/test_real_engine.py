@@ -56,7 +56,6 @@ import os
 import re
 import shlex
 import struct
-import subprocess
 import sys
 import time
 import urllib.request

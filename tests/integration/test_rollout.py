@@ -40,7 +40,6 @@ import base64
 import json
 import os
 import re
-import subprocess
 import threading
 import time
 from typing import Any
