@@ -143,7 +143,8 @@ def test_make_demo_leaves_every_instance_running_its_class_budget(demo) -> None:
                 unit = f"vllm-{instance['name']}.service"
                 state = fleet.h.exec(host, ["systemctl", "is-active", unit]).stdout.strip()
                 assert state == "active", (host, unit, state)
-                text = fleet.h.exec(host, ["cat", f"/etc/systemd/system/{unit}"]).stdout
+                # the unit's lines as systemd reads them, continuations joined
+                text = re.sub(r"[ \t]*\\\n[ \t]*", " ", fleet.h.exec(host, ["cat", f"/etc/systemd/system/{unit}"]).stdout)
                 assert f"--kv-cache-memory-bytes {budget}" in text, (host, unit)
                 assert f"--port {instance['port']}" in text, (host, unit)
 
