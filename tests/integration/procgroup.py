@@ -10,8 +10,12 @@ hosts that are being torn down. Here every command is the leader of a session of
 its whole process group is killed whenever the call returns or raises: after a normal exit
 (stragglers), at the timeout, and on any exception, a failed assertion in ``on_line`` included.
 
-SSH control masters (``ControlPersist``) detach into sessions of their own and exit by
-themselves once idle; ``tests/tools/leftovers.py`` ends them at the end of a stage.
+A process group is not enough: Ansible's task workers call ``setsid`` (a session of their own)
+and are orphaned when ``ansible-playbook`` dies, SSH control masters detach the same way, and a
+test that kills the controller on purpose kills only its group. So each command also gets a
+token of its own in its environment, which every process it starts inherits, and every process
+that carries it is killed at the end (``tests/tools/leftovers.py`` finds them, as it finds what a
+whole stage left behind).
 """
 
 from __future__ import annotations
@@ -19,9 +23,17 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import sys
 import threading
+import uuid
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+
+import leftovers  # noqa: E402  pylint: disable=wrong-import-position,import-error
+
+TOKEN_VARIABLE = "GPUFLEET_COMMAND_TOKEN"
 
 
 def kill_group(pgid: int) -> None:
@@ -30,6 +42,25 @@ def kill_group(pgid: int) -> None:
         os.killpg(pgid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
         pass
+
+
+def kill_tree(pgid: int, token: str) -> None:
+    """SIGKILL the group, then every process that carries the command's token, until none is left.
+
+    Test hosts are spared: a command may boot hosts that outlive it (``make demo``, a fleet a test
+    creates through fleetctl); the harness ends them, and the stage's own check fails on any that
+    is still up when the stage ends."""
+    kill_group(pgid)
+    for _round in range(20):  # a dying process can fork once more; each round kills what is left
+        procs = [p for p in leftovers.carrying(token, variable=TOKEN_VARIABLE) if not p.test_host]
+        if not procs:
+            return
+        for proc in procs:
+            try:
+                os.kill(proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        threading.Event().wait(0.05)
 
 
 def run(argv: Sequence[str], *, timeout: float, env: Mapping[str, str] | None = None,
@@ -44,13 +75,14 @@ def run(argv: Sequence[str], *, timeout: float, env: Mapping[str, str] | None = 
     """
     lines: list[str] = []
     timed_out = threading.Event()
+    token = uuid.uuid4().hex
+    environment = dict(os.environ if env is None else env, **{TOKEN_VARIABLE: token})
     with subprocess.Popen(list(argv), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                          text=True, env=dict(env) if env is not None else None, cwd=cwd,
-                          start_new_session=True) as proc:
+                          text=True, env=environment, cwd=cwd, start_new_session=True) as proc:
 
         def expire() -> None:
             timed_out.set()
-            kill_group(proc.pid)
+            kill_tree(proc.pid, token)
 
         timer = threading.Timer(timeout, expire)
         timer.daemon = True
@@ -66,9 +98,9 @@ def run(argv: Sequence[str], *, timeout: float, env: Mapping[str, str] | None = 
             rc = proc.wait()
         finally:
             timer.cancel()
-            # the group outlives its leader when a worker was forked and not reaped, and every
-            # member is still there when we leave early (an exception, a timeout)
-            kill_group(proc.pid)
+            # workers outlive their controller (their own sessions), and everything is still
+            # there when we leave early (an exception, a timeout)
+            kill_tree(proc.pid, token)
             if proc.poll() is None:
                 proc.wait()
     output = "".join(lines)

@@ -37,6 +37,12 @@ class Proc:
     cmdline: str
 
     @property
+    def test_host(self) -> bool:
+        """A test host's ``systemd-nspawn`` (tests/hosts/testhosts.py): the harness, not the command
+        that booted it, ends it (``make demo`` leaves its fleet up on purpose)."""
+        return self.cmdline.split(" ", 1)[0].endswith("systemd-nspawn")
+
+    @property
     def connection_cache(self) -> bool:
         """An SSH control master: ``ssh: <control path> [mux]``."""
         return self.cmdline.startswith("ssh: ") and self.cmdline.endswith("[mux]")
@@ -50,9 +56,14 @@ def _read(path: str) -> bytes:
         return b""
 
 
-def carrying(token: str, proc_root: str = "/proc", exclude: frozenset[int] = frozenset()) -> list[Proc]:
-    """Every process whose environment holds ``GPUFLEET_STAGE_TOKEN=<token>``, oldest pid first."""
-    wanted = f"{VARIABLE}={token}".encode()
+def carrying(token: str, proc_root: str = "/proc", exclude: frozenset[int] = frozenset(),
+             variable: str = VARIABLE) -> list[Proc]:
+    """Every process whose environment holds ``<variable>=<token>``, oldest pid first.
+
+    The environment a process was started with is inherited by its forks and whatever they
+    run, also by those that left its session (Ansible's task workers call ``setsid``) or were
+    orphaned (their parent is 1 once it died): the token follows the whole tree."""
+    wanted = f"{variable}={token}".encode()
     found = []
     for name in os.listdir(proc_root):
         if not name.isdigit() or int(name) in exclude:
