@@ -11,9 +11,9 @@ never added.
 It also gives every host, the implicit localhost included, ``sim_checkout``: the
 absolute path of the checkout this inventory lies in. The group variables build the
 controller paths (profile store, report directory, model configs) from it, because
-``playbook_dir`` is the directory of whichever playbook file holds the play (a play
+Ansible's playbook directory is that of whichever playbook file holds the play (a play
 of an imported playbook such as ``playbooks/parts/plan_classes.yml`` sees
-``playbooks/parts``) and the implicit localhost has no ``inventory_dir``.
+``playbooks/parts``) and the implicit localhost has no inventory directory.
 """
 
 from __future__ import annotations
