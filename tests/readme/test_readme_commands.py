@@ -40,6 +40,7 @@ sys.path.insert(0, str(REPO / "tests" / "integration"))
 
 import fleetctl  # noqa: E402  pylint: disable=wrong-import-position,import-error
 import procgroup  # noqa: E402  pylint: disable=wrong-import-position,import-error
+from simfleet import recap  # noqa: E402  pylint: disable=wrong-import-position,import-error
 
 SIM_INVENTORY = REPO / "inventories" / "sim"
 EXAMPLE_INVENTORY = REPO / "inventories" / "example"
@@ -66,11 +67,6 @@ def classes_of(inventory: Path) -> dict[str, list[str]]:
     hosts = yaml.safe_load((inventory / "hosts.yml").read_text(encoding="utf-8"))
     groups = hosts["all"]["children"]["gpufleet"]["children"]
     return {name: list(spec["hosts"]) for name, spec in groups.items()}
-
-
-def recap(output: str) -> dict[str, dict[str, int]]:
-    return {host: {k: int(v) for k, v in re.findall(r"(\w+)=(\d+)", counters)}
-            for host, counters in re.findall(r"^(\S+)\s+:\s+(ok=.*)$", output, flags=re.M)}
 
 
 def newest_run(reports: Path, kind: str, since: float) -> Path:
