@@ -1,7 +1,7 @@
 # Copyright (c) gpufleet maintainers
 # GNU General Public License v3.0+ (see LICENSES/GPL-3.0-or-later.txt or https://www.gnu.org/licenses/gpl-3.0.txt)
 # SPDX-License-Identifier: GPL-3.0-or-later
-"""Filters: compat_fields, gate_violations, release_history, rollout_batches, rollout_plan, rollout_plan_drift, run_settings,
+"""Filters: compat_fields, gate_violations, release_history, rollback_summary, rollout_batches, rollout_plan, rollout_plan_drift, run_settings,
 runtime_problems.
 
 The documentation of each is in the YAML file of its name beside this one.
@@ -18,7 +18,15 @@ from jinja2.exceptions import UndefinedError
 
 from ansible_collections.gpufleet.vllm.plugins.module_utils import _compat
 from ansible_collections.gpufleet.vllm.plugins.module_utils._launch import LaunchError
+from ansible_collections.gpufleet.vllm.plugins.module_utils._unit_files import rollback_summary as _rollback_summary
 from ansible_collections.gpufleet.vllm.plugins.plugin_utils import _releases, _rollout
+
+
+def rollback_summary(entries: Any) -> str:
+    """What a restore (vllm_unit state=restored) did, instance by instance."""
+    if not isinstance(entries, Sequence) or isinstance(entries, str) or not all(isinstance(e, Mapping) for e in entries):
+        raise AnsibleFilterError("rollback_summary: expected the instances list of gpufleet.vllm.vllm_unit state=restored")
+    return _rollback_summary(entries)
 
 
 def rollout_batches(classes: Any, serial: Any = None) -> list[dict[str, Any]]:
@@ -146,6 +154,7 @@ class FilterModule:
             "compat_fields": compat_fields,
             "gate_violations": gate_violations,
             "release_history": release_history,
+            "rollback_summary": rollback_summary,
             "rollout_batches": rollout_batches,
             "rollout_plan": rollout_plan,
             "rollout_plan_drift": rollout_plan_drift,

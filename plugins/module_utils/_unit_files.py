@@ -47,6 +47,7 @@ import json
 import os
 import stat
 import tempfile
+import time
 import typing as t
 from dataclasses import dataclass
 
@@ -55,6 +56,8 @@ from ._launch import LaunchError, for_instance
 from ._serve_argv import CONTROLLED_OPTIONS, EngineSpecError, option_name, render_serve_args
 
 KINDS = ("unit", "plan", "env")
+# the snapshot document (snapshot_path); a release before 2.0 kept one file per copy and marker
+SNAPSHOT_FORMAT = 1
 # Plan-record fields whose change means the running engine is not the one the new plan was
 # made for, even when the unit is byte for byte the same: the compatibility key covers the
 # model's weights, the engine and the driver (a new weight file under the same model path
@@ -510,8 +513,10 @@ def status(layout: Layout, instances: t.Sequence[t.Mapping[str, t.Any]], show: S
             reasons.append("the unit on disk has not passed a boot check")
         elif isinstance(inst.get("plan"), t.Mapping):
             reasons += plan_restart_reasons(applied, inst["plan"])
-        if os.path.exists(layout.changing_marker(name)):
+        if change_open(layout, name):
             reasons.append("an earlier change was interrupted")
+        if active != "active" and canary_hold(layout, name) is not None:
+            reasons.append("a canary that was cut off left it stopped")
         entry["reasons"] = reasons
         entry["pending"] = bool(reasons)
         out.append(entry)
@@ -549,8 +554,114 @@ def read_plan(layout: Layout, name: str) -> dict[str, t.Any]:
     return doc if isinstance(doc, dict) else {}
 
 
-def snapshot(layout: Layout, names: t.Sequence[str], show: ShowRunner, check: bool) -> list[dict[str, t.Any]]:
-    """Keep the unit, plan and environment files of ``names`` as they are now, and whether each runs."""
+def snapshot_path(layout: Layout, name: str) -> str:
+    """The snapshot document of an instance (root, 0600)."""
+    return os.path.join(layout.kept_dir, f"vllm-{name}.snapshot.json")
+
+
+def canary_hold_path(layout: Layout, name: str) -> str:
+    """The marker a canary leaves while it holds the instance stopped (``vllm_canary``)."""
+    return os.path.join(layout.kept_dir, f"vllm-{name}.canary-hold.json")
+
+
+def _legacy_snapshot(layout: Layout, name: str) -> dict[str, t.Any] | None:
+    """A snapshot kept by a release before 2.0 (one file per kept copy and marker), as a document."""
+    files: dict[str, t.Any] = {}
+    for kind in KINDS:
+        copy = read_bytes(layout.kept(name, kind) + ".previous")
+        if copy is not None:
+            files[kind] = _file_entry(layout, name, kind, copy)
+        elif os.path.exists(layout.kept(name, kind) + ".absent"):
+            files[kind] = None
+    if not files:
+        return None
+    inactive = read_bytes(layout.inactive_marker(name))
+    active = "active" if inactive is None else (inactive.decode("utf-8", errors="replace").strip() or "inactive")
+    return {"format": SNAPSHOT_FORMAT, "instance": name, "change_id": "", "changes": [], "taken_at": None,
+            "open": os.path.exists(layout.changing_marker(name)), "serving": active == "active",
+            "active_state": active, "files": files, "written": {}, "legacy": True}
+
+
+def _file_entry(layout: Layout, name: str, kind: str, data: bytes) -> dict[str, t.Any]:
+    return {"path": layout.path(name, kind), "sha1": sha1(data), "data": base64.b64encode(data).decode("ascii")}
+
+
+def load_snapshot(layout: Layout, name: str) -> dict[str, t.Any] | None:
+    """The last snapshot of an instance, or None; a document that cannot be read is an error naming it."""
+    path = snapshot_path(layout, name)
+    raw = read_bytes(path)
+    if raw is None:
+        return _legacy_snapshot(layout, name)
+    try:
+        doc = json.loads(raw)
+        if not isinstance(doc, dict) or doc.get("format") != SNAPSHOT_FORMAT or doc.get("instance") != name:
+            raise ValueError(f"not a format {SNAPSHOT_FORMAT} snapshot of instance {name}")
+        for kind, entry in dict(doc["files"]).items():
+            if kind not in KINDS:
+                raise ValueError(f"unknown file kind {kind!r}")
+            if entry is not None:
+                data = base64.b64decode(str(entry["data"]), validate=True)
+                if sha1(data) != entry["sha1"]:
+                    raise ValueError(f"the kept {kind} file does not match its checksum")
+    except (ValueError, KeyError, TypeError) as exc:
+        raise UnitFilesError(f"{path}: the snapshot cannot be read ({exc}); it is left as it is for a person to look at") from None
+    return doc
+
+
+def kept_file(layout: Layout, name: str, kind: str) -> bytes | None:
+    """The copy of a file the last snapshot of an instance keeps (None: no snapshot, or the file did not exist)."""
+    doc = load_snapshot(layout, name)
+    return None if doc is None or kind not in doc["files"] else _kept_data(doc, kind)
+
+
+def _kept_data(doc: t.Mapping[str, t.Any], kind: str) -> bytes | None:
+    entry = doc["files"].get(kind)
+    return None if entry is None else base64.b64decode(str(entry["data"]))
+
+
+def _commit_snapshot(layout: Layout, name: str, doc: t.Mapping[str, t.Any], check: bool) -> bool:
+    """Replace the instance's snapshot document in one rename; the legacy files go after it."""
+    data = (json.dumps(dict(doc), indent=2, sort_keys=True) + "\n").encode("utf-8")
+    changed = ensure_file(snapshot_path(layout, name), data, layout.uid, layout.gid, 0o600, check)
+    if not check:
+        for kind in KINDS:  # the document is the snapshot now: a release before 2.0 left these
+            for suffix in (".previous", ".absent"):
+                ensure_absent(layout.kept(name, kind) + suffix, check)
+        ensure_absent(layout.inactive_marker(name), check)
+        ensure_absent(layout.changing_marker(name), check)
+    return changed
+
+
+def _summary(doc: t.Mapping[str, t.Any]) -> dict[str, t.Any]:
+    files = doc["files"]
+    return {"name": doc["instance"], "kept": [k for k in KINDS if files.get(k) is not None],
+            "absent": [k for k in KINDS if k in files and files[k] is None], "active_state": doc["active_state"],
+            "serving": doc["serving"], "change_id": doc.get("change_id", "")}
+
+
+def canary_hold(layout: Layout, name: str) -> dict[str, t.Any] | None:
+    """The hold an interrupted canary left (it stopped the serving instance and never started it again)."""
+    raw = read_bytes(canary_hold_path(layout, name))
+    if raw is None:
+        return None
+    try:
+        doc = json.loads(raw)
+    except ValueError:
+        doc = {}
+    return doc if isinstance(doc, dict) else {}
+
+
+def snapshot(layout: Layout, names: t.Sequence[str], show: ShowRunner, check: bool, change_id: str = "",
+             written: t.Mapping[str, t.Mapping[str, str]] | None = None, now: float | None = None) -> list[dict[str, t.Any]]:
+    """Keep the unit, plan and environment files of ``names`` as they are now, and whether each serves.
+
+    One document per instance, written in one rename: a failed write leaves the previous
+    snapshot as it was. ``change_id`` stamps the snapshot with the change that takes it, so that
+    this change's rollback restores this snapshot and no other; ``written`` maps each instance to
+    the checksums of the files the change writes (``{kind: sha1}``), so that a rollback removes a
+    file the change created only while it is still that file. An instance held stopped by a
+    canary that never came back (``canary_hold``) was serving before it.
+    """
     names = [validate_name(n) for n in names]
     props = show([layout.unit_name(n) for n in names])
     changed_dir = False
@@ -558,36 +669,48 @@ def snapshot(layout: Layout, names: t.Sequence[str], show: ShowRunner, check: bo
         changed_dir = ensure_dir(layout.state_dir, layout.uid, layout.plan_gid, 0o750, check)
     if not (check and changed_dir):
         changed_dir |= ensure_dir(layout.kept_dir, layout.uid, layout.gid, 0o700, check)
+    taken_at = time.time() if now is None else now
     out = []
     for name in names:
-        if os.path.exists(layout.changing_marker(name)):
-            # an interrupted change: its snapshot holds what ran before it; keep that
-            out.append(dict(_kept_snapshot(layout, name), resumed=True, changed=changed_dir))
+        previous = load_snapshot(layout, name) if os.path.isdir(layout.kept_dir) else None
+        if previous is not None and previous.get("open"):
+            # an interrupted change: its snapshot holds what ran before it; this change carries it on
+            doc = dict(previous)
+            if change_id and change_id not in doc.get("changes", []):
+                doc["changes"] = list(doc.get("changes", [])) + [change_id]
+            if written and name in written:
+                doc["written"] = {**dict(doc.get("written") or {}), **dict(written[name])}
+            changed = _commit_snapshot(layout, name, doc, check) or changed_dir
+            out.append(dict(_summary(doc), resumed=True, changed=changed))
             continue
-        kept, absent, changed = [], [], changed_dir
+        files: dict[str, t.Any] = {}
         for kind in KINDS:
             live = read_bytes(layout.path(name, kind))
-            base = layout.kept(name, kind)
-            if live is None:
-                changed |= ensure_absent(base + ".previous", check)
-                changed |= ensure_file(base + ".absent", b"", layout.uid, layout.gid, 0o600, check)
-                absent.append(kind)
-            else:
-                # the copy first: a crash in between leaves both, and restore prefers the copy
-                changed |= ensure_file(base + ".previous", live, layout.uid, layout.gid, 0o600, check)
-                changed |= ensure_absent(base + ".absent", check)
-                kept.append(kind)
+            files[kind] = None if live is None else _file_entry(layout, name, kind, live)
         active = props.get(layout.unit_name(name), {}).get("ActiveState", "unknown")
-        marker = layout.inactive_marker(name)
-        if active == "active":
-            changed |= ensure_absent(marker, check)
-        else:
-            changed |= ensure_file(marker, (active + "\n").encode(), layout.uid, layout.gid, 0o600, check)
-        # written last: a run interrupted before this line snapshots again, from files it did not touch yet
-        changed |= ensure_file(layout.changing_marker(name), b"", layout.uid, layout.gid, 0o600, check)
-        out.append({"name": name, "kept": kept, "absent": absent, "active_state": active, "resumed": False,
-                    "changed": changed})
+        hold = canary_hold(layout, name) if os.path.isdir(layout.kept_dir) else None
+        serving = active == "active" or (hold is not None and files["unit"] is not None)
+        doc = {"format": SNAPSHOT_FORMAT, "instance": name, "change_id": change_id, "changes": [change_id] if change_id else [],
+               "taken_at": taken_at, "open": True, "serving": serving, "active_state": active, "files": files,
+               "written": dict((written or {}).get(name) or {})}
+        if hold is not None and active != "active":
+            doc["held_by_canary"] = str(hold.get("change_id", ""))
+        changed = _commit_snapshot(layout, name, doc, check) or changed_dir
+        out.append(dict(_summary(doc), resumed=False, changed=changed))
     return out
+
+
+def _note_written(layout: Layout, name: str, kind: str, data: bytes, check: bool, close: bool = False) -> None:
+    """Add what the open change wrote to its snapshot (a rollback removes a created file only while it is this one)."""
+    if check or not os.path.exists(snapshot_path(layout, name)):
+        return
+    doc = load_snapshot(layout, name)
+    if doc is None or not doc.get("open"):
+        return
+    doc = dict(doc, written={**dict(doc.get("written") or {}), kind: sha1(data)})
+    if close:
+        doc["open"] = False
+    _commit_snapshot(layout, name, doc, check)
 
 
 def _systemctl(systemctl: SystemctlRunner, argv: list[str]) -> None:
@@ -628,13 +751,15 @@ def restart_services(layout: Layout, names: t.Sequence[str], systemctl: Systemct
     return units
 
 
-def _kept_snapshot(layout: Layout, name: str) -> dict[str, t.Any]:
-    """What the existing snapshot of an instance holds."""
-    kept = [k for k in KINDS if os.path.exists(layout.kept(name, k) + ".previous")]
-    absent = [k for k in KINDS if k not in kept and os.path.exists(layout.kept(name, k) + ".absent")]
-    inactive = read_bytes(layout.inactive_marker(name))
-    active = "active" if inactive is None else (inactive.decode("utf-8", errors="replace").strip() or "inactive")
-    return {"name": name, "kept": kept, "absent": absent, "active_state": active}
+def change_open(layout: Layout, name: str) -> bool:
+    """A change was snapshotted and neither recorded after its boot check nor rolled back."""
+    if os.path.exists(layout.changing_marker(name)):  # a release before 2.0
+        return True
+    try:
+        doc = load_snapshot(layout, name)
+    except UnitFilesError:
+        return True  # a snapshot nobody can read: the instance is pending until a person looks at it
+    return bool(doc and doc.get("open"))
 
 
 def write(layout: Layout, instances: t.Sequence[t.Mapping[str, t.Any]], check: bool,
@@ -663,6 +788,8 @@ def write(layout: Layout, instances: t.Sequence[t.Mapping[str, t.Any]], check: b
             want = inst[kind].encode("utf-8")
             before = read_bytes(path) if (kind == "unit" and want_diff) else None
             uid, gid, mode = layout.owner(kind)
+            if not _matches(path, want, uid, gid, mode):
+                _note_written(layout, name, kind, want, check)  # before the file: a rollback knows it as this change's
             if ensure_file(path, want, uid, gid, mode, check):
                 entry["written"].append(kind)
                 if kind == "unit" and want_diff:
@@ -673,6 +800,8 @@ def write(layout: Layout, instances: t.Sequence[t.Mapping[str, t.Any]], check: b
         if inst.get("plan") is not None:
             doc = {k: v for k, v in inst["plan"].items() if k != "unit_checksum"}
             uid, gid, mode = layout.owner("plan")
+            if not _matches(layout.path(name, "plan"), plan_bytes(doc), uid, gid, mode):
+                _note_written(layout, name, "plan", plan_bytes(doc), check)
             if ensure_file(layout.path(name, "plan"), plan_bytes(doc), uid, gid, mode, check):
                 entry["written"].append("plan")
         entry["changed"] = bool(entry["written"]) or changed_dir
@@ -694,53 +823,115 @@ def record(layout: Layout, instances: t.Sequence[t.Mapping[str, t.Any]], check: 
         doc = dict(plan)
         doc["unit_checksum"] = sha1(unit)
         uid, gid, mode = layout.owner("plan")
-        changed = ensure_file(layout.path(name, "plan"), plan_bytes(doc), uid, gid, mode, check)
-        changed |= ensure_absent(layout.changing_marker(name), check)  # the change is complete
+        data = plan_bytes(doc)
+        was_open = change_open(layout, name)
+        if was_open and not check:
+            _note_written(layout, name, "plan", data, check, close=True)  # the change is complete
+        changed = ensure_file(layout.path(name, "plan"), data, uid, gid, mode, check) or was_open
+        changed |= ensure_absent(layout.changing_marker(name), check)  # a release before 2.0
         out.append({"name": name, "unit_checksum": doc["unit_checksum"], "changed": changed})
     return out
 
 
 def restore(layout: Layout, names: t.Sequence[str], systemctl: SystemctlRunner | None, check: bool,
-            systemctl_bin: str = "systemctl", close: bool = True) -> list[dict[str, t.Any]]:
+            systemctl_bin: str = "systemctl", close: bool = True, change_id: str = "") -> list[dict[str, t.Any]]:
     """Put back what the last snapshot kept; see the module docstring for the rules.
 
-    ``close=False`` leaves the change open: a rollback restores, restarts or stops what it
-    restored, and only then closes the change (a second call), so that a rollback cut off
-    before its restart still resumes from the snapshot.
+    ``change_id``: restore only a snapshot this change took or carried on (a change whose own
+    snapshot could not be written restores nothing: the last snapshot belongs to an earlier
+    change, whose files are not this change's to put back). A file the snapshot marks absent
+    (the change created it) is removed only while it is the file the change wrote; one changed
+    since is left and named in ``left``. ``close=False`` leaves the change open: a rollback
+    restores, restarts or stops what it restored, and only then closes the change (a second
+    call), so that a rollback cut off before its restart still resumes from the snapshot.
     """
     out = []
     for name in (validate_name(n) for n in names):
-        entry: dict[str, t.Any] = {"name": name, "restored": [], "removed": [], "unknown": [], "changed": False}
-        unit_absent = not os.path.exists(layout.kept(name, "unit") + ".previous") and \
-            os.path.exists(layout.kept(name, "unit") + ".absent")
-        if unit_absent and os.path.lexists(layout.path(name, "unit")) and systemctl is not None:
-            # A unit that did not exist before the change: stop and disable it while its file is there.
-            if not check:
-                rc, _out, err = systemctl([systemctl_bin, "disable", "--now", layout.unit_name(name)])
-                if rc != 0 and "does not exist" not in err and "not loaded" not in err:
-                    raise UnitFilesError(f"systemctl disable --now {layout.unit_name(name)} failed (rc {rc}): {err.strip()}")
-            entry["stopped"] = True
+        entry: dict[str, t.Any] = {"name": name, "restored": [], "removed": [], "unknown": [], "left": [],
+                                   "restart": False, "stop": False, "changed": False}
+        doc = load_snapshot(layout, name)
+        if doc is None:
+            entry["unknown"] = list(KINDS)
+            entry["skipped"] = "no snapshot: its files are left as they are"
+            out.append(entry)
+            continue
+        if change_id and change_id not in doc.get("changes", []) and doc.get("change_id") != change_id:
+            # this change never kept the instance's files: it changed nothing of them either
+            entry["skipped"] = (f"the last snapshot belongs to change {doc.get('change_id') or 'of an earlier release'}, "
+                                f"not to this one ({change_id}): its files and service are left as they are")
+            out.append(entry)
+            continue
+        written = dict(doc.get("written") or {})
+
+        def created_by_change(kind: str) -> bool:
+            live = read_bytes(layout.path(name, kind))
+            # a legacy snapshot does not say what its change wrote: its file is the change's
+            return live is not None and (doc.get("legacy") or written.get(kind) == sha1(live))
+
+        unit_created = doc["files"].get("unit", False) is None
+        if unit_created and os.path.lexists(layout.path(name, "unit")) and systemctl is not None:
+            if created_by_change("unit"):
+                # A unit that did not exist before the change: stop and disable it while its file is there.
+                if not check:
+                    rc, _out, err = systemctl([systemctl_bin, "disable", "--now", layout.unit_name(name)])
+                    if rc != 0 and "does not exist" not in err and "not loaded" not in err:
+                        raise UnitFilesError(f"systemctl disable --now {layout.unit_name(name)} failed (rc {rc}): {err.strip()}")
+                entry["stopped"] = True
         for kind in KINDS:
-            base = layout.kept(name, kind)
-            copy = read_bytes(base + ".previous")
+            if kind not in doc["files"]:
+                entry["unknown"].append(kind)
+                continue
+            copy = _kept_data(doc, kind)
             if copy is not None:
                 uid, gid, mode = layout.owner(kind)
                 if ensure_file(layout.path(name, kind), copy, uid, gid, mode, check):
                     entry["restored"].append(kind)
-            elif os.path.exists(base + ".absent"):
+            elif not os.path.lexists(layout.path(name, kind)):
+                continue
+            elif created_by_change(kind):
                 if ensure_absent(layout.path(name, kind), check):
                     entry["removed"].append(kind)
             else:
-                entry["unknown"].append(kind)
-        has_copy = os.path.exists(layout.kept(name, "unit") + ".previous")
-        was_running = not os.path.exists(layout.inactive_marker(name))
-        # the restored unit runs again only if it ran before the change; else it is stopped
-        entry["restart"] = has_copy and was_running
-        entry["stop"] = has_copy and not was_running
-        closed = ensure_absent(layout.changing_marker(name), check) if close else False  # the change is undone
+                entry["left"].append(kind)  # not the file this change wrote: someone else's, kept
+        has_copy = doc["files"].get("unit") is not None
+        # the restored unit runs again if it served before the change; else it is stopped
+        entry["restart"] = has_copy and bool(doc.get("serving"))
+        entry["stop"] = has_copy and not doc.get("serving")
+        closed = False
+        if close and doc.get("open"):
+            closed = True
+            if not check:
+                _commit_snapshot(layout, name, dict(doc, open=False, restored_at=time.time()), check)
         entry["changed"] = bool(entry["restored"] or entry["removed"] or entry.get("stopped") or closed)
         out.append(entry)
     return out
+
+
+def rollback_summary(entries: t.Sequence[t.Mapping[str, t.Any]]) -> str:
+    """One sentence of what a restore did (``restore``'s entries), instance by instance, in the report's words."""
+    parts = []
+    for e in entries:
+        name = str(e.get("name", "?"))
+        if e.get("skipped"):
+            parts.append(f"instance {name} not restored ({e['skipped']})")
+            continue
+        done = []
+        if e.get("restored"):
+            done.append("put back its " + ", ".join(e["restored"]) + " file" + ("s" if len(e["restored"]) > 1 else ""))
+        if e.get("removed"):
+            done.append("removed the " + ", ".join(e["removed"]) + " file" + ("s" if len(e["removed"]) > 1 else "")
+                        + " the change created")
+        if e.get("left"):
+            done.append("left its " + ", ".join(e["left"]) + " file" + ("s" if len(e["left"]) > 1 else "")
+                        + " in place (changed since the change wrote them)")
+        if e.get("restart"):
+            done.append("restarted it (it served before the change)")
+        elif e.get("stop"):
+            done.append("left it stopped (it did not serve before the change)")
+        elif e.get("stopped"):
+            done.append("stopped and disabled its unit (it did not exist before the change)")
+        parts.append(f"instance {name}: " + ("; ".join(done) if done else "already as before the change"))
+    return "; ".join(parts) if parts else "no instance to restore"
 
 
 # ---------------------------------------------------------------- units taken over

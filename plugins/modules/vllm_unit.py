@@ -21,20 +21,25 @@ description:
     is not active, systemd has not loaded the unit on disk, the plan record does not name the unit on disk
     (the unit has not passed a boot check), or the recorded plan names another compatibility key than the
     desired one (O(instances[].plan)).
-  - O(state=snapshot) keeps, under C(<state_dir>/units/), a copy C(<file>.previous) of each of the three files,
-    or a marker C(<file>.absent) for a file that does not exist, and a marker C(vllm-NAME.service.inactive)
-    when the service is not running. It also opens a change (marker C(vllm-NAME.service.changing)), which
-    O(state=recorded) and O(state=restored) close. While a change is open - a run was interrupted between the
-    snapshot and the boot check - the instance is pending (V(an earlier change was interrupted)) and a new
-    snapshot keeps the existing one (RV(instances[].resumed)), so a rollback still restores what ran before.
+  - O(state=snapshot) keeps, in one document C(<state_dir>/units/vllm-NAME.snapshot.json) (root, 0600) written
+    in one rename, a copy of each of the three files or the fact that it does not exist, whether the service was
+    serving (active, or held stopped by a canary that was cut off), and the O(change_id) of the change that
+    takes it; a snapshot that cannot be written leaves the previous one as it was and stops nothing. It also
+    opens the change, which O(state=recorded) and O(state=restored) close. While a change is open - a run was
+    interrupted between the snapshot and the boot check - the instance is pending (V(an earlier change was
+    interrupted)) and a new snapshot carries the existing one on (RV(instances[].resumed)), adding its own
+    O(change_id), so a rollback still restores what ran before. A snapshot kept by a release before 2.0 (files
+    C(<file>.previous), C(<file>.absent) and markers) is read and replaced by the document at the next snapshot.
   - O(state=present) writes the given unit, environment and plan files (the environment file first) and makes
     O(state_dir) a directory owned by root and O(plan_group) with mode 0750; files already as desired are left alone.
   - O(state=recorded) writes each plan record with the checksum of the unit now on disk and closes the change.
     Record a plan only after the unit passed its boot check (M(gpufleet.vllm.vllm_boot_check)).
-  - O(state=restored) puts back the last snapshot - copies byte for byte, files marked absent removed (a unit
-    that did not exist is stopped and disabled first), files the snapshot knows nothing about left alone - and
-    returns which units to restart (RV(instances[].restart) - kept and running at the snapshot) and which to stop
-    (RV(instances[].stop) - kept and not running at the snapshot). Restarting
+  - O(state=restored) puts back the last snapshot - copies byte for byte; a file the change created removed (a unit
+    that did not exist is stopped and disabled first) only while it is the file the change wrote (one changed since
+    is left and named in RV(instances[].left)); files the snapshot knows nothing about left alone - and
+    returns which units to restart (RV(instances[].restart) - kept and serving at the snapshot) and which to stop
+    (RV(instances[].stop) - kept and not serving at the snapshot). With O(change_id), only a snapshot that change
+    took or carried on is restored; any other is left with its instance (RV(instances[].skipped)). Restarting
     and C(daemon-reload) are left to M(ansible.builtin.systemd_service).
   - O(adopt_units) names units the instances take over (a hand-written C(vllm.service) and its drop-ins).
     With O(state=status) an instance is pending while one of them still runs or is enabled
@@ -250,6 +255,14 @@ options:
         type: list
         elements: dict
         required: true
+  change_id:
+    description:
+      - The change this call belongs to (the role gives one per host and run). O(state=snapshot), or
+        O(state=present) with O(snapshot=true), stamps the snapshot with it; O(state=restored) then restores only a
+        snapshot stamped with it, so that a change whose snapshot failed never restores an older change's files.
+      - Empty for O(state=restored) restores the last snapshot, whoever took it (the rollback playbook).
+    type: str
+    default: ""
   close_change:
     description:
       - With O(state=restored), close the change the snapshot opened. Restore with V(false) first, restart or stop
@@ -406,6 +419,23 @@ instances:
       description: Files the snapshot has neither a copy nor an absent marker of, left alone (O(state=restored)).
       type: list
       elements: str
+    left:
+      description:
+        - Files the change created but that were changed since (another hand or run wrote them), left in place and not
+          removed (O(state=restored)).
+      type: list
+      elements: str
+    skipped:
+      description:
+        - Why the instance was not restored - it has no snapshot, or its last snapshot belongs to another change than
+          O(change_id) (O(state=restored)); absent when it was restored.
+      type: str
+    serving:
+      description: Whether the service was serving when the snapshot was taken (O(state=snapshot)).
+      type: bool
+    change_id:
+      description: The change that took the snapshot (O(state=snapshot)).
+      type: str
     stopped:
       description: A unit that did not exist before the change was stopped and disabled before its removal (O(state=restored)).
       type: bool
@@ -587,10 +617,12 @@ from ansible_collections.gpufleet.vllm.plugins.module_utils._unit_files import (
     adopted_status,
     adoption_reasons,
     group_id,
+    plan_bytes,
     record,
     restart_services,
     restore,
     restore_adopted,
+    sha1,
     snapshot,
     snapshot_adopted,
     status,
@@ -626,6 +658,7 @@ ARGUMENT_SPEC: dict[str, Any] = dict(
         instances=dict(type="list", elements="dict", required=True),
     )),
     close_change=dict(type="bool", default=True),
+    change_id=dict(type="str", default=""),
     adopt_units=dict(type="list", elements="str", default=[]),
     unit_dir=dict(type="path", default="/etc/systemd/system"),
     state_dir=dict(type="path", default="/etc/gpufleet"),
@@ -705,11 +738,11 @@ def _run(module: AnsibleModule, instances: list[dict[str, Any]], result: dict[st
             entry["pending"] = bool(entry["reasons"])
         result["pending"] = [e["name"] for e in entries if e["pending"]]
     elif state == "snapshot":
-        entries = _snapshot(module, layout, names, adopt, runner, systemctl, result)
+        entries = _snapshot(module, layout, instances, adopt, runner, systemctl, result)
     elif state == "present":
         if params["snapshot"]:
             # before any file is written; a gate that fails here leaves them all as they were
-            _snapshot(module, layout, names, adopt, runner, systemctl, result)
+            _snapshot(module, layout, instances, adopt, runner, systemctl, result)
         tools = params["host_tools"]
         # the restart below reloads systemd: the tools' units start after it, without a reload of their own
         reloads = bool(params["restart"] and names)
@@ -726,7 +759,8 @@ def _run(module: AnsibleModule, instances: list[dict[str, Any]], result: dict[st
     elif state == "recorded":
         entries = record(layout, instances, check)
     else:
-        entries = restore(layout, names, runner, check, systemctl_bin=systemctl, close=params["close_change"])
+        entries = restore(layout, names, runner, check, systemctl_bin=systemctl, close=params["close_change"],
+                          change_id=params["change_id"])
         result["adopted"] = restore_adopted(layout, adopt, check)
     if state == "status" and params["gpu_probe"]:
         # after the read, while the instances serve: what the gate before the stop compares
@@ -734,11 +768,18 @@ def _run(module: AnsibleModule, instances: list[dict[str, Any]], result: dict[st
     return entries
 
 
-def _snapshot(module: AnsibleModule, layout: Layout, names: list[str], adopt: list[str], runner: Any, systemctl: str,
-              result: dict[str, Any]) -> list[dict[str, Any]]:
+def _snapshot(module: AnsibleModule, layout: Layout, instances: list[dict[str, Any]], adopt: list[str], runner: Any,
+              systemctl: str, result: dict[str, Any]) -> list[dict[str, Any]]:
     """Keep the files (and the units to take over), then stop, read the GPUs and gate, as the options ask."""
     params, check = module.params, module.check_mode
-    entries = snapshot(layout, names, systemctl_show(runner, systemctl), check)
+    names = [i["name"] for i in instances]
+    # what the write after the snapshot puts on disk: a rollback removes a file it created only while it is that one
+    written = {i["name"]: {kind: sha1(data) for kind, data in (
+        ("unit", (i.get("unit") or "").encode("utf-8") if i.get("unit") is not None else None),
+        ("env", i["env"].encode("utf-8") if i.get("env") is not None else None),
+        ("plan", plan_bytes({k: v for k, v in i["plan"].items() if k != "unit_checksum"}) if i.get("plan") is not None else None),
+    ) if data is not None} for i in instances} if params["state"] == "present" else None
+    entries = snapshot(layout, names, systemctl_show(runner, systemctl), check, change_id=params["change_id"], written=written)
     if params["state"] == "present":
         # kept in the result at once: a gate that fails below still returns what was kept
         result["snapshot"] = entries

@@ -25,6 +25,9 @@ from ansible_collections.gpufleet.vllm.plugins.module_utils._unit_files import (
     adopted_status,
     adoption_reasons,
     atomic_write,
+    canary_hold_path,
+    kept_file,
+    load_snapshot,
     parse_show,
     record,
     restart_services,
@@ -87,6 +90,11 @@ def read(path: str) -> str | None:
 def put(path: str, text: str, file_mode: int) -> None:
     os.makedirs(os.path.dirname(path), exist_ok=True)
     atomic_write(path, text.encode(), os.getuid(), os.getgid(), file_mode)
+
+
+def kept(layout: Layout, name: str, kind: str) -> str | None:
+    data = kept_file(layout, name, kind)
+    return None if data is None else data.decode()
 
 
 def deployed(layout: Layout, systemd: FakeSystemd, name: str = "a", unit: str = UNIT_A, env: str = ENV_A) -> None:
@@ -216,15 +224,16 @@ def test_failed_service_with_an_unchanged_unit_keeps_its_unit_and_gets_its_env_b
     systemd = FakeSystemd()
     deployed(layout, systemd)
     plan_before = read(layout.path("a", "plan"))
-    # A stale copy from an older change must not come back.
+    # A stale copy from an older release's snapshot must not come back.
     put(layout.kept("a", "unit") + ".previous", "[Service]\nExecStart=/old\n", 0o600)
     systemd.active["vllm-a.service"] = "failed"
 
     (taken,) = snapshot(layout, ["a"], systemd.show, check=False)
     assert taken["kept"] == ["unit", "plan", "env"] and taken["absent"] == [] and taken["active_state"] == "failed"
-    assert read(layout.kept("a", "unit") + ".previous") == UNIT_A
-    assert read(layout.kept("a", "env") + ".previous") == ENV_A
-    assert mode(layout.kept("a", "env") + ".previous") == 0o600 and mode(layout.kept_dir) == 0o700
+    assert kept(layout, "a", "unit") == UNIT_A
+    assert kept(layout, "a", "env") == ENV_A
+    assert not os.path.exists(layout.kept("a", "unit") + ".previous"), "the document replaces an older release's files"
+    assert mode(os.path.join(layout.kept_dir, "vllm-a.snapshot.json")) == 0o600 and mode(layout.kept_dir) == 0o700
 
     # The run changes the environment file, rewrites the same unit, then the boot fails.
     write(layout, [{"name": "a", "unit": UNIT_A, "env": ENV_B}], check=False)
@@ -299,9 +308,9 @@ def test_new_instance_is_stopped_disabled_and_removed_and_an_unknown_one_left_al
     put(layout.path("c", "unit"), UNIT_A, 0o644)
     (taken,) = snapshot(layout, ["b"], systemd.show, check=False)
     assert taken["absent"] == ["unit", "plan", "env"]
-    assert sorted(os.listdir(layout.kept_dir)) == [
-        "b.plan.json.absent", "vllm-b.env.absent", "vllm-b.service.absent", "vllm-b.service.changing",
-        "vllm-b.service.inactive"]
+    assert sorted(os.listdir(layout.kept_dir)) == ["vllm-b.snapshot.json"]
+    doc = load_snapshot(layout, "b")
+    assert doc["files"] == {"unit": None, "plan": None, "env": None} and doc["open"] and not doc["serving"]
 
     deployed(layout, systemd, name="b")
     back = restore(layout, ["b", "c"], systemd.run, check=False)
@@ -317,14 +326,13 @@ def test_new_instance_is_stopped_disabled_and_removed_and_an_unknown_one_left_al
 def test_a_later_snapshot_replaces_absent_markers(layout):
     systemd = FakeSystemd()
     snapshot(layout, ["a"], systemd.show, check=False)
-    assert os.path.exists(layout.kept("a", "unit") + ".absent")
+    assert load_snapshot(layout, "a")["files"]["unit"] is None
     # The first deploy succeeded (its plan recorded); the next change snapshots the files that now exist.
     deployed(layout, systemd)
     snapshot(layout, ["a"], systemd.show, check=False)
     for kind in ("unit", "plan", "env"):
-        assert not os.path.exists(layout.kept("a", kind) + ".absent"), kind
-        assert os.path.exists(layout.kept("a", kind) + ".previous"), kind
-    assert not os.path.exists(layout.inactive_marker("a"))
+        assert kept_file(layout, "a", kind) is not None, kind
+    assert load_snapshot(layout, "a")["serving"] is True
 
     plan_before = read(layout.path("a", "plan"))
     write(layout, [{"name": "a", "unit": UNIT_B}], check=False)
@@ -358,14 +366,14 @@ def test_an_interrupted_change_keeps_its_snapshot_until_it_completes(layout):
     assert "an earlier change was interrupted" in entry["reasons"]
     again = snapshot(layout, ["a"], systemd.show, check=False)[0]
     assert again["resumed"] is True and again["active_state"] == "active" and again["kept"] == ["unit", "plan", "env"]
-    assert read(layout.kept("a", "unit") + ".previous") == UNIT_A, "the unit from before the interrupted run"
+    assert kept(layout, "a", "unit") == UNIT_A, "the unit from before the interrupted run"
 
     # the resumed run passes its boot check: the change is complete, the next snapshot is a fresh one
     record(layout, [{"name": "a", "plan": {"kv_cache_memory_bytes": 2000}}], check=False)
     systemd.active["vllm-a.service"] = "active"
     assert status(layout, want, systemd.show)[0]["pending"] is False
     assert snapshot(layout, ["a"], systemd.show, check=False)[0]["resumed"] is False
-    assert read(layout.kept("a", "unit") + ".previous") == UNIT_B
+    assert kept(layout, "a", "unit") == UNIT_B
 
 
 def test_a_rollback_closes_the_change_once_its_units_run_again(layout):
@@ -376,13 +384,13 @@ def test_a_rollback_closes_the_change_once_its_units_run_again(layout):
     systemd.active["vllm-a.service"] = "failed"
     # files back, the restart not done yet (a rollback cut off here): the change stays open
     assert restore(layout, ["a"], systemd.run, check=False, close=False)[0]["restart"] is True
-    assert os.path.exists(layout.changing_marker("a"))
+    assert load_snapshot(layout, "a")["open"]
     assert snapshot(layout, ["a"], systemd.show, check=False)[0]["resumed"] is True, "still what ran before the change"
-    assert not os.path.exists(layout.inactive_marker("a")), "the service ran before the change"
+    assert load_snapshot(layout, "a")["serving"], "the service ran before the change"
     systemd.active["vllm-a.service"] = "active"
     (closed,) = restore(layout, ["a"], systemd.run, check=False, close=True)
     assert closed["changed"] and closed["restored"] == []
-    assert not os.path.exists(layout.changing_marker("a"))
+    assert not load_snapshot(layout, "a")["open"]
     assert status(layout, [{"name": "a", "unit": UNIT_A, "env": ENV_A}], systemd.show)[0]["pending"] is False
 
 
@@ -496,3 +504,96 @@ def test_the_role_refuses_a_bad_unit_to_take_over_naming_the_variable():
     problems = [p for p in service_input_problems(inputs) if "adopt" in p]
     assert problems == ["vllm_service_adopt_units[1]: vllm-main.service is the unit of one of this host's instances, "
                         "not one to take over"]
+
+
+# ------------------------------------------------------------------ snapshots that cannot go stale
+def test_a_snapshot_that_cannot_be_written_leaves_the_last_one_and_its_rollback_restores_nothing(layout, monkeypatch):
+    """The read-only snapshot directory of an SRE's report: the first deploy's snapshot (files absent)
+    must not be restored by the next change, whose own snapshot failed: the instance serves on."""
+    systemd = FakeSystemd()
+    snapshot(layout, ["a"], systemd.show, check=False, change_id="run-1")
+    deployed(layout, systemd)  # the first change passed its boot check
+    before = load_snapshot(layout, "a")
+    real_write = atomic_write
+
+    def read_only(path: str, data: bytes, uid: int, gid: int, file_mode: int) -> None:
+        if path.startswith(layout.kept_dir):
+            raise UnitFilesError(f"{path}: cannot write: Read-only file system")
+        real_write(path, data, uid, gid, file_mode)
+
+    monkeypatch.setattr("ansible_collections.gpufleet.vllm.plugins.module_utils._unit_files.atomic_write", read_only)
+    with pytest.raises(UnitFilesError, match="Read-only file system"):
+        snapshot(layout, ["a"], systemd.show, check=False, change_id="run-2")
+    assert load_snapshot(layout, "a") == before, "the last snapshot is as it was"
+    (back,) = restore(layout, ["a"], systemd.run, check=False, change_id="run-2")
+    assert "belongs to change run-1" in back["skipped"] and not back["changed"]
+    assert not back["restart"] and not back["stop"] and not back.get("stopped")
+    for kind, text in (("unit", UNIT_A), ("env", ENV_A)):
+        assert read(layout.path("a", kind)) == text, kind
+    assert read(layout.path("a", "plan")) is not None
+    assert [c for c in systemd.calls if c[0] != "show"] == [], "nothing stopped or disabled"
+
+
+def test_a_rollback_removes_only_the_files_its_change_wrote(layout):
+    systemd = FakeSystemd()
+    want = {"name": "a", "unit": UNIT_A, "env": ENV_A, "plan": {"kv_cache_memory_bytes": 1000}}
+    written = {"a": {"unit": sha1(UNIT_A.encode()), "env": sha1(ENV_A.encode())}}
+    snapshot(layout, ["a"], systemd.show, check=False, change_id="run-1", written=written)
+    write(layout, [want], check=False)
+    # someone puts their own environment file in place before the rollback
+    put(layout.path("a", "env"), ENV_B, 0o600)
+    (back,) = restore(layout, ["a"], systemd.run, check=False, change_id="run-1")
+    assert back["removed"] == ["unit", "plan"] and back["left"] == ["env"], back
+    assert read(layout.path("a", "env")) == ENV_B, "a file the change did not write is never deleted"
+    assert back["stopped"] is True
+
+
+def test_an_instance_a_cut_off_canary_left_stopped_was_serving(layout):
+    """SIGKILL during the profiled canary: the next run's snapshot must not record 'not running'."""
+    systemd = FakeSystemd()
+    deployed(layout, systemd)
+    put(canary_hold_path(layout, "a"), '{"change_id": "canary-1"}\n', 0o600)
+    systemd.active["vllm-a.service"] = "inactive"
+    entry = status(layout, [{"name": "a", "unit": UNIT_A, "env": ENV_A}], systemd.show)[0]
+    assert "a canary that was cut off left it stopped" in entry["reasons"]
+    (taken,) = snapshot(layout, ["a"], systemd.show, check=False, change_id="run-2")
+    assert taken["serving"] is True and load_snapshot(layout, "a")["held_by_canary"] == "canary-1"
+    write(layout, [{"name": "a", "unit": UNIT_B}], check=False)
+    (back,) = restore(layout, ["a"], systemd.run, check=False)
+    assert back["restart"] is True and back["stop"] is False, "the rollback starts what served before the canary"
+
+
+def test_a_resumed_change_is_restored_by_the_run_that_carried_it_on(layout):
+    systemd = FakeSystemd()
+    deployed(layout, systemd)
+    snapshot(layout, ["a"], systemd.show, check=False, change_id="run-1")
+    write(layout, [{"name": "a", "unit": UNIT_B}], check=False)  # run-1 killed here
+    assert snapshot(layout, ["a"], systemd.show, check=False, change_id="run-2")[0]["resumed"] is True
+    (back,) = restore(layout, ["a"], systemd.run, check=False, change_id="run-2")
+    assert back["restored"] == ["unit"] and read(layout.path("a", "unit")) == UNIT_A
+
+
+def test_a_snapshot_kept_by_an_older_release_is_read_and_replaced(layout):
+    systemd = FakeSystemd()
+    deployed(layout, systemd)
+    put(layout.kept("a", "unit") + ".previous", UNIT_B, 0o600)
+    for kind in ("plan", "env"):
+        put(layout.kept("a", kind) + ".absent", "", 0o600)
+    put(layout.changing_marker("a"), "", 0o600)
+    assert status(layout, [{"name": "a", "unit": UNIT_A, "env": ENV_A}], systemd.show)[0]["pending"]
+    assert kept(layout, "a", "unit") == UNIT_B
+    assert snapshot(layout, ["a"], systemd.show, check=False, change_id="run-3")[0]["resumed"] is True
+    assert sorted(os.listdir(layout.kept_dir)) == ["vllm-a.snapshot.json"]
+    (back,) = restore(layout, ["a"], systemd.run, check=False, change_id="run-3")
+    assert back["restored"] == ["unit"] and sorted(back["removed"]) == ["env", "plan"]
+
+
+def test_a_snapshot_that_cannot_be_read_is_named_and_kept(layout):
+    systemd = FakeSystemd()
+    snapshot(layout, ["a"], systemd.show, check=False)
+    path = os.path.join(layout.kept_dir, "vllm-a.snapshot.json")
+    put(path, '{"format": 1, "instance": "a", "files": {"unit": {"data": "eA==", "sha1": "0"}}}', 0o600)
+    with pytest.raises(UnitFilesError, match=r"vllm-a.snapshot.json: the snapshot cannot be read \(the kept unit file"):
+        restore(layout, ["a"], systemd.run, check=False)
+    assert status(layout, [{"name": "a", "unit": UNIT_A}], systemd.show)[0]["pending"]
+    assert os.path.exists(path)

@@ -98,7 +98,7 @@ def test_a_snapshot_by_names_with_stop_keeps_the_files_and_stops_nothing_inactiv
     rc, result, _logged = run(capsys, monkeypatch, args)
     assert rc == 0, result
     assert result["stopped"] == [] and result["instances"][0]["absent"] == ["unit", "plan", "env"]
-    assert (tmp_path / "gpufleet" / "units" / "vllm-main.service.absent").exists()
+    assert json.loads((tmp_path / "gpufleet" / "units" / "vllm-main.snapshot.json").read_text())["files"]["unit"] is None
 
 
 def test_present_with_snapshot_keeps_the_files_first_in_the_same_call(tmp_path, capsys, monkeypatch, fake_systemctl):
@@ -108,10 +108,10 @@ def test_present_with_snapshot_keeps_the_files_first_in_the_same_call(tmp_path, 
     rc, result, _logged = run(capsys, monkeypatch, args)
     assert rc == 0, result
     assert result["snapshot"] == [{"name": "main", "kept": [], "absent": ["unit", "plan", "env"], "active_state": "inactive",
-                                   "resumed": False}]
+                                   "serving": False, "change_id": "", "resumed": False}]
     assert result["instances"][0]["written"] == ["env", "unit"] and result["changed"] is True
     # the change is open until the boot check records the plan: the next call keeps the same snapshot
-    assert (tmp_path / "gpufleet" / "units" / "vllm-main.service.changing").exists()
+    assert json.loads((tmp_path / "gpufleet" / "units" / "vllm-main.snapshot.json").read_text())["open"], "the change is open"
     rc, again, _logged = run(capsys, monkeypatch, args)
     assert rc == 0 and again["snapshot"][0]["resumed"] is True and again["snapshot"][0]["absent"] == ["unit", "plan", "env"]
     assert again["changed"] is False
@@ -271,7 +271,7 @@ def test_an_nvml_failure_is_reported_for_the_gate_after_the_stop_not_raised(tmp_
     assert rc == 0, result
     # the snapshot and the stop happened: the rollback that the failed gate starts restores them
     assert result["stopped"] == ["vllm-main.service"]
-    assert (tmp_path / "gpufleet" / "units" / "vllm-main.service.absent").exists()
+    assert json.loads((tmp_path / "gpufleet" / "units" / "vllm-main.snapshot.json").read_text())["files"]["unit"] is None
     assert result["gpu_probe"]["error"].startswith("gpu-a1: GPU 1: opening the GPU: GPU is lost (NVML_ERROR_GPU_IS_LOST)")
     assert result["gpu_probe"]["gpu"] == "1" and result["gpu_probe"]["nvml_error"] == 15
 
@@ -315,7 +315,7 @@ def test_present_with_snapshot_stops_reads_and_gates_before_it_writes(tmp_path, 
     rc, result, _logged = run(capsys, monkeypatch, args)
     assert result["stopped"] == ["vllm-main.service"] and nvml.seen_stopped == [True], result
     assert result["snapshot"][0]["active_state"] == "active", "the snapshot keeps that it ran, so a rollback restarts it"
-    assert (tmp_path / "gpufleet" / "units" / "vllm-main.service.changing").exists()
+    assert json.loads((tmp_path / "gpufleet" / "units" / "vllm-main.snapshot.json").read_text())["open"], "the change is open"
     unit = tmp_path / "systemd" / "vllm-main.service"
     if passes:
         assert rc == 0 and result["instances"][0]["written"] == ["unit"] and result["started"] == ["vllm-main.service"], result
