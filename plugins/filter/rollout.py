@@ -16,10 +16,10 @@ from ansible.module_utils.common.arg_spec import ArgumentSpecValidator
 from jinja2 import Undefined
 from jinja2.exceptions import UndefinedError
 
-from ansible_collections.gpufleet.vllm.plugins.module_utils import _compat
+from ansible_collections.gpufleet.vllm.plugins.module_utils import _compat, _validate
 from ansible_collections.gpufleet.vllm.plugins.module_utils._launch import LaunchError
 from ansible_collections.gpufleet.vllm.plugins.module_utils._unit_files import rollback_summary as _rollback_summary
-from ansible_collections.gpufleet.vllm.plugins.plugin_utils import _releases, _rollout
+from ansible_collections.gpufleet.vllm.plugins.plugin_utils import _lease, _releases, _rollout
 
 
 def rollback_summary(entries: Any) -> str:
@@ -79,6 +79,16 @@ def run_settings(names: Any, given: Any, inventory: Any) -> dict[str, Any]:
             _rollout.check_serial(settings["gpufleet_rollout_serial"])
         except _rollout.RolloutError as exc:
             raise AnsibleFilterError(f"run_settings: {exc}") from None
+    try:
+        # the controller's own directories: never the system's, unless asked for
+        allow = _validate.boolean(settings.get("gpufleet_allow_system_paths", False), "gpufleet_allow_system_paths")
+        for key in ("gpufleet_profile_store", "gpufleet_report_dir", "gpufleet_plan_file"):
+            if settings.get(key):
+                _validate.outside_system_dirs(settings[key], key, allow=allow)
+        if "gpufleet_lease_ttl" in settings or "gpufleet_lease_wait" in settings:
+            _lease.check_inputs(settings.get("gpufleet_lease_ttl", 7200), settings.get("gpufleet_lease_wait", 0))
+    except (_validate.ValidationError, _lease.LeaseError) as exc:
+        raise AnsibleFilterError(f"run_settings: {exc}") from None
     return settings
 
 

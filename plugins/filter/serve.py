@@ -2,7 +2,7 @@
 # GNU General Public License v3.0+ (see https://www.gnu.org/licenses/gpl-3.0.txt)
 # SPDX-License-Identifier: GPL-3.0-or-later
 """Filters: vllm_serve_argv, vllm_secret_options, systemd_exec_start, systemd_environment,
-systemd_environment_file, systemd_value, vllm_service_problems (documentation in the YAML files beside this one)."""
+systemd_environment_file, systemd_value, vllm_service_problems, vllm_instances_problems (documentation in the YAML files beside this one)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from typing import Any, Callable, Mapping
 from ansible.errors import AnsibleFilterError
 
 from ansible_collections.gpufleet.vllm.plugins.module_utils._serve_argv import EngineSpecError, render_serve_args
-from ansible_collections.gpufleet.vllm.plugins.module_utils._unit_files import service_input_problems
+from ansible_collections.gpufleet.vllm.plugins.module_utils._unit_files import instances_problems, service_input_problems
 from ansible_collections.gpufleet.vllm.plugins.module_utils._validate import (
     ValidationError,
     environment_file,
@@ -90,6 +90,13 @@ def vllm_service_problems(inputs: Any) -> list[str]:
     return service_input_problems(inputs)
 
 
+def vllm_instances_problems(instances: Any, field: str = "vllm_service_instances") -> list[str]:
+    """An instance list -> a list of ``field[i].key: what is wrong`` (empty when it is valid)."""
+    if not isinstance(field, str) or not field:
+        raise AnsibleFilterError("vllm_instances_problems: field must be the name of the variable that holds the instances")
+    return instances_problems(instances, field)
+
+
 class FilterModule:
     """gpufleet.vllm vllm serve option and systemd unit filters."""
 
@@ -102,4 +109,5 @@ class FilterModule:
             "systemd_environment_file": systemd_environment_file,
             "systemd_value": systemd_value,
             "vllm_service_problems": vllm_service_problems,
+            "vllm_instances_problems": vllm_instances_problems,
         }

@@ -155,8 +155,11 @@ def check_content(name: str, kind: str, content: object) -> str:
 # role variable (less the vllm_service_ prefix) -> check; every one is rendered into the unit
 _SERVICE_PATHS = ("executable", "home", "state_dir", "unit_dir", "boot_gate_python", "boot_gate_bin", "boot_gate_lib_dir",
                   "metrics_textfile_dir", "metrics_python", "metrics_bin")
-_SERVICE_COUNTS = {"restart_sec": 0, "start_limit_burst": 0, "start_limit_interval_sec": 0,
-                   "timeout_stop_sec": 0, "boot_timeout": 1, "gate_samples": 1, "min_tokens": 0, "metrics_interval_sec": 1}
+DAY = 24 * 3600
+# (low, high): a bound above which the value is a mistake (a boot timeout of 1e9 s never times out)
+_SERVICE_COUNTS = {"restart_sec": (0, DAY), "start_limit_burst": (0, 10000), "start_limit_interval_sec": (0, 7 * DAY),
+                   "timeout_stop_sec": (0, DAY), "boot_timeout": (1, DAY), "gate_samples": (1, 1000),
+                   "min_tokens": (0, 1 << 40), "metrics_interval_sec": (1, DAY)}
 BOOT_GATE_POLICIES = ("refuse", "shrink", "profile")
 # inputs with a role default: a given null is a mistake, not "unset"
 _DEFAULTED = ("metrics", "metrics_interval_sec")
@@ -171,8 +174,14 @@ def _check(problems: list[str], fn: t.Callable[..., t.Any], *args: t.Any, **kwar
         return None
 
 
-def _instances_problems(instances: t.Any, problems: list[str]) -> None:
-    field = "vllm_service_instances"
+def instances_problems(instances: t.Any, field: str = "vllm_service_instances") -> list[str]:
+    """Every problem with an instance list (names, ports, GPUs), named as ``field`` (the variable the user wrote)."""
+    problems: list[str] = []
+    _instances_problems(instances, problems, field)
+    return problems
+
+
+def _instances_problems(instances: t.Any, problems: list[str], field: str = "vllm_service_instances") -> None:
     if not isinstance(instances, (list, tuple)) or not instances:
         problems.append(f"{field}: expected a non-empty list of {{name, gpus, port}}")
         return
@@ -274,10 +283,10 @@ def service_input_problems(inputs: t.Mapping[str, t.Any]) -> list[str]:
             continue
         for i, item in enumerate(items):
             _check(problems, rule, item, f"vllm_service_{key}[{i}]")
-    for key, low in _SERVICE_COUNTS.items():
+    for key, (low, high) in _SERVICE_COUNTS.items():
         if get(key) is not None or (key in _DEFAULTED and "vllm_service_" + key in inputs):
-            _check(problems, v.integer, get(key), "vllm_service_" + key, low=low)
-    for key, bounds in (("gate_interval", {"low": 0}),
+            _check(problems, v.integer, get(key), "vllm_service_" + key, low=low, high=high)
+    for key, bounds in (("gate_interval", {"low": 0, "high": 3600}),
                         ("auto_gpu_memory_utilization", {"low": 0, "high": 1, "low_open": True})):
         # both have defaults: a given null is a mistake, not "unset"
         if "vllm_service_" + key in inputs:

@@ -252,6 +252,24 @@ def abs_path(value: object, field: str, *, spaces: bool = False) -> str:
     return path
 
 
+# Directories of the operating system and its package manager: a report or a profile store
+# written there mixes the run's files with the system's (and a wrong variable can overwrite them).
+SYSTEM_DIRS = ("/", "/bin", "/boot", "/dev", "/etc", "/lib", "/lib32", "/lib64", "/libx32", "/proc", "/run", "/sbin",
+               "/sys", "/usr", "/var/lib/dpkg", "/var/lib/rpm", "/var/lib/apt", "/var/cache/apt", "/var/log/journal")
+
+
+def outside_system_dirs(value: object, field: str, *, allow: bool = False) -> str:
+    """An absolute directory that is not one of the system's (:data:`SYSTEM_DIRS`) nor below one, unless ``allow``."""
+    path = os.path.normpath(abs_path(value, field))
+    if allow:
+        return path
+    for system in SYSTEM_DIRS:
+        if path == system or (system != "/" and path.startswith(system + "/")):
+            raise ValidationError(f"{field}: {value} is {'' if path == system else 'under '}the system directory {system}; "
+                                  "choose a directory of its own (set gpufleet_allow_system_paths: true to allow it anyway)")
+    return path
+
+
 def unique(values: t.Iterable[t.Any], field: str) -> None:
     """Refuse duplicates, naming them."""
     seen: set[t.Any] = set()

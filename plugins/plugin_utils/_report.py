@@ -649,7 +649,20 @@ def run_data(hostvars: Mapping[str, Any], groups: Mapping[str, Any], hosts_from:
     started = str(run.get("started") or "")
     if started and "+" not in started:
         started += "+00:00"
-    return {"started": started or None, "classes": classes, "hosts": hosts, "batches": batches}
+    lease = (hostvars.get(controller) or {}).get("gpufleet_lease")
+    return {"started": started or None, "classes": classes, "hosts": hosts, "batches": batches,
+            "lease": lease_entry(lease) if isinstance(lease, Mapping) else None}
+
+
+def lease_entry(result: Mapping[str, Any]) -> dict[str, Any]:
+    """The run's leases (``gpufleet.vllm.rollout_lease``'s result): who held them, and expired ones taken over."""
+    leases = [lease for lease in result.get("leases") or [] if isinstance(lease, Mapping)]
+    return {
+        "run_id": leases[0].get("run_id") if leases else None,
+        "owner": leases[0].get("owner") if leases else None,
+        "classes": sorted(str(lease.get("scope")) for lease in leases),
+        "taken_over": [str(t.get("msg")) for t in result.get("taken_over") or [] if isinstance(t, Mapping)],
+    }
 
 
 def build_report(data: Mapping[str, Any], kind: str = "rollout", generated: _dt.datetime | None = None) -> dict[str, Any]:
@@ -703,6 +716,7 @@ def build_report(data: Mapping[str, Any], kind: str = "rollout", generated: _dt.
         "probe": sources.probe,
         "audit": sources.audit,
         "upgraded_from": None,
+        "lease": dict(data["lease"]) if isinstance(data.get("lease"), Mapping) else None,
     }
     report["summary"] = _summary(report)
     return report

@@ -165,6 +165,14 @@ def _batch_label(batch: Mapping[str, Any]) -> str:
     return run
 
 
+def _lease_lines(report: Mapping[str, Any]) -> list[str]:
+    lease = report.get("lease")
+    if not isinstance(lease, Mapping) or not lease.get("classes"):
+        return []
+    return ([f"run {lease.get('run_id')} of {lease.get('owner')} held the lease of {', '.join(lease['classes'])}"]
+            + [str(m) for m in lease.get("taken_over") or []])
+
+
 def render_markdown(report: Mapping[str, Any]) -> str:
     """The report as Markdown."""
     out = [f"# gpufleet.vllm {report['kind']} report", ""]
@@ -173,6 +181,8 @@ def render_markdown(report: Mapping[str, Any]) -> str:
     out.append(f"- summary: {summary_line(report)}")
     if report.get("check_mode"):
         out.append("- dry run (check mode): nothing was changed on the hosts")
+    for line in _lease_lines(report):
+        out.append(f"- {line}")
     if report.get("upgraded_from") == 0:
         out.append("- read from a schema 0 report: per-rank figures, canaries and batches were not recorded")
     out.append("")
@@ -519,6 +529,8 @@ def render_html(report: Mapping[str, Any]) -> str:
     ]
     if report.get("check_mode"):
         out.append('<p id="check-mode">Dry run (check mode): nothing was changed on the hosts.</p>')
+    for line in _lease_lines(report):
+        out.append(f'<p class="lease">{esc(line)}</p>')
     if report.get("upgraded_from") == 0:
         out.append("<p>Read from a schema 0 report: per-rank figures, canaries and batches were not recorded.</p>")
     if report.get("probe"):

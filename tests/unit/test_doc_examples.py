@@ -6,7 +6,7 @@ EXAMPLES work as written.
 The examples are taken from ansible-doc's output (what a user reads) and run with
 ansible-playbook: the filters' examples as play variables, each checked against the
 result documented above it (``# => <value>``); the examples of the controller-side
-modules (kv_profile, kv_plan, rollout_report) on localhost with the inputs they name.
+modules (kv_profile, kv_plan, rollout_lease, rollout_report) on localhost with the inputs they name.
 The examples that need a GPU host run in tests/integration/test_doc_examples_hosts.py.
 """
 from __future__ import annotations
@@ -28,7 +28,7 @@ import doc_examples  # noqa: E402  pylint: disable=wrong-import-position,import-
 MODULES = sorted(p.stem for p in (REPO / "plugins" / "modules").glob("*.py") if not p.name.startswith("_"))
 FILTERS = sorted(p.stem for p in (REPO / "plugins" / "filter").glob("*.yml"))
 # Modules whose examples run here (controller side); the others need a GPU host.
-CONTROLLER_MODULES = ["kv_plan", "kv_profile", "rollout_report"]
+CONTROLLER_MODULES = ["kv_plan", "kv_profile", "rollout_lease", "rollout_report"]
 HOST_MODULES = ["gpu_memory_facts", "gpu_memory_info", "vllm_account", "vllm_audit", "vllm_boot_check", "vllm_canary", "vllm_host_tools",
                 "vllm_runtime_info", "vllm_unit"]
 MODEL_CONFIG = REPO / "sim" / "models" / "llama-3.1-8b-instruct" / "config.json"
@@ -49,7 +49,7 @@ def test_plugins_found():
                        "launch_plan_file", "launch_runs", "launch_serve_args", "release_history", "rollback_summary", "rollout_batches",
                        "rollout_plan", "rollout_plan_drift", "run_settings", "runtime_problems", "systemd_environment",
                        "systemd_environment_file", "systemd_exec_start", "systemd_value", "to_bytes",
-                       "vllm_secret_options", "vllm_serve_argv", "vllm_service_problems"]
+                       "vllm_instances_problems", "vllm_secret_options", "vllm_serve_argv", "vllm_service_problems"]
     assert sorted(CONTROLLER_MODULES + HOST_MODULES) == MODULES, "every module's examples run in one of the two tests"
 
 
@@ -152,6 +152,23 @@ def test_profile_and_plan_examples_run_in_sequence(collections_path, tmp_path):
     assert got["seed"]["kv_cache_memory_bytes"] == int(28.25 * GIB), "the seed example's name says 28.25 GiB"
     assert got["fit"]["budget_mode"] == "fit_admission" and got["fit"]["admission"]["ok"] is True
     assert 16 * 8192 <= got["fit"]["kv_cache_tokens"] < got["plan"]["kv_cache_tokens"]
+
+
+def test_rollout_lease_examples_take_and_release_the_lease(collections_path, tmp_path):
+    text = doc_examples.examples(collections_path, "module", ["rollout_lease"])["rollout_lease"]
+    store = tmp_path / "profiles"
+    out = tmp_path / "results.json"
+    playbook = doc_examples.module_playbook(text, "localhost", {"gpufleet_profile_store": str(store), "gpufleet_run_id": "run-1"},
+                                            connection="local", post_tasks=[{
+        "name": "Keep the results",
+        "ansible.builtin.copy": {"dest": str(out), "mode": "0644", "content": "{{ lease | to_json }}"},
+    }])
+    proc = doc_examples.run_playbook(playbook, tmp_path, collections_path)
+    doc_examples.assert_examples_ran(proc, text)
+    got = json.loads(out.read_text(encoding="utf-8"))
+    assert [lease["scope"] for lease in got["leases"]] == ["h200-tp1", "l40s"] and got["taken_over"] == []
+    assert all(lease["run_id"] == "run-1" for lease in got["leases"])
+    assert not list((store / ".leases").glob("*.json")), "the second example released both"
 
 
 def test_rollout_report_examples_write_their_reports(collections_path, tmp_path):

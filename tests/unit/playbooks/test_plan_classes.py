@@ -110,11 +110,11 @@ def canary_host_note(task_name: str, variables: dict[str, t.Any]) -> str:
 
 def test_a_canary_host_left_drained_says_why() -> None:
     running = canary_host_note("Note that the canary host stays drained",
-                               {"vllm_canary_unit_state": {"stdout": "ActiveState=active\nSubState=running"}})
+                               {"vllm_canary_instance_serving": True})
     assert running == ("the canary host h1 stays drained (out of its load balancer): its production instance main "
                        "did not answer /health within 120 s; undrain it by hand once it serves again")
     stopped = canary_host_note("Note that the canary host stays drained",
-                               {"vllm_canary_unit_state": {"stdout": "ActiveState=inactive"}})
+                               {"vllm_canary_instance_serving": False})
     assert "its production instance main was not running before the canaries" in stopped
     back = canary_host_note("Note that the canary host is back in its load balancer", {})
     assert back == "the canary host h1 was undrained: its production instance main answers /health again on its previous unit"

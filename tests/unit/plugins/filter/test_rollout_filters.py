@@ -5,9 +5,11 @@
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
+from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 from ansible.errors import AnsibleFilterError, AnsibleUndefinedVariable
 from jinja2 import Undefined
 from jinja2.exceptions import UndefinedError
@@ -90,3 +92,29 @@ def test_serial_batches_are_checked_as_the_batch_arithmetic_reads_them(serial: A
 def test_bad_inputs_are_refused(names: Any, given: Any, inventory: Any, message: str) -> None:
     with pytest.raises(AnsibleFilterError, match=message):
         run_settings(names, given, inventory)
+
+
+@pytest.mark.parametrize("key, path, system", [("gpufleet_report_dir", "/etc/gpufleet/reports", "/etc"),
+                                               ("gpufleet_profile_store", "/usr/share/profiles", "/usr"),
+                                               ("gpufleet_report_dir", "/var/lib/dpkg/x", "/var/lib/dpkg"),
+                                               ("gpufleet_profile_store", "/proc", "/proc")])
+def test_controller_directories_under_a_system_directory_are_refused_unless_allowed(key: str, path: str, system: str) -> None:
+    spec = run_spec()
+    given = {"gpufleet_profile_store": "/srv/profiles", key: path}
+    with pytest.raises(AnsibleFilterError, match=f"run_settings: {key}: {path} is (under )?the system directory {system}; .*"
+                                                 "gpufleet_allow_system_paths"):
+        run_settings(spec, given, {})
+    assert run_settings(spec, dict(given, gpufleet_allow_system_paths=True), {})[key] == path
+
+
+@pytest.mark.parametrize("over, field", [({"gpufleet_lease_ttl": 10}, "gpufleet_lease_ttl"),
+                                         ({"gpufleet_lease_wait": 10**6}, "gpufleet_lease_wait")])
+def test_lease_settings_out_of_bounds_name_the_setting(over: dict[str, Any], field: str) -> None:
+    with pytest.raises(AnsibleFilterError, match=f"run_settings: {field}: "):
+        run_settings(run_spec(), {"gpufleet_profile_store": "/srv/profiles", **over}, {})
+
+
+def run_spec() -> dict[str, Any]:
+    """The run settings' spec the playbooks validate with."""
+    path = Path(__file__).resolve().parents[4] / "playbooks" / "vars" / "rollout_argument_spec.yml"
+    return dict(yaml.safe_load(path.read_text(encoding="utf-8"))["gpufleet_argument_spec"]["run"])

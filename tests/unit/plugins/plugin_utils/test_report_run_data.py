@@ -54,4 +54,13 @@ def test_a_host_that_never_reached_a_batch_has_no_error_and_no_group_means_no_ho
     assert run_data(hostvars, groups)["hosts"]["b"]["batch"] is None
     hostvars["localhost"]["gpufleet_batches"] = [{"index": 1, "total": 1, "hosts": ["a", "b"]}]
     assert run_data(hostvars, {}) == {"started": "2026-12-02T10:00:00+00:00", "classes": {}, "hosts": {},
-                                      "batches": [{"index": 1, "total": 1, "hosts": ["a", "b"]}]}
+                                      "batches": [{"index": 1, "total": 1, "hosts": ["a", "b"]}], "lease": None}
+
+
+def test_the_lease_and_an_expired_one_taken_over_are_in_the_report_data():
+    hostvars, groups = fleet()
+    hostvars["localhost"]["gpufleet_lease"] = {
+        "leases": [{"scope": "l40s", "run_id": "r2", "owner": "ops@bastion"}],
+        "taken_over": [{"scope": "l40s", "msg": "host class l40s: took over the expired lease of rollout run r1"}]}
+    assert run_data(hostvars, groups)["lease"] == {"run_id": "r2", "owner": "ops@bastion", "classes": ["l40s"],
+                                                   "taken_over": ["host class l40s: took over the expired lease of rollout run r1"]}

@@ -1,0 +1,125 @@
+#!/usr/bin/python
+# Copyright (c) gpufleet maintainers
+# GNU General Public License v3.0+ (see https://www.gnu.org/licenses/gpl-3.0.txt)
+# SPDX-License-Identifier: GPL-3.0-or-later
+# This file only documents the action plugin of the same name.
+from __future__ import annotations
+
+DOCUMENTATION = r"""
+---
+module: rollout_lease
+short_description: Take, renew or release the lease that lets one controller at a time change a host class
+version_added: 2.0.0
+description:
+  - Runs on the controller. A lease is a file C(<store>/.leases/<class>.json) in the profile store, which every
+    controller of a fleet shares, naming its owner (user and host of the controller), the run id, its start, its
+    last renewal and its expiry, and what the run does (O(purpose)).
+  - O(state=present) takes the lease of every class in O(classes), all or none, in name order (two runs that want
+    overlapping classes never hold one each and wait on the other). A class held by another run, not expired,
+    stops the task with the holder's identity - or, with O(wait), the task waits up to that many seconds for it.
+    An expired lease (its controller was killed, or crashed) is taken over and returned in RV(taken_over), for the
+    run's report. Taking a lease the run holds already renews it.
+  - O(state=renewed) pushes the expiry of the run's leases on by O(ttl) seconds; a lease the run no longer holds
+    (it expired and another run took it over) is an error.
+  - O(state=absent) removes the run's leases; a lease another run holds now is left as it is.
+  - A lease is created whole or not at all (a complete temporary file linked into place); two controllers that
+    race for it see exactly one winner.
+author:
+  - gpufleet maintainers (@gpufleet)
+extends_documentation_fragment:
+  - gpufleet.vllm.attributes
+  - gpufleet.vllm.attributes.ACTION_PLUGIN
+attributes:
+  check_mode:
+    support: full
+    details:
+      - In check mode nothing is written; a lease another run holds is still reported as a warning.
+  diff_mode:
+    support: none
+  idempotent:
+    support: partial
+    details:
+      - Taking or renewing a lease writes a new expiry every time; releasing a released lease changes nothing.
+  platform:
+    platforms: posix
+options:
+  state:
+    description: Take (V(present)), renew (V(renewed)) or release (V(absent)) the leases.
+    type: str
+    choices: [present, renewed, absent]
+    default: present
+  store:
+    description: The profile store directory (C(gpufleet_profile_store)), shared by every controller of the fleet.
+    type: path
+    required: true
+  classes:
+    description: The host classes the run changes.
+    type: list
+    elements: str
+    required: true
+  run_id:
+    description: The id of this run; the lease names it, and only this run renews or releases its lease.
+    type: str
+    required: true
+  ttl:
+    description:
+      - Seconds a lease holds without renewal (60 to 604800). The rollout renews it at every batch; a controller that
+        dies leaves the class to the next run after this long.
+    type: int
+    default: 7200
+  wait:
+    description: Seconds to wait for a held lease before giving up (0 to 86400); 0 refuses at once.
+    type: int
+    default: 0
+  purpose:
+    description: What the run does, in the lease and in the refusal of another run (for example V(rollout), V(profile)).
+    type: str
+    default: rollout
+  details:
+    description: More to name in the lease (for example C(awx_job_id), C(limit)); plain values only.
+    type: dict
+    default: {}
+notes:
+  - Every controller that changes a class must use the same store, so that they see each other's leases; on AWX
+    the store is a directory every execution node mounts (see the collection's AWX guide).
+seealso:
+  - module: gpufleet.vllm.rollout_report
+"""
+
+EXAMPLES = r"""
+- name: Take the lease of the classes this run changes
+  gpufleet.vllm.rollout_lease:
+    store: "{{ gpufleet_profile_store }}"
+    classes: [h200-tp1, l40s]
+    run_id: "{{ gpufleet_run_id }}"
+    details:
+      awx_job_id: "{{ awx_job_id | default('') }}"
+  register: lease
+
+- name: Release them at the end of the run
+  gpufleet.vllm.rollout_lease:
+    state: absent
+    store: "{{ gpufleet_profile_store }}"
+    classes: [h200-tp1, l40s]
+    run_id: "{{ gpufleet_run_id }}"
+"""
+
+RETURN = r"""
+leases:
+  description: The leases this run holds (O(state=present), O(state=renewed)), one per class.
+  returned: success
+  type: list
+  elements: dict
+  sample: [{"scope": "h200-tp1", "run_id": "3f2a9c1e0b7d4a51", "owner": "awx@awx-task-1", "expires": 1796400000.0}]
+taken_over:
+  description: Expired leases this run took over, with a sentence each for the report.
+  returned: success
+  type: list
+  elements: dict
+  sample: [{"scope": "h200-tp1", "holder": {"run_id": "9c1e", "owner": "ops@bastion"}, "msg": "took over the expired lease ..."}]
+released:
+  description: The classes whose lease this run removed (O(state=absent)).
+  returned: success
+  type: list
+  elements: str
+"""

@@ -1,0 +1,237 @@
+# Copyright (c) gpufleet maintainers
+# GNU General Public License v3.0+ (see https://www.gnu.org/licenses/gpl-3.0.txt)
+# SPDX-License-Identifier: GPL-3.0-or-later
+"""Leases that let one controller at a time change a host class (controller-only, plain Python).
+
+A lease is a file ``<store>/.leases/<class>.json`` in the profile store, which every
+controller of a fleet shares (a local directory, or an NFS mount of it): owner (user and
+host of the controller), run id, start time, expiry and the purpose (``rollout``,
+``profile``...). It is created with ``link(2)`` of a complete temporary file, so that
+two controllers racing for it see exactly one winner, and either no lease or a whole one.
+
+* A run that finds a lease held by another run, not expired, is refused with the holder's
+  identity (``LeaseHeld``), or waits for it with ``wait`` seconds.
+* An expired lease (its controller crashed or was killed) is taken over: renamed aside
+  under a name of its own (only one taker's rename succeeds), then replaced; the taker
+  gets the old lease back to put into its report.
+* The holder renews the lease as it goes (each batch), and releases it at the end; a
+  release of a lease someone else holds now changes nothing.
+
+Times are the controller's own clock (``time.time()``), on one controller and across
+controllers sharing a store: a lease's expiry is judged by the clock of the controller
+that reads it, and a controller whose clock is far off another's is named by the skew
+between the lease's start and the reader's clock when the lease is refused.
+"""
+
+from __future__ import annotations
+
+import errno
+import getpass
+import json
+import os
+import re
+import socket
+import tempfile
+import time
+import typing as t
+import uuid
+
+LEASE_DIR = ".leases"
+FORMAT = 1
+# a lease is a run's: a few hours at most between renewals (every batch renews it)
+MIN_TTL = 60
+MAX_TTL = 7 * 24 * 3600
+MAX_WAIT = 24 * 3600
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+
+
+class LeaseError(Exception):
+    """A lease cannot be read, written or given the inputs; the message names the file or the field."""
+
+
+class LeaseHeld(LeaseError):
+    """Another run holds the lease; ``holder`` is its document."""
+
+    def __init__(self, message: str, holder: t.Mapping[str, t.Any]) -> None:
+        super().__init__(message)
+        self.holder = dict(holder)
+
+
+def new_run_id() -> str:
+    return uuid.uuid4().hex[:16]
+
+
+def default_owner() -> str:
+    try:
+        user = getpass.getuser()
+    except (KeyError, OSError):  # pragma: no cover - a user without a passwd entry
+        user = str(os.getuid())
+    return f"{user}@{socket.gethostname()}"
+
+
+def lease_path(store: str, scope: str) -> str:
+    if not isinstance(scope, str) or not _NAME.match(scope):
+        raise LeaseError(f"lease scope {scope!r}: expected a host class name (letters, digits, '.', '_', '-')")
+    return os.path.join(store, LEASE_DIR, f"{scope}.json")
+
+
+def _when(stamp: t.Any) -> str:
+    try:
+        return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(float(stamp)))
+    except (TypeError, ValueError, OverflowError):
+        return "an unknown time"
+
+
+def describe(doc: t.Mapping[str, t.Any]) -> str:
+    """The holder in words: who, which run, since when, until when."""
+    extra = [f"{k} {doc[k]}" for k in ("awx_job_id", "limit") if doc.get(k)]
+    return (f"{doc.get('purpose', 'a run')} run {doc.get('run_id', '?')} of {doc.get('owner', 'an unknown owner')}, "
+            f"started {_when(doc.get('started'))}, expires {_when(doc.get('expires'))}"
+            + (f" ({', '.join(extra)})" if extra else ""))
+
+
+def read(path: str) -> dict[str, t.Any] | None:
+    try:
+        with open(path, encoding="utf-8") as fh:
+            raw = fh.read()
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        raise LeaseError(f"{path}: cannot read the lease: {exc.strerror or exc}") from None
+    try:
+        doc = json.loads(raw)
+        if not isinstance(doc, dict) or doc.get("format") != FORMAT:
+            raise ValueError("not a lease document")
+        float(doc["expires"])
+        str(doc["run_id"])
+    except (ValueError, KeyError, TypeError) as exc:
+        # never taken over silently: a person looks at it (or deletes it)
+        raise LeaseError(f"{path}: the lease cannot be read ({exc}); remove it once no controller runs on this class") from None
+    return doc
+
+
+def _write_new(path: str, doc: t.Mapping[str, t.Any]) -> bool:
+    """Create ``path`` with ``doc`` if it does not exist (atomically, whole); False if it exists."""
+    directory = os.path.dirname(path)
+    try:
+        os.makedirs(directory, mode=0o755, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=".lease.", dir=directory)
+    except OSError as exc:
+        raise LeaseError(f"{path}: cannot write the lease: {exc.strerror or exc}") from None
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            json.dump(dict(doc), fh, indent=2, sort_keys=True)
+            fh.write("\n")
+            fh.flush()
+            os.fsync(fh.fileno())
+        try:
+            os.link(tmp, path)
+        except FileExistsError:
+            return False
+        except OSError as exc:
+            raise LeaseError(f"{path}: cannot write the lease: {exc.strerror or exc}") from None
+        return True
+    finally:
+        os.unlink(tmp)
+
+
+def _replace(path: str, doc: t.Mapping[str, t.Any]) -> None:
+    directory = os.path.dirname(path)
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=".lease.", dir=directory)
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            json.dump(dict(doc), fh, indent=2, sort_keys=True)
+            fh.write("\n")
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except OSError as exc:
+        raise LeaseError(f"{path}: cannot write the lease: {exc.strerror or exc}") from None
+
+
+def check_inputs(ttl: t.Any, wait: t.Any) -> tuple[int, int]:
+    try:
+        ttl_s, wait_s = int(ttl), int(wait)
+    except (TypeError, ValueError):
+        raise LeaseError(f"gpufleet_lease_ttl and gpufleet_lease_wait must be whole seconds, got {ttl!r} and {wait!r}") from None
+    if not MIN_TTL <= ttl_s <= MAX_TTL:
+        raise LeaseError(f"gpufleet_lease_ttl: {ttl_s} s is outside {MIN_TTL}..{MAX_TTL} s")
+    if not 0 <= wait_s <= MAX_WAIT:
+        raise LeaseError(f"gpufleet_lease_wait: {wait_s} s is outside 0..{MAX_WAIT} s")
+    return ttl_s, wait_s
+
+
+def acquire(store: str, scope: str, run_id: str, ttl: int, wait: int = 0, purpose: str = "rollout",
+            owner: str | None = None, details: t.Mapping[str, t.Any] | None = None,
+            clock: t.Callable[[], float] = time.time, sleep: t.Callable[[float], None] = time.sleep,
+            poll: float = 5.0) -> dict[str, t.Any]:
+    """Take the lease of ``scope``; the result names it and any expired lease taken over.
+
+    Taking a lease this run holds already renews it.
+    """
+    path = lease_path(store, scope)
+    deadline = clock() + wait
+    while True:
+        now = clock()
+        doc = {"format": FORMAT, "scope": scope, "run_id": run_id, "owner": owner or default_owner(), "purpose": purpose,
+               "started": now, "renewed": now, "expires": now + ttl, "pid": os.getpid(), **dict(details or {})}
+        if _write_new(path, doc):
+            return {"lease": doc, "path": path, "taken_over": None, "renewed": False}
+        held = read(path)
+        if held is None:
+            continue  # released between the link and the read: try again
+        if held.get("run_id") == run_id:
+            doc["started"] = held.get("started", now)
+            _replace(path, doc)
+            return {"lease": doc, "path": path, "taken_over": None, "renewed": True}
+        if float(held["expires"]) <= now:
+            aside = f"{path}.expired-{run_id}"
+            try:
+                os.rename(path, aside)
+            except FileNotFoundError:
+                continue  # another run took it over first: read it again
+            except OSError as exc:
+                raise LeaseError(f"{path}: cannot take over the expired lease: {exc.strerror or exc}") from None
+            stale = read(aside) or held
+            if _write_new(path, doc):
+                os.unlink(aside)
+                return {"lease": doc, "path": path, "taken_over": stale, "renewed": False}
+            os.unlink(aside)
+            continue
+        if clock() >= deadline:
+            skew = now - float(held.get("renewed", held.get("started", now)))
+            note = f" (its last renewal is {-skew:.0f} s in this controller's future: compare the clocks)" if skew < -60 else ""
+            waited = f" after waiting {wait} s" if wait else ""
+            raise LeaseHeld(f"host class {scope} is being changed by {describe(held)}{note}; this run stops{waited} "
+                            f"before touching any host (gpufleet_lease_wait makes it wait; {path} is the lease)", held)
+        sleep(min(poll, max(0.0, deadline - clock())))
+
+
+def renew(store: str, scope: str, run_id: str, ttl: int, clock: t.Callable[[], float] = time.time) -> dict[str, t.Any]:
+    """Push the expiry of this run's lease on; a lease this run lost (taken over) is an error."""
+    path = lease_path(store, scope)
+    held = read(path)
+    if held is None or held.get("run_id") != run_id:
+        raise LeaseError(f"host class {scope}: this run ({run_id}) no longer holds its lease"
+                         + (f"; {describe(held)} does" if held else " (it was removed)")
+                         + ": stop, and look at who changes the class")
+    now = clock()
+    doc = dict(held, renewed=now, expires=now + ttl)
+    _replace(path, doc)
+    return {"lease": doc, "path": path, "taken_over": None, "renewed": True}
+
+
+def release(store: str, scope: str, run_id: str) -> dict[str, t.Any]:
+    """Remove this run's lease; one held by another run is left as it is."""
+    path = lease_path(store, scope)
+    held = read(path)
+    if held is None or held.get("run_id") != run_id:
+        return {"released": False, "path": path, "holder": held}
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+    except OSError as exc:
+        if exc.errno != errno.ENOENT:
+            raise LeaseError(f"{path}: cannot remove the lease: {exc.strerror or exc}") from None
+    return {"released": True, "path": path, "holder": None}

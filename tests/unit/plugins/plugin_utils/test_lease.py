@@ -1,0 +1,112 @@
+# Copyright (c) gpufleet maintainers
+# GNU General Public License v3.0+ (see https://www.gnu.org/licenses/gpl-3.0.txt)
+# SPDX-License-Identifier: GPL-3.0-or-later
+"""_lease: one controller at a time per host class, on real files, with real processes racing for it."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+
+import pytest
+
+from ansible_collections.gpufleet.vllm.plugins.plugin_utils import _lease
+
+
+class Clock:
+    def __init__(self, now: float = 1_000_000.0) -> None:
+        self.now = now
+        self.slept: list[float] = []
+
+    def __call__(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.slept.append(seconds)
+        self.now += max(seconds, 1.0)
+
+
+def test_a_second_run_is_refused_with_the_holder_and_the_holder_renews_and_releases(tmp_path):
+    clock = Clock()
+    got = _lease.acquire(str(tmp_path), "l40s", "run-a", 600, owner="sre@bastion", details={"awx_job_id": 42}, clock=clock)
+    assert got["taken_over"] is None and got["lease"]["expires"] == clock.now + 600
+    with pytest.raises(_lease.LeaseHeld, match=r"host class l40s is being changed by rollout run run-a of sre@bastion, "
+                                               r"started .* \(awx_job_id 42\); this run stops before touching any host") as held:
+        _lease.acquire(str(tmp_path), "l40s", "run-b", 600, clock=clock)
+    assert held.value.holder["run_id"] == "run-a"
+    clock.now += 500
+    assert _lease.renew(str(tmp_path), "l40s", "run-a", 600, clock=clock)["lease"]["expires"] == clock.now + 600
+    assert _lease.release(str(tmp_path), "l40s", "run-b")["released"] is False, "not run-b's to release"
+    assert _lease.release(str(tmp_path), "l40s", "run-a")["released"] is True
+    assert _lease.acquire(str(tmp_path), "l40s", "run-b", 600, clock=clock)["lease"]["run_id"] == "run-b"
+
+
+def test_an_expired_lease_is_taken_over_and_named_and_its_run_can_no_longer_renew(tmp_path):
+    clock = Clock()
+    _lease.acquire(str(tmp_path), "l40s", "run-a", 60, owner="awx@node-1", clock=clock)
+    clock.now += 61  # run-a's controller was killed
+    got = _lease.acquire(str(tmp_path), "l40s", "run-b", 600, clock=clock)
+    assert got["taken_over"]["run_id"] == "run-a" and got["lease"]["run_id"] == "run-b"
+    assert sorted(p.name for p in (tmp_path / ".leases").iterdir()) == ["l40s.json"], "nothing left aside"
+    with pytest.raises(_lease.LeaseError, match=r"this run \(run-a\) no longer holds its lease; rollout run run-b"):
+        _lease.renew(str(tmp_path), "l40s", "run-a", 600, clock=clock)
+
+
+def test_waiting_gets_the_lease_once_it_is_released_or_gives_up_naming_the_wait(tmp_path):
+    clock = Clock()
+    _lease.acquire(str(tmp_path), "l40s", "run-a", 3600, clock=clock)
+    with pytest.raises(_lease.LeaseHeld, match="after waiting 30 s"):
+        _lease.acquire(str(tmp_path), "l40s", "run-b", 600, wait=30, clock=clock, sleep=clock.sleep, poll=10)
+    assert clock.slept, "it waited"
+
+    def release_then_sleep(seconds: float) -> None:
+        _lease.release(str(tmp_path), "l40s", "run-a")
+        clock.sleep(seconds)
+
+    got = _lease.acquire(str(tmp_path), "l40s", "run-b", 600, wait=30, clock=clock, sleep=release_then_sleep, poll=10)
+    assert got["lease"]["run_id"] == "run-b"
+
+
+def test_a_lease_nobody_can_read_is_never_taken_over_silently(tmp_path):
+    path = tmp_path / ".leases" / "l40s.json"
+    path.parent.mkdir()
+    path.write_text("{half a lease", encoding="utf-8")
+    with pytest.raises(_lease.LeaseError, match=r"l40s.json: the lease cannot be read .*remove it once no controller runs"):
+        _lease.acquire(str(tmp_path), "l40s", "run-b", 600)
+    assert path.read_text(encoding="utf-8") == "{half a lease"
+
+
+@pytest.mark.parametrize("ttl, wait, field", [(10, 0, "gpufleet_lease_ttl"), (10**9, 0, "gpufleet_lease_ttl"),
+                                              (600, -1, "gpufleet_lease_wait"), ("x", 0, "whole seconds")])
+def test_bounds_name_the_setting(ttl, wait, field):
+    with pytest.raises(_lease.LeaseError, match=field):
+        _lease.check_inputs(ttl, wait)
+
+
+@pytest.mark.parametrize("scope", ["../etc", "a/b", "", ".hidden"])
+def test_a_scope_never_names_a_path_outside_the_lease_directory(tmp_path, scope):
+    with pytest.raises(_lease.LeaseError, match="lease scope"):
+        _lease.acquire(str(tmp_path), scope, "run-a", 600)
+
+
+def _race(store: str, run_id: str, queue: "multiprocessing.Queue[str]") -> None:
+    try:
+        _lease.acquire(store, "l40s", run_id, 600)
+        queue.put(run_id)
+    except _lease.LeaseHeld:
+        queue.put("refused")
+
+
+def test_controllers_racing_for_one_class_see_exactly_one_winner(tmp_path):
+    ctx = multiprocessing.get_context("fork")
+    queue: multiprocessing.Queue[str] = ctx.Queue()
+    procs = [ctx.Process(target=_race, args=(str(tmp_path), f"run-{i}", queue)) for i in range(8)]
+    for proc in procs:
+        proc.start()
+    for proc in procs:
+        proc.join(30)
+    results = sorted(queue.get(timeout=5) for _ in procs)
+    winners = [r for r in results if r != "refused"]
+    assert len(winners) == 1, results
+    assert json.loads((tmp_path / ".leases" / "l40s.json").read_text())["run_id"] == winners[0]
