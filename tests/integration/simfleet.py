@@ -11,6 +11,7 @@ kept previous unit, plan file, service state) and the run reports.
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import re
@@ -70,7 +71,7 @@ class SimFleet:
                                gpufleet_report_dir=str(self.report_dir))
         self.instance = instance
         self.unit_path = f"{UNIT_DIR}/vllm-{instance}.service"
-        self.previous_path = f"{STATE_DIR}/units/vllm-{instance}.service.previous"
+        self.snapshot_path = f"{STATE_DIR}/units/vllm-{instance}.snapshot.json"
         self.plan_path = f"{STATE_DIR}/{instance}.plan.json"
         self.runs = 0
 
@@ -152,8 +153,16 @@ class SimFleet:
     def units(self, hosts: Sequence[str] | None = None) -> dict[str, str | None]:
         return {h: self.unit(h) for h in (hosts or self.hosts)}
 
+    def snapshot(self, host: str) -> dict[str, Any] | None:
+        """The host's last snapshot document of the instance (what a rollback restores), or None."""
+        text = self.read(host, self.snapshot_path)
+        return json.loads(text) if text else None
+
     def previous(self, host: str) -> str | None:
-        return self.read(host, self.previous_path)
+        """The unit the last snapshot keeps (None: no snapshot, or no unit before the change it belongs to)."""
+        doc = self.snapshot(host)
+        kept = (doc or {}).get("files", {}).get("unit")
+        return base64.b64decode(kept["data"]).decode("utf-8") if kept else None
 
     def plan(self, host: str) -> dict[str, Any]:
         """The host's plan file, its launch record's figures beside the instance's fields (:func:`plan_view`)."""

@@ -54,7 +54,6 @@ import procgroup  # noqa: E402  pylint: disable=wrong-import-position,import-err
 HOSTS = ["sim-ro-1", "sim-ro-2", "sim-ro-3"]
 MIB = 1024**2
 UNIT = "/etc/systemd/system/vllm-main.service"
-PREVIOUS = "/etc/gpufleet/units/vllm-main.service.previous"
 PLAN = "/etc/gpufleet/main.plan.json"
 
 FLEET = {
@@ -124,7 +123,7 @@ def test_clean_rollout(fleet, seen):
         assert plan["kv_cache_memory_bytes"] == budgets[host]
         assert plan["decision"] == "deploy"
         assert plan["unit"] == "vllm-main.service"
-        assert fleet.read(host, PREVIOUS) is None, f"{host}: first deploy keeps no previous unit"
+        assert fleet.previous(host) is None, f"{host}: first deploy keeps no previous unit"
     # one profiled canary recorded, one manual canary that passed
     assert len(fleet.profiles()) == 1
     assert "Manual canary on sim-ro-1 passed" in out
@@ -194,7 +193,7 @@ def test_cotenant_after_planning_stops_the_rollout(fleet, seen):
     after = fleet.units()
     # batch 1 moved to the new plan (a larger guard: a smaller budget)
     assert budget(after["sim-ro-1"]) < budget(before["sim-ro-1"])
-    assert fleet.read("sim-ro-1", PREVIOUS) == before["sim-ro-1"], "the previous unit is kept byte for byte"
+    assert fleet.previous("sim-ro-1") == before["sim-ro-1"], "the previous unit is kept byte for byte"
     # sim-ro-2 was never touched, sim-ro-3 never reached
     assert after["sim-ro-2"] == before["sim-ro-2"]
     assert after["sim-ro-3"] == before["sim-ro-3"]
@@ -271,8 +270,8 @@ def test_unreachable_host_is_left_out(fleet):
     # 96 MiB used on its GPU 1) the class budget is higher, and both reachable hosts run it.
     assert budget(after["sim-ro-1"]) == budget(after["sim-ro-2"])
     assert budget(after["sim-ro-1"]) > budget(before["sim-ro-1"])
-    assert fleet.read("sim-ro-1", PREVIOUS) == before["sim-ro-1"]
-    assert fleet.read("sim-ro-2", PREVIOUS) == before["sim-ro-2"]
+    assert fleet.previous("sim-ro-1") == before["sim-ro-1"]
+    assert fleet.previous("sim-ro-2") == before["sim-ro-2"]
     assert after["sim-ro-3"] == before["sim-ro-3"], "the unreachable host was not touched"
     for host in HOSTS:
         assert fleet.active(host) == "active", host
