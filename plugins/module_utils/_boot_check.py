@@ -317,7 +317,7 @@ class Systemd:
     """The few ``systemctl``/``journalctl`` calls a boot check needs (runner injectable)."""
 
     PROPS = ("LoadState", "ActiveState", "SubState", "Result", "NRestarts",
-             "ExecMainStartTimestamp", "ActiveEnterTimestamp", "ExecMainPID")
+             "ExecMainStartTimestamp", "ActiveEnterTimestamp", "ExecMainPID", "InvocationID")
 
     def __init__(self, runner: Runner = run_command, systemctl: str = "systemctl", journalctl: str = "journalctl") -> None:
         self.runner = runner
@@ -351,16 +351,29 @@ class Systemd:
         return None
 
     def journal(self, unit: str) -> tuple[str, str]:
-        """(text of this start's journal, the --since used)."""
+        """(text of this start's journal, which entries were read).
+
+        The entries of the unit's current ``InvocationID``: a clock stepped back (an NTP
+        correction) or a restart within the same second never mixes in an earlier start's
+        lines, as selecting by time would. Without one (a unit that never started), the
+        entries since its main process started.
+        """
         props = self.show(unit)
-        since = props.get("ExecMainStartTimestamp") or props.get("ActiveEnterTimestamp") or ""
-        argv = [self.journalctl, "-u", unit, "-o", "cat", "--no-pager"]
-        if since and since not in ("n/a", "0"):
-            argv += ["--since", since]
+        invocation = props.get("InvocationID", "")
+        if invocation and all(c in "0123456789abcdef" for c in invocation):
+            argv = [self.journalctl, f"_SYSTEMD_INVOCATION_ID={invocation}", "-o", "cat", "--no-pager"]
+            selected = f"invocation {invocation}"
+        else:
+            since = props.get("ExecMainStartTimestamp") or props.get("ActiveEnterTimestamp") or ""
+            argv = [self.journalctl, "-u", unit, "-o", "cat", "--no-pager"]
+            selected = "the beginning"
+            if since and since not in ("n/a", "0"):
+                argv += ["--since", since]
+                selected = since
         rc, out, err = self.runner(argv)
         if rc != 0:
-            raise EngineSpecError(f"journalctl -u {unit} failed (rc {rc}): {err.strip()}")
-        return out, since
+            raise EngineSpecError(f"{' '.join(argv[:2])} failed (rc {rc}): {err.strip()}")
+        return out, selected
 
 
 @dataclass
@@ -396,8 +409,8 @@ def run_boot_check(spec: BootCheckSpec, systemd: Systemd | None = None) -> dict[
     if health.detail:
         result["health_detail"] = health.detail
     if spec.journal:
-        text, since = systemd.journal(spec.unit or "")
-        result["log_source"] = f"journal of {spec.unit} since {since or 'the beginning'}"
+        text, selected = systemd.journal(spec.unit or "")
+        result["log_source"] = f"journal of {spec.unit}, {selected}"
     else:
         try:
             with open(spec.log_path or "", "rb") as handle:

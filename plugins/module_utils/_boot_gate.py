@@ -47,7 +47,7 @@ import time
 import typing as t
 
 from ._kv_capacity import SOURCES as CAPACITY_SOURCES, blocks_for_bytes, floor_utilization, full_attention_request_blocks, one_request_blocks, tokens_for_blocks
-from ._launch import PLAN_FILE_FORMAT, LaunchError, check_launch, rank_bytes
+from ._launch import PLAN_FILE_FORMAT, LaunchError, check_launch, plan_checksum, rank_bytes
 
 PLAN_FORMATS = (1, 2, PLAN_FILE_FORMAT)
 PLAN_FORMAT = PLAN_FILE_FORMAT
@@ -92,6 +92,7 @@ def parse_plan(doc: t.Any, where: str = "plan file") -> dict[str, t.Any]:
     fmt = doc.get("format")
     if fmt not in PLAN_FORMATS:
         raise BootGateError(f"{where}: format {fmt!r} is not one this gate reads ({', '.join(map(str, PLAN_FORMATS))})")
+    checksum = plan_checksum(doc)  # of the file as written, before its launch fields are flattened
     if fmt == PLAN_FILE_FORMAT:
         doc = _with_launch_fields(doc, where)
     decision = doc.get("decision")
@@ -116,6 +117,7 @@ def parse_plan(doc: t.Any, where: str = "plan file") -> dict[str, t.Any]:
         "max_model_len": _int(doc, "max_model_len", where, required=False),
         "planned_at": doc.get("planned_at"),
         "compat_key_hash": doc.get("compat_key_hash"),
+        "checksum": checksum,
     }
     util = doc.get("gpu_memory_utilization")
     if util is not None and (isinstance(util, bool) or not isinstance(util, (int, float)) or not 0 < float(util) <= 1):
@@ -384,6 +386,36 @@ def _option_index(argv: list[str], name: str) -> int | None:
     return None
 
 
+def option_value(argv: t.Sequence[str], name: str) -> str | None:
+    """The value of ``--name VALUE`` / ``--name=VALUE`` in an argv (None when absent)."""
+    pos = _option_index(list(argv), name)
+    if pos is None:
+        return None
+    word = argv[pos]
+    if "=" in word:
+        return word.split("=", 1)[1]
+    return argv[pos + 1] if pos + 1 < len(argv) else None
+
+
+def trust_problem(plan: t.Mapping[str, t.Any], engine: t.Sequence[str], recorded_checksum: str | None, path: str) -> str | None:
+    """Why the gate must not start from this plan file, or None.
+
+    The deploy records the plan file's checksum in the unit (root's file): a plan file that
+    differs was edited since (a doubled budget would have the gate start what nobody planned).
+    The budget the plan names must also be the one the unit starts, so that the journal line
+    never names a budget the engine does not get.
+    """
+    if recorded_checksum and plan.get("checksum") != recorded_checksum:
+        return (f"plan file {path} was changed since the deploy wrote it (the unit records checksum {recorded_checksum[:16]}, "
+                f"the file has {str(plan.get('checksum'))[:16]}): deploy the instance again with gpufleet.vllm.vllm_service "
+                "or put the file back")
+    argv_budget = option_value(engine, "--kv-cache-memory-bytes")
+    if plan.get("manual") and argv_budget is not None and str(plan.get("kv_cache_memory_bytes")) != argv_budget:
+        return (f"plan file {path} names the budget {plan.get('kv_cache_memory_bytes')} B but the unit starts "
+                f"{argv_budget} B: deploy the instance again with gpufleet.vllm.vllm_service")
+    return None
+
+
 def _set_option(argv: list[str], name: str, value: str | None) -> list[str]:
     """Set (or with None drop) ``--name VALUE`` / ``--name=VALUE`` in an argv."""
     out = list(argv)
@@ -461,13 +493,13 @@ def _parse_args(argv: t.Sequence[str]) -> tuple[dict[str, str], list[str]]:
     opts: dict[str, str] = {}
     words = list(argv)
     if "--" not in words:
-        raise BootGateError("usage: gpufleet-vllm-boot-gate --plan FILE [--policy P] [--state FILE] -- ENGINE ARGS...")
+        raise BootGateError("usage: gpufleet-vllm-boot-gate --plan FILE [--plan-sha256 HEX] [--policy P] [--state FILE] -- ENGINE ARGS...")
     cut = words.index("--")
     head, engine = words[:cut], words[cut + 1:]
     pos = 0
     while pos < len(head):
         key = head[pos]
-        if key not in ("--plan", "--policy", "--state", "--check-only") or (key != "--check-only" and pos + 1 >= len(head)):
+        if key not in ("--plan", "--plan-sha256", "--policy", "--state", "--check-only") or (key != "--check-only" and pos + 1 >= len(head)):
             raise BootGateError(f"unknown or incomplete option {key!r}")
         if key == "--check-only":
             opts["check_only"] = "1"
@@ -529,6 +561,9 @@ def run(argv: t.Sequence[str], nvml: t.Any = None, execv: t.Callable[[str, list[
         policy = opts.get("policy") or plan["policy"] or "shrink"
         if policy not in POLICIES:
             raise BootGateError(f"policy {policy!r}: expected one of {', '.join(POLICIES)}")
+        problem = trust_problem(plan, engine, opts.get("plan-sha256"), opts["plan"])
+        if problem:
+            raise BootGateError(f"{plan['unit'] or 'the unit'}: {problem}")
     except BootGateError as exc:
         emit(f"gpufleet boot gate: {exc}; not starting (exit {EXIT_REFUSED})")
         return EXIT_REFUSED

@@ -52,6 +52,8 @@ Record (every byte figure an integer, ranks as keys of the instance's GPU list):
 
 from __future__ import annotations
 
+import hashlib
+import json
 import typing as t
 
 SCHEMA = 1
@@ -285,6 +287,26 @@ def plan_file(launch: t.Mapping[str, t.Any], instance: t.Mapping[str, t.Any], *,
         if record["manual"] and gate_state_dir else None,
         "launch": record,
     }
+
+
+# Fields of a plan file that change without changing the launch: when it was planned (every
+# render), and the checksum of the unit that passed its boot check (written after the boot).
+PLAN_CHECKSUM_EXCLUDES = ("planned_at", "unit_checksum")
+
+
+def plan_file_bytes(plan: t.Mapping[str, t.Any]) -> bytes:
+    """A plan file as the boot gate and applications read it: indented JSON, sorted keys."""
+    return (json.dumps(dict(plan), indent=4, sort_keys=True, ensure_ascii=False) + "\n").encode("utf-8")
+
+
+def plan_checksum(plan: t.Mapping[str, t.Any]) -> str:
+    """SHA-256 of a plan file's launch: every field but :data:`PLAN_CHECKSUM_EXCLUDES`, as written.
+
+    The deploy puts it in the unit (``--plan-sha256``, root's file); the boot gate refuses a
+    plan file whose checksum differs, and the audit reports it as edited.
+    """
+    kept = {k: v for k, v in plan.items() if k not in PLAN_CHECKSUM_EXCLUDES}
+    return hashlib.sha256(plan_file_bytes(kept)).hexdigest()
 
 
 def plan_file_figures(doc: t.Any) -> dict[str, t.Any]:

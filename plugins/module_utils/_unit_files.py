@@ -52,7 +52,7 @@ import typing as t
 from dataclasses import dataclass
 
 from . import _validate as v
-from ._launch import LaunchError, for_instance
+from ._launch import LaunchError, for_instance, plan_file_bytes
 from ._serve_argv import CONTROLLED_OPTIONS, EngineSpecError, option_name, render_serve_args
 
 KINDS = ("unit", "plan", "env")
@@ -547,8 +547,8 @@ def plan_restart_reasons(recorded: t.Mapping[str, t.Any], wanted: t.Mapping[str,
 
 
 def plan_bytes(plan: t.Mapping[str, t.Any]) -> bytes:
-    """A plan file as the boot gate and applications read it: indented JSON, sorted keys."""
-    return (json.dumps(dict(plan), indent=4, sort_keys=True, ensure_ascii=False) + "\n").encode("utf-8")
+    """A plan file as the boot gate and applications read it (``_launch.plan_file_bytes``)."""
+    return plan_file_bytes(plan)
 
 
 def read_plan(layout: Layout, name: str) -> dict[str, t.Any]:
@@ -686,7 +686,7 @@ def snapshot(layout: Layout, names: t.Sequence[str], show: ShowRunner, check: bo
             # an interrupted change: its snapshot holds what ran before it; this change carries it on
             doc = dict(previous)
             if change_id and change_id not in doc.get("changes", []):
-                doc["changes"] = list(doc.get("changes", [])) + [change_id]
+                doc["changes"] = [*doc.get("changes", []), change_id]
             if written and name in written:
                 doc["written"] = {**dict(doc.get("written") or {}), **dict(written[name])}
             changed = _commit_snapshot(layout, name, doc, check) or changed_dir
@@ -842,6 +842,12 @@ def record(layout: Layout, instances: t.Sequence[t.Mapping[str, t.Any]], check: 
     return out
 
 
+def _created_by_change(layout: Layout, name: str, kind: str, doc: t.Mapping[str, t.Any]) -> bool:
+    """The live file is the one the snapshot's change wrote (a legacy snapshot does not say: its file is the change's)."""
+    live = read_bytes(layout.path(name, kind))
+    return live is not None and bool(doc.get("legacy") or dict(doc.get("written") or {}).get(kind) == sha1(live))
+
+
 def restore(layout: Layout, names: t.Sequence[str], systemctl: SystemctlRunner | None, check: bool,
             systemctl_bin: str = "systemctl", close: bool = True, change_id: str = "") -> list[dict[str, t.Any]]:
     """Put back what the last snapshot kept; see the module docstring for the rules.
@@ -870,22 +876,14 @@ def restore(layout: Layout, names: t.Sequence[str], systemctl: SystemctlRunner |
                                 f"not to this one ({change_id}): its files and service are left as they are")
             out.append(entry)
             continue
-        written = dict(doc.get("written") or {})
-
-        def created_by_change(kind: str) -> bool:
-            live = read_bytes(layout.path(name, kind))
-            # a legacy snapshot does not say what its change wrote: its file is the change's
-            return live is not None and (doc.get("legacy") or written.get(kind) == sha1(live))
-
         unit_created = doc["files"].get("unit", False) is None
-        if unit_created and os.path.lexists(layout.path(name, "unit")) and systemctl is not None:
-            if created_by_change("unit"):
-                # A unit that did not exist before the change: stop and disable it while its file is there.
-                if not check:
-                    rc, _out, err = systemctl([systemctl_bin, "disable", "--now", layout.unit_name(name)])
-                    if rc != 0 and "does not exist" not in err and "not loaded" not in err:
-                        raise UnitFilesError(f"systemctl disable --now {layout.unit_name(name)} failed (rc {rc}): {err.strip()}")
-                entry["stopped"] = True
+        if unit_created and systemctl is not None and _created_by_change(layout, name, "unit", doc):
+            # A unit that did not exist before the change: stop and disable it while its file is there.
+            if not check:
+                rc, _out, err = systemctl([systemctl_bin, "disable", "--now", layout.unit_name(name)])
+                if rc != 0 and "does not exist" not in err and "not loaded" not in err:
+                    raise UnitFilesError(f"systemctl disable --now {layout.unit_name(name)} failed (rc {rc}): {err.strip()}")
+            entry["stopped"] = True
         for kind in KINDS:
             if kind not in doc["files"]:
                 entry["unknown"].append(kind)
@@ -897,7 +895,7 @@ def restore(layout: Layout, names: t.Sequence[str], systemctl: SystemctlRunner |
                     entry["restored"].append(kind)
             elif not os.path.lexists(layout.path(name, kind)):
                 continue
-            elif created_by_change(kind):
+            elif _created_by_change(layout, name, kind, doc):
                 if ensure_absent(layout.path(name, kind), check):
                     entry["removed"].append(kind)
             else:

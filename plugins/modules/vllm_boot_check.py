@@ -14,7 +14,7 @@ version_added: 1.0.0
 description:
   - After a vLLM systemd unit was (re)started, waits for C(/health) and fails at once if the unit enters the
     failed state (or restarts) instead of waiting for the timeout.
-  - Reads this boot's log (the unit's journal since its main process started, or the latest boot in a log file),
+  - Reads this boot's log (the unit's journal entries of its current C(InvocationID), or the latest boot in a log file),
     parses it per rank and checks that every rank reserved exactly O(expected_kv_cache_memory_bytes), that the
     free memory vLLM logged at startup is at least O(free_floor_bytes), that the cache holds at least
     O(min_tokens) tokens and that no failure line was logged.
@@ -82,7 +82,8 @@ options:
     default: 900
   journal:
     description:
-      - Read the unit's journal (C(journalctl -u UNIT --since <ExecMainStartTimestamp> -o cat)).
+      - Read the unit's journal of this start (C(journalctl _SYSTEMD_INVOCATION_ID=<InvocationID> -o cat)), never selected by
+        time (a clock stepped back would mix in an earlier start's lines).
       - Set V(false) and give O(log_path) for an engine that logs to a file.
     type: bool
     default: true

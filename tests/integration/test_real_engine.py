@@ -223,10 +223,9 @@ class Fleet:
         assert found, f"no run report under {self.report_dir}"
         return json.loads(found[-1].read_text(encoding="utf-8"))
 
-    def journal(self, host: str, since: str | None = None) -> str:
-        argv = ["journalctl", "-u", SERVICE, "-o", "cat", "--no-pager"]
-        if since:
-            argv += ["--since", since]
+    def journal(self, host: str, invocation: str | None = None) -> str:
+        """The unit's journal; with ``invocation``, only that start's entries (as the boot check reads them)."""
+        argv = ["journalctl", f"_SYSTEMD_INVOCATION_ID={invocation}" if invocation else f"--unit={SERVICE}", "-o", "cat", "--no-pager"]
         return self.h.exec(host, argv).stdout
 
     def metrics(self, host: str) -> str:
@@ -509,12 +508,13 @@ def test_changed_weights_force_a_profiled_canary_and_every_host_runs_the_plan(fl
         assert plan["vllm_floor_bytes"] and plan["free_floor_bytes"], "the plan has NVML ranks: floors in both terms"
         check = fleet.boot_check(host, plan)
         assert check["ok"], check
-        assert check["log_source"].startswith(f"journal of {SERVICE} since "), check["log_source"]
+        # the boot check read this start's entries (its InvocationID), not a time window
+        assert check["log_source"] == f"journal of {SERVICE}, invocation {fleet.invocation(host)}", check["log_source"]
         assert (check["num_blocks"], check["kv_cache_tokens"], check["kv_cache_memory_bytes"]) == (blocks, tokens, budget), check
         floor = [c for c in check["checks"] if c["check"] == "free_floor"]
         assert [c["applicable"] for c in floor] == [False], floor
         assert check["not_applicable"] and "the CPU build logs no initial free device memory" in check["not_applicable"][0]
-        journal = fleet.journal(host, since=check["log_source"].rsplit(" since ", 1)[1])
+        journal = fleet.journal(host, invocation=fleet.invocation(host))
         assert f"CPU KV cache size: {tokens:,} tokens" in journal
         assert "Found ulimit of 1024" not in journal
         # the gate started the plan as planned (its NVML floor holds on the fake GPU)

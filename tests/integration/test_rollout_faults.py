@@ -29,17 +29,21 @@ The tests run in file order and build on each other's end state (one fleet per m
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import re
 import signal
 import subprocess
 import threading
 import time
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
 from ansible_collections.gpufleet.vllm.plugins.module_utils._sizes import human_bytes, parse_size
 
+import procgroup  # pylint: disable=import-error
 from simfleet import L40S, REPO, SimFleet, l40s_fleet, budget, reached, recap  # pylint: disable=import-error
 
 GIB = 1 << 30
@@ -109,6 +113,17 @@ def fleet(harness, tmp_path_factory):  # harness: conftest (root + rootfs)
 def seen() -> dict[str, Any]:
     """State carried from one test to the next."""
     return {}
+
+
+def lease_path(fleet: SimFleet) -> Path:
+    return fleet.store / ".leases" / f"{CLASS}.json"
+
+
+def expire_lease(fleet: SimFleet) -> None:
+    """Make the class's lease expired, as its time-to-live running out after its controller was killed does."""
+    path = lease_path(fleet)
+    doc = json.loads(path.read_text(encoding="utf-8"))
+    path.write_text(json.dumps(dict(doc, expires=doc["started"] - 1)), encoding="utf-8")
 
 
 def class_entry(report: dict[str, Any] | None, name: str = CLASS) -> dict[str, Any]:
@@ -329,8 +344,23 @@ def test_interrupted_rollout_is_finished_by_the_next_run(fleet, seen):
         "unit_checksum" not in plan and plan["kv_cache_memory_bytes"] == budget(killed["unit"])), plan
     assert fleet.unit("sim-ft-3") == before["sim-ft-3"]
 
+    # The killed controller still holds the class's lease: a second controller is refused, naming
+    # it, before any probe, canary or host; once the lease expired it is taken over, and the report says so.
+    lease = json.loads(lease_path(fleet).read_text(encoding="utf-8"))
+    reports = len(fleet.reports())
+    rc, out = fleet.rollout({"gpufleet_guard": "1GiB"})
+    assert rc != 0 and reached(out) == [], out[-6000:]
+    assert f"host class {CLASS} is being changed by rollout run {lease['run_id']} of {lease['owner']}" in out, out[-6000:]
+    assert fleet.units() == {**before, "sim-ft-2": killed["unit"]}, "the refused run touched no host"
+    expire_lease(fleet)
     rc, out = fleet.rollout({"gpufleet_guard": "1GiB"})
     assert rc == 0, out[-6000:]
+    report = fleet.last_report(reports)
+    assert report is not None and report["lease"]["taken_over"] == [
+        f"host class {CLASS}: took over the expired lease of rollout run {lease['run_id']} of {lease['owner']}, "
+        f"started {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime(lease['started']))}, expires "
+        f"{time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime(lease['started'] - 1))} (its controller stopped without releasing it)"]
+    assert not lease_path(fleet).exists(), "the run released its lease at its end"
     after = fleet.units()
     want = budget(before["sim-ft-1"])
     assert after["sim-ft-1"] == before["sim-ft-1"], "batch 1 already ran this plan"
@@ -347,3 +377,78 @@ def test_interrupted_rollout_is_finished_by_the_next_run(fleet, seen):
 def test_interrupted_rollout_keeps_the_original_previous_unit(fleet, seen):
     """The unit kept for a rollback is the one the host ran before the interrupted run."""
     assert fleet.previous("sim-ft-2") == seen["units_before_interrupt"]["sim-ft-2"]
+
+
+def read_only(fleet: SimFleet, host: str, path: str) -> Callable[[], None]:
+    """Mount ``path`` of ``host`` read-only (a bind mount in the guest's mount namespace); returns the undo."""
+    leader = str(fleet.harness.get(host).leader_pid)
+    for argv in (["mount", "--bind", path, path], ["mount", "-o", "remount,bind,ro", path]):
+        subprocess.run(["nsenter", "-t", leader, "-m", "--", *argv], check=True, capture_output=True, timeout=30)
+    return lambda: subprocess.run(["nsenter", "-t", leader, "-m", "--", "umount", path], check=True, capture_output=True, timeout=30)
+
+
+def test_a_snapshot_that_cannot_be_written_leaves_the_host_serving(fleet, seen):
+    """The snapshot directory read-only on sim-ft-2 during a budget change: its write call fails before
+    anything is stopped, and the rescue restores nothing (the last snapshot is an older change's)."""
+    before = {h: (fleet.unit(h), fleet.read(h, f"/etc/gpufleet/vllm-{fleet.instance}.env"), fleet.read(h, fleet.plan_path),
+                  fleet.snapshot(h)) for h in HOSTS}
+    assert all(fleet.active(h) == "active" for h in HOSTS)
+    undo = read_only(fleet, "sim-ft-2", "/etc/gpufleet/units")
+    try:
+        rc, out = fleet.rollout({"gpufleet_guard": "1.5GiB"})
+    finally:
+        undo()
+    assert rc != 0, out[-6000:]
+    assert reached(out) == ["sim-ft-1", "sim-ft-2"], reached(out)
+    failure = next(line for line in out.splitlines() if "sim-ft-2:" in line and "Read-only file system" in line)
+    assert "vllm-main.snapshot.json" in failure and "nothing of this change was kept, stopped or restored" in failure, failure
+    assert "not restored (the last snapshot belongs to change" in failure, failure
+    unit, env, plan, snap = before["sim-ft-2"]
+    assert (fleet.unit("sim-ft-2"), fleet.read("sim-ft-2", f"/etc/gpufleet/vllm-{fleet.instance}.env"),
+            fleet.read("sim-ft-2", fleet.plan_path), fleet.snapshot("sim-ft-2")) == (unit, env, plan, snap), \
+        "the unit, secret env file, plan file and last snapshot are as they were"
+    assert fleet.active("sim-ft-2") == "active", "the instance serves on"
+    assert fleet.unit("sim-ft-3") == before["sim-ft-3"][0] and fleet.active("sim-ft-3") == "active"
+    assert budget(fleet.unit("sim-ft-1")) != budget(before["sim-ft-1"][0]), "batch 1 took the new budget"
+
+
+def test_a_canary_killed_by_its_controller_never_makes_a_rollback_stop_the_instance(fleet, seen):
+    """SIGKILL of the controller while the profiled canary holds the canary host's GPUs; then a normal
+    run; then rollback.yml on that host: the instance serves at every step's end."""
+    canary = "sim-ft-1"
+    hold = fleet.guest_path(canary, f"/etc/gpufleet/units/vllm-{fleet.instance}.canary-hold.json")
+    killed: dict[str, Any] = {}
+    done = threading.Event()
+
+    def kill_during_the_canary(proc: subprocess.Popen[str]) -> None:
+        def watch() -> None:
+            while not done.is_set() and proc.poll() is None:
+                if hold.exists() and fleet.active(canary) != "active":
+                    os.killpg(proc.pid, signal.SIGKILL)
+                    killed["hold"] = json.loads(hold.read_text(encoding="utf-8"))
+                    return
+                time.sleep(0.1)
+
+        threading.Thread(target=watch, daemon=True).start()
+
+    try:
+        rc, out = fleet.rollout({"gpufleet_guard": "1.5GiB", "gpufleet_force_profile": True}, on_start=kill_during_the_canary)
+    finally:
+        done.set()
+    assert killed, "the run ended before the profiled canary held the canary host:\n" + out[-6000:]
+    assert fleet.active(canary) != "active" and hold.exists(), "the cut-off canary left the instance stopped, and its hold"
+
+    expire_lease(fleet)
+    rc, out = fleet.rollout({"gpufleet_guard": "1.5GiB"})
+    assert rc == 0, out[-6000:]
+    assert not hold.exists(), "the next canary started the instance again and took the hold off"
+    for host in HOSTS:
+        assert fleet.active(host) == "active", host
+    assert fleet.unit("sim-ft-2") == fleet.unit(canary), "the class runs one budget again"
+
+    back = procgroup.run(["ansible-playbook", "-i", str(fleet.inventory), str(REPO / "playbooks" / "rollback.yml"),
+                          "-e", f"gpufleet_rollback_hosts={canary}"], timeout=300, cwd=REPO,
+                         env=dict(os.environ, ANSIBLE_NOCOLOR="1", ANSIBLE_PIPELINING="1", ANSIBLE_HOST_KEY_CHECKING="False"))
+    assert back.returncode == 0, back.stdout[-6000:]
+    assert "restarted it (it served before the change)" in back.stdout, back.stdout[-6000:]
+    assert fleet.active(canary) == "active", "a rollback never stops an instance that served before the change it undoes"

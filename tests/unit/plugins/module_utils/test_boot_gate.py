@@ -438,3 +438,37 @@ def test_profile_never_lets_vllm_size_more_than_the_planned_budget():
     # far below the floor the free figure is the lower one and stands
     low = gate.decide(gate.parse_plan(doc), [{"index": 0, "boot_free_bytes": floor - 30 * GIB, "total_bytes": H200}], "profile")
     assert low["started"]["gpu_memory_utilization"] < cap and "capped at" not in low["message"]
+
+
+def test_a_plan_file_edited_since_the_deploy_is_refused_naming_both_checksums(tmp_path):
+    """Budget and expectation doubled in the plan file on the host: the unit's recorded checksum no longer
+    matches, and the gate starts nothing (the edited file would have it 'shrink' from twice the plan)."""
+    doc = plan_doc()
+    recorded = gate.plan_checksum(doc)
+    edited = dict(doc, kv_cache_memory_bytes=2 * doc["kv_cache_memory_bytes"], num_blocks=2 * doc.get("num_blocks", 1))
+    plan = tmp_path / "main.plan.json"
+    plan.write_text(json.dumps(edited))
+    lines: list[str] = []
+    handed: list[list[str]] = []
+    argv = ["--plan", str(plan), "--plan-sha256", recorded, "--",
+            "/bin/vllm", "serve", "m", "--kv-cache-memory-bytes", str(2 * BUDGET)]
+    rc = gate.run(argv, log=lines.append, execv=lambda path, a: handed.append(a))
+    assert rc == gate.EXIT_REFUSED and not handed
+    assert f"was changed since the deploy wrote it (the unit records checksum {recorded[:16]}, the file has " \
+           f"{gate.plan_checksum(edited)[:16]})" in lines[-1], lines
+    # the file as the deploy wrote it (its planned_at and unit checksum may move) starts
+    plan.write_text(json.dumps(dict(doc, planned_at="2027-01-01T00:00:00Z", unit_checksum="abc")))
+    assert gate.trust_problem(gate.read_plan(str(plan)), ["vllm", "--kv-cache-memory-bytes", str(BUDGET)], recorded,
+                              str(plan)) is None
+
+
+def test_a_plan_budget_that_is_not_the_units_is_refused(tmp_path):
+    """Without a recorded checksum (a unit of an earlier release) the budget the journal line names must be
+    the one the unit starts."""
+    plan = tmp_path / "main.plan.json"
+    plan.write_text(json.dumps(plan_doc()))
+    lines: list[str] = []
+    rc = gate.run(["--plan", str(plan), "--", "/bin/vllm", "serve", "m", f"--kv-cache-memory-bytes={2 * BUDGET}"],
+                  log=lines.append, execv=lambda path, a: None)
+    assert rc == gate.EXIT_REFUSED
+    assert f"names the budget {BUDGET} B but the unit starts {2 * BUDGET} B" in lines[-1], lines

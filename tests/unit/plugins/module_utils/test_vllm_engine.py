@@ -538,7 +538,16 @@ def test_boot_check_unit_failure_is_fast_and_names_engine_error(tmp_path):
     assert "Free memory on device cuda:0 (10.5/79.19 GiB)" in result["reasons"][0]
     journal_call = [c for c in fake.calls if c[0] == "journalctl"][0]
     assert journal_call == ["journalctl", "-u", "vllm-main.service", "-o", "cat", "--no-pager",
-                            "--since", "@1764450249"]
+                            "--since", "@1764450249"], "a unit without an InvocationID: since its start"
+
+
+def test_the_journal_of_this_start_is_selected_by_its_invocation_id_never_by_time():
+    """A clock stepped back after the start (an NTP correction) would make --since read earlier lines."""
+    fake = FakeSystemd(["LoadState=loaded\nActiveState=active\nInvocationID=0f3c9e2a8b7d4c1e9a6b5c4d3e2f1a0b"], "line\n")
+    text, selected = _boot_check.Systemd(fake).journal("vllm-main.service")
+    assert text == "line\n" and selected == "invocation 0f3c9e2a8b7d4c1e9a6b5c4d3e2f1a0b"
+    assert [c for c in fake.calls if c[0] == "journalctl"] == [
+        ["journalctl", "_SYSTEMD_INVOCATION_ID=0f3c9e2a8b7d4c1e9a6b5c4d3e2f1a0b", "-o", "cat", "--no-pager"]]
 
 
 def test_boot_check_against_double_with_log_file(tmp_path, fake_vllm):

@@ -55,10 +55,10 @@ def systemd_bin(tmp_path, monkeypatch):
     bindir.mkdir()
     (bindir / "systemctl").write_text(textwrap.dedent("""\
         #!/bin/sh
-        case "$*" in *InvocationID*) echo "${FAKE_INVOCATION:-}"; exit 0;; esac
+        case "$*" in *"-p InvocationID"*) echo "${FAKE_INVOCATION:-}"; exit 0;; esac
         printf 'LoadState=loaded\\nActiveState=%s\\nSubState=%s\\nResult=success\\nNRestarts=0\\n' \\
             "${FAKE_ACTIVE:-active}" "${FAKE_SUB:-running}"
-        printf 'ExecMainStartTimestamp=@1764450249\\n'
+        printf 'ExecMainStartTimestamp=@1764450249\\nInvocationID=%s\\n' "${FAKE_INVOCATION:-}"
         """))
     (bindir / "journalctl").write_text('#!/bin/sh\necho "$@" > "$FAKE_JOURNAL.args"\ncat "$FAKE_JOURNAL"\n')
     for name in ("systemctl", "journalctl"):
