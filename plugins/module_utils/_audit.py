@@ -12,10 +12,16 @@ systemd timer, writing node_exporter textfile metrics). Both read the plan files
 instance with the boot gate's own rule (:func:`_boot_gate.decide` under the unit's policy),
 so the audit says exactly what the gate would do at the next start.
 
-Verdicts, worst first: ``would_refuse`` (the next start is refused), ``would_shrink``
-(it starts degraded: a smaller budget, or vLLM's own profiling under ``profile``),
-``reprofile_due`` (the plan is older than the allowed age, or the class's stored
+Verdicts, worst first: ``plan_edited`` (the plan file is not the one the deploy wrote: its
+checksum differs from the one the unit records, so the gate refuses the next start),
+``would_refuse`` (the next start is refused), ``would_shrink`` (it starts degraded: a smaller
+budget, or vLLM's own profiling under ``profile``), ``reprofile_due`` (the plan is older than
+the allowed age, dated in the future of the clock that judges it, or the class's stored
 reference has another compatibility key), ``ok``.
+
+Ages are measured on one clock: the controller's when the audit is given its time (the
+controller wrote ``planned_at``), and the difference between the host's clock and it is
+reported as ``clock_skew_seconds``; the exporter on the host has only the host's clock.
 """
 
 from __future__ import annotations
@@ -24,13 +30,18 @@ import calendar
 import glob
 import json
 import os
+import re
 import sys
 import time
 import typing as t
 
-from ._boot_gate import POLICIES, BootGateError, decide, parse_plan, read_state
+from ._boot_gate import POLICIES, BootGateError, decide, parse_plan, read_state, trust_problem
 
-VERDICTS = ("ok", "reprofile_due", "would_shrink", "would_refuse")
+VERDICTS = ("ok", "reprofile_due", "would_shrink", "would_refuse", "plan_edited")
+# a plan dated this far in the future of the judging clock names a wrong clock (or an edited date)
+FUTURE_TOLERANCE_S = 300.0
+DEFAULT_MAX_CLOCK_SKEW_S = 300.0
+_RECORDED_CHECKSUM = re.compile(r"--plan-sha256[\s\\]+([0-9a-f]{64})\b")
 DEFAULT_REPROFILE_AFTER_DAYS = 30.0
 METRIC_PREFIX = "gpufleet_vllm_"
 
@@ -49,10 +60,24 @@ def plan_files(state_dir: str) -> list[str]:
     return sorted(glob.glob(os.path.join(glob.escape(state_dir), "*.plan.json")))
 
 
+def recorded_checksum(unit_dir: str, unit: str) -> str | None:
+    """The plan file checksum the deploy recorded in the unit (``--plan-sha256``), None for a unit without one."""
+    try:
+        with open(os.path.join(unit_dir, unit), encoding="utf-8") as handle:
+            found = _RECORDED_CHECKSUM.search(handle.read())
+    except OSError:
+        return None
+    return found.group(1) if found else None
+
+
 def judge(plan: t.Mapping[str, t.Any], gpus: t.Sequence[t.Mapping[str, t.Any]], now: float,
           reprofile_after_days: float, reference_key_hash: str | None = None,
-          state: t.Mapping[str, t.Any] | None = None) -> dict[str, t.Any]:
-    """One instance: per-rank margin, the gate's action at a start now, plan age, key, verdict."""
+          state: t.Mapping[str, t.Any] | None = None, checksum: str | None = None, plan_path: str = "plan file",
+          clock: str = "host") -> dict[str, t.Any]:
+    """One instance: per-rank margin, the gate's action at a start now, plan age, key, verdict.
+
+    ``now``: the judging clock (``clock``: whose it is); ``checksum``: the one the unit records.
+    """
     policy = plan["policy"] if plan["policy"] in POLICIES else "shrink"
     verdict = decide(plan, gpus, policy)
     planned_ts = plan_timestamp(plan.get("planned_at"))
@@ -61,7 +86,12 @@ def judge(plan: t.Mapping[str, t.Any], gpus: t.Sequence[t.Mapping[str, t.Any]], 
     key_matches = None
     if reference_key_hash:
         key_matches = reference_key_hash == plan.get("compat_key_hash")
-    if verdict["action"] == "refuse":
+    # the gate's own rule: an edited plan file is refused at the next start, whatever its figures say
+    edited = trust_problem(plan, [], checksum, plan_path)
+    if edited:
+        result = "plan_edited"
+        reasons.append(edited)
+    elif verdict["action"] == "refuse":
         result = "would_refuse"
         reasons.append(verdict["message"])
     elif verdict["action"] in ("shrink", "profile"):
@@ -69,7 +99,10 @@ def judge(plan: t.Mapping[str, t.Any], gpus: t.Sequence[t.Mapping[str, t.Any]], 
         reasons.append(verdict["message"])
     else:
         result = "ok"
-    if age_days is not None and age_days > reprofile_after_days:
+    if age_days is not None and age_days * 86400.0 < -FUTURE_TOLERANCE_S:
+        reasons.append(f"the plan is dated {plan.get('planned_at')}, {-age_days * 24:.1f} h in the future of the {clock}'s clock: "
+                       "a clock is wrong (or the date was edited); its age cannot be judged: profile the class again")
+    elif age_days is not None and age_days > reprofile_after_days:
         reasons.append(f"the plan is {age_days:.1f} days old (allowed {reprofile_after_days:g}): profile the class again")
     if key_matches is False:
         reasons.append(f"the class's stored reference has compatibility key {reference_key_hash}, the plan "
@@ -98,6 +131,8 @@ def judge(plan: t.Mapping[str, t.Any], gpus: t.Sequence[t.Mapping[str, t.Any]], 
         "reference_key_hash": reference_key_hash,
         "key_matches": key_matches,
         "last_start": _last_start(last),
+        "plan_checksum": plan.get("checksum"),
+        "recorded_checksum": checksum,
         "reasons": reasons,
     }
 
@@ -114,11 +149,20 @@ def _last_start(state: t.Mapping[str, t.Any] | None) -> dict[str, t.Any] | None:
 
 def audit(state_dir: str, nvml: t.Any, now: float | None = None,
           reprofile_after_days: float = DEFAULT_REPROFILE_AFTER_DAYS,
-          reference_key_hashes: t.Mapping[str, str] | None = None, host: str = "localhost") -> dict[str, t.Any]:
-    """Every manual-budget instance of this host, judged now (one NVML probe for all)."""
+          reference_key_hashes: t.Mapping[str, str] | None = None, host: str = "localhost",
+          unit_dir: str = "/etc/systemd/system", controller_time: float | None = None,
+          max_clock_skew: float = DEFAULT_MAX_CLOCK_SKEW_S) -> dict[str, t.Any]:
+    """Every manual-budget instance of this host, judged now (one NVML probe for all).
+
+    ``now``: the host's clock. With ``controller_time`` (the controller's clock when it sent the
+    audit) ages are judged on the controller's clock, which wrote ``planned_at``, and the skew
+    between the two is reported; beyond ``max_clock_skew`` seconds every instance says so.
+    """
     from ._nvml_probe import probe  # pylint: disable=import-outside-toplevel
 
     now = time.time() if now is None else now
+    skew = None if controller_time is None else now - controller_time
+    judging, clock = (now, "host") if controller_time is None else (controller_time, "controller")
     plans: list[tuple[str, dict[str, t.Any]]] = []
     errors: list[str] = []
     for path in plan_files(state_dir):
@@ -139,10 +183,17 @@ def audit(state_dir: str, nvml: t.Any, now: float | None = None,
     for path, plan in plans:
         state = read_state(plan["state_file"]) if plan["state_file"] else None
         key = (reference_key_hashes or {}).get(plan.get("host_class") or "")
-        entry = judge(plan, gpus, now, reprofile_after_days, key, state)
+        unit = plan["unit"] or f"vllm-{plan['instance']}.service"
+        entry = judge(plan, gpus, judging, reprofile_after_days, key, state, recorded_checksum(unit_dir, unit), path, clock)
+        if skew is not None and abs(skew) > max_clock_skew:
+            entry["reasons"].append(f"the host's clock is {abs(skew):.0f} s {'ahead of' if skew > 0 else 'behind'} the controller's: "
+                                    "ages are judged on the controller's; fix the host's time (NTP)")
+            if entry["verdict"] == "ok":
+                entry["verdict"] = "reprofile_due"
         entry["plan_file"] = path
         instances.append(entry)
-    return {"checked_at": now, "instances": instances, "errors": errors}
+    return {"checked_at": now, "instances": instances, "errors": errors,
+            "clock_skew_seconds": round(skew, 3) if skew is not None else None}
 
 
 # ---------------------------------------------------------------- node_exporter textfile
@@ -168,6 +219,8 @@ def registry(report: t.Mapping[str, t.Any], prometheus: t.Any) -> t.Any:
     degraded = gauge("degraded", "1 when the last start was shrunk or profiled by the boot gate", inst_labels)
     refuse = gauge("would_refuse", "1 when a start now would be refused", inst_labels)
     shrink = gauge("would_shrink", "1 when a start now would be shrunk or profiled", inst_labels)
+    edited = gauge("plan_edited", "1 when the plan file is not the one the deploy wrote (the gate refuses the next start)",
+                   inst_labels)
     planned = gauge("plan_timestamp_seconds", "when the plan file was written", inst_labels)
     audited = gauge("last_audit_timestamp_seconds", "when these figures were measured", inst_labels)
     errors = prometheus.Gauge(METRIC_PREFIX + "plan_file_errors", "plan files that cannot be read", registry=reg)
@@ -194,6 +247,7 @@ def registry(report: t.Mapping[str, t.Any], prometheus: t.Any) -> t.Any:
         degraded.labels(**labels).set(1 if last.get("degraded") else 0)
         refuse.labels(**labels).set(1 if inst["verdict"] == "would_refuse" else 0)
         shrink.labels(**labels).set(1 if inst["verdict"] == "would_shrink" else 0)
+        edited.labels(**labels).set(1 if inst["verdict"] == "plan_edited" else 0)
         if inst["plan_timestamp"] is not None:
             planned.labels(**labels).set(inst["plan_timestamp"])
         audited.labels(**labels).set(report["checked_at"])
@@ -209,7 +263,8 @@ def _say(stream: t.TextIO, line: str) -> None:
 def exporter_main(argv: t.Sequence[str], nvml: t.Any = None, prometheus: t.Any = None) -> int:
     """``gpufleet-vllm-metrics --state-dir DIR --out FILE.prom``: one audit, written atomically."""
     args = list(argv)
-    opts = {"state-dir": "/etc/gpufleet", "out": "/var/lib/prometheus/node-exporter/gpufleet_vllm.prom"}
+    opts = {"state-dir": "/etc/gpufleet", "out": "/var/lib/prometheus/node-exporter/gpufleet_vllm.prom",
+            "unit-dir": "/etc/systemd/system"}
     while args:
         key = args.pop(0)
         if not key.startswith("--") or key[2:] not in opts or not args:
@@ -229,7 +284,7 @@ def exporter_main(argv: t.Sequence[str], nvml: t.Any = None, prometheus: t.Any =
         prometheus = prometheus_client
     from ._nvml_probe import NvmlProbeError  # pylint: disable=import-outside-toplevel
     try:
-        report = audit(opts["state-dir"], nvml, host=os.uname().nodename)
+        report = audit(opts["state-dir"], nvml, host=os.uname().nodename, unit_dir=opts["unit-dir"])
     except NvmlProbeError as exc:
         # the previous file stays: its audit timestamp ages, which the stale-audit alert sees
         _say(sys.stderr, f"gpufleet-vllm-metrics: NVML probe failed: {exc}")

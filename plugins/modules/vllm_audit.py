@@ -17,9 +17,13 @@ description:
     rule under the unit's policy, so the verdict says what the next start would do.
   - Per instance and rank, the NVML free memory now, the plan's floor and the margin between them; the plan's age;
     its compatibility key against O(reference_key_hashes); the gate's record of the last start (degraded or not).
-  - "Verdicts, worst first: V(would_refuse) (the next start is refused), V(would_shrink) (it starts degraded),
-    V(reprofile_due) (the plan is older than O(reprofile_after_days) or the class's stored reference has another
-    compatibility key), V(ok)."
+  - "Verdicts, worst first: V(plan_edited) (the plan file is not the one the deploy wrote - its checksum is not the one
+    the unit records - so the boot gate refuses the next start), V(would_refuse) (the next start is refused),
+    V(would_shrink) (it starts degraded), V(reprofile_due) (the plan is older than O(reprofile_after_days), dated in
+    the future of the judging clock, the host's clock is off the controller's by more than O(max_clock_skew), or the
+    class's stored reference has another compatibility key), V(ok)."
+  - Ages are judged on one clock - the controller's with O(controller_time) (it wrote the plan's C(planned_at)), else the
+    host's - and the host's skew from the controller is returned (RV(clock_skew_seconds)).
   - Never changes anything.
 author:
   - gpufleet maintainers (@gpufleet)
@@ -41,6 +45,19 @@ options:
     description: Host class -> compatibility-key hash of the class's newest stored reference profile.
     type: dict
     default: {}
+  unit_dir:
+    description: Directory of the instances' units, whose C(--plan-sha256) records each plan file's checksum.
+    type: path
+    default: /etc/systemd/system
+  controller_time:
+    description:
+      - The controller's clock (seconds since the epoch) when it sent the task, for example C(now().timestamp()).
+        Ages are then judged on it and the host's skew from it is returned.
+    type: float
+  max_clock_skew:
+    description: Seconds the host's clock may be off the controller's before every instance says so.
+    type: float
+    default: 300
 requirements:
   - C(nvidia-ml-py) (the C(pynvml) module) importable by the Python interpreter that runs the module.
 seealso:
@@ -74,10 +91,14 @@ instances:
       C(next_start) (the gate's action at a start now), C(ranks) (C(rank), C(gpu), C(free_bytes), C(floor_bytes),
       C(margin_bytes)), C(min_margin_bytes), C(kv_cache_memory_bytes), C(kv_cache_tokens), C(would_start),
       C(planned_at), C(plan_age_days), C(compat_key_hash), C(reference_key_hash), C(key_matches),
-      C(last_start) (the gate's last record) and C(reasons).
+      C(last_start) (the gate's last record), C(plan_checksum) and C(recorded_checksum) (the unit's) and C(reasons).
   returned: success
   type: list
   elements: dict
+clock_skew_seconds:
+  description: The host's clock minus O(controller_time) (positive - the host is ahead); null without O(controller_time).
+  returned: success
+  type: float
 errors:
   description: Plan files that could not be read, each with the reason.
   returned: success
@@ -105,18 +126,24 @@ def main() -> None:
             "state_dir": {"type": "path", "default": "/etc/gpufleet"},
             "reprofile_after_days": {"type": "float", "default": 30.0},
             "reference_key_hashes": {"type": "dict", "default": {}, "no_log": False},
+            "unit_dir": {"type": "path", "default": "/etc/systemd/system"},
+            "controller_time": {"type": "float"},
+            "max_clock_skew": {"type": "float", "default": 300.0},
         },
         supports_check_mode=True,
     )
     if module.params["reprofile_after_days"] <= 0:
         module.fail_json(msg=f"reprofile_after_days must be > 0, got {module.params['reprofile_after_days']}")
+    if module.params["max_clock_skew"] < 0:
+        module.fail_json(msg=f"max_clock_skew must be >= 0, got {module.params['max_clock_skew']}")
     if pynvml is None:
         module.fail_json(msg=missing_required_lib("nvidia-ml-py"), exception=PYNVML_IMPORT_ERROR)
     try:
         result = audit(module.params["state_dir"], pynvml, now=time.time(),
                        reprofile_after_days=module.params["reprofile_after_days"],
                        reference_key_hashes={str(k): str(v) for k, v in module.params["reference_key_hashes"].items()},
-                       host=platform.node())
+                       host=platform.node(), unit_dir=module.params["unit_dir"],
+                       controller_time=module.params["controller_time"], max_clock_skew=module.params["max_clock_skew"])
     except NvmlProbeError as exc:
         module.fail_json(msg=f"{platform.node()}: {exc.message}", gpu=exc.gpu, nvml_error=exc.code)
     worst = max((VERDICTS.index(i["verdict"]) for i in result["instances"]), default=0)

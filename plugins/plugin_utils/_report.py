@@ -50,7 +50,7 @@ KINDS = ("rollout", "plan", "probe", "audit")
 # Per host outcome of a run, worst first (the summary counts them).
 OUTCOMES = ("rolled_back", "failed", "not_reached", "skipped", "deployed", "unchanged", "planned", "probed", "audited")
 # Verdicts of an audit run per instance, worst first (vllm_audit, _audit.VERDICTS reversed).
-AUDIT_VERDICTS = ("would_refuse", "would_shrink", "reprofile_due", "ok")
+AUDIT_VERDICTS = ("plan_edited", "would_refuse", "would_shrink", "reprofile_due", "ok")
 
 _CANARY_FIELDS = (
     "verdict",
@@ -521,7 +521,8 @@ def _audit_section(raw: Any) -> dict[str, Any]:
                 "reasons": _str_list(inst.get("reasons")),
             })
         hosts.append({"host": str(host), "class": str(facts.get("class") or ""), "ok": error is None,
-                      "error": str(error) if error is not None else None, "instances": instances})
+                      "error": str(error) if error is not None else None, "instances": instances,
+                      "clock_skew_seconds": _num(facts.get("clock_skew_seconds"))})
     return {"hosts": hosts}
 
 
@@ -543,6 +544,7 @@ def _audit_summary(audit: Mapping[str, Any]) -> dict[str, Any]:
         "verdicts": {k: v for k, v in counts.items() if v},
         "would_refuse": [f"{h}/{i['instance']}" for h, i in instances if i["verdict"] == "would_refuse"],
         "would_shrink": [f"{h}/{i['instance']}" for h, i in instances if i["verdict"] == "would_shrink"],
+        "plan_edited": [f"{h}/{i['instance']}" for h, i in instances if i["verdict"] == "plan_edited"],
     }
 
 
@@ -844,7 +846,7 @@ def _summary(report: Mapping[str, Any]) -> dict[str, Any]:
         out["probe"] = _probe_summary(report["probe"])
     if report.get("audit") is not None:
         out["audit"] = _audit_summary(report["audit"])
-        out["ok"] = out["ok"] and not out["audit"]["would_refuse"]
+        out["ok"] = out["ok"] and not out["audit"]["would_refuse"] and not out["audit"]["plan_edited"]
     return out
 
 

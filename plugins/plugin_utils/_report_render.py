@@ -54,6 +54,8 @@ def summary_line(report: Mapping[str, Any]) -> str:
             parts.append(", ".join(f"{audit['verdicts'][v]} {v.replace('_', ' ')}" for v in AUDIT_VERDICTS if v in audit["verdicts"]))
         if audit["would_refuse"]:
             parts.append("refused at next start: " + ", ".join(audit["would_refuse"]))
+        if audit.get("plan_edited"):
+            parts.append("plan file edited on the host: " + ", ".join(audit["plan_edited"]))
         if report["failed_hosts"]:
             parts.append("failed hosts " + ", ".join(report["failed_hosts"]))
         return "; ".join(parts)
@@ -329,7 +331,7 @@ def _audit_html(audit: Mapping[str, Any]) -> list[str]:
         for inst in host["instances"]:
             for row in _audit_rows(inst):
                 cells = [esc(c) for c in row]
-                bad = inst["verdict"] in ("would_refuse", "would_shrink")
+                bad = inst["verdict"] in ("plan_edited", "would_refuse", "would_shrink")
                 cells[1] = f'<span class="{"bad" if bad else "ok"}">{cells[1]}</span>'
                 rows.append(cells)
         if rows:

@@ -74,6 +74,56 @@ def test_old_plans_and_changed_keys_are_reprofile_due():
     assert judge(plan_doc("refuse"), FREE - 2 * GIB, days=3.0)["verdict"] == "would_refuse"
 
 
+def test_an_edited_plan_file_is_its_own_verdict_whatever_its_figures_say():
+    """Budget and expectation doubled on the host, a co-tenant below the floor: not 'would_shrink' from the
+    edited figures, but the edit itself (the gate refuses the next start)."""
+    doc = plan_doc()
+    recorded = _boot_gate.plan_checksum(doc)
+    edited = dict(doc, kv_cache_memory_bytes=2 * doc["kv_cache_memory_bytes"], kv_cache_tokens=2 * doc["kv_cache_tokens"])
+    got = judge(edited, FREE - GIB - 256 * MIB, checksum=recorded, plan_path="/etc/gpufleet/main.plan.json")
+    assert got["verdict"] == "plan_edited" and got["recorded_checksum"] == recorded
+    assert "plan file /etc/gpufleet/main.plan.json was changed since the deploy wrote it" in got["reasons"][0]
+    assert judge(doc, FREE, checksum=recorded)["verdict"] == "ok", "the file as written"
+    assert judge(edited, FREE)["verdict"] == "ok", "a unit of an earlier release records no checksum"
+
+
+def test_a_plan_dated_in_the_future_of_the_judging_clock_is_not_fresh():
+    """A host clock 400 days behind: the age would be negative and pass any limit."""
+    future = judge(plan_doc(planned_at="2027-01-15T09:00:00Z"), FREE, days=1.0, clock="controller")
+    assert future["verdict"] == "reprofile_due" and future["plan_age_days"] < 0
+    assert "1.0 h in the future of the controller's clock" in future["reasons"][0]
+
+
+def test_ages_are_judged_on_the_controllers_clock_and_the_hosts_skew_is_reported(tmp_path, monkeypatch):
+    plans = tmp_path / "etc"
+    plans.mkdir()
+    (plans / "main.plan.json").write_text(json.dumps(plan_doc()))
+
+    def probe(nvml, devices, samples, service_units, host):  # noqa: ARG001 - the audit's NVML probe
+        return {"gpus": [{"index": 0, "boot_free_bytes": FREE, "total_bytes": TOTAL}]}
+
+    monkeypatch.setattr("ansible_collections.gpufleet.vllm.plugins.module_utils._nvml_probe.probe", probe)
+    behind = NOW - 400 * 86400  # the host's clock 400 days behind the controller's
+    got = _audit.audit(str(plans), None, now=behind, reprofile_after_days=1.0, unit_dir=str(tmp_path), controller_time=NOW)
+    assert got["clock_skew_seconds"] == -400 * 86400
+    (inst,) = got["instances"]
+    assert inst["plan_age_days"] == pytest.approx((NOW - 1799539200) / 86400, abs=1e-3), "on the controller's clock"
+    assert inst["verdict"] == "reprofile_due"
+    assert any("days old (allowed 1)" in r for r in inst["reasons"])
+    assert any("the host's clock is 34560000 s behind the controller's" in r for r in inst["reasons"])
+    alone = _audit.audit(str(plans), None, now=NOW, reprofile_after_days=30.0, unit_dir=str(tmp_path))
+    assert alone["clock_skew_seconds"] is None and alone["instances"][0]["verdict"] == "ok"
+
+
+def test_the_checksum_is_read_from_the_unit_even_across_a_continuation_line(tmp_path):
+    digest = "a" * 64
+    (tmp_path / "vllm-main.service").write_text(
+        f"[Service]\nExecStart=/usr/local/bin/gpufleet-vllm-boot-gate --plan /etc/gpufleet/main.plan.json --plan-sha256 \\\n"
+        f"    {digest} --policy shrink -- /opt/vllm/venv/bin/vllm serve m\n")
+    assert _audit.recorded_checksum(str(tmp_path), "vllm-main.service") == digest
+    assert _audit.recorded_checksum(str(tmp_path), "vllm-other.service") is None
+
+
 def test_textfile_metrics_carry_the_margin_and_the_degraded_flag(tmp_path):
     entry = judge(plan_doc(), FREE - 2 * GIB)
     entry["last_start"] = {"action": "shrink", "degraded": {"kv_cache_memory_bytes_after": 29 * GIB},
@@ -93,6 +143,7 @@ def test_textfile_metrics_carry_the_margin_and_the_degraded_flag(tmp_path):
     assert samples[("gpufleet_vllm_degraded", inst)] == 1
     assert samples[("gpufleet_vllm_would_shrink", inst)] == 1
     assert samples[("gpufleet_vllm_would_refuse", inst)] == 0
+    assert samples[("gpufleet_vllm_plan_edited", inst)] == 0
     assert samples[("gpufleet_vllm_plan_timestamp_seconds", inst)] == 1799539200
     assert samples[("gpufleet_vllm_last_audit_timestamp_seconds", inst)] == NOW
     assert [p.name for p in tmp_path.iterdir()] == ["gpufleet_vllm.prom"], "no temporary file is left"
