@@ -67,8 +67,9 @@ class ActionModule(ActionBase):  # type: ignore[misc]  # ActionBase is Any: ansi
                 leases.append(got["lease"])
                 if got["taken_over"] is not None:
                     taken.append({"scope": scope, "holder": got["taken_over"],
-                                  "msg": f"host class {scope}: took over the expired lease of {_lease.describe(got['taken_over'])} "
-                                         "(its controller stopped without releasing it)"})
+                                  "msg": f"host class {scope}: took over the lease of {_lease.describe(got['taken_over'])} "
+                                         + ("(its controller no longer runs on this machine)" if _lease.holder_gone(got["taken_over"])
+                                            else "(expired: its controller stopped without releasing it)")})
         except _lease.LeaseError:
             for lease in leases:  # all or none
                 _lease.release(args["store"], lease["scope"], args["run_id"])

@@ -85,6 +85,8 @@ def run_settings(names: Any, given: Any, inventory: Any) -> dict[str, Any]:
         for key in ("gpufleet_profile_store", "gpufleet_report_dir", "gpufleet_plan_file"):
             if settings.get(key):
                 _validate.outside_system_dirs(settings[key], key, allow=allow)
+        if "gpufleet_remote_timeout" in settings:
+            _validate.integer(settings["gpufleet_remote_timeout"], "gpufleet_remote_timeout", low=30, high=86400)
         if "gpufleet_lease_ttl" in settings or "gpufleet_lease_wait" in settings:
             _lease.check_inputs(settings.get("gpufleet_lease_ttl", 7200), settings.get("gpufleet_lease_wait", 0))
     except (_validate.ValidationError, _lease.LeaseError) as exc:

@@ -11,9 +11,11 @@ two controllers racing for it see exactly one winner, and either no lease or a w
 
 * A run that finds a lease held by another run, not expired, is refused with the holder's
   identity (``LeaseHeld``), or waits for it with ``wait`` seconds.
-* An expired lease (its controller crashed or was killed) is taken over: renamed aside
-  under a name of its own (only one taker's rename succeeds), then replaced; the taker
-  gets the old lease back to put into its report.
+* An expired lease is taken over: renamed aside under a name of its own (only one taker's
+  rename succeeds), then replaced; the taker gets the old lease back to put into its
+  report. A lease is expired when its time-to-live ran out, or at once when it was taken
+  on this same machine by a controller (``ansible-playbook``) that no longer runs: killed,
+  crashed, or ended by a lost host that stopped its play before it could release it.
 * The holder renews the lease as it goes (each batch), and releases it at the end; a
   release of a lease someone else holds now changes nothing.
 
@@ -67,6 +69,31 @@ def default_owner() -> str:
     except (KeyError, OSError):  # pragma: no cover - a user without a passwd entry
         user = str(os.getuid())
     return f"{user}@{socket.gethostname()}"
+
+
+def _process_start(pid: int) -> str | None:
+    """When process ``pid`` started (clock ticks since boot, /proc), None when it does not run."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as fh:
+            fields = fh.read().rsplit(")", 1)[1].split()
+        return fields[19]  # field 22 of stat(5): starttime; the split starts at field 3
+    except (OSError, IndexError):
+        return None
+
+
+def controller_process() -> dict[str, t.Any]:
+    """This run's controller: the ``ansible-playbook`` process that forked the worker calling us."""
+    pid = os.getppid()
+    return {"host": socket.gethostname(), "pid": pid, "pid_start": _process_start(pid)}
+
+
+def holder_gone(doc: t.Mapping[str, t.Any]) -> bool:
+    """The lease was taken on this machine by a controller that no longer runs (a pid reused since does not count)."""
+    pid = doc.get("pid")
+    if doc.get("host") != socket.gethostname() or not isinstance(pid, int) or isinstance(pid, bool) or pid <= 0:
+        return False
+    started = _process_start(pid)
+    return started is None or (doc.get("pid_start") is not None and started != doc.get("pid_start"))
 
 
 def lease_path(store: str, scope: str) -> str:
@@ -174,7 +201,7 @@ def acquire(store: str, scope: str, run_id: str, ttl: int, wait: int = 0, purpos
     while True:
         now = clock()
         doc = {"format": FORMAT, "scope": scope, "run_id": run_id, "owner": owner or default_owner(), "purpose": purpose,
-               "started": now, "renewed": now, "expires": now + ttl, "pid": os.getpid(), **dict(details or {})}
+               "started": now, "renewed": now, "expires": now + ttl, **controller_process(), **dict(details or {})}
         if _write_new(path, doc):
             return {"lease": doc, "path": path, "taken_over": None, "renewed": False}
         held = read(path)
@@ -184,7 +211,7 @@ def acquire(store: str, scope: str, run_id: str, ttl: int, wait: int = 0, purpos
             doc["started"] = held.get("started", now)
             _replace(path, doc)
             return {"lease": doc, "path": path, "taken_over": None, "renewed": True}
-        if float(held["expires"]) <= now:
+        if float(held["expires"]) <= now or holder_gone(held):
             aside = f"{path}.expired-{run_id}"
             try:
                 os.rename(path, aside)

@@ -118,3 +118,9 @@ def run_spec() -> dict[str, Any]:
     """The run settings' spec the playbooks validate with."""
     path = Path(__file__).resolve().parents[4] / "playbooks" / "vars" / "rollout_argument_spec.yml"
     return dict(yaml.safe_load(path.read_text(encoding="utf-8"))["gpufleet_argument_spec"]["run"])
+
+
+@pytest.mark.parametrize("value", [0, 10, 10**9])
+def test_a_remote_timeout_out_of_bounds_names_the_setting(value: int) -> None:
+    with pytest.raises(AnsibleFilterError, match="run_settings: gpufleet_remote_timeout: "):
+        run_settings(run_spec(), {"gpufleet_profile_store": "/srv/profiles", "gpufleet_remote_timeout": value}, {})

@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import json
 import multiprocessing
+import os
+import subprocess
+import sys
 
 import pytest
 
@@ -109,3 +112,20 @@ def test_controllers_racing_for_one_class_see_exactly_one_winner(tmp_path):
     winners = [r for r in results if r != "refused"]
     assert len(winners) == 1, results
     assert json.loads((tmp_path / ".leases" / "l40s.json").read_text())["run_id"] == winners[0]
+
+
+def test_a_lease_whose_controller_no_longer_runs_on_this_machine_is_taken_over_at_once(tmp_path):
+    """A killed ansible-playbook (or one whose play a lost host ended before it could release) holds nothing."""
+    clock = Clock()
+    _lease.acquire(str(tmp_path), "l40s", "run-a", 3600, clock=clock)
+    path = tmp_path / ".leases" / "l40s.json"
+    held = json.loads(path.read_text())
+    assert held["pid"] == os.getppid() and held["pid_start"] and held["host"]
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True, check=True)
+    path.write_text(json.dumps(dict(held, pid=int(gone.stdout))))
+    got = _lease.acquire(str(tmp_path), "l40s", "run-b", 600, clock=clock)
+    assert got["taken_over"]["run_id"] == "run-a" and _lease.holder_gone(got["taken_over"])
+    # a pid reused by another process since (another start time) is gone too; another machine's is not judged
+    assert _lease.holder_gone(dict(held, pid_start="1"))
+    assert not _lease.holder_gone(dict(held, host="another-controller", pid=int(gone.stdout)))
+    assert not _lease.holder_gone(held), "this test's own controller still runs"
