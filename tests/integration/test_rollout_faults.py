@@ -23,7 +23,15 @@ The tests run in file order and build on each other's end state (one fleet per m
 5. a GPU lost on the second host once planning is over: its gate stops the rollout before
    its service is touched, the first batch keeps the new unit, the third never runs;
 6. the controller killed (SIGKILL of the whole run) right after the second host's new unit
-   was written, before its boot check; the next run finishes the rollout.
+   was written, before its boot check; a second controller is refused while a live run
+   holds the class's lease; the killed run's lease is taken over and the next run finishes
+   the rollout;
+7. the snapshot directory read-only on a host during a budget change: nothing of it is
+   stopped or restored, its files and service stay as they were;
+8. the controller killed while the profiled canary holds the canary host; a normal run;
+   then rollback.yml on that host: its instance serves at every step's end;
+9. a host's link lost as the batch's write calls start: the batch's other hosts check
+   their boots before the run stops; the next run finishes the lost host.
 """
 
 from __future__ import annotations
