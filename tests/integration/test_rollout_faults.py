@@ -31,11 +31,15 @@ The tests run in file order and build on each other's end state (one fleet per m
 8. the controller killed while the profiled canary holds the canary host; a normal run;
    then rollback.yml on that host: its instance serves at every step's end;
 9. a host's link lost as the batch's write calls start: the batch's other hosts check
-   their boots before the run stops; the next run finishes the lost host.
+   their boots before the run stops; the next run finishes the lost host;
+10. the controller killed at each remote call of one host's deploy in turn (the role's own
+    deploy, tests/integration/playbooks/deploy_one_host.yml): the next run finishes the
+    change on a checked unit, and rollback.yml puts back the unit from before it, serving.
 """
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import json
 import os
@@ -498,3 +502,49 @@ def test_a_link_lost_during_a_write_call_never_leaves_the_batch_unchecked(fleet,
         assert fleet.active(host) == "active", host
         assert fleet.plan(host).get("unit_checksum") == hashlib.sha1(unit.encode()).hexdigest(), host  # nosec
         assert unit == fleet.unit("sim-ft-1"), f"{host} runs the class's one unit"
+
+
+# The remote calls of a one-host budget update, in order (the role's task names).
+DEPLOY_CALLS = ["Compare the units and environment files with the plan and read the services",
+                "Create the account, keep the files and stop the instances",
+                "Check each boot against the plan, and record the plan it passed with"]
+
+
+def test_a_kill_at_every_remote_call_of_a_deploy_loses_nothing(fleet, seen):
+    """The controller killed at each remote call of sim-ft-1's deploy in turn: the next run finishes the change
+    on a checked unit, and rollback.yml then puts back the unit from before the killed change, serving."""
+    host = "sim-ft-1"
+    launch_b = json.loads(fleet.read(host, fleet.plan_path))
+    kept = fleet.snapshot(host)
+    assert kept and kept["files"]["plan"], "the last change kept a plan file to go back to"
+    launch_a = json.loads(base64.b64decode(kept["files"]["plan"]["data"]))
+    assert launch_a["launch"]["kv_cache_memory_bytes"] != launch_b["launch"]["kv_cache_memory_bytes"]
+    unit_b = fleet.unit(host)
+    deploy = REPO / "tests" / "integration" / "playbooks" / "deploy_one_host.yml"
+    extra = {"target": host, "test_plan": {"launch": launch_a["launch"]}, "test_key": launch_a["compat_key_hash"]}
+    for index, call in enumerate(DEPLOY_CALLS):
+        banner = f"TASK [gpufleet.vllm.vllm_service : {call}"
+        killed: dict[str, Any] = {}
+
+        def kill_in_the_call(line: str, proc_holder: dict[str, Any] = killed) -> None:
+            if banner in line and "proc" in proc_holder and "at" not in proc_holder:
+                proc_holder["at"] = time.monotonic()
+                # in flight: the call has been sent to the host
+                threading.Timer(0.5, os.killpg, (proc_holder["proc"].pid, signal.SIGKILL)).start()
+
+        rc, out = fleet.rollout(extra, playbook=deploy, on_line=kill_in_the_call,
+                                on_start=lambda proc, holder=killed: holder.update(proc=proc))
+        assert "at" in killed and rc == -signal.SIGKILL, f"call {index}: the run was not killed in '{call}':\n" + out[-4000:]
+
+        rc, out = fleet.rollout(extra, playbook=deploy)
+        assert rc == 0, f"call {index}: the next run did not finish the change:\n" + out[-6000:]
+        unit = fleet.unit(host)
+        assert budget(unit) == launch_a["launch"]["kv_cache_memory_bytes"] and fleet.active(host) == "active", index
+        assert fleet.plan(host).get("unit_checksum") == hashlib.sha1(unit.encode()).hexdigest(), index  # nosec
+
+        back = procgroup.run(["ansible-playbook", "-i", str(fleet.inventory), str(REPO / "playbooks" / "rollback.yml"),
+                              "-e", f"gpufleet_rollback_hosts={host}"], timeout=300, cwd=REPO,
+                             env=dict(os.environ, ANSIBLE_NOCOLOR="1", ANSIBLE_PIPELINING="1", ANSIBLE_HOST_KEY_CHECKING="False"))
+        assert back.returncode == 0, back.stdout[-6000:]
+        assert fleet.unit(host) == unit_b, f"call {index}: the rollback put back the unit from before the killed change"
+        assert fleet.active(host) == "active", f"call {index}: the rollback left the instance serving"
