@@ -1,7 +1,7 @@
 # Copyright (c) gpufleet maintainers
 # GNU General Public License v3.0+ (see https://www.gnu.org/licenses/gpl-3.0.txt)
 # SPDX-License-Identifier: GPL-3.0-or-later
-"""Filters: launch_contract, launch_plan_checksum, launch_plan_file, launch_runs, launch_serve_args (documentation in the YAML files beside this one).
+"""Filters: launch_contract, launch_plan_file, launch_runs, launch_serve_args (documentation in the YAML files beside this one).
 
 Each is one call into ``module_utils/_launch`` or ``_serve_argv``: the launch contract's
 rules live there, not here."""
@@ -12,7 +12,7 @@ from typing import Any, Callable, Mapping
 
 from ansible.errors import AnsibleFilterError
 
-from ansible_collections.gpufleet.vllm.plugins.module_utils._launch import LaunchError, check_launch, for_instance, plan_checksum, plan_file, runs
+from ansible_collections.gpufleet.vllm.plugins.module_utils._launch import LaunchError, check_launch, for_instance, plan_file, runs
 from ansible_collections.gpufleet.vllm.plugins.module_utils._serve_argv import EngineSpecError, budget_args
 
 
@@ -38,13 +38,6 @@ def launch_plan_file(launch: Any, instance: Any, host: Any) -> dict[str, Any]:
         raise AnsibleFilterError(f"launch_plan_file: {exc}") from None
 
 
-def launch_plan_checksum(plan_file_doc: Any) -> str:
-    """A plan file (``launch_plan_file``) -> the checksum the unit records and the boot gate compares."""
-    if not isinstance(plan_file_doc, Mapping):
-        raise AnsibleFilterError("launch_plan_checksum: expected a plan file (a mapping, as launch_plan_file returns it)")
-    return plan_checksum(plan_file_doc)
-
-
 def launch_runs(plan_file_doc: Any, launch: Any, key_hash: Any) -> bool:
     """A host's plan file (any format, ``{}`` for none), a launch record and a key hash -> whether the host runs that record."""
     if not isinstance(launch, Mapping):
@@ -67,7 +60,6 @@ class FilterModule:
     def filters(self) -> dict[str, Callable[..., Any]]:
         return {
             "launch_contract": launch_contract,
-            "launch_plan_checksum": launch_plan_checksum,
             "launch_plan_file": launch_plan_file,
             "launch_runs": launch_runs,
             "launch_serve_args": launch_serve_args,

@@ -13,7 +13,7 @@ instance with the boot gate's own rule (:func:`_boot_gate.decide` under the unit
 so the audit says exactly what the gate would do at the next start.
 
 Verdicts, worst first: ``plan_edited`` (the plan file is not the one the deploy wrote: its
-checksum differs from the one the unit records, so the gate refuses the next start),
+checksum differs from the one recorded beside the unit, so the gate refuses the next start),
 ``would_refuse`` (the next start is refused), ``would_shrink`` (it starts degraded: a smaller
 budget, or vLLM's own profiling under ``profile``), ``reprofile_due`` (the plan is older than
 the allowed age, dated in the future of the clock that judges it, or the class's stored
@@ -36,12 +36,13 @@ import time
 import typing as t
 
 from ._boot_gate import POLICIES, BootGateError, decide, parse_plan, read_state, trust_problem
+from ._launch import PLAN_CHECKSUM_DROPIN, PLAN_CHECKSUM_VARIABLE
 
 VERDICTS = ("ok", "reprofile_due", "would_shrink", "would_refuse", "plan_edited")
 # a plan dated this far in the future of the judging clock names a wrong clock (or an edited date)
 FUTURE_TOLERANCE_S = 300.0
 DEFAULT_MAX_CLOCK_SKEW_S = 300.0
-_RECORDED_CHECKSUM = re.compile(r"--plan-sha256[\s\\]+([0-9a-f]{64})\b")
+_RECORDED_CHECKSUM = re.compile(rf"^Environment={PLAN_CHECKSUM_VARIABLE}=([0-9a-f]{{64}})\s*$", re.MULTILINE)
 DEFAULT_REPROFILE_AFTER_DAYS = 30.0
 METRIC_PREFIX = "gpufleet_vllm_"
 
@@ -61,9 +62,9 @@ def plan_files(state_dir: str) -> list[str]:
 
 
 def recorded_checksum(unit_dir: str, unit: str) -> str | None:
-    """The plan file checksum the deploy recorded in the unit (``--plan-sha256``), None for a unit without one."""
+    """The plan file checksum the deploy recorded beside the unit (its drop-in), None for a unit without one."""
     try:
-        with open(os.path.join(unit_dir, unit), encoding="utf-8") as handle:
+        with open(os.path.join(unit_dir, f"{unit}.d", PLAN_CHECKSUM_DROPIN), encoding="utf-8") as handle:
             found = _RECORDED_CHECKSUM.search(handle.read())
     except OSError:
         return None

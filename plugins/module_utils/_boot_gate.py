@@ -47,7 +47,7 @@ import time
 import typing as t
 
 from ._kv_capacity import SOURCES as CAPACITY_SOURCES, blocks_for_bytes, floor_utilization, full_attention_request_blocks, one_request_blocks, tokens_for_blocks
-from ._launch import PLAN_FILE_FORMAT, LaunchError, check_launch, plan_checksum, rank_bytes
+from ._launch import PLAN_CHECKSUM_VARIABLE, PLAN_FILE_FORMAT, LaunchError, check_launch, plan_checksum, rank_bytes
 
 PLAN_FORMATS = (1, 2, PLAN_FILE_FORMAT)
 PLAN_FORMAT = PLAN_FILE_FORMAT
@@ -400,13 +400,14 @@ def option_value(argv: t.Sequence[str], name: str) -> str | None:
 def trust_problem(plan: t.Mapping[str, t.Any], engine: t.Sequence[str], recorded_checksum: str | None, path: str) -> str | None:
     """Why the gate must not start from this plan file, or None.
 
-    The deploy records the plan file's checksum in the unit (root's file): a plan file that
-    differs was edited since (a doubled budget would have the gate start what nobody planned).
+    The deploy records the plan file's checksum beside the unit (a drop-in, root's file, that
+    systemd hands to the gate as ``GPUFLEET_PLAN_SHA256``): a plan file that differs was edited
+    since (a doubled budget would have the gate start what nobody planned).
     The budget the plan names must also be the one the unit starts, so that the journal line
     never names a budget the engine does not get.
     """
     if recorded_checksum and plan.get("checksum") != recorded_checksum:
-        return (f"plan file {path} was changed since the deploy wrote it (the unit records checksum {recorded_checksum[:16]}, "
+        return (f"plan file {path} was changed since the deploy wrote it (the unit's drop-in records checksum {recorded_checksum[:16]}, "
                 f"the file has {str(plan.get('checksum'))[:16]}): deploy the instance again with gpufleet.vllm.vllm_service "
                 "or put the file back")
     argv_budget = option_value(engine, "--kv-cache-memory-bytes")
@@ -561,7 +562,9 @@ def run(argv: t.Sequence[str], nvml: t.Any = None, execv: t.Callable[[str, list[
         policy = opts.get("policy") or plan["policy"] or "shrink"
         if policy not in POLICIES:
             raise BootGateError(f"policy {policy!r}: expected one of {', '.join(POLICIES)}")
-        problem = trust_problem(plan, engine, opts.get("plan-sha256"), opts["plan"])
+        # the deploy's drop-in beside the unit gives the checksum (root's file); --plan-sha256 by hand
+        recorded = opts.get("plan-sha256") or os.environ.get(PLAN_CHECKSUM_VARIABLE) or None
+        problem = trust_problem(plan, engine, recorded, opts["plan"])
         if problem:
             raise BootGateError(f"{plan['unit'] or 'the unit'}: {problem}")
     except BootGateError as exc:

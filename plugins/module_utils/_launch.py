@@ -289,9 +289,13 @@ def plan_file(launch: t.Mapping[str, t.Any], instance: t.Mapping[str, t.Any], *,
     }
 
 
-# Fields of a plan file that change without changing the launch: when it was planned (every
-# render), and the checksum of the unit that passed its boot check (written after the boot).
-PLAN_CHECKSUM_EXCLUDES = ("planned_at", "unit_checksum")
+# The drop-in beside an instance's unit that records its plan file's checksum (root's file):
+# systemd hands it to the boot gate as this variable; the audit reads the file.
+PLAN_CHECKSUM_VARIABLE = "GPUFLEET_PLAN_SHA256"
+PLAN_CHECKSUM_DROPIN = "gpufleet-plan.conf"
+# The field of a plan file the boot check adds after the start (the checksum of the unit that
+# passed): the plan file's checksum is taken without it.
+PLAN_CHECKSUM_EXCLUDES = ("unit_checksum",)
 
 
 def plan_file_bytes(plan: t.Mapping[str, t.Any]) -> bytes:
@@ -300,10 +304,10 @@ def plan_file_bytes(plan: t.Mapping[str, t.Any]) -> bytes:
 
 
 def plan_checksum(plan: t.Mapping[str, t.Any]) -> str:
-    """SHA-256 of a plan file's launch: every field but :data:`PLAN_CHECKSUM_EXCLUDES`, as written.
+    """SHA-256 of a plan file as written, without the fields of :data:`PLAN_CHECKSUM_EXCLUDES`.
 
-    The deploy puts it in the unit (``--plan-sha256``, root's file); the boot gate refuses a
-    plan file whose checksum differs, and the audit reports it as edited.
+    The deploy records it beside the unit (a drop-in, root's file, :data:`PLAN_CHECKSUM_DROPIN`);
+    the boot gate refuses a plan file whose checksum differs, and the audit reports it as edited.
     """
     kept = {k: v for k, v in plan.items() if k not in PLAN_CHECKSUM_EXCLUDES}
     return hashlib.sha256(plan_file_bytes(kept)).hexdigest()

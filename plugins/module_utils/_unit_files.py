@@ -6,19 +6,28 @@
 """The files of vLLM instances on one host, and the snapshot a rollback restores.
 
 Plain Python (no Ansible import), used by the ``vllm_unit`` module. Per instance
-``NAME`` there are three files:
+``NAME`` there are four files:
 
 * the unit ``<unit_dir>/vllm-NAME.service`` (root, 0644);
 * the plan record ``<state_dir>/NAME.plan.json`` (root:<plan group>, 0640): the plan
   the running unit passed its boot check with, and the checksum of that unit;
-* the secret environment file ``<state_dir>/vllm-NAME.env`` (root, 0600).
+* the secret environment file ``<state_dir>/vllm-NAME.env`` (root, 0600);
+* the drop-in ``<unit_dir>/vllm-NAME.service.d/gpufleet-plan.conf`` (root, 0644), written
+  with the plan file: systemd gives the boot gate the plan file's checksum
+  (``GPUFLEET_PLAN_SHA256``), and the gate refuses a plan file edited since.
 
-A snapshot keeps, under ``<state_dir>/units/``, for each of those files either a copy
-``<file>.previous`` or a marker ``<file>.absent``, plus ``vllm-NAME.service.inactive``
-when the service was not running. Restoring puts back the copies byte for byte,
-removes the files marked absent (stopping and disabling a unit that did not exist),
-leaves alone what the snapshot knows nothing about, and restarts a restored unit
-only if it was running when the snapshot was taken.
+A snapshot keeps them in one document, ``<state_dir>/units/vllm-NAME.snapshot.json``
+(root, 0600), written in one rename (a failed write leaves the previous snapshot): each
+file's copy, or that it did not exist; whether the instance was serving (active, or held
+stopped by a canary cut off before it started it again); the change that took it and
+every change that carried it on; and the checksum of every file the change writes.
+Restoring puts the copies back byte for byte, removes a file the change created only while
+it is the one the change wrote (stopping and disabling a unit that did not exist), leaves
+alone what the snapshot knows nothing about, and restarts a restored unit only if it
+served when the snapshot was taken. Given the id of a change, only a snapshot that change
+took or carried on is restored. Snapshots kept by releases before 2.0 (``<file>.previous``,
+``<file>.absent``, ``.inactive`` and ``.changing`` markers) are read, and replaced by the
+document at the next snapshot.
 
 Units the instances take over (``adopt``: a hand-written ``vllm.service``, say) are kept
 with the snapshot that takes them over, in ``<state_dir>/units/adopted-UNIT.json``: the
@@ -28,11 +37,11 @@ still runs or is enabled. A later snapshot, taken when the unit no longer runs a
 enabled, drops that record (the change it belonged to is no longer the last one); restoring
 puts the files back and says which units to enable and start again.
 
-A snapshot also opens a change: the marker ``vllm-NAME.service.changing``, closed when
-the plan is recorded after a passed boot check or when the snapshot is restored. A run
-interrupted in between (a killed controller, a lost connection) leaves it open; the next
-run sees the instance as pending and does not snapshot again, so the kept files stay
-the ones from before the interrupted change instead of its half-applied unit.
+A snapshot also opens a change, closed when the plan is recorded after a passed boot
+check or when the snapshot is restored. A run interrupted in between (a killed
+controller, a lost connection) leaves it open; the next run sees the instance as
+pending and does not snapshot again, so the kept files stay the ones from before the
+interrupted change instead of its half-applied unit.
 
 Every write goes through a temporary file in the target directory and ``os.replace``,
 so a reader (or an interrupted run) sees the old file or the new one, never a part.
@@ -52,10 +61,11 @@ import typing as t
 from dataclasses import dataclass
 
 from . import _validate as v
-from ._launch import LaunchError, for_instance, plan_file_bytes
+from ._launch import PLAN_CHECKSUM_DROPIN, PLAN_CHECKSUM_VARIABLE, LaunchError, for_instance, plan_checksum, plan_file_bytes
 from ._serve_argv import CONTROLLED_OPTIONS, EngineSpecError, option_name, render_serve_args
 
-KINDS = ("unit", "plan", "env")
+KINDS = ("unit", "plan", "env", "dropin")
+
 # the snapshot document (snapshot_path); a release before 2.0 kept one file per copy and marker
 SNAPSHOT_FORMAT = 1
 # Plan-record fields whose change means the running engine is not the one the new plan was
@@ -101,6 +111,8 @@ class Layout:
             return os.path.join(self.state_dir, f"{name}.plan.json")
         if kind == "env":
             return os.path.join(self.state_dir, f"vllm-{name}.env")
+        if kind == "dropin":
+            return os.path.join(self.unit_dir, f"{self.unit_name(name)}.d", PLAN_CHECKSUM_DROPIN)
         raise UnitFilesError(f"unknown file kind {kind!r}")
 
     def kept(self, name: str, kind: str) -> str:
@@ -114,7 +126,7 @@ class Layout:
 
     def owner(self, kind: str) -> tuple[int, int, int]:
         """(uid, gid, mode) of a live file of this kind."""
-        if kind == "unit":
+        if kind in ("unit", "dropin"):
             return self.uid, self.gid, 0o644
         if kind == "plan":
             return self.uid, self.plan_gid, 0o640
@@ -402,6 +414,21 @@ def ensure_file(path: str, data: bytes, uid: int, gid: int, mode: int, check: bo
     if not check:
         atomic_write(path, data, uid, gid, mode)
     return True
+
+
+def dropin_text(plan: t.Mapping[str, t.Any]) -> str:
+    """The drop-in beside an instance's unit that records its plan file's checksum (``_launch.plan_checksum``)."""
+    return ("# gpufleet.vllm: the checksum of the plan file the deploy wrote; the boot gate refuses one edited since\n"
+            f"[Service]\nEnvironment={PLAN_CHECKSUM_VARIABLE}={plan_checksum(plan)}\n")
+
+
+def ensure_kind(layout: "Layout", name: str, kind: str, data: bytes, check: bool) -> bool:
+    """``ensure_file`` for a live file of ``kind`` (the drop-in's directory made first)."""
+    path = layout.path(name, kind)
+    if kind == "dropin" and not check:
+        ensure_dir(os.path.dirname(path), layout.uid, layout.gid, 0o755, check)
+    uid, gid, mode = layout.owner(kind)
+    return ensure_file(path, data, uid, gid, mode, check)
 
 
 def ensure_absent(path: str, check: bool) -> bool:
@@ -813,6 +840,12 @@ def write(layout: Layout, instances: t.Sequence[t.Mapping[str, t.Any]], check: b
                 _note_written(layout, name, "plan", plan_bytes(doc), check)
             if ensure_file(layout.path(name, "plan"), plan_bytes(doc), uid, gid, mode, check):
                 entry["written"].append("plan")
+            # beside the unit, root's: the plan file's checksum the boot gate compares at every start
+            dropin = dropin_text(doc).encode("utf-8")
+            if not _matches(layout.path(name, "dropin"), dropin, *layout.owner("dropin")):
+                _note_written(layout, name, "dropin", dropin, check)
+            if ensure_kind(layout, name, "dropin", dropin, check):
+                entry["written"].append("dropin")
         entry["changed"] = bool(entry["written"]) or changed_dir
         out.append(entry)
     return out
@@ -890,8 +923,7 @@ def restore(layout: Layout, names: t.Sequence[str], systemctl: SystemctlRunner |
                 continue
             copy = _kept_data(doc, kind)
             if copy is not None:
-                uid, gid, mode = layout.owner(kind)
-                if ensure_file(layout.path(name, kind), copy, uid, gid, mode, check):
+                if ensure_kind(layout, name, kind, copy, check):
                     entry["restored"].append(kind)
             elif not os.path.lexists(layout.path(name, kind)):
                 continue

@@ -18,7 +18,7 @@ description:
   - Per instance and rank, the NVML free memory now, the plan's floor and the margin between them; the plan's age;
     its compatibility key against O(reference_key_hashes); the gate's record of the last start (degraded or not).
   - "Verdicts, worst first: V(plan_edited) (the plan file is not the one the deploy wrote - its checksum is not the one
-    the unit records - so the boot gate refuses the next start), V(would_refuse) (the next start is refused),
+    recorded beside the unit - so the boot gate refuses the next start), V(would_refuse) (the next start is refused),
     V(would_shrink) (it starts degraded), V(reprofile_due) (the plan is older than O(reprofile_after_days), dated in
     the future of the judging clock, the host's clock is off the controller's by more than O(max_clock_skew), or the
     class's stored reference has another compatibility key), V(ok)."
@@ -46,7 +46,9 @@ options:
     type: dict
     default: {}
   unit_dir:
-    description: Directory of the instances' units, whose C(--plan-sha256) records each plan file's checksum.
+    description:
+      - Directory of the instances' units; beside each, a drop-in (C(vllm-NAME.service.d/gpufleet-plan.conf)) records its
+        plan file's checksum.
     type: path
     default: /etc/systemd/system
   controller_time:

@@ -12,17 +12,19 @@ module: vllm_unit
 short_description: Compare, write, snapshot and restore the unit, plan record and secret environment of vLLM instances
 version_added: 1.0.0
 description:
-  - Manages, in one round trip for all instances of a host, the three files of each vLLM instance C(NAME)
+  - Manages, in one round trip for all instances of a host, the files of each vLLM instance C(NAME)
     that the P(gpufleet.vllm.vllm_service#role) role deploys - the systemd unit C(<unit_dir>/vllm-NAME.service)
     (root, 0644), the plan record C(<state_dir>/NAME.plan.json) (root and O(plan_group), 0640) and the secret
-    environment file C(<state_dir>/vllm-NAME.env) (root, 0600) - and the snapshot of them a rollback restores.
+    environment file C(<state_dir>/vllm-NAME.env) (root, 0600), and beside the unit the drop-in
+    C(<unit_dir>/vllm-NAME.service.d/gpufleet-plan.conf) (root, 0644) that gives the boot gate the plan file's checksum
+    (C(GPUFLEET_PLAN_SHA256)), written with the plan file - and the snapshot of them a rollback restores.
   - O(state=status) compares the desired unit and environment file with the files on disk and reads the
     services' state (C(systemctl show)); an instance is pending when its unit or environment differ, its service
     is not active, systemd has not loaded the unit on disk, the plan record does not name the unit on disk
     (the unit has not passed a boot check), or the recorded plan names another compatibility key than the
     desired one (O(instances[].plan)).
   - O(state=snapshot) keeps, in one document C(<state_dir>/units/vllm-NAME.snapshot.json) (root, 0600) written
-    in one rename, a copy of each of the three files or the fact that it does not exist, whether the service was
+    in one rename, a copy of each of these files or the fact that it does not exist, whether the service was
     serving (active, or held stopped by a canary that was cut off), and the O(change_id) of the change that
     takes it; a snapshot that cannot be written leaves the previous one as it was and stops nothing. It also
     opens the change, which O(state=recorded) and O(state=restored) close. While a change is open - a run was
@@ -404,7 +406,7 @@ instances:
       description: The snapshot of an interrupted change was kept instead of taking a new one (O(state=snapshot)).
       type: bool
     written:
-      description: Files written (O(state=present)), of V(env), V(unit) and V(plan).
+      description: Files written (O(state=present)), of V(env), V(unit), V(plan) and V(dropin).
       type: list
       elements: str
     restored:
@@ -615,6 +617,7 @@ from ansible_collections.gpufleet.vllm.plugins.module_utils._unit_files import (
     Layout,
     UnitFilesError,
     adopted_status,
+    dropin_text,
     adoption_reasons,
     group_id,
     plan_bytes,
@@ -778,6 +781,7 @@ def _snapshot(module: AnsibleModule, layout: Layout, instances: list[dict[str, A
         ("unit", (i.get("unit") or "").encode("utf-8") if i.get("unit") is not None else None),
         ("env", i["env"].encode("utf-8") if i.get("env") is not None else None),
         ("plan", plan_bytes({k: v for k, v in i["plan"].items() if k != "unit_checksum"}) if i.get("plan") is not None else None),
+        ("dropin", dropin_text(i["plan"]).encode("utf-8") if i.get("plan") is not None else None),
     ) if data is not None} for i in instances} if params["state"] == "present" else None
     entries = snapshot(layout, names, systemctl_show(runner, systemctl), check, change_id=params["change_id"], written=written)
     if params["state"] == "present":

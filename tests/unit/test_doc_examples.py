@@ -45,8 +45,8 @@ def collections_path():
 
 def test_plugins_found():
     assert "rollout_report" in MODULES and "kv_plan" in MODULES and "gpu_memory_info" in MODULES and "gpu_memory_facts" in MODULES
-    assert FILTERS == ["compat_fields", "first_run_outline", "gate_violations", "human_bytes", "kv_bytes_per_token", "kv_reference", "launch_contract", "launch_plan_checksum",
-                       "launch_plan_file", "launch_runs", "launch_serve_args", "release_history", "rollback_summary", "rollout_batches",
+    assert FILTERS == ["compat_fields", "first_run_outline", "gate_violations", "human_bytes", "kv_bytes_per_token", "kv_reference",
+                       "launch_contract", "launch_plan_file", "launch_runs", "launch_serve_args", "release_history", "rollback_summary", "rollout_batches",
                        "rollout_plan", "rollout_plan_drift", "run_settings", "runtime_problems", "systemd_environment",
                        "systemd_environment_file", "systemd_exec_start", "systemd_value", "to_bytes",
                        "vllm_instances_problems", "vllm_secret_options", "vllm_serve_argv", "vllm_service_problems"]
@@ -158,11 +158,9 @@ def test_rollout_lease_examples_take_and_release_the_lease(collections_path, tmp
     text = doc_examples.examples(collections_path, "module", ["rollout_lease"])["rollout_lease"]
     store = tmp_path / "profiles"
     out = tmp_path / "results.json"
+    keep = {"name": "Keep the results", "ansible.builtin.copy": {"dest": str(out), "mode": "0644", "content": "{{ lease | to_json }}"}}
     playbook = doc_examples.module_playbook(text, "localhost", {"gpufleet_profile_store": str(store), "gpufleet_run_id": "run-1"},
-                                            connection="local", post_tasks=[{
-        "name": "Keep the results",
-        "ansible.builtin.copy": {"dest": str(out), "mode": "0644", "content": "{{ lease | to_json }}"},
-    }])
+                                            connection="local", post_tasks=[keep])
     proc = doc_examples.run_playbook(playbook, tmp_path, collections_path)
     doc_examples.assert_examples_ran(proc, text)
     got = json.loads(out.read_text(encoding="utf-8"))

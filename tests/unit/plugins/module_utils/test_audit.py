@@ -115,11 +115,11 @@ def test_ages_are_judged_on_the_controllers_clock_and_the_hosts_skew_is_reported
     assert alone["clock_skew_seconds"] is None and alone["instances"][0]["verdict"] == "ok"
 
 
-def test_the_checksum_is_read_from_the_unit_even_across_a_continuation_line(tmp_path):
+def test_the_checksum_is_read_from_the_drop_in_beside_the_unit(tmp_path):
     digest = "a" * 64
-    (tmp_path / "vllm-main.service").write_text(
-        f"[Service]\nExecStart=/usr/local/bin/gpufleet-vllm-boot-gate --plan /etc/gpufleet/main.plan.json --plan-sha256 \\\n"
-        f"    {digest} --policy shrink -- /opt/vllm/venv/bin/vllm serve m\n")
+    (tmp_path / "vllm-main.service.d").mkdir()
+    (tmp_path / "vllm-main.service.d" / "gpufleet-plan.conf").write_text(
+        f"# written by the deploy\n[Service]\nEnvironment=GPUFLEET_PLAN_SHA256={digest}\n")
     assert _audit.recorded_checksum(str(tmp_path), "vllm-main.service") == digest
     assert _audit.recorded_checksum(str(tmp_path), "vllm-other.service") is None
 

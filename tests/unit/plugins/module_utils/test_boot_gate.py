@@ -440,7 +440,7 @@ def test_profile_never_lets_vllm_size_more_than_the_planned_budget():
     assert low["started"]["gpu_memory_utilization"] < cap and "capped at" not in low["message"]
 
 
-def test_a_plan_file_edited_since_the_deploy_is_refused_naming_both_checksums(tmp_path):
+def test_a_plan_file_edited_since_the_deploy_is_refused_naming_both_checksums(tmp_path, monkeypatch):
     """Budget and expectation doubled in the plan file on the host: the unit's recorded checksum no longer
     matches, and the gate starts nothing (the edited file would have it 'shrink' from twice the plan)."""
     doc = plan_doc()
@@ -454,10 +454,14 @@ def test_a_plan_file_edited_since_the_deploy_is_refused_naming_both_checksums(tm
             "/bin/vllm", "serve", "m", "--kv-cache-memory-bytes", str(2 * BUDGET)]
     rc = gate.run(argv, log=lines.append, execv=lambda path, a: handed.append(a))
     assert rc == gate.EXIT_REFUSED and not handed
-    assert f"was changed since the deploy wrote it (the unit records checksum {recorded[:16]}, the file has " \
+    # as systemd hands it over from the deploy's drop-in
+    monkeypatch.setenv("GPUFLEET_PLAN_SHA256", recorded)
+    assert gate.run(argv[:2] + argv[4:], log=lines.append, execv=lambda path, a: handed.append(a)) == gate.EXIT_REFUSED
+    assert not handed
+    assert f"was changed since the deploy wrote it (the unit's drop-in records checksum {recorded[:16]}, the file has " \
            f"{gate.plan_checksum(edited)[:16]})" in lines[-1], lines
-    # the file as the deploy wrote it (its planned_at and unit checksum may move) starts
-    plan.write_text(json.dumps(dict(doc, planned_at="2027-01-01T00:00:00Z", unit_checksum="abc")))
+    # the file as the deploy wrote it, with the unit checksum the boot check adds, starts
+    plan.write_text(json.dumps(dict(doc, unit_checksum="abc")))
     assert gate.trust_problem(gate.read_plan(str(plan)), ["vllm", "--kv-cache-memory-bytes", str(BUDGET)], recorded,
                               str(plan)) is None
 

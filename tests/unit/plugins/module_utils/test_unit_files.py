@@ -19,6 +19,7 @@ import stat
 
 import pytest
 
+from ansible_collections.gpufleet.vllm.plugins.module_utils._launch import plan_checksum
 from ansible_collections.gpufleet.vllm.plugins.module_utils._unit_files import (
     Layout,
     UnitFilesError,
@@ -92,6 +93,11 @@ def put(path: str, text: str, file_mode: int) -> None:
     atomic_write(path, text.encode(), os.getuid(), os.getgid(), file_mode)
 
 
+def parse_plan_checksum(text: str | None) -> str:
+    """The checksum of a plan file's text, as the boot gate computes it."""
+    return plan_checksum(json.loads(text or "{}"))
+
+
 def kept(layout: Layout, name: str, kind: str) -> str | None:
     data = kept_file(layout, name, kind)
     return None if data is None else data.decode()
@@ -99,8 +105,9 @@ def kept(layout: Layout, name: str, kind: str) -> str | None:
 
 def deployed(layout: Layout, systemd: FakeSystemd, name: str = "a", unit: str = UNIT_A, env: str = ENV_A) -> None:
     """An instance as a successful deploy leaves it: files written, plan recorded, service active."""
-    write(layout, [{"name": name, "unit": unit, "env": env}], check=False)
-    record(layout, [{"name": name, "plan": {"instance": name, "kv_cache_memory_bytes": 1000}}], check=False)
+    plan = {"instance": name, "kv_cache_memory_bytes": 1000}
+    write(layout, [{"name": name, "unit": unit, "env": env, "plan": plan}], check=False)  # the drop-in with the plan
+    record(layout, [{"name": name, "plan": plan}], check=False)
     systemd.active[layout.unit_name(name)] = "active"
 
 
@@ -207,9 +214,13 @@ def test_record_names_the_unit_on_disk(layout):
 def test_write_puts_the_plan_file_before_the_boot_check_without_a_unit_checksum(layout):
     plan = {"compat_key_hash": "k", "kv_cache_memory_bytes": 1000, "unit_checksum": "from an older record"}
     (entry,) = write(layout, [{"name": "a", "unit": UNIT_A, "plan": plan}], check=False)
-    assert entry["written"] == ["unit", "plan"]
+    assert entry["written"] == ["unit", "plan", "dropin"]
     assert json.loads(read(layout.path("a", "plan"))) == {"compat_key_hash": "k", "kv_cache_memory_bytes": 1000}
     assert mode(layout.path("a", "plan")) == 0o640
+    # beside the unit, root's: the checksum systemd hands the boot gate (as the gate reads the plan file)
+    checksum = parse_plan_checksum(read(layout.path("a", "plan")))
+    assert read(layout.path("a", "dropin")).endswith(f"[Service]\nEnvironment=GPUFLEET_PLAN_SHA256={checksum}\n")
+    assert mode(layout.path("a", "dropin")) == 0o644 and layout.path("a", "dropin").endswith("/vllm-a.service.d/gpufleet-plan.conf")
     # not recorded yet: the instance is pending until its boot check passes and record() names the unit
     assert "the unit on disk has not passed a boot check" in status(
         layout, [{"name": "a", "unit": UNIT_A, "plan": plan}], FakeSystemd().show)[0]["reasons"]
@@ -217,6 +228,9 @@ def test_write_puts_the_plan_file_before_the_boot_check_without_a_unit_checksum(
     with pytest.raises(UnitFilesError, match="instance b: plan must be a mapping"):
         write(layout, [{"name": "b", "unit": UNIT_A, "plan": "not a mapping"}], check=False)
     assert read(layout.path("b", "unit")) is None, "nothing written when an input is wrong"
+    # the boot check's record adds the unit's checksum: the plan file's checksum stays the drop-in's
+    record(layout, [{"name": "a", "plan": plan}], check=False)
+    assert parse_plan_checksum(read(layout.path("a", "plan"))) == checksum
 
 
 # ------------------------------------------------------------------ snapshot and restore
@@ -229,7 +243,7 @@ def test_failed_service_with_an_unchanged_unit_keeps_its_unit_and_gets_its_env_b
     systemd.active["vllm-a.service"] = "failed"
 
     (taken,) = snapshot(layout, ["a"], systemd.show, check=False)
-    assert taken["kept"] == ["unit", "plan", "env"] and taken["absent"] == [] and taken["active_state"] == "failed"
+    assert taken["kept"] == ["unit", "plan", "env", "dropin"] and taken["absent"] == [] and taken["active_state"] == "failed"
     assert kept(layout, "a", "unit") == UNIT_A
     assert kept(layout, "a", "env") == ENV_A
     assert not os.path.exists(layout.kept("a", "unit") + ".previous"), "the document replaces an older release's files"
@@ -307,19 +321,19 @@ def test_new_instance_is_stopped_disabled_and_removed_and_an_unknown_one_left_al
     # b is new in this run; c has a unit but no snapshot (it was not part of the change).
     put(layout.path("c", "unit"), UNIT_A, 0o644)
     (taken,) = snapshot(layout, ["b"], systemd.show, check=False)
-    assert taken["absent"] == ["unit", "plan", "env"]
+    assert taken["absent"] == ["unit", "plan", "env", "dropin"]
     assert sorted(os.listdir(layout.kept_dir)) == ["vllm-b.snapshot.json"]
     doc = load_snapshot(layout, "b")
-    assert doc["files"] == {"unit": None, "plan": None, "env": None} and doc["open"] and not doc["serving"]
+    assert doc["files"] == {"unit": None, "plan": None, "env": None, "dropin": None} and doc["open"] and not doc["serving"]
 
     deployed(layout, systemd, name="b")
     back = restore(layout, ["b", "c"], systemd.run, check=False)
-    assert back[0]["removed"] == ["unit", "plan", "env"] and back[0]["stopped"] is True
+    assert back[0]["removed"] == ["unit", "plan", "env", "dropin"] and back[0]["stopped"] is True
     assert ["disable", "--now", "vllm-b.service"] in systemd.calls
     assert back[0]["restart"] is False and back[0]["stop"] is False
-    for kind in ("unit", "plan", "env"):
+    for kind in ("unit", "plan", "env", "dropin"):
         assert read(layout.path("b", kind)) is None
-    assert back[1]["unknown"] == ["unit", "plan", "env"] and not back[1]["changed"]
+    assert back[1]["unknown"] == ["unit", "plan", "env", "dropin"] and not back[1]["changed"]
     assert read(layout.path("c", "unit")) == UNIT_A, "no snapshot of c: its unit stays"
 
 
@@ -365,7 +379,7 @@ def test_an_interrupted_change_keeps_its_snapshot_until_it_completes(layout):
     entry = status(layout, want, systemd.show)[0]
     assert "an earlier change was interrupted" in entry["reasons"]
     again = snapshot(layout, ["a"], systemd.show, check=False)[0]
-    assert again["resumed"] is True and again["active_state"] == "active" and again["kept"] == ["unit", "plan", "env"]
+    assert again["resumed"] is True and again["active_state"] == "active" and again["kept"] == ["unit", "plan", "env", "dropin"]
     assert kept(layout, "a", "unit") == UNIT_A, "the unit from before the interrupted run"
 
     # the resumed run passes its boot check: the change is complete, the next snapshot is a fresh one
@@ -543,7 +557,7 @@ def test_a_rollback_removes_only_the_files_its_change_wrote(layout):
     # someone puts their own environment file in place before the rollback
     put(layout.path("a", "env"), ENV_B, 0o600)
     (back,) = restore(layout, ["a"], systemd.run, check=False, change_id="run-1")
-    assert back["removed"] == ["unit", "plan"] and back["left"] == ["env"], back
+    assert back["removed"] == ["unit", "plan", "dropin"] and back["left"] == ["env"], back
     assert read(layout.path("a", "env")) == ENV_B, "a file the change did not write is never deleted"
     assert back["stopped"] is True
 
@@ -586,6 +600,7 @@ def test_a_snapshot_kept_by_an_older_release_is_read_and_replaced(layout):
     assert sorted(os.listdir(layout.kept_dir)) == ["vllm-a.snapshot.json"]
     (back,) = restore(layout, ["a"], systemd.run, check=False, change_id="run-3")
     assert back["restored"] == ["unit"] and sorted(back["removed"]) == ["env", "plan"]
+    assert "dropin" in back["unknown"], "an older release's snapshot knows nothing of the drop-in: left alone"
 
 
 def test_a_snapshot_that_cannot_be_read_is_named_and_kept(layout):

@@ -97,7 +97,7 @@ def test_a_snapshot_by_names_with_stop_keeps_the_files_and_stops_nothing_inactiv
             "unit_dir": str(tmp_path / "systemd"), "state_dir": str(tmp_path / "gpufleet")}
     rc, result, _logged = run(capsys, monkeypatch, args)
     assert rc == 0, result
-    assert result["stopped"] == [] and result["instances"][0]["absent"] == ["unit", "plan", "env"]
+    assert result["stopped"] == [] and result["instances"][0]["absent"] == ["unit", "plan", "env", "dropin"]
     assert json.loads((tmp_path / "gpufleet" / "units" / "vllm-main.snapshot.json").read_text())["files"]["unit"] is None
 
 
@@ -107,13 +107,13 @@ def test_present_with_snapshot_keeps_the_files_first_in_the_same_call(tmp_path, 
             "unit_dir": str(tmp_path / "systemd"), "state_dir": str(tmp_path / "gpufleet")}
     rc, result, _logged = run(capsys, monkeypatch, args)
     assert rc == 0, result
-    assert result["snapshot"] == [{"name": "main", "kept": [], "absent": ["unit", "plan", "env"], "active_state": "inactive",
+    assert result["snapshot"] == [{"name": "main", "kept": [], "absent": ["unit", "plan", "env", "dropin"], "active_state": "inactive",
                                    "serving": False, "change_id": "", "resumed": False}]
     assert result["instances"][0]["written"] == ["env", "unit"] and result["changed"] is True
     # the change is open until the boot check records the plan: the next call keeps the same snapshot
     assert json.loads((tmp_path / "gpufleet" / "units" / "vllm-main.snapshot.json").read_text())["open"], "the change is open"
     rc, again, _logged = run(capsys, monkeypatch, args)
-    assert rc == 0 and again["snapshot"][0]["resumed"] is True and again["snapshot"][0]["absent"] == ["unit", "plan", "env"]
+    assert rc == 0 and again["snapshot"][0]["resumed"] is True and again["snapshot"][0]["absent"] == ["unit", "plan", "env", "dropin"]
     assert again["changed"] is False
 
 

@@ -108,7 +108,7 @@ def test_controllers_racing_for_one_class_see_exactly_one_winner(tmp_path):
         proc.start()
     for proc in procs:
         proc.join(30)
-    results = sorted(queue.get(timeout=5) for _ in procs)
+    results = sorted(queue.get(timeout=5) for _proc in procs)
     winners = [r for r in results if r != "refused"]
     assert len(winners) == 1, results
     assert json.loads((tmp_path / ".leases" / "l40s.json").read_text())["run_id"] == winners[0]
