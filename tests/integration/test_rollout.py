@@ -383,8 +383,8 @@ def test_a_new_key_under_unchanged_units_restarts_every_host(fleet):
 
 def test_wrong_service_inputs_on_a_later_host_stop_the_run_before_any_host(fleet):
     """The last host's own inventory gives its instance a port no unit can listen on: every
-    host's service inputs are checked before the first batch, so the run stops with that
-    host named and nothing touched."""
+    host's instances are checked before any probe or canary, so the run stops with that
+    host and the variable the inventory sets named, and nothing touched."""
     before = fleet.units()
     host_vars = fleet.inventory.parent / "host_vars"
     host_vars.mkdir(exist_ok=True)
@@ -395,9 +395,9 @@ def test_wrong_service_inputs_on_a_later_host_stop_the_run_before_any_host(fleet
     finally:
         (host_vars / "sim-ro-3.yml").unlink()
     assert rc != 0
-    assert "vllm_service on sim-ro-3: vllm_service_instances[0].port: must be an integer in 1..65535, got 70000" in out, \
-        out[-6000:]
-    assert "no host was touched" in out
+    assert "sim-ro-3: gpufleet_instances[0].port: must be an integer in 1..65535, got 70000" in out, out[-6000:]
+    assert "no host was probed or touched" in out
+    assert "Boot the canary engine" not in out, "no canary may run"
     assert "Report what changes on this host" not in out, "no host may reach the serial batches"
     assert fleet.units() == before
     for host in HOSTS:
