@@ -21,6 +21,9 @@ would), a co-tenant injected into the fake NVML state:
 5. the same co-tenants at a guest reboot (systemd starts the units at boot);
 6. ``audit.yml`` and the exporter's textfile metrics (scraped from the real
    prometheus-node-exporter in the guest) while the co-tenants are there;
+7. the plan file edited on the host (budget and expectations doubled) with a co-tenant
+   below the floor: the gate refuses it against the checksum the deploy's drop-in
+   records, and the audit and the exporter say ``plan_edited``;
 
 and no started budget ever exceeds the plan. One fleet, one rollout for the module.
 """
@@ -490,3 +493,60 @@ def test_audit_and_textfile_metrics_report_the_hosts_below_their_floor(fleet):
     finally:
         for host in HOSTS:
             cotenant(fleet, host, None)
+
+
+def test_a_plan_file_edited_on_the_host_is_refused_by_the_gate_and_named_by_the_audit(fleet):
+    """The plan file's budget and expectations doubled on the host, a co-tenant 256 MiB below the floor: the
+    gate would have 'shrunk' from twice the plan. The drop-in the deploy wrote beside the unit records the
+    file's checksum: the gate starts nothing and names both checksums; audit.yml and the exporter say
+    plan_edited."""
+    host = SHRINK
+    margins = starting_margins(fleet)
+    assert fleet.read(host, "/etc/systemd/system/vllm-main.service.d/gpufleet-plan.conf"), "the deploy wrote the drop-in"
+    path = fleet.guest_path(host, fleet.plan_path)
+    original = path.read_text(encoding="utf-8")
+    doc = json.loads(original)
+    launch = doc["launch"]
+    launch["kv_cache_memory_bytes"] *= 2
+    launch["expect"] = {k: v * 2 for k, v in launch["expect"].items()}
+    path.write_text(json.dumps(doc, indent=4, sort_keys=True) + "\n", encoding="utf-8")  # owner and mode stay
+    cotenant(fleet, host, margins[host] + 256 * MIB)
+    try:
+        fleet.harness.exec(host, ["systemctl", "reset-failed", UNIT])
+        fleet.harness.exec(host, ["systemctl", "restart", UNIT])
+        deadline = time.monotonic() + 30
+        while show(fleet, host, "ActiveState")["ActiveState"] not in ("failed", "inactive") and time.monotonic() < deadline:
+            time.sleep(0.2)
+        state = show(fleet, host, "ActiveState", "ExecMainStatus", "InvocationID", "NRestarts")
+        assert state["ActiveState"] == "failed" and state["ExecMainStatus"] == "78", state
+        journal = fleet.harness.exec(host, ["journalctl", f"_SYSTEMD_INVOCATION_ID={state['InvocationID']}", "-o", "cat"]).stdout
+        assert "was changed since the deploy wrote it (the unit's drop-in records checksum" in journal, journal
+        assert "starts degraded" not in journal and "budget" not in journal.split("was changed since")[0].rsplit("\n", 1)[-1]
+
+        report_dir = fleet.workdir / "audit-edited"
+        report_dir.mkdir()
+        env = dict(os.environ, ANSIBLE_NOCOLOR="1", ANSIBLE_HOST_KEY_CHECKING="False")
+        done = procgroup.run(["ansible-playbook", "-i", str(fleet.inventory), str(REPO / "playbooks" / "audit.yml"),
+                              "-e", json.dumps({"gpufleet_report_dir": str(report_dir)})], env=env, cwd=REPO, timeout=300)
+        assert done.returncode != 0, "an edited plan file fails the audit"
+        (run_dir,) = report_dir.glob("audit-*")
+        report = json.loads((run_dir / "report.json").read_text(encoding="utf-8"))
+        assert report["summary"]["audit"]["plan_edited"] == [f"{host}/main"], report["summary"]
+        assert f"plan file edited on the host: {host}/main" in done.stdout
+        skews = [h["clock_skew_seconds"] for h in report["audit"]["hosts"]]
+        assert all(s is not None and abs(s) < 120 for s in skews), f"one clock on this machine: {skews}"
+
+        fleet.harness.exec(host, ["systemctl", "start", "gpufleet-vllm-metrics.service"], check=True)
+        fleet.harness.exec(host, ["systemctl", "start", "prometheus-node-exporter.service"], check=True)
+        try:
+            samples = scrape(fleet, host)
+        finally:
+            fleet.harness.exec(host, ["systemctl", "stop", "prometheus-node-exporter.service"])
+        assert samples[("gpufleet_vllm_plan_edited", (("class", CLASS), ("vllm_instance", "main")))] == 1
+    finally:
+        path.write_text(original, encoding="utf-8")
+        cotenant(fleet, host, None)
+        fleet.harness.exec(host, ["systemctl", "reset-failed", UNIT])
+        fleet.harness.exec(host, ["systemctl", "restart", UNIT])
+        wait_active(fleet, host)
+    assert fleet.active(host) == "active", "the file as the deploy wrote it starts again"
