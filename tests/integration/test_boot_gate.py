@@ -446,6 +446,16 @@ def scrape(fleet: SimFleet, host: str) -> dict[tuple[str, tuple[tuple[str, str],
             for fam in text_string_to_metric_families(text) for s in fam.samples}
 
 
+def exporter_samples(fleet: SimFleet, host: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """One run of the exporter (what its timer runs), then node_exporter's textfile collector scraped."""
+    fleet.harness.exec(host, ["systemctl", "start", "gpufleet-vllm-metrics.service"], check=True)
+    fleet.harness.exec(host, ["systemctl", "start", "prometheus-node-exporter.service"], check=True)
+    try:
+        return scrape(fleet, host)
+    finally:
+        fleet.harness.exec(host, ["systemctl", "stop", "prometheus-node-exporter.service"])
+
+
 def test_audit_and_textfile_metrics_report_the_hosts_below_their_floor(fleet):
     """Co-tenants below the floor on both hosts, no restart: audit.yml says what the next start
     would do (and fails), node_exporter serves the same margins from the exporter's textfile."""
@@ -474,12 +484,7 @@ def test_audit_and_textfile_metrics_report_the_hosts_below_their_floor(fleet):
             assert audited[host]["key_matches"] is True, "the plan's key is the class's newest reference"
 
         # the exporter (what its timer runs) and node_exporter's textfile collector
-        fleet.harness.exec(SHRINK, ["systemctl", "start", "gpufleet-vllm-metrics.service"], check=True)
-        fleet.harness.exec(SHRINK, ["systemctl", "start", "prometheus-node-exporter.service"], check=True)
-        try:
-            samples = scrape(fleet, SHRINK)
-        finally:
-            fleet.harness.exec(SHRINK, ["systemctl", "stop", "prometheus-node-exporter.service"])
+        samples = exporter_samples(fleet, SHRINK)
         plan = fleet.plan(SHRINK)
         rank = (("class", CLASS), ("gpu", "0"), ("rank", "0"), ("vllm_instance", "main"))
         inst = (("class", CLASS), ("vllm_instance", "main"))
@@ -536,12 +541,7 @@ def test_a_plan_file_edited_on_the_host_is_refused_by_the_gate_and_named_by_the_
         skews = [h["clock_skew_seconds"] for h in report["audit"]["hosts"]]
         assert all(s is not None and abs(s) < 120 for s in skews), f"one clock on this machine: {skews}"
 
-        fleet.harness.exec(host, ["systemctl", "start", "gpufleet-vllm-metrics.service"], check=True)
-        fleet.harness.exec(host, ["systemctl", "start", "prometheus-node-exporter.service"], check=True)
-        try:
-            samples = scrape(fleet, host)
-        finally:
-            fleet.harness.exec(host, ["systemctl", "stop", "prometheus-node-exporter.service"])
+        samples = exporter_samples(fleet, host)
         assert samples[("gpufleet_vllm_plan_edited", (("class", CLASS), ("vllm_instance", "main")))] == 1
     finally:
         path.write_text(original, encoding="utf-8")
