@@ -66,6 +66,7 @@ import pytest
 import yaml
 
 from ansible_collections.gpufleet.vllm.plugins.module_utils._geometry import geometry_from_config
+from ansible_collections.gpufleet.vllm.plugins.module_utils._launch import plan_checksum
 from ansible_collections.gpufleet.vllm.plugins.plugin_utils._plan import plan_class
 from ansible_collections.gpufleet.vllm.plugins.module_utils import _engine_process, _serve_argv
 from ansible_collections.gpufleet.vllm.plugins.module_utils._boot_check import capacity_figures, evaluate_boot, summarise_log
@@ -327,9 +328,13 @@ def _assert_production_unit(fleet: Fleet, host: str, unit: str | None, budget: i
         assert found >= 0, (host, part, command)
         at = found + len(part) - 1
     assert "--enforce-eager" in command and f"--max-model-len {MAX_MODEL_LEN}" in command
-    # nothing relaxed beside it: no drop-in changes the unit
+    # nothing relaxed beside it: the one drop-in is the deploy's, and it only hands the boot gate the
+    # checksum of the plan file written beside it
     drop_ins = fleet.h.exec(host, ["systemctl", "show", SERVICE, "-p", "DropInPaths", "--value"]).stdout.strip()
-    assert drop_ins == "", (host, drop_ins)
+    assert drop_ins == f"/etc/systemd/system/{SERVICE}.d/gpufleet-plan.conf", (host, drop_ins)
+    lines = [line for line in (fleet.h.exec(host, ["cat", drop_ins]).stdout.splitlines()) if line and not line.startswith("#")]
+    plan_text = fleet.h.exec(host, ["cat", PLAN]).stdout
+    assert lines == ["[Service]", f"Environment=GPUFLEET_PLAN_SHA256={plan_checksum(json.loads(plan_text))}"], (host, lines)
 
 
 @pytest.fixture(scope="module")
