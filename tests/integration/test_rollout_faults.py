@@ -396,12 +396,11 @@ def test_interrupted_rollout_keeps_the_original_previous_unit(fleet, seen):
 
 
 def read_only(fleet: SimFleet, host: str, path: str) -> Callable[[], None]:
-    """Mount ``path`` of ``host`` read-only (a bind mount in the guest's mount namespace); returns the undo."""
-    leader = str(fleet.harness.get(host).leader_pid)
+    """Mount ``path`` of ``host`` read-only (a bind mount inside the guest); returns the undo."""
     for argv in (["mount", "--bind", path, path], ["mount", "-o", "remount,bind,ro", path]):
-        subprocess.run(["nsenter", "-t", leader, "-m", "--", *argv], check=True, capture_output=True, timeout=30)
+        fleet.harness.exec(host, argv, check=True)
     # lazily: a process of the guest may still hold the directory open
-    return lambda: subprocess.run(["nsenter", "-t", leader, "-m", "--", "umount", "-l", path], check=True, capture_output=True, timeout=30)
+    return lambda: fleet.harness.exec(host, ["umount", "-l", path], check=True)
 
 
 def test_a_snapshot_that_cannot_be_written_leaves_the_host_serving(fleet, seen):
