@@ -871,6 +871,8 @@ def record(layout: Layout, instances: t.Sequence[t.Mapping[str, t.Any]], check: 
             _note_written(layout, name, "plan", data, check, close=True)  # the change is complete
         changed = ensure_file(layout.path(name, "plan"), data, uid, gid, mode, check) or was_open
         changed |= ensure_absent(layout.changing_marker(name), check)  # a release before 2.0
+        # the instance serves a checked unit: a cut-off canary's hold on it is over
+        changed |= ensure_absent(canary_hold_path(layout, name), check)
         out.append({"name": name, "unit_checksum": doc["unit_checksum"], "changed": changed})
     return out
 
@@ -941,6 +943,9 @@ def restore(layout: Layout, names: t.Sequence[str], systemctl: SystemctlRunner |
             closed = True
             if not check:
                 _commit_snapshot(layout, name, dict(doc, open=False, restored_at=time.time()), check)
+        if close and entry["restart"]:
+            # it serves again as before the change: a cut-off canary's hold on it is over
+            closed |= ensure_absent(canary_hold_path(layout, name), check)
         entry["changed"] = bool(entry["restored"] or entry["removed"] or entry.get("stopped") or closed)
         out.append(entry)
     return out

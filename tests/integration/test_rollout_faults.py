@@ -456,7 +456,7 @@ def test_a_canary_killed_by_its_controller_never_makes_a_rollback_stop_the_insta
 
     rc, out = fleet.rollout({"gpufleet_guard": "1.5GiB"})
     assert rc == 0, out[-6000:]
-    assert not hold.exists(), "the next canary started the instance again and took the hold off"
+    assert not hold.exists(), "the next run started the instance again and took the hold off"
     for host in HOSTS:
         assert fleet.active(host) == "active", host
     assert fleet.unit("sim-ft-2") == fleet.unit(canary), "the class runs one budget again"
@@ -510,6 +510,24 @@ DEPLOY_CALLS = ["Compare the units and environment files with the plan and read 
                 "Check each boot against the plan, and record the plan it passed with"]
 
 
+class KillInCall:
+    """Kills a run (its whole process group) half a second after the banner of the task ``call`` shows:
+    by then the call has been sent to the host and runs there."""
+
+    def __init__(self, call: str) -> None:
+        self.banner = f"TASK [gpufleet.vllm.vllm_service : {call}"
+        self.proc: subprocess.Popen[str] | None = None
+        self.at: float | None = None
+
+    def start(self, proc: subprocess.Popen[str]) -> None:
+        self.proc = proc
+
+    def line(self, line: str) -> None:
+        if self.banner in line and self.proc is not None and self.at is None:
+            self.at = time.monotonic()
+            threading.Timer(0.5, os.killpg, (self.proc.pid, signal.SIGKILL)).start()
+
+
 def test_a_kill_at_every_remote_call_of_a_deploy_loses_nothing(fleet, seen):
     """The controller killed at each remote call of sim-ft-1's deploy in turn: the next run finishes the change
     on a checked unit, and rollback.yml then puts back the unit from before the killed change, serving."""
@@ -523,18 +541,9 @@ def test_a_kill_at_every_remote_call_of_a_deploy_loses_nothing(fleet, seen):
     deploy = REPO / "tests" / "integration" / "playbooks" / "deploy_one_host.yml"
     extra = {"target": host, "test_plan": {"launch": launch_a["launch"]}, "test_key": launch_a["compat_key_hash"]}
     for index, call in enumerate(DEPLOY_CALLS):
-        banner = f"TASK [gpufleet.vllm.vllm_service : {call}"
-        killed: dict[str, Any] = {}
-
-        def kill_in_the_call(line: str, proc_holder: dict[str, Any] = killed) -> None:
-            if banner in line and "proc" in proc_holder and "at" not in proc_holder:
-                proc_holder["at"] = time.monotonic()
-                # in flight: the call has been sent to the host
-                threading.Timer(0.5, os.killpg, (proc_holder["proc"].pid, signal.SIGKILL)).start()
-
-        rc, out = fleet.rollout(extra, playbook=deploy, on_line=kill_in_the_call,
-                                on_start=lambda proc, holder=killed: holder.update(proc=proc))
-        assert "at" in killed and rc == -signal.SIGKILL, f"call {index}: the run was not killed in '{call}':\n" + out[-4000:]
+        killer = KillInCall(call)
+        rc, out = fleet.rollout(extra, playbook=deploy, on_line=killer.line, on_start=killer.start)
+        assert killer.at is not None and rc == -signal.SIGKILL, f"call {index}: the run was not killed in '{call}':\n" + out[-4000:]
 
         rc, out = fleet.rollout(extra, playbook=deploy)
         assert rc == 0, f"call {index}: the next run did not finish the change:\n" + out[-6000:]

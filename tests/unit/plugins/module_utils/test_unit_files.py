@@ -575,6 +575,11 @@ def test_an_instance_a_cut_off_canary_left_stopped_was_serving(layout):
     write(layout, [{"name": "a", "unit": UNIT_B}], check=False)
     (back,) = restore(layout, ["a"], systemd.run, check=False)
     assert back["restart"] is True and back["stop"] is False, "the rollback starts what served before the canary"
+    assert not os.path.exists(canary_hold_path(layout, "a")), "it serves again: the hold is over"
+    # a deploy whose boot check passed ends the hold too
+    put(canary_hold_path(layout, "a"), '{"change_id": "canary-2"}\n', 0o600)
+    record(layout, [{"name": "a", "plan": {"kv_cache_memory_bytes": 1000}}], check=False)
+    assert not os.path.exists(canary_hold_path(layout, "a"))
 
 
 def test_a_resumed_change_is_restored_by_the_run_that_carried_it_on(layout):
