@@ -422,7 +422,7 @@ def dropin_text(plan: t.Mapping[str, t.Any]) -> str:
             f"[Service]\nEnvironment={PLAN_CHECKSUM_VARIABLE}={plan_checksum(plan)}\n")
 
 
-def ensure_kind(layout: "Layout", name: str, kind: str, data: bytes, check: bool) -> bool:
+def ensure_kind(layout: Layout, name: str, kind: str, data: bytes, check: bool) -> bool:
     """``ensure_file`` for a live file of ``kind`` (the drop-in's directory made first)."""
     path = layout.path(name, kind)
     if kind == "dropin" and not check:
