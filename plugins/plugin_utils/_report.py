@@ -21,11 +21,11 @@ from __future__ import annotations
 
 import datetime as _dt
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ansible_collections.gpufleet.vllm.plugins.module_utils._launch import figures as launch_figures, plan_file_figures
+from ansible_collections.gpufleet.vllm.plugins.module_utils._launch import figures as launch_figures, plan_checksum, plan_file_figures
 from ansible_collections.gpufleet.vllm.plugins.module_utils._sizes import SizeError, human_bytes, parse_size
 
 __all__ = [
@@ -640,13 +640,16 @@ def run_data(hostvars: Mapping[str, Any], groups: Mapping[str, Any], hosts_from:
                 error += ": " + "; ".join(str(r.get("msg") or "no message") for r in items)
             failed_task = (raw_vars(host) if raw_vars else hv).get("ansible_failed_task")
             task = failed_task.get("name") if isinstance(failed_task, Mapping) else None
+        pending = [i.get("name") for i in hv.get("vllm_service_pending") or [] if isinstance(i, Mapping)]
         hosts[host] = {
             "class": cls,
             "batch": batch_of.get(host),
-            "pending": [i.get("name") for i in hv.get("vllm_service_pending") or [] if isinstance(i, Mapping)],
+            "pending": pending,
             "touched": bool(hv.get("vllm_service_touched")),
             "error": error,
             "failed_task": task,
+            # what the deploy wrote: each plan file's checksum (its drop-in on the host records the same) and key
+            "plans": plan_records(hv.get("vllm_service_rendered"), pending) if host in batch_of else [],
         }
     started = str(run.get("started") or "")
     if started and "+" not in started:
@@ -654,6 +657,16 @@ def run_data(hostvars: Mapping[str, Any], groups: Mapping[str, Any], hosts_from:
     lease = (hostvars.get(controller) or {}).get("gpufleet_lease")
     return {"started": started or None, "classes": classes, "hosts": hosts, "batches": batches,
             "lease": lease_entry(lease) if isinstance(lease, Mapping) else None}
+
+
+def plan_records(rendered: Any, names: Sequence[Any]) -> list[dict[str, Any]]:
+    """Per instance of ``names``, the checksum of the plan file the deploy rendered for it and the key that produced it."""
+    out = []
+    for item in rendered if isinstance(rendered, Sequence) and not isinstance(rendered, str) else []:
+        if isinstance(item, Mapping) and item.get("name") in names and isinstance(item.get("plan"), Mapping):
+            out.append({"instance": str(item["name"]), "checksum": plan_checksum(item["plan"]),
+                        "compat_key_hash": item["plan"].get("compat_key_hash")})
+    return out
 
 
 def lease_entry(result: Mapping[str, Any]) -> dict[str, Any]:
@@ -797,6 +810,9 @@ def _host_entries(kind: str, hosts_raw: Mapping[str, Any], by_name: Mapping[str,
                 "outcome": outcome,
                 "failed_task": str(facts["failed_task"]) if facts.get("failed_task") else None,
                 "error": str(error) if error is not None else None,
+                "plans": [{"instance": str(p.get("instance")), "checksum": str(p.get("checksum")),
+                           "compat_key_hash": p.get("compat_key_hash")}
+                          for p in facts.get("plans") or [] if isinstance(p, Mapping)],
             }
         )
     return hosts

@@ -4,6 +4,7 @@
 contributes, and that a failed looped task names each failed item."""
 from __future__ import annotations
 
+from ansible_collections.gpufleet.vllm.plugins.module_utils._launch import plan_checksum
 from ansible_collections.gpufleet.vllm.plugins.plugin_utils._report import build_report, run_data
 
 STATE = {"ok": True, "failed": False, "needs_profile": False, "plan": {}, "key_hash": "k1", "manual_canary": "pass", "reasons": []}
@@ -32,7 +33,8 @@ def test_the_run_data_of_a_rollout_with_a_failed_host():
     assert data["started"] == "2026-12-02T10:00:00+00:00"
     assert data["batches"] == [{"index": 1, "total": 1, "hosts": ["a", "b"]}]
     assert data["classes"]["l40s"]["canaries"] == {"profiled": {"verdict": "pass", "mode": "profiled"}, "manual": {"verdict": "pass"}}
-    assert data["hosts"]["a"] == {"class": "l40s", "batch": 1, "pending": ["main"], "touched": True, "error": None, "failed_task": None}
+    assert data["hosts"]["a"] == {"class": "l40s", "batch": 1, "pending": ["main"], "touched": True, "error": None, "failed_task": None,
+                                  "plans": []}
     assert data["hosts"]["b"]["error"] == "One or more items failed: vllm-main.service: boot check failed"
     assert data["hosts"]["b"]["failed_task"] == "Start and check the new units"
     report = build_report(data, "rollout")
@@ -64,3 +66,17 @@ def test_the_lease_and_an_expired_one_taken_over_are_in_the_report_data():
         "taken_over": [{"scope": "l40s", "msg": "host class l40s: took over the expired lease of rollout run r1"}]}
     assert run_data(hostvars, groups)["lease"] == {"run_id": "r2", "owner": "ops@bastion", "classes": ["l40s"],
                                                    "taken_over": ["host class l40s: took over the expired lease of rollout run r1"]}
+
+
+def test_the_report_records_the_checksum_and_key_of_each_plan_file_the_deploy_wrote():
+    hostvars, groups = fleet()
+    hostvars["localhost"]["gpufleet_batches"] = [{"index": 1, "total": 1, "hosts": ["a", "b"]}]
+    plan = {"format": 3, "instance": "main", "compat_key_hash": "k1", "launch": {"kv_cache_memory_bytes": 1}}
+    hostvars["a"]["vllm_service_pending"] = [{"name": "main"}]
+    hostvars["a"]["vllm_service_rendered"] = [{"name": "main", "unit": "[Service]\n", "plan": plan},
+                                              {"name": "other", "unit": "[Service]\n", "plan": dict(plan, instance="other")}]
+    data = run_data(hostvars, groups)
+    assert data["hosts"]["a"]["plans"] == [{"instance": "main", "checksum": plan_checksum(plan), "compat_key_hash": "k1"}]
+    report = build_report(data)
+    (entry,) = [h for h in report["hosts"] if h["host"] == "a"]
+    assert entry["plans"] == data["hosts"]["a"]["plans"], "report.json keeps what the host's drop-in records"
