@@ -688,15 +688,15 @@ def canary_hold(layout: Layout, name: str) -> dict[str, t.Any] | None:
 
 
 def snapshot(layout: Layout, names: t.Sequence[str], show: ShowRunner, check: bool, change_id: str = "",
-             written: t.Mapping[str, t.Mapping[str, str]] | None = None, now: float | None = None) -> list[dict[str, t.Any]]:
+             now: float | None = None) -> list[dict[str, t.Any]]:
     """Keep the unit, plan and environment files of ``names`` as they are now, and whether each serves.
 
     One document per instance, written in one rename: a failed write leaves the previous
     snapshot as it was. ``change_id`` stamps the snapshot with the change that takes it, so that
-    this change's rollback restores this snapshot and no other; ``written`` maps each instance to
-    the checksums of the files the change writes (``{kind: sha1}``), so that a rollback removes a
-    file the change created only while it is still that file. An instance held stopped by a
-    canary that never came back (``canary_hold``) was serving before it.
+    this change's rollback restores this snapshot and no other; ``write`` then adds the checksums
+    of the files the change writes, so that a rollback removes a file the change created only
+    while it is still that file. An instance held stopped by a canary that never came back
+    (``canary_hold``) was serving before it.
     """
     names = [validate_name(n) for n in names]
     props = show([layout.unit_name(n) for n in names])
@@ -714,8 +714,6 @@ def snapshot(layout: Layout, names: t.Sequence[str], show: ShowRunner, check: bo
             doc = dict(previous)
             if change_id and change_id not in doc.get("changes", []):
                 doc["changes"] = [*doc.get("changes", []), change_id]
-            if written and name in written:
-                doc["written"] = {**dict(doc.get("written") or {}), **dict(written[name])}
             changed = _commit_snapshot(layout, name, doc, check) or changed_dir
             out.append(dict(_summary(doc), resumed=True, changed=changed))
             continue
@@ -728,7 +726,7 @@ def snapshot(layout: Layout, names: t.Sequence[str], show: ShowRunner, check: bo
         serving = active == "active" or (hold is not None and files["unit"] is not None)
         doc = {"format": SNAPSHOT_FORMAT, "instance": name, "change_id": change_id, "changes": [change_id] if change_id else [],
                "taken_at": taken_at, "open": True, "serving": serving, "active_state": active, "files": files,
-               "written": dict((written or {}).get(name) or {})}
+               "written": {}}
         if hold is not None and active != "active":
             doc["held_by_canary"] = str(hold.get("change_id", ""))
         changed = _commit_snapshot(layout, name, doc, check) or changed_dir
@@ -736,14 +734,15 @@ def snapshot(layout: Layout, names: t.Sequence[str], show: ShowRunner, check: bo
     return out
 
 
-def _note_written(layout: Layout, name: str, kind: str, data: bytes, check: bool, close: bool = False) -> None:
-    """Add what the open change wrote to its snapshot (a rollback removes a created file only while it is this one)."""
+def _note_written(layout: Layout, name: str, written: t.Mapping[str, str], check: bool, close: bool = False) -> None:
+    """Add what the open change writes (``{kind: sha1}``) to its snapshot, in one commit (a rollback
+    removes a created file only while it is the one the change wrote); ``close`` completes the change."""
     if check or not os.path.exists(snapshot_path(layout, name)):
         return
     doc = load_snapshot(layout, name)
     if doc is None or not doc.get("open"):
         return
-    doc = dict(doc, written={**dict(doc.get("written") or {}), kind: sha1(data)})
+    doc = dict(doc, written={**dict(doc.get("written") or {}), **written})
     if close:
         doc["open"] = False
     _commit_snapshot(layout, name, doc, check)
@@ -817,35 +816,25 @@ def write(layout: Layout, instances: t.Sequence[t.Mapping[str, t.Any]], check: b
     for inst in instances:
         name = validate_name(inst["name"])
         entry: dict[str, t.Any] = {"name": name, "written": [], "changed": False}
-        for kind in ("env", "unit"):  # the environment first: a unit never starts without its file
-            if inst.get(kind) is None:
-                continue
-            path = layout.path(name, kind)
-            want = inst[kind].encode("utf-8")
-            before = read_bytes(path) if (kind == "unit" and want_diff) else None
-            uid, gid, mode = layout.owner(kind)
-            if not _matches(path, want, uid, gid, mode):
-                _note_written(layout, name, kind, want, check)  # before the file: a rollback knows it as this change's
-            if ensure_file(path, want, uid, gid, mode, check):
-                entry["written"].append(kind)
-                if kind == "unit" and want_diff:
-                    entry["diff"] = {"before_header": path, "after_header": path,
-                                     "before": _text(before), "after": inst[kind]}
-            if kind == "unit":
-                entry["unit_checksum"] = sha1(want)
+        # in writing order: the environment first (a unit never starts without its file), the plan
+        # file, then beside the unit the plan file's checksum the boot gate compares at every start
+        wanted = {kind: inst[kind].encode("utf-8") for kind in ("env", "unit") if inst.get(kind) is not None}
         if inst.get("plan") is not None:
             doc = {k: v for k, v in inst["plan"].items() if k != "unit_checksum"}
-            uid, gid, mode = layout.owner("plan")
-            if not _matches(layout.path(name, "plan"), plan_bytes(doc), uid, gid, mode):
-                _note_written(layout, name, "plan", plan_bytes(doc), check)
-            if ensure_file(layout.path(name, "plan"), plan_bytes(doc), uid, gid, mode, check):
-                entry["written"].append("plan")
-            # beside the unit, root's: the plan file's checksum the boot gate compares at every start
-            dropin = dropin_text(doc).encode("utf-8")
-            if not _matches(layout.path(name, "dropin"), dropin, *layout.owner("dropin")):
-                _note_written(layout, name, "dropin", dropin, check)
-            if ensure_kind(layout, name, "dropin", dropin, check):
-                entry["written"].append("dropin")
+            wanted.update(plan=plan_bytes(doc), dropin=dropin_text(doc).encode("utf-8"))
+        differ = {kind: data for kind, data in wanted.items() if not _matches(layout.path(name, kind), data, *layout.owner(kind))}
+        # before the files, in one commit: a rollback knows them as this change's
+        if differ:
+            _note_written(layout, name, {kind: sha1(data) for kind, data in differ.items()}, check)
+        for kind, data in differ.items():
+            before = read_bytes(layout.path(name, kind)) if (kind == "unit" and want_diff) else None
+            ensure_kind(layout, name, kind, data, check)
+            entry["written"].append(kind)
+            if kind == "unit" and want_diff:
+                entry["diff"] = {"before_header": layout.path(name, kind), "after_header": layout.path(name, kind),
+                                 "before": _text(before), "after": inst[kind]}
+        if "unit" in wanted:
+            entry["unit_checksum"] = sha1(wanted["unit"])
         entry["changed"] = bool(entry["written"]) or changed_dir
         out.append(entry)
     return out
@@ -868,7 +857,7 @@ def record(layout: Layout, instances: t.Sequence[t.Mapping[str, t.Any]], check: 
         data = plan_bytes(doc)
         was_open = change_open(layout, name)
         if was_open and not check:
-            _note_written(layout, name, "plan", data, check, close=True)  # the change is complete
+            _note_written(layout, name, {"plan": sha1(data)}, check, close=True)  # the change is complete
         changed = ensure_file(layout.path(name, "plan"), data, uid, gid, mode, check) or was_open
         changed |= ensure_absent(layout.changing_marker(name), check)  # a release before 2.0
         # the instance serves a checked unit: a cut-off canary's hold on it is over

@@ -618,14 +618,11 @@ from ansible_collections.gpufleet.vllm.plugins.module_utils._unit_files import (
     UnitFilesError,
     adopted_status,
     adoption_reasons,
-    dropin_text,
     group_id,
-    plan_bytes,
     record,
     restart_services,
     restore,
     restore_adopted,
-    sha1,
     snapshot,
     snapshot_adopted,
     status,
@@ -776,14 +773,7 @@ def _snapshot(module: AnsibleModule, layout: Layout, instances: list[dict[str, A
     """Keep the files (and the units to take over), then stop, read the GPUs and gate, as the options ask."""
     params, check = module.params, module.check_mode
     names = [i["name"] for i in instances]
-    # what the write after the snapshot puts on disk: a rollback removes a file it created only while it is that one
-    written = {i["name"]: {kind: sha1(data) for kind, data in (
-        ("unit", (i.get("unit") or "").encode("utf-8") if i.get("unit") is not None else None),
-        ("env", i["env"].encode("utf-8") if i.get("env") is not None else None),
-        ("plan", plan_bytes({k: v for k, v in i["plan"].items() if k != "unit_checksum"}) if i.get("plan") is not None else None),
-        ("dropin", dropin_text(i["plan"]).encode("utf-8") if i.get("plan") is not None else None),
-    ) if data is not None} for i in instances} if params["state"] == "present" else None
-    entries = snapshot(layout, names, systemctl_show(runner, systemctl), check, change_id=params["change_id"], written=written)
+    entries = snapshot(layout, names, systemctl_show(runner, systemctl), check, change_id=params["change_id"])
     if params["state"] == "present":
         # kept in the result at once: a gate that fails below still returns what was kept
         result["snapshot"] = entries

@@ -551,9 +551,9 @@ def test_a_snapshot_that_cannot_be_written_leaves_the_last_one_and_its_rollback_
 def test_a_rollback_removes_only_the_files_its_change_wrote(layout):
     systemd = FakeSystemd()
     want = {"name": "a", "unit": UNIT_A, "env": ENV_A, "plan": {"kv_cache_memory_bytes": 1000}}
-    written = {"a": {"unit": sha1(UNIT_A.encode()), "env": sha1(ENV_A.encode())}}
-    snapshot(layout, ["a"], systemd.show, check=False, change_id="run-1", written=written)
-    write(layout, [want], check=False)
+    snapshot(layout, ["a"], systemd.show, check=False, change_id="run-1")
+    write(layout, [want], check=False)  # notes what it writes in the snapshot before it writes
+    assert sorted(load_snapshot(layout, "a")["written"]) == ["dropin", "env", "plan", "unit"]
     # someone puts their own environment file in place before the rollback
     put(layout.path("a", "env"), ENV_B, 0o600)
     (back,) = restore(layout, ["a"], systemd.run, check=False, change_id="run-1")
