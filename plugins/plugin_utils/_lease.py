@@ -137,42 +137,42 @@ def read(path: str) -> dict[str, t.Any] | None:
     return doc
 
 
-def _write_new(path: str, doc: t.Mapping[str, t.Any]) -> bool:
-    """Create ``path`` with ``doc`` if it does not exist (atomically, whole); False if it exists."""
+def _temporary(path: str, doc: t.Mapping[str, t.Any]) -> str:
+    """``doc`` written whole and synced to a temporary file beside ``path``; its name."""
     directory = os.path.dirname(path)
     try:
         os.makedirs(directory, mode=0o755, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=".lease.", dir=directory)
-    except OSError as exc:
-        raise LeaseError(f"{path}: cannot write the lease: {exc.strerror or exc}") from None
-    try:
         with os.fdopen(fd, "w", encoding="utf-8") as fh:
             json.dump(dict(doc), fh, indent=2, sort_keys=True)
             fh.write("\n")
             fh.flush()
             os.fsync(fh.fileno())
-        try:
-            os.link(tmp, path)
-        except FileExistsError:
-            return False
-        except OSError as exc:
-            raise LeaseError(f"{path}: cannot write the lease: {exc.strerror or exc}") from None
+    except OSError as exc:
+        raise LeaseError(f"{path}: cannot write the lease: {exc.strerror or exc}") from None
+    return tmp
+
+
+def _write_new(path: str, doc: t.Mapping[str, t.Any]) -> bool:
+    """Create ``path`` with ``doc`` if it does not exist (atomically, whole); False if it exists."""
+    tmp = _temporary(path, doc)
+    try:
+        os.link(tmp, path)
         return True
+    except FileExistsError:
+        return False
+    except OSError as exc:
+        raise LeaseError(f"{path}: cannot write the lease: {exc.strerror or exc}") from None
     finally:
         os.unlink(tmp)
 
 
 def _replace(path: str, doc: t.Mapping[str, t.Any]) -> None:
-    directory = os.path.dirname(path)
+    tmp = _temporary(path, doc)
     try:
-        fd, tmp = tempfile.mkstemp(prefix=".lease.", dir=directory)
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            json.dump(dict(doc), fh, indent=2, sort_keys=True)
-            fh.write("\n")
-            fh.flush()
-            os.fsync(fh.fileno())
         os.replace(tmp, path)
     except OSError as exc:
+        os.unlink(tmp)
         raise LeaseError(f"{path}: cannot write the lease: {exc.strerror or exc}") from None
 
 
