@@ -2,18 +2,21 @@
 # Copyright (c) gpufleet maintainers
 # GNU General Public License v3.0+ (see https://www.gnu.org/licenses/gpl-3.0.txt)
 # SPDX-License-Identifier: GPL-3.0-or-later
-# This file only documents the action plugin of the same name.
 from __future__ import annotations
 
 DOCUMENTATION = r"""
 ---
 module: rollout_lease
-short_description: Take, renew or release the lease that lets one controller at a time change a host class
+short_description: Take, renew or release the leases that let one run at a time change a host class, or a host
 version_added: 2.0.0
 description:
-  - Runs on the controller. A lease is a file C(<store>/.leases/<class>.json) in the profile store, which every
-    controller of a fleet shares, naming its owner (user and host of the controller), the run id, its start, its
-    last renewal and its expiry, and what the run does (O(purpose)).
+  - With O(store), runs on the controller. A class lease is a file C(<store>/.leases/<class>.json) in the profile
+    store, which every controller of a fleet shares, naming its owner (user and host of the controller), the run id,
+    its start, its last renewal and its expiry, and what the run does (O(purpose)).
+  - With O(host_dir), runs on the host, for the lease of that host, C(<host_dir>/.leases/host.json). A run holds it
+    while it changes the host (its canaries, its batch), so that two runs never change one host at once, even when
+    their controllers do not share a profile store. It follows the same rules as a class lease, its expiry judged by
+    the host's clock; a lease of a run named in O(superseded) is taken over at once.
   - O(state=present) takes the lease of every class in O(classes), all or none, in name order (two runs that want
     overlapping classes never hold one each and wait on the other). A class held by another run, not expired,
     stops the task with the holder's identity - or, with O(wait), the task waits up to that many seconds for it.
@@ -49,14 +52,20 @@ options:
     choices: [present, renewed, absent]
     default: present
   store:
-    description: The profile store directory (C(gpufleet_profile_store)), shared by every controller of the fleet.
+    description:
+      - The profile store directory (C(gpufleet_profile_store)), shared by every controller of the fleet, for the
+        leases of O(classes).
+      - One of O(store) and O(host_dir) is required.
     type: path
-    required: true
   classes:
-    description: The host classes the run changes.
+    description: The host classes the run changes. Required with O(store).
     type: list
     elements: str
-    required: true
+  host_dir:
+    description:
+      - The state directory of the host (C(vllm_service_state_dir)), for the lease of the host itself.
+      - One of O(store) and O(host_dir) is required.
+    type: path
   run_id:
     description: The id of this run; the lease names it, and only this run renews or releases its lease.
     type: str
@@ -79,6 +88,21 @@ options:
     description: More to name in the lease (for example C(awx_job_id), C(limit)); plain values only.
     type: dict
     default: {}
+  superseded:
+    description:
+      - Runs whose leases count as expired (O(state=present)); the rollout names the runs whose class leases it
+        took over, so that a host lease left by a killed controller holds no longer than its class lease.
+    type: list
+    elements: str
+    default: []
+  owner:
+    description: Who holds the lease; the controller's user and host name by default.
+    type: str
+  controller:
+    description:
+      - The controller process that holds the lease (V(host), V(pid), V(pid_start)); the action plugin sets it to the
+        C(ansible-playbook) process of the run.
+    type: dict
 notes:
   - Every controller that changes a class must use the same store, so that they see each other's leases; on AWX
     the store is a directory every execution node mounts (see the collection's AWX guide).
@@ -96,7 +120,21 @@ EXAMPLES = r"""
       awx_job_id: "{{ awx_job_id | default('') }}"
   register: lease
 
-- name: Release them at the end of the run
+- name: Take the lease of this host for its batch (on the host)
+  gpufleet.vllm.rollout_lease:
+    host_dir: "{{ vllm_service_state_dir }}"
+    run_id: "{{ gpufleet_run_id }}"
+    details:
+      host_class: h200-tp1
+  register: host_lease
+
+- name: Release the lease of this host when its batch is done
+  gpufleet.vllm.rollout_lease:
+    state: absent
+    host_dir: "{{ vllm_service_state_dir }}"
+    run_id: "{{ gpufleet_run_id }}"
+
+- name: Release the class leases at the end of the run
   gpufleet.vllm.rollout_lease:
     state: absent
     store: "{{ gpufleet_profile_store }}"
@@ -118,8 +156,35 @@ taken_over:
   elements: dict
   sample: [{"scope": "h200-tp1", "holder": {"run_id": "9c1e", "owner": "ops@bastion"}, "msg": "took over the expired lease ..."}]
 released:
-  description: The classes whose lease this run removed (O(state=absent)).
+  description: The classes whose lease this run removed (O(state=absent)); V(host) for a host's lease.
   returned: success
   type: list
   elements: str
+held_by:
+  description: In check mode, the leases another run holds (a warning each).
+  returned: check mode
+  type: list
+  elements: dict
 """
+
+from typing import Any
+
+from ansible.module_utils.basic import AnsibleModule
+
+from ansible_collections.gpufleet.vllm.plugins.module_utils import _lease
+
+
+def main() -> None:
+    module = AnsibleModule(argument_spec=_lease.ARGUMENT_SPEC, supports_check_mode=True, **_lease.ARGUMENT_RULES)
+    if not module.params["host_dir"]:
+        module.fail_json(msg="host_dir: the module takes a host's lease; class leases are the action plugin's (store)")
+    try:
+        result: dict[str, Any] = _lease.apply(module.params["host_dir"], [_lease.HOST_SCOPE], module.params,
+                                              check_mode=module.check_mode, process=module.params["controller"] or {})
+    except _lease.LeaseError as exc:
+        module.fail_json(msg=str(exc))
+    module.exit_json(**result)
+
+
+if __name__ == "__main__":
+    main()

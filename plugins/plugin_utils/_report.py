@@ -616,8 +616,12 @@ def run_data(hostvars: Mapping[str, Any], groups: Mapping[str, Any], hosts_from:
     batch_of = {h: b.get("index") for b in batches if isinstance(b, Mapping) for h in b.get("hosts") or []}
     classes: dict[str, Any] = {}
     hosts: dict[str, Any] = {}
+    host_takeovers: list[str] = []
     for host in groups.get(hosts_from) or []:
         hv = hostvars.get(host) or {}
+        host_lease = hv.get("gpufleet_host_lease")
+        if isinstance(host_lease, Mapping):
+            host_takeovers.extend(f"{host}: {t.get('msg')}" for t in host_lease.get("taken_over") or [] if isinstance(t, Mapping))
         cls = str(hv.get("gpufleet_host_class") or "")
         if cls not in classes:
             # the canary results live on the class's canary host (plan_classes.yml keeps its name on every host)
@@ -656,7 +660,7 @@ def run_data(hostvars: Mapping[str, Any], groups: Mapping[str, Any], hosts_from:
         started += "+00:00"
     lease = (hostvars.get(controller) or {}).get("gpufleet_lease")
     return {"started": started or None, "classes": classes, "hosts": hosts, "batches": batches,
-            "lease": lease_entry(lease) if isinstance(lease, Mapping) else None}
+            "lease": lease_entry(lease, host_takeovers) if isinstance(lease, Mapping) else None}
 
 
 def plan_records(rendered: Any, names: Sequence[Any]) -> list[dict[str, Any]]:
@@ -669,14 +673,17 @@ def plan_records(rendered: Any, names: Sequence[Any]) -> list[dict[str, Any]]:
     return out
 
 
-def lease_entry(result: Mapping[str, Any]) -> dict[str, Any]:
-    """The run's leases (``gpufleet.vllm.rollout_lease``'s result): who held them, and expired ones taken over."""
+def lease_entry(result: Mapping[str, Any], host_takeovers: Sequence[str] = ()) -> dict[str, Any]:
+    """The run's leases (``gpufleet.vllm.rollout_lease``'s result): who held them, and expired ones taken over.
+
+    ``host_takeovers``: the host leases the run took over, a sentence each that names the host.
+    """
     leases = [lease for lease in result.get("leases") or [] if isinstance(lease, Mapping)]
     return {
         "run_id": leases[0].get("run_id") if leases else None,
         "owner": leases[0].get("owner") if leases else None,
         "classes": sorted(str(lease.get("scope")) for lease in leases),
-        "taken_over": [str(t.get("msg")) for t in result.get("taken_over") or [] if isinstance(t, Mapping)],
+        "taken_over": [str(t.get("msg")) for t in result.get("taken_over") or [] if isinstance(t, Mapping)] + list(host_takeovers),
     }
 
 

@@ -24,6 +24,9 @@ would), a co-tenant injected into the fake NVML state:
 7. the plan file edited on the host (budget and expectations doubled) with a co-tenant
    below the floor: the gate refuses it against the checksum the deploy's drop-in
    records, and the audit and the exporter say ``plan_edited``;
+8. a controller whose clock is 400 days ahead of the hosts' (libfaketime on ``ansible-playbook``
+   alone: the test hosts share this machine's clock): the audit judges ages on the controller's
+   clock, names the skew per host and says ``reprofile_due`` rather than ``ok``;
 
 and no started budget ever exceeds the plan. One fleet, one rollout for the module.
 """
@@ -32,6 +35,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import time
 import urllib.request
 from typing import Any
@@ -550,3 +554,34 @@ def test_a_plan_file_edited_on_the_host_is_refused_by_the_gate_and_named_by_the_
         fleet.harness.exec(host, ["systemctl", "restart", UNIT])
         wait_active(fleet, host)
     assert fleet.active(host) == "active", "the file as the deploy wrote it starts again"
+
+
+def test_a_controller_clock_far_from_the_hosts_is_named_by_the_audit(fleet):
+    """The controller's clock 400 days ahead of the hosts' (the hosts' 400 days behind, as in an
+    unsynchronised rack): the plans' ages are judged on the controller's clock, which wrote their
+    planned_at, so they are 400 days old, not negative; every host's skew is reported and every
+    instance says reprofile_due with the reason, where a host clock alone would have said ok."""
+    faketime = shutil.which("faketime")
+    assert faketime, "tests/tools/apt-deps.sh installs faketime (libfaketime)"
+    report_dir = fleet.workdir / "audit-skew"
+    report_dir.mkdir()
+    # only the realtime clock moves: the controller's timeouts (monotonic) stay true
+    env = dict(os.environ, ANSIBLE_NOCOLOR="1", ANSIBLE_HOST_KEY_CHECKING="False", FAKETIME_DONT_FAKE_MONOTONIC="1")
+    done = procgroup.run([faketime, "-f", "+400d", "ansible-playbook", "-i", str(fleet.inventory),
+                          str(REPO / "playbooks" / "audit.yml"),
+                          "-e", json.dumps({"gpufleet_report_dir": str(report_dir), "gpufleet_reprofile_after_days": 30})],
+                         env=env, cwd=REPO, timeout=300)
+    (run_dir,) = report_dir.glob("audit-*")
+    report = json.loads((run_dir / "report.json").read_text(encoding="utf-8"))
+    assert {h["host"] for h in report["audit"]["hosts"]} == set(HOSTS), done.stdout[-4000:]
+    days = 400 * 86400
+    for host in report["audit"]["hosts"]:
+        skew = host["clock_skew_seconds"]
+        assert skew is not None and abs(skew + days) < 300, f"{host['host']}: the host is 400 days behind, got {skew} s"
+        assert host["instances"], host
+        for inst in host["instances"]:
+            assert inst["verdict"] == "reprofile_due", inst
+            why = " ".join(inst["reasons"])
+            assert "s behind the controller's: ages are judged on the controller's; fix the host's time (NTP)" in why, why
+            assert "days old (allowed 30): profile the class again" in why and 399 < inst["plan_age_days"] < 401, inst
+    assert report["summary"]["audit"]["verdicts"] == {"reprofile_due": len(HOSTS)}, report["summary"]

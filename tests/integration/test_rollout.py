@@ -311,7 +311,9 @@ def test_compat_key_change_forces_a_profiled_canary(fleet):
             def look() -> None:
                 for _attempt in range(60):
                     ps = fleet.harness.exec("sim-ro-2", ["ps", "-eo", "user:20,args"]).stdout
-                    found = [row.split()[0] for row in ps.splitlines() if "--port 18123" in row and "serve" in row]
+                    # the canary engine: the production instance is stopped, and it is the one without a fixed budget
+                    found = [row.split()[0] for row in ps.splitlines()
+                             if " serve " in row and "--port" in row and "--kv-cache-memory-bytes" not in row]
                     if found:
                         canary_users.extend(found)
                         return

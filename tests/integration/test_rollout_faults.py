@@ -34,7 +34,10 @@ The tests run in file order and build on each other's end state (one fleet per m
    their boots before the run stops; the next run finishes the lost host;
 10. the controller killed at each remote call of one host's deploy in turn (the role's own
     deploy, tests/integration/playbooks/deploy_one_host.yml): the next run finishes the
-    change on a checked unit, and rollback.yml puts back the unit from before it, serving.
+    change on a checked unit, and rollback.yml puts back the unit from before it, serving;
+11. a host held by a run of another controller (a host lease, as a controller that does not
+    share this profile store leaves it): the batch of that host stops before any of its
+    hosts is touched, naming the holder; once it is released the next run finishes.
 """
 
 from __future__ import annotations
@@ -62,6 +65,7 @@ GIB = 1 << 30
 MIB = 1 << 20
 CLASS = "ft-l40s"
 HOSTS = ["sim-ft-1", "sim-ft-2", "sim-ft-3"]
+HOST_LEASE = "/etc/gpufleet/.leases/host.json"
 OTHER_GPU = "sim-ft-4"
 # a co-tenant this large on one rank costs that host far more than max_capacity_loss (5 %)
 # of the class's typical budget: the planner names it an outlier
@@ -129,6 +133,16 @@ def seen() -> dict[str, Any]:
 
 def lease_path(fleet: SimFleet) -> Path:
     return fleet.store / ".leases" / f"{CLASS}.json"
+
+
+def host_leases(fleet: SimFleet) -> dict[str, dict[str, Any]]:
+    """The host leases on the fleet's hosts, by host."""
+    found = {}
+    for host in HOSTS:
+        path = fleet.guest_path(host, HOST_LEASE)
+        if path.exists():
+            found[host] = json.loads(path.read_text(encoding="utf-8"))
+    return found
 
 
 def process_start(pid: int) -> str:
@@ -373,10 +387,14 @@ def test_interrupted_rollout_is_finished_by_the_next_run(fleet, seen):
     assert rc == 0, out[-6000:]
     report = fleet.last_report(reports)
     assert report is not None, "the run wrote a report"
-    (taken,) = report["lease"]["taken_over"]
+    taken, *hosts_taken = report["lease"]["taken_over"]
     assert taken.startswith(f"host class {CLASS}: took over the lease of rollout run {killed_lease['run_id']} of "), taken
     assert taken.endswith("(its controller no longer runs on this machine)"), taken
+    # the killed run held sim-ft-2 for its batch: that host lease goes with the class lease
+    assert [t.split(": took over")[0] for t in hosts_taken] == ["sim-ft-2: this host"], hosts_taken
+    assert all(t.endswith("(its run's class lease was taken over)") and killed_lease["run_id"] in t for t in hosts_taken)
     assert not lease_path(fleet).exists(), "the run released its lease at its end"
+    assert host_leases(fleet) == {}, "the run released every host's lease at its batch's end"
     after = fleet.units()
     want = budget(before["sim-ft-1"])
     assert after["sim-ft-1"] == before["sim-ft-1"], "batch 1 already ran this plan"
@@ -557,3 +575,38 @@ def test_a_kill_at_every_remote_call_of_a_deploy_loses_nothing(fleet, seen):
         assert back.returncode == 0, back.stdout[-6000:]
         assert fleet.unit(host) == unit_b, f"call {index}: the rollback put back the unit from before the killed change"
         assert fleet.active(host) == "active", f"call {index}: the rollback left the instance serving"
+
+
+def test_a_host_another_controller_changes_stops_its_batch_untouched(fleet, seen):
+    """A host held by a run of another controller, one that does not share this profile store (so the class
+    lease cannot see it): the batch of that host stops before any of its hosts is touched, naming the
+    holder, and its lease is left to its holder; the batches before it changed their hosts and released
+    them. Once the holder is done, the next run finishes the class."""
+    before = fleet.units()
+    now = time.time()
+    other = {"format": 1, "scope": "host", "run_id": "desk-run", "owner": "sre@desk-2", "purpose": "rollout",
+             "started": now, "renewed": now, "expires": now + 3600, "host": "desk-2", "pid": 4242, "pid_start": "1"}
+    held = fleet.guest_path("sim-ft-3", HOST_LEASE)
+    held.parent.mkdir(parents=True, exist_ok=True)
+    held.write_text(json.dumps(other), encoding="utf-8")
+    reports = len(fleet.reports())
+    rc, out = fleet.rollout({"gpufleet_guard": "1.25GiB"})
+    assert rc != 0, out[-6000:]
+    assert reached(out) == ["sim-ft-1", "sim-ft-2"], reached(out)
+    assert re.search(r"sim-ft-3: rollout_lease: this host is being changed by rollout run desk-run of sre@desk-2, started .*; "
+                     r"this run stops before touching it .*; no host of this batch was touched", out), out[-6000:]
+    after = fleet.units()
+    assert after["sim-ft-3"] == before["sim-ft-3"] and fleet.active("sim-ft-3") == "active"
+    assert budget(after["sim-ft-1"]) == budget(after["sim-ft-2"]) != budget(before["sim-ft-1"])
+    report = fleet.last_report(reports)
+    assert report is not None, "the stopped run wrote its report"
+    stopped = {h["host"]: h for h in report["hosts"]}["sim-ft-3"]
+    assert "desk-run of sre@desk-2" in (stopped["error"] or "") and report["failed_hosts"] == ["sim-ft-3"], report["hosts"]
+    assert host_leases(fleet) == {"sim-ft-3": other}, "the other controller's lease is its own to release"
+
+    held.unlink()
+    rc, out = fleet.rollout({"gpufleet_guard": "1.25GiB"})
+    assert rc == 0, out[-6000:]
+    done = fleet.units()
+    assert done["sim-ft-3"] == done["sim-ft-1"] == after["sim-ft-1"] and fleet.active("sim-ft-3") == "active"
+    assert host_leases(fleet) == {}

@@ -15,6 +15,7 @@ PACKAGES=(
     rsync
     python3-venv        # the development and engine virtual environments
     prometheus          # promtool: checks and tests the example alert rules (the server is never started)
+    faketime            # libfaketime: a controller whose clock is off the hosts' (the audit's clock-skew test)
 )
 
 missing=()

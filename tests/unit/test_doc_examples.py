@@ -157,16 +157,24 @@ def test_profile_and_plan_examples_run_in_sequence(collections_path, tmp_path):
 def test_rollout_lease_examples_take_and_release_the_lease(collections_path, tmp_path):
     text = doc_examples.examples(collections_path, "module", ["rollout_lease"])["rollout_lease"]
     store = tmp_path / "profiles"
+    state_dir = tmp_path / "state"
     out = tmp_path / "results.json"
-    keep = {"name": "Keep the results", "ansible.builtin.copy": {"dest": str(out), "mode": "0644", "content": "{{ lease | to_json }}"}}
-    playbook = doc_examples.module_playbook(text, "localhost", {"gpufleet_profile_store": str(store), "gpufleet_run_id": "run-1"},
+    keep = {"name": "Keep the results", "ansible.builtin.copy": {"dest": str(out), "mode": "0644",
+                                                                 "content": "{{ {'classes': lease, 'host': host_lease} | to_json }}"}}
+    playbook = doc_examples.module_playbook(text, "localhost", {"gpufleet_profile_store": str(store), "gpufleet_run_id": "run-1",
+                                                                "vllm_service_state_dir": str(state_dir)},
                                             connection="local", post_tasks=[keep])
     proc = doc_examples.run_playbook(playbook, tmp_path, collections_path)
     doc_examples.assert_examples_ran(proc, text)
     got = json.loads(out.read_text(encoding="utf-8"))
-    assert [lease["scope"] for lease in got["leases"]] == ["h200-tp1", "l40s"] and got["taken_over"] == []
-    assert all(lease["run_id"] == "run-1" for lease in got["leases"])
-    assert not list((store / ".leases").glob("*.json")), "the second example released both"
+    assert [lease["scope"] for lease in got["classes"]["leases"]] == ["h200-tp1", "l40s"] and got["classes"]["taken_over"] == []
+    assert all(lease["run_id"] == "run-1" for lease in got["classes"]["leases"])
+    host = got["host"]["leases"]
+    assert [(lease["scope"], lease["run_id"], lease["host_class"]) for lease in host] == [("host", "run-1", "h200-tp1")]
+    # the module ran the host's lease, naming the controller process that took it (ansible-playbook, alive)
+    assert isinstance(host[0]["pid"], int) and host[0]["pid_start"] and host[0]["owner"]
+    assert not list((store / ".leases").glob("*.json")), "the last example released both class leases"
+    assert not list((state_dir / ".leases").glob("*.json")), "the host's lease was released"
 
 
 def test_rollout_report_examples_write_their_reports(collections_path, tmp_path):

@@ -66,6 +66,11 @@ def test_the_lease_and_an_expired_one_taken_over_are_in_the_report_data():
         "taken_over": [{"scope": "l40s", "msg": "host class l40s: took over the expired lease of rollout run r1"}]}
     assert run_data(hostvars, groups)["lease"] == {"run_id": "r2", "owner": "ops@bastion", "classes": ["l40s"],
                                                    "taken_over": ["host class l40s: took over the expired lease of rollout run r1"]}
+    # a host lease of the killed run, taken over in a batch, is named with its host
+    hostvars["b"]["gpufleet_host_lease"] = {"leases": [{"scope": "host", "run_id": "r2"}],
+                                            "taken_over": [{"scope": "host", "msg": "this host: took over the lease of rollout run r1"}]}
+    assert run_data(hostvars, groups)["lease"]["taken_over"] == [
+        "host class l40s: took over the expired lease of rollout run r1", "b: this host: took over the lease of rollout run r1"]
 
 
 def test_the_report_records_the_checksum_and_key_of_each_plan_file_the_deploy_wrote():

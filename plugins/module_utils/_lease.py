@@ -1,28 +1,33 @@
 # Copyright (c) gpufleet maintainers
 # GNU General Public License v3.0+ (see https://www.gnu.org/licenses/gpl-3.0.txt)
 # SPDX-License-Identifier: GPL-3.0-or-later
-"""Leases that let one controller at a time change a host class (controller-only, plain Python).
+"""Leases that let one run at a time change a host class, and a host (plain Python, no Ansible import).
 
-A lease is a file ``<store>/.leases/<class>.json`` in the profile store, which every
-controller of a fleet shares (a local directory, or an NFS mount of it): owner (user and
-host of the controller), run id, start time, expiry and the purpose (``rollout``,
-``profile``...). It is created with ``link(2)`` of a complete temporary file, so that
-two controllers racing for it see exactly one winner, and either no lease or a whole one.
+A class lease is a file ``<store>/.leases/<class>.json`` in the profile store, which every
+controller of a fleet shares (a local directory, or an NFS mount of it); a host lease is a
+file ``<state_dir>/.leases/host.json`` on a host the run changes, held while the run changes
+it (its canaries, its batch), so that runs that do not share a store still never change one
+host at once. A lease names its owner (user and host of the controller), the run id, start
+time, expiry and the purpose (``rollout``, ``profile``...). It is created with ``link(2)``
+of a complete temporary file, so that two runs racing for it see exactly one winner, and
+either no lease or a whole one.
 
 * A run that finds a lease held by another run, not expired, is refused with the holder's
   identity (``LeaseHeld``), or waits for it with ``wait`` seconds.
 * An expired lease is taken over: renamed aside under a name of its own (only one taker's
   rename succeeds), then replaced; the taker gets the old lease back to put into its
-  report. A lease is expired when its time-to-live ran out, or at once when it was taken
-  on this same machine by a controller (``ansible-playbook``) that no longer runs: killed,
-  crashed, or ended by a lost host that stopped its play before it could release it.
+  report. A lease is expired when its time-to-live ran out, at once when it was taken on
+  this same machine by a controller (``ansible-playbook``) that no longer runs (killed,
+  crashed, or ended by a lost host that stopped its play before it could release it), and
+  at once when its run is one whose class lease the taker took over (``superseded``): a host
+  lease left by a killed controller holds no longer than that controller's class lease.
 * The holder renews the lease as it goes (each batch), and releases it at the end; a
   release of a lease someone else holds now changes nothing.
 
-Times are the controller's own clock (``time.time()``), on one controller and across
-controllers sharing a store: a lease's expiry is judged by the clock of the controller
-that reads it, and a controller whose clock is far off another's is named by the skew
-between the lease's start and the reader's clock when the lease is refused.
+Times are the clock of the machine that holds the file (``time.time()``): a class lease's
+expiry is judged by the clock of the controller that reads it, a host lease's by the host's,
+and a controller whose clock is far off another's is named by the skew between the lease's
+start and the reader's clock when the lease is refused.
 """
 
 from __future__ import annotations
@@ -45,6 +50,31 @@ MIN_TTL = 60
 MAX_TTL = 7 * 24 * 3600
 MAX_WAIT = 24 * 3600
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+# the scope of a host's own lease, in <state_dir>/.leases/ on the host
+HOST_SCOPE = "host"
+STATES = ("present", "renewed", "absent")
+
+# One argument spec for the action plugin (class leases, on the controller) and the module
+# (a host's lease, run on the host by the action when host_dir is given).
+ARGUMENT_SPEC: dict[str, t.Any] = {
+    "state": {"type": "str", "default": "present", "choices": list(STATES)},
+    "store": {"type": "path"},
+    "classes": {"type": "list", "elements": "str"},
+    "host_dir": {"type": "path"},
+    "run_id": {"type": "str", "required": True},
+    "ttl": {"type": "int", "default": 7200},
+    "wait": {"type": "int", "default": 0},
+    "purpose": {"type": "str", "default": "rollout"},
+    "details": {"type": "dict", "default": {}},
+    "superseded": {"type": "list", "elements": "str", "default": []},
+    "owner": {"type": "str"},
+    "controller": {"type": "dict"},
+}
+ARGUMENT_RULES: dict[str, t.Any] = {
+    "required_one_of": [["store", "host_dir"]],
+    "mutually_exclusive": [["store", "host_dir"], ["classes", "host_dir"]],
+    "required_by": {"store": ["classes"]},
+}
 
 
 class LeaseError(Exception):
@@ -188,20 +218,28 @@ def check_inputs(ttl: t.Any, wait: t.Any) -> tuple[int, int]:
     return ttl_s, wait_s
 
 
+def _subject(scope: str) -> str:
+    return "this host" if scope == HOST_SCOPE else f"host class {scope}"
+
+
 def acquire(store: str, scope: str, run_id: str, ttl: int, wait: int = 0, purpose: str = "rollout",
             owner: str | None = None, details: t.Mapping[str, t.Any] | None = None,
             clock: t.Callable[[], float] = time.time, sleep: t.Callable[[float], None] = time.sleep,
-            poll: float = 5.0) -> dict[str, t.Any]:
+            poll: float = 5.0, process: t.Mapping[str, t.Any] | None = None,
+            superseded: t.Collection[str] = ()) -> dict[str, t.Any]:
     """Take the lease of ``scope``; the result names it and any expired lease taken over.
 
-    Taking a lease this run holds already renews it.
+    Taking a lease this run holds already renews it. ``process`` is the controller that holds
+    the lease (this process's parent when not given: the action plugin runs in a worker of
+    ``ansible-playbook``); a lease of a run in ``superseded`` counts as expired.
     """
     path = lease_path(store, scope)
     deadline = clock() + wait
+    holder_process = dict(process) if process is not None else controller_process()
     while True:
         now = clock()
         doc = {"format": FORMAT, "scope": scope, "run_id": run_id, "owner": owner or default_owner(), "purpose": purpose,
-               "started": now, "renewed": now, "expires": now + ttl, **controller_process(), **dict(details or {})}
+               "started": now, "renewed": now, "expires": now + ttl, **holder_process, **dict(details or {})}
         if _write_new(path, doc):
             return {"lease": doc, "path": path, "taken_over": None, "renewed": False}
         held = read(path)
@@ -211,7 +249,7 @@ def acquire(store: str, scope: str, run_id: str, ttl: int, wait: int = 0, purpos
             doc["started"] = held.get("started", now)
             _replace(path, doc)
             return {"lease": doc, "path": path, "taken_over": None, "renewed": True}
-        if float(held["expires"]) <= now or holder_gone(held):
+        if float(held["expires"]) <= now or holder_gone(held) or held.get("run_id") in superseded:
             aside = f"{path}.expired-{run_id}"
             try:
                 os.rename(path, aside)
@@ -227,10 +265,11 @@ def acquire(store: str, scope: str, run_id: str, ttl: int, wait: int = 0, purpos
             continue
         if clock() >= deadline:
             skew = now - float(held.get("renewed", held.get("started", now)))
-            note = f" (its last renewal is {-skew:.0f} s in this controller's future: compare the clocks)" if skew < -60 else ""
+            note = f" (its last renewal is {-skew:.0f} s in this clock's future: compare the clocks)" if skew < -60 else ""
             waited = f" after waiting {wait} s" if wait else ""
-            raise LeaseHeld(f"host class {scope} is being changed by {describe(held)}{note}; this run stops{waited} "
-                            f"before touching any host (gpufleet_lease_wait makes it wait; {path} is the lease)", held)
+            touching = "it" if scope == HOST_SCOPE else "any host"
+            raise LeaseHeld(f"{_subject(scope)} is being changed by {describe(held)}{note}; this run stops{waited} "
+                            f"before touching {touching} (gpufleet_lease_wait makes it wait; {path} is the lease)", held)
         sleep(min(poll, max(0.0, deadline - clock())))
 
 
@@ -239,9 +278,9 @@ def renew(store: str, scope: str, run_id: str, ttl: int, clock: t.Callable[[], f
     path = lease_path(store, scope)
     held = read(path)
     if held is None or held.get("run_id") != run_id:
-        raise LeaseError(f"host class {scope}: this run ({run_id}) no longer holds its lease"
+        raise LeaseError(f"{_subject(scope)}: this run ({run_id}) no longer holds its lease"
                          + (f"; {describe(held)} does" if held else " (it was removed)")
-                         + ": stop, and look at who changes the class")
+                         + ": stop, and look at who changes " + ("it" if scope == HOST_SCOPE else "the class"))
     now = clock()
     doc = dict(held, renewed=now, expires=now + ttl)
     _replace(path, doc)
@@ -262,3 +301,60 @@ def release(store: str, scope: str, run_id: str) -> dict[str, t.Any]:
         if exc.errno != errno.ENOENT:
             raise LeaseError(f"{path}: cannot remove the lease: {exc.strerror or exc}") from None
     return {"released": True, "path": path, "holder": None}
+
+
+def plain_details(details: t.Mapping[t.Any, t.Any]) -> dict[str, t.Any]:
+    """The plain, non-empty values of ``details``: what a lease may name besides its own fields."""
+    return {str(k): v for k, v in details.items() if isinstance(v, (str, int, float, bool)) and v != ""}
+
+
+def apply(directory: str, scopes: t.Sequence[str], args: t.Mapping[str, t.Any], check_mode: bool = False,
+          process: t.Mapping[str, t.Any] | None = None) -> dict[str, t.Any]:
+    """``args`` (ARGUMENT_SPEC, validated) applied to the leases ``scopes`` under ``directory``.
+
+    Scopes are taken in name order, all or none: two runs that want overlapping scopes never
+    hold one each and wait on the other. The result: changed, leases, taken_over (each with
+    a sentence for the report), released, and in check mode ``held_by`` (leases of others).
+    """
+    ttl, wait = check_inputs(args["ttl"], args["wait"])
+    scopes = sorted(set(scopes))
+    for scope in scopes:
+        lease_path(directory, scope)
+    run_id = args["run_id"]
+    if not isinstance(run_id, str) or not run_id.strip() or any(not c.isprintable() for c in run_id):
+        raise LeaseError("run_id: expected printable text")
+    if check_mode:
+        held_by = []
+        for scope in scopes:
+            held = read(lease_path(directory, scope))
+            if held is not None and held.get("run_id") != run_id:
+                held_by.append({"scope": scope, "holder": held, "msg": f"{_subject(scope)} is being changed by {describe(held)}"})
+        return {"changed": args["state"] != "absent", "leases": [], "taken_over": [], "released": [], "held_by": held_by,
+                "msg": "check mode: no lease taken, renewed or released"}
+    if args["state"] == "absent":
+        released = [s for s in scopes if release(directory, s, run_id)["released"]]
+        return {"changed": bool(released), "released": released, "leases": [], "taken_over": []}
+    if args["state"] == "renewed":
+        leases = [renew(directory, s, run_id, ttl)["lease"] for s in scopes]
+        return {"changed": True, "leases": leases, "taken_over": [], "released": []}
+    taken: list[dict[str, t.Any]] = []
+    leases = []
+    superseded = [str(r) for r in args.get("superseded") or []]
+    try:
+        for scope in scopes:
+            got = acquire(directory, scope, run_id, ttl, wait=wait, purpose=args["purpose"],
+                          details=plain_details(args.get("details") or {}), process=process, superseded=superseded,
+                          owner=args.get("owner") or None)
+            leases.append(got["lease"])
+            stale = got["taken_over"]
+            if stale is not None:
+                why = ("its controller no longer runs on this machine" if holder_gone(stale)
+                       else "its run's class lease was taken over" if stale.get("run_id") in superseded
+                       else "expired: its controller stopped without releasing it")
+                taken.append({"scope": scope, "holder": stale,
+                              "msg": f"{_subject(scope)}: took over the lease of {describe(stale)} ({why})"})
+    except LeaseError:
+        for lease in leases:  # all or none
+            release(directory, lease["scope"], run_id)
+        raise
+    return {"changed": True, "leases": leases, "taken_over": taken, "released": []}

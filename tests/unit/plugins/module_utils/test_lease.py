@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from ansible_collections.gpufleet.vllm.plugins.plugin_utils import _lease
+from ansible_collections.gpufleet.vllm.plugins.module_utils import _lease
 
 
 class Clock:
@@ -129,3 +129,53 @@ def test_a_lease_whose_controller_no_longer_runs_on_this_machine_is_taken_over_a
     assert _lease.holder_gone(dict(held, pid_start="1"))
     assert not _lease.holder_gone(dict(held, host="another-controller", pid=int(gone.stdout)))
     assert not _lease.holder_gone(held), "this test's own controller still runs"
+
+
+def _args(**over):
+    args = {"state": "present", "run_id": "run-b", "ttl": 600, "wait": 0, "purpose": "rollout", "details": {},
+            "superseded": [], "owner": None}
+    args.update(over)
+    return args
+
+
+def test_a_host_lease_refuses_another_run_and_names_the_host_not_a_class(tmp_path):
+    controller = {"host": "controller-1", "pid": 4242, "pid_start": "77"}
+    got = _lease.apply(str(tmp_path), [_lease.HOST_SCOPE], _args(run_id="run-a", details={"host_class": "l40s"}),
+                       process=controller)
+    assert got["leases"][0]["host"] == "controller-1" and got["leases"][0]["host_class"] == "l40s"
+    assert (tmp_path / ".leases" / "host.json").is_file()
+    with pytest.raises(_lease.LeaseHeld, match=r"^this host is being changed by rollout run run-a of .*; "
+                                               r"this run stops before touching it \(gpufleet_lease_wait"):
+        _lease.apply(str(tmp_path), [_lease.HOST_SCOPE], _args(), process=controller)
+    # another machine's controller pid is never judged from here: only expiry or supersession frees it
+    assert _lease.holder_gone(got["leases"][0]) is False
+
+
+def test_a_host_lease_of_a_run_whose_class_lease_was_taken_over_is_taken_over_at_once(tmp_path):
+    controller = {"host": "controller-1", "pid": 4242, "pid_start": "77"}
+    _lease.apply(str(tmp_path), [_lease.HOST_SCOPE], _args(run_id="killed-run"), process=controller)
+    got = _lease.apply(str(tmp_path), [_lease.HOST_SCOPE], _args(superseded=["killed-run"]), process=controller)
+    assert got["leases"][0]["run_id"] == "run-b"
+    assert [entry["msg"] for entry in got["taken_over"]] == [
+        f"this host: took over the lease of {_lease.describe(got['taken_over'][0]['holder'])} (its run's class lease was taken over)"]
+    assert _lease.apply(str(tmp_path), [_lease.HOST_SCOPE], _args(state="absent"))["released"] == ["host"]
+    assert _lease.apply(str(tmp_path), [_lease.HOST_SCOPE], _args(state="absent"))["changed"] is False
+
+
+def test_check_mode_writes_nothing_and_names_the_holder(tmp_path):
+    _lease.apply(str(tmp_path), ["l40s"], _args(run_id="run-a"), process={"host": "c", "pid": 1, "pid_start": "1"})
+    before = sorted(p.name for p in (tmp_path / ".leases").iterdir())
+    got = _lease.apply(str(tmp_path), ["l40s", "h200"], _args(), check_mode=True)
+    assert [entry["scope"] for entry in got["held_by"]] == ["l40s"] and got["leases"] == []
+    assert sorted(p.name for p in (tmp_path / ".leases").iterdir()) == before
+
+
+@pytest.mark.parametrize("field,value,match", [
+    ("ttl", 10, r"gpufleet_lease_ttl: 10 s is outside"),
+    ("wait", -1, r"gpufleet_lease_wait: -1 s is outside"),
+    ("run_id", "a\nb", r"run_id: expected printable text"),
+])
+def test_bad_inputs_name_the_field_and_write_nothing(tmp_path, field, value, match):
+    with pytest.raises(_lease.LeaseError, match=match):
+        _lease.apply(str(tmp_path), [_lease.HOST_SCOPE], _args(**{field: value}))
+    assert not (tmp_path / ".leases").exists()
