@@ -19,8 +19,9 @@ either no lease or a whole one.
   report. A lease is expired when its time-to-live ran out, at once when it was taken on
   this same machine by a controller (``ansible-playbook``) that no longer runs (killed,
   crashed, or ended by a lost host that stopped its play before it could release it), and
-  at once when its run is one whose class lease the taker took over (``superseded``): a host
-  lease left by a killed controller holds no longer than that controller's class lease.
+  at once when its run is ``superseded``: a host lease names its run's store (``store_id``),
+  and a run of the same store that no longer holds its class lease (it ended while the host
+  was unreachable, or it was killed and its class lease taken over) holds no host either.
 * The holder renews the lease as it goes (each batch), and releases it at the end; a
   release of a lease someone else holds now changes nothing.
 
@@ -71,10 +72,11 @@ ARGUMENT_SPEC: dict[str, t.Any] = {
     "controller": {"type": "dict"},
 }
 ARGUMENT_RULES: dict[str, t.Any] = {
-    "required_one_of": [["store", "host_dir"]],
-    "mutually_exclusive": [["store", "host_dir"], ["classes", "host_dir"]],
-    "required_by": {"store": ["classes"]},
+    "required_one_of": [["classes", "host_dir"]],
+    "mutually_exclusive": [["classes", "host_dir"]],
+    "required_by": {"classes": ["store"]},
 }
+STORE_ID = "store-id"
 
 
 class LeaseError(Exception):
@@ -130,6 +132,52 @@ def lease_path(store: str, scope: str) -> str:
     if not isinstance(scope, str) or not _NAME.match(scope):
         raise LeaseError(f"lease scope {scope!r}: expected a host class name (letters, digits, '.', '_', '-')")
     return os.path.join(store, LEASE_DIR, f"{scope}.json")
+
+
+def store_id(store: str) -> str:
+    """The identity of a profile store (``<store>/.leases/store-id``, made once by the first run).
+
+    A host lease names the store of its run: a run that finds a host held by a run of its own
+    store can ask that store whether the holder still runs (it holds its class lease).
+    """
+    path = os.path.join(store, LEASE_DIR, STORE_ID)
+    for _attempt in range(3):
+        try:
+            with open(path, encoding="ascii") as fh:
+                found = fh.read().strip()
+            if re.match(r"^[0-9a-f]{32}$", found):
+                return found
+            raise LeaseError(f"{path}: not a store id ({found[:40]!r}); remove it once no controller runs")
+        except FileNotFoundError:
+            pass
+        except (OSError, UnicodeDecodeError) as exc:
+            raise LeaseError(f"{path}: cannot read the store id: {getattr(exc, 'strerror', None) or exc}") from None
+        tmp = _temporary(path, {})
+        try:
+            with open(tmp, "w", encoding="ascii") as fh:
+                fh.write(uuid.uuid4().hex + "\n")
+            os.link(tmp, path)
+        except FileExistsError:
+            pass  # another controller made it first: read theirs
+        except OSError as exc:
+            raise LeaseError(f"{path}: cannot write the store id: {exc.strerror or exc}") from None
+        finally:
+            os.unlink(tmp)
+    raise LeaseError(f"{path}: cannot read the store id")
+
+
+def run_ended(store: str, holder: t.Mapping[str, t.Any], own_store_id: str) -> bool:
+    """The run that holds a host lease was one of this store's and no longer holds its class lease.
+
+    A run holds its class lease from its start to its report; a run of this store whose class
+    lease is gone (released at its end, or taken over) changes no host any more, even when it
+    could not release the host's lease (the host was unreachable at its end).
+    """
+    scope = holder.get("host_class")
+    if holder.get("store_id") != own_store_id or not isinstance(scope, str) or not _NAME.match(scope):
+        return False
+    held = read(lease_path(store, scope))
+    return held is None or held.get("run_id") != holder.get("run_id")
 
 
 def _when(stamp: t.Any) -> str:
@@ -349,7 +397,7 @@ def apply(directory: str, scopes: t.Sequence[str], args: t.Mapping[str, t.Any], 
             stale = got["taken_over"]
             if stale is not None:
                 why = ("its controller no longer runs on this machine" if holder_gone(stale)
-                       else "its run's class lease was taken over" if stale.get("run_id") in superseded
+                       else "its run no longer holds its class lease" if stale.get("run_id") in superseded
                        else "expired: its controller stopped without releasing it")
                 taken.append({"scope": scope, "holder": stale,
                               "msg": f"{_subject(scope)}: took over the lease of {describe(stale)} ({why})"})

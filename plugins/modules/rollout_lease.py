@@ -55,16 +55,19 @@ options:
     description:
       - The profile store directory (C(gpufleet_profile_store)), shared by every controller of the fleet, for the
         leases of O(classes).
-      - One of O(store) and O(host_dir) is required.
+      - With O(host_dir), the store of this run's class leases. The host lease names the store, and a host held by a
+        run of this store that no longer holds its class lease (it ended, or was taken over) is taken over at once.
     type: path
   classes:
-    description: The host classes the run changes. Required with O(store).
+    description:
+      - The host classes the run changes; requires O(store).
+      - One of O(classes) and O(host_dir) is required.
     type: list
     elements: str
   host_dir:
     description:
       - The state directory of the host (C(vllm_service_state_dir)), for the lease of the host itself.
-      - One of O(store) and O(host_dir) is required.
+      - One of O(classes) and O(host_dir) is required.
     type: path
   run_id:
     description: The id of this run; the lease names it, and only this run renews or releases its lease.
@@ -90,8 +93,8 @@ options:
     default: {}
   superseded:
     description:
-      - Runs whose leases count as expired (O(state=present)); the rollout names the runs whose class leases it
-        took over, so that a host lease left by a killed controller holds no longer than its class lease.
+      - Runs whose leases count as expired (O(state=present)). With O(host_dir) and O(store) the action adds the
+        holder of the host when it is a run of this store that no longer holds its class lease.
     type: list
     elements: str
     default: []
@@ -160,6 +163,10 @@ released:
   returned: success
   type: list
   elements: str
+holder:
+  description: The lease of the run that holds the host or class, when the task failed on it.
+  returned: failure
+  type: dict
 held_by:
   description: In check mode, the leases another run holds (a warning each).
   returned: check mode
@@ -181,6 +188,8 @@ def main() -> None:
     try:
         result: dict[str, Any] = _lease.apply(module.params["host_dir"], [_lease.HOST_SCOPE], module.params,
                                               check_mode=module.check_mode, process=module.params["controller"] or {})
+    except _lease.LeaseHeld as exc:
+        module.fail_json(msg=str(exc), holder=exc.holder)
     except _lease.LeaseError as exc:
         module.fail_json(msg=str(exc))
     module.exit_json(**result)

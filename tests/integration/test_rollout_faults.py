@@ -392,7 +392,7 @@ def test_interrupted_rollout_is_finished_by_the_next_run(fleet, seen):
     assert taken.endswith("(its controller no longer runs on this machine)"), taken
     # the killed run held sim-ft-2 for its batch: that host lease goes with the class lease
     assert [t.split(": took over")[0] for t in hosts_taken] == ["sim-ft-2: this host"], hosts_taken
-    assert all(t.endswith("(its run's class lease was taken over)") and killed_lease["run_id"] in t for t in hosts_taken)
+    assert all(t.endswith("(its run no longer holds its class lease)") and killed_lease["run_id"] in t for t in hosts_taken)
     assert not lease_path(fleet).exists(), "the run released its lease at its end"
     assert host_leases(fleet) == {}, "the run released every host's lease at its batch's end"
     after = fleet.units()

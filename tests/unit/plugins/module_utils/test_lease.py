@@ -157,7 +157,7 @@ def test_a_host_lease_of_a_run_whose_class_lease_was_taken_over_is_taken_over_at
     got = _lease.apply(str(tmp_path), [_lease.HOST_SCOPE], _args(superseded=["killed-run"]), process=controller)
     assert got["leases"][0]["run_id"] == "run-b"
     assert [entry["msg"] for entry in got["taken_over"]] == [
-        f"this host: took over the lease of {_lease.describe(got['taken_over'][0]['holder'])} (its run's class lease was taken over)"]
+        f"this host: took over the lease of {_lease.describe(got['taken_over'][0]['holder'])} (its run no longer holds its class lease)"]
     assert _lease.apply(str(tmp_path), [_lease.HOST_SCOPE], _args(state="absent"))["released"] == ["host"]
     assert _lease.apply(str(tmp_path), [_lease.HOST_SCOPE], _args(state="absent"))["changed"] is False
 
@@ -179,3 +179,26 @@ def test_bad_inputs_name_the_field_and_write_nothing(tmp_path, field, value, mat
     with pytest.raises(_lease.LeaseError, match=match):
         _lease.apply(str(tmp_path), [_lease.HOST_SCOPE], _args(**{field: value}))
     assert not (tmp_path / ".leases").exists()
+
+
+def test_a_store_has_one_id_and_a_host_lease_of_its_ended_run_counts_as_over(tmp_path):
+    store = str(tmp_path / "store")
+    own = _lease.store_id(store)
+    assert own == _lease.store_id(store) and len(own) == 32, "made once, then read"
+    holder = {"run_id": "run-a", "host_class": "l40s", "store_id": own}
+    _lease.acquire(store, "l40s", "run-a", 600)
+    assert _lease.run_ended(store, holder, own) is False, "run-a still holds its class: it may still change the host"
+    _lease.release(store, "l40s", "run-a")
+    assert _lease.run_ended(store, holder, own) is True, "run-a ended (its class lease is gone)"
+    _lease.acquire(store, "l40s", "run-b", 600)
+    assert _lease.run_ended(store, holder, own) is True, "another run holds the class now"
+    # a run of another store (or one that names no store) is never judged from this one
+    assert _lease.run_ended(store, dict(holder, store_id="0" * 32), own) is False
+    assert _lease.run_ended(store, {"run_id": "run-a", "host_class": "l40s"}, own) is False
+
+
+def test_a_store_id_that_is_not_one_is_an_error_naming_the_file(tmp_path):
+    (tmp_path / ".leases").mkdir()
+    (tmp_path / ".leases" / "store-id").write_text("garbage\n", encoding="ascii")
+    with pytest.raises(_lease.LeaseError, match=r"store-id: not a store id"):
+        _lease.store_id(str(tmp_path))
