@@ -170,14 +170,17 @@ def run_ended(store: str, holder: t.Mapping[str, t.Any], own_store_id: str) -> b
     """The run that holds a host lease was one of this store's and no longer holds its class lease.
 
     A run holds its class lease from its start to its report; a run of this store whose class
-    lease is gone (released at its end, or taken over) changes no host any more, even when it
-    could not release the host's lease (the host was unreachable at its end).
+    lease is gone (released at its end, or taken over), expired, or left by a controller that no
+    longer runs on this machine changes no host any more, even when it could not release the
+    host's lease (the host was unreachable at its end, or the controller was killed).
     """
     scope = holder.get("host_class")
     if holder.get("store_id") != own_store_id or not isinstance(scope, str) or not _NAME.match(scope):
         return False
     held = read(lease_path(store, scope))
-    return held is None or held.get("run_id") != holder.get("run_id")
+    # its class lease gone, another run's, expired, or left by a controller that no longer runs here
+    return (held is None or held.get("run_id") != holder.get("run_id") or float(held["expires"]) <= time.time()
+            or holder_gone(held))
 
 
 def _when(stamp: t.Any) -> str:

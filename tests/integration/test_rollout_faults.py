@@ -603,6 +603,12 @@ def test_a_host_another_controller_changes_stops_its_batch_untouched(fleet, seen
     stopped = {h["host"]: h for h in report["hosts"]}["sim-ft-3"]
     assert "desk-run of sre@desk-2" in (stopped["error"] or "") and report["failed_hosts"] == ["sim-ft-3"], report["hosts"]
     assert host_leases(fleet) == {"sim-ft-3": other}, "the other controller's lease is its own to release"
+    # a rollback of that host is refused the same way, before it restores anything
+    back = procgroup.run(["ansible-playbook", "-i", str(fleet.inventory), str(REPO / "playbooks" / "rollback.yml"),
+                          "-e", "gpufleet_rollback_hosts=sim-ft-3"], timeout=300, cwd=REPO,
+                         env=dict(os.environ, ANSIBLE_NOCOLOR="1", ANSIBLE_HOST_KEY_CHECKING="False"))
+    assert back.returncode != 0 and "this host is being changed by rollout run desk-run of sre@desk-2" in back.stdout, back.stdout[-4000:]
+    assert fleet.unit("sim-ft-3") == before["sim-ft-3"] and fleet.active("sim-ft-3") == "active"
 
     held.unlink()
     rc, out = fleet.rollout({"gpufleet_guard": "1.25GiB"})

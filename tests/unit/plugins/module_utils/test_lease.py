@@ -192,6 +192,12 @@ def test_a_store_has_one_id_and_a_host_lease_of_its_ended_run_counts_as_over(tmp
     assert _lease.run_ended(store, holder, own) is True, "run-a ended (its class lease is gone)"
     _lease.acquire(store, "l40s", "run-b", 600)
     assert _lease.run_ended(store, holder, own) is True, "another run holds the class now"
+    _lease.release(store, "l40s", "run-b")
+    _lease.acquire(store, "l40s", "run-a", 600, process={"host": "elsewhere", "pid": 1, "pid_start": "1"})
+    assert _lease.run_ended(store, holder, own) is False, "its controller may run elsewhere"
+    _lease.release(store, "l40s", "run-a")
+    _lease.acquire(store, "l40s", "run-a", 60, clock=lambda: 1_000.0)
+    assert _lease.run_ended(store, holder, own) is True, "its class lease expired"
     # a run of another store (or one that names no store) is never judged from this one
     assert _lease.run_ended(store, dict(holder, store_id="0" * 32), own) is False
     assert _lease.run_ended(store, {"run_id": "run-a", "host_class": "l40s"}, own) is False
