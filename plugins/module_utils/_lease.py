@@ -152,10 +152,8 @@ def store_id(store: str) -> str:
             pass
         except (OSError, UnicodeDecodeError) as exc:
             raise LeaseError(f"{path}: cannot read the store id: {getattr(exc, 'strerror', None) or exc}") from None
-        tmp = _temporary(path, {})
+        tmp = _temporary(path, uuid.uuid4().hex)
         try:
-            with open(tmp, "w", encoding="ascii") as fh:
-                fh.write(uuid.uuid4().hex + "\n")
             os.link(tmp, path)
         except FileExistsError:
             pass  # another controller made it first: read theirs
@@ -218,14 +216,17 @@ def read(path: str) -> dict[str, t.Any] | None:
     return doc
 
 
-def _temporary(path: str, doc: t.Mapping[str, t.Any]) -> str:
-    """``doc`` written whole and synced to a temporary file beside ``path``; its name."""
+def _temporary(path: str, doc: t.Mapping[str, t.Any] | str) -> str:
+    """``doc`` (a lease, as JSON; or a line of text) written whole and synced to a temporary file beside ``path``; its name."""
     directory = os.path.dirname(path)
     try:
         os.makedirs(directory, mode=0o755, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=".lease.", dir=directory)
         with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            json.dump(dict(doc), fh, indent=2, sort_keys=True)
+            if isinstance(doc, str):
+                fh.write(doc)
+            else:
+                json.dump(dict(doc), fh, indent=2, sort_keys=True)
             fh.write("\n")
             fh.flush()
             os.fsync(fh.fileno())
