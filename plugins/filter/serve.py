@@ -2,7 +2,8 @@
 # GNU General Public License v3.0+ (see https://www.gnu.org/licenses/gpl-3.0.txt)
 # SPDX-License-Identifier: GPL-3.0-or-later
 """Filters: vllm_serve_argv, vllm_secret_options, systemd_exec_start, systemd_environment,
-systemd_environment_file, systemd_value, vllm_service_problems, vllm_instances_problems (documentation in the YAML files beside this one)."""
+systemd_environment_file, systemd_value, vllm_service_problems, vllm_instances_problems, health_url (documentation in the YAML
+files beside this one)."""
 
 from __future__ import annotations
 
@@ -10,12 +11,14 @@ from typing import Any, Callable, Mapping
 
 from ansible.errors import AnsibleFilterError
 
+from ansible_collections.gpufleet.vllm.plugins.module_utils._engine_process import base_url
 from ansible_collections.gpufleet.vllm.plugins.module_utils._serve_argv import EngineSpecError, render_serve_args
 from ansible_collections.gpufleet.vllm.plugins.module_utils._unit_files import instances_problems, service_input_problems
 from ansible_collections.gpufleet.vllm.plugins.module_utils._validate import (
     ValidationError,
     environment_file,
     is_secret_option,
+    port as _port,
     systemd_environment as _systemd_environment,
     systemd_exec_start as _systemd_exec_start,
     systemd_value as _systemd_value,
@@ -32,6 +35,16 @@ def _mapping(value: Any, name: str) -> Mapping[str, Any]:
 
 def _field(field: Any, default: str) -> str:
     return field if isinstance(field, str) and field else default
+
+
+def health_url(host: Any, port: Any) -> str:
+    """``http://HOST:PORT/health`` of an engine that listens on ``host`` (0.0.0.0, :: or empty: 127.0.0.1)."""
+    try:
+        if not isinstance(host, str) or any(c.isspace() for c in host) or "/" in host:
+            raise ValidationError(f"health_url: expected a listen address or a host name, got {host!r}")
+        return base_url(host, _port(port, "health_url port")) + "/health"
+    except ValidationError as exc:
+        raise AnsibleFilterError(str(exc)) from None
 
 
 def vllm_serve_argv(serve_args: Any) -> list[str]:
@@ -102,6 +115,7 @@ class FilterModule:
 
     def filters(self) -> dict[str, Callable[..., Any]]:
         return {
+            "health_url": health_url,
             "vllm_serve_argv": vllm_serve_argv,
             "vllm_secret_options": vllm_secret_options,
             "systemd_exec_start": systemd_exec_start,

@@ -16,7 +16,7 @@ import subprocess
 import typing as t
 from dataclasses import dataclass, field
 
-from ._engine_process import scrape_metrics, wait_healthy
+from ._engine_process import base_url, scrape_metrics, wait_healthy
 from ._serve_argv import LOOPBACK, EngineSpecError
 from ._vllm_log import GIB_ROUNDING_BYTES, EngineLog, parse_engine_log
 from ._vllm_metrics import EngineMetrics
@@ -405,7 +405,7 @@ def run_boot_check(spec: BootCheckSpec, systemd: Systemd | None = None) -> dict[
     failed_state = (lambda: systemd.failed_state(unit)) if unit else None
     health = wait_healthy(spec.host, spec.port, timeout=spec.timeout, failed_state=failed_state, interval=spec.interval)
     result: dict[str, t.Any] = {"health": health.status, "startup_wait_seconds": health.seconds,
-                                "url": f"http://{spec.host}:{spec.port}"}
+                                "url": base_url(spec.host, spec.port)}
     if health.detail:
         result["health_detail"] = health.detail
     if spec.journal:

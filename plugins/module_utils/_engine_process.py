@@ -24,6 +24,20 @@ from dataclasses import dataclass
 from ._serve_argv import LOOPBACK, EngineSpecError
 from ._vllm_metrics import EngineMetrics, MetricsParseError, parse_metrics
 
+# a unit that listens on every address is asked on the loopback address
+WILDCARD_ADDRESSES = ("", "0.0.0.0", "::", "[::]")
+
+
+def health_address(listen_host: str) -> str:
+    """The address to ask an engine that listens on ``listen_host`` from its own host."""
+    return LOOPBACK if listen_host.strip() in WILDCARD_ADDRESSES else listen_host.strip().strip("[]")
+
+
+def base_url(host: str, port: int) -> str:
+    """``http://host:port`` of an engine that listens on ``host`` (a wildcard: the loopback address; IPv6 in brackets)."""
+    address = health_address(host)
+    return f"http://[{address}]:{int(port)}" if ":" in address else f"http://{address}:{int(port)}"
+
 
 def free_port(host: str = LOOPBACK) -> int:
     """A TCP port that is free on ``host`` right now."""

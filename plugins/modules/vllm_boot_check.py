@@ -49,10 +49,16 @@ options:
     description: systemd unit running the engine, for example V(vllm-main.service).
     type: str
   url:
-    description: Base URL of the engine (V(http://host:port)); overrides O(port).
+    description: Base URL of the engine (V(http://host:port)); overrides O(host) and O(port).
     type: str
+  host:
+    description:
+      - Address the engine listens on (the P(gpufleet.vllm.vllm_service#role) role gives C(vllm_service_health_host)).
+        An engine that listens on every address (V(0.0.0.0), V(::) or empty) is asked on V(127.0.0.1).
+    type: str
+    default: 127.0.0.1
   port:
-    description: Port of the engine on 127.0.0.1.
+    description: Port of the engine on O(host).
     type: int
     default: 8000
   launch:
@@ -253,6 +259,7 @@ from ansible.module_utils.common.text.converters import to_native
 
 from ansible_collections.gpufleet.vllm.plugins.module_utils._boot_check import BootCheckSpec, Systemd, run_boot_check
 from ansible_collections.gpufleet.vllm.plugins.module_utils._boot_gate import boot_expectations, wait_state
+from ansible_collections.gpufleet.vllm.plugins.module_utils._engine_process import base_url, health_address
 from ansible_collections.gpufleet.vllm.plugins.module_utils._launch import LaunchError, check_launch
 from ansible_collections.gpufleet.vllm.plugins.module_utils._serve_argv import EngineSpecError
 from ansible_collections.gpufleet.vllm.plugins.module_utils._sizes import SizeError, parse_size
@@ -276,7 +283,10 @@ def _floor(value: object) -> int | dict[int, int] | None:
 
 
 def build_spec(params: Mapping[str, Any]) -> BootCheckSpec:
-    host, tcp_port = "127.0.0.1", port(params["port"], "port")
+    host, tcp_port = text(params["host"], "host"), port(params["port"], "port")
+    if any(c.isspace() for c in host) or "/" in host:
+        raise EngineSpecError(f"host: expected an address or a host name, got {host!r}")
+    host = health_address(host)
     if params["url"]:
         url = text(params["url"], "url")
         try:
@@ -326,7 +336,7 @@ def record_layout(params: Mapping[str, Any], unit: str | None) -> Layout:
 
 
 def planned_checks(spec: BootCheckSpec) -> list[dict[str, Any]]:
-    checks: list[dict[str, Any]] = [{"check": "health", "url": f"http://{spec.host}:{spec.port}/health", "timeout": spec.timeout}]
+    checks: list[dict[str, Any]] = [{"check": "health", "url": f"{base_url(spec.host, spec.port)}/health", "timeout": spec.timeout}]
     checks.append({"check": "engine_error", "log": f"journal of {spec.unit}" if spec.journal else spec.log_path})
     if spec.expected_kv_cache_memory_bytes is not None:
         checks.append({"check": "reserved_kv_bytes", "expected": spec.expected_kv_cache_memory_bytes})
@@ -343,6 +353,7 @@ def main() -> None:
         argument_spec=dict(
             unit=dict(type="str"),
             url=dict(type="str"),
+            host=dict(type="str", default="127.0.0.1"),
             port=dict(type="int", default=8000),
             launch=dict(type="dict"),
             expected_kv_cache_memory_bytes=dict(type="raw"),

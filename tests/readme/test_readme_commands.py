@@ -193,8 +193,9 @@ def example_fleet(tmp_path_factory: pytest.TempPathFactory) -> Any:
         fleet.destroy()
 
 
-def test_the_first_dry_run_on_the_example_inventory_changes_nothing(example_fleet) -> None:
-    fleet, work = example_fleet
+def site_inventory(fleet: fleetctl.Fleet, work: Path) -> Path:
+    """What a site adds to the example inventory: how to reach its hosts, their own addresses, the
+    vault's secret and the controller's directories; the example's files are used as shipped."""
     assert set(STAND_INS) == {h for hosts in classes_of(EXAMPLE_INVENTORY).values() for h in hosts}, \
         "the example inventory's hosts changed: update STAND_INS"
     reach = fleet.h.inventory_data(names=list(STAND_INS.values()))["all"]["hosts"]
@@ -202,10 +203,17 @@ def test_the_first_dry_run_on_the_example_inventory_changes_nothing(example_flee
     bound = yaml.safe_load((EXAMPLE_INVENTORY / "host_vars" / "gpu-l40s-03.example.net.yml").read_text(encoding="utf-8"))
     assert "vllm_service_listen_host" in bound
     site["gpu-l40s-03.example.net"]["vllm_service_listen_host"] = fleet.info(STAND_INS["gpu-l40s-03.example.net"]).address
-    reports = work / "reports"
     site_vars = {"vault_hf_token": "hf_not_a_real_token", "gpufleet_profile_store": str(work / "profiles"),
-                 "gpufleet_report_dir": str(reports)}
-    (work / "site.yml").write_text(yaml.safe_dump({"all": {"hosts": site, "vars": site_vars}}), encoding="utf-8")
+                 "gpufleet_report_dir": str(work / "reports")}
+    path = work / "site.yml"
+    path.write_text(yaml.safe_dump({"all": {"hosts": site, "vars": site_vars}}), encoding="utf-8")
+    return path
+
+
+def test_the_first_dry_run_on_the_example_inventory_changes_nothing(example_fleet) -> None:
+    fleet, work = example_fleet
+    site_inventory(fleet, work)
+    reports = work / "reports"
     before = {host: host_files(fleet, host) for host in STAND_INS.values()}
     started = time.time() - 1
     env = dict(os.environ, ANSIBLE_HOST_KEY_CHECKING="False", ANSIBLE_NOCOLOR="1")
@@ -230,3 +238,35 @@ def test_the_first_dry_run_on_the_example_inventory_changes_nothing(example_flee
         assert all(u["action"] == "create" for u in first_run["units"])
         assert min(u["batch"] for u in first_run["units"] if u["host"] == first_run["canary_host"]) == 1
     assert "check mode: nothing was changed on the hosts" in done.stdout
+
+
+def test_the_example_inventory_rolls_out_as_written(example_fleet) -> None:
+    """rollout.yml on the example inventory as shipped (only how to reach the hosts and their own
+    addresses substituted): both classes are profiled and deployed, and gpu-l40s-03, whose instance
+    listens on the host's own address only, passes its canary waits and boot check there."""
+    fleet, work = example_fleet
+    site = site_inventory(fleet, work)
+    started = time.time() - 1
+    env = dict(os.environ, ANSIBLE_HOST_KEY_CHECKING="False", ANSIBLE_NOCOLOR="1")
+    done = procgroup.run(["ansible-playbook", "-i", str(EXAMPLE_INVENTORY), "-i", str(site),
+                          str(REPO / "playbooks" / "rollout.yml")], timeout=1800, env=env, cwd=REPO)
+    (work / "rollout.log").write_text(done.stdout, encoding="utf-8")
+    assert done.returncode == 0, done.stdout[-8000:]
+    report = json.loads((newest_run(work / "reports", "rollout", started) / "report.json").read_text(encoding="utf-8"))
+    assert {h["host"]: h["outcome"] for h in report["hosts"]} == {name: "deployed" for name in STAND_INS}, report["hosts"]
+    bound_host = STAND_INS["gpu-l40s-03.example.net"]
+    address = fleet.info(bound_host).address
+    for group, hosts in classes_of(EXAMPLE_INVENTORY).items():
+        for host in hosts:
+            for inst in group_vars(EXAMPLE_INVENTORY)[group]["gpufleet_instances"]:
+                unit = f"vllm-{inst['name']}.service"
+                state = fleet.h.exec(STAND_INS[host], ["systemctl", "is-active", unit]).stdout.strip()
+                assert state == "active", (host, unit, state)
+    unit = fleet.h.exec(bound_host, ["systemctl", "cat", "vllm-main.service"]).stdout
+    assert f"--host {address} " in unit, unit
+    # the instance answers on its address only: the checks that passed asked it there
+    ask = ("import sys, urllib.request\ntry:\n    print(urllib.request.urlopen(sys.argv[1], timeout=5).status)\n"
+           "except OSError as exc:\n    print(type(exc).__name__)")
+    assert fleet.h.exec(bound_host, ["python3", "-c", ask, f"http://{address}:8000/health"]).stdout.strip() == "200"
+    assert fleet.h.exec(bound_host, ["python3", "-c", ask, "http://127.0.0.1:8000/health"]).stdout.strip() == "URLError", \
+        "nothing answers on 127.0.0.1: a boot check there could not have passed"

@@ -330,10 +330,11 @@ def test_gpu_memory_info_params(bad):
     refused(lambda: _gpu_memory.check_params(params), (ValidationError,), key)
 
 
-BOOT_OK = {"unit": "vllm-a.service", "url": None, "port": 8000, "expected_kv_cache_memory_bytes": None,
+BOOT_OK = {"unit": "vllm-a.service", "url": None, "host": "127.0.0.1", "port": 8000, "expected_kv_cache_memory_bytes": None,
            "free_floor_bytes": None, "min_tokens": None, "timeout": 900, "journal": True, "log_path": None}
 BOOT_BAD = st.one_of(st.tuples(st.just("port"), st.one_of(st.integers(max_value=0), st.integers(min_value=65536))),
                      st.tuples(st.just("url"), st.sampled_from(["http://h:70000", "http://h:-1", "ftp://h", "http://h\n:1"])),
+                     st.tuples(st.just("host"), st.one_of(with_control(), st.sampled_from(["10.0.0.1 x", "h/1", "\t"]))),
                      st.tuples(st.just("unit"), with_control()),
                      st.tuples(st.just("timeout"), st.integers(max_value=0)),
                      st.tuples(st.just("expected_kv_cache_memory_bytes"), BAD_SIZE.filter(lambda x: x is not None)),
@@ -345,7 +346,7 @@ BOOT_BAD = st.one_of(st.tuples(st.just("port"), st.one_of(st.integers(max_value=
 def test_vllm_boot_check_spec(bad):
     key, value = bad
     refused(lambda: vllm_boot_check.build_spec(dict(BOOT_OK, **{key: value})),
-            (ValidationError, EngineSpecError, SizeError), key.split("_bytes")[0] if key != "url" else "url")
+            (ValidationError, EngineSpecError, SizeError), key.split("_bytes")[0] if key not in ("url", "host") else key)
 
 
 CANARY_OK = {"executable": "/opt/vllm/bin/vllm", "model": "/srv/m", "mode": "profiled", "kv_cache_memory_bytes": None,

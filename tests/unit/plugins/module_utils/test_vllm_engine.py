@@ -122,7 +122,7 @@ FAKE_ENGINE = textwrap.dedent(
     if behaviour == "slow_boot":
         time.sleep(float(os.environ.get("FAKE_BOOT_DELAY", "1")))
     log("APIServer", "Starting vLLM server on http://127.0.0.1:%d" % port)
-    ThreadingHTTPServer(("127.0.0.1", port), H).serve_forever()
+    ThreadingHTTPServer((opt("--host") or "127.0.0.1", port), H).serve_forever()
     '''
 )
 

@@ -109,6 +109,34 @@ def test_journal_boot_check_names_rank_and_figures(capsys, engine, systemd_bin, 
     assert [w.startswith("rank 0: free-memory floor of 1073741824 bytes not applicable: ") for w in out["not_applicable"]] == [True]
 
 
+def test_an_engine_bound_to_one_address_is_asked_there(capsys, fake_vllm, systemd_bin, tmp_path, monkeypatch):
+    """A unit that listens on one address (vllm_service_listen_host) answers there only: the boot
+    check asks that address, and a wildcard address is asked on the loopback address."""
+    port = _engine_process.free_port()
+    proc = _engine_process.EngineProcess([fake_vllm, "serve", "m", "--host", "127.0.0.2", "--port", str(port),
+                                          "--kv-cache-memory-bytes", "100000000"],
+                                         dict(os.environ, FAKE_ENGINE="serving"), str(tmp_path / "engine.log"))
+    proc.start()
+    try:
+        assert _engine_process.wait_healthy("127.0.0.2", port, timeout=20, is_alive=proc.alive, interval=0.05).status == "healthy"
+        journal = tmp_path / "journal.txt"
+        journal.write_text(proc.read_log())
+        monkeypatch.setenv("FAKE_JOURNAL", str(journal))
+        args = {"unit": "vllm-main.service", "port": port, "expected_kv_cache_memory_bytes": 100000000, "timeout": 10}
+        rc, out = run(capsys, dict(args, host="127.0.0.2"))
+        assert rc == 0, out.get("msg")
+        assert out["ok"] is True
+        rc, out = run(capsys, dict(args, host="0.0.0.0", timeout=2))
+        # a wildcard address is asked on 127.0.0.1, where nothing answers
+        assert rc == 1 and "/health unreachable: [Errno 111] Connection refused" in out["msg"], out["msg"]
+    finally:
+        proc.stop(3)
+    for host, url in (("fd00::13", "http://[fd00::13]:8001/health"), ("0.0.0.0", "http://127.0.0.1:8001/health"),
+                      ("::", "http://127.0.0.1:8001/health")):
+        rc, out = run(capsys, {"_ansible_check_mode": True, "unit": "vllm-main.service", "host": host, "port": 8001})
+        assert rc == 0 and out["checks"][0]["url"] == url, (host, out["checks"][0])
+
+
 def test_failed_unit_fails_fast(capsys, systemd_bin, tmp_path, monkeypatch):
     journal = tmp_path / "journal.txt"
     journal.write_text("(EngineCore pid=3) ERROR 11-29 21:16:27 [core.py:1510] ValueError: To serve at least one "
@@ -127,6 +155,7 @@ def test_failed_unit_fails_fast(capsys, systemd_bin, tmp_path, monkeypatch):
     ({"journal": True}, "journal is True but all of the following are missing: unit"),
     ({"journal": False}, "journal is False but all of the following are missing: log_path"),
     ({"unit": "u", "url": "https://h:1"}, "only http://host[:port] is supported"),
+    ({"unit": "u", "host": "10.0.0.1 x"}, "host: expected an address or a host name, got '10.0.0.1 x'"),
     ({"unit": "u", "free_floor_bytes": {"zero": 1}}, "free_floor_bytes: rank 'zero' is not an integer"),
     ({"unit": "u", "expected_kv_cache_memory_bytes": "1.5XB"}, "expected_kv_cache_memory_bytes: invalid size"),
 ])
