@@ -588,7 +588,9 @@ def run(argv: t.Sequence[str], nvml: t.Any = None, execv: t.Callable[[str, list[
         gpus = []
     verdict = decide(plan, gpus, policy)
     seconds = time.monotonic() - started
-    if state_path:
+    # a check (--check-only: "what would a start do now", asked by hand) is not a start:
+    # the record of the last start, which the boot check and the metrics read, stays that start's
+    if state_path and "check_only" not in opts:
         try:
             write_json_atomic(state_path, state_record(plan, verdict, opts["plan"], clock(),
                                                        os.environ.get("INVOCATION_ID"), seconds))

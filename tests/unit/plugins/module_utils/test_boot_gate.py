@@ -244,6 +244,21 @@ def test_launcher_refuses_a_missing_plan_file_and_leaves_nvml_failures_to_the_re
     assert "free_floor_bytes[0]: expected bytes as an integer" in lines[-1]
 
 
+def test_check_only_answers_without_overwriting_the_record_of_the_last_start(tmp_path):
+    plan = tmp_path / "main.plan.json"
+    state = tmp_path / "main.boot-gate.json"
+    plan.write_text(json.dumps(plan_doc(free_floor_bytes={}, boot_gate={"policy": "shrink", "state_file": str(state)})))
+    handed: list[list[str]] = []
+    lines: list[str] = []
+    assert gate.run(["--plan", str(plan), "--", "/bin/true"], log=lines.append, execv=lambda path, argv: handed.append(argv)) == 0
+    assert handed and state.is_file(), "a start records itself"
+    started = state.read_text(encoding="utf-8")
+    assert gate.run(["--plan", str(plan), "--check-only", "--", "/bin/true"], log=lines.append,
+                    execv=lambda path, argv: handed.append(argv)) == 0
+    assert len(handed) == 1, "a check starts nothing"
+    assert state.read_text(encoding="utf-8") == started, "a check leaves the record of the last start as it was"
+
+
 def test_boot_check_expectations_follow_the_gate_record_of_this_start(tmp_path):
     state = {"format": 1, "invocation_id": "inv-2", "action": "shrink", "policy": "shrink", "message": "m",
              "started": {"kv_cache_memory_bytes": BUDGET - GIB, "kv_cache_tokens": 1000},
