@@ -46,6 +46,8 @@ PLAYBOOK = """
           plan_file: ""
           plan: null
           started: "{{ now(utc=true).isoformat() }}"
+          id: render-run
+          profile_store: "{{ store }}"
         gpufleet_run_started_epoch: "{{ now().timestamp() | int }}"
 
 - name: Plan the class
@@ -108,6 +110,8 @@ PLAYBOOK = """
   serial: "{{ hostvars['localhost']['gpufleet_run']['serial'] }}"
   max_fail_percentage: 0
   order: inventory
+  vars_files:
+    - REPO/playbooks/vars/common.yml
   vars:
     # as rollout.yml's serial play: the batch that runs
     gpufleet_hook_batch: "{{ hostvars['localhost']['gpufleet_batches'] | last }}"
@@ -148,7 +152,8 @@ all:
     localhost: {ansible_connection: local}
   children:
     gpu:
-      hosts: {gpu-a: {}, gpu-b: {}, gpu-c: {}}
+      hosts: {gpu-a: {vllm_service_state_dir: STATE/gpu-a}, gpu-b: {vllm_service_state_dir: STATE/gpu-b},
+              gpu-c: {vllm_service_state_dir: STATE/gpu-c}}
       vars: {ansible_connection: local}
 """
 
@@ -157,13 +162,13 @@ def run_playbook(tmp_path: Path, fail_host: str) -> tuple[subprocess.CompletedPr
     reports = tmp_path / "reports"
     reports.mkdir()  # parts/validate.yml creates and write-tests it in a real run
     (tmp_path / "play.yml").write_text(PLAYBOOK.replace("REPO/", f"{REPO}/"), encoding="utf-8")
-    (tmp_path / "hosts.yml").write_text(INVENTORY, encoding="utf-8")
+    (tmp_path / "hosts.yml").write_text(INVENTORY.replace("STATE/", f"{tmp_path}/state/"), encoding="utf-8")
     env = dict(os.environ)
     paths = [str(Path(p).resolve()) for p in env.get("ANSIBLE_COLLECTIONS_PATH", "").split(":") if p]
     env["ANSIBLE_COLLECTIONS_PATH"] = ":".join(paths or [str(REPO / ".cache" / "collections")])
     env["ANSIBLE_PYTHON_INTERPRETER"] = sys.executable
     env["ANSIBLE_NOCOLOR"] = "1"
-    extra = json.dumps({"report_dir": str(reports), "fail_host": fail_host})
+    extra = json.dumps({"report_dir": str(reports), "fail_host": fail_host, "store": str(tmp_path / "store")})
     binary = shutil.which("ansible-playbook") or str(Path(sys.executable).parent / "ansible-playbook")
     proc = procgroup.run([binary, "-i", str(tmp_path / "hosts.yml"), str(tmp_path / "play.yml"), "-e", extra],
                          env=env, timeout=600, cwd=tmp_path)
@@ -283,6 +288,9 @@ def test_clean_rollout_report_from_the_report_play(tmp_path):
 def test_failed_host_report_and_chromium_rendering(tmp_path, chromium):
     proc, reports = run_playbook(tmp_path, fail_host="gpu-b")
     assert proc.returncode != 0, "a failed host must fail the run"
+    # each batch held its hosts' leases; the report of the stopped batch gave gpu-b's back
+    assert not list((tmp_path / "state").glob("*/.leases/host.json")), "no host lease is left behind"
+    assert sorted(p.parent.name for p in (tmp_path / "state").glob("*/.leases")) == ["gpu-a", "gpu-b"], "gpu-c was never reached"
     run = run_dir(reports)
     report = json.loads((run / "report.json").read_text(encoding="utf-8"))
     assert {h["host"]: h["outcome"] for h in report["hosts"]} == {"gpu-a": "deployed", "gpu-b": "rolled_back", "gpu-c": "not_reached"}
