@@ -109,3 +109,19 @@ def test_every_option_the_collection_renders_is_accepted(engine) -> None:
     assert args.max_model_len == 32768
     assert args.enforce_eager is True
     assert (args.kv_cache_dtype, args.served_model_name) == ("fp8", ["llama"])
+
+
+def test_a_hugging_face_model_id_is_read_from_the_hub_cache_as_vllm_reads_it_offline(engine, tmp_path, monkeypatch):
+    """``vllm serve ORG/NAME --revision R`` with HF_HOME set: the snapshot of that revision in the hub
+    cache (huggingface_hub's layout), else the one refs/main names; a directory is read as it is."""
+    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    repo = tmp_path / "hf" / "hub" / "models--meta-llama--Llama-3.1-8B-Instruct"
+    assert engine.model_config_path("meta-llama/Llama-3.1-8B-Instruct", "0e9e39f") == str(repo / "snapshots" / "0e9e39f" / "config.json")
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text("abc123\n", encoding="ascii")
+    assert engine.model_config_path("meta-llama/Llama-3.1-8B-Instruct", None) == str(repo / "snapshots" / "abc123" / "config.json")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "cache"))
+    assert engine.model_config_path("org/m", "r1") == str(tmp_path / "cache" / "models--org--m" / "snapshots" / "r1" / "config.json")
+    assert engine.model_config_path(str(tmp_path), None) == str(tmp_path / "config.json")
+    assert engine.model_config_path("/srv/models/m", None) == "/srv/models/m/config.json"
