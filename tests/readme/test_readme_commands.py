@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -193,31 +194,43 @@ def example_fleet(tmp_path_factory: pytest.TempPathFactory) -> Any:
         fleet.destroy()
 
 
-def site_inventory(fleet: fleetctl.Fleet, work: Path) -> Path:
-    """What a site adds to the example inventory: how to reach its hosts, their own addresses, the
-    vault's secret and the controller's directories; the example's files are used as shipped."""
+def site_inventory(fleet: fleetctl.Fleet, work: Path) -> tuple[Path, Path]:
+    """The example inventory with the fleet's own addresses written in (its host_vars name one), and
+    what a site adds beside it: how to reach the hosts, the vault's secret and the controller's paths.
+    Every other file of the example is used as shipped."""
     assert set(STAND_INS) == {h for hosts in classes_of(EXAMPLE_INVENTORY).values() for h in hosts}, \
         "the example inventory's hosts changed: update STAND_INS"
     reach = fleet.h.inventory_data(names=list(STAND_INS.values()))["all"]["hosts"]
     site: dict[str, Any] = {name: dict(reach[stand_in]) for name, stand_in in STAND_INS.items()}
-    bound = yaml.safe_load((EXAMPLE_INVENTORY / "host_vars" / "gpu-l40s-03.example.net.yml").read_text(encoding="utf-8"))
-    assert "vllm_service_listen_host" in bound
-    site["gpu-l40s-03.example.net"]["vllm_service_listen_host"] = fleet.info(STAND_INS["gpu-l40s-03.example.net"]).address
+    example = work / "example"
+    if not example.exists():
+        shutil.copytree(EXAMPLE_INVENTORY, example)
+    bound = example / "host_vars" / "gpu-l40s-03.example.net.yml"
+    listen = yaml.safe_load(bound.read_text(encoding="utf-8"))["vllm_service_listen_host"]
+    bound.write_text(bound.read_text(encoding="utf-8").replace(listen, fleet.info(STAND_INS["gpu-l40s-03.example.net"]).address),
+                     encoding="utf-8")
+    # the controller's copy of each model's config.json, a controller path like the store below
+    for group, hosts in classes_of(EXAMPLE_INVENTORY).items():
+        model = EXAMPLE_FLEET["classes"][group_vars(EXAMPLE_INVENTORY)[group]["gpufleet_host_class"]]["model"]
+        for host in hosts:
+            site[host]["gpufleet_model_config"] = str(REPO / "sim" / "models" / model / "config.json")
+            # a stand-in's own: its fake NVML state, which the simulated engine writes from inside the unit's sandbox
+            site[host]["vllm_service_read_write_paths"] = ["/etc/fake-nvml"]
     site_vars = {"vault_hf_token": "hf_not_a_real_token", "gpufleet_profile_store": str(work / "profiles"),
                  "gpufleet_report_dir": str(work / "reports")}
     path = work / "site.yml"
     path.write_text(yaml.safe_dump({"all": {"hosts": site, "vars": site_vars}}), encoding="utf-8")
-    return path
+    return example, path
 
 
 def test_the_first_dry_run_on_the_example_inventory_changes_nothing(example_fleet) -> None:
     fleet, work = example_fleet
-    site_inventory(fleet, work)
+    example, site = site_inventory(fleet, work)
     reports = work / "reports"
     before = {host: host_files(fleet, host) for host in STAND_INS.values()}
     started = time.time() - 1
     env = dict(os.environ, ANSIBLE_HOST_KEY_CHECKING="False", ANSIBLE_NOCOLOR="1")
-    done = procgroup.run(["ansible-playbook", "-i", str(EXAMPLE_INVENTORY), "-i", str(work / "site.yml"),
+    done = procgroup.run(["ansible-playbook", "-i", str(example), "-i", str(site),
                           str(REPO / "playbooks" / "plan.yml"), "--check", "--diff"], timeout=900, env=env, cwd=REPO)
     (work / "plan.log").write_text(done.stdout, encoding="utf-8")
     assert done.returncode == 0, done.stdout[-6000:]
@@ -245,10 +258,20 @@ def test_the_example_inventory_rolls_out_as_written(example_fleet) -> None:
     addresses substituted): both classes are profiled and deployed, and gpu-l40s-03, whose instance
     listens on the host's own address only, passes its canary waits and boot check there."""
     fleet, work = example_fleet
-    site = site_inventory(fleet, work)
+    example, site = site_inventory(fleet, work)
+    # The models as a Hugging Face download leaves them (the hosts reach no hub here, as in an
+    # air-gapped zone with a pre-seeded cache): the service's HF_HOME, the pinned revision.
+    for group, hosts in classes_of(EXAMPLE_INVENTORY).items():
+        gv = group_vars(EXAMPLE_INVENTORY)[group]
+        config = REPO / "sim" / "models" / EXAMPLE_FLEET["classes"][gv["gpufleet_host_class"]]["model"] / "config.json"
+        repo = f"var/lib/vllm/huggingface/hub/models--{gv['gpufleet_model'].replace('/', '--')}"
+        for host in hosts:
+            snapshot = Path(fleet.info(STAND_INS[host]).root) / repo / "snapshots" / gv["gpufleet_serve_args"]["revision"]
+            snapshot.mkdir(parents=True, exist_ok=True)
+            (snapshot / "config.json").write_text(config.read_text(encoding="utf-8"), encoding="utf-8")
     started = time.time() - 1
     env = dict(os.environ, ANSIBLE_HOST_KEY_CHECKING="False", ANSIBLE_NOCOLOR="1")
-    done = procgroup.run(["ansible-playbook", "-i", str(EXAMPLE_INVENTORY), "-i", str(site),
+    done = procgroup.run(["ansible-playbook", "-i", str(example), "-i", str(site),
                           str(REPO / "playbooks" / "rollout.yml")], timeout=1800, env=env, cwd=REPO)
     (work / "rollout.log").write_text(done.stdout, encoding="utf-8")
     assert done.returncode == 0, done.stdout[-8000:]
