@@ -49,7 +49,7 @@ def test_plugins_found():
                        "launch_contract", "launch_plan_file", "launch_runs", "launch_serve_args", "release_history", "rollback_summary", "rollout_batches",
                        "rollout_plan", "rollout_plan_drift", "run_settings", "runtime_problems", "systemd_environment",
                        "systemd_environment_file", "systemd_exec_start", "systemd_value", "to_bytes",
-                       "vllm_instances_problems", "vllm_secret_options", "vllm_serve_argv", "vllm_service_problems"]
+                       "unknown_variables", "vllm_instances_problems", "vllm_secret_options", "vllm_serve_argv", "vllm_service_problems"]
     assert sorted(CONTROLLER_MODULES + HOST_MODULES) == MODULES, "every module's examples run in one of the two tests"
 
 
