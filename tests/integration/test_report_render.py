@@ -387,6 +387,21 @@ def test_a_wrong_run_setting_stops_the_run_naming_it(tmp_path):
     assert "gpufleet_rollout_serial[1]: expected a positive int or a share 'N%' (0 < N <= 100), got 0" in proc.stdout, proc.stdout[-3000:]
 
 
+def test_a_mistyped_variable_is_named_with_the_nearest_known_one(tmp_path):
+    """A typo in the inventory (gpu-a's own) and in the extra vars: one warning names both, with the
+    names they were meant to be, and the run goes on; with gpufleet_strict_variables it stops there."""
+    inventory = VALIDATE_INVENTORY.replace("gpufleet_model: m,", "gpufleet_model: m, vllm_service_boot_timout: 1800,")
+    extra = {"gpufleet_profile_store": str(tmp_path / "store"), "gpufleet_rollout_serail": [1, "50%"]}
+    proc, run = run_validate(tmp_path, extra, inventory)
+    assert proc.returncode == 0 and run is not None, proc.stdout[-3000:]
+    assert ("gpu-a: 2 variable(s) that gpufleet.vllm does not read, so they change nothing: gpufleet_rollout_serail "
+            "(did you mean gpufleet_rollout_serial?), vllm_service_boot_timout (did you mean vllm_service_boot_timeout?)") \
+        in " ".join(proc.stdout.split()), proc.stdout[-3000:]
+    proc, run = run_validate(tmp_path, dict(extra, gpufleet_strict_variables=True), inventory)
+    assert proc.returncode != 0 and run is None
+    assert "(gpufleet_strict_variables is true)" in proc.stdout, proc.stdout[-3000:]
+
+
 def test_survey_answers_as_text(tmp_path):
     reports = tmp_path / "reports"
     proc, run = run_validate(tmp_path, {
