@@ -44,7 +44,7 @@ def test_every_relative_link_resolves(page: Path) -> None:
     for target in links(page):
         if re.match(r"^[a-z][a-z0-9+.-]*:", target) or target.startswith("//"):
             continue  # http(s), mailto: not checked offline
-        path, _, anchor = target.partition("#")
+        path, _sep, anchor = target.partition("#")
         dest = (page.parent / path).resolve() if path else page
         if not dest.exists() or REPO not in dest.parents and dest != REPO:
             broken.append(f"{target}: no such file")
