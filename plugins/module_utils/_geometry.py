@@ -33,19 +33,22 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Mapping
 
+from ._kv_block_size import EngineTarget, attention_block_size, engine_target, gdn_flashinfer_prefill, hybrid_block_size, state_page_bytes
 from ._kv_capacity import cdiv
 from ._kv_layout import FAMILIES, KVLayout, LayoutError, UnknownLayout, layer_kinds, layout_from_config
 
 __all__ = [
     "DTYPE_BYTES",
+    "EngineTarget",
     "GeometryError",
     "KVGeometry",
     "UnpredictableGeometry",
     "capacity_model",
     "cdiv",
+    "engine_target",
     "geometry_from_config",
     "load_config",
 ]
@@ -92,6 +95,9 @@ class KVGeometry:
     dtype_bytes: int = 2
     kv_cache_dtype: str = "auto"
     mla: bool = False
+    # where the block size comes from (serve_args, or the engine's own choice and why), for the plan's reasons
+    block_size_source: str = ""
+    release_notes: tuple[str, ...] = ()
 
     def num_blocks(self, kv_bytes: int) -> int:
         """Blocks vLLM makes from ``kv_bytes`` per rank (floor division, never negative)."""
@@ -134,6 +140,7 @@ class KVGeometry:
             "dtype_bytes": self.dtype_bytes,
             "kv_cache_dtype": self.kv_cache_dtype,
             "mla": self.mla,
+            "block_size_source": self.block_size_source,
         }
 
 
@@ -209,6 +216,10 @@ def _dtype_bytes(name: str, field: str) -> int:
     return DTYPE_BYTES[key]
 
 
+def _half_kind(name: str) -> str:
+    return "bf16" if name in ("bfloat16", "bf16") else "fp16"
+
+
 # per-token bytes of one MLA layer for the packed DeepSeek kv_cache_dtype layouts
 # (fp8_ds_mla: 512 fp8 latent values, 4 float32 scales, 64 bf16 RoPE values)
 _DS_MLA_TOKEN_BYTES = {"fp8_ds_mla": 656, "nvfp4_ds_mla": 352}
@@ -227,15 +238,22 @@ class _Attention:
     kv_dtype: str
     mla: bool
     block_size: int
+    block_size_source: str
     token_bytes_per_layer: int
     model_type: str
+    model_bytes: int
 
 
-def _attention(top: Mapping[str, Any], cfg: Mapping[str, Any], where: str, serve_args: Mapping[str, Any]) -> _Attention:
+def _attention(top: Mapping[str, Any], cfg: Mapping[str, Any], where: str, serve_args: Mapping[str, Any], target: EngineTarget) -> _Attention:
+    """One attention layer's KV bytes per token on one rank, and the block size vLLM uses for it."""
     tp = _serve_int(serve_args, "tensor_parallel_size", 1)
     pp = _serve_int(serve_args, "pipeline_parallel_size", 1)
-    default_block = 128 if str(serve_args.get("device") or "").lower() == "cpu" else 16
-    block_size = _serve_int(serve_args, "block_size", default_block)
+    given = _serve_int(serve_args, "block_size", 0) if serve_args.get("block_size") is not None else None
+    mla = bool(cfg.get("kv_lora_rank"))
+    choice = attention_block_size(target, given=given, mla=mla, model_type=_model_type(cfg, top))
+    if choice.size is None:
+        raise UnpredictableGeometry(f"block size: {choice.source}")
+    block_size, block_source = choice.size, choice.source
     num_layers = _positive_int(cfg, "num_hidden_layers", where)
     layers_on_rank = _pp_max_layers(num_layers, pp)
 
@@ -250,6 +268,11 @@ def _attention(top: Mapping[str, Any], cfg: Mapping[str, Any], where: str, serve
     model_bytes = _dtype_bytes(str(dtype), "dtype")
     kv_dtype = str(serve_args.get("kv_cache_dtype") or "auto")
     kv_key = kv_dtype.lower()
+    if target.rules.refuses_half_kv_dtype_mismatch and kv_key in ("float16", "half", "fp16", "bfloat16", "bf16"):
+        model_name = str(dtype).lower().replace("torch.", "")
+        if DTYPE_BYTES.get(model_name) != 2 or _half_kind(kv_key) != _half_kind(model_name):
+            raise GeometryError(f"serve_args.kv_cache_dtype {kv_dtype}: vLLM {target.rules.release} refuses a float16/bfloat16 KV cache "
+                                f"that differs from the model's dtype ({dtype}); use auto")
 
     kv_lora_rank = cfg.get("kv_lora_rank")
     if kv_lora_rank:
@@ -269,8 +292,8 @@ def _attention(top: Mapping[str, Any], cfg: Mapping[str, Any], where: str, serve
                 raise GeometryError(f"{where}: index_head_dim must be a positive integer, got {index_dim!r}")
             # the indexer's key cache sits in the same KV-cache group as MLA (one uniform-type group)
             per_layer += index_dim + index_dim // _INDEXER_QUANT_BLOCK * 4
-        return _Attention(where, layers_on_rank, heads, head_size, head_size_v, dtype_bytes, kv_dtype, True, block_size, per_layer,
-                          _model_type(cfg, top))
+        return _Attention(where, layers_on_rank, heads, head_size, head_size_v, dtype_bytes, kv_dtype, True, block_size, block_source,
+                          per_layer, _model_type(cfg, top), model_bytes)
     if kv_key in _DS_MLA_TOKEN_BYTES:
         raise GeometryError(f"kv_cache_dtype {kv_dtype}: DeepSeek's packed MLA cache needs an MLA model (kv_lora_rank in the config)")
     dtype_bytes = model_bytes if kv_key == "auto" else _dtype_bytes(kv_dtype, "kv_cache_dtype")
@@ -290,8 +313,8 @@ def _attention(top: Mapping[str, Any], cfg: Mapping[str, Any], where: str, serve
         head_size = hidden // attn_heads
     heads = max(1, heads_total // tp)
     per_layer = heads * 2 * head_size * dtype_bytes
-    return _Attention(where, layers_on_rank, heads, head_size, head_size, dtype_bytes, kv_dtype, False, block_size, per_layer,
-                      _model_type(cfg, top))
+    return _Attention(where, layers_on_rank, heads, head_size, head_size, dtype_bytes, kv_dtype, False, block_size, block_source,
+                      per_layer, _model_type(cfg, top), model_bytes)
 
 
 def _text_config(config: Mapping[str, Any] | str) -> tuple[dict[str, Any], dict[str, Any], str]:
@@ -302,21 +325,36 @@ def _text_config(config: Mapping[str, Any] | str) -> tuple[dict[str, Any], dict[
     return top, cfg, where
 
 
-def geometry_from_config(config: Mapping[str, Any] | str, serve_args: Mapping[str, Any] | None = None) -> KVGeometry:
+def _target(serve_args: Mapping[str, Any], target: EngineTarget | None) -> EngineTarget:
+    if target is not None:
+        return target
+    try:
+        return engine_target(None, device=serve_args.get("device"))
+    except ValueError as exc:
+        raise GeometryError(f"serve_args.device: {exc}") from None
+
+
+def geometry_from_config(
+    config: Mapping[str, Any] | str, serve_args: Mapping[str, Any] | None = None, target: EngineTarget | None = None
+) -> KVGeometry:
     """KV geometry of one rank from a HF ``config.json`` and ``vllm serve`` arguments.
 
     ``serve_args`` keys used: ``dtype`` (default: the config's ``torch_dtype``/``dtype``;
     ``float32`` models run in ``bfloat16`` as vLLM's ``auto``), ``kv_cache_dtype``
     (``auto`` = model dtype, ``fp8*`` = 1 byte, ``fp8_ds_mla`` = DeepSeek's 656-byte
     packed MLA row), ``tensor_parallel_size``, ``pipeline_parallel_size``,
-    ``block_size`` (default 16, or 128 with ``device: cpu`` as vLLM's CPU engine).
+    ``block_size`` (default: the one vLLM of ``target``'s release picks on its device,
+    :mod:`._kv_block_size`), ``device`` (``cpu`` for the CPU build when no ``target`` is given).
+    ``target`` is the engine the plan is for (:func:`engine_target`); without one, the
+    newest known release's rules apply and the result's ``release_notes`` say so.
     Raises :class:`UnpredictableGeometry` for models that are not one
-    full-attention (or MLA) group: use :func:`capacity_model` for those.
+    full-attention (or MLA) group, or whose block size vLLM picks in a way not modelled.
     """
     serve_args = dict(serve_args or {})
+    tgt = _target(serve_args, target)
     top, cfg, where = _text_config(config)
     _check_predictable(cfg, top)
-    att = _attention(top, cfg, where, serve_args)
+    att = _attention(top, cfg, where, serve_args, tgt)
     bytes_per_token = att.layers_on_rank * att.token_bytes_per_layer
     if bytes_per_token <= 0:
         raise GeometryError(f"{where}: computed a non-positive KV size per token")
@@ -331,15 +369,56 @@ def geometry_from_config(config: Mapping[str, Any] | str, serve_args: Mapping[st
         dtype_bytes=att.dtype_bytes,
         kv_cache_dtype=att.kv_dtype,
         mla=att.mla,
+        block_size_source=att.block_size_source,
+        release_notes=tgt.rules.notes,
     )
 
 
-def capacity_model(config: Mapping[str, Any] | str, serve_args: Mapping[str, Any] | None = None) -> KVGeometry | KVLayout:
+def _prefix_caching(serve_args: Mapping[str, Any]) -> bool:
+    caching = serve_args.get("enable_prefix_caching", True)
+    return caching if isinstance(caching, bool) else str(caching).lower() in ("true", "1", "yes")
+
+
+def _hybrid_block(cfg: Mapping[str, Any], att: _Attention, serve_args: Mapping[str, Any], tgt: EngineTarget, gdn_prefill: bool) -> tuple[int, str]:
+    """The block vLLM aligns a state-space hybrid's attention page to (see :mod:`._kv_block_size`)."""
+    if att.mla:
+        raise UnknownLayout("a state-space hybrid with MLA layers: the block alignment vLLM applies is not modelled")
+    tp = _serve_int(serve_args, "tensor_parallel_size", 1)
+    explicit_half_gdn = ("qwen3_next" in att.model_type or "qwen3_5" in att.model_type) and str(
+        serve_args.get("mamba_ssm_cache_dtype") or "").lower() in ("float16", "bfloat16")
+    if tgt.device == "cpu" and not explicit_half_gdn:
+        # the CPU build keeps SSM state in float32 on hosts with AVX-512 BF16
+        float32_choices = {True, False} if tgt.cpu_bf16 is None else {tgt.cpu_bf16}
+    else:
+        float32_choices = {False}
+    given = serve_args.get("block_size") is not None
+    try:
+        pages = {state_page_bytes(cfg, att.model_type, tp=tp, model_dtype_bytes=att.model_bytes, serve_args=serve_args, target=tgt,
+                                  ssm_float32=f32) for f32 in float32_choices}
+    except UnknownLayout as exc:
+        if not given:
+            raise
+        return att.block_size, (f"serve_args.block_size, taken as is: {exc} (vLLM raises a block too small to hold the state; "
+                                "the profiled canary's figures check it)")
+    choice = hybrid_block_size(tgt, start=att.block_size, attention_page_per_token=att.token_bytes_per_layer, state_pages=pages,
+                               gdn_prefill=gdn_prefill, given=given)
+    if choice.size is None:
+        raise UnknownLayout(f"block size: {choice.source}")
+    return choice.size, choice.source
+
+
+def capacity_model(
+    config: Mapping[str, Any] | str, serve_args: Mapping[str, Any] | None = None, target: EngineTarget | None = None
+) -> KVGeometry | KVLayout:
     """The capacity model of any family: :class:`KVGeometry` for one full-attention/MLA group, else a :class:`KVLayout`.
 
-    Raises :class:`UnpredictableGeometry` (reason in the message) when the layout is not known.
+    ``target`` as for :func:`geometry_from_config`. A state-space hybrid's block size
+    is the one vLLM aligns to its state page (given or not). Raises
+    :class:`UnpredictableGeometry` (reason in the message) when the layout or the
+    block size is not known.
     """
     serve_args = dict(serve_args or {})
+    tgt = _target(serve_args, target)
     top, cfg, where = _text_config(config)
     try:
         family, _kinds = layer_kinds(cfg, _model_type(cfg, top))
@@ -348,16 +427,27 @@ def capacity_model(config: Mapping[str, Any] | str, serve_args: Mapping[str, Any
     except LayoutError as exc:
         raise GeometryError(str(exc)) from None
     if family == "full_attention":
-        return geometry_from_config(config, serve_args)
-    att = _attention(top, cfg, where, serve_args)
+        return geometry_from_config(config, serve_args, tgt)
+    att = _attention(top, cfg, where, serve_args, tgt)
+    block_size, block_source = att.block_size, att.block_size_source
+    notes: list[str] = []
+    gdn_prefill = False
     try:
+        if family == "hybrid_state_space":
+            gdn = "qwen3_next" in att.model_type or "qwen3_5" in att.model_type
+            gdn_prefill = gdn and gdn_flashinfer_prefill(tgt, _prefix_caching(serve_args))
+            block_size, block_source = _hybrid_block(cfg, att, serve_args, tgt, gdn_prefill)
+            if not tgt.rules.mamba_cache_mode_flag and serve_args.get("mamba_cache_mode") is not None:
+                notes.append(f"serve_args.mamba_cache_mode is ignored by vLLM {tgt.rules.release} (the mode follows prefix caching)")
+                serve_args.pop("mamba_cache_mode")
         layout = layout_from_config(
-            cfg, att.model_type, page_bytes=att.token_bytes_per_layer * att.block_size, block_size=att.block_size, serve_args=serve_args
+            cfg, att.model_type, page_bytes=att.token_bytes_per_layer * block_size, block_size=block_size, serve_args=serve_args,
+            checkpoint_blocks=1 if gdn_prefill else 0,
         )
     except UnknownLayout as exc:
         raise UnpredictableGeometry(f"{exc}; KV capacity comes from the engine's own figures") from None
     except LayoutError as exc:
         raise GeometryError(str(exc)) from None
     if layout is None:  # pragma: no cover - family checked above
-        return geometry_from_config(config, serve_args)
-    return layout
+        return geometry_from_config(config, serve_args, tgt)
+    return replace(layout, block_size_source=block_source, notes=tuple(notes) + layout.notes)

@@ -28,10 +28,9 @@ sliding and chunked layers next to full ones are allocated as full attention:
 one group.
 
 State-space layers (Mamba, GDN, linear attention) pad their page to the
-attention page, whose block size the engine raises until it holds the state:
-that block size is the engine's own figure (``block_size`` of the profiled
-canary), so such layouts are derived from it and checked against the canary's
-max concurrency. A config this module does not know raises
+attention page, whose block size the engine raises until it holds the state
+(:mod:`._kv_block_size` derives it per vLLM release and device); such layouts
+are checked against the profiled canary's max concurrency. A config this module does not know raises
 :class:`UnknownLayout`: the caller uses the engine's figures or refuses.
 """
 
@@ -124,6 +123,8 @@ class KVLayout:
     state_blocks: int = 1
     hybrid_manager: bool = True
     notes: tuple[str, ...] = field(default=())
+    # where the block size comes from (serve_args, or the engine's own choice and why), for the plan's reasons
+    block_size_source: str = ""
 
     @property
     def bytes_per_block(self) -> int:
@@ -160,6 +161,7 @@ class KVLayout:
             "state_blocks": self.state_blocks,
             "hybrid_manager": self.hybrid_manager,
             "notes": list(self.notes),
+            "block_size_source": self.block_size_source,
         }
 
 
@@ -292,13 +294,14 @@ def _group(kinds: list[tuple[str, int | None]], hybrid_manager: bool) -> tuple[l
 _MAMBA2_MODEL_TYPES = ("granitemoehybrid", "nemotron_h", "bamba", "falcon_h1", "zamba2", "mamba2", "plamo2")
 
 
-def _state_blocks(model_type: str, serve_args: Mapping[str, Any]) -> int:
-    """Blocks one request holds per state group (vLLM 0.32: ``MambaSpec.max_memory_usage_bytes``).
+def _state_blocks(model_type: str, serve_args: Mapping[str, Any], checkpoint_blocks: int = 0) -> int:
+    """Blocks one request holds per state group (vLLM's ``MambaSpec.max_memory_usage_bytes``).
 
     ``mamba_cache_mode`` is ``align`` by default when prefix caching is on (vLLM's
     default), ``none`` without it: ``none`` holds 1 block, ``align`` 2 plus a
-    prefill checkpoint block for Mamba2 mixers; speculative decoding adds
-    ``num_speculative_tokens`` blocks.
+    prefill checkpoint block for Mamba2 mixers (and ``checkpoint_blocks`` more: GDN
+    layers under the FlashInfer GDN prefill kernel, vLLM 0.33+); speculative
+    decoding adds ``num_speculative_tokens`` blocks.
     """
     mode = serve_args.get("mamba_cache_mode")
     if mode is None:
@@ -307,7 +310,7 @@ def _state_blocks(model_type: str, serve_args: Mapping[str, Any]) -> int:
         mode = "align" if caching else "none"
     spec = serve_args.get("num_speculative_tokens") or 0
     if str(mode).lower() == "align":
-        return 2 + int(spec) + (1 if any(t in model_type for t in _MAMBA2_MODEL_TYPES) else 0)
+        return 2 + int(spec) + (1 if any(t in model_type for t in _MAMBA2_MODEL_TYPES) else 0) + checkpoint_blocks
     return 1 + int(spec)
 
 
@@ -318,6 +321,7 @@ def layout_from_config(
     page_bytes: int,
     block_size: int,
     serve_args: Mapping[str, Any],
+    checkpoint_blocks: int = 0,
 ) -> KVLayout | None:
     """KV layout of a non-full-attention model; None for a plain full-attention (or MLA) model.
 
@@ -347,9 +351,9 @@ def layout_from_config(
         if batches is None:
             batches = 2 if str(serve_args.get("async_scheduling", "")).lower() in ("true", "1", "yes") else 1
         in_flight = int(batches) * int(batched)
-    state_blocks = _state_blocks(model_type, serve_args) if family == "hybrid_state_space" else 1
+    state_blocks = _state_blocks(model_type, serve_args, checkpoint_blocks) if family == "hybrid_state_space" else 1
     if family == "hybrid_state_space":
-        notes.append("state pages are padded to the attention page: the engine's block size decides the page")
+        notes.append(f"state pages are padded to the attention page of {block_size} tokens")
     return KVLayout(
         family=family,
         groups=tuple(groups),

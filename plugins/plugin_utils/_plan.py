@@ -391,7 +391,7 @@ def _read_inputs(spec: Mapping[str, Any]) -> _Inputs:
 def _settle_reference_kv(p: _Planning) -> None:
     """The capacity model, then B_ref of a reference without vLLM's suggestion: the bytes its blocks hold."""
     ref, reasons = p.ref, p.reasons
-    geo, geo_why = reference_geometry(ref)
+    geo, geo_why = reference_geometry(ref, reasons)
     p.geo = geo
     p.cap, p.cap_why = class_capacity(ref, geo, geo_why, p.inputs.max_model_len, reasons)
     in_use = [r for r in ref["ranks"] if r["kv_source"] == "in_use"]

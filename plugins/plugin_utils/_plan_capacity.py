@@ -16,7 +16,15 @@ from collections.abc import Mapping
 from dataclasses import replace
 from typing import Any
 
-from ansible_collections.gpufleet.vllm.plugins.module_utils._geometry import GeometryError, KVGeometry, UnpredictableGeometry, capacity_model, load_config
+from ansible_collections.gpufleet.vllm.plugins.module_utils._geometry import (
+    EngineTarget,
+    GeometryError,
+    KVGeometry,
+    UnpredictableGeometry,
+    capacity_model,
+    engine_target,
+    load_config,
+)
 from ansible_collections.gpufleet.vllm.plugins.module_utils._kv_capacity import (
     blocks_for_bytes,
     capacity_record,
@@ -24,20 +32,59 @@ from ansible_collections.gpufleet.vllm.plugins.module_utils._kv_capacity import 
     one_request_blocks,
     tokens_for_blocks,
 )
+from ansible_collections.gpufleet.vllm.plugins.module_utils._kv_block_size import attention_block_size
 from ansible_collections.gpufleet.vllm.plugins.module_utils._kv_layout import KVLayout
 from ansible_collections.gpufleet.vllm.plugins.plugin_utils._plan_inputs import PlanError, Reference
 
 __all__ = ["Capacity", "class_capacity", "geometry_family", "reference_geometry", "what_if_fp8"]
 
 
-def reference_geometry(ref: Reference) -> tuple[KVGeometry | KVLayout | None, str | None]:
+def _reference_target(ref: Reference, serve_args: Mapping[str, Any]) -> EngineTarget:
+    runtime = ref.get("runtime") or {}
+    try:
+        return engine_target(runtime.get("vllm_version"), device=serve_args.get("device"),
+                             compute_capability=runtime.get("compute_capability"), cuda_version=runtime.get("cuda_version"))
+    except ValueError as exc:
+        raise PlanError(f"reference.geometry.serve_args.device: {exc}") from None
+
+
+def _model(config: Any, serve_args: dict[str, Any], ref: Reference, target: EngineTarget,
+           notes: list[str]) -> tuple[KVGeometry | KVLayout | None, str | None]:
+    """The capacity model with vLLM's own block size, or the profiled canary's where they differ or vLLM's is not modelled."""
+    engine_block = ref.get("block_size")
+    canary = "the profiled canary's block size (reference.block_size)"
+    try:
+        try:
+            geo = capacity_model(config, serve_args, target)
+        except UnpredictableGeometry as exc:
+            if "block_size" in serve_args or not engine_block or not str(exc).startswith("block size:"):
+                raise
+            notes.append(f"{exc}: the profiled canary's block size {engine_block} is used")
+            geo = capacity_model(config, dict(serve_args, block_size=engine_block), target)
+            return replace(geo, block_size_source=canary), None
+        if "block_size" not in serve_args and engine_block and engine_block != geo.block_size:
+            notes.append(
+                f"the profiled canary used block size {engine_block} where {target.describe()} is modelled to pick {geo.block_size} "
+                f"({geo.block_size_source}): the canary's figure is used"
+            )
+            geo = capacity_model(config, dict(serve_args, block_size=engine_block), target)
+            return replace(geo, block_size_source=canary), None
+        return geo, None
+    except UnpredictableGeometry as exc:
+        return None, str(exc)
+
+
+def reference_geometry(ref: Reference, notes: list[str] | None = None) -> tuple[KVGeometry | KVLayout | None, str | None]:
     """Capacity model from the reference (geometry: or bytes_per_block); (None, why) when unknown.
 
     One full-attention (or MLA) group gives a :class:`KVGeometry`; sliding-window,
     chunked-local and state-space hybrids give a :class:`KVLayout` grouped as vLLM
-    groups them. A hybrid's page follows the engine's block size, so the
-    reference's (the profiled canary's) block size is used for it.
+    groups them. The block size is the serve arguments', else the one vLLM of the
+    reference's release picks on its device for that layout (:mod:`._kv_block_size`);
+    the profiled canary's own block size wins where it differs or where vLLM's choice
+    is not modelled. ``notes`` receives what the plan's reasons should say about it.
     """
+    notes = [] if notes is None else notes
     geo_spec = ref.get("geometry")
     geo: KVGeometry | KVLayout | None = None
     why: str | None = None
@@ -45,20 +92,26 @@ def reference_geometry(ref: Reference) -> tuple[KVGeometry | KVLayout | None, st
         if not isinstance(geo_spec, Mapping) or "config" not in geo_spec:
             raise PlanError("reference.geometry: expected {config: <config.json path or dict>, serve_args: {...}}")
         serve_args = dict(geo_spec.get("serve_args") or {})
-        if "block_size" not in serve_args and ref.get("block_size"):
-            serve_args["block_size"] = ref["block_size"]
+        target = _reference_target(ref, serve_args)
         try:
-            geo = capacity_model(geo_spec["config"], serve_args)
-            if isinstance(geo, KVLayout) and geo.family == "hybrid_state_space" and ref.get("block_size_given") and geo.block_size != ref["block_size"]:
-                serve_args["block_size"] = ref["block_size"]
-                geo = capacity_model(geo_spec["config"], serve_args)
-        except UnpredictableGeometry as exc:
-            geo, why = None, str(exc)
+            geo, why = _model(geo_spec["config"], serve_args, ref, target, notes)
         except GeometryError as exc:
             raise PlanError(f"reference.geometry: {exc}") from None
+        if geo is not None:
+            if geo.block_size_source != "serve_args.block_size":
+                notes.append(f"block size {geo.block_size}: {geo.block_size_source}")
+            notes.extend(n for n in target.rules.notes if n not in notes)
+            if isinstance(geo, KVLayout):
+                notes.extend(n for n in geo.notes if "is ignored by" in n)
     bpb = ref.get("bytes_per_block")
     if bpb is not None:
         bs = ref["block_size"]
+        if bs is None:
+            # bytes per block without the block size: a full-attention engine's, at the block vLLM picks for attention layers
+            target = _reference_target(ref, {})
+            bs = attention_block_size(target, given=None, mla=False, model_type="").size or 16
+            notes.append(f"block size {bs} with reference.bytes_per_block: {target.describe()} picks it for attention layers "
+                         "(give reference.block_size for an MLA or state-space model)")
         if bpb <= 0 or bpb % bs:
             raise PlanError(f"reference.bytes_per_block {bpb} is not a positive multiple of block_size {bs}")
         if geo is not None and (geo.bytes_per_block != bpb or geo.block_size != bs):
@@ -78,6 +131,7 @@ def reference_geometry(ref: Reference) -> tuple[KVGeometry | KVLayout | None, st
                 num_layers_on_rank=0,
                 kv_heads_per_rank=0,
                 dtype_bytes=dtype_bytes,
+                block_size_source="reference.block_size",
             )
     if geo is None:
         return None, why or "the reference gives no KV geometry (bytes_per_block or geometry)"

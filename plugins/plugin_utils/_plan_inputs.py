@@ -44,8 +44,9 @@ class Reference(TypedDict):
     ranks: list[RefRank]
     vllm_free: dict[int, int]
     total_bytes: int | None
-    block_size: int
+    block_size: int | None  # the profiled engine's (or a given) block size; None: vLLM's own choice is derived
     block_size_given: bool
+    runtime: dict[str, Any]  # the engine the reference was profiled on: vllm_version, compute_capability, cuda_version
     bytes_per_block: int | None
     geometry: Any  # {config, serve_args} as given; reference_geometry checks it
     kv_dtype_bytes: Any
@@ -103,6 +104,10 @@ def _rank_no(value: Any, field: str) -> int:
     return value
 
 
+# the runtime facts of a reference that decide which vLLM release's rules plan it (the compatibility key's fields)
+_RUNTIME_KEYS = ("vllm_version", "compute_capability", "cuda_version")
+
+
 def parse_reference(raw: Any) -> Reference | None:
     """The input's ``reference`` (a recorded profile or a whole ``kv_profile`` record); None when absent or without ranks."""
     if raw is None or raw == {} or raw == "":
@@ -111,11 +116,15 @@ def parse_reference(raw: Any) -> Reference | None:
         raise PlanError(f"reference: expected a mapping (a recorded profile), got {type(raw).__name__}")
     ref = dict(raw)
     compat_hash = ref.get("compat_hash")
+    runtime = {k: ref.get(k) for k in _RUNTIME_KEYS if ref.get(k) is not None}
     if "ranks" not in ref and isinstance(ref.get("profile"), Mapping):
-        # a whole kv_profile record: unwrap it
+        # a whole kv_profile record: unwrap it; its compatibility key names the runtime it was profiled on
         compat_hash = compat_hash or ref.get("key_hash")
+        compat = ref.get("compat") if isinstance(ref.get("compat"), Mapping) else {}
+        runtime = {k: compat.get(k) for k in _RUNTIME_KEYS if compat.get(k) is not None}
         ref = dict(ref["profile"])
         compat_hash = ref.get("compat_hash") or compat_hash
+        runtime.update((k, ref[k]) for k in _RUNTIME_KEYS if ref.get(k) is not None)
     ranks_raw = ref.get("ranks")
     if not ranks_raw:
         return None
@@ -171,8 +180,9 @@ def parse_reference(raw: Any) -> Reference | None:
         "ranks": ranks,
         "vllm_free": vllm_free,
         "total_bytes": size(ref["total_bytes"], "reference.total_bytes") if ref.get("total_bytes") is not None else None,
-        "block_size": 16 if ref.get("block_size") is None else size(ref["block_size"], "reference.block_size"),
+        "block_size": None if ref.get("block_size") is None else size(ref["block_size"], "reference.block_size"),
         "block_size_given": ref.get("block_size") is not None,
+        "runtime": runtime,
         "bytes_per_block": size(ref["bytes_per_block"], "reference.bytes_per_block") if ref.get("bytes_per_block") is not None else None,
         "geometry": ref.get("geometry"),
         "kv_dtype_bytes": ref.get("kv_dtype_bytes"),
@@ -184,7 +194,10 @@ def parse_reference(raw: Any) -> Reference | None:
         "gpu_name": ref.get("gpu_name"),
         "compat_hash": compat_hash,
     }
-    if out["block_size"] <= 0:
+    for key, value in runtime.items():
+        if not isinstance(value, (str, int, float)) or isinstance(value, bool) or any(ord(c) < 32 for c in str(value)):
+            raise PlanError(f"reference.{key}: expected a version string, got {value!r}")
+    if out["block_size"] is not None and out["block_size"] <= 0:
         raise PlanError(f"reference.block_size must be positive, got {ref.get('block_size')!r}")
     total = out["total_bytes"]
     if total is not None:

@@ -122,10 +122,20 @@ def test_kv_head_key_precedence():
 
 
 def test_mla_is_one_latent_head_not_split_by_tp():
-    geo = geometry_from_config(DEEPSEEK_V2_LITE, {})
+    geo = geometry_from_config(DEEPSEEK_V2_LITE, {"block_size": 64})
     assert geo.mla
     assert geo.bytes_per_token == 27 * 576 * 2
-    assert geometry_from_config(DEEPSEEK_V2_LITE, {"tensor_parallel_size": 4}).bytes_per_token == 27 * 576 * 2
+    assert geometry_from_config(DEEPSEEK_V2_LITE, {"tensor_parallel_size": 4, "block_size": 64}).bytes_per_token == 27 * 576 * 2
+
+
+def test_mla_block_size_is_the_engines_never_a_guess():
+    # CUDA: the MLA decode backend picks it per GPU generation, which is not modelled: no figure rather than 16
+    with pytest.raises(UnpredictableGeometry, match="block size: .*MLA decode backend"):
+        geometry_from_config(DEEPSEEK_V2_LITE, {})
+    # the CPU build's MLA kernel takes only 16, whatever was asked
+    for asked in ({}, {"block_size": 128}):
+        geo = geometry_from_config(DEEPSEEK_V2_LITE, dict(asked, device="cpu"))
+        assert (geo.block_size, geo.block_size_source.startswith("the CPU build's MLA kernel")) == (16, True)
 
 
 def test_vlm_text_config():

@@ -18,6 +18,7 @@ from ansible_collections.gpufleet.vllm.plugins.module_utils._geometry import (
     KVGeometry,
     UnpredictableGeometry,
     capacity_model,
+    engine_target,
     geometry_from_config,
 )
 from ansible_collections.gpufleet.vllm.plugins.module_utils._kv_layout import FAMILIES, KVLayout, layer_kinds
@@ -75,7 +76,8 @@ def _page(kv_heads: int, head_dim: int, block: int = 16, dtype_bytes: int = 2) -
 
 
 def _layout(cfg, **serve) -> KVLayout:
-    model = capacity_model(cfg, dict(SERVE, **serve))
+    # these figures are vLLM 0.32's on a Hopper GPU
+    model = capacity_model(cfg, dict(SERVE, **serve), engine_target("0.32.0", compute_capability="9.0"))
     assert isinstance(model, KVLayout), model
     return model
 
@@ -90,7 +92,7 @@ def test_full_attention_is_one_group_geometry():
 
 @pytest.mark.parametrize("kv_dtype, per_layer", [("auto", 576 * 2), ("fp8", 576), ("fp8_e5m2", 576), ("fp8_ds_mla", 656)])
 def test_mla_per_kv_dtype(kv_dtype, per_layer):
-    geo = geometry_from_config(DEEPSEEK_V3, {"kv_cache_dtype": kv_dtype, "tensor_parallel_size": 8})
+    geo = geometry_from_config(DEEPSEEK_V3, {"kv_cache_dtype": kv_dtype, "tensor_parallel_size": 8, "block_size": 64})
     assert geo.mla
     assert geo.bytes_per_token == 61 * per_layer  # one latent head, not split by TP
 

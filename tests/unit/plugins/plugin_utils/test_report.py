@@ -29,6 +29,7 @@ def seed_plan(**over):
             "ranks": [{"rank": 0, "free_bytes": "42GiB", "kv_bytes": "30GiB"}],
             "total_bytes": "141GiB",
             "bytes_per_block": 16 * 131072,
+            "block_size": 16,
             "kv_dtype_bytes": 2,
         },
         "hosts": {"gpu-a/vllm": [{"rank": 0, "boot_free_bytes": "40.75GiB"}], "gpu-b/vllm": [{"rank": 0, "boot_free_bytes": "41.5GiB"}]},
