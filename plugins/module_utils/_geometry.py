@@ -435,7 +435,7 @@ def capacity_model(
     try:
         if family == "hybrid_state_space":
             gdn = "qwen3_next" in att.model_type or "qwen3_5" in att.model_type
-            gdn_prefill = gdn and gdn_flashinfer_prefill(tgt, _prefix_caching(serve_args))
+            gdn_prefill = gdn and gdn_flashinfer_prefill(tgt, _prefix_caching(serve_args), cfg.get("linear_key_head_dim"))
             block_size, block_source = _hybrid_block(cfg, att, serve_args, tgt, gdn_prefill)
             if not tgt.rules.mamba_cache_mode_flag and serve_args.get("mamba_cache_mode") is not None:
                 notes.append(f"serve_args.mamba_cache_mode is ignored by vLLM {tgt.rules.release} (the mode follows prefix caching)")

@@ -13,23 +13,28 @@ the capacity unknown: never a default of 16 by guess).
 What vLLM does (``platforms/interface.py`` ``update_block_size_for_backend`` and
 ``_align_hybrid_block_size``, ``platforms/cpu.py``; 0.32 to 0.34):
 
-* CUDA, attention layers: ``CacheConfig.DEFAULT_BLOCK_SIZE`` 16, which the
-  default attention backends (FlashAttention, FlashInfer, Triton) accept.
-* CUDA, MLA: the MLA decode backend decides (FlashMLA, CUTLASS, FlashInfer,
-  Triton need different sizes per GPU generation): not modelled here.
+* CUDA, attention layers: ``CacheConfig.DEFAULT_BLOCK_SIZE`` (16; 64 from
+  0.34), which the default attention backends (FlashAttention, FlashInfer,
+  Triton) accept.
+* CUDA, MLA: the default MLA decode backend of the GPU generation decides:
+  Triton MLA on compute capability 8.x and 12.x and FlashAttention MLA on 9.0
+  keep the default; FlashInfer MLA on 10.x takes 32 or 64 (32 while the
+  default is 16). A GPU whose capability is not known is not modelled.
 * CPU build: 128 for attention layers; 16 for MLA (the reference MLA kernel,
   on hosts without AMX tiles); 256 for DeepSeek-V4.
 * Hybrid state-space models: the attention page is raised until it holds one
   layer's state, ``block = k * cdiv(state_page, k * attention_page_per_token)``
   with ``k = max(smallest kernel block, block so far)`` (CUDA 16, CPU 32),
   then rounded up to a multiple of every backend's smallest kernel block; from
-  0.33 on, GDN layers with the FlashInfer GDN prefill kernel (Hopper, Blackwell
-  with CUDA 13, prefix caching on) make that multiple 64. A block the user gave
-  is raised the same way when it cannot hold the state.
+  0.33 on, GDN layers with the FlashInfer GDN prefill kernel (Hopper; 10.x and
+  12.x with ``linear_key_head_dim`` 128 and CUDA 13; prefix caching on) make
+  ``k`` a multiple of 64 (their prefill checkpoint alignment). A block the user
+  gave is raised the same way when it cannot hold the state.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional, Tuple
 
@@ -38,7 +43,6 @@ from ._vllm_release import ReleaseRules, release_rules
 
 __all__ = ["BlockSize", "EngineTarget", "attention_block_size", "engine_target", "hybrid_block_size", "state_page_bytes"]
 
-CUDA_DEFAULT_BLOCK = 16
 CPU_DEFAULT_BLOCK = 128
 _KERNEL_BLOCK = {"cuda": 16, "cpu": 32}
 _GDN_FLASHINFER_BLOCK = 64
@@ -120,13 +124,24 @@ def attention_block_size(target: EngineTarget, *, given: Optional[int], mla: boo
         return BlockSize(CPU_DEFAULT_BLOCK, f"{target.describe()} picks {CPU_DEFAULT_BLOCK} for attention layers")
     if given:
         return BlockSize(given, "serve_args.block_size")
+    default = target.rules.cuda_default_block
     if mla:
-        return BlockSize(None, f"{target.describe()}: the MLA decode backend picks the block size per GPU generation, "
-                               "which this planner does not model (give serve_args.block_size, or profile a canary)")
-    return BlockSize(CUDA_DEFAULT_BLOCK, f"{target.describe()} keeps its default {CUDA_DEFAULT_BLOCK} (the CUDA attention backends accept it)")
+        cap = target.compute_capability
+        if cap is None:
+            return BlockSize(None, f"{target.describe()}: the MLA decode backend, which picks the block size, depends on the GPU's "
+                                   "compute capability, which is not known (give serve_args.block_size, or profile a canary)")
+        if model_type in ("deepseek_v32", "deepseek_v4") or cap[0] not in (8, 9, 10, 12):
+            return BlockSize(None, f"{target.describe()}: the block size of this MLA model's backends is not modelled "
+                                   "(give serve_args.block_size, or profile a canary)")
+        if cap[0] == 10:
+            size = max(32, default)
+            return BlockSize(size, f"{target.describe()}: the FlashInfer MLA decode backend takes 32 or 64, so {size}")
+        backend = "FlashAttention MLA" if cap[0] == 9 else "Triton MLA"
+        return BlockSize(default, f"{target.describe()}: the {backend} decode backend keeps vLLM's default {default}")
+    return BlockSize(default, f"{target.describe()} keeps its default {default} (the CUDA attention backends accept it)")
 
 
-def gdn_flashinfer_prefill(target: EngineTarget, prefix_caching: bool) -> bool:
+def gdn_flashinfer_prefill(target: EngineTarget, prefix_caching: bool, key_head_dim: Any) -> bool:
     """Whether vLLM picks the FlashInfer GDN prefill kernel, which adds a checkpoint block and a 64-token alignment."""
     if not target.rules.gdn_flashinfer_prefill or target.device != "cuda" or not prefix_caching:
         return False
@@ -134,7 +149,14 @@ def gdn_flashinfer_prefill(target: EngineTarget, prefix_caching: bool) -> bool:
     if cap is None:
         raise UnknownLayout(f"{target.describe()}: whether the FlashInfer GDN prefill kernel runs depends on the GPU's "
                             "compute capability, which is not known (probe the GPUs, or give serve_args.block_size)")
-    return cap[0] == 9 or (cap[0] == 10 and (target.cuda_major or 0) >= 13)
+    if cap[0] == 9:
+        return True
+    if cap[0] in (10, 12) and key_head_dim == 128:
+        if target.cuda_major is None:
+            raise UnknownLayout(f"{target.describe()}: whether the FlashInfer GDN prefill kernel runs depends on the CUDA "
+                                "runtime version (13 or later), which is not known")
+        return target.cuda_major >= 13
+    return False
 
 
 def _dtype_bytes(name: Any, where: str) -> int:
@@ -221,12 +243,14 @@ def hybrid_block_size(target: EngineTarget, *, start: int, attention_page_per_to
     known): when they lead to different blocks the block size is not modelled.
     """
     kernel = _KERNEL_BLOCK[target.device]
-    align = _GDN_FLASHINFER_BLOCK if gdn_prefill else kernel
+    step = max(kernel, start)
+    if gdn_prefill:
+        # prefill checkpoints land on block boundaries: the step is also a multiple of their alignment
+        step = step * _GDN_FLASHINFER_BLOCK // math.gcd(step, _GDN_FLASHINFER_BLOCK)
     blocks = set()
     for page in state_pages:
-        step = max(kernel, start)
         block = step * _cdiv(page, step * attention_page_per_token)
-        block = align * _cdiv(block, align)
+        block = kernel * _cdiv(block, kernel)
         blocks.add(max(start, block))
     if len(blocks) != 1:
         return BlockSize(None, f"{target.describe()}: the state's dtype depends on a host CPU feature that is not known, and the "

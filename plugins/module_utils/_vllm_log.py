@@ -226,18 +226,23 @@ _MODEL_LOAD = re.compile(
     rf"Model loading took ({_NUM}) GiB(?: memory)? and ({_NUM}) seconds"
 )
 _WEIGHTS_LOAD = re.compile(rf"Loading weights took ({_NUM}) seconds")
+# The compilation figure is followed by ")" or, when an encoder was compiled too, by its
+# split: "(compilation: 11.05 s — language_model: 10.00 s, encoder: 1.05 s)".
 _INIT_ENGINE = re.compile(
     rf"init engine \(profile, create kv cache, warmup model\) took ({_NUM}) "
-    rf"(?:s|secs|seconds)(?: \(compilation: ({_NUM}) s\))?"
+    rf"(?:s|secs|seconds)(?: \(compilation: ({_NUM}) s\b)?"
 )
 _GRAPH_CAPTURE = re.compile(
     rf"Graph capturing finished in ({_NUM}) secs?, took ({_NUM}) GiB"
 )
 _BLOCK_SIZE = re.compile(r"Setting kv cache block size to (\d+)")
 _NUM_GPU_BLOCKS = re.compile(r"# (?:GPU|CPU|XPU|NPU) blocks: (\d+)")
+# The API server's start-up line is the logo's "version X", or without the logo
+# (VLLM_DISABLE_LOG_LOGO) "vLLM server version X, serving model M" ("vLLM API server
+# version X" in older releases).
 _VERSION = re.compile(
     r"(?:Initializing a V\d LLM engine \(v?([\w.+-]+)\)"
-    r"|vLLM API server version ([\w.+-]+)"
+    r"|vLLM (?:API )?server version ([\w.+-]+)"
     r"|█\s+version (\d+\.\d+\.\d+[\w.+-]*))"
 )
 _TP = re.compile(r"\btensor_parallel_size=(\d+)")

@@ -19,7 +19,7 @@ from __future__ import annotations
 import re
 import sys
 from dataclasses import dataclass, field
-from typing import Optional, Tuple
+from typing import Any, Optional, Tuple
 
 __all__ = ["RELEASES", "SUPPORTED_WHEELS", "ReleaseRules", "release_rules", "parse_version"]
 
@@ -47,19 +47,24 @@ class ReleaseRules:
     refuses_half_kv_dtype_mismatch: bool
     # the CPU build checks the NUMA node's available memory against the utilization at startup (0.32)
     cpu_startup_check: bool
+    # CacheConfig.DEFAULT_BLOCK_SIZE: what CUDA attention backends keep when no block size is given (64 from 0.34)
+    cuda_default_block: int
+    # a profiled CUDA engine sizes its KV cache after warmup and skips the startup free-memory check (0.34, unless
+    # --kv-cache-memory-bytes is given: the fixed budgets the collection deploys never use it)
+    extensible_kv_cache: bool
     notes: Tuple[str, ...] = field(default=())
 
     def as_dict(self) -> dict:
         return {"release": self.release, "version": self.version, "notes": list(self.notes)}
 
 
-_RULES: dict[str, dict[str, bool]] = {
+_RULES: dict[str, dict[str, Any]] = {
     "0.32": {"mamba_cache_mode_flag": True, "gdn_flashinfer_prefill": False, "refuses_half_kv_dtype_mismatch": False,
-             "cpu_startup_check": True},
+             "cpu_startup_check": True, "cuda_default_block": 16, "extensible_kv_cache": False},
     "0.33": {"mamba_cache_mode_flag": False, "gdn_flashinfer_prefill": True, "refuses_half_kv_dtype_mismatch": True,
-             "cpu_startup_check": False},
+             "cpu_startup_check": False, "cuda_default_block": 16, "extensible_kv_cache": False},
     "0.34": {"mamba_cache_mode_flag": False, "gdn_flashinfer_prefill": True, "refuses_half_kv_dtype_mismatch": True,
-             "cpu_startup_check": False},
+             "cpu_startup_check": False, "cuda_default_block": 64, "extensible_kv_cache": True},
 }
 RELEASES: tuple[str, ...] = tuple(sorted(_RULES, key=lambda r: tuple(int(p) for p in r.split("."))))
 

@@ -24,7 +24,7 @@ def test_readme_worked_example_matches_the_planner() -> None:
     plan = plan_class({
         "host_class": "readme",
         "reference": {"ranks": [{"rank": 0, "free_bytes": "42GiB", "kv_bytes": "30GiB"}], "total_bytes": "141GiB",
-                      "geometry": {"config": LLAMA_8B, "serve_args": {"max_model_len": 8192}}},
+                      "geometry": {"config": LLAMA_8B, "serve_args": {"max_model_len": 8192}}, "vllm_version": "0.33.0"},
         "hosts": {"a": [{"rank": 0, "boot_free_bytes": "40.75GiB"}]},
         "guard_bytes": "0.5GiB",
     })

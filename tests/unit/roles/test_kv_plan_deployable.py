@@ -26,7 +26,8 @@ ROLE = ROOT / "roles" / "kv_plan"
 TASKS = yaml.safe_load((ROLE / "tasks" / "main.yml").read_text(encoding="utf-8"))
 DEFAULTS = yaml.safe_load((ROLE / "defaults" / "main.yml").read_text(encoding="utf-8"))
 GIB = 1024**3
-REFERENCE = {"ranks": [{"rank": 0, "free_bytes": 42 * GIB, "kv_bytes": 30 * GIB}], "total_bytes": 141 * GIB, "bytes_per_block": 2097152}
+REFERENCE = {"ranks": [{"rank": 0, "free_bytes": 42 * GIB, "kv_bytes": 30 * GIB}], "total_bytes": 141 * GIB, "bytes_per_block": 2097152,
+             "vllm_version": "0.32.0"}
 OMITTED = object()
 
 

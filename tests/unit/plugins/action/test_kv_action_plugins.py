@@ -20,6 +20,7 @@ REFERENCE = {
     "ranks": [{"rank": 0, "free_bytes": "42GiB", "kv_bytes": "30GiB"}, {"rank": 1, "free_bytes": "42GiB", "kv_bytes": "30GiB"}],
     "total_bytes": "141GiB",
     "bytes_per_block": 2097152,
+    "vllm_version": "0.32.0",
 }
 
 

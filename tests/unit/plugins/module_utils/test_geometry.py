@@ -10,6 +10,7 @@ from ansible_collections.gpufleet.vllm.plugins.module_utils._geometry import (
     GeometryError,
     UnpredictableGeometry,
     cdiv,
+    engine_target,
     geometry_from_config,
 )
 
@@ -46,10 +47,16 @@ DEEPSEEK_V2_LITE = {
 
 
 def test_llama_8b_bf16():
-    geo = geometry_from_config(LLAMA_8B, {})
+    geo = geometry_from_config(LLAMA_8B, {}, engine_target("0.33.0"))
     assert geo.bytes_per_token == 131072 == 2 * 32 * 8 * 128 * 2
     assert geo.block_size == 16
     assert geo.bytes_per_block == 16 * 131072
+    # vLLM 0.34's CacheConfig.DEFAULT_BLOCK_SIZE is 64, which the CUDA attention backends keep
+    geo34 = geometry_from_config(LLAMA_8B, {}, engine_target("0.34.0"))
+    assert (geo34.block_size, geo34.block_size_source) == (64, "vLLM 0.34 on CUDA keeps its default 64 (the CUDA attention backends accept it)")
+    # an unknown or newer runtime: the newest known release's rules, and it says so
+    assert geometry_from_config(LLAMA_8B, {}, engine_target("0.40.1")).release_notes == (
+        "vLLM 0.40.1 is newer than 0.34, the newest release this collection knows: planned with 0.34's rules",)
     assert geo.num_layers_on_rank == 32
     assert geo.kv_heads_per_rank == 8
 
@@ -166,7 +173,7 @@ def test_disabled_sliding_window_is_fine():
 
 
 def test_block_helpers():
-    geo = geometry_from_config(LLAMA_8B, {})
+    geo = geometry_from_config(LLAMA_8B, {"block_size": 16})
     assert cdiv(8192, 16) == 512
     assert geo.bytes_for_one_request(8192) == 513 * geo.bytes_per_block
     assert geo.bytes_for_tokens(17) == 2 * geo.bytes_per_block

@@ -401,6 +401,38 @@ def test_a_lone_suggestion_line_is_enough() -> None:
         r0.initial_free_bytes - non_kv - 150 * MIB, abs=4 * GIB_ROUNDING_BYTES)
 
 
+@pytest.mark.parametrize(
+    ("line", "version"),
+    [
+        # the logo (0.32-0.34), its plain form without the logo (0.32-0.34), the older wording
+        ("(APIServer pid=7) INFO 11-29 21:05:38 [startup.py:38]  ▄▄ ▄█ █     █     █ ▀▄▀ █  version 0.34.0",
+         "0.34.0"),
+        ("(APIServer pid=7) INFO 11-29 21:05:38 [startup.py:38] vLLM server version 0.33.0, serving model /m",
+         "0.33.0"),
+        ("(APIServer pid=7) INFO 08-17 02:57:58 [api_server.py:1805] vLLM API server version 0.9.1", "0.9.1"),
+    ],
+)
+def test_server_version_line_wordings(line: str, version: str) -> None:
+    log = parse_engine_log(line)
+    assert log.recognised and log.version == version
+
+
+@pytest.mark.parametrize(
+    ("line", "compilation"),
+    [
+        ("init engine (profile, create kv cache, warmup model) took 42.17 s", None),
+        ("init engine (profile, create kv cache, warmup model) took 42.17 s (compilation: 11.05 s)", 11.05),
+        # 0.32-0.34 with an encoder compiled too: the figure after "compilation:" is the sum
+        ("init engine (profile, create kv cache, warmup model) took 42.17 s (compilation: 11.05 s "
+         "\u2014 language_model: 10.00 s, encoder: 1.05 s)", 11.05),
+    ],
+)
+def test_init_engine_line_wordings(line: str, compilation: float | None) -> None:
+    log = parse_engine_log(f"(EngineCore pid=7) INFO 11-29 21:05:38 [core.py:441] {line}")
+    assert log.timings.init_engine_seconds == 42.17
+    assert log.timings.compilation_seconds == compilation
+
+
 def test_gib_to_bytes() -> None:
     assert gib_to_bytes("1") == GIB
     assert gib_to_bytes("0.5") == GIB // 2

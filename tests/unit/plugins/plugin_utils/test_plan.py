@@ -38,6 +38,7 @@ def spec(**over):
             "total_bytes": "141GiB",
             "bytes_per_block": BPB,
             "kv_dtype_bytes": 2,
+            "vllm_version": "0.32.0",
         },
         "hosts": {"a": [{"rank": 0, "boot_free_bytes": "40.75GiB"}]},
         "guard_bytes": "0.5GiB",
@@ -166,6 +167,7 @@ def test_blocks_tokens_concurrency_from_geometry():
         "ranks": [{"rank": 0, "free_bytes": "42GiB", "kv_bytes": "30GiB"}],
         "total_bytes": "141GiB",
         "geometry": {"config": LLAMA_8B, "serve_args": {"max_model_len": 8192}},
+        "vllm_version": "0.33.0",
     }
     del s["max_model_len"]
     plan = plan_class(s)
@@ -207,6 +209,7 @@ def test_sliding_window_model_is_planned_from_its_layout_not_scaled():
         "ranks": [{"rank": 0, "free_bytes": "42GiB", "kv_bytes": "30GiB"}],
         "total_bytes": "141GiB",
         "geometry": {"config": dict(LLAMA_8B, sliding_window=4096), "serve_args": {"max_num_batched_tokens": 2048}},
+        "vllm_version": "0.32.0",
     }
     plan = plan_class(s)
     assert plan["capacity_source"] == "layout"
@@ -539,7 +542,7 @@ def fleets(draw):
     hosts = {f"h{i}": [{"rank": r, "boot_free_bytes": draw(FREE)} for r in range(ranks)] for i in range(n_hosts)}
     guard = draw(st.integers(min_value=0, max_value=2 * GIB))
     return {
-        "reference": {"ranks": ref, "total_bytes": 141 * GIB, "bytes_per_block": BPB, "kv_dtype_bytes": 2},
+        "reference": {"ranks": ref, "total_bytes": 141 * GIB, "bytes_per_block": BPB, "kv_dtype_bytes": 2, "vllm_version": "0.32.0"},
         "hosts": hosts,
         "guard_bytes": guard,
         "max_model_len": 8192,

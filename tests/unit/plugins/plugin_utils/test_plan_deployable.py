@@ -69,7 +69,7 @@ def test_bad_input_names_the_field(args, match):
 def test_planner_output_judged():
     """A real plan: an admission shortfall is deployable only when admission is not required."""
     reference = {"ranks": [{"rank": 0, "free_bytes": 42 * GIB, "kv_bytes": 30 * GIB}], "total_bytes": 141 * GIB,
-                 "bytes_per_block": 2097152}
+                 "bytes_per_block": 2097152, "vllm_version": "0.32.0"}
     short = plan_class({"host_class": "h200", "reference": reference, "guard_bytes": "0.5GiB", "max_model_len": 8192,
                         "hosts": {"a": [{"rank": 0, "boot_free_bytes": 42 * GIB}]}, "admission": {"tokens": 300_000}})
     assert short["decision"] == "deploy" and short["admission"]["ok"] is False

@@ -25,6 +25,7 @@ def spec(boot_free: str | int = "40.75GiB", deployed=None, **over):
             "total_bytes": "141GiB",
             "bytes_per_block": BPB,
             "compat_hash": KEY,
+            "vllm_version": "0.32.0",
         },
         "hosts": {"a": [{"rank": 0, "boot_free_bytes": boot_free}]},
         "guard_bytes": "0.5GiB",
