@@ -36,7 +36,7 @@ import os
 from dataclasses import dataclass, replace
 from typing import Any, Mapping
 
-from ._kv_block_size import EngineTarget, attention_block_size, engine_target, gdn_flashinfer_prefill, hybrid_block_size, state_page_bytes
+from ._kv_block_size import BlockSize, EngineTarget, attention_block_size, engine_target, gdn_flashinfer_prefill, hybrid_block_size, state_page_bytes
 from ._kv_capacity import cdiv
 from ._kv_layout import FAMILIES, KVLayout, LayoutError, UnknownLayout, layer_kinds, layout_from_config
 
@@ -244,13 +244,17 @@ class _Attention:
     model_bytes: int
 
 
-def _attention(top: Mapping[str, Any], cfg: Mapping[str, Any], where: str, serve_args: Mapping[str, Any], target: EngineTarget) -> _Attention:
+def _attention(top: Mapping[str, Any], cfg: Mapping[str, Any], where: str, serve_args: Mapping[str, Any], target: EngineTarget,
+               engine_block_size: int | None = None) -> _Attention:
     """One attention layer's KV bytes per token on one rank, and the block size vLLM uses for it."""
     tp = _serve_int(serve_args, "tensor_parallel_size", 1)
     pp = _serve_int(serve_args, "pipeline_parallel_size", 1)
     given = _serve_int(serve_args, "block_size", 0) if serve_args.get("block_size") is not None else None
     mla = bool(cfg.get("kv_lora_rank"))
-    choice = attention_block_size(target, given=given, mla=mla, model_type=_model_type(cfg, top))
+    if engine_block_size:
+        choice = BlockSize(engine_block_size, ENGINE_BLOCK_SOURCE)
+    else:
+        choice = attention_block_size(target, given=given, mla=mla, model_type=_model_type(cfg, top))
     if choice.size is None:
         raise UnpredictableGeometry(f"block size: {choice.source}")
     block_size, block_source = choice.size, choice.source
@@ -325,6 +329,10 @@ def _text_config(config: Mapping[str, Any] | str) -> tuple[dict[str, Any], dict[
     return top, cfg, where
 
 
+# the block size a profiled engine reported: final, never aligned again
+ENGINE_BLOCK_SOURCE = "the profiled canary's block size (reference.block_size)"
+
+
 def _target(serve_args: Mapping[str, Any], target: EngineTarget | None) -> EngineTarget:
     if target is not None:
         return target
@@ -335,7 +343,8 @@ def _target(serve_args: Mapping[str, Any], target: EngineTarget | None) -> Engin
 
 
 def geometry_from_config(
-    config: Mapping[str, Any] | str, serve_args: Mapping[str, Any] | None = None, target: EngineTarget | None = None
+    config: Mapping[str, Any] | str, serve_args: Mapping[str, Any] | None = None, target: EngineTarget | None = None,
+    engine_block_size: int | None = None,
 ) -> KVGeometry:
     """KV geometry of one rank from a HF ``config.json`` and ``vllm serve`` arguments.
 
@@ -347,6 +356,7 @@ def geometry_from_config(
     :mod:`._kv_block_size`), ``device`` (``cpu`` for the CPU build when no ``target`` is given).
     ``target`` is the engine the plan is for (:func:`engine_target`); without one, the
     newest known release's rules apply and the result's ``release_notes`` say so.
+    ``engine_block_size`` is the block size a profiled engine reported: it is used as is.
     Raises :class:`UnpredictableGeometry` for models that are not one
     full-attention (or MLA) group, or whose block size vLLM picks in a way not modelled.
     """
@@ -354,7 +364,7 @@ def geometry_from_config(
     tgt = _target(serve_args, target)
     top, cfg, where = _text_config(config)
     _check_predictable(cfg, top)
-    att = _attention(top, cfg, where, serve_args, tgt)
+    att = _attention(top, cfg, where, serve_args, tgt, engine_block_size)
     bytes_per_token = att.layers_on_rank * att.token_bytes_per_layer
     if bytes_per_token <= 0:
         raise GeometryError(f"{where}: computed a non-positive KV size per token")
@@ -408,7 +418,8 @@ def _hybrid_block(cfg: Mapping[str, Any], att: _Attention, serve_args: Mapping[s
 
 
 def capacity_model(
-    config: Mapping[str, Any] | str, serve_args: Mapping[str, Any] | None = None, target: EngineTarget | None = None
+    config: Mapping[str, Any] | str, serve_args: Mapping[str, Any] | None = None, target: EngineTarget | None = None,
+    engine_block_size: int | None = None,
 ) -> KVGeometry | KVLayout:
     """The capacity model of any family: :class:`KVGeometry` for one full-attention/MLA group, else a :class:`KVLayout`.
 
@@ -427,8 +438,8 @@ def capacity_model(
     except LayoutError as exc:
         raise GeometryError(str(exc)) from None
     if family == "full_attention":
-        return geometry_from_config(config, serve_args, tgt)
-    att = _attention(top, cfg, where, serve_args, tgt)
+        return geometry_from_config(config, serve_args, tgt, engine_block_size)
+    att = _attention(top, cfg, where, serve_args, tgt, engine_block_size)
     block_size, block_source = att.block_size, att.block_size_source
     notes: list[str] = []
     gdn_prefill = False
@@ -436,7 +447,8 @@ def capacity_model(
         if family == "hybrid_state_space":
             gdn = "qwen3_next" in att.model_type or "qwen3_5" in att.model_type
             gdn_prefill = gdn and gdn_flashinfer_prefill(tgt, _prefix_caching(serve_args), cfg.get("linear_key_head_dim"))
-            block_size, block_source = _hybrid_block(cfg, att, serve_args, tgt, gdn_prefill)
+            if not engine_block_size:
+                block_size, block_source = _hybrid_block(cfg, att, serve_args, tgt, gdn_prefill)
             if not tgt.rules.mamba_cache_mode_flag and serve_args.get("mamba_cache_mode") is not None:
                 notes.append(f"serve_args.mamba_cache_mode is ignored by vLLM {tgt.rules.release} (the mode follows prefix caching)")
                 serve_args.pop("mamba_cache_mode")
@@ -449,5 +461,5 @@ def capacity_model(
     except LayoutError as exc:
         raise GeometryError(str(exc)) from None
     if layout is None:  # pragma: no cover - family checked above
-        return geometry_from_config(config, serve_args, tgt)
+        return geometry_from_config(config, serve_args, tgt, engine_block_size)
     return replace(layout, block_size_source=block_source, notes=tuple(notes) + layout.notes)

@@ -89,12 +89,16 @@ def _capability(value: Any) -> Optional[Tuple[int, int]]:
 
 
 def engine_target(vllm_version: Any = None, device: Any = None, compute_capability: Any = None, cuda_version: Any = None,
-                  cpu_bf16: Optional[bool] = None) -> EngineTarget:
-    """The :class:`EngineTarget` of a runtime: its version (``+cpu`` names the CPU build), device and GPU capability."""
+                  cpu_bf16: Optional[bool] = None, torch_version: Any = None) -> EngineTarget:
+    """The :class:`EngineTarget` of a runtime: its version, device and GPU capability.
+
+    Without ``device``, a ``+cpu`` vLLM or torch version (the CPU build's wheels) names the CPU build, else CUDA.
+    """
     rules = release_rules(vllm_version)
     dev = str(device or "").strip().lower()
     if not dev:
-        dev = "cpu" if isinstance(vllm_version, str) and vllm_version.strip().endswith("+cpu") else "cuda"
+        cpu = any(isinstance(v, str) and v.strip().endswith("+cpu") for v in (vllm_version, torch_version))
+        dev = "cpu" if cpu else "cuda"
     if dev not in ("cuda", "cpu"):
         raise ValueError(f"device must be cuda or cpu, got {device!r}")
     cuda_major = None

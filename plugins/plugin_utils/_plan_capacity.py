@@ -42,7 +42,7 @@ __all__ = ["Capacity", "class_capacity", "geometry_family", "reference_geometry"
 def _reference_target(ref: Reference, serve_args: Mapping[str, Any]) -> EngineTarget:
     runtime = ref.get("runtime") or {}
     try:
-        return engine_target(runtime.get("vllm_version"), device=serve_args.get("device"),
+        return engine_target(runtime.get("vllm_version"), device=serve_args.get("device"), torch_version=runtime.get("torch_version"),
                              compute_capability=runtime.get("compute_capability"), cuda_version=runtime.get("cuda_version"))
     except ValueError as exc:
         raise PlanError(f"reference.geometry.serve_args.device: {exc}") from None
@@ -52,7 +52,6 @@ def _model(config: Any, serve_args: dict[str, Any], ref: Reference, target: Engi
            notes: list[str]) -> tuple[KVGeometry | KVLayout | None, str | None]:
     """The capacity model with vLLM's own block size, or the profiled canary's where they differ or vLLM's is not modelled."""
     engine_block = ref.get("block_size")
-    canary = "the profiled canary's block size (reference.block_size)"
     try:
         try:
             geo = capacity_model(config, serve_args, target)
@@ -60,15 +59,13 @@ def _model(config: Any, serve_args: dict[str, Any], ref: Reference, target: Engi
             if "block_size" in serve_args or not engine_block or not str(exc).startswith("block size:"):
                 raise
             notes.append(f"{exc}: the profiled canary's block size {engine_block} is used")
-            geo = capacity_model(config, dict(serve_args, block_size=engine_block), target)
-            return replace(geo, block_size_source=canary), None
+            return capacity_model(config, serve_args, target, engine_block_size=engine_block), None
         if "block_size" not in serve_args and engine_block and engine_block != geo.block_size:
             notes.append(
                 f"the profiled canary used block size {engine_block} where {target.describe()} is modelled to pick {geo.block_size} "
                 f"({geo.block_size_source}): the canary's figure is used"
             )
-            geo = capacity_model(config, dict(serve_args, block_size=engine_block), target)
-            return replace(geo, block_size_source=canary), None
+            return capacity_model(config, serve_args, target, engine_block_size=engine_block), None
         return geo, None
     except UnpredictableGeometry as exc:
         return None, str(exc)

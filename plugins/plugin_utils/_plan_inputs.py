@@ -46,7 +46,7 @@ class Reference(TypedDict):
     total_bytes: int | None
     block_size: int | None  # the profiled engine's (or a given) block size; None: vLLM's own choice is derived
     block_size_given: bool
-    runtime: dict[str, Any]  # the engine the reference was profiled on: vllm_version, compute_capability, cuda_version
+    runtime: dict[str, Any]  # the engine the reference was profiled on: vllm_version, torch_version, compute_capability, cuda_version
     bytes_per_block: int | None
     geometry: Any  # {config, serve_args} as given; reference_geometry checks it
     kv_dtype_bytes: Any
@@ -105,7 +105,7 @@ def _rank_no(value: Any, field: str) -> int:
 
 
 # the runtime facts of a reference that decide which vLLM release's rules plan it (the compatibility key's fields)
-_RUNTIME_KEYS = ("vllm_version", "compute_capability", "cuda_version")
+_RUNTIME_KEYS = ("vllm_version", "torch_version", "compute_capability", "cuda_version")
 
 
 def parse_reference(raw: Any) -> Reference | None:

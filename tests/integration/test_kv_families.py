@@ -30,6 +30,7 @@ from typing import Any
 import pytest
 
 from ansible_collections.gpufleet.vllm.plugins.module_utils import _canary
+from ansible_collections.gpufleet.vllm.plugins.module_utils._geometry import capacity_model, engine_target
 from ansible_collections.gpufleet.vllm.plugins.plugin_utils._canary_reference import reference_from_canary
 from ansible_collections.gpufleet.vllm.plugins.module_utils._load_test import LoadSpec
 from ansible_collections.gpufleet.vllm.plugins.plugin_utils._plan import plan_class
@@ -44,8 +45,9 @@ MODELS = CACHE / "vllm-cpu-models"
 OUT = CACHE / "integration" / "kv-families"
 MARK = "GPUFLEET_FAMILY_TEST_RUN"
 MAX_MODEL_LEN = 512
-# eager mode: no torch.compile, a boot takes seconds instead of minutes; KV sizing is the same
-SERVE_ARGS = {"max_model_len": MAX_MODEL_LEN, "block_size": 128, "enforce_eager": True}
+# eager mode: no torch.compile, a boot takes seconds instead of minutes; KV sizing is the same. No block size:
+# the engine picks its own, and the planner must pick the same one from the config
+SERVE_ARGS = {"max_model_len": MAX_MODEL_LEN, "enforce_eager": True}
 LOAD = {"requests": 4, "concurrency": 2, "prompt_tokens": 16, "max_tokens": 8, "warmup": 1}
 TOLERANCES = {"token_ratio": 1.0, "latency_ratio": 20.0, "preemptions": 0}
 PROFILED_UTILIZATION = 0.15
@@ -114,6 +116,7 @@ def family(request: pytest.FixtureRequest) -> dict[str, Any]:
     config = json.loads((model / "config.json").read_text())
     preboot = [{"index": 0, "free_bytes": F_REF, "total_bytes": TOTAL, "name": "cpu"}]
     reference = reference_from_canary(profiled, preboot, [0], config=config, serve_args=dict(SERVE_ARGS, device="cpu"))
+    reference["vllm_version"] = profiled["vllm_version"]
     plan = _plan(reference, SECOND_BUDGET)
     manual = None
     if plan["decision"] == "deploy":
@@ -142,6 +145,22 @@ def test_profiled_reference_from_the_cpu_build_is_plannable(family):
     assert plan["num_blocks"] == profiled["num_blocks"]
     assert plan["kv_cache_tokens"] == profiled["kv_cache_tokens"]
     assert plan["kv_cache_memory_bytes"] == profiled["num_blocks"] * plan["bytes_per_block"]
+
+
+def test_the_planner_picks_the_engines_own_block_size(family):
+    """No block size in the serve arguments: the planner derives the one the engine picked, from the config alone."""
+    profiled, reference = family["profiled"], family["reference"]
+    engine_block = profiled["block_size"]
+    assert engine_block, profiled
+    target = engine_target(profiled["vllm_version"], device="cpu")
+    model = capacity_model(reference["geometry"]["config"], SERVE_ARGS, target)
+    assert (model.block_size, model.bytes_per_block) == (engine_block, family["plan"]["bytes_per_block"]), model.block_size_source
+    # planned without the canary's figure, the same block size, and the plan says where it came from
+    plan = plan_class({"host_class": "cpu", "reference": dict(reference, block_size=None),
+                       "hosts": {"h": [{"rank": 0, "boot_free_bytes": F_REF}]}, "guard_bytes": 0, "max_model_len": MAX_MODEL_LEN})
+    assert plan["block_size"] == engine_block
+    assert f"block size {engine_block}: {model.block_size_source}" in plan["reasons"]
+    assert not any("canary used block size" in r for r in plan["reasons"]), plan["reasons"]
 
 
 def test_planned_second_budget_equals_the_engine(family):
