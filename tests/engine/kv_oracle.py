@@ -11,7 +11,7 @@ release's unpacked sources first on ``PYTHONPATH``::
 Reads a JSON list of cases on stdin and prints a JSON list of results (one per case)
 as the last line of stdout. A case gives the per-layer kinds (``[kind, window]``), KV
 heads, head_dim, ``block_size`` (None: vLLM picks it), device (``cuda``/``cpu``),
-prefix caching, hybrid manager off, max_model_len, in-flight tokens, for a state-space
+prefix caching, hybrid manager off, max_model_len, in-flight tokens, whether it has state layers, for a state-space
 hybrid its architecture and config (the mamba state keys of its public ``config.json``),
 and ``kv_bytes``: the budgets to plan with.
 
@@ -210,6 +210,9 @@ def _plan_block_size(case: dict[str, Any], cfg: SimpleNamespace) -> dict[str, An
         cache.block_size = 128  # 0.32: CpuPlatform.check_and_update_config sets 128 before the backend is known
     state = case.get("state")
     facts: dict[str, Any] = {"model_class": None, "checkpoint_blocks": 0, "mamba_type": None}
+    if case.get("hybrid"):
+        # the mode (and mamba block size) every model with state layers gets: it follows prefix caching
+        MambaModelConfig.verify_and_update_config(cfg)
     if state:
         arch = state["architecture"]
         model_cls = _model_class(arch)
@@ -218,7 +221,6 @@ def _plan_block_size(case: dict[str, Any], cfg: SimpleNamespace) -> dict[str, An
         hook = MODELS_CONFIG_MAP.get(arch)
         if hook is not None:
             hook.verify_and_update_config(cfg)
-        MambaModelConfig.verify_and_update_config(cfg)
         if hasattr(mamba_abstract, "get_mamba_prefill_checkpoint_alignment"):
             mamba_abstract.get_mamba_prefill_checkpoint_alignment = _checkpoint_alignment(case, cfg)
     platform.update_block_size_for_backend(cfg)
