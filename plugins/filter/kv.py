@@ -10,7 +10,7 @@ from typing import Any, Callable, Mapping
 
 from ansible.errors import AnsibleFilterError
 
-from ansible_collections.gpufleet.vllm.plugins.module_utils._geometry import GeometryError, geometry_from_config
+from ansible_collections.gpufleet.vllm.plugins.module_utils._geometry import GeometryError, engine_target, geometry_from_config
 from ansible_collections.gpufleet.vllm.plugins.module_utils._sizes import SizeError, human_bytes as _human_bytes, parse_size
 from ansible_collections.gpufleet.vllm.plugins.module_utils._validate import ValidationError, boolean, integer
 from ansible_collections.gpufleet.vllm.plugins.plugin_utils._canary_reference import ReferenceError, reference_from_canary
@@ -48,14 +48,24 @@ def human_bytes(value: Any, precision: int = 2, exact: bool = False) -> str:
         raise AnsibleFilterError(f"human_bytes: {exc}") from None
 
 
-def kv_bytes_per_token(config: Any, serve_args: Mapping[str, Any] | None = None, per: str = "token") -> int:
-    """KV bytes per token (or per block with ``per='block'``) of one rank, from a HF config and serve args."""
+def kv_bytes_per_token(config: Any, serve_args: Mapping[str, Any] | None = None, per: str = "token", vllm_version: Any = None) -> int:
+    """KV bytes per token (or per block with ``per='block'``) of one rank, from a HF config and serve args.
+
+    Without ``block_size`` in ``serve_args`` a block is the one vLLM ``vllm_version`` picks (the newest known release's
+    rules when not given).
+    """
     if not isinstance(per, str) or per not in ("token", "block"):
         raise AnsibleFilterError(f"kv_bytes_per_token: per must be 'token' or 'block', got {per!r}")
     if serve_args is not None and not isinstance(serve_args, Mapping):
         raise AnsibleFilterError("kv_bytes_per_token: serve_args must be a mapping of vllm serve options")
+    if vllm_version is not None and not isinstance(vllm_version, str):
+        raise AnsibleFilterError(f"kv_bytes_per_token: vllm_version must be a version string, got {vllm_version!r}")
     try:
-        geo = geometry_from_config(config, serve_args or {})
+        target = engine_target(vllm_version, device=(serve_args or {}).get("device"))
+    except ValueError as exc:
+        raise AnsibleFilterError(f"kv_bytes_per_token: serve_args.device: {exc}") from None
+    try:
+        geo = geometry_from_config(config, serve_args or {}, target)
     except GeometryError as exc:
         raise AnsibleFilterError(f"kv_bytes_per_token: {exc}") from None
     return geo.bytes_per_token if per == "token" else geo.bytes_per_block

@@ -26,6 +26,7 @@ from ._serve_argv import LOOPBACK, EngineSpecError, api_key_of, build_argv, engi
 from ._validate import ValidationError, integer, number
 from ._vllm_log import parse_engine_log
 from ._vllm_metrics import EngineMetrics
+from ._vllm_release import release_rules
 
 
 @dataclass
@@ -222,6 +223,23 @@ class CanarySpec:
     # the service's account (user, optional group): the engine runs as it, with its caches
     user: str | None = None
     group: str | None = None
+    # the engine's vLLM version (the compatibility key's), for that release's rules
+    vllm_version: str | None = None
+
+
+def canary_serve_args(spec: CanarySpec) -> dict[str, t.Any]:
+    """The serve options of the canary: the spec's, less ``api_key``, plus what the release needs to measure like a deployment.
+
+    A profiled canary of a release that sizes the KV cache after warmup by default on
+    CUDA (0.34's extensible KV cache) runs with that mode off: the fixed budgets the
+    collection deploys turn it off, so the reference is measured the way they run.
+    """
+    args = without_api_key(spec.serve_args)
+    if spec.mode == "profiled" and spec.vllm_version and "enable_extensible_kv_cache" not in args:
+        cpu_build = spec.vllm_version.strip().endswith("+cpu") or str(args.get("device") or "").lower() == "cpu"
+        if release_rules(spec.vllm_version).extensible_kv_cache and not cpu_build:
+            args["enable_extensible_kv_cache"] = False
+    return args
 
 
 def canary_argv(spec: CanarySpec, port: int) -> list[str]:
@@ -233,7 +251,7 @@ def canary_argv(spec: CanarySpec, port: int) -> list[str]:
         port=port,
         kv_cache_memory_bytes=spec.kv_cache_memory_bytes,
         gpu_memory_utilization=spec.gpu_memory_utilization,
-        serve_args=without_api_key(spec.serve_args),
+        serve_args=canary_serve_args(spec),
         host=spec.host,
     )
 

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Mapping, Optional, Tuple
+from typing import Any, Mapping
 
 from ._kv_layout import UnknownLayout
 from ._vllm_release import ReleaseRules, release_rules
@@ -64,9 +64,9 @@ class EngineTarget:
 
     rules: ReleaseRules
     device: str
-    compute_capability: Optional[Tuple[int, int]] = None
-    cuda_major: Optional[int] = None
-    cpu_bf16: Optional[bool] = None
+    compute_capability: tuple[int, int] | None = None
+    cuda_major: int | None = None
+    cpu_bf16: bool | None = None
 
     def describe(self) -> str:
         where = "the CPU build" if self.device == "cpu" else (
@@ -75,7 +75,7 @@ class EngineTarget:
         return f"vLLM {self.rules.release} on {where}"
 
 
-def _capability(value: Any) -> Optional[Tuple[int, int]]:
+def _capability(value: Any) -> tuple[int, int] | None:
     if isinstance(value, (list, tuple)) and len(value) == 2:
         try:
             return int(value[0]), int(value[1])
@@ -89,7 +89,7 @@ def _capability(value: Any) -> Optional[Tuple[int, int]]:
 
 
 def engine_target(vllm_version: Any = None, device: Any = None, compute_capability: Any = None, cuda_version: Any = None,
-                  cpu_bf16: Optional[bool] = None, torch_version: Any = None) -> EngineTarget:
+                  cpu_bf16: bool | None = None, torch_version: Any = None) -> EngineTarget:
     """The :class:`EngineTarget` of a runtime: its version, device and GPU capability.
 
     Without ``device``, a ``+cpu`` vLLM or torch version (the CPU build's wheels) names the CPU build, else CUDA.
@@ -111,11 +111,11 @@ def engine_target(vllm_version: Any = None, device: Any = None, compute_capabili
 class BlockSize:
     """A block size (None when vLLM's choice is not modelled) and where it comes from, for the plan's reasons."""
 
-    size: Optional[int]
+    size: int | None
     source: str
 
 
-def attention_block_size(target: EngineTarget, *, given: Optional[int], mla: bool, model_type: str) -> BlockSize:
+def attention_block_size(target: EngineTarget, *, given: int | None, mla: bool, model_type: str) -> BlockSize:
     """The block size of a model without state-space layers (before any hybrid alignment)."""
     if target.device == "cpu":
         if model_type == "deepseek_v4":

@@ -19,9 +19,9 @@ from __future__ import annotations
 import re
 import sys
 from dataclasses import dataclass, field
-from typing import Any, Optional, Tuple
+from typing import Any
 
-__all__ = ["RELEASES", "SUPPORTED_WHEELS", "ReleaseRules", "release_rules", "parse_version"]
+__all__ = ["RELEASES", "SUPPORTED_WHEELS", "ReleaseRules", "parse_version", "release_rules"]
 
 # The wheel of each supported release that the oracle matrix reads (tests/engine/prepare-vllm-sources.sh).
 SUPPORTED_WHEELS: tuple[str, ...] = ("0.32.0", "0.33.0", "0.34.0")
@@ -37,7 +37,7 @@ class ReleaseRules:
     """
 
     release: str
-    version: Optional[str]
+    version: str | None
     # --mamba-cache-mode is read (0.32); from 0.33 it is ignored and the mode follows prefix caching
     mamba_cache_mode_flag: bool
     # GDN layers keep one prefill checkpoint block per request and the attention block is a
@@ -52,7 +52,7 @@ class ReleaseRules:
     # a profiled CUDA engine sizes its KV cache after warmup and skips the startup free-memory check (0.34, unless
     # --kv-cache-memory-bytes is given: the fixed budgets the collection deploys never use it)
     extensible_kv_cache: bool
-    notes: Tuple[str, ...] = field(default=())
+    notes: tuple[str, ...] = field(default=())
 
     def as_dict(self) -> dict:
         return {"release": self.release, "version": self.version, "notes": list(self.notes)}
@@ -71,7 +71,7 @@ RELEASES: tuple[str, ...] = tuple(sorted(_RULES, key=lambda r: tuple(int(p) for 
 _VERSION = re.compile(r"^\s*v?(\d+)\.(\d+)(?:\.(\d+))?")
 
 
-def parse_version(version: object) -> Optional[Tuple[int, int, int]]:
+def parse_version(version: object) -> tuple[int, int, int] | None:
     """``(major, minor, patch)`` of a vLLM version string (``0.33.0``, ``0.32.0+cpu``, ``0.34.0rc1``); None if unreadable."""
     if not isinstance(version, str):
         return None

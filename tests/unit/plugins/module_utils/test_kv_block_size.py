@@ -192,3 +192,18 @@ def test_the_plan_says_which_block_size_and_rules_it_used():
 def test_a_bad_runtime_version_names_the_field():
     with pytest.raises(Exception, match=r"reference.vllm_version: expected a version string"):
         _plan({"ranks": [{"rank": 0, "free_bytes": "42GiB", "kv_bytes": "40GiB"}], "vllm_version": "0.33\n.0"})
+
+
+def test_a_034_profiled_canary_measures_without_the_extensible_kv_cache():
+    from ansible_collections.gpufleet.vllm.plugins.module_utils._canary import CanarySpec, canary_argv
+
+    def argv(**kw):
+        return canary_argv(CanarySpec(executable="/opt/vllm/bin/vllm", model="/m", gpu_memory_utilization=0.9, **kw), 8000)
+
+    assert "--no-enable-extensible-kv-cache" in argv(vllm_version="0.34.0")
+    assert "--no-enable-extensible-kv-cache" in argv(vllm_version="0.35.2")  # newer: the newest known rules
+    # a release without it, the CPU build, a manual canary (a fixed budget turns it off) or the user's own choice: unchanged
+    for kw in ({"vllm_version": "0.33.0"}, {"vllm_version": "0.34.0+cpu"}, {}, {"vllm_version": "0.34.0", "serve_args": {"device": "cpu"}},
+               {"vllm_version": "0.34.0", "mode": "manual", "kv_cache_memory_bytes": 1 << 30}):
+        assert not any("extensible" in a for a in argv(**kw)), kw
+    assert "--enable-extensible-kv-cache" in argv(vllm_version="0.34.0", serve_args={"enable_extensible_kv_cache": True})
