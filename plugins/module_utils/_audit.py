@@ -159,7 +159,7 @@ def audit(state_dir: str, nvml: t.Any, now: float | None = None,
     audit) ages are judged on the controller's clock, which wrote ``planned_at``, and the skew
     between the two is reported; beyond ``max_clock_skew`` seconds every instance says so.
     """
-    from ._nvml_probe import probe  # pylint: disable=import-outside-toplevel
+    from ._nvml_probe import NvmlProbeError, probe  # pylint: disable=import-outside-toplevel
 
     now = time.time() if now is None else now
     skew = None if controller_time is None else now - controller_time
@@ -179,12 +179,22 @@ def audit(state_dir: str, nvml: t.Any, now: float | None = None,
     # the running engines' memory is what their next start gets back: free + own, as the
     # rollout's gates count it (the boot gate itself runs before its engine exists)
     units = [plan["unit"] or f"vllm-{plan['instance']}.service" for _path, plan in plans]
-    gpus = probe(nvml, devices=devices, samples=1, service_units=units, host=host)["gpus"] if devices else []
+    probe_errors: dict[str, str] = {}
+    try:
+        gpus = probe(nvml, devices=devices, samples=1, service_units=units, host=host)["gpus"] if devices else []
+    except NvmlProbeError:
+        if len(plans) < 2:
+            raise
+        # one GPU that NVML cannot read must not blind the other instances: each on its own
+        gpus, probe_errors = _probe_each(nvml, plans, host, probe, NvmlProbeError)
     instances = []
     for path, plan in plans:
         state = read_state(plan["state_file"]) if plan["state_file"] else None
         key = (reference_key_hashes or {}).get(plan.get("host_class") or "")
         unit = plan["unit"] or f"vllm-{plan['instance']}.service"
+        if path in probe_errors:
+            instances.append(_unprobed(plan, path, probe_errors[path], state))
+            continue
         entry = judge(plan, gpus, judging, reprofile_after_days, key, state, recorded_checksum(unit_dir, unit), path, clock)
         if skew is not None and abs(skew) > max_clock_skew:
             entry["reasons"].append(f"the host's clock is {abs(skew):.0f} s {'ahead of' if skew > 0 else 'behind'} the controller's: "
@@ -195,6 +205,38 @@ def audit(state_dir: str, nvml: t.Any, now: float | None = None,
         instances.append(entry)
     return {"checked_at": now, "instances": instances, "errors": errors,
             "clock_skew_seconds": round(skew, 3) if skew is not None else None}
+
+
+def _probe_each(nvml: t.Any, plans: list[tuple[str, dict[str, t.Any]]], host: str, probe: t.Callable[..., t.Any],
+                error: type[Exception]) -> tuple[list[dict[str, t.Any]], dict[str, str]]:
+    """The GPUs of each instance probed on their own: those that answer, and per plan file the error of the others."""
+    gpus: dict[int, dict[str, t.Any]] = {}
+    errors: dict[str, str] = {}
+    for path, plan in plans:
+        unit = plan["unit"] or f"vllm-{plan['instance']}.service"
+        try:
+            found = probe(nvml, devices=plan["gpus"], samples=1, service_units=[unit], host=host)["gpus"] if plan["gpus"] else []
+        except error as exc:
+            errors[path] = str(exc)
+            continue
+        for gpu in found:
+            gpus.setdefault(gpu["index"], gpu)
+    return list(gpus.values()), errors
+
+
+def _unprobed(plan: t.Mapping[str, t.Any], path: str, why: str, state: t.Mapping[str, t.Any] | None) -> dict[str, t.Any]:
+    """An instance whose GPUs NVML cannot read: the gate does not start it (it exits before the engine)."""
+    return {
+        "instance": plan["instance"], "unit": plan["unit"] or f"vllm-{plan['instance']}.service",
+        "host_class": plan.get("host_class") or "", "policy": plan["policy"], "decision": plan["decision"],
+        "verdict": "would_refuse", "next_start": "refuse", "ranks": [], "min_margin_bytes": None,
+        "kv_cache_memory_bytes": plan["kv_cache_memory_bytes"], "kv_cache_tokens": plan["kv_cache_tokens"],
+        "would_start": None, "planned_at": plan.get("planned_at"), "plan_timestamp": plan_timestamp(plan.get("planned_at")),
+        "plan_age_days": None, "compat_key_hash": plan.get("compat_key_hash"), "reference_key_hash": None, "key_matches": None,
+        "last_start": _last_start(dict(state) if state else None), "plan_checksum": plan.get("checksum"), "recorded_checksum": None,
+        "reasons": [f"NVML cannot read its GPUs {plan['gpus']}: {why}; the boot gate does not start it"],
+        "plan_file": path, "nvml_error": why,
+    }
 
 
 # ---------------------------------------------------------------- node_exporter textfile
@@ -223,6 +265,11 @@ def registry(report: t.Mapping[str, t.Any], prometheus: t.Any) -> t.Any:
     edited = gauge("plan_edited", "1 when the plan file is not the one the deploy wrote (the gate refuses the next start)",
                    inst_labels)
     planned = gauge("plan_timestamp_seconds", "when the plan file was written", inst_labels)
+    refused = gauge("last_start_refused", "1 when the boot gate refused the unit's last start (it stays down until a start "
+                    "is tried again)", inst_labels)
+    last_action = gauge("last_start_action", "1 for what the boot gate did at the unit's last start", [*inst_labels, "action"])
+    last_when = gauge("last_start_timestamp_seconds", "when the boot gate checked the unit's last start", inst_labels)
+    nvml_error = gauge("nvml_error", "1 when NVML cannot read the instance's GPUs (its figures are missing)", inst_labels)
     audited = gauge("last_audit_timestamp_seconds", "when these figures were measured", inst_labels)
     errors = prometheus.Gauge(METRIC_PREFIX + "plan_file_errors", "plan files that cannot be read", registry=reg)
     errors.set(len(report.get("errors") or ()))
@@ -246,6 +293,12 @@ def registry(report: t.Mapping[str, t.Any], prometheus: t.Any) -> t.Any:
             if last.get("kv_cache_tokens") is not None:
                 started_tokens.labels(**labels).set(last["kv_cache_tokens"])
         degraded.labels(**labels).set(1 if last.get("degraded") else 0)
+        if last.get("action"):
+            refused.labels(**labels).set(1 if last["action"] == "refuse" else 0)
+            last_action.labels(action=str(last["action"]), **labels).set(1)
+            if isinstance(last.get("checked_at"), (int, float)):
+                last_when.labels(**labels).set(last["checked_at"])
+        nvml_error.labels(**labels).set(1 if inst.get("nvml_error") else 0)
         refuse.labels(**labels).set(1 if inst["verdict"] == "would_refuse" else 0)
         shrink.labels(**labels).set(1 if inst["verdict"] == "would_shrink" else 0)
         edited.labels(**labels).set(1 if inst["verdict"] == "plan_edited" else 0)
@@ -291,6 +344,9 @@ def exporter_main(argv: t.Sequence[str], nvml: t.Any = None, prometheus: t.Any =
         _say(sys.stderr, f"gpufleet-vllm-metrics: NVML probe failed: {exc}")
         return 1
     prometheus.write_to_textfile(opts["out"], registry(report, prometheus))
+    for inst in report["instances"]:
+        if inst.get("nvml_error"):
+            _say(sys.stderr, f"gpufleet-vllm-metrics: {inst['instance']}: NVML probe failed: {inst['nvml_error']}")
     worst = max((VERDICTS.index(i["verdict"]) for i in report["instances"]), default=0)
     _say(sys.stdout, f"gpufleet-vllm-metrics: {len(report['instances'])} instance(s), worst verdict {VERDICTS[worst]}, "
                      f"written to {opts['out']}")

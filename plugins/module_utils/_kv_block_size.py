@@ -81,10 +81,9 @@ def _capability(value: Any) -> tuple[int, int] | None:
             return int(value[0]), int(value[1])
         except (TypeError, ValueError):
             return None
-    if isinstance(value, str) and "." in value:
-        major, _, minor = value.strip().partition(".")
-        if major.isdigit() and minor.isdigit():
-            return int(major), int(minor)
+    parts = value.strip().split(".") if isinstance(value, str) else []
+    if len(parts) == 2 and parts[0].isdigit() and parts[1].isdigit():
+        return int(parts[0]), int(parts[1])
     return None
 
 

@@ -17,7 +17,6 @@ oracle matrix of ``make test`` imports vLLM's own planning code from.
 from __future__ import annotations
 
 import re
-import sys
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -54,7 +53,7 @@ class ReleaseRules:
     extensible_kv_cache: bool
     notes: tuple[str, ...] = field(default=())
 
-    def as_dict(self) -> dict:
+    def as_dict(self) -> dict[str, Any]:
         return {"release": self.release, "version": self.version, "notes": list(self.notes)}
 
 
@@ -100,10 +99,3 @@ def release_rules(version: object) -> ReleaseRules:
         return ReleaseRules(newest, text, notes=(note,), **_RULES[newest])
     note = f"vLLM {text} is older than {oldest}, the oldest release this collection models: planned with {oldest}'s rules"
     return ReleaseRules(oldest, text, notes=(note,), **_RULES[oldest])
-
-
-if __name__ == "__main__":  # pragma: no cover - used by tests/engine/prepare-vllm-sources.sh
-    if sys.argv[1:] == ["--wheels"]:
-        print("\n".join(SUPPORTED_WHEELS))
-    else:
-        sys.exit("usage: _vllm_release.py --wheels")

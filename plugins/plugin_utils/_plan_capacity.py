@@ -25,6 +25,7 @@ from ansible_collections.gpufleet.vllm.plugins.module_utils._geometry import (
     engine_target,
     load_config,
 )
+from ansible_collections.gpufleet.vllm.plugins.module_utils._kv_block_size import attention_block_size
 from ansible_collections.gpufleet.vllm.plugins.module_utils._kv_capacity import (
     blocks_for_bytes,
     capacity_record,
@@ -32,7 +33,6 @@ from ansible_collections.gpufleet.vllm.plugins.module_utils._kv_capacity import 
     one_request_blocks,
     tokens_for_blocks,
 )
-from ansible_collections.gpufleet.vllm.plugins.module_utils._kv_block_size import attention_block_size
 from ansible_collections.gpufleet.vllm.plugins.module_utils._kv_layout import KVLayout
 from ansible_collections.gpufleet.vllm.plugins.plugin_utils._plan_inputs import PlanError, Reference
 
@@ -274,16 +274,17 @@ def class_capacity(
     # unknown layout: the engine's own figures, if exact enough
     exact = ref.get("engine_kv_bytes")
     ref_blocks = ref.get("num_blocks")
-    if ref_blocks and exact and engine_blocks is not None and max_model_len:
+    engine_block = ref.get("block_size")
+    if ref_blocks and exact and engine_blocks is not None and max_model_len and engine_block:
         reasons.append(
             f"KV layout not known ({geo_why}); capacity derived from the profiled canary's own figures: {ref_blocks} blocks "
             f"from {exact} bytes, {engine_blocks} blocks per request of {max_model_len} tokens (blocks are a lower bound): "
             "verify with the manual canary"
         )
-        return Capacity("engine", ref["block_size"], None, engine=(ref_blocks, exact, engine_blocks, max_model_len)), None
+        return Capacity("engine", engine_block, None, engine=(ref_blocks, exact, engine_blocks, max_model_len)), None
     why = geo_why or "no KV geometry"
     return None, (
-        f"{why}; the reference lacks the engine figures to derive capacity from (num_blocks, max_concurrency, max_model_len and the "
+        f"{why}; the reference lacks the engine figures to derive capacity from (num_blocks, block_size, max_concurrency, max_model_len and the "
         "exact KV bytes the engine allocated: a manual canary's kv_cache_memory_bytes)"
     )
 

@@ -120,7 +120,8 @@ def parse_reference(raw: Any) -> Reference | None:
     if "ranks" not in ref and isinstance(ref.get("profile"), Mapping):
         # a whole kv_profile record: unwrap it; its compatibility key names the runtime it was profiled on
         compat_hash = compat_hash or ref.get("key_hash")
-        compat = ref.get("compat") if isinstance(ref.get("compat"), Mapping) else {}
+        compat_raw = ref.get("compat")
+        compat: Mapping[str, Any] = compat_raw if isinstance(compat_raw, Mapping) else {}
         runtime = {k: compat.get(k) for k in _RUNTIME_KEYS if compat.get(k) is not None}
         ref = dict(ref["profile"])
         compat_hash = ref.get("compat_hash") or compat_hash

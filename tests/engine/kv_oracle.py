@@ -62,7 +62,7 @@ from types import SimpleNamespace
 from typing import Any, Callable
 
 import torch
-import vllm.model_executor.models as models
+from vllm.model_executor import models
 from vllm.config.cache import CacheConfig
 from vllm.model_executor.models.config import MODELS_CONFIG_MAP, MambaModelConfig
 from vllm.platforms.cpu import CpuPlatform
@@ -103,7 +103,7 @@ GDN_CHECKPOINTS = GDN_CHECKPOINT_ALIGNMENT is not None and hasattr(mamba_abstrac
 
 
 def _model_class(architecture: str) -> type:
-    module, name, _ = STATE_MODELS[architecture]
+    module, name = STATE_MODELS[architecture][:2]
     return getattr(importlib.import_module(f"vllm.model_executor.models.{module}"), name)
 
 

@@ -19,7 +19,17 @@ main() {
     ROOT="$(cd "$HERE/../.." && pwd)"
     PY="${PY:-python3}"
     trap 'echo "prepare-vllm-sources: FAILED (exit $?): $BASH_COMMAND" >&2' ERR
-    mapfile -t versions < <("$PY" "$ROOT/plugins/module_utils/_vllm_release.py" --wheels)
+    # SUPPORTED_WHEELS, read from the module's source (module_utils has no command line)
+    mapfile -t versions < <("$PY" - "$ROOT/plugins/module_utils/_vllm_release.py" <<'PYEOF'
+import ast
+import sys
+
+tree = ast.parse(open(sys.argv[1], encoding="utf-8").read())
+for node in tree.body:
+    if isinstance(node, ast.AnnAssign) and getattr(node.target, "id", "") == "SUPPORTED_WHEELS":
+        print("\n".join(ast.literal_eval(node.value)))
+PYEOF
+)
     [ "${#versions[@]}" -gt 0 ] || { echo "prepare-vllm-sources: no release listed" >&2; exit 1; }
     mkdir -p "$DEST"
     for version in "${versions[@]}"; do
@@ -29,7 +39,7 @@ main() {
         fi
         start=$(date +%s)
         work="$DEST/$version.partial"
-        rm -rf "$work" "$DEST/$version"
+        rm -rf "$work" "${DEST:?}/$version"
         mkdir -p "$work/wheel"
         "$PY" -m pip download -q --no-deps --only-binary=:all: -d "$work/wheel" "vllm==$version"
         wheel="$(find "$work/wheel" -name "vllm-$version-*.whl" | head -n 1)"

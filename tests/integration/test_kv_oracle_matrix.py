@@ -156,7 +156,7 @@ def _oracle_case(case: Case, model: KVGeometry | KVLayout) -> dict[str, Any]:
     _family, kinds = layer_kinds(cfg, cfg["model_type"])
     chunk_off = str(serve.get("allow_chunked_local_attn_with_hybrid_kv_cache", "1")) == "0"
     architecture = ARCHITECTURES.get(cfg["model_type"])
-    hybrid = any(kind == "state" for kind, _ in kinds)
+    hybrid = any(layer[0] == "state" for layer in kinds)
     in_flight = getattr(model, "in_flight_tokens", None) or case.max_model_len
     one = model.bytes_for_one_request(case.max_model_len)
     oracle_case: dict[str, Any] = {

@@ -183,6 +183,51 @@ def test_exporter_end_to_end_on_the_fake_nvml(tmp_path):
     assert samples[("gpufleet_vllm_would_refuse", "main")] == 1
 
 
+@pytest.mark.skipif(not LIB.exists(), reason=f"fake NVML library not built ({LIB}); run `make fake-nvml`")
+def test_one_gpu_nvml_cannot_read_does_not_blind_the_other_instances(tmp_path):
+    """GPU 1 is lost (every NVML call on it fails): the instance on GPU 0 keeps its figures, the one on GPU 1
+    is named with the NVML error, and the last start's action and a refused last start are exported."""
+    state = nvml_state.new_state()
+    state["gpus"] = [nvml_state.make_gpu(0, TOTAL, reserved=RESERVED, name="NVIDIA L40S", cc="8.9"),
+                     nvml_state.make_gpu(1, TOTAL, reserved=RESERVED, name="NVIDIA L40S", cc="8.9", error=15)]
+    nvml_state.save(tmp_path / "state", state)
+    plans = tmp_path / "etc"
+    plans.mkdir()
+    gate_state = tmp_path / "a.gate.json"
+    doc_a = plan_doc(instance="a", unit="vllm-a.service", boot_gate={"policy": "refuse", "state_file": str(gate_state)})
+    (plans / "a.plan.json").write_text(json.dumps(doc_a))
+    # the gate's own record of a refused start (a co-tenant was there then)
+    plan_a = _boot_gate.parse_plan(doc_a)
+    refused = _boot_gate.decide(plan_a, [{"index": 0, "boot_free_bytes": FREE - 2 * GIB, "total_bytes": TOTAL}], "refuse")
+    gate_state.write_text(json.dumps(_boot_gate.state_record(plan_a, refused, str(plans / "a.plan.json"), NOW - 60, None, 0.01)))
+    (plans / "b.plan.json").write_text(json.dumps(plan_doc(instance="b", unit="vllm-b.service", gpus=[1])))
+    out = tmp_path / "textfile" / "gpufleet_vllm.prom"
+    out.parent.mkdir()
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "systemctl").write_text("#!/bin/sh\nprintf 'ControlGroup=\\nMainPID=0\\nLoadState=loaded\\n'\n")
+    (bin_dir / "systemctl").chmod(0o755)
+    code = ("import sys; from ansible_collections.gpufleet.vllm.plugins.module_utils._audit import exporter_main; "
+            "sys.exit(exporter_main(sys.argv[1:]))")
+    done = subprocess.run([sys.executable, "-c", code, "--state-dir", str(plans), "--out", str(out)],
+                          env=dict(os.environ, LD_LIBRARY_PATH=str(LIB.parent), FAKE_NVML_STATE=str(tmp_path / "state"),
+                                   PATH=f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}"),
+                          capture_output=True, text=True, timeout=60, check=False)
+    assert done.returncode == 0, done.stderr
+    assert "b: NVML probe failed" in done.stderr and "2 instance(s), worst verdict would_refuse" in done.stdout
+    samples = {(s.name, s.labels.get("vllm_instance"), s.labels.get("action")): s.value
+               for fam in text_string_to_metric_families(out.read_text()) for s in fam.samples}
+    assert samples[("gpufleet_vllm_margin_bytes", "a", None)] == GIB, samples
+    assert samples[("gpufleet_vllm_nvml_error", "a", None)] == 0 and samples[("gpufleet_vllm_nvml_error", "b", None)] == 1
+    assert samples[("gpufleet_vllm_would_refuse", "b", None)] == 1
+    assert ("gpufleet_vllm_margin_bytes", "b", None) not in samples
+    assert samples[("gpufleet_vllm_last_start_refused", "a", None)] == 1
+    assert samples[("gpufleet_vllm_last_start_action", "a", "refuse")] == 1
+    assert samples[("gpufleet_vllm_last_start_timestamp_seconds", "a", None)] == NOW - 60
+    # an instance without a start record exports no last-start series
+    assert ("gpufleet_vllm_last_start_refused", "b", None) not in samples
+
+
 def test_exporter_refuses_a_file_node_exporter_would_not_read(tmp_path, capsys):
     assert _audit.exporter_main(["--out", str(tmp_path / "x.txt")], nvml=object(), prometheus=prometheus_client) == 2
     assert "node_exporter reads only *.prom files" in capsys.readouterr().err

@@ -227,6 +227,8 @@ def test_engine_figures_disagreeing_with_the_layout_are_used_and_said():
         "ranks": [{"rank": 0, "free_bytes": "42GiB", "kv_bytes": "30GiB"}],
         "total_bytes": "141GiB",
         "geometry": {"config": dict(LLAMA_8B, sliding_window=4096), "serve_args": {}},
+        "block_size": 16,
+        "vllm_version": "0.32.0",
         "num_blocks": 10000,
         "kv_cache_tokens": 160000,
         "max_concurrency": 625.0,
