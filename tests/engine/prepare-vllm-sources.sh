@@ -10,13 +10,9 @@
 set -eEuo pipefail
 
 main() {
-    if [ "$#" -ne 1 ]; then
-        echo "usage: $0 DEST" >&2
-        exit 2
-    fi
+    [ "$#" -eq 1 ] || { echo "usage: $0 DEST" >&2; exit 2; }
     DEST="$(realpath -m "$1")"
-    HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
-    ROOT="$(cd "$HERE/../.." && pwd)"
+    ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
     PY="${PY:-python3}"
     trap 'echo "prepare-vllm-sources: FAILED (exit $?): $BASH_COMMAND" >&2' ERR
     # SUPPORTED_WHEELS, read from the module's source (module_utils has no command line)

@@ -149,18 +149,8 @@ def test_textfile_metrics_carry_the_margin_and_the_degraded_flag(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["gpufleet_vllm.prom"], "no temporary file is left"
 
 
-@pytest.mark.skipif(not LIB.exists(), reason=f"fake NVML library not built ({LIB}); run `make fake-nvml`")
-def test_exporter_end_to_end_on_the_fake_nvml(tmp_path):
-    """The exporter program in a fresh interpreter: real pynvml on the fake library, two plan files
-    (one unreadable), a co-tenant below the floor."""
-    state = nvml_state.new_state()
-    state["gpus"] = [nvml_state.make_gpu(0, TOTAL, reserved=RESERVED, name="NVIDIA L40S", cc="8.9")]
-    nvml_state.add_process(state, gpu=0, pid=999999, used=2 * GIB, name="cotenant", pidns="other")
-    nvml_state.save(tmp_path / "state", state)
-    plans = tmp_path / "etc"
-    plans.mkdir()
-    (plans / "main.plan.json").write_text(json.dumps(plan_doc("refuse")))
-    (plans / "broken.plan.json").write_text("{")
+def run_exporter(tmp_path: Path, plans: Path) -> tuple[subprocess.CompletedProcess[str], Path]:
+    """The exporter program in a fresh interpreter, real pynvml on the fake library (state in ``tmp_path/state``)."""
     out = tmp_path / "textfile" / "gpufleet_vllm.prom"
     out.parent.mkdir()
     # this machine may run no systemd: a systemctl that knows the unit but no process of it
@@ -175,6 +165,22 @@ def test_exporter_end_to_end_on_the_fake_nvml(tmp_path):
                                    PATH=f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}"),
                           capture_output=True, text=True, timeout=60, check=False)
     assert done.returncode == 0, done.stderr
+    return done, out
+
+
+@pytest.mark.skipif(not LIB.exists(), reason=f"fake NVML library not built ({LIB}); run `make fake-nvml`")
+def test_exporter_end_to_end_on_the_fake_nvml(tmp_path):
+    """The exporter program in a fresh interpreter: real pynvml on the fake library, two plan files
+    (one unreadable), a co-tenant below the floor."""
+    state = nvml_state.new_state()
+    state["gpus"] = [nvml_state.make_gpu(0, TOTAL, reserved=RESERVED, name="NVIDIA L40S", cc="8.9")]
+    nvml_state.add_process(state, gpu=0, pid=999999, used=2 * GIB, name="cotenant", pidns="other")
+    nvml_state.save(tmp_path / "state", state)
+    plans = tmp_path / "etc"
+    plans.mkdir()
+    (plans / "main.plan.json").write_text(json.dumps(plan_doc("refuse")))
+    (plans / "broken.plan.json").write_text("{")
+    done, out = run_exporter(tmp_path, plans)
     assert "1 instance(s), worst verdict would_refuse" in done.stdout
     samples = {(s.name, s.labels.get("vllm_instance")): s.value
                for fam in text_string_to_metric_families(out.read_text()) for s in fam.samples}
@@ -201,19 +207,7 @@ def test_one_gpu_nvml_cannot_read_does_not_blind_the_other_instances(tmp_path):
     refused = _boot_gate.decide(plan_a, [{"index": 0, "boot_free_bytes": FREE - 2 * GIB, "total_bytes": TOTAL}], "refuse")
     gate_state.write_text(json.dumps(_boot_gate.state_record(plan_a, refused, str(plans / "a.plan.json"), NOW - 60, None, 0.01)))
     (plans / "b.plan.json").write_text(json.dumps(plan_doc(instance="b", unit="vllm-b.service", gpus=[1])))
-    out = tmp_path / "textfile" / "gpufleet_vllm.prom"
-    out.parent.mkdir()
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    (bin_dir / "systemctl").write_text("#!/bin/sh\nprintf 'ControlGroup=\\nMainPID=0\\nLoadState=loaded\\n'\n")
-    (bin_dir / "systemctl").chmod(0o755)
-    code = ("import sys; from ansible_collections.gpufleet.vllm.plugins.module_utils._audit import exporter_main; "
-            "sys.exit(exporter_main(sys.argv[1:]))")
-    done = subprocess.run([sys.executable, "-c", code, "--state-dir", str(plans), "--out", str(out)],
-                          env=dict(os.environ, LD_LIBRARY_PATH=str(LIB.parent), FAKE_NVML_STATE=str(tmp_path / "state"),
-                                   PATH=f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}"),
-                          capture_output=True, text=True, timeout=60, check=False)
-    assert done.returncode == 0, done.stderr
+    done, out = run_exporter(tmp_path, plans)
     assert "b: NVML probe failed" in done.stderr and "2 instance(s), worst verdict would_refuse" in done.stdout
     samples = {(s.name, s.labels.get("vllm_instance"), s.labels.get("action")): s.value
                for fam in text_string_to_metric_families(out.read_text()) for s in fam.samples}
