@@ -5,6 +5,7 @@
     fleetctl.py destroy [--fleet FILE] [--all]
     fleetctl.py inject HOST cotenant --gpu N --bytes SIZE [--pid PID] [--remove]
     fleetctl.py inject HOST gpu-lost --gpu N [--clear]
+    fleetctl.py inject HOST gpu-replaced --gpu N [--clear]
     fleetctl.py inject HOST noise --gpu N --bytes A,B,... [--clear]
     fleetctl.py inject HOST fail-next-boot [--kind oom|startup|one_request|no_memory|profiling_error|gpu_lost|hang|crash]
     fleetctl.py inject HOST slow-next-boot [--seconds S] [--steps N] [--clear]
@@ -168,8 +169,9 @@ def host_gpu_model(fleet: dict[str, Any], host: str) -> str:
     return str(spec.get("gpu_model") or fleet["classes"][spec["class"]]["gpu_model"])
 
 
-def gpu_uuid(host: str, index: int) -> str:
-    digest = hashlib.sha256(f"{host}/{index}".encode()).hexdigest()
+def gpu_uuid(host: str, index: int, card: str = "") -> str:
+    """The NVML UUID of a host's GPU; ``card`` names another card at the same index (a replacement)."""
+    digest = hashlib.sha256(f"{host}/{index}{card}".encode()).hexdigest()
     return f"GPU-{digest[:8]}-{digest[8:12]}-{digest[12:16]}-{digest[16:20]}-{digest[20:32]}"
 
 
@@ -379,6 +381,19 @@ class Fleet:
             raise FleetError(f"{host}: no GPU {gpu} (it has {len(state['gpus'])})")
         self._edit_state(host, mutate)
         print(f"{host}: GPU {gpu} {'back' if clear else 'lost (NVML error 15)'}")
+
+    def inject_gpu_replaced(self, host: str, gpu: int, clear: bool) -> None:
+        """Another card at index ``gpu`` (its UUID changes), as after a replacement or a re-enumeration; --clear: the original."""
+        uuid = gpu_uuid(host, gpu) if clear else gpu_uuid(host, gpu, "/replacement")
+
+        def mutate(state: dict[str, Any]) -> None:
+            for g in state["gpus"]:
+                if g["index"] == gpu:
+                    g["uuid"] = uuid
+                    return
+            raise FleetError(f"{host}: no GPU {gpu} (it has {len(state['gpus'])})")
+        self._edit_state(host, mutate)
+        print(f"{host}: GPU {gpu} is {'the original card' if clear else 'another card'} ({uuid})")
 
     def inject_noise(self, host: str, gpu: int, values: list[int] | None) -> None:
         """Make free memory of one GPU move between reads (None or []: steady again).
@@ -616,6 +631,9 @@ def build_parser() -> argparse.ArgumentParser:
     k = kinds.add_parser("gpu-lost")
     k.add_argument("--gpu", type=int, required=True)
     k.add_argument("--clear", action="store_true")
+    k = kinds.add_parser("gpu-replaced", help="another card at a GPU index (a new UUID), as after a replacement or reboot")
+    k.add_argument("--gpu", type=int, required=True)
+    k.add_argument("--clear", action="store_true")
     k = kinds.add_parser("noise", help="free memory of a GPU moves between reads (unstable free memory)")
     k.add_argument("--gpu", type=int, required=True)
     k.add_argument("--bytes", dest="values", help="comma-separated sizes taken from free on successive reads")
@@ -657,6 +675,8 @@ def main(argv: list[str] | None = None) -> int:
                 fleet.inject_cotenant(args.host, args.gpu, size, args.pid, args.remove)
             elif args.fault == "gpu-lost":
                 fleet.inject_gpu_lost(args.host, args.gpu, args.clear)
+            elif args.fault == "gpu-replaced":
+                fleet.inject_gpu_replaced(args.host, args.gpu, args.clear)
             elif args.fault == "noise":
                 if not args.clear and not args.values:
                     raise FleetError("noise: --bytes A,B,... is required (unless --clear)")

@@ -42,6 +42,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import sys
 import time
 import typing as t
@@ -108,6 +109,7 @@ def parse_plan(doc: t.Any, where: str = "plan file") -> dict[str, t.Any]:
         "decision": decision,
         "manual": manual,
         "gpus": list(gpus),
+        "gpu_uuids": _gpu_uuids(doc.get("gpu_uuids"), len(gpus), where),
         "kv_cache_memory_bytes": _int(doc, "kv_cache_memory_bytes", where, required=manual),
         "num_blocks": _int(doc, "num_blocks", where, required=False),
         "kv_cache_tokens": _int(doc, "kv_cache_tokens", where, required=False),
@@ -234,6 +236,39 @@ def request_blocks_needed(figures: t.Mapping[str, t.Any], max_model_len: int) ->
 
 # ---------------------------------------------------------------- decision
 
+_GPU_UUID = re.compile(r"GPU-[0-9A-Fa-f-]{8,64}")
+
+
+def _gpu_uuids(value: t.Any, count: int, where: str) -> list[str] | None:
+    """The UUIDs of the instance's GPUs in rank order (a plan file names them when the probe read them); None: not named."""
+    if value is None:
+        return None
+    if not isinstance(value, list) or len(value) != count or not all(isinstance(u, str) and _GPU_UUID.fullmatch(u) for u in value):
+        raise BootGateError(f"{where}: gpu_uuids must list one NVML UUID (GPU-...) per GPU of gpus ({count}), got {value!r}")
+    return list(value)
+
+
+def moved_gpus(plan: t.Mapping[str, t.Any], gpus: t.Sequence[t.Mapping[str, t.Any]]) -> list[str]:
+    """The ranks whose GPU index now names another card than the one the plan was made for (by UUID).
+
+    After a reboot in which a GPU fell off the bus, or a card was replaced, index ``i`` can be
+    another GPU: its memory is not the one the floor was planned for, and an engine started on
+    it runs on a card nobody planned. A GPU NVML did not give a UUID for is not judged.
+    """
+    planned = plan.get("gpu_uuids")
+    if not planned:
+        return []
+    found = {int(g["index"]): g.get("uuid") for g in gpus}
+    where_now = {uuid: index for index, uuid in found.items() if uuid}
+    out = []
+    for rank, (index, uuid) in enumerate(zip(plan["gpus"], planned)):
+        now = found.get(index)
+        if now and now != uuid:
+            moved = f" ({uuid} is GPU {where_now[uuid]} now)" if uuid in where_now else ""
+            out.append(f"rank {rank}: GPU {index} is {now}, the plan was made for {uuid}{moved}")
+    return out
+
+
 def rank_rows(plan: t.Mapping[str, t.Any], gpus: t.Sequence[t.Mapping[str, t.Any]]) -> list[dict[str, t.Any]]:
     """Per rank of the instance: GPU, NVML free memory now, floor, margin (free - floor)."""
     by_index = {int(g["index"]): g for g in gpus}
@@ -284,6 +319,10 @@ def decide(plan: t.Mapping[str, t.Any], gpus: t.Sequence[t.Mapping[str, t.Any]],
     missing = [r for r in rows if r["free_bytes"] is None]
     if missing:
         return refuse("; ".join(f"rank {r['rank']} (GPU {r['gpu']}) not found by NVML" for r in missing))
+    moved = moved_gpus(plan, gpus)
+    if moved:
+        return refuse("; ".join(moved) + ": the card was replaced or the GPUs were enumerated anew; not starting on a card the plan "
+                      "was not made for: deploy the host again to plan it on the GPUs it has now")
     unfloored = [r for r in rows if r["floor_bytes"] is None]
     if unfloored:
         return refuse("; ".join(f"rank {r['rank']} (GPU {r['gpu']}): the plan file has no floor for it" for r in unfloored))

@@ -262,16 +262,28 @@ def for_instance(plan: t.Mapping[str, t.Any], default_utilization: float, where:
     return record
 
 
+def instance_gpu_uuids(gpus: t.Sequence[t.Any], host_gpus: t.Any) -> list[str] | None:
+    """The NVML UUIDs of an instance's GPUs (indices) from the host's probed GPUs (``index``, ``uuid``); None unless all are known."""
+    if not isinstance(host_gpus, (list, tuple)):
+        return None
+    by_index = {g.get("index"): g.get("uuid") for g in host_gpus if isinstance(g, t.Mapping)}
+    uuids = [by_index.get(int(g)) for g in gpus]
+    return [str(u) for u in uuids] if all(isinstance(u, str) and u.startswith("GPU-") for u in uuids) else None
+
+
 def plan_file(launch: t.Mapping[str, t.Any], instance: t.Mapping[str, t.Any], *, host_class: str | None,
               compat_key_hash: str | None, model: str, max_model_len: int | None, planned_at: str,
-              gate_policy: str | None, gate_state_dir: str | None) -> dict[str, t.Any]:
+              gate_policy: str | None, gate_state_dir: str | None, host_gpus: t.Any = None) -> dict[str, t.Any]:
     """The host's plan file of one instance (format :data:`PLAN_FILE_FORMAT`): where it runs and its launch record.
 
     The boot gate reads it at every start; an application embedding vLLM reads the same
     record (``docs/launch-contract.md``). ``max_model_len`` 0 or ``None``: not set.
+    ``host_gpus``: the host's probed GPUs; with every GPU's UUID known, ``gpu_uuids`` names
+    the cards in rank order and the gate refuses a start on another card at one of the indices.
     """
     record = check_launch(launch)
     name = str(instance["name"])
+    uuids = instance_gpu_uuids(instance["gpus"], host_gpus)
     return {
         "format": PLAN_FILE_FORMAT,
         "instance": name,
@@ -280,6 +292,7 @@ def plan_file(launch: t.Mapping[str, t.Any], instance: t.Mapping[str, t.Any], *,
         "compat_key_hash": compat_key_hash,
         "model": model,
         "gpus": [int(g) for g in instance["gpus"]],
+        **({"gpu_uuids": uuids} if uuids else {}),
         "port": int(instance["port"]),
         "max_model_len": int(max_model_len) if max_model_len else None,
         "planned_at": planned_at,

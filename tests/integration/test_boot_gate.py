@@ -556,6 +556,42 @@ def test_a_plan_file_edited_on_the_host_is_refused_by_the_gate_and_named_by_the_
     assert fleet.active(host) == "active", "the file as the deploy wrote it starts again"
 
 
+def test_another_card_at_the_planned_index_is_refused_and_exported(fleet):
+    """The plan file names the instance's card by UUID (the rollout's probe read it). Another card at that
+    index (replaced, or the GPUs enumerated anew after a reboot): the gate starts nothing on it and says
+    which card it found; the exporter shows the refused start and the audit verdict."""
+    host = SHRINK
+    doc = json.loads(fleet.read(host, fleet.plan_path))
+    (planned,) = doc["gpu_uuids"]
+    assert planned.startswith("GPU-") and doc["gpus"] == [0]
+    fleet.sim.inject_gpu_replaced(host, 0, clear=False)
+    try:
+        fleet.harness.exec(host, ["systemctl", "reset-failed", UNIT])
+        fleet.harness.exec(host, ["systemctl", "restart", UNIT])
+        deadline = time.monotonic() + 30
+        while show(fleet, host, "ActiveState")["ActiveState"] not in ("failed", "inactive") and time.monotonic() < deadline:
+            time.sleep(0.2)
+        state = show(fleet, host, "ActiveState", "ExecMainStatus", "InvocationID")
+        assert state["ActiveState"] == "failed" and state["ExecMainStatus"] == "78", state
+        journal = fleet.harness.exec(host, ["journalctl", f"_SYSTEMD_INVOCATION_ID={state['InvocationID']}", "-o", "cat"]).stdout
+        assert f"the plan was made for {planned}" in journal and "not starting on a card the plan was not made for" in journal, journal
+        assert gate_state(fleet, host)["action"] == "refuse"
+
+        samples = exporter_samples(fleet, host)
+        inst = (("class", CLASS), ("vllm_instance", "main"))
+        assert samples[("gpufleet_vllm_would_refuse", inst)] == 1
+        assert samples[("gpufleet_vllm_last_start_refused", inst)] == 1
+        assert samples[("gpufleet_vllm_last_start_action", (("action", "refuse"), *inst))] == 1
+        assert samples[("gpufleet_vllm_nvml_error", inst)] == 0
+    finally:
+        fleet.sim.inject_gpu_replaced(host, 0, clear=True)
+        fleet.harness.exec(host, ["systemctl", "reset-failed", UNIT])
+        fleet.harness.exec(host, ["systemctl", "restart", UNIT])
+        wait_active(fleet, host)
+    assert fleet.active(host) == "active", "the planned card back at its index starts again"
+    assert exporter_samples(fleet, host)[("gpufleet_vllm_last_start_refused", (("class", CLASS), ("vllm_instance", "main")))] == 0
+
+
 def test_a_controller_clock_far_from_the_hosts_is_named_by_the_audit(fleet):
     """The controller's clock 400 days ahead of the hosts' (the hosts' 400 days behind, as in an
     unsynchronised rack): the plans' ages are judged on the controller's clock, which wrote their

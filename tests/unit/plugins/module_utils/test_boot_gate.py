@@ -220,6 +220,59 @@ def test_launcher_end_to_end_on_the_fake_nvml(tmp_path, policy, cotenant, rc, bu
         assert (record["degraded"] is not None) == bool(cotenant)
 
 
+UUID0, UUID1, UUID2 = "GPU-00000000-0000-0000-0000-00000000aaaa", "GPU-11111111-1111-1111-1111-11111111bbbb", "GPU-22222222-2222-2222-2222-22222222cccc"
+
+
+def test_a_planned_card_that_is_not_at_its_index_any_more_is_refused_under_every_policy():
+    plan = gate.parse_plan(plan_doc(gpu_uuids=[UUID0, UUID1]))
+    same = [dict(g, uuid=u) for g, u in zip(gpus(FLOOR + GIB), (UUID0, UUID1))]
+    swapped = [dict(g, uuid=u) for g, u in zip(gpus(FLOOR + GIB), (UUID1, UUID0))]
+    replaced = [dict(g, uuid=u) for g, u in zip(gpus(FLOOR + GIB), (UUID0, UUID2))]
+    for policy in gate.POLICIES:
+        assert gate.decide(plan, same, policy)["action"] == "start"
+        verdict = gate.decide(plan, swapped, policy)
+        assert verdict["action"] == "refuse", policy
+        assert (f"rank 0: GPU 0 is {UUID1}, the plan was made for {UUID0} ({UUID0} is GPU 1 now); rank 1: GPU 1 is {UUID0}, "
+                f"the plan was made for {UUID1} ({UUID1} is GPU 0 now)") in verdict["message"]
+        assert "not starting on a card the plan was not made for" in gate.decide(plan, replaced, policy)["message"]
+    # a plan file without UUIDs (written before they were recorded) or a GPU without one is not judged by UUID
+    assert gate.decide(gate.parse_plan(plan_doc()), swapped, "refuse")["action"] == "start"
+    assert gate.decide(plan, gpus(FLOOR + GIB), "refuse")["action"] == "start"
+
+
+@pytest.mark.parametrize("value", [["GPU-x"], [UUID0], [UUID0, 7], "GPU-00000000", [UUID0, UUID1 + "\n"]])
+def test_bad_gpu_uuids_name_the_field(value):
+    with pytest.raises(gate.BootGateError, match="gpu_uuids must list one NVML UUID"):
+        gate.parse_plan(plan_doc(gpu_uuids=value))
+
+
+@pytest.mark.skipif(not LIB.exists(), reason=f"fake NVML library not built ({LIB}); run `make fake-nvml`")
+def test_launcher_refuses_a_start_after_the_gpus_were_enumerated_anew(tmp_path):
+    """Real pynvml on the fake library: the two cards trade places (as after a reboot in which a GPU fell off
+    the bus and came back), the plan names them by UUID: the engine is not started."""
+    state = nvml_state.new_state()
+    state["gpus"] = [nvml_state.make_gpu(i, TOTAL, reserved=462422016, name="NVIDIA L40S", cc="8.9", uuid=u)
+                     for i, u in enumerate((UUID1, UUID0))]
+    nvml_state.save(tmp_path / "state", state)
+    plan_path, state_path = tmp_path / "main.plan.json", tmp_path / "main.boot-gate.json"
+    floor = TOTAL - 462422016 - GIB
+    plan_path.write_text(json.dumps(plan_doc(free_floor_bytes={"0": floor, "1": floor}, vllm_floor_bytes={}, gpu_uuids=[UUID0, UUID1])))
+    engine = tmp_path / "engine"
+    engine.write_text("#!/bin/sh\necho ENGINE \"$@\"\n")
+    engine.chmod(0o755)
+    code = ("import sys; from ansible_collections.gpufleet.vllm.plugins.module_utils._boot_gate import run; "
+            "sys.exit(run(sys.argv[1:]))")
+    done = subprocess.run(
+        [sys.executable, "-c", code, "--plan", str(plan_path), "--policy", "shrink", "--state", str(state_path),
+         "--", str(engine), "serve", "m", "--kv-cache-memory-bytes", str(BUDGET), "--gpu-memory-utilization", "0.85"],
+        env=dict(os.environ, LD_LIBRARY_PATH=str(LIB.parent), FAKE_NVML_STATE=str(tmp_path / "state"), INVOCATION_ID="x1"),
+        capture_output=True, text=True, timeout=60, check=False)
+    assert done.returncode == gate.EXIT_REFUSED, done.stderr
+    assert "ENGINE" not in done.stdout
+    assert f"rank 0: GPU 0 is {UUID1}, the plan was made for {UUID0}" in done.stderr
+    assert json.loads(state_path.read_text())["action"] == "refuse"
+
+
 def test_launcher_refuses_a_missing_plan_file_and_leaves_nvml_failures_to_the_restart_policy(tmp_path):
     lines: list[str] = []
     missing = gate.run(["--plan", str(tmp_path / "none.plan.json"), "--", "/bin/true"], log=lines.append)

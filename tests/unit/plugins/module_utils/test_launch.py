@@ -173,3 +173,19 @@ def test_the_unit_and_the_canary_render_the_budget_with_one_function():
                         gpu_memory_utilization=launch["gpu_memory_utilization"])
     assert canary[7:11] == words == ["--kv-cache-memory-bytes", str(launch["kv_cache_memory_bytes"]),
                                      "--gpu-memory-utilization", repr(launch["gpu_memory_utilization"])]
+
+
+def test_the_plan_file_names_the_instances_cards_by_uuid_when_the_probe_read_them():
+    launch = plan_class(spec())["launch"]
+    probed = [{"index": i, "uuid": f"GPU-{i:08d}-0000-4000-8000-000000000000"} for i in range(4)]
+
+    def doc(host_gpus: Any) -> dict[str, Any]:
+        return _launch.plan_file(launch, {"name": "main", "gpus": [3, 1], "port": 8001}, host_class="h200", compat_key_hash="k1",
+                                 model="/srv/m", max_model_len=8192, planned_at="2026-12-02T10:00:00Z", gate_policy="shrink",
+                                 gate_state_dir="/var/lib/gpufleet-vllm", host_gpus=host_gpus)
+
+    named = doc(probed)
+    assert named["gpu_uuids"] == ["GPU-00000003-0000-4000-8000-000000000000", "GPU-00000001-0000-4000-8000-000000000000"]
+    assert _boot_gate.parse_plan(json.loads(json.dumps(named)))["gpu_uuids"] == named["gpu_uuids"]
+    # not every card known, or no probe: no UUIDs (never some of them)
+    assert "gpu_uuids" not in doc(probed[:2]) and "gpu_uuids" not in doc(None) and "gpu_uuids" not in doc([{"index": 3}])
