@@ -36,7 +36,16 @@ import os
 from dataclasses import dataclass, replace
 from typing import Any, Mapping
 
-from ._kv_block_size import BlockSize, EngineTarget, attention_block_size, engine_target, gdn_flashinfer_prefill, hybrid_block_size, state_page_bytes
+from ._kv_block_size import (
+    BlockSize,
+    EngineTarget,
+    UnknownBlockSize,
+    attention_block_size,
+    engine_target,
+    gdn_flashinfer_prefill,
+    hybrid_block_size,
+    state_page_bytes,
+)
 from ._kv_capacity import cdiv
 from ._kv_layout import FAMILIES, KVLayout, LayoutError, UnknownLayout, layer_kinds, layout_from_config
 
@@ -45,6 +54,7 @@ __all__ = [
     "EngineTarget",
     "GeometryError",
     "KVGeometry",
+    "UnpredictableBlockSize",
     "UnpredictableGeometry",
     "capacity_model",
     "cdiv",
@@ -60,6 +70,10 @@ class GeometryError(ValueError):
 
 class UnpredictableGeometry(GeometryError):
     """The model's KV capacity cannot be predicted from its config (reason in the message)."""
+
+
+class UnpredictableBlockSize(UnpredictableGeometry):
+    """The block size vLLM picks for this engine and layout is not modelled: the engine's own figure can size it."""
 
 
 DTYPE_BYTES: dict[str, int] = {
@@ -256,7 +270,7 @@ def _attention(top: Mapping[str, Any], cfg: Mapping[str, Any], where: str, serve
     else:
         choice = attention_block_size(target, given=given, mla=mla, model_type=_model_type(cfg, top))
     if choice.size is None:
-        raise UnpredictableGeometry(f"block size: {choice.source}")
+        raise UnpredictableBlockSize(f"block size: {choice.source}")
     block_size, block_source = choice.size, choice.source
     num_layers = _positive_int(cfg, "num_hidden_layers", where)
     layers_on_rank = _pp_max_layers(num_layers, pp)
@@ -392,7 +406,7 @@ def _prefix_caching(serve_args: Mapping[str, Any]) -> bool:
 def _hybrid_block(cfg: Mapping[str, Any], att: _Attention, serve_args: Mapping[str, Any], tgt: EngineTarget, gdn_prefill: bool) -> tuple[int, str]:
     """The block vLLM aligns a state-space hybrid's attention page to (see :mod:`._kv_block_size`)."""
     if att.mla:
-        raise UnknownLayout("a state-space hybrid with MLA layers: the block alignment vLLM applies is not modelled")
+        raise UnknownBlockSize("a state-space hybrid with MLA layers: the block alignment vLLM applies is not modelled")
     tp = _serve_int(serve_args, "tensor_parallel_size", 1)
     explicit_half_gdn = ("qwen3_next" in att.model_type or "qwen3_5" in att.model_type) and str(
         serve_args.get("mamba_ssm_cache_dtype") or "").lower() in ("float16", "bfloat16")
@@ -407,13 +421,13 @@ def _hybrid_block(cfg: Mapping[str, Any], att: _Attention, serve_args: Mapping[s
                                   ssm_float32=f32) for f32 in float32_choices}
     except UnknownLayout as exc:
         if not given:
-            raise
+            raise UnknownBlockSize(str(exc)) from None
         return att.block_size, (f"serve_args.block_size, taken as is: {exc} (vLLM raises a block too small to hold the state; "
                                 "the profiled canary's figures check it)")
     choice = hybrid_block_size(tgt, start=att.block_size, attention_page_per_token=att.token_bytes_per_layer, state_pages=pages,
                                gdn_prefill=gdn_prefill, given=given)
     if choice.size is None:
-        raise UnknownLayout(f"block size: {choice.source}")
+        raise UnknownBlockSize(choice.source)
     return choice.size, choice.source
 
 
@@ -446,7 +460,13 @@ def capacity_model(
     try:
         if family == "hybrid_state_space":
             gdn = "qwen3_next" in att.model_type or "qwen3_5" in att.model_type
-            gdn_prefill = gdn and gdn_flashinfer_prefill(tgt, _prefix_caching(serve_args), cfg.get("linear_key_head_dim"))
+            try:
+                gdn_prefill = gdn and gdn_flashinfer_prefill(tgt, _prefix_caching(serve_args), cfg.get("linear_key_head_dim"))
+            except UnknownBlockSize as exc:
+                if not engine_block_size:
+                    raise
+                # the engine's block is known; its blocks per request settle the checkpoint block (class_capacity)
+                notes.append(f"{exc}: no GDN checkpoint block assumed; the profiled canary's blocks per request decide")
             if not engine_block_size:
                 block_size, block_source = _hybrid_block(cfg, att, serve_args, tgt, gdn_prefill)
             if not tgt.rules.mamba_cache_mode_flag and serve_args.get("mamba_cache_mode") is not None:
@@ -456,6 +476,8 @@ def capacity_model(
             cfg, att.model_type, page_bytes=att.token_bytes_per_layer * block_size, block_size=block_size, serve_args=serve_args,
             checkpoint_blocks=1 if gdn_prefill else 0,
         )
+    except UnknownBlockSize as exc:
+        raise UnpredictableBlockSize(f"block size: {exc}") from None
     except UnknownLayout as exc:
         raise UnpredictableGeometry(f"{exc}; KV capacity comes from the engine's own figures") from None
     except LayoutError as exc:

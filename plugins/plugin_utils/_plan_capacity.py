@@ -20,6 +20,7 @@ from ansible_collections.gpufleet.vllm.plugins.module_utils._geometry import (
     EngineTarget,
     GeometryError,
     KVGeometry,
+    UnpredictableBlockSize,
     UnpredictableGeometry,
     capacity_model,
     engine_target,
@@ -55,8 +56,8 @@ def _model(config: Any, serve_args: dict[str, Any], ref: Reference, target: Engi
     try:
         try:
             geo = capacity_model(config, serve_args, target)
-        except UnpredictableGeometry as exc:
-            if "block_size" in serve_args or not engine_block or not str(exc).startswith("block size:"):
+        except UnpredictableBlockSize as exc:
+            if "block_size" in serve_args or not engine_block:
                 raise
             notes.append(f"{exc}: the profiled canary's block size {engine_block} is used")
             return capacity_model(config, serve_args, target, engine_block_size=engine_block), None

@@ -186,7 +186,10 @@ def test_the_plan_says_which_block_size_and_rules_it_used():
     # nothing known of the GPU: the canary's figure, or no capacity from the config
     unknown = {"compat": {"vllm_version": "0.33.0"}, "profile": {"ranks": ranks, "total_bytes": "141GiB", "geometry": geometry}}
     assert _plan(unknown)["capacity_source"] is None
-    assert _plan(dict(unknown, profile=dict(unknown["profile"], block_size=576)))["block_size"] == 576
+    measured = _plan(dict(unknown, profile=dict(unknown["profile"], block_size=576)))
+    assert (measured["block_size"], measured["capacity_source"]) == (576, "layout")
+    assert any(r.startswith("block size: vLLM 0.33 on CUDA: whether the FlashInfer GDN prefill kernel runs depends on the GPU's")
+               and r.endswith("the profiled canary's block size 576 is used") for r in measured["reasons"]), measured["reasons"]
 
 
 def test_a_bad_runtime_version_names_the_field():
