@@ -132,6 +132,18 @@ def restart(fleet: SimFleet, host: str) -> dict[str, Any]:
     raise AssertionError(f"{host}: the gate recorded no decision for invocation {invocation}")
 
 
+def restart_refused(fleet: SimFleet, host: str) -> dict[str, str]:
+    """``systemctl restart`` of a start the gate refuses: the unit ends failed with the gate's exit 78 (no restart loop)."""
+    fleet.harness.exec(host, ["systemctl", "reset-failed", UNIT])
+    fleet.harness.exec(host, ["systemctl", "restart", UNIT])
+    deadline = time.monotonic() + 30
+    while show(fleet, host, "ActiveState")["ActiveState"] not in ("failed", "inactive") and time.monotonic() < deadline:
+        time.sleep(0.2)
+    state = show(fleet, host, "ActiveState", "ExecMainStatus", "InvocationID", "NRestarts")
+    assert state["ActiveState"] == "failed" and state["ExecMainStatus"] == "78", state
+    return state
+
+
 def starting_margins(fleet: SimFleet) -> dict[str, int]:
     """Restart every host's unit and return each rank 0's margin to its floor, asserting that each host
     starts at or above its floor: the tests of this module share one fleet, and a test that sizes a
@@ -521,13 +533,7 @@ def test_a_plan_file_edited_on_the_host_is_refused_by_the_gate_and_named_by_the_
     path.write_text(json.dumps(doc, indent=4, sort_keys=True) + "\n", encoding="utf-8")  # owner and mode stay
     cotenant(fleet, host, margins[host] + 256 * MIB)
     try:
-        fleet.harness.exec(host, ["systemctl", "reset-failed", UNIT])
-        fleet.harness.exec(host, ["systemctl", "restart", UNIT])
-        deadline = time.monotonic() + 30
-        while show(fleet, host, "ActiveState")["ActiveState"] not in ("failed", "inactive") and time.monotonic() < deadline:
-            time.sleep(0.2)
-        state = show(fleet, host, "ActiveState", "ExecMainStatus", "InvocationID", "NRestarts")
-        assert state["ActiveState"] == "failed" and state["ExecMainStatus"] == "78", state
+        state = restart_refused(fleet, host)
         journal = fleet.harness.exec(host, ["journalctl", f"_SYSTEMD_INVOCATION_ID={state['InvocationID']}", "-o", "cat"]).stdout
         assert "was changed since the deploy wrote it (the unit's drop-in records checksum" in journal, journal
         assert "starts degraded" not in journal and "budget" not in journal.split("was changed since")[0].rsplit("\n", 1)[-1]
@@ -566,13 +572,7 @@ def test_another_card_at_the_planned_index_is_refused_and_exported(fleet):
     assert planned.startswith("GPU-") and doc["gpus"] == [0]
     fleet.sim.inject_gpu_replaced(host, 0, clear=False)
     try:
-        fleet.harness.exec(host, ["systemctl", "reset-failed", UNIT])
-        fleet.harness.exec(host, ["systemctl", "restart", UNIT])
-        deadline = time.monotonic() + 30
-        while show(fleet, host, "ActiveState")["ActiveState"] not in ("failed", "inactive") and time.monotonic() < deadline:
-            time.sleep(0.2)
-        state = show(fleet, host, "ActiveState", "ExecMainStatus", "InvocationID")
-        assert state["ActiveState"] == "failed" and state["ExecMainStatus"] == "78", state
+        state = restart_refused(fleet, host)
         journal = fleet.harness.exec(host, ["journalctl", f"_SYSTEMD_INVOCATION_ID={state['InvocationID']}", "-o", "cat"]).stdout
         assert f"the plan was made for {planned}" in journal and "not starting on a card the plan was not made for" in journal, journal
         assert gate_state(fleet, host)["action"] == "refuse"

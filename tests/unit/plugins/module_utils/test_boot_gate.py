@@ -176,6 +176,21 @@ def test_engine_argv_lowers_the_budget_and_drops_it_for_profiling():
     assert gate.engine_argv(argv, {"action": "start"}) == argv
 
 
+def run_launcher(tmp_path: Path, plan_path: Path, state_path: Path, policy: str, invocation: str) -> subprocess.CompletedProcess[str]:
+    """The launcher in a fresh interpreter: real pynvml on the fake library (state in ``tmp_path/state``), and an
+    'engine' that prints the argv it was handed."""
+    engine = tmp_path / "engine"
+    engine.write_text("#!/bin/sh\necho ENGINE \"$@\"\n")
+    engine.chmod(0o755)
+    code = ("import sys; from ansible_collections.gpufleet.vllm.plugins.module_utils._boot_gate import run; "
+            "sys.exit(run(sys.argv[1:]))")
+    return subprocess.run(
+        [sys.executable, "-c", code, "--plan", str(plan_path), "--policy", policy, "--state", str(state_path),
+         "--", str(engine), "serve", "m", "--kv-cache-memory-bytes", str(BUDGET), "--gpu-memory-utilization", "0.85"],
+        env=dict(os.environ, LD_LIBRARY_PATH=str(LIB.parent), FAKE_NVML_STATE=str(tmp_path / "state"), INVOCATION_ID=invocation),
+        capture_output=True, text=True, timeout=60, check=False)
+
+
 @pytest.mark.skipif(not LIB.exists(), reason=f"fake NVML library not built ({LIB}); run `make fake-nvml`")
 @pytest.mark.parametrize("policy,cotenant,rc,budget", [
     ("shrink", 0, 0, BUDGET),
@@ -195,17 +210,7 @@ def test_launcher_end_to_end_on_the_fake_nvml(tmp_path, policy, cotenant, rc, bu
     nvml_state.save(tmp_path / "state", state)
     plan_path, state_path = tmp_path / "main.plan.json", tmp_path / "main.boot-gate.json"
     plan_path.write_text(json.dumps(plan_doc(free_floor_bytes={"0": floor, "1": floor}, vllm_floor_bytes={})))
-    engine = tmp_path / "engine"
-    engine.write_text("#!/bin/sh\necho ENGINE \"$@\"\n")
-    engine.chmod(0o755)
-    code = ("import sys; from ansible_collections.gpufleet.vllm.plugins.module_utils._boot_gate import run; "
-            "sys.exit(run(sys.argv[1:]))")
-    done = subprocess.run(
-        [sys.executable, "-c", code, "--plan", str(plan_path), "--policy", policy, "--state", str(state_path),
-         "--", str(engine), "serve", "m", "--kv-cache-memory-bytes", str(BUDGET), "--gpu-memory-utilization", "0.85"],
-        env=dict(os.environ, LD_LIBRARY_PATH=str(LIB.parent), FAKE_NVML_STATE=str(tmp_path / "state"),
-                 INVOCATION_ID="abc123"),
-        capture_output=True, text=True, timeout=60, check=False)
+    done = run_launcher(tmp_path, plan_path, state_path, policy, "abc123")
     assert done.returncode == rc, done.stderr
     record = json.loads(state_path.read_text())
     assert record["invocation_id"] == "abc123" and record["policy"] == policy
@@ -257,16 +262,7 @@ def test_launcher_refuses_a_start_after_the_gpus_were_enumerated_anew(tmp_path):
     plan_path, state_path = tmp_path / "main.plan.json", tmp_path / "main.boot-gate.json"
     floor = TOTAL - 462422016 - GIB
     plan_path.write_text(json.dumps(plan_doc(free_floor_bytes={"0": floor, "1": floor}, vllm_floor_bytes={}, gpu_uuids=[UUID0, UUID1])))
-    engine = tmp_path / "engine"
-    engine.write_text("#!/bin/sh\necho ENGINE \"$@\"\n")
-    engine.chmod(0o755)
-    code = ("import sys; from ansible_collections.gpufleet.vllm.plugins.module_utils._boot_gate import run; "
-            "sys.exit(run(sys.argv[1:]))")
-    done = subprocess.run(
-        [sys.executable, "-c", code, "--plan", str(plan_path), "--policy", "shrink", "--state", str(state_path),
-         "--", str(engine), "serve", "m", "--kv-cache-memory-bytes", str(BUDGET), "--gpu-memory-utilization", "0.85"],
-        env=dict(os.environ, LD_LIBRARY_PATH=str(LIB.parent), FAKE_NVML_STATE=str(tmp_path / "state"), INVOCATION_ID="x1"),
-        capture_output=True, text=True, timeout=60, check=False)
+    done = run_launcher(tmp_path, plan_path, state_path, "shrink", "x1")
     assert done.returncode == gate.EXIT_REFUSED, done.stderr
     assert "ENGINE" not in done.stdout
     assert f"rank 0: GPU 0 is {UUID1}, the plan was made for {UUID0}" in done.stderr
