@@ -56,6 +56,8 @@ CPU_DEFAULT_BLOCK = 128
 
 class UnknownBlockSize(UnknownLayout):
     """vLLM's choice of block size for this engine and layout is not modelled (reason in the message)."""
+
+
 _KERNEL_BLOCK = {"cuda": 16, "cpu": 32}
 _GDN_FLASHINFER_BLOCK = 64
 _DTYPE_BYTES = {"float32": 4, "float": 4, "fp32": 4, "float16": 2, "half": 2, "fp16": 2, "bfloat16": 2, "bf16": 2}
@@ -163,13 +165,13 @@ def gdn_flashinfer_prefill(target: EngineTarget, prefix_caching: bool, key_head_
     cap = target.compute_capability
     if cap is None:
         raise UnknownBlockSize(f"{target.describe()}: whether the FlashInfer GDN prefill kernel runs depends on the GPU's "
-                            "compute capability, which is not known (probe the GPUs, or give serve_args.block_size)")
+                               "compute capability, which is not known (probe the GPUs, or give serve_args.block_size)")
     if cap[0] == 9:
         return True
     if cap[0] in (10, 12) and key_head_dim == 128:
         if target.cuda_major is None:
             raise UnknownBlockSize(f"{target.describe()}: whether the FlashInfer GDN prefill kernel runs depends on the CUDA "
-                                "runtime version (13 or later), which is not known")
+                                   "runtime version (13 or later), which is not known")
         return target.cuda_major >= 13
     return False
 
