@@ -44,10 +44,11 @@ from ._kv_block_size import (
     engine_target,
     gdn_flashinfer_prefill,
     hybrid_block_size,
+    is_gdn,
     state_page_bytes,
 )
 from ._kv_capacity import cdiv
-from ._kv_layout import FAMILIES, KVLayout, LayoutError, UnknownLayout, layer_kinds, layout_from_config
+from ._kv_layout import FAMILIES, KVLayout, LayoutError, UnknownLayout, layer_kinds, layout_from_config, prefix_caching
 
 __all__ = [
     "DTYPE_BYTES",
@@ -398,17 +399,12 @@ def geometry_from_config(
     )
 
 
-def _prefix_caching(serve_args: Mapping[str, Any]) -> bool:
-    caching = serve_args.get("enable_prefix_caching", True)
-    return caching if isinstance(caching, bool) else str(caching).lower() in ("true", "1", "yes")
-
-
 def _hybrid_block(cfg: Mapping[str, Any], att: _Attention, serve_args: Mapping[str, Any], tgt: EngineTarget, gdn_prefill: bool) -> tuple[int, str]:
     """The block vLLM aligns a state-space hybrid's attention page to (see :mod:`._kv_block_size`)."""
     if att.mla:
         raise UnknownBlockSize("a state-space hybrid with MLA layers: the block alignment vLLM applies is not modelled")
     tp = _serve_int(serve_args, "tensor_parallel_size", 1)
-    explicit_half_gdn = ("qwen3_next" in att.model_type or "qwen3_5" in att.model_type) and str(
+    explicit_half_gdn = is_gdn(att.model_type) and str(
         serve_args.get("mamba_ssm_cache_dtype") or "").lower() in ("float16", "bfloat16")
     if tgt.device == "cpu" and not explicit_half_gdn:
         # the CPU build keeps SSM state in float32 on hosts with AVX-512 BF16
@@ -459,9 +455,8 @@ def capacity_model(
     gdn_prefill = False
     try:
         if family == "hybrid_state_space":
-            gdn = "qwen3_next" in att.model_type or "qwen3_5" in att.model_type
             try:
-                gdn_prefill = gdn and gdn_flashinfer_prefill(tgt, _prefix_caching(serve_args), cfg.get("linear_key_head_dim"))
+                gdn_prefill = is_gdn(att.model_type) and gdn_flashinfer_prefill(tgt, prefix_caching(serve_args), cfg.get("linear_key_head_dim"))
             except UnknownBlockSize as exc:
                 if not engine_block_size:
                     raise

@@ -48,6 +48,7 @@ __all__ = [
     "attention_block_size",
     "engine_target",
     "hybrid_block_size",
+    "is_gdn",
     "state_page_bytes",
 ]
 
@@ -176,6 +177,11 @@ def gdn_flashinfer_prefill(target: EngineTarget, prefix_caching: bool, key_head_
     return False
 
 
+def is_gdn(model_type: str) -> bool:
+    """Whether a model's state layers are gated delta nets (Qwen3-Next, Qwen3.5): the FlashInfer GDN prefill rules apply."""
+    return "qwen3_next" in model_type or "qwen3_5" in model_type
+
+
 def _dtype_bytes(name: Any, where: str) -> int:
     key = str(name).lower().replace("torch.", "")
     if key not in _DTYPE_BYTES:
@@ -217,7 +223,7 @@ def state_page_bytes(cfg: Mapping[str, Any], model_type: str, *, tp: int, model_
     ssm_bytes = conv_bytes if ssm_name == "auto" else _dtype_bytes(ssm_name, "mamba_ssm_cache_dtype")
     if ssm_float32:
         ssm_bytes = 4
-    if "qwen3_next" in model_type or "qwen3_5" in model_type:
+    if is_gdn(model_type):
         family = "gated delta net"
         nk, nv = _positive(cfg, "linear_num_key_heads", family), _positive(cfg, "linear_num_value_heads", family)
         dk, dv = _positive(cfg, "linear_key_head_dim", family), _positive(cfg, "linear_value_head_dim", family)

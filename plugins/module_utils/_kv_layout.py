@@ -47,6 +47,7 @@ __all__ = [
     "UnknownLayout",
     "layer_kinds",
     "layout_from_config",
+    "prefix_caching",
 ]
 
 
@@ -290,6 +291,12 @@ def _group(kinds: list[tuple[str, int | None]], hybrid_manager: bool) -> tuple[l
     return groups, group_size, notes
 
 
+def prefix_caching(serve_args: Mapping[str, Any]) -> bool:
+    """Whether the engine caches prefixes (vLLM's default: on), from ``serve_args.enable_prefix_caching``."""
+    caching = serve_args.get("enable_prefix_caching", True)
+    return caching if isinstance(caching, bool) else str(caching).lower() in ("true", "1", "yes")
+
+
 # state-space layers built on vLLM's Mamba2 mixer keep one prefill checkpoint block in "align" mode
 _MAMBA2_MODEL_TYPES = ("granitemoehybrid", "nemotron_h", "bamba", "falcon_h1", "zamba2", "mamba2", "plamo2")
 
@@ -305,9 +312,7 @@ def _state_blocks(model_type: str, serve_args: Mapping[str, Any], checkpoint_blo
     """
     mode = serve_args.get("mamba_cache_mode")
     if mode is None:
-        caching = serve_args.get("enable_prefix_caching", True)
-        caching = caching if isinstance(caching, bool) else str(caching).lower() in ("true", "1", "yes")
-        mode = "align" if caching else "none"
+        mode = "align" if prefix_caching(serve_args) else "none"
     spec = serve_args.get("num_speculative_tokens") or 0
     if str(mode).lower() == "align":
         return 2 + int(spec) + (1 if any(t in model_type for t in _MAMBA2_MODEL_TYPES) else 0) + checkpoint_blocks
