@@ -192,10 +192,13 @@ def audit(state_dir: str, nvml: t.Any, now: float | None = None,
         state = read_state(plan["state_file"]) if plan["state_file"] else None
         key = (reference_key_hashes or {}).get(plan.get("host_class") or "")
         unit = plan["unit"] or f"vllm-{plan['instance']}.service"
-        if path in probe_errors:
-            instances.append(_unprobed(plan, path, probe_errors[path], state))
-            continue
         entry = judge(plan, gpus, judging, reprofile_after_days, key, state, recorded_checksum(unit_dir, unit), path, clock)
+        if path in probe_errors:
+            # no figures of its GPUs: the gate does not start it (it exits before the engine)
+            why = probe_errors[path]
+            entry.update(nvml_error=why, ranks=[], min_margin_bytes=None, would_start=None, next_start="refuse",
+                         verdict="plan_edited" if entry["verdict"] == "plan_edited" else "would_refuse")
+            entry["reasons"].insert(0, f"NVML cannot read its GPUs {plan['gpus']}: {why}; the boot gate does not start it")
         if skew is not None and abs(skew) > max_clock_skew:
             entry["reasons"].append(f"the host's clock is {abs(skew):.0f} s {'ahead of' if skew > 0 else 'behind'} the controller's: "
                                     "ages are judged on the controller's; fix the host's time (NTP)")
@@ -222,21 +225,6 @@ def _probe_each(nvml: t.Any, plans: list[tuple[str, dict[str, t.Any]]], host: st
         for gpu in found:
             gpus.setdefault(gpu["index"], gpu)
     return list(gpus.values()), errors
-
-
-def _unprobed(plan: t.Mapping[str, t.Any], path: str, why: str, state: t.Mapping[str, t.Any] | None) -> dict[str, t.Any]:
-    """An instance whose GPUs NVML cannot read: the gate does not start it (it exits before the engine)."""
-    return {
-        "instance": plan["instance"], "unit": plan["unit"] or f"vllm-{plan['instance']}.service",
-        "host_class": plan.get("host_class") or "", "policy": plan["policy"], "decision": plan["decision"],
-        "verdict": "would_refuse", "next_start": "refuse", "ranks": [], "min_margin_bytes": None,
-        "kv_cache_memory_bytes": plan["kv_cache_memory_bytes"], "kv_cache_tokens": plan["kv_cache_tokens"],
-        "would_start": None, "planned_at": plan.get("planned_at"), "plan_timestamp": plan_timestamp(plan.get("planned_at")),
-        "plan_age_days": None, "compat_key_hash": plan.get("compat_key_hash"), "reference_key_hash": None, "key_matches": None,
-        "last_start": _last_start(dict(state) if state else None), "plan_checksum": plan.get("checksum"), "recorded_checksum": None,
-        "reasons": [f"NVML cannot read its GPUs {plan['gpus']}: {why}; the boot gate does not start it"],
-        "plan_file": path, "nvml_error": why,
-    }
 
 
 # ---------------------------------------------------------------- node_exporter textfile

@@ -47,7 +47,7 @@ from ._kv_block_size import (
     is_gdn,
     state_page_bytes,
 )
-from ._kv_capacity import cdiv
+from ._kv_capacity import DTYPE_BYTES, cdiv
 from ._kv_layout import FAMILIES, KVLayout, LayoutError, UnknownLayout, layer_kinds, layout_from_config, prefix_caching
 
 __all__ = [
@@ -76,22 +76,6 @@ class UnpredictableGeometry(GeometryError):
 class UnpredictableBlockSize(UnpredictableGeometry):
     """The block size vLLM picks for this engine and layout is not modelled: the engine's own figure can size it."""
 
-
-DTYPE_BYTES: dict[str, int] = {
-    "float32": 4,
-    "float": 4,
-    "fp32": 4,
-    "float16": 2,
-    "half": 2,
-    "fp16": 2,
-    "bfloat16": 2,
-    "bf16": 2,
-    "fp8": 1,
-    "fp8_e4m3": 1,
-    "fp8_e5m2": 1,
-    "fp8_inc": 1,
-    "int8": 1,
-}
 
 _KV_HEAD_KEYS = ("n_head_kv", "num_kv_heads", "num_key_value_heads", "multi_query_group_num", "num_attention_groups")
 

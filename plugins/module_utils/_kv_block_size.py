@@ -38,6 +38,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Mapping
 
+from ._kv_capacity import DTYPE_BYTES
 from ._kv_layout import UnknownLayout
 from ._vllm_release import ReleaseRules, release_rules
 
@@ -61,7 +62,6 @@ class UnknownBlockSize(UnknownLayout):
 
 _KERNEL_BLOCK = {"cuda": 16, "cpu": 32}
 _GDN_FLASHINFER_BLOCK = 64
-_DTYPE_BYTES = {"float32": 4, "float": 4, "fp32": 4, "float16": 2, "half": 2, "fp16": 2, "bfloat16": 2, "bf16": 2}
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -184,9 +184,10 @@ def is_gdn(model_type: str) -> bool:
 
 def _dtype_bytes(name: Any, where: str) -> int:
     key = str(name).lower().replace("torch.", "")
-    if key not in _DTYPE_BYTES:
+    # state caches are kept in 16 or 32 bits
+    if DTYPE_BYTES.get(key, 0) < 2:
         raise UnknownLayout(f"{where} {name!r}: a state dtype this planner does not size")
-    return _DTYPE_BYTES[key]
+    return DTYPE_BYTES[key]
 
 
 def _positive(cfg: Mapping[str, Any], key: str, family: str) -> int:

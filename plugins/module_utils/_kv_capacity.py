@@ -29,6 +29,23 @@ from __future__ import annotations
 import math
 import typing as t
 
+# bytes of one value of each dtype name vLLM accepts for the model, the KV cache and state caches
+DTYPE_BYTES: dict[str, int] = {
+    "float32": 4,
+    "float": 4,
+    "fp32": 4,
+    "float16": 2,
+    "half": 2,
+    "fp16": 2,
+    "bfloat16": 2,
+    "bf16": 2,
+    "fp8": 1,
+    "fp8_e4m3": 1,
+    "fp8_e5m2": 1,
+    "fp8_inc": 1,
+    "int8": 1,
+}
+
 SOURCES = ("geometry", "layout", "engine")
 
 
