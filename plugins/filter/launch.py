@@ -1,7 +1,7 @@
 # Copyright (c) gpufleet maintainers
 # GNU General Public License v3.0+ (see https://www.gnu.org/licenses/gpl-3.0.txt)
 # SPDX-License-Identifier: GPL-3.0-or-later
-"""Filters: launch_contract, launch_plan_file, launch_runs, launch_serve_args (documentation in the YAML files beside this one).
+"""Filters: cuda_visible_devices, launch_contract, launch_plan_file, launch_runs, launch_serve_args (documentation in the YAML files beside this one).
 
 Each is one call into ``module_utils/_launch`` or ``_serve_argv``: the launch contract's
 rules live there, not here."""
@@ -12,8 +12,18 @@ from typing import Any, Callable, Mapping
 
 from ansible.errors import AnsibleFilterError
 
-from ansible_collections.gpufleet.vllm.plugins.module_utils._launch import LaunchError, check_launch, for_instance, plan_file, runs
+from ansible_collections.gpufleet.vllm.plugins.module_utils._launch import LaunchError, check_launch, cuda_visible_devices as _cuda_visible_devices, for_instance, plan_file, runs
 from ansible_collections.gpufleet.vllm.plugins.module_utils._serve_argv import EngineSpecError, budget_args
+
+
+def cuda_visible_devices(gpus: Any, host_gpus: Any = None) -> str:
+    """An instance's GPU indices and the host's probed GPUs -> the engine's CUDA_VISIBLE_DEVICES (UUIDs when all are known)."""
+    if not isinstance(gpus, (list, tuple)) or not gpus:
+        raise AnsibleFilterError("cuda_visible_devices: expected the instance's GPU indices (a non-empty list)")
+    try:
+        return _cuda_visible_devices(gpus, host_gpus)
+    except (TypeError, ValueError):
+        raise AnsibleFilterError(f"cuda_visible_devices: GPU indices must be integers, got {list(gpus)!r}") from None
 
 
 def launch_contract(plan: Any, default_utilization: Any = 0.9, field: Any = "vllm_service_plan") -> dict[str, Any]:
@@ -59,6 +69,7 @@ class FilterModule:
 
     def filters(self) -> dict[str, Callable[..., Any]]:
         return {
+            "cuda_visible_devices": cuda_visible_devices,
             "launch_contract": launch_contract,
             "launch_plan_file": launch_plan_file,
             "launch_runs": launch_runs,

@@ -271,6 +271,19 @@ def instance_gpu_uuids(gpus: t.Sequence[t.Any], host_gpus: t.Any) -> list[str] |
     return [str(u) for u in uuids] if all(isinstance(u, str) and u.startswith("GPU-") for u in uuids) else None
 
 
+def cuda_visible_devices(gpus: t.Sequence[t.Any], host_gpus: t.Any) -> str:
+    """The engine's ``CUDA_VISIBLE_DEVICES``: the instance's cards by NVML UUID in rank order, else by index.
+
+    A UUID names one card wherever it is enumerated: after a reboot in which a GPU falls off the bus,
+    index 3 may be another card, while ``GPU-…`` is still the planned one or no card at all (CUDA and
+    vLLM's ``CudaPlatform.device_control_id_to_physical_device_id`` resolve it with
+    ``nvmlDeviceGetHandleByUUID``). Indices are the fallback only when the probe did not read every
+    card's UUID (``host_gpus`` absent: a unit rendered without a probe, e.g. by hand).
+    """
+    uuids = instance_gpu_uuids(gpus, host_gpus)
+    return ",".join(uuids if uuids else [str(int(g)) for g in gpus])
+
+
 def plan_file(launch: t.Mapping[str, t.Any], instance: t.Mapping[str, t.Any], *, host_class: str | None,
               compat_key_hash: str | None, model: str, max_model_len: int | None, planned_at: str,
               gate_policy: str | None, gate_state_dir: str | None, host_gpus: t.Any = None) -> dict[str, t.Any]:

@@ -118,7 +118,10 @@ def test_clean_rollout(fleet, seen):
     assert len(set(budgets.values())) == 1 and None not in budgets.values(), budgets
     for host in HOSTS:
         assert fleet.active(host) == "active", host
-        assert "Environment=CUDA_VISIBLE_DEVICES=0,1" in units[host]
+        # the unit names the planned cards by UUID, the ones the plan file records for its GPUs 0 and 1
+        uuids = json.loads(fleet.read(host, fleet.plan_path))["gpu_uuids"]
+        assert len(uuids) == 2 and all(u.startswith("GPU-") for u in uuids), uuids
+        assert f"Environment=CUDA_VISIBLE_DEVICES={','.join(uuids)}" in units[host]
         plan = fleet.plan(host)
         assert plan["kv_cache_memory_bytes"] == budgets[host]
         assert plan["decision"] == "deploy"

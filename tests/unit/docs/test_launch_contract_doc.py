@@ -67,10 +67,10 @@ def _run_example(path: Path, monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
     return call
 
 
-def _plan_file(tmp_path: Path, launch: dict[str, Any]) -> Path:
+def _plan_file(tmp_path: Path, launch: dict[str, Any], host_gpus: Any = None) -> Path:
     doc = _launch.plan_file(launch, {"name": "main", "gpus": [2, 3], "port": 8000}, host_class="h200", compat_key_hash="k",
                             model="/srv/models/m", max_model_len=8192, planned_at="2026-12-02T10:00:00Z",
-                            gate_policy="shrink", gate_state_dir="/var/lib/gpufleet-vllm")
+                            gate_policy="shrink", gate_state_dir="/var/lib/gpufleet-vllm", host_gpus=host_gpus)
     path = tmp_path / "main.plan.json"
     path.write_text(json.dumps(doc))
     return path
@@ -85,6 +85,16 @@ def test_the_example_starts_vllm_with_the_planned_budget(tmp_path, monkeypatch):
     import os  # pylint: disable=import-outside-toplevel
 
     assert os.environ["CUDA_VISIBLE_DEVICES"] == "2,3"
+
+
+def test_the_example_selects_the_planned_cards_by_uuid(tmp_path, monkeypatch):
+    launch = _launch.for_instance({"decision": "auto_profile"}, 0.8)
+    cards = [{"index": i, "uuid": f"GPU-0000000{i}-0000-4000-8000-000000000000"} for i in range(4)]
+    _run_example(_plan_file(tmp_path, launch, cards), monkeypatch)
+    import os  # pylint: disable=import-outside-toplevel
+
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == _launch.cuda_visible_devices([2, 3], cards)
+    assert os.environ["CUDA_VISIBLE_DEVICES"].startswith("GPU-00000002-")
 
 
 def test_the_example_lets_vllm_profile_an_auto_profile_plan(tmp_path, monkeypatch):

@@ -63,6 +63,13 @@ CASES = {
         "vllm_service_plan": PLAN_MANUAL,
         "vllm_service_serve_args": {"tensor_parallel_size": 2},
     },
+    # last: its probe facts (gpufleet_gpus) stay set for the cases after it
+    "probed": {
+        "vllm_service_instance": {"name": "b", "gpus": [2, 3], "port": 8001},
+        "vllm_service_plan": PLAN_MANUAL,
+        "vllm_service_serve_args": {"tensor_parallel_size": 2},
+        "gpufleet_gpus": [{"index": i, "uuid": f"GPU-{i}a5b0c1d-2e3f-4a5b-8c7d-9e0f1a2b3c4d"} for i in range(4)],
+    },
 }
 
 
@@ -187,6 +194,9 @@ def test_multi_instance_units_differ_in_gpus_and_port(rendered):
     assert "Environment=CUDA_VISIBLE_DEVICES=0,1" in units["multi_a"]
     assert "Environment=CUDA_VISIBLE_DEVICES=2,3" in units["multi_b"]
     assert "EnvironmentFile=/etc/gpufleet/vllm-a.env" in units["multi_a"]
+    # with the probe's UUIDs the same instance names its cards by UUID, in rank order
+    uuids = "GPU-2a5b0c1d-2e3f-4a5b-8c7d-9e0f1a2b3c4d,GPU-3a5b0c1d-2e3f-4a5b-8c7d-9e0f1a2b3c4d"
+    assert f"Environment=CUDA_VISIBLE_DEVICES={uuids}" in units["probed"]
     assert "EnvironmentFile=/etc/gpufleet/vllm-b.env" in units["multi_b"]
     assert option(a, "--kv-cache-memory-bytes") == option(b, "--kv-cache-memory-bytes") == "30333206528"
 
