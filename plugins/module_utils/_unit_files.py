@@ -37,6 +37,10 @@ still runs or is enabled. A later snapshot, taken when the unit no longer runs a
 enabled, drops that record (the change it belonged to is no longer the last one); restoring
 puts the files back and says which units to enable and start again.
 
+A snapshot taken for a change that switches the engine runtime (the venv, a symbolic link the
+``vllm_runtime`` role switches between releases) also keeps the release the venv pointed to
+(``runtime_release``); restoring says which release to switch back to (``runtime_to_restore``).
+
 A snapshot also opens a change, closed when the plan is recorded after a passed boot
 check or when the snapshot is restored. A run interrupted in between (a killed
 controller, a lost connection) leaves it open; the next run sees the instance as
@@ -672,7 +676,14 @@ def _summary(doc: t.Mapping[str, t.Any]) -> dict[str, t.Any]:
     files = doc["files"]
     return {"name": doc["instance"], "kept": [k for k in KINDS if files.get(k) is not None],
             "absent": [k for k in KINDS if k in files and files[k] is None], "active_state": doc["active_state"],
-            "serving": doc["serving"], "change_id": doc.get("change_id", "")}
+            "serving": doc["serving"], "change_id": doc.get("change_id", ""),
+            "runtime_release": str(doc.get("runtime_release") or "")}
+
+
+def runtime_link(venv: str) -> str:
+    """The release the engine's venv points to (its resolved path, as the ``vllm_runtime`` role
+    records it); '' when the venv is a plain directory or missing: no release to switch back to."""
+    return os.path.realpath(venv) if os.path.islink(venv) else ""
 
 
 def canary_hold(layout: Layout, name: str) -> dict[str, t.Any] | None:
@@ -688,7 +699,7 @@ def canary_hold(layout: Layout, name: str) -> dict[str, t.Any] | None:
 
 
 def snapshot(layout: Layout, names: t.Sequence[str], show: ShowRunner, check: bool, change_id: str = "",
-             now: float | None = None) -> list[dict[str, t.Any]]:
+             now: float | None = None, runtime_venv: str | None = None) -> list[dict[str, t.Any]]:
     """Keep the unit, plan and environment files of ``names`` as they are now, and whether each serves.
 
     One document per instance, written in one rename: a failed write leaves the previous
@@ -696,9 +707,11 @@ def snapshot(layout: Layout, names: t.Sequence[str], show: ShowRunner, check: bo
     this change's rollback restores this snapshot and no other; ``write`` then adds the checksums
     of the files the change writes, so that a rollback removes a file the change created only
     while it is still that file. An instance held stopped by a canary that never came back
-    (``canary_hold``) was serving before it.
+    (``canary_hold``) was serving before it. ``runtime_venv`` (a change that switches the engine
+    runtime): keep the release the venv points to now, which a rollback switches back to.
     """
     names = [validate_name(n) for n in names]
+    runtime = runtime_link(runtime_venv) if runtime_venv else ""
     props = show([layout.unit_name(n) for n in names])
     changed_dir = False
     if not os.path.isdir(layout.state_dir):  # a first deploy; write() sets the state directory's group
@@ -714,6 +727,9 @@ def snapshot(layout: Layout, names: t.Sequence[str], show: ShowRunner, check: bo
             doc = dict(previous)
             if change_id and change_id not in doc.get("changes", []):
                 doc["changes"] = [*doc.get("changes", []), change_id]
+            if runtime and not doc.get("runtime_release"):
+                # the interrupted change did not switch the runtime: the venv still runs what ran before it
+                doc["runtime_release"] = runtime
             changed = _commit_snapshot(layout, name, doc, check) or changed_dir
             out.append(dict(_summary(doc), resumed=True, changed=changed))
             continue
@@ -729,6 +745,8 @@ def snapshot(layout: Layout, names: t.Sequence[str], show: ShowRunner, check: bo
                "written": {}}
         if hold is not None and active != "active":
             doc["held_by_canary"] = str(hold.get("change_id", ""))
+        if runtime:
+            doc["runtime_release"] = runtime
         changed = _commit_snapshot(layout, name, doc, check) or changed_dir
         out.append(dict(_summary(doc), resumed=False, changed=changed))
     return out
@@ -887,7 +905,8 @@ def restore(layout: Layout, names: t.Sequence[str], systemctl: SystemctlRunner |
     out = []
     for name in (validate_name(n) for n in names):
         entry: dict[str, t.Any] = {"name": name, "restored": [], "removed": [], "unknown": [], "left": [],
-                                   "restart": False, "stop": False, "changed": False}
+                                   "restart": False, "stop": False, "changed": False, "runtime_release": "",
+                                   "launch": None, "boot_gate_state": ""}
         doc = load_snapshot(layout, name)
         if doc is None:
             entry["unknown"] = list(KINDS)
@@ -924,6 +943,9 @@ def restore(layout: Layout, names: t.Sequence[str], systemctl: SystemctlRunner |
             else:
                 entry["left"].append(kind)  # not the file this change wrote: someone else's, kept
         has_copy = doc["files"].get("unit") is not None
+        entry["runtime_release"] = str(doc.get("runtime_release") or "")
+        # what the restored unit's boot is checked against: the launch record of the restored plan file
+        entry.update(_restored_launch(doc))
         # the restored unit runs again if it served before the change; else it is stopped
         entry["restart"] = has_copy and bool(doc.get("serving"))
         entry["stop"] = has_copy and not doc.get("serving")
@@ -938,6 +960,45 @@ def restore(layout: Layout, names: t.Sequence[str], systemctl: SystemctlRunner |
         entry["changed"] = bool(entry["restored"] or entry["removed"] or entry.get("stopped") or closed)
         out.append(entry)
     return out
+
+
+def _restored_launch(doc: t.Mapping[str, t.Any]) -> dict[str, t.Any]:
+    """The launch record and boot-gate state file of the plan file a snapshot keeps (``launch`` None:
+    no plan file, or one without a launch record; its boot is checked for health and errors only)."""
+    data = _kept_data(doc, "plan") if doc["files"].get("plan") is not None else None
+    try:
+        plan = json.loads(data) if data is not None else {}
+    except ValueError:
+        plan = {}
+    plan = plan if isinstance(plan, dict) else {}
+    launch = plan.get("launch")
+    gate = plan.get("boot_gate")
+    return {"launch": launch if isinstance(launch, dict) else None,
+            "boot_gate_state": str(gate.get("state_file") or "") if isinstance(gate, dict) and launch else ""}
+
+
+def runtime_to_restore(layout: Layout, names: t.Sequence[str], runtime_venv: str, change_id: str = "") -> dict[str, t.Any]:
+    """The engine release a restore of ``names`` switches the venv back to, read before anything is restored.
+
+    ``release``: the release the snapshots of the changes that switched the runtime kept ('' when none did,
+    or when the venv points to it already); ``current``: the release the venv points to now; ``instances``:
+    the instances whose snapshot kept it. Snapshots that keep two different releases are an error naming
+    them (no release is right for both)."""
+    kept: dict[str, list[str]] = {}
+    for name in (validate_name(n) for n in names):
+        doc = load_snapshot(layout, name)
+        if doc is None or (change_id and change_id not in doc.get("changes", []) and doc.get("change_id") != change_id):
+            continue
+        release = str(doc.get("runtime_release") or "")
+        if release:
+            kept.setdefault(release, []).append(name)
+    if len(kept) > 1:
+        raise UnitFilesError("the snapshots keep different engine releases to switch back to: "
+                             + "; ".join(f"{', '.join(n)}: {r}" for r, n in sorted(kept.items()))
+                             + "; roll back the instances of one release at a time")
+    current = runtime_link(runtime_venv)
+    release, instances = next(iter(kept.items())) if kept else ("", [])
+    return {"release": "" if release == current else release, "current": current, "instances": instances}
 
 
 def rollback_summary(entries: t.Sequence[t.Mapping[str, t.Any]]) -> str:

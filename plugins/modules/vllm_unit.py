@@ -265,6 +265,17 @@ options:
       - Empty for O(state=restored) restores the last snapshot, whoever took it (the rollback playbook).
     type: str
     default: ""
+  runtime_venv:
+    description:
+      - The engine's venv, a symbolic link the P(gpufleet.vllm.vllm_runtime#role) role switches between releases
+        (C(vllm_runtime_venv)).
+      - With O(state=snapshot), for a change that switches the engine runtime, keep in the snapshot the release the venv
+        points to now (RV(instances[].runtime_release)); a venv that is a plain directory keeps none.
+      - With O(state=restored), read before anything is restored which release the restored snapshots kept and
+        whether the venv points elsewhere now (RV(runtime)); switching it back is left to the
+        P(gpufleet.vllm.vllm_runtime#role) role (C(tasks_from=switch)), before the restored units restart.
+    type: path
+    version_added: 2.0.0
   close_change:
     description:
       - With O(state=restored), close the change the snapshot opened. Restore with V(false) first, restart or stop
@@ -447,6 +458,21 @@ instances:
     stop:
       description: Whether the restored unit should be stopped - it was kept and its service was not running (O(state=restored)).
       type: bool
+    runtime_release:
+      description:
+        - The engine release the venv pointed to when the snapshot was taken, kept for a change that switched the runtime
+          (O(runtime_venv)); empty when none was kept (O(state=snapshot), O(state=restored)).
+      type: str
+    launch:
+      description:
+        - The launch record of the restored plan file, which the restored unit's boot is checked against
+          (O(gpufleet.vllm.vllm_boot_check#module:launch)); null when the snapshot keeps no plan file with one (O(state=restored)).
+      type: dict
+    boot_gate_state:
+      description:
+        - The boot gate's state file named by the restored plan file (O(gpufleet.vllm.vllm_boot_check#module:boot_gate_state));
+          empty when the unit starts without the gate (O(state=restored)).
+      type: str
   sample:
     - name: main
       pending: true
@@ -575,6 +601,24 @@ account:
   returned: when O(state=present) and O(account) is given
   type: dict
   sample: {account_changed: [group, user, home], ready: true, model_checked: true, changed: true}
+runtime:
+  description:
+    - Which engine release the restore switches the venv back to, read before anything was restored (O(state=restored)
+      with O(runtime_venv)).
+  returned: when O(state=restored) and O(runtime_venv) is given
+  type: dict
+  contains:
+    release:
+      description: The release the restored snapshots kept; empty when none kept one, or when the venv points to it already.
+      type: str
+    current:
+      description: The release the venv points to now (empty for a plain directory).
+      type: str
+    instances:
+      description: The instances whose snapshot kept that release.
+      type: list
+      elements: str
+  sample: {release: /opt/vllm/releases/vllm-0.33.1-0123456789, current: /opt/vllm/releases/vllm-0.33.2-abcdef0123, instances: [main]}
 pending:
   description: Names of the pending instances (O(state=status)).
   returned: when O(state=status)
@@ -591,6 +635,7 @@ from typing import Any
 from ansible.module_utils.basic import AnsibleModule, missing_required_lib
 from ansible.module_utils.common.text.converters import to_native
 
+from ansible_collections.gpufleet.vllm.plugins.module_utils._defaults import default
 from ansible_collections.gpufleet.vllm.plugins.module_utils._free_memory_gate import gate_violations
 from ansible_collections.gpufleet.vllm.plugins.module_utils._gpu_memory import (
     ARGUMENT_SPEC as GPU_PROBE_SPEC,
@@ -623,6 +668,7 @@ from ansible_collections.gpufleet.vllm.plugins.module_utils._unit_files import (
     restart_services,
     restore,
     restore_adopted,
+    runtime_to_restore,
     snapshot,
     snapshot_adopted,
     status,
@@ -659,9 +705,10 @@ ARGUMENT_SPEC: dict[str, Any] = dict(
     )),
     close_change=dict(type="bool", default=True),
     change_id=dict(type="str", default=""),
+    runtime_venv=dict(type="path"),
     adopt_units=dict(type="list", elements="str", default=[]),
-    unit_dir=dict(type="path", default="/etc/systemd/system"),
-    state_dir=dict(type="path", default="/etc/gpufleet"),
+    unit_dir=dict(type="path", default=default("unit_dir")),
+    state_dir=dict(type="path", default=default("state_dir")),
     plan_group=dict(type="str", default="root"),
     account=dict(type="dict", options=ACCOUNT_SPEC),
 )
@@ -681,6 +728,8 @@ def _instances(params: dict[str, Any]) -> list[dict[str, Any]]:
     for option, status_too in (("stop", False), ("gpu_probe", True), ("gate", False)):
         if params[option] and not keeps and not (status_too and state == "status"):
             raise UnitFilesError(f"{option} is for state {'status, ' if status_too else ''}snapshot, or present with snapshot")
+    if params["runtime_venv"] and not (keeps or state == "restored"):
+        raise UnitFilesError("runtime_venv is for state snapshot, present with snapshot, or restored")
     if params["gate"] and not params["gpu_probe"]:
         raise UnitFilesError("gate compares the reading of gpu_probe: give gpu_probe too")
     given = params["instances"] or [{"name": name} for name in params["names"]]
@@ -759,6 +808,9 @@ def _run(module: AnsibleModule, instances: list[dict[str, Any]], result: dict[st
     elif state == "recorded":
         entries = record(layout, instances, check)
     else:
+        if params["runtime_venv"]:
+            # before anything is restored: two releases to switch back to restore nothing
+            result["runtime"] = runtime_to_restore(layout, names, params["runtime_venv"], change_id=params["change_id"])
         entries = restore(layout, names, runner, check, systemctl_bin=systemctl, close=params["close_change"],
                           change_id=params["change_id"])
         result["adopted"] = restore_adopted(layout, adopt, check)
@@ -773,7 +825,8 @@ def _snapshot(module: AnsibleModule, layout: Layout, instances: list[dict[str, A
     """Keep the files (and the units to take over), then stop, read the GPUs and gate, as the options ask."""
     params, check = module.params, module.check_mode
     names = [i["name"] for i in instances]
-    entries = snapshot(layout, names, systemctl_show(runner, systemctl), check, change_id=params["change_id"])
+    entries = snapshot(layout, names, systemctl_show(runner, systemctl), check, change_id=params["change_id"],
+                       runtime_venv=params["runtime_venv"])
     if params["state"] == "present":
         # kept in the result at once: a gate that fails below still returns what was kept
         result["snapshot"] = entries

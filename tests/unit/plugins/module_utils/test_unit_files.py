@@ -34,6 +34,7 @@ from ansible_collections.gpufleet.vllm.plugins.module_utils._unit_files import (
     restart_services,
     restore,
     restore_adopted,
+    runtime_to_restore,
     service_input_problems,
     sha1,
     snapshot,
@@ -617,3 +618,96 @@ def test_a_snapshot_that_cannot_be_read_is_named_and_kept(layout):
         restore(layout, ["a"], systemd.run, check=False)
     assert status(layout, [{"name": "a", "unit": UNIT_A}], systemd.show)[0]["pending"]
     assert os.path.exists(path)
+
+
+# ------------------------------------------------------------------ runtime switch
+def releases(tmp_path, *names: str) -> list[str]:
+    out = []
+    for name in names:
+        (tmp_path / "releases" / name).mkdir(parents=True)
+        out.append(str(tmp_path / "releases" / name))
+    return out
+
+
+def test_a_runtime_switch_keeps_the_release_and_its_rollback_switches_back_to_it(layout, tmp_path):
+    systemd = FakeSystemd()
+    deployed(layout, systemd, "a")
+    deployed(layout, systemd, "b")
+    old, new = releases(tmp_path, "vllm-0.33.1-aaaa", "vllm-0.33.2-bbbb")
+    venv = str(tmp_path / "venv")
+    os.symlink(old, venv)
+    kept_now = snapshot(layout, ["a", "b"], systemd.show, check=False, change_id="run-1", runtime_venv=venv)
+    assert [k["runtime_release"] for k in kept_now] == [old, old]
+    os.unlink(venv)
+    os.symlink(new, venv)  # the change switched the runtime
+    write(layout, [{"name": "a", "unit": UNIT_B}, {"name": "b", "unit": UNIT_B}], check=False)
+    assert runtime_to_restore(layout, ["a", "b"], venv) == {"release": old, "current": new, "instances": ["a", "b"]}
+    (back, _b) = restore(layout, ["a", "b"], systemd.run, check=False)
+    assert back["runtime_release"] == old
+    os.unlink(venv)
+    os.symlink(old, venv)  # switched back: nothing more to switch
+    assert runtime_to_restore(layout, ["a", "b"], venv) == {"release": "", "current": old, "instances": ["a", "b"]}
+
+
+def test_a_change_without_a_runtime_switch_keeps_no_release(layout, tmp_path):
+    systemd = FakeSystemd()
+    deployed(layout, systemd)
+    (old,) = releases(tmp_path, "vllm-0.33.1-aaaa")
+    venv = str(tmp_path / "venv")
+    os.symlink(old, venv)
+    assert snapshot(layout, ["a"], systemd.show, check=False)[0]["runtime_release"] == ""
+    assert runtime_to_restore(layout, ["a"], venv) == {"release": "", "current": old, "instances": []}
+    # a venv that is a plain directory has no release to switch back to by name
+    plain = tmp_path / "plain-venv"
+    plain.mkdir()
+    assert snapshot(layout, ["a"], systemd.show, check=False, runtime_venv=str(plain))[0]["runtime_release"] == ""
+
+
+def test_a_resumed_change_keeps_the_release_from_before_the_interrupted_one(layout, tmp_path):
+    systemd = FakeSystemd()
+    deployed(layout, systemd)
+    old, new = releases(tmp_path, "r1", "r2")
+    venv = str(tmp_path / "venv")
+    os.symlink(old, venv)
+    snapshot(layout, ["a"], systemd.show, check=False, change_id="run-1", runtime_venv=venv)
+    os.unlink(venv)
+    os.symlink(new, venv)  # run-1 switched, then was killed
+    again = snapshot(layout, ["a"], systemd.show, check=False, change_id="run-2", runtime_venv=venv)[0]
+    assert again["resumed"] is True and again["runtime_release"] == old
+
+
+def test_snapshots_that_keep_two_releases_are_refused_before_anything_is_restored(layout, tmp_path):
+    systemd = FakeSystemd()
+    deployed(layout, systemd, "a")
+    deployed(layout, systemd, "b")
+    one, two, now = releases(tmp_path, "r1", "r2", "r3")
+    venv = str(tmp_path / "venv")
+    for name, release in (("a", one), ("b", two)):
+        if os.path.lexists(venv):
+            os.unlink(venv)
+        os.symlink(release, venv)
+        snapshot(layout, [name], systemd.show, check=False, runtime_venv=venv)
+        record(layout, [{"name": name, "plan": {"kv_cache_memory_bytes": 1}}], check=False)
+    os.unlink(venv)
+    os.symlink(now, venv)
+    with pytest.raises(UnitFilesError, match=rf"different engine releases to switch back to: a: {one}; b: {two}"):
+        runtime_to_restore(layout, ["a", "b"], venv)
+    assert runtime_to_restore(layout, ["a"], venv)["release"] == one
+
+
+def test_a_restore_names_the_launch_record_its_boot_is_checked_against(layout):
+    systemd = FakeSystemd()
+    launch = {"schema": 1, "decision": "deploy", "manual": True, "kv_cache_memory_bytes": 1000}
+    plan = {"instance": "a", "launch": launch, "boot_gate": {"policy": "refuse", "state_file": "/run/gpufleet/a.boot-gate.json"}}
+    write(layout, [{"name": "a", "unit": UNIT_A, "env": ENV_A, "plan": plan}], check=False)
+    record(layout, [{"name": "a", "plan": plan}], check=False)
+    systemd.active["vllm-a.service"] = "active"
+    snapshot(layout, ["a"], systemd.show, check=False)
+    write(layout, [{"name": "a", "unit": UNIT_B}], check=False)
+    (back,) = restore(layout, ["a"], systemd.run, check=False)
+    assert back["restart"] is True
+    assert back["launch"] == launch and back["boot_gate_state"] == "/run/gpufleet/a.boot-gate.json"
+    # a unit kept without a plan file: its boot is checked for health and errors only
+    snapshot(layout, ["b"], systemd.show, check=False)
+    (none,) = restore(layout, ["b"], systemd.run, check=False)
+    assert none["launch"] is None and none["boot_gate_state"] == ""

@@ -85,6 +85,8 @@ def test_env_files_must_name_given_instances(tmp_path, capsys, monkeypatch, fake
     ({"state": "snapshot", "names": ["main"], "snapshot": True}, "vllm_unit (snapshot): snapshot is for state present"),
     ({"state": "present", "instances": [{"name": "main"}], "adopt_units": ["vllm.service"]},
      "vllm_unit (present): adopt_units is for state status, snapshot or restored, or present with snapshot"),
+    ({"state": "status", "instances": [{"name": "main"}], "runtime_venv": "/opt/vllm/venv"},
+     "vllm_unit (status): runtime_venv is for state snapshot, present with snapshot, or restored"),
 ])
 def test_options_that_do_not_fit_the_state_are_refused_by_name(tmp_path, capsys, monkeypatch, fake_systemctl, args, message):
     rc, result, _logged = run(capsys, monkeypatch, dict(args, unit_dir=str(tmp_path), state_dir=str(tmp_path / "gpufleet")))
@@ -108,7 +110,7 @@ def test_present_with_snapshot_keeps_the_files_first_in_the_same_call(tmp_path, 
     rc, result, _logged = run(capsys, monkeypatch, args)
     assert rc == 0, result
     assert result["snapshot"] == [{"name": "main", "kept": [], "absent": ["unit", "plan", "env", "dropin"], "active_state": "inactive",
-                                   "serving": False, "change_id": "", "resumed": False}]
+                                   "serving": False, "change_id": "", "runtime_release": "", "resumed": False}]
     assert result["instances"][0]["written"] == ["env", "unit"] and result["changed"] is True
     # the change is open until the boot check records the plan: the next call keeps the same snapshot
     assert json.loads((tmp_path / "gpufleet" / "units" / "vllm-main.snapshot.json").read_text())["open"], "the change is open"
