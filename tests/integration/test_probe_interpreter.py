@@ -6,10 +6,12 @@ Python has no nvidia-ml-py (the guest's pynvml is removed first):
 * ``it-pi-venv`` has a vLLM venv at /opt/vllm/venv with nvidia-ml-py (as vllm_runtime leaves
   it): probe.yml and the gpu_probe role run the probe with that venv's python;
 * ``it-pi-bare`` has neither (a first run before vllm_runtime) and a wheelhouse directory
-  (``vllm_runtime_wheelhouse``): the collection installs nvidia-ml-py into its small venv
-  /opt/gpufleet/nvml-venv from there, with no index, once (the role's run after it keeps it);
-* with ``gpu_probe_binding_fallback`` false the bare host fails with the reason of every
-  interpreter tried and the fix, and the other host is still probed.
+  (``vllm_runtime_wheelhouse``): probe.yml, read-only, installs nothing there and fails the host
+  naming the playbooks that install the binding, while the other host is probed;
+* runtime.yml (an engine installed by hand: ``vllm_runtime_install`` false, its venv without
+  the binding) installs the pinned nvidia-ml-py into the collection's small venv
+  /opt/gpufleet/nvml-venv from the wheelhouse, with no index; probe.yml then probes from that venv
+  as it is, and so does the gpu_probe role (neither builds it again).
 
 The real pynvml loads the fake libnvidia-ml.so.1 bound into each guest.
 """
@@ -36,12 +38,14 @@ RESERVED = 536870912
 GPUS = {VENV: 2, BARE: 1}
 SYSTEM_PYNVML = "/usr/local/lib/python3.11/dist-packages/pynvml.py"
 STAMP = "/opt/gpufleet/nvml-venv/.gpufleet-complete"
+PINNED = "nvidia-ml-py==13.615.71"  # roles/gpu_probe/defaults
 
 
 def _wheel() -> Path:
     cache = Path(os.environ.get("GPUFLEET_CACHE") or REPO / ".cache")
-    wheels = sorted((cache / "wheels").glob("nvidia_ml_py-*.whl"))
-    assert wheels, f"no nvidia-ml-py wheel in {cache / 'wheels'} (made by `make rootfs`)"
+    version = PINNED.split("==")[1]
+    wheels = sorted((cache / "wheels").glob(f"nvidia_ml_py-{version}-*.whl"))
+    assert wheels, f"no nvidia-ml-py {version} wheel in {cache / 'wheels'} (made by `make rootfs`)"
     return wheels[-1]
 
 
@@ -83,29 +87,44 @@ def probe_report(th: TestHosts, extra_vars: dict[str, Any] | None = None) -> tup
     return proc.returncode, {h["host"]: h for h in report["probe"]["hosts"]}, out
 
 
-def test_no_binding_anywhere_is_a_clear_error(hosts: TestHosts) -> None:
-    rc, seen, out = probe_report(hosts, {"gpu_probe_binding_fallback": False})
+def test_read_only_probe_installs_nothing_and_names_the_fix(hosts: TestHosts) -> None:
+    rc, seen, out = probe_report(hosts)
     assert rc != 0, out
     error = " ".join(seen[BARE]["error"].split())
     assert "no Python interpreter here imports pynvml (package nvidia-ml-py)" in error, error
     assert "/opt/vllm/venv/bin/python3: not found" in error, error
     assert "/usr/bin/python3: ModuleNotFoundError: No module named 'pynvml'" in error, error
-    assert "set gpu_probe_binding_fallback to true" in error, error
+    assert "/opt/gpufleet/nvml-venv/bin/python: not found" in error, error
+    assert "This play only reads and installs nothing: playbooks/runtime.yml installs the binding" in error, error
+    assert f"else {PINNED} into /opt/gpufleet/nvml-venv), and so does playbooks/rollout.yml" in error, error
     assert hosts.harness.exec(BARE, ["test", "-e", "/opt/gpufleet"]).returncode != 0, "nothing installed"
     assert [g["index"] for g in seen[VENV]["gpus"]] == list(range(GPUS[VENV]))
 
 
-def test_default_path_probes_both_hosts(hosts: TestHosts) -> None:
+def test_runtime_installs_the_pinned_binding_and_probe_uses_it(hosts: TestHosts) -> None:
+    # an engine installed by hand, whose venv lacks the binding
+    hosts.harness.exec(BARE, ["sh", "-c", "mkdir -p /opt/engine/bin && printf '#!/bin/sh\\nexit 0\\n' > /opt/engine/bin/vllm"
+                              " && chmod 755 /opt/engine/bin/vllm"], check=True)
+    proc = hosts.playbook(REPO / "playbooks" / "runtime.yml", extra_vars={
+        "gpufleet_target": BARE, "vllm_runtime_install": False, "vllm_runtime_executable": "/opt/engine/bin/vllm",
+        "gpufleet_vllm_executable": "/opt/engine/bin/vllm"})
+    assert proc.returncode == 0, proc.stdout[-5000:] + proc.stderr[-2000:]
+    stamp = json.loads(hosts.harness.exec(BARE, ["cat", STAMP], check=True).stdout)
+    assert stamp["wheelhouse"] == "/srv/wheelhouse" and stamp["package"] == PINNED, stamp
+    assert hosts.harness.exec(BARE, ["/opt/gpufleet/nvml-venv/bin/python", "-c",
+                                     "from importlib.metadata import version; print(version('nvidia-ml-py'))"],
+                              check=True).stdout.strip() == PINNED.split("==")[1]
+    stamp_id = hosts.harness.exec(BARE, ["stat", "-c", "%Y.%i", STAMP], check=True).stdout
+
     rc, seen, out = probe_report(hosts)
     assert rc == 0, out
     for name, count in GPUS.items():
         assert not seen[name].get("error"), seen[name]
         assert [g["total_bytes"] for g in seen[name]["gpus"]] == [TOTAL] * count
-    # the bare host got the small venv, from the wheelhouse; the venv host did not need it
-    stamp = json.loads(hosts.harness.exec(BARE, ["cat", STAMP], check=True).stdout)
-    assert stamp["wheelhouse"] == "/srv/wheelhouse" and stamp["package"] == "nvidia-ml-py"
+    # the venv host did not need the small venv; the bare host's is used as it is
     assert hosts.harness.exec(VENV, ["test", "-e", "/opt/gpufleet"]).returncode != 0
-    hosts.stamp = hosts.harness.exec(BARE, ["stat", "-c", "%Y.%i", STAMP], check=True).stdout  # type: ignore[attr-defined]
+    assert hosts.harness.exec(BARE, ["stat", "-c", "%Y.%i", STAMP], check=True).stdout == stamp_id
+    hosts.stamp = stamp_id  # type: ignore[attr-defined]
 
 
 def test_role_reports_the_interpreter_it_chose(hosts: TestHosts, tmp_path: Path) -> None:

@@ -16,14 +16,17 @@ is tested on the real engine (tests/integration/test_real_engine.py):
 
 1. clean rollout (profiled canary, plan, manual canary, three serial batches);
 2. the same run again, with free memory moved by a few MiB, changes nothing (the budget is kept);
+   the read-only playbooks (probe.yml, audit.yml; plan.yml --check in 7.) leave every host's files
+   and units as they were;
 3. a co-tenant appears on the second host after planning: its gate stops the rollout
    before its service is touched, the first batch keeps the new unit, the third never runs;
 4. a co-tenant appears on the second host between its two gates: the gate after the stop (read
    in the call that stopped the instance) fails, the host is rolled back and restarted;
 5. an admission plan the class cannot hold stops the class before any host is touched;
 6. an unreachable host is left out, the others are rolled out, the run fails;
-7. a changed serve argument changes the compatibility key: plan.yml outlines what the rollout will do
-   (the chosen canary host, the outage of its production instance); the rollout forces a profiled canary
+7. a changed serve argument changes the compatibility key: plan.yml --check outlines what the rollout will do
+   (the chosen canary host, the outage of its production instance) and changes no host's files or units;
+   the rollout forces a profiled canary
    (as the service user) and re-probes only once the slowly restarted production instance has settled;
 8. a new key under unchanged units (a driver upgrade on every host) restarts every host in its batch;
 9. wrong service inputs on the last host stop the run before the first batch;
@@ -179,6 +182,47 @@ def test_second_run_changes_nothing(fleet, seen):
     assert first_plan["kv_cache_memory_bytes"] % (256 * MIB) == 0
 
 
+# What the collection could write on a host (units, plan records, the boot gate, venvs, the NVML binding's
+# venv, the engine's home, wheelhouses), as path, type, size, mode and mtime; not what the OS or the test
+# fleet changes by itself: the simulated GPUs' state (/etc/fake-nvml), systemd's own state, the metrics
+# timer's textfile (/var/lib/prometheus), logs and temporary files.
+HOST_FILES = ["sh", "-c", "find /etc /opt /srv /usr/local /var/lib -xdev"
+              r" \( -path /etc/fake-nvml -o -path /var/lib/systemd -o -path /var/lib/prometheus \) -prune"
+              r" -o -printf '%p %y %s %m %T@ %l\n' | sort"]
+# every vllm-* and gpufleet-* unit (loaded or only a file), and the instance's invocation (a restart changes it)
+HOST_UNITS = ["sh", "-c", "systemctl list-units --all --plain --no-legend --no-pager 'vllm-*' 'gpufleet-*';"
+              " systemctl list-unit-files --no-legend --no-pager 'vllm-*' 'gpufleet-*';"
+              " systemctl show vllm-main.service -p InvocationID -p ActiveEnterTimestamp -p NRestarts"]
+
+
+def host_state(fleet) -> dict[str, tuple[str, str]]:
+    return {host: (fleet.harness.exec(host, HOST_FILES, check=True).stdout, fleet.harness.exec(host, HOST_UNITS, check=True).stdout)
+            for host in HOSTS}
+
+
+def assert_hosts_unchanged(fleet, before: dict[str, tuple[str, str]], what: str) -> None:
+    after = host_state(fleet)
+    for host in HOSTS:
+        for kind, old, new in (("files", before[host][0], after[host][0]), ("units", before[host][1], after[host][1])):
+            gone = sorted(set(old.splitlines()) - set(new.splitlines()))
+            added = sorted(set(new.splitlines()) - set(old.splitlines()))
+            assert not gone and not added, f"{host}: {what} changed its {kind}: -{gone} +{added}"
+
+
+def test_read_only_playbooks_change_nothing_on_the_hosts(fleet):
+    """probe.yml and audit.yml on the rolled-out class: every host's files and units are as they were
+    (nothing installed, written or restarted), and each playbook read every host. (plan.yml --check is
+    held to the same in test_compat_key_change_forces_a_profiled_canary, where it plans a change.)"""
+    before = host_state(fleet)
+    assert "vllm-main.service" in before[HOSTS[0]][1] and f"{PLAN} " in before[HOSTS[0]][0]
+    for name in ("probe.yml", "audit.yml"):
+        rc, out = fleet.rollout(playbook=REPO / "playbooks" / name)
+        assert rc == 0, (name, out[-6000:])
+        counters = recap(out)
+        assert all(counters[h]["ok"] > 0 and counters[h]["failed"] == counters[h]["unreachable"] == 0 for h in HOSTS), (name, counters)
+    assert_hosts_unchanged(fleet, before, "probe.yml or audit.yml")
+
+
 def test_cotenant_after_planning_stops_the_rollout(fleet, seen):
     before = fleet.units()
     injected = threading.Event()
@@ -289,10 +333,11 @@ def test_compat_key_change_forces_a_profiled_canary(fleet):
     serve_args = {"max_model_len": 8192, "tensor_parallel_size": 2, "max_num_seqs": 48, "dtype": "bfloat16",
                   "block_size": 16}
     extra = {"gpufleet_guard": "1GiB", "gpufleet_serve_args": serve_args, "gpufleet_canary_host": "sim-ro-2"}
-    before = fleet.units()
+    before = host_state(fleet)
     rc, out = fleet.rollout(extra, playbook=PLAN_PLAYBOOK, args=["--check"])
     assert rc == 0, out[-6000:]
-    assert fleet.units() == before, "plan.yml changes nothing"
+    # nothing installed, written or restarted on any host (files, units, the instances' invocations)
+    assert_hosts_unchanged(fleet, before, "plan.yml --check")
     assert "class ro-l40s: canary host sim-ro-2 (gpufleet_canary_host), instance main; a profiled canary, then a manual canary" in out
     # the boot time the collection knows: the class's newest profile's canary (another key)
     assert "engine boot: about" in out and "the class's newest profile (another compatibility key)" in out, out[-6000:]
