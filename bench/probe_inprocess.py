@@ -56,12 +56,15 @@ def main() -> int:
         os.execve(sys.executable, [sys.executable, *sys.argv], env)
 
     import pynvml  # pylint: disable=import-outside-toplevel
+    import importlib  # pylint: disable=import-outside-toplevel
+    import importlib.machinery  # pylint: disable=import-outside-toplevel
     import importlib.util  # pylint: disable=import-outside-toplevel
 
-    spec = importlib.util.spec_from_file_location("nvml_probe", ROOT / "plugins" / "module_utils" / "_nvml_probe.py")
-    assert spec is not None and spec.loader is not None
-    probe_mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(probe_mod)
+    # the module_utils folder as a package: the probe imports its siblings
+    package = importlib.machinery.ModuleSpec("gpufleet_module_utils", None, is_package=True)
+    package.submodule_search_locations = [str(ROOT / "plugins" / "module_utils")]
+    sys.modules.setdefault(package.name, importlib.util.module_from_spec(package))
+    probe_mod = importlib.import_module(f"{package.name}._nvml_probe")
 
     with tempfile.TemporaryDirectory() as tmp:
         state_path = Path(tmp) / "state"

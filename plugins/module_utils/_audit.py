@@ -36,6 +36,7 @@ import time
 import typing as t
 
 from ._boot_gate import POLICIES, BootGateError, decide, parse_plan, read_state, trust_problem
+from ._gpu_health import health_checks
 from ._launch import PLAN_CHECKSUM_DROPIN, PLAN_CHECKSUM_VARIABLE
 
 VERDICTS = ("ok", "reprofile_due", "would_shrink", "would_refuse", "plan_edited")
@@ -259,6 +260,8 @@ def registry(report: t.Mapping[str, t.Any], prometheus: t.Any) -> t.Any:
     last_when = gauge("last_start_timestamp_seconds", "when the boot gate checked the unit's last start", inst_labels)
     nvml_error = gauge("nvml_error", "1 when NVML cannot read the instance's GPUs (its figures are missing)", inst_labels)
     audited = gauge("last_audit_timestamp_seconds", "when these figures were measured", inst_labels)
+    health = gauge("gpu_health", "1 when the rank's GPU passes the NVML health check, 0 when it fails it (no series: the GPU "
+                   "does not support the query, or NVML could not read the GPU)", [*rank_labels, "uuid", "check"])
     errors = prometheus.Gauge(METRIC_PREFIX + "plan_file_errors", "plan files that cannot be read", registry=reg)
     errors.set(len(report.get("errors") or ()))
     for inst in report["instances"]:
@@ -271,6 +274,8 @@ def registry(report: t.Mapping[str, t.Any], prometheus: t.Any) -> t.Any:
                 free.labels(**rlabels).set(row["free_bytes"])
             if row["margin_bytes"] is not None:
                 margin.labels(**rlabels).set(row["margin_bytes"])
+            for check, healthy in health_checks(row.get("health")).items():
+                health.labels(uuid=str(row.get("uuid") or ""), check=check, **rlabels).set(1 if healthy else 0)
         if inst["kv_cache_memory_bytes"] is not None:
             budget.labels(**labels).set(inst["kv_cache_memory_bytes"])
         if inst["kv_cache_tokens"] is not None:

@@ -47,6 +47,7 @@ import sys
 import time
 import typing as t
 
+from ._gpu_health import BLOCKING_CHECKS, HEALTH_POLICIES, unhealthy
 from ._kv_capacity import SOURCES as CAPACITY_SOURCES, blocks_for_bytes, floor_utilization, full_attention_request_blocks, one_request_blocks, tokens_for_blocks
 from ._launch import PLAN_CHECKSUM_VARIABLE, PLAN_FILE_FORMAT, LaunchError, check_launch, plan_checksum, rank_bytes
 
@@ -59,6 +60,8 @@ EXIT_REFUSED = 78
 # probe failures (no driver, GPU lost) keep the unit's normal restart policy
 EXIT_PROBE_FAILED = 1
 DEFAULT_CUDA_CONTEXT_BYTES = 1 << 30
+# the longest the gate listens for Xid events before a start
+MAX_XID_WAIT_MS = 10000
 GIB = 1 << 30
 
 
@@ -142,6 +145,14 @@ def parse_plan(doc: t.Any, where: str = "plan file") -> dict[str, t.Any]:
     gate: t.Mapping[str, t.Any] = gate_doc if isinstance(gate_doc, t.Mapping) else {}
     plan["policy"] = gate.get("policy")
     plan["state_file"] = gate.get("state_file")
+    health = gate.get("gpu_health", "refuse")  # plan files written before 2.0.0 name none: the default
+    if health not in HEALTH_POLICIES:
+        raise BootGateError(f"{where}: boot_gate.gpu_health must be one of {', '.join(HEALTH_POLICIES)}, got {health!r}")
+    plan["gpu_health"] = health
+    wait = _int(gate, "xid_wait_ms", f"{where}: boot_gate", required=False) or 0
+    if not 0 <= wait <= MAX_XID_WAIT_MS:
+        raise BootGateError(f"{where}: boot_gate.xid_wait_ms must be within 0..{MAX_XID_WAIT_MS}, got {wait}")
+    plan["xid_wait_ms"] = wait
     return plan
 
 
@@ -281,14 +292,45 @@ def rank_rows(plan: t.Mapping[str, t.Any], gpus: t.Sequence[t.Mapping[str, t.Any
         if gpu is not None:
             free = int(gpu.get("boot_free_bytes", gpu.get("free_bytes", 0)))
             row.update(free_bytes=free, total_bytes=int(gpu.get("total_bytes") or 0), uuid=gpu.get("uuid"))
+            if gpu.get("health") is not None:
+                row["health"] = gpu["health"]
             if floor is not None:
                 row["margin_bytes"] = free - floor
         rows.append(row)
     return rows
 
 
+def health_findings(rows: t.Sequence[t.Mapping[str, t.Any]]) -> tuple[list[str], list[str]]:
+    """(what stops a start, what is only reported): one line per rank whose GPU fails a health check,
+    naming the rank, the GPU's index and UUID and why."""
+    blocking, other = [], []
+    for row in rows:
+        found = unhealthy(row.get("health"))
+        if not found:
+            continue
+        where = f"rank {row['rank']} (GPU {row['gpu']}{', ' + row['uuid'] if row.get('uuid') else ''})"
+        stop = [why for check, why in found if check in BLOCKING_CHECKS]
+        rest = [why for check, why in found if check not in BLOCKING_CHECKS]
+        if stop:
+            blocking.append(f"{where}: {'; '.join(stop)}")
+        if rest:
+            other.append(f"{where}: {'; '.join(rest)}")
+    return blocking, other
+
+
 def decide(plan: t.Mapping[str, t.Any], gpus: t.Sequence[t.Mapping[str, t.Any]], policy: str,
            cuda_context_bytes: int = DEFAULT_CUDA_CONTEXT_BYTES) -> dict[str, t.Any]:
+    """The gate's verdict for one start (see :func:`_decide`), with the health findings a start goes
+    on with (policy ``gpu_health: warn``, or checks that stop nothing) in its message and reasons."""
+    out = _decide(plan, gpus, policy, cuda_context_bytes)
+    noted = out.pop("_health_notes", [])
+    if noted and out["action"] != "refuse":
+        out["message"] += "; GPU health: " + "; ".join(noted)
+    return out
+
+
+def _decide(plan: t.Mapping[str, t.Any], gpus: t.Sequence[t.Mapping[str, t.Any]], policy: str,
+            cuda_context_bytes: int = DEFAULT_CUDA_CONTEXT_BYTES) -> dict[str, t.Any]:
     """The gate's verdict for one start. ``gpus``: NVML figures (``index``, ``boot_free_bytes``
     or ``free_bytes``, ``total_bytes``). Returns ``action`` (``start``, ``shrink``,
     ``profile``, ``refuse``), the budget and tokens planned and started, ``degraded``,
@@ -323,6 +365,13 @@ def decide(plan: t.Mapping[str, t.Any], gpus: t.Sequence[t.Mapping[str, t.Any]],
     if moved:
         return refuse("; ".join(moved) + ": the card was replaced or the GPUs were enumerated anew; not starting on a card the plan "
                       "was not made for: deploy the host again to plan it on the GPUs it has now")
+    blocking, other = health_findings(rows)
+    if blocking and plan.get("gpu_health", "refuse") == "refuse":
+        return refuse("; ".join(blocking) + ": not starting on an unhealthy GPU (gpu_health: refuse); reset or service the GPU, "
+                      "or deploy with vllm_service_boot_gate_gpu_health: warn to start anyway")
+    notes = [*(f"{line} (gpu_health: warn, starting anyway)" for line in blocking), *other]
+    out["reasons"].extend(notes)
+    out["_health_notes"] = notes
     unfloored = [r for r in rows if r["floor_bytes"] is None]
     if unfloored:
         return refuse("; ".join(f"rank {r['rank']} (GPU {r['gpu']}): the plan file has no floor for it" for r in unfloored))
@@ -623,6 +672,14 @@ def run(argv: t.Sequence[str], nvml: t.Any = None, execv: t.Callable[[str, list[
             emit(f"gpufleet boot gate: {plan['unit']}: NVML probe failed: {exc}; not starting")
             return EXIT_PROBE_FAILED
         gpus = found["gpus"]
+        if plan["xid_wait_ms"]:
+            from ._gpu_health import listen_for_xids  # pylint: disable=import-outside-toplevel
+
+            # only Xids raised while the gate listens reach it (NVML delivers no earlier event)
+            xids = listen_for_xids(nvml, [int(g["index"]) for g in gpus], plan["xid_wait_ms"])
+            for gpu in gpus:
+                if int(gpu["index"]) in xids and isinstance(gpu.get("health"), dict):
+                    gpu["health"]["xid"] = xids[int(gpu["index"])]
     else:
         gpus = []
     verdict = decide(plan, gpus, policy)

@@ -286,13 +286,16 @@ def cuda_visible_devices(gpus: t.Sequence[t.Any], host_gpus: t.Any) -> str:
 
 def plan_file(launch: t.Mapping[str, t.Any], instance: t.Mapping[str, t.Any], *, host_class: str | None,
               compat_key_hash: str | None, model: str, max_model_len: int | None, planned_at: str,
-              gate_policy: str | None, gate_state_dir: str | None, host_gpus: t.Any = None) -> dict[str, t.Any]:
+              gate_policy: str | None, gate_state_dir: str | None, host_gpus: t.Any = None,
+              gate_gpu_health: str | None = None, gate_xid_wait_ms: int | None = None) -> dict[str, t.Any]:
     """The host's plan file of one instance (format :data:`PLAN_FILE_FORMAT`): where it runs and its launch record.
 
     The boot gate reads it at every start; an application embedding vLLM reads the same
     record (``docs/launch-contract.md``). ``max_model_len`` 0 or ``None``: not set.
     ``host_gpus``: the host's probed GPUs; with every GPU's UUID known, ``gpu_uuids`` names
     the cards in rank order and the gate refuses a start on another card at one of the indices.
+    ``gate_gpu_health`` (``refuse`` or ``warn``) and ``gate_xid_wait_ms``: what the gate does with an
+    unhealthy GPU and how long it listens for Xid events (left out: ``refuse`` and 0).
     """
     record = check_launch(launch)
     name = str(instance["name"])
@@ -309,7 +312,9 @@ def plan_file(launch: t.Mapping[str, t.Any], instance: t.Mapping[str, t.Any], *,
         "port": int(instance["port"]),
         "max_model_len": int(max_model_len) if max_model_len else None,
         "planned_at": planned_at,
-        "boot_gate": {"policy": gate_policy, "state_file": f"{gate_state_dir}/{name}.boot-gate.json"}
+        "boot_gate": {"policy": gate_policy, "state_file": f"{gate_state_dir}/{name}.boot-gate.json",
+                      **({"gpu_health": gate_gpu_health} if gate_gpu_health else {}),
+                      **({"xid_wait_ms": int(gate_xid_wait_ms)} if gate_xid_wait_ms else {})}
         if record["manual"] and gate_state_dir else None,
         "launch": record,
     }

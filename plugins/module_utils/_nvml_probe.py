@@ -15,6 +15,8 @@ import subprocess
 import time
 from typing import Any, Callable, Iterable, Sequence
 
+from ._gpu_health import read_health
+
 # NVML return codes (nvml.h)
 NVML_ERROR_UNINITIALIZED = 1
 NVML_ERROR_INVALID_ARGUMENT = 2
@@ -476,6 +478,8 @@ def _probe(session: _Session, devices: Sequence[Any] | None, samples: int, inter
             "boot_free_bytes": boot_free,
             "processes": processes if processes is not None else [],
             "processes_reported": processes is not None,
+            # ECC, row remapping, retired pages: what each query answered (not supported is no error)
+            "health": read_health(session.nvml, handle),
         })
     return {
         "gpus": gpus,

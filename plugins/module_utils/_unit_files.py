@@ -175,10 +175,11 @@ DAY = 24 * 3600
 # (low, high): a bound above which the value is a mistake (a boot timeout of 1e9 s never times out)
 _SERVICE_COUNTS = {"restart_sec": (0, DAY), "start_limit_burst": (0, 10000), "start_limit_interval_sec": (0, 7 * DAY),
                    "timeout_stop_sec": (0, DAY), "boot_timeout": (1, DAY), "gate_samples": (1, 1000),
-                   "min_tokens": (0, 1 << 40), "metrics_interval_sec": (1, DAY)}
+                   "min_tokens": (0, 1 << 40), "metrics_interval_sec": (1, DAY), "boot_gate_xid_wait_ms": (0, 10000)}
 BOOT_GATE_POLICIES = ("refuse", "shrink", "profile")
+BOOT_GATE_GPU_HEALTH = ("refuse", "warn")
 # inputs with a role default: a given null is a mistake, not "unset"
-_DEFAULTED = ("metrics", "metrics_interval_sec")
+_DEFAULTED = ("metrics", "metrics_interval_sec", "boot_gate_xid_wait_ms")
 _MAX_GPUS = 1024
 
 
@@ -287,6 +288,9 @@ def service_input_problems(inputs: t.Mapping[str, t.Any]) -> list[str]:
                 problems.append(f"vllm_service_{key}: must not contain whitespace")
     if "vllm_service_boot_gate" in inputs and get("boot_gate") not in BOOT_GATE_POLICIES:
         problems.append(f"vllm_service_boot_gate: must be one of {', '.join(BOOT_GATE_POLICIES)}, got {get('boot_gate')!r}")
+    if "vllm_service_boot_gate_gpu_health" in inputs and get("boot_gate_gpu_health") not in BOOT_GATE_GPU_HEALTH:
+        problems.append(f"vllm_service_boot_gate_gpu_health: must be one of {', '.join(BOOT_GATE_GPU_HEALTH)}, "
+                        f"got {get('boot_gate_gpu_health')!r}")
     if get("compat_key_hash"):
         _check(problems, v.text, get("compat_key_hash"), "vllm_service_compat_key_hash")
     if get("host_class"):

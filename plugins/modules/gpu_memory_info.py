@@ -97,6 +97,23 @@ gpus:
       returned: always
       sample: [{pid: 4242, name: python3, used_bytes: 1073741824, kinds: [compute], own: false}]
     processes_reported: {description: False when the driver cannot list processes (then V(processes) is empty)., type: bool, returned: always, sample: true}
+    health:
+      description:
+        - The GPU's NVML health queries. C(ecc_mode) (V(enabled) or V(disabled)), C(ecc_uncorrected_volatile)
+          (uncorrectable ECC errors since the driver loaded), C(remapped_rows) (C(corrected), C(uncorrected), C(pending),
+          C(failure)) and C(retired_pages_pending); null when not read.
+        - C(not_supported) lists the queries the GPU or driver does not support (retired pages on Ampere and later, ECC on
+          GeForce cards), which is no error; C(errors) maps each other query that failed to its NVML error.
+      type: dict
+      returned: always
+      version_added: 2.0.0
+      sample:
+        ecc_mode: enabled
+        ecc_uncorrected_volatile: 0
+        remapped_rows: {corrected: 0, uncorrected: 0, pending: false, failure: false}
+        retired_pages_pending: null
+        not_supported: [retired_pages_pending]
+        errors: {}
 driver_version: {description: NVIDIA driver version., type: str, returned: success, sample: "550.127.05"}
 cuda_driver_version: {description: Highest CUDA version the driver supports., type: str, returned: success, sample: "12.4"}
 nvml_version: {description: NVML library version., type: str, returned: success, sample: "12.550.127.05"}

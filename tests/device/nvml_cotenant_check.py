@@ -19,6 +19,8 @@ Prints one JSON document and writes ``$OUT/nvml_cotenant.json`` when OUT is set.
 """
 from __future__ import annotations
 
+import importlib
+import importlib.machinery
 import importlib.util
 import json
 import os
@@ -50,11 +52,11 @@ sys.stdin.read()
 
 
 def load_probe() -> Any:
-    spec = importlib.util.spec_from_file_location("gpufleet_nvml_probe", PROBE_PATH)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    """``_nvml_probe`` from the collection's module_utils folder, as a package (it imports its siblings)."""
+    package = importlib.machinery.ModuleSpec("gpufleet_module_utils", None, is_package=True)
+    package.submodule_search_locations = [str(PROBE_PATH.parent)]
+    sys.modules.setdefault(package.name, importlib.util.module_from_spec(package))
+    return importlib.import_module(f"{package.name}.{PROBE_PATH.stem}")
 
 
 def gpu0(result: dict[str, Any]) -> dict[str, Any]:

@@ -21,6 +21,8 @@ Usage: python3 tests/device/nvml_real_check.py
 """
 from __future__ import annotations
 
+import importlib
+import importlib.machinery
 import importlib.util
 import json
 import os
@@ -45,12 +47,11 @@ SMI_TOLERANCE_MIB = int(os.environ.get("NVML_CHECK_SMI_TOLERANCE_MIB", "64"))
 
 
 def load_probe() -> Any:
-    spec = importlib.util.spec_from_file_location("gpufleet_nvml_probe", PROBE_PATH)
-    if spec is None or spec.loader is None:
-        raise RuntimeError(f"cannot load {PROBE_PATH}")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    """``_nvml_probe`` from the collection's module_utils folder, as a package (it imports its siblings)."""
+    package = importlib.machinery.ModuleSpec("gpufleet_module_utils", None, is_package=True)
+    package.submodule_search_locations = [str(PROBE_PATH.parent)]
+    sys.modules.setdefault(package.name, importlib.util.module_from_spec(package))
+    return importlib.import_module(f"{package.name}.{PROBE_PATH.stem}")
 
 
 def percentile(values: list[float], share: float) -> float:

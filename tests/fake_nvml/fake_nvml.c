@@ -103,6 +103,10 @@ typedef struct {
 #define MAX_MISSING 64
 #define STR 128
 #define MAX_STATE_BYTES (1 << 20)
+#define MAX_UNSUPPORTED 16
+#define MAX_XIDS 32
+#define MAX_EVENT_SETS 16
+#define NVML_EVENT_TYPE_XID 0x0000000000000008ULL /* nvmlEventTypeXidCriticalError */
 
 struct fake_gpu {
     int present;
@@ -118,6 +122,17 @@ struct fake_gpu {
     int error;
     int n_noise;
     unsigned long long noise[MAX_NOISE];
+    /* health: ECC mode and volatile/aggregate uncorrectable errors, remapped rows, retired pages */
+    int ecc_mode;
+    unsigned long long ecc_uncorrected_volatile, ecc_uncorrected_aggregate;
+    unsigned int remap_corrected, remap_uncorrected, remap_pending, remap_failure;
+    int retired_pending;
+    /* unsupported=f1,f2: these functions answer NVML_ERROR_NOT_SUPPORTED on this GPU */
+    int n_unsupported;
+    char unsupported[MAX_UNSUPPORTED][STR];
+    /* xid=48,79: Xid events every event set registered on this GPU receives, once each */
+    int n_xids;
+    unsigned long long xids[MAX_XIDS];
 };
 
 #define KIND_COMPUTE 1
@@ -237,6 +252,50 @@ static int parse_noise(const char *s, struct fake_gpu *g)
     return 0;
 }
 
+static int parse_xids(const char *s, struct fake_gpu *g)
+{
+    char buf[4096];
+    g->n_xids = 0;
+    if (!*s)
+        return 0;
+    if (pct_decode(s, buf, sizeof buf))
+        return -1;
+    char *save = NULL;
+    for (char *tok = strtok_r(buf, ",", &save); tok; tok = strtok_r(NULL, ",", &save)) {
+        if (g->n_xids >= MAX_XIDS || parse_ull(tok, &g->xids[g->n_xids]))
+            return -1;
+        g->n_xids++;
+    }
+    return 0;
+}
+
+static int parse_unsupported(const char *s, struct fake_gpu *g)
+{
+    char buf[4096];
+    g->n_unsupported = 0;
+    if (!*s)
+        return 0;
+    if (pct_decode(s, buf, sizeof buf))
+        return -1;
+    char *save = NULL;
+    for (char *tok = strtok_r(buf, ",", &save); tok; tok = strtok_r(NULL, ",", &save)) {
+        if (g->n_unsupported >= MAX_UNSUPPORTED || strlen(tok) >= STR)
+            return -1;
+        strcpy(g->unsupported[g->n_unsupported], tok);
+        g->n_unsupported++;
+    }
+    return 0;
+}
+
+static int parse_uint(const char *s, unsigned int *out)
+{
+    unsigned long long v;
+    if (parse_ull(s, &v) || v > 0xffffffffULL)
+        return -1;
+    *out = (unsigned int)v;
+    return 0;
+}
+
 static int parse_missing(const char *s, struct fake_state *st)
 {
     char buf[8192];
@@ -289,6 +348,10 @@ static int apply_gpu(struct fake_gpu *g, int *have_index, const char *key, const
 {
     if (!strcmp(key, "noise"))
         return parse_noise(raw, g);
+    if (!strcmp(key, "xid"))
+        return parse_xids(raw, g);
+    if (!strcmp(key, "unsupported"))
+        return parse_unsupported(raw, g);
     char val[STR];
     if (pct_decode(raw, val, sizeof val))
         return -1;
@@ -326,6 +389,22 @@ static int apply_gpu(struct fake_gpu *g, int *have_index, const char *key, const
         return parse_cc(val, g);
     else if (!strcmp(key, "error"))
         return parse_int(val, &g->error);
+    else if (!strcmp(key, "ecc_mode"))
+        return parse_int(val, &g->ecc_mode);
+    else if (!strcmp(key, "ecc_uncorrected_volatile"))
+        return parse_ull(val, &g->ecc_uncorrected_volatile);
+    else if (!strcmp(key, "ecc_uncorrected_aggregate"))
+        return parse_ull(val, &g->ecc_uncorrected_aggregate);
+    else if (!strcmp(key, "remap_corrected"))
+        return parse_uint(val, &g->remap_corrected);
+    else if (!strcmp(key, "remap_uncorrected"))
+        return parse_uint(val, &g->remap_uncorrected);
+    else if (!strcmp(key, "remap_pending"))
+        return parse_uint(val, &g->remap_pending);
+    else if (!strcmp(key, "remap_failure"))
+        return parse_uint(val, &g->remap_failure);
+    else if (!strcmp(key, "retired_pending"))
+        return parse_int(val, &g->retired_pending);
     return 0;
 }
 
@@ -404,6 +483,7 @@ static int parse_line(struct fake_state *st, char *line)
         memset(&gpu, 0, sizeof gpu);
         gpu.cc_major = 9;
         gpu.cc_minor = 0;
+        gpu.ecc_mode = 1; /* data-center GPUs ship with ECC on */
     } else if (!strcmp(type, "proc")) {
         kind = 2;
         memset(&proc, 0, sizeof proc);
@@ -727,6 +807,14 @@ API nvmlReturn_t nvmlDeviceGetHandleByUUID(const char *uuid, void **device_out)
     RETURN(NVML_ERROR_NOT_FOUND);
 }
 
+static int is_unsupported(const struct fake_gpu *g, const char *fn)
+{
+    for (int i = 0; i < g->n_unsupported; i++)
+        if (!strcmp(g->unsupported[i], fn))
+            return 1;
+    return 0;
+}
+
 #define DEVICE_ENTER(fn, handle)                 \
     LOCKED_ENTER(fn);                            \
     struct fake_gpu *g = NULL;                   \
@@ -734,6 +822,8 @@ API nvmlReturn_t nvmlDeviceGetHandleByUUID(const char *uuid, void **device_out)
         nvmlReturn_t drc_ = device(handle, &g);  \
         if (drc_)                                \
             RETURN(drc_);                        \
+        if (is_unsupported(g, fn))               \
+            RETURN(NVML_ERROR_NOT_SUPPORTED);    \
     }
 
 API nvmlReturn_t nvmlDeviceGetIndex(void *handle, unsigned int *index)
@@ -886,4 +976,166 @@ API nvmlReturn_t nvmlDeviceGetGraphicsRunningProcesses_v3(void *handle, unsigned
 API nvmlReturn_t nvmlDeviceGetGraphicsRunningProcesses_v2(void *handle, unsigned int *count, nvmlProcessInfo_t *infos)
 {
     return running_processes("nvmlDeviceGetGraphicsRunningProcesses_v2", handle, count, infos, KIND_GRAPHICS);
+}
+
+/* ------------------------------------------------------------------ health */
+
+API nvmlReturn_t nvmlDeviceGetEccMode(void *handle, int *current, int *pending)
+{
+    DEVICE_ENTER("nvmlDeviceGetEccMode", handle);
+    if (!current || !pending)
+        RETURN(NVML_ERROR_INVALID_ARGUMENT);
+    *current = g->ecc_mode ? 1 : 0;
+    *pending = *current;
+    RETURN(NVML_SUCCESS);
+}
+
+/* errorType 0 corrected, 1 uncorrected; counterType 0 volatile, 1 aggregate (corrected errors: none) */
+API nvmlReturn_t nvmlDeviceGetTotalEccErrors(void *handle, int errorType, int counterType, unsigned long long *count)
+{
+    DEVICE_ENTER("nvmlDeviceGetTotalEccErrors", handle);
+    if (!count || errorType < 0 || errorType > 1 || counterType < 0 || counterType > 1)
+        RETURN(NVML_ERROR_INVALID_ARGUMENT);
+    if (!g->ecc_mode)
+        RETURN(NVML_ERROR_NOT_SUPPORTED);
+    if (errorType == 0)
+        *count = 0;
+    else if (counterType == 0)
+        *count = g->ecc_uncorrected_volatile;
+    else /* the aggregate counter includes this boot's errors */
+        *count = g->ecc_uncorrected_aggregate > g->ecc_uncorrected_volatile ? g->ecc_uncorrected_aggregate
+                                                                              : g->ecc_uncorrected_volatile;
+    RETURN(NVML_SUCCESS);
+}
+
+API nvmlReturn_t nvmlDeviceGetRemappedRows(void *handle, unsigned int *corrRows, unsigned int *uncRows,
+                                           unsigned int *isPending, unsigned int *failureOccurred)
+{
+    DEVICE_ENTER("nvmlDeviceGetRemappedRows", handle);
+    if (!corrRows || !uncRows || !isPending || !failureOccurred)
+        RETURN(NVML_ERROR_INVALID_ARGUMENT);
+    *corrRows = g->remap_corrected;
+    *uncRows = g->remap_uncorrected;
+    *isPending = g->remap_pending ? 1 : 0;
+    *failureOccurred = g->remap_failure ? 1 : 0;
+    RETURN(NVML_SUCCESS);
+}
+
+API nvmlReturn_t nvmlDeviceGetRetiredPagesPendingStatus(void *handle, int *isPending)
+{
+    DEVICE_ENTER("nvmlDeviceGetRetiredPagesPendingStatus", handle);
+    if (!isPending)
+        RETURN(NVML_ERROR_INVALID_ARGUMENT);
+    *isPending = g->retired_pending ? 1 : 0;
+    RETURN(NVML_SUCCESS);
+}
+
+/* ------------------------------------------------------------------ events (Xid only) */
+
+typedef struct {
+    void *device;
+    unsigned long long eventType;
+    unsigned long long eventData;
+    unsigned int gpuInstanceId;
+    unsigned int computeInstanceId;
+} nvmlEventData_t;
+
+/* An event set: which GPUs it listens on and how many of each GPU's xid= events it has delivered. */
+struct fake_event_set {
+    int used;
+    int registered[MAX_GPUS];
+    int delivered[MAX_GPUS];
+};
+static struct fake_event_set g_sets[MAX_EVENT_SETS];
+
+API nvmlReturn_t nvmlEventSetCreate(void **set)
+{
+    LOCKED_ENTER("nvmlEventSetCreate");
+    if (!set)
+        RETURN(NVML_ERROR_INVALID_ARGUMENT);
+    for (int i = 0; i < MAX_EVENT_SETS; i++) {
+        if (!g_sets[i].used) {
+            memset(&g_sets[i], 0, sizeof g_sets[i]);
+            g_sets[i].used = 1;
+            *set = &g_sets[i];
+            RETURN(NVML_SUCCESS);
+        }
+    }
+    RETURN(NVML_ERROR_MEMORY);
+}
+
+static struct fake_event_set *event_set(void *set)
+{
+    struct fake_event_set *s = set;
+    if (!s || s < g_sets || s >= g_sets + MAX_EVENT_SETS || !s->used)
+        return NULL;
+    return s;
+}
+
+API nvmlReturn_t nvmlDeviceGetSupportedEventTypes(void *handle, unsigned long long *types)
+{
+    DEVICE_ENTER("nvmlDeviceGetSupportedEventTypes", handle);
+    if (!types)
+        RETURN(NVML_ERROR_INVALID_ARGUMENT);
+    *types = is_unsupported(g, "nvmlDeviceRegisterEvents") ? 0 : NVML_EVENT_TYPE_XID;
+    RETURN(NVML_SUCCESS);
+}
+
+API nvmlReturn_t nvmlDeviceRegisterEvents(void *handle, unsigned long long types, void *set)
+{
+    DEVICE_ENTER("nvmlDeviceRegisterEvents", handle);
+    struct fake_event_set *s = event_set(set);
+    if (!s)
+        RETURN(NVML_ERROR_INVALID_ARGUMENT);
+    if (types & ~NVML_EVENT_TYPE_XID)
+        RETURN(NVML_ERROR_NOT_SUPPORTED);
+    if (types & NVML_EVENT_TYPE_XID)
+        s->registered[g->index] = 1;
+    RETURN(NVML_SUCCESS);
+}
+
+/* The next xid= event of a GPU the set listens on, else NVML_ERROR_TIMEOUT after timeoutms. */
+static nvmlReturn_t event_wait(const char *fn, void *set, nvmlEventData_t *data, unsigned int timeoutms)
+{
+    LOCKED_ENTER(fn);
+    struct fake_event_set *s = event_set(set);
+    if (!s || !data)
+        RETURN(NVML_ERROR_INVALID_ARGUMENT);
+    for (int i = 0; i < g_state.n_gpus; i++) {
+        const struct fake_gpu *g = &g_state.gpus[i];
+        if (s->registered[i] && s->delivered[i] < g->n_xids) {
+            memset(data, 0, sizeof *data);
+            g_handles[i].index = (unsigned int)i;
+            data->device = &g_handles[i];
+            data->eventType = NVML_EVENT_TYPE_XID;
+            data->eventData = g->xids[s->delivered[i]];
+            data->gpuInstanceId = NVML_NOT_MIG;
+            data->computeInstanceId = NVML_NOT_MIG;
+            s->delivered[i]++;
+            RETURN(NVML_SUCCESS);
+        }
+    }
+    pthread_mutex_unlock(&g_lock);
+    usleep(timeoutms > 60000 ? 60000000u : timeoutms * 1000u);
+    return NVML_ERROR_TIMEOUT;
+}
+
+API nvmlReturn_t nvmlEventSetWait_v2(void *set, nvmlEventData_t *data, unsigned int timeoutms)
+{
+    return event_wait("nvmlEventSetWait_v2", set, data, timeoutms);
+}
+
+API nvmlReturn_t nvmlEventSetWait(void *set, nvmlEventData_t *data, unsigned int timeoutms)
+{
+    return event_wait("nvmlEventSetWait", set, data, timeoutms);
+}
+
+API nvmlReturn_t nvmlEventSetFree(void *set)
+{
+    pthread_mutex_lock(&g_lock);
+    struct fake_event_set *s = event_set(set);
+    if (!s)
+        RETURN(NVML_ERROR_INVALID_ARGUMENT);
+    s->used = 0;
+    RETURN(NVML_SUCCESS);
 }

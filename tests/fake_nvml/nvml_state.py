@@ -35,6 +35,15 @@ The dict shape returned by :func:`load` and accepted by :func:`save`::
                 "error": 0,                 # NVML return code of every call on this GPU
                 "noise": [],                # bytes taken from free on successive reads
                 "free_override": None,      # report this free value verbatim (or None)
+                # health (written only when not the default):
+                "ecc_mode": 1,              # nvmlDeviceGetEccMode: 1 enabled, 0 disabled
+                "ecc_uncorrected_volatile": 0,   # uncorrectable ECC errors since the driver loaded
+                "ecc_uncorrected_aggregate": 0,  # over the GPU's life (at least the volatile count)
+                "remap_corrected": 0, "remap_uncorrected": 0,  # nvmlDeviceGetRemappedRows: rows remapped
+                "remap_pending": 0, "remap_failure": 0,        # 1: a remapping waits for a reset / failed
+                "retired_pending": 0,       # nvmlDeviceGetRetiredPagesPendingStatus
+                "unsupported": [],          # NVML functions that answer NOT_SUPPORTED (3) on this GPU
+                "xid": [],                  # Xid events an event set registered on the GPU receives
             },
         ],
         "procs": [
@@ -83,6 +92,20 @@ GPU_DEFAULTS: dict[str, Any] = {
     "noise": [],
     "free_override": None,
 }
+# the health keys: written only when they differ from these (older readers ignore them)
+HEALTH_DEFAULTS: dict[str, Any] = {
+    "ecc_mode": 1,
+    "ecc_uncorrected_volatile": 0,
+    "ecc_uncorrected_aggregate": 0,
+    "remap_corrected": 0,
+    "remap_uncorrected": 0,
+    "remap_pending": 0,
+    "remap_failure": 0,
+    "retired_pending": 0,
+    "unsupported": [],
+    "xid": [],
+}
+_HEALTH_LISTS = ("unsupported", "xid")
 
 PROC_KINDS = ("compute", "graphics", "both")
 PROC_PIDNS = ("local", "other")
@@ -106,7 +129,7 @@ def new_state() -> dict[str, Any]:
 
 def make_gpu(index: int, total: int, **fields: Any) -> dict[str, Any]:
     """A GPU record with defaults; ``uuid``/``pci`` derived from the index unless given."""
-    gpu: dict[str, Any] = dict(GPU_DEFAULTS, noise=[])
+    gpu: dict[str, Any] = dict(GPU_DEFAULTS, noise=[], **_health_defaults())
     gpu.update(
         index=index,
         total=total,
@@ -115,6 +138,10 @@ def make_gpu(index: int, total: int, **fields: Any) -> dict[str, Any]:
     )
     gpu.update(fields)
     return gpu
+
+
+def _health_defaults() -> dict[str, Any]:
+    return {key: list(value) if isinstance(value, list) else value for key, value in HEALTH_DEFAULTS.items()}
 
 
 def add_process(state: dict[str, Any], gpu: int, pid: int, used: int,
@@ -195,6 +222,16 @@ def validate(state: dict[str, Any]) -> None:
         for value in gpu.get("noise", []):
             if not isinstance(value, int) or value < 0:
                 raise StateError(f"{where}.noise: expected non-negative integers, got {value!r}")
+        for key, default in HEALTH_DEFAULTS.items():
+            value = gpu.get(key, default)
+            if key == "xid":
+                if not isinstance(value, list) or not all(isinstance(v, int) and v >= 0 for v in value):
+                    raise StateError(f"{where}.xid: expected a list of non-negative integers, got {value!r}")
+            elif key == "unsupported":
+                if not isinstance(value, list) or not all(isinstance(v, str) and v and "," not in v for v in value):
+                    raise StateError(f"{where}.unsupported: expected a list of NVML function names, got {value!r}")
+            elif not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise StateError(f"{where}.{key}: expected a non-negative integer, got {value!r}")
         cc = str(gpu.get("cc", "9.0")).split(".")
         if len(cc) != 2 or not all(part.isdigit() for part in cc):
             raise StateError(f"{where}.cc: expected MAJOR.MINOR, got {gpu.get('cc')!r}")
@@ -227,6 +264,10 @@ def dumps(state: dict[str, Any]) -> str:
             tokens.append(f"free_override={full['free_override']}")
         if full.get("pci_id") is not None:
             tokens.append(f"pci_id={int(full['pci_id'])}")
+        for key, default in HEALTH_DEFAULTS.items():
+            value = gpu.get(key, default)
+            if value != default:
+                tokens.append(f"{key}={_enc_list(list(value)) if key in _HEALTH_LISTS else int(value)}")
         lines.append("gpu " + " ".join(tokens))
     for proc in state.get("procs", []):
         line = "proc gpu={} pid={} used={} kind={} name={}".format(
@@ -263,7 +304,7 @@ def loads(text: str, source: str = "<state>") -> dict[str, Any]:
                 elif key == "missing":
                     system[key] = [v for v in unquote(value).split(",") if v]
         elif rtype == "gpu":
-            gpu: dict[str, Any] = dict(GPU_DEFAULTS, noise=[])
+            gpu: dict[str, Any] = dict(GPU_DEFAULTS, noise=[], **_health_defaults())
             if "index" not in fields:
                 raise StateError(f"{where}: gpu record without index=")
             for key, value in fields.items():
@@ -273,6 +314,12 @@ def loads(text: str, source: str = "<state>") -> dict[str, Any]:
                     gpu[key] = _to_int(unquote(value), f"{where}: {key}") if value else None
                 elif key == "noise":
                     gpu[key] = [_to_int(v, f"{where}: noise") for v in unquote(value).split(",") if v]
+                elif key == "xid":
+                    gpu[key] = [_to_int(v, f"{where}: xid") for v in unquote(value).split(",") if v]
+                elif key == "unsupported":
+                    gpu[key] = [v for v in unquote(value).split(",") if v]
+                elif key in HEALTH_DEFAULTS:
+                    gpu[key] = _to_int(unquote(value), f"{where}: {key}")
                 else:
                     gpu[key] = unquote(value)
             state["gpus"].append(gpu)

@@ -269,6 +269,105 @@ def test_launcher_refuses_a_start_after_the_gpus_were_enumerated_anew(tmp_path):
     assert json.loads(state_path.read_text())["action"] == "refuse"
 
 
+HEALTHY = {"ecc_mode": "enabled", "ecc_uncorrected_volatile": 0, "retired_pages_pending": None,
+           "remapped_rows": {"corrected": 0, "uncorrected": 0, "pending": False, "failure": False},
+           "not_supported": ["retired_pages_pending"], "errors": {}}
+
+
+def with_health(rows: list[dict[str, Any]], **sick: Any) -> list[dict[str, Any]]:
+    """GPU 1 of ``rows`` with ``sick`` in its health record, GPU 0 healthy (both with UUIDs)."""
+    out = []
+    for row, uuid in zip(rows, (UUID0, UUID1)):
+        health = dict(HEALTHY, **(sick if row["index"] == 1 else {}))
+        out.append(dict(row, uuid=uuid, health=health))
+    return out
+
+
+@pytest.mark.parametrize("sick, words", [
+    ({"remapped_rows": {"corrected": 0, "uncorrected": 1, "pending": True, "failure": False}},
+     "a row remapping is pending (reset the GPU to apply it)"),
+    ({"remapped_rows": {"corrected": 0, "uncorrected": 1, "pending": False, "failure": True}}, "a row remapping failed"),
+    ({"ecc_uncorrected_volatile": 2}, "2 uncorrectable ECC error(s) since the driver loaded"),
+    ({"xid": {"listened_ms": 100, "critical": [79], "other": []}}, "critical Xid event(s) 79 while the gate listened"),
+])
+def test_an_unhealthy_gpu_is_refused_under_every_policy_naming_its_index_uuid_and_why(sick, words):
+    plan = gate.parse_plan(plan_doc(gpu_uuids=[UUID0, UUID1]))
+    assert plan["gpu_health"] == "refuse", "refuse is the default, also for plan files written before it existed"
+    for policy in gate.POLICIES:
+        assert gate.decide(plan, with_health(gpus(FLOOR + GIB)), policy)["action"] == "start"
+        verdict = gate.decide(plan, with_health(gpus(FLOOR + GIB), **sick), policy)
+        assert verdict["action"] == "refuse", policy
+        assert f"rank 1 (GPU 1, {UUID1}): {words}" in verdict["message"]
+        assert "not starting on an unhealthy GPU (gpu_health: refuse)" in verdict["message"]
+        assert verdict["started"] is None
+
+
+def test_gpu_health_warn_starts_and_names_the_gpu_in_the_journal_line():
+    plan = gate.parse_plan(plan_doc(gpu_uuids=[UUID0, UUID1], boot_gate={"policy": "shrink", "state_file": None, "gpu_health": "warn"}))
+    sick = {"remapped_rows": {"corrected": 0, "uncorrected": 1, "pending": True, "failure": False}}
+    verdict = gate.decide(plan, with_health(gpus(FLOOR + GIB), **sick), "refuse")
+    assert verdict["action"] == "start"
+    assert verdict["message"].endswith(f"; GPU health: rank 1 (GPU 1, {UUID1}): a row remapping is pending (reset the GPU "
+                                       "to apply it) (gpu_health: warn, starting anyway)")
+    assert any("a row remapping is pending" in r for r in verdict["reasons"])
+    # warned about, then shrunk for memory: both in the line
+    shrunk = gate.decide(plan, with_health(gpus(FLOOR - GIB), **sick), "shrink")
+    assert shrunk["action"] == "shrink" and "GPU health: rank 1" in shrunk["message"]
+
+
+def test_a_failed_health_query_is_reported_and_stops_nothing():
+    plan = gate.parse_plan(plan_doc(gpu_uuids=[UUID0, UUID1]))
+    verdict = gate.decide(plan, with_health(gpus(FLOOR + GIB), errors={"remapped_rows": "nvmlDeviceGetRemappedRows: NVML error 999"},
+                                            remapped_rows=None), "refuse")
+    assert verdict["action"] == "start"
+    assert "health queries failed: remapped_rows: nvmlDeviceGetRemappedRows: NVML error 999" in verdict["message"]
+
+
+@pytest.mark.parametrize("gate_doc, needle", [
+    ({"gpu_health": "ignore"}, "boot_gate.gpu_health must be one of refuse, warn"),
+    ({"xid_wait_ms": 20000}, "boot_gate.xid_wait_ms must be within 0..10000"),
+    ({"xid_wait_ms": "soon"}, "xid_wait_ms must be an integer"),
+])
+def test_bad_health_options_name_the_field(gate_doc, needle):
+    with pytest.raises(gate.BootGateError, match=needle.replace(".", r"\.")):
+        gate.parse_plan(plan_doc(boot_gate={"policy": "shrink", "state_file": None, **gate_doc}))
+
+
+@pytest.mark.skipif(not LIB.exists(), reason=f"fake NVML library not built ({LIB}); run `make fake-nvml`")
+@pytest.mark.parametrize("fault, xid_wait_ms, refused, words", [
+    ({}, 0, False, None),
+    ({"remap_pending": 1, "remap_uncorrected": 1}, 0, True, "a row remapping is pending"),
+    ({"ecc_uncorrected_volatile": 4}, 0, True, "4 uncorrectable ECC error(s)"),
+    ({"xid": [79]}, 0, False, None),  # not listened for: NVML delivers no event raised before a process listens
+    ({"xid": [13, 79]}, 100, True, "critical Xid event(s) 79 while the gate listened"),
+    ({"xid": [13]}, 100, False, None),  # an application's Xid
+])
+def test_launcher_reads_gpu_health_on_an_h200_like_fake(tmp_path, fault, xid_wait_ms, refused, words):
+    """Real pynvml on the fake library, GPUs that answer as an H200 on driver 580 does (retired pages NOT_SUPPORTED)."""
+    state = nvml_state.new_state()
+    state["gpus"] = [nvml_state.make_gpu(i, TOTAL, reserved=462422016, name="NVIDIA H200", cc="9.0", uuid=u,
+                                         unsupported=["nvmlDeviceGetRetiredPagesPendingStatus"], **(fault if i == 1 else {}))
+                     for i, u in enumerate((UUID0, UUID1))]
+    nvml_state.save(tmp_path / "state", state)
+    plan_path, state_path = tmp_path / "main.plan.json", tmp_path / "main.boot-gate.json"
+    floor = TOTAL - 462422016 - GIB
+    plan_path.write_text(json.dumps(plan_doc(free_floor_bytes={"0": floor, "1": floor}, vllm_floor_bytes={}, gpu_uuids=[UUID0, UUID1],
+                                             boot_gate={"policy": "shrink", "state_file": None, "xid_wait_ms": xid_wait_ms})))
+    done = run_launcher(tmp_path, plan_path, state_path, "shrink", "h1")
+    record = json.loads(state_path.read_text())
+    health = record["ranks"][1]["health"]
+    assert health["not_supported"] == ["retired_pages_pending"] and health["errors"] == {}
+    assert health["ecc_mode"] == "enabled"
+    if refused:
+        assert done.returncode == gate.EXIT_REFUSED, done.stderr
+        assert "ENGINE" not in done.stdout and record["action"] == "refuse"
+        assert f"rank 1 (GPU 1, {UUID1}): {words}" in done.stderr
+    else:
+        assert done.returncode == 0, done.stderr
+        assert "ENGINE" in done.stdout and record["action"] == "start"
+    assert ("xid" in health) == bool(xid_wait_ms)
+
+
 def test_launcher_refuses_a_missing_plan_file_and_leaves_nvml_failures_to_the_restart_policy(tmp_path):
     lines: list[str] = []
     missing = gate.run(["--plan", str(tmp_path / "none.plan.json"), "--", "/bin/true"], log=lines.append)
