@@ -6,6 +6,8 @@
     fleetctl.py inject HOST cotenant --gpu N --bytes SIZE [--pid PID] [--remove]
     fleetctl.py inject HOST gpu-lost --gpu N [--clear]
     fleetctl.py inject HOST gpu-replaced --gpu N [--clear]
+    fleetctl.py inject HOST gpu-health --gpu N --fault remap-pending|remap-failure|ecc-uncorrected|retired-pages-pending|xid
+                                       [--xid N] [--clear]
     fleetctl.py inject HOST noise --gpu N --bytes A,B,... [--clear]
     fleetctl.py inject HOST fail-next-boot [--kind oom|startup|one_request|no_memory|profiling_error|gpu_lost|hang|crash]
     fleetctl.py inject HOST slow-next-boot [--seconds S] [--steps N] [--clear]
@@ -55,6 +57,14 @@ ENGINE_GUEST = "/opt/vllm/venv/bin/vllm"
 MODELS_GUEST = "/srv/models"
 HOST_PREFIX = "sim-"
 COTENANT_PID_BASE = 61000
+# NVML health faults of ``inject gpu-health``: the fake NVML state keys each sets (``xid``: the event list)
+HEALTH_FAULTS = {
+    "remap-pending": {"remap_pending": 1, "remap_uncorrected": 1},
+    "remap-failure": {"remap_failure": 1, "remap_uncorrected": 1},
+    "ecc-uncorrected": {"ecc_uncorrected_volatile": 1, "ecc_uncorrected_aggregate": 1},
+    "retired-pages-pending": {"retired_pending": 1},
+    "xid": {"xid": [79]},
+}
 FAULT_KINDS = ("oom", "startup", "one_request", "no_memory", "profiling_error", "gpu_lost", "hang", "crash")
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
           "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -395,6 +405,34 @@ class Fleet:
         self._edit_state(host, mutate)
         print(f"{host}: GPU {gpu} is {'the original card' if clear else 'another card'} ({uuid})")
 
+    def inject_gpu_health(self, host: str, gpu: int, fault: str | None, clear: bool, xid: int | None = None) -> None:
+        """An NVML health fault on GPU ``gpu`` (:data:`HEALTH_FAULTS`); ``clear``: that fault (None: every one) gone.
+
+        ``xid``: the Xid number of an ``xid`` fault (79 by default: the GPU fell off the bus); every process that
+        listens for Xid events on the GPU (the boot gate with ``vllm_service_boot_gate_xid_wait_ms``) receives it.
+        """
+        if fault is None and not clear:
+            raise FleetError(f"gpu-health: --fault is required (one of {', '.join(HEALTH_FAULTS)}) unless --clear")
+        if fault is not None and fault not in HEALTH_FAULTS:
+            raise FleetError(f"gpu-health: --fault {fault!r} is not one of {', '.join(HEALTH_FAULTS)}")
+        faults = [fault] if fault else list(HEALTH_FAULTS)
+
+        def mutate(state: dict[str, Any]) -> None:
+            for g in state["gpus"]:
+                if g["index"] == gpu:
+                    for name in faults:
+                        for key, value in HEALTH_FAULTS[name].items():
+                            if clear:
+                                g[key] = nvml_state.HEALTH_DEFAULTS[key]
+                            elif key == "xid":
+                                g[key] = [*g.get(key, []), xid or value[0]]
+                            else:
+                                g[key] = value
+                    return
+            raise FleetError(f"{host}: no GPU {gpu} (it has {len(state['gpus'])})")
+        self._edit_state(host, mutate)
+        print(f"{host}: GPU {gpu} {'healthy again' if clear else 'has the health fault'} ({', '.join(faults)})")
+
     def inject_noise(self, host: str, gpu: int, values: list[int] | None) -> None:
         """Make free memory of one GPU move between reads (None or []: steady again).
 
@@ -634,6 +672,11 @@ def build_parser() -> argparse.ArgumentParser:
     k = kinds.add_parser("gpu-replaced", help="another card at a GPU index (a new UUID), as after a replacement or reboot")
     k.add_argument("--gpu", type=int, required=True)
     k.add_argument("--clear", action="store_true")
+    k = kinds.add_parser("gpu-health", help="an NVML health fault on a GPU (row remapping, uncorrectable ECC errors, retired pages, an Xid)")
+    k.add_argument("--gpu", type=int, required=True)
+    k.add_argument("--fault", dest="fault_kind", choices=sorted(HEALTH_FAULTS))
+    k.add_argument("--xid", type=int, help="the Xid number of --fault xid (default 79)")
+    k.add_argument("--clear", action="store_true", help="the fault gone (every health fault without --fault)")
     k = kinds.add_parser("noise", help="free memory of a GPU moves between reads (unstable free memory)")
     k.add_argument("--gpu", type=int, required=True)
     k.add_argument("--bytes", dest="values", help="comma-separated sizes taken from free on successive reads")
@@ -677,6 +720,8 @@ def main(argv: list[str] | None = None) -> int:
                 fleet.inject_gpu_lost(args.host, args.gpu, args.clear)
             elif args.fault == "gpu-replaced":
                 fleet.inject_gpu_replaced(args.host, args.gpu, args.clear)
+            elif args.fault == "gpu-health":
+                fleet.inject_gpu_health(args.host, args.gpu, args.fault_kind, args.clear, args.xid)
             elif args.fault == "noise":
                 if not args.clear and not args.values:
                     raise FleetError("noise: --bytes A,B,... is required (unless --clear)")

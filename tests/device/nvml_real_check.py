@@ -12,7 +12,14 @@ the collection's ``_nvml_probe.py`` by file path.  It
   (nvidia-smi rounds to MiB), timing it as well (5 runs);
 - times NVML initialisation alone (part of every probe; slow without persistence mode);
 - reads memory with both the v1 and v2 NVML calls and lists compute/graphics
-  processes with the raw binding, checking they agree with the probe.
+  processes with the raw binding, checking they agree with the probe;
+- reads every GPU's health queries with the raw binding (``nvmlDeviceGetEccMode``,
+  ``nvmlDeviceGetTotalEccErrors`` uncorrected/volatile, ``nvmlDeviceGetRemappedRows``,
+  ``nvmlDeviceGetRetiredPagesPendingStatus``), recording each answer or NVML return code, and checks
+  that the probe's ``health`` agrees (a code 3 or 13 listed as not supported, any other code as an
+  error); opens every GPU by UUID (``nvmlDeviceGetHandleByUUID``); registers for Xid events
+  (``nvmlEventTypeXidCriticalError``) and waits ``NVML_CHECK_XID_WAIT_MS`` (default 200) with
+  ``nvmlEventSetWait_v2``, recording what came back.
 
 Prints one JSON document to stdout and writes it to ``$OUT/nvml_real.json`` when OUT
 is set.  Exit status 0 when every check passed, 1 otherwise (the JSON says which).
@@ -109,6 +116,70 @@ def raw_reads(pynvml: Any) -> list[dict[str, Any]]:
                 except pynvml.NVMLError as exc:
                     entry[kind + "_error"] = [getattr(exc, "value", None), str(exc)]
             out.append(entry)
+    finally:
+        pynvml.nvmlShutdown()
+    return out
+
+
+HEALTH_CALLS = (
+    ("ecc_mode", "nvmlDeviceGetEccMode", ()),
+    ("ecc_uncorrected_volatile", "nvmlDeviceGetTotalEccErrors", ("NVML_MEMORY_ERROR_TYPE_UNCORRECTED", "NVML_VOLATILE_ECC")),
+    ("remapped_rows", "nvmlDeviceGetRemappedRows", ()),
+    ("retired_pages_pending", "nvmlDeviceGetRetiredPagesPendingStatus", ()),
+)
+NOT_SUPPORTED_CODES = (3, 13)  # NVML_ERROR_NOT_SUPPORTED, NVML_ERROR_FUNCTION_NOT_FOUND
+XID_WAIT_MS = int(os.environ.get("NVML_CHECK_XID_WAIT_MS", "200"))
+
+
+def raw_health(pynvml: Any) -> list[dict[str, Any]]:
+    """Each GPU's health queries straight from the binding: the answer or the NVML code; the handle by UUID;
+    one Xid registration and wait."""
+    out = []
+    pynvml.nvmlInit()
+    try:
+        handles = {}
+        for index in range(pynvml.nvmlDeviceGetCount()):
+            handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+            handles[index] = handle
+            entry: dict[str, Any] = {"index": index, "queries": {}}
+            for query, name, constants in HEALTH_CALLS:
+                args = [getattr(pynvml, c) for c in constants]
+                try:
+                    value = getattr(pynvml, name)(handle, *args)
+                    entry["queries"][query] = {"value": list(value) if isinstance(value, (list, tuple)) else value}
+                except pynvml.NVMLError as exc:
+                    entry["queries"][query] = {"code": getattr(exc, "value", None), "error": str(exc)}
+            uuid = pynvml.nvmlDeviceGetUUID(handle)
+            uuid = uuid.decode() if isinstance(uuid, bytes) else str(uuid)
+            try:
+                by_uuid = pynvml.nvmlDeviceGetIndex(pynvml.nvmlDeviceGetHandleByUUID(uuid))
+                entry["handle_by_uuid"] = {"uuid": uuid, "index": int(by_uuid)}
+            except pynvml.NVMLError as exc:
+                entry["handle_by_uuid"] = {"uuid": uuid, "code": getattr(exc, "value", None), "error": str(exc)}
+            try:
+                entry["supported_event_types"] = int(pynvml.nvmlDeviceGetSupportedEventTypes(handle))
+            except pynvml.NVMLError as exc:
+                entry["supported_event_types"] = {"code": getattr(exc, "value", None), "error": str(exc)}
+            out.append(entry)
+        xids: dict[str, Any] = {"wait_ms": XID_WAIT_MS, "registered": {}, "events": []}
+        event_set = pynvml.nvmlEventSetCreate()
+        try:
+            for index, handle in handles.items():
+                try:
+                    pynvml.nvmlDeviceRegisterEvents(handle, pynvml.nvmlEventTypeXidCriticalError, event_set)
+                    xids["registered"][str(index)] = True
+                except pynvml.NVMLError as exc:
+                    xids["registered"][str(index)] = {"code": getattr(exc, "value", None), "error": str(exc)}
+            start = time.perf_counter()
+            try:
+                data = pynvml.nvmlEventSetWait_v2(event_set, XID_WAIT_MS)
+                xids["events"].append({"event_type": int(data.eventType), "xid": int(data.eventData)})
+            except pynvml.NVMLError as exc:
+                xids["wait_code"] = getattr(exc, "value", None)
+            xids["waited_ms"] = round((time.perf_counter() - start) * 1000, 1)
+        finally:
+            pynvml.nvmlEventSetFree(event_set)
+        out.append({"xid_events": xids})
     finally:
         pynvml.nvmlShutdown()
     return out
@@ -211,6 +282,32 @@ def main() -> int:
                 seen = {p["pid"] for p in probed["processes"]}
                 check(checks, f"{label}_processes_match_binding", seen == listed,
                       {"probe": sorted(seen), "binding": sorted(listed)})
+        # 4. health queries, the handle by UUID and Xid events, raw; the probe's health must agree
+        health = raw_health(pynvml)
+        report["raw_health"] = health
+        for entry in health:
+            if "xid_events" in entry:
+                xids = entry["xid_events"]
+                check(checks, "xid_registration_answers", all(v is True or (isinstance(v, dict) and v.get("code") in NOT_SUPPORTED_CODES)
+                                                              for v in xids["registered"].values()), xids["registered"])
+                check(checks, "xid_wait_answers", bool(xids["events"]) or xids.get("wait_code") == 10, xids)  # 10: NVML_ERROR_TIMEOUT
+                continue
+            label = f"gpu{entry['index']}"
+            probed = next((g for g in at_probe["gpus"] if g["index"] == entry["index"]), None)
+            check(checks, f"{label}_handle_by_uuid", entry["handle_by_uuid"].get("index") == entry["index"], entry["handle_by_uuid"])
+            if probed is None:
+                continue
+            got = probed.get("health") or {}
+            for query, answer in entry["queries"].items():
+                if query == "ecc_uncorrected_volatile" and got.get("ecc_mode") == "disabled":
+                    continue  # the probe does not read the counter with ECC off
+                if "code" in answer and answer["code"] in NOT_SUPPORTED_CODES:
+                    agrees = query in got.get("not_supported", [])
+                elif "code" in answer:
+                    agrees = query in got.get("errors", {})
+                else:
+                    agrees = got.get(query) is not None and query not in got.get("not_supported", [])
+                check(checks, f"{label}_health_{query}", agrees, {"raw": answer, "probe": got.get(query)})
     except Exception as exc:  # pylint: disable=broad-except  # report, never crash without output
         report["error"] = f"{type(exc).__name__}: {exc}"
         report["traceback"] = traceback.format_exc()

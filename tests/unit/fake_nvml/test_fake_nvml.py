@@ -391,8 +391,12 @@ def test_probe_end_to_end_through_real_pynvml(tmp_path):
 
 
 def test_real_gpu_check_script_runs_on_the_fake_library(tmp_path):
-    """The prepared real-GPU check script, here on the fake library (no nvidia-smi)."""
+    """The prepared real-GPU check script, here on the fake library (no nvidia-smi), with GPUs that answer the health
+    queries as an H200 on driver 580 does (retired pages NOT_SUPPORTED) and one Xid event pending."""
     state = fleet_state(2)
+    for gpu in state["gpus"]:
+        gpu["unsupported"] = ["nvmlDeviceGetRetiredPagesPendingStatus"]
+    state["gpus"][1].update(remap_corrected=1, xid=[13])
     nvml_state.add_process(state, gpu=1, pid=4242, used=3 * GIB, kind="both", pidns="other")
     path = tmp_path / "state"
     nvml_state.save(path, state)
@@ -411,6 +415,13 @@ def test_real_gpu_check_script_runs_on_the_fake_library(tmp_path):
     assert report["raw"][1]["compute"][0]["pid"] == 4242
     names = {c["check"] for c in report["checks"]}
     assert {"gpu0_memory_v2", "gpu1_v1_used_includes_reserved", "gpu1_processes_match_binding"} <= names
+    assert {"gpu0_health_retired_pages_pending", "gpu1_health_remapped_rows", "gpu1_handle_by_uuid", "xid_registration_answers",
+            "xid_wait_answers"} <= names
+    raw = report["raw_health"]
+    assert raw[0]["queries"]["retired_pages_pending"]["code"] == 3
+    assert raw[1]["queries"]["remapped_rows"] == {"value": [1, 0, 0, 0]}
+    assert raw[2]["xid_events"]["events"] == [{"event_type": 8, "xid": 13}]
+    assert report["probe_single"]["gpus"][0]["health"]["not_supported"] == ["retired_pages_pending"]
 
 
 def test_real_gpu_check_script_reports_failures(tmp_path):
@@ -537,3 +548,53 @@ def test_a_bad_pid_namespace_is_refused(tmp_path):
         out["count"] = err(n.nvmlDeviceGetCount)
     """, text)
     assert out["init"] == [999, "NVMLError_Unknown"] or out["count"] == [999, "NVMLError_Unknown"], out
+
+
+def test_health_queries_unsupported_functions_and_xid_events(tmp_path):
+    """The health symbols through the real pynvml: defaults, faults, NOT_SUPPORTED per GPU, ECC off, Xid events once per set."""
+    state = fleet_state(3)
+    state["gpus"][1].update(ecc_uncorrected_volatile=2, ecc_uncorrected_aggregate=1, remap_uncorrected=1, remap_pending=1,
+                            retired_pending=1, xid=[48, 79], unsupported=["nvmlDeviceGetRetiredPagesPendingStatus"])
+    state["gpus"][2].update(ecc_mode=0, unsupported=["nvmlDeviceRegisterEvents"])
+    out = run_nvml(tmp_path, """
+        import time
+        n.nvmlInit()
+        h = [n.nvmlDeviceGetHandleByIndex(i) for i in range(3)]
+        U, V, A = n.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, n.NVML_VOLATILE_ECC, n.NVML_AGGREGATE_ECC
+        out["ecc_mode"] = [n.nvmlDeviceGetEccMode(x) for x in h]
+        out["ecc0"] = n.nvmlDeviceGetTotalEccErrors(h[0], U, V)
+        out["ecc1"] = [n.nvmlDeviceGetTotalEccErrors(h[1], U, V), n.nvmlDeviceGetTotalEccErrors(h[1], U, A),
+                       n.nvmlDeviceGetTotalEccErrors(h[1], n.NVML_MEMORY_ERROR_TYPE_CORRECTED, V)]
+        out["ecc2"] = err(n.nvmlDeviceGetTotalEccErrors, h[2], U, V)
+        out["rows"] = [list(n.nvmlDeviceGetRemappedRows(x)) for x in h[:2]]
+        out["retired0"] = n.nvmlDeviceGetRetiredPagesPendingStatus(h[0])
+        out["retired1"] = err(n.nvmlDeviceGetRetiredPagesPendingStatus, h[1])
+        out["types"] = [n.nvmlDeviceGetSupportedEventTypes(x) for x in h]
+        s = n.nvmlEventSetCreate()
+        for x in h[:2]:
+            n.nvmlDeviceRegisterEvents(x, n.nvmlEventTypeXidCriticalError, s)
+        out["register2"] = err(n.nvmlDeviceRegisterEvents, h[2], n.nvmlEventTypeXidCriticalError, s)
+        events = []
+        for _ in range(2):
+            d = n.nvmlEventSetWait_v2(s, 1000)
+            events.append([n.nvmlDeviceGetIndex(d.device), d.eventType, d.eventData])
+        out["events"] = events
+        t0 = time.monotonic()
+        out["then"] = err(n.nvmlEventSetWait_v2, s, 150)
+        out["waited"] = time.monotonic() - t0
+        n.nvmlEventSetFree(s)
+        s2 = n.nvmlEventSetCreate()
+        n.nvmlDeviceRegisterEvents(h[1], n.nvmlEventTypeXidCriticalError, s2)
+        out["second_set"] = n.nvmlEventSetWait_v2(s2, 10).eventData
+        n.nvmlShutdown()
+    """, state)
+    assert out["ecc_mode"] == [[1, 1], [1, 1], [0, 0]]
+    assert out["ecc0"] == 0 and out["ecc1"] == [2, 2, 0], "the aggregate counter holds at least this boot's errors"
+    assert out["ecc2"] == [3, "NVMLError_NotSupported"], "no ECC counters with ECC off"
+    assert out["rows"] == [[0, 0, 0, 0], [0, 1, 1, 0]]
+    assert out["retired0"] == 0 and out["retired1"] == [3, "NVMLError_NotSupported"]
+    assert out["types"] == [8, 8, 0]
+    assert out["register2"] == [3, "NVMLError_NotSupported"]
+    assert out["events"] == [[1, 8, 48], [1, 8, 79]]
+    assert out["then"] == [10, "NVMLError_Timeout"] and out["waited"] >= 0.14
+    assert out["second_set"] == 48, "every event set (every listening process) receives the GPU's events"

@@ -125,3 +125,29 @@ def test_list_values_with_encoded_commas_are_read():
     bad["system"]["missing"] = ["a,b"]
     with pytest.raises(nvml_state.StateError, match="must not contain"):
         nvml_state.dumps(bad)
+
+
+def test_health_keys_round_trip_and_are_written_only_when_set():
+    state = nvml_state.new_state()
+    state["gpus"] = [nvml_state.make_gpu(0, 1 << 30), nvml_state.make_gpu(1, 1 << 30, remap_pending=1, ecc_mode=0, xid=[79, 48],
+                                                                        unsupported=["nvmlDeviceGetRetiredPagesPendingStatus"])]
+    text = nvml_state.dumps(state)
+    first, second = [line for line in text.splitlines() if line.startswith("gpu ")]
+    assert "remap" not in first and "xid" not in first and "ecc" not in first
+    assert "remap_pending=1" in second and "ecc_mode=0" in second and "xid=79,48" in second
+    assert "unsupported=nvmlDeviceGetRetiredPagesPendingStatus" in second
+    back = nvml_state.loads(text)
+    assert back["gpus"][1]["xid"] == [79, 48] and back["gpus"][1]["remap_pending"] == 1
+    assert back["gpus"][0]["ecc_mode"] == 1 and back["gpus"][0]["unsupported"] == []
+
+
+@pytest.mark.parametrize("field, value, needle", [
+    ("xid", [-1], "xid: expected a list of non-negative integers"),
+    ("unsupported", ["a,b"], "unsupported: expected a list of NVML function names"),
+    ("remap_pending", True, "remap_pending: expected a non-negative integer"),
+])
+def test_bad_health_keys_name_the_field(field, value, needle):
+    state = nvml_state.new_state()
+    state["gpus"] = [nvml_state.make_gpu(0, 1 << 30, **{field: value})]
+    with pytest.raises(nvml_state.StateError, match=needle):
+        nvml_state.dumps(state)

@@ -178,6 +178,45 @@ def test_noise_command_line(monkeypatch) -> None:
     assert calls == [("sim-x-2", 1, [0, 384 << 20]), ("sim-x-2", 1, None)]
 
 
+def test_inject_gpu_health_sets_and_clears_each_fault_on_one_gpu(tmp_path, monkeypatch) -> None:
+    path = tmp_path / "fleet.yml"
+    path.write_text(yaml.safe_dump(_small_fleet()))
+    sim = fleetctl.Fleet(path)
+    state = tmp_path / "state"
+    fleetctl.nvml_state.save(str(state), fleetctl.build_state(sim.fleet, "sim-x-2"))
+    monkeypatch.setattr(sim, "state_file", lambda host: state)
+
+    def gpu(index: int) -> dict:
+        return fleetctl.nvml_state.load(str(state))["gpus"][index]
+
+    sim.inject_gpu_health("sim-x-2", 1, "remap-pending", clear=False)
+    sim.inject_gpu_health("sim-x-2", 1, "xid", clear=False, xid=48)
+    assert (gpu(1)["remap_pending"], gpu(1)["remap_uncorrected"], gpu(1)["xid"]) == (1, 1, [48])
+    assert gpu(0)["remap_pending"] == 0 and gpu(0)["xid"] == []
+    sim.inject_gpu_health("sim-x-2", 1, "remap-pending", clear=True)
+    assert gpu(1)["remap_pending"] == 0 and gpu(1)["xid"] == [48], "--clear with --fault clears that fault alone"
+    sim.inject_gpu_health("sim-x-2", 1, "ecc-uncorrected", clear=False)
+    sim.inject_gpu_health("sim-x-2", 1, None, clear=True)
+    assert {k: gpu(1)[k] for k in fleetctl.nvml_state.HEALTH_DEFAULTS} == fleetctl.nvml_state.HEALTH_DEFAULTS
+    with pytest.raises(fleetctl.FleetError, match="sim-x-2: no GPU 2"):
+        sim.inject_gpu_health("sim-x-2", 2, "remap-failure", clear=False)
+    with pytest.raises(fleetctl.FleetError, match="--fault is required"):
+        sim.inject_gpu_health("sim-x-2", 1, None, clear=False)
+
+
+def test_gpu_health_command_line(monkeypatch) -> None:
+    calls = []
+    monkeypatch.setattr(fleetctl.os, "geteuid", lambda: 0)
+    monkeypatch.setattr(fleetctl.Fleet, "inject_gpu_health",
+                        lambda self, host, gpu, fault, clear, xid: calls.append((host, gpu, fault, clear, xid)))
+    assert fleetctl.main(["inject", "sim-x-2", "gpu-health", "--gpu", "1", "--fault", "remap-pending"]) == 0
+    assert fleetctl.main(["inject", "sim-x-2", "gpu-health", "--gpu", "0", "--fault", "xid", "--xid", "95"]) == 0
+    assert fleetctl.main(["inject", "sim-x-2", "gpu-health", "--gpu", "1", "--clear"]) == 0
+    with pytest.raises(SystemExit):
+        fleetctl.main(["inject", "sim-x-2", "gpu-health", "--gpu", "1", "--fault", "melted"])
+    assert calls == [("sim-x-2", 1, "remap-pending", False, None), ("sim-x-2", 0, "xid", False, 95), ("sim-x-2", 1, None, True, None)]
+
+
 def test_report_summary_reads_class_sections() -> None:
     plan = {"decision": "deploy", "kv_cache_memory_bytes": 30 * GiB, "kv_cache_tokens": 196608,
             "free_floor_bytes": {"0": 40 * GiB}}

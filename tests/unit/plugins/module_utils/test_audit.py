@@ -222,6 +222,34 @@ def test_one_gpu_nvml_cannot_read_does_not_blind_the_other_instances(tmp_path):
     assert ("gpufleet_vllm_last_start_refused", "b", None) not in samples
 
 
+@pytest.mark.skipif(not LIB.exists(), reason=f"fake NVML library not built ({LIB}); run `make fake-nvml`")
+def test_gpu_health_is_exported_per_check_and_an_unhealthy_gpu_would_be_refused(tmp_path):
+    """Two H200-like GPUs (retired pages NOT_SUPPORTED, as on driver 580): GPU 1 has uncorrectable ECC errors since
+    the driver loaded. Each answered check is one series (1 healthy, 0 not); retired pages have none; the instance on
+    GPU 1 would be refused (gpu_health refuse, the default), the one on GPU 0 not."""
+    uuids = ["GPU-00000000-0000-4000-8000-00000000000a", "GPU-00000000-0000-4000-8000-00000000000b"]
+    state = nvml_state.new_state()
+    state["gpus"] = [nvml_state.make_gpu(i, TOTAL, reserved=RESERVED, name="NVIDIA H200", uuid=uuids[i],
+                                         unsupported=["nvmlDeviceGetRetiredPagesPendingStatus"],
+                                         ecc_uncorrected_volatile=2 if i else 0) for i in range(2)]
+    nvml_state.save(tmp_path / "state", state)
+    plans = tmp_path / "etc"
+    plans.mkdir()
+    (plans / "a.plan.json").write_text(json.dumps(plan_doc(instance="a", unit="vllm-a.service")))
+    (plans / "b.plan.json").write_text(json.dumps(plan_doc(instance="b", unit="vllm-b.service", gpus=[1])))
+    _done, out = run_exporter(tmp_path, plans)
+    health = {(s.labels["vllm_instance"], s.labels["gpu"], s.labels["uuid"], s.labels["check"]): s.value
+              for fam in text_string_to_metric_families(out.read_text()) for s in fam.samples if s.name == "gpufleet_vllm_gpu_health"}
+    assert health == {
+        **{("a", "0", uuids[0], check): 1.0 for check in ("ecc_uncorrected", "remap_pending", "remap_failure", "nvml_queries")},
+        **{("b", "1", uuids[1], check): 1.0 for check in ("remap_pending", "remap_failure", "nvml_queries")},
+        ("b", "1", uuids[1], "ecc_uncorrected"): 0.0,
+    }
+    samples = {(s.name, s.labels.get("vllm_instance")): s.value
+               for fam in text_string_to_metric_families(out.read_text()) for s in fam.samples}
+    assert samples[("gpufleet_vllm_would_refuse", "a")] == 0 and samples[("gpufleet_vllm_would_refuse", "b")] == 1
+
+
 def test_exporter_refuses_a_file_node_exporter_would_not_read(tmp_path, capsys):
     assert _audit.exporter_main(["--out", str(tmp_path / "x.txt")], nvml=object(), prometheus=prometheus_client) == 2
     assert "node_exporter reads only *.prom files" in capsys.readouterr().err
