@@ -16,14 +16,15 @@ from ansible_collections.gpufleet.vllm.plugins.module_utils._launch import Launc
 from ansible_collections.gpufleet.vllm.plugins.module_utils._serve_argv import EngineSpecError, budget_args
 
 
-def cuda_visible_devices(gpus: Any, host_gpus: Any = None) -> str:
+def cuda_visible_devices(gpus: Any, host_gpus: Any = None, field: Any = "gpus") -> str:
     """An instance's GPU indices and the host's probed GPUs -> the engine's CUDA_VISIBLE_DEVICES (UUIDs when all are known)."""
+    name = field if isinstance(field, str) and field else "gpus"
     if not isinstance(gpus, (list, tuple)) or not gpus:
-        raise AnsibleFilterError("cuda_visible_devices: expected the instance's GPU indices (a non-empty list)")
+        raise AnsibleFilterError(f"cuda_visible_devices: {name}: expected the instance's GPU indices (a non-empty list)")
     try:
         return _cuda_visible_devices(gpus, host_gpus)
     except (TypeError, ValueError):
-        raise AnsibleFilterError(f"cuda_visible_devices: GPU indices must be integers, got {list(gpus)!r}") from None
+        raise AnsibleFilterError(f"cuda_visible_devices: {name}: GPU indices must be integers, got {list(gpus)!r}") from None
 
 
 def launch_contract(plan: Any, default_utilization: Any = 0.9, field: Any = "vllm_service_plan") -> dict[str, Any]:

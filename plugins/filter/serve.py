@@ -2,7 +2,7 @@
 # GNU General Public License v3.0+ (see https://www.gnu.org/licenses/gpl-3.0.txt)
 # SPDX-License-Identifier: GPL-3.0-or-later
 """Filters: vllm_serve_argv, vllm_secret_options, systemd_exec_start, systemd_environment,
-systemd_environment_file, systemd_value, vllm_service_problems, vllm_instances_problems, health_url (documentation in the YAML
+systemd_environment_file, systemd_value, vllm_service_problems, vllm_instances_problems, health_url, boot_timeout (documentation in the YAML
 files beside this one)."""
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from typing import Any, Callable, Mapping
 
 from ansible.errors import AnsibleFilterError
 
+from ansible_collections.gpufleet.vllm.plugins.module_utils._boot_check import boot_timeout as _boot_timeout
 from ansible_collections.gpufleet.vllm.plugins.module_utils._engine_process import base_url
 from ansible_collections.gpufleet.vllm.plugins.module_utils._serve_argv import EngineSpecError, render_serve_args
 from ansible_collections.gpufleet.vllm.plugins.module_utils._unit_files import instances_problems, service_input_problems
@@ -45,6 +46,15 @@ def health_url(host: Any, port: Any) -> str:
         return base_url(host, _port(port, "health_url port")) + "/health"
     except ValidationError as exc:
         raise AnsibleFilterError(str(exc)) from None
+
+
+def boot_timeout(configured: Any, measured_seconds: Any = None, serve_args: Any = None, field: Any = "boot_timeout") -> int:
+    """A configured boot timeout (0: derive it), the class's measured canary boot and the serve args -> seconds."""
+    name = field if isinstance(field, str) and field else "boot_timeout"
+    try:
+        return _boot_timeout(configured, measured_seconds, _mapping(serve_args, "serve_args").get("enforce_eager", False), name)[0]
+    except EngineSpecError as exc:
+        raise AnsibleFilterError(f"boot_timeout: {exc}") from None
 
 
 def vllm_serve_argv(serve_args: Any) -> list[str]:
@@ -115,6 +125,7 @@ class FilterModule:
 
     def filters(self) -> dict[str, Callable[..., Any]]:
         return {
+            "boot_timeout": boot_timeout,
             "health_url": health_url,
             "vllm_serve_argv": vllm_serve_argv,
             "vllm_secret_options": vllm_secret_options,

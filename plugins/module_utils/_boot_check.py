@@ -22,6 +22,50 @@ from ._vllm_log import GIB_ROUNDING_BYTES, EngineLog, parse_engine_log
 from ._vllm_metrics import EngineMetrics
 
 
+# How long a start may take to answer /health when the inventory does not say (timeout 0): the
+# class's profiled canary measured this model's boot on this runtime, and a unit's start is the
+# same boot (weights, torch.compile, CUDA graphs) on a host that may be busier or whose compile
+# cache is cold after a runtime switch: three times that, never under ten minutes. Without a
+# measurement: 15 minutes for an eager engine, 30 with torch.compile and CUDA-graph capture,
+# which on a 70B+ model takes longer than loading its weights.
+BOOT_TIMEOUT_FACTOR = 3
+BOOT_TIMEOUT_MIN_SECONDS = 600
+UNMEASURED_BOOT_TIMEOUT_SECONDS = {True: 900, False: 1800}  # by --enforce-eager
+
+
+def boot_timeout(configured: t.Any, measured_seconds: t.Any = None, enforce_eager: t.Any = False,
+                 field: str = "boot_timeout") -> tuple[int, str]:
+    """Seconds a start may take to answer /health, and where that figure comes from.
+
+    ``configured`` > 0 is the operator's and wins; 0 derives it: from ``measured_seconds`` (the
+    class's profiled canary's boot) when known, else from ``enforce_eager``.
+    """
+    if isinstance(configured, bool):
+        raise EngineSpecError(f"{field}: expected a number of seconds (0 derives it), got {configured!r}")
+    try:
+        seconds = float(configured)
+    except (TypeError, ValueError):
+        raise EngineSpecError(f"{field}: expected a number of seconds (0 derives it), got {configured!r}") from None
+    if seconds < 0 or seconds != seconds:
+        raise EngineSpecError(f"{field}: expected 0 (derived) or a positive number of seconds, got {configured!r}")
+    if seconds > 0:
+        return int(-(-seconds // 1)), f"{field} {int(-(-seconds // 1))} s (set in the inventory)"
+    measured = None
+    if measured_seconds is not None and not isinstance(measured_seconds, bool):
+        try:
+            measured = float(measured_seconds)
+        except (TypeError, ValueError):
+            measured = None
+    if measured is not None and measured > 0:
+        derived = max(BOOT_TIMEOUT_MIN_SECONDS, int(-(-(BOOT_TIMEOUT_FACTOR * measured) // 1)))
+        return derived, (f"{field} {derived} s: {BOOT_TIMEOUT_FACTOR} x the {round(measured, 1)} s the class's profiled canary "
+                         f"took to boot, at least {BOOT_TIMEOUT_MIN_SECONDS} s")
+    eager = enforce_eager is True or str(enforce_eager).lower() in ("true", "yes", "1")
+    derived = UNMEASURED_BOOT_TIMEOUT_SECONDS[eager]
+    return derived, (f"{field} {derived} s: no measured boot of this class"
+                     + (" (--enforce-eager)" if eager else " (torch.compile and CUDA-graph capture: not --enforce-eager)"))
+
+
 def summarise_log(log: EngineLog) -> dict[str, t.Any]:
     """Per-rank figures, capacity and errors of a parsed engine log, as plain data."""
     ranks = []

@@ -57,6 +57,7 @@ class Reference(TypedDict):
     max_model_len: int | None
     gpu_name: Any
     compat_hash: Any
+    boot_seconds: float | None  # the profiled canary's boot (start to /health), when the record has it
 
 
 # One rank of a host as parse_hosts returns it: (rank, boot_free_bytes, free_min_bytes, free_max_bytes,
@@ -194,6 +195,7 @@ def parse_reference(raw: Any) -> Reference | None:
         "max_model_len": size(ref["max_model_len"], "reference.max_model_len") if ref.get("max_model_len") is not None else None,
         "gpu_name": ref.get("gpu_name"),
         "compat_hash": compat_hash,
+        "boot_seconds": _boot_seconds(ref.get("canary")),
     }
     for key, value in runtime.items():
         if not isinstance(value, (str, int, float)) or isinstance(value, bool) or any(ord(c) < 32 for c in str(value)):
@@ -210,6 +212,16 @@ def parse_reference(raw: Any) -> Reference | None:
             if free > total:
                 raise PlanError(f"reference.vllm_free_bytes[{rank_no}] {free} is above reference.total_bytes {total}")
     return out
+
+
+def _boot_seconds(canary: Any) -> float | None:
+    """The profiled canary's boot time (``canary.startup_seconds``), or None when the record has none."""
+    if not isinstance(canary, Mapping) or canary.get("startup_seconds") is None:
+        return None
+    value = canary["startup_seconds"]
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+        raise PlanError(f"reference.canary.startup_seconds: expected a number of seconds, got {value!r}")
+    return float(value)
 
 
 def _concurrency(value: Any) -> float | None:

@@ -80,7 +80,9 @@ def template_errors(cases: Mapping[str, Mapping[str, Any]], out: pathlib.Path) -
     keys = sorted({k for item in items for k in item})
     per_item = {k: "{{ item['" + k + "'] }}" for k in keys}
     # the role's internal launch record, worked out from each item's variables as the role does
-    per_item["__vllm_service_launch"] = yaml.safe_load((ROLE / "vars" / "main.yml").read_text())["__vllm_service_launch"]
+    role_internal = yaml.safe_load((ROLE / "vars" / "main.yml").read_text())
+    per_item["__vllm_service_launch"] = role_internal["__vllm_service_launch"]
+    per_item["__vllm_service_plan_file_facts"] = role_internal["__vllm_service_plan_file_facts"]
     tasks: list[dict[str, Any]] = []
     for kind, template in (("unit", "vllm.service.j2"), ("env", "vllm.env.j2")):
         # debug on the controller: no module runs per item, only the template engine

@@ -17,7 +17,7 @@ F = FilterModule().filters()
 def test_filter_names():
     assert set(F) == {"vllm_serve_argv", "vllm_secret_options", "systemd_exec_start", "systemd_environment",
                       "systemd_environment_file", "systemd_value", "vllm_service_problems", "vllm_instances_problems",
-                      "health_url"}
+                      "health_url", "boot_timeout"}
 
 
 def test_serve_argv_renders_every_kind_of_value():
