@@ -94,9 +94,14 @@ def render(repo: Path = REPO) -> str:
         *_table(spec.get("run") or {}),
         "### Host settings",
         "",
-        "Inventory host or group variables every target host must have.",
+        "Inventory host or group variables of every target host (an extra variable applies to every host).",
         "",
         *_table(spec.get("host") or {}),
+        "### Playbook settings",
+        "",
+        "Extra variables read by the playbook each names (`-e`).",
+        "",
+        *_table(spec.get("playbook") or {}),
     ]
     out += ["## Roles", ""]
     for specs_file in sorted((repo / "roles").glob("*/meta/argument_specs.yml")):

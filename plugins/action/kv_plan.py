@@ -11,6 +11,7 @@ from typing import Any, Mapping
 from ansible.errors import AnsibleActionFail
 from ansible.plugins.action import ActionBase
 
+from ansible_collections.gpufleet.vllm.plugins.module_utils._defaults import default
 from ansible_collections.gpufleet.vllm.plugins.module_utils._validate import ValidationError, boolean, instance_name, integer
 from ansible_collections.gpufleet.vllm.plugins.plugin_utils import _probe_history
 from ansible_collections.gpufleet.vllm.plugins.plugin_utils._plan import SPLIT_POLICIES, PlanError, plan_class, plan_deployable
@@ -20,21 +21,21 @@ ARGUMENT_SPEC: dict[str, Any] = {
     "reference": {"type": "dict"},
     "hosts": {"type": "dict"},
     "hosts_from": {"type": "str"},
-    "guard_bytes": {"type": "raw", "default": "512MiB"},
+    "guard_bytes": {"type": "raw", "default": default("guard_bytes")},
     "admission": {"type": "dict"},
     "max_model_len": {"type": "int"},
-    "budget_mode": {"type": "str", "default": "max_safe", "choices": ["max_safe", "fit_admission"]},
-    "fit_headroom": {"type": "float", "default": 0.1},
-    "max_capacity_loss": {"type": "float", "default": 0.05},
+    "budget_mode": {"type": "str", "default": default("budget_mode"), "choices": ["max_safe", "fit_admission"]},
+    "fit_headroom": {"type": "float", "default": default("fit_headroom")},
+    "max_capacity_loss": {"type": "float", "default": default("max_capacity_loss")},
     "reprofile_headroom": {"type": "raw"},
-    "unstable_share": {"type": "float", "default": 0.5},
-    "cuda_context_bytes": {"type": "raw", "default": "1GiB"},
-    "gate_margin_bytes": {"type": "raw", "default": 0},
-    "budget_granularity_bytes": {"type": "raw", "default": 0},
-    "keep_step_bytes": {"type": "raw", "default": 0},
+    "unstable_share": {"type": "float", "default": default("unstable_share")},
+    "cuda_context_bytes": {"type": "raw", "default": default("cuda_context_bytes")},
+    "gate_margin_bytes": {"type": "raw", "default": default("gate_margin_bytes")},
+    "budget_granularity_bytes": {"type": "raw", "default": default("budget_granularity_bytes")},
+    "keep_step_bytes": {"type": "raw", "default": default("keep_step_bytes")},
     "deployed": {"type": "dict"},
-    "split_policy": {"type": "str", "default": "warn", "choices": list(SPLIT_POLICIES)},
-    "require_admission": {"type": "bool", "default": False},
+    "split_policy": {"type": "str", "default": default("split_policy"), "choices": list(SPLIT_POLICIES)},
+    "require_admission": {"type": "bool", "default": default("require_admission")},
     "probe_history": {
         "type": "dict",
         "options": {
@@ -171,8 +172,9 @@ class ActionModule(ActionBase):  # type: ignore[misc]  # ActionBase is Any: ansi
                 if name in hosts:
                     raise AnsibleActionFail(f"host {name} is given both in hosts and by hosts_from")
                 hosts[name] = ranks
-        # split_policy and require_admission judge the plan (deployable); they do not change it
-        spec = {k: v for k, v in args.items() if k not in ("hosts_from", "probe_history", "split_policy", "require_admission")}
+        # require_admission judges the plan (deployable) and does not change it; split_policy per_host and
+        # unstable_scope host give hosts of the class plans of their own (host_groups)
+        spec = {k: v for k, v in args.items() if k not in ("hosts_from", "probe_history", "require_admission")}
         spec["hosts"] = hosts
         try:
             plan = plan_class(spec)

@@ -17,6 +17,7 @@ from jinja2 import Undefined
 from jinja2.exceptions import UndefinedError
 
 from ansible_collections.gpufleet.vllm.plugins.module_utils import _compat, _lease, _validate
+from ansible_collections.gpufleet.vllm.plugins.module_utils._defaults import default
 from ansible_collections.gpufleet.vllm.plugins.module_utils._launch import LaunchError
 from ansible_collections.gpufleet.vllm.plugins.module_utils._unit_files import rollback_summary as _rollback_summary
 from ansible_collections.gpufleet.vllm.plugins.plugin_utils import _releases, _rollout
@@ -88,7 +89,7 @@ def run_settings(names: Any, given: Any, inventory: Any) -> dict[str, Any]:
         if "gpufleet_remote_timeout" in settings:
             _validate.integer(settings["gpufleet_remote_timeout"], "gpufleet_remote_timeout", low=30, high=86400)
         if "gpufleet_lease_ttl" in settings or "gpufleet_lease_wait" in settings:
-            _lease.check_inputs(settings.get("gpufleet_lease_ttl", 7200), settings.get("gpufleet_lease_wait", 0))
+            _lease.check_inputs(settings.get("gpufleet_lease_ttl", default("lease_ttl")), settings.get("gpufleet_lease_wait", default("lease_wait")))
     except (_validate.ValidationError, _lease.LeaseError) as exc:
         raise AnsibleFilterError(f"run_settings: {exc}") from None
     return settings

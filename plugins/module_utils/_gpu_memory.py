@@ -14,6 +14,7 @@ import platform
 import traceback
 from typing import Any, Callable, NoReturn, Protocol, Sequence
 
+from ansible_collections.gpufleet.vllm.plugins.module_utils._defaults import default
 from ansible_collections.gpufleet.vllm.plugins.module_utils._nvml_probe import NvmlProbeError, probe
 from ansible_collections.gpufleet.vllm.plugins.module_utils._validate import ValidationError, integer, number, text
 
@@ -45,8 +46,8 @@ else:
 
 ARGUMENT_SPEC: dict[str, dict[str, Any]] = {
     "devices": {"type": "list", "elements": "str"},
-    "samples": {"type": "int", "default": 1},
-    "interval": {"type": "float", "default": 1.0},
+    "samples": {"type": "int", "default": default("probe_samples")},
+    "interval": {"type": "float", "default": default("probe_interval")},
     "service_units": {"type": "list", "elements": "str", "default": []},
     "service_pids": {"type": "list", "elements": "int", "default": []},
 }

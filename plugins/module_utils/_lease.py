@@ -44,6 +44,8 @@ import time
 import typing as t
 import uuid
 
+from ansible_collections.gpufleet.vllm.plugins.module_utils._defaults import default
+
 LEASE_DIR = ".leases"
 FORMAT = 1
 # a lease is a run's: a few hours at most between renewals (every batch renews it)
@@ -63,8 +65,8 @@ ARGUMENT_SPEC: dict[str, t.Any] = {
     "classes": {"type": "list", "elements": "str"},
     "host_dir": {"type": "path"},
     "run_id": {"type": "str", "required": True},
-    "ttl": {"type": "int", "default": 7200},
-    "wait": {"type": "int", "default": 0},
+    "ttl": {"type": "int", "default": default("lease_ttl")},
+    "wait": {"type": "int", "default": default("lease_wait")},
     "purpose": {"type": "str", "default": "rollout"},
     "details": {"type": "dict", "default": {}},
     "superseded": {"type": "list", "elements": "str", "default": []},

@@ -30,7 +30,7 @@ description:
     cost more than O(max_capacity_loss) of the median host's budget), V(reprofile) (every rank has at least
     O(reprofile_headroom) more free memory than the reference), else V(deploy)."
   - An admission shortfall (fewer blocks than the admission plan needs, but at least one full request) is
-    deployable unless O(require_admission); it is reported in RV(admission) and RV(reasons).
+    deployable only with O(require_admission=false); it is reported in RV(admission) and RV(reasons).
   - "RV(deployable) says whether the plan may be deployed: V(deploy), V(reprofile) and V(auto_profile) may, V(split)
     only with O(split_policy=warn), V(refuse) never; with O(require_admission) a failed admission check
     (C(admission.ok) false) may not either."
@@ -142,23 +142,25 @@ options:
   gate_margin_bytes:
     description:
       - Taken off the max safe bytes before rounding, so that the weakest rank keeps at least this much free memory
-        above its floor when planned, so that a few MiB less free memory at the gate still pass it.
+        above its floor when planned, and less free memory at the gate by up to that much still passes it.
+      - The default covers a monitoring agent's CUDA context started after the probe (526.8 MiB measured on an
+        NVIDIA H200, docs/measurements.md) at the cost of 768 MiB of KV cache per rank (docs/rollout.md).
       - With O(gate_margin_bytes) and O(budget_granularity_bytes) both 0 the budget is the exact formula's.
     type: raw
-    default: 0
+    default: 768MiB
   budget_granularity_bytes:
     description:
       - Round the budget down to a multiple of this many bytes and then to whole KV blocks (a budget below one
         granule to whole blocks only), so that small moves of free memory between runs give the same budget. 0 is off.
     type: raw
-    default: 0
+    default: 256MiB
   keep_step_bytes:
     description:
       - Keep the O(deployed) budget instead of the planned one while it is still safe (with the gate margin), still
         holds the admission plan (or one O(max_model_len) request) and differs from the planned budget by at most this
         many bytes; 0 never keeps it. Output C(budget_choice) says what was decided and why.
     type: raw
-    default: 0
+    default: 512MiB
   deployed:
     description:
       - The plan record the class runs now (the canary host's C(<instance>.plan.json)), with C(kv_cache_memory_bytes)
@@ -177,8 +179,9 @@ options:
     description:
       - A plan that cannot hold its admission plan (C(admission.ok) false) is not deployable (RV(deployable)).
       - The plan itself does not change.
+      - V(false) deploys a plan short of its admission plan (as long as it holds one request) and reports the shortfall.
     type: bool
-    default: false
+    default: true
     version_added: 2.0.0
   probe_history:
     description:
@@ -220,7 +223,7 @@ EXAMPLES = r"""
   register: gpufleet_plan
   run_once: true
 
-- name: Plan from explicit figures (seed example, 28.25 GiB)
+- name: Plan from explicit figures (seed example, 28.25 GiB; no gate margin or rounding, the exact formula)
   gpufleet.vllm.kv_plan:
     host_class: demo
     reference:
@@ -231,6 +234,8 @@ EXAMPLES = r"""
     hosts:
       gpu-a: [{rank: 0, boot_free_bytes: 40.75GiB}]
     guard_bytes: 0.5GiB
+    gate_margin_bytes: 0
+    budget_granularity_bytes: 0
     max_model_len: 8192
   register: seed_plan
   run_once: true
@@ -440,6 +445,15 @@ headroom:
   description: Free memory above the reference (C(min_bytes), C(max_bytes), C(ranks_with_headroom), C(reprofile_threshold_bytes)).
   returned: always
   type: dict
+boot_seconds:
+  description:
+    - Seconds the reference's profiled canary took from its start to answering C(/health) (C(canary.startup_seconds) of
+      the recorded profile); V(null) when the record has none.
+    - A unit's boot timeout of V(0) is derived from it (P(gpufleet.vllm.boot_timeout#filter)).
+  returned: always
+  type: float
+  sample: 246.7
+  version_added: 2.0.0
 human:
   description: The main figures rendered like V(28.25GiB).
   returned: always

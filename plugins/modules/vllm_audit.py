@@ -117,6 +117,7 @@ import time
 
 from ansible.module_utils.basic import AnsibleModule, missing_required_lib
 
+from ansible_collections.gpufleet.vllm.plugins.module_utils._defaults import default
 from ansible_collections.gpufleet.vllm.plugins.module_utils._audit import VERDICTS, audit
 from ansible_collections.gpufleet.vllm.plugins.module_utils._gpu_memory import PYNVML_IMPORT_ERROR, pynvml
 from ansible_collections.gpufleet.vllm.plugins.module_utils._nvml_probe import NvmlProbeError
@@ -125,10 +126,10 @@ from ansible_collections.gpufleet.vllm.plugins.module_utils._nvml_probe import N
 def main() -> None:
     module = AnsibleModule(
         argument_spec={
-            "state_dir": {"type": "path", "default": "/etc/gpufleet"},
-            "reprofile_after_days": {"type": "float", "default": 30.0},
+            "state_dir": {"type": "path", "default": default("state_dir")},
+            "reprofile_after_days": {"type": "float", "default": default("reprofile_after_days")},
             "reference_key_hashes": {"type": "dict", "default": {}, "no_log": False},
-            "unit_dir": {"type": "path", "default": "/etc/systemd/system"},
+            "unit_dir": {"type": "path", "default": default("unit_dir")},
             "controller_time": {"type": "float"},
             "max_clock_skew": {"type": "float", "default": 300.0},
         },

@@ -257,6 +257,7 @@ from urllib.parse import urlsplit
 from ansible.module_utils.basic import AnsibleModule
 from ansible.module_utils.common.text.converters import to_native
 
+from ansible_collections.gpufleet.vllm.plugins.module_utils._defaults import default
 from ansible_collections.gpufleet.vllm.plugins.module_utils._boot_check import BootCheckSpec, Systemd, run_boot_check
 from ansible_collections.gpufleet.vllm.plugins.module_utils._boot_gate import boot_expectations, wait_state
 from ansible_collections.gpufleet.vllm.plugins.module_utils._engine_process import base_url, health_address
@@ -367,8 +368,8 @@ def main() -> None:
             record=dict(type="dict", options=dict(
                 name=dict(type="str", required=True),
                 plan=dict(type="dict", required=True),
-                unit_dir=dict(type="path", default="/etc/systemd/system"),
-                state_dir=dict(type="path", default="/etc/gpufleet"),
+                unit_dir=dict(type="path", default=default("unit_dir")),
+                state_dir=dict(type="path", default=default("state_dir")),
                 plan_group=dict(type="str", default="root"),
             )),
         ),

@@ -121,6 +121,7 @@ import os
 from ansible.module_utils.basic import AnsibleModule
 from ansible.module_utils.common.text.converters import to_native
 
+from ansible_collections.gpufleet.vllm.plugins.module_utils._defaults import default
 from ansible_collections.gpufleet.vllm.plugins.module_utils._compat import (
     RUNTIME_PROBE,
     CompatError,
@@ -135,7 +136,7 @@ _COMPAT_FIELDS = ("vllm_version", "vllm_commit", "torch_version", "cuda_version"
 def main() -> None:
     module = AnsibleModule(
         argument_spec=dict(
-            executable=dict(type="path", default="/opt/vllm/venv/bin/vllm"),
+            executable=dict(type="path", default=default("executable")),
             python=dict(type="path"),
             model=dict(type="str"),
             check_libraries=dict(type="bool", default=True),

@@ -41,6 +41,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from ansible_collections.gpufleet.vllm.plugins.module_utils._defaults import default
 from ansible_collections.gpufleet.vllm.plugins.module_utils._geometry import KVGeometry
 from ansible_collections.gpufleet.vllm.plugins.module_utils._kv_capacity import floor_utilization, one_request_blocks, profiled_utilization_cap
 from ansible_collections.gpufleet.vllm.plugins.module_utils._kv_layout import KVLayout
@@ -70,18 +71,14 @@ DECISIONS = ("deploy", "reprofile", "split", "auto_profile", "refuse")
 # What a split decision does: warn deploys the weakest rank's budget on every host, fail stops the class.
 SPLIT_POLICIES = ("warn", "fail")
 
+# plan_class's own defaults: the collection's (module_utils/_defaults.py), except the budget settling
+# (round_budget and keep_deployed), off unless asked for, so that plan_class alone gives the protocol's exact
+# formulas; the kv_plan action, the role and the playbooks ask for the table's margin, granule and keep step.
 DEFAULTS: dict[str, Any] = {
-    "guard_bytes": 512 * MIB,
-    "budget_mode": "max_safe",
-    "fit_headroom": 0.1,
-    "max_capacity_loss": 0.05,
-    "unstable_share": 0.5,
+    **{key: default(key) for key in ("guard_bytes", "budget_mode", "fit_headroom", "max_capacity_loss", "unstable_share",
+                                     "cuda_context_bytes")},
     # None: 10 % of the smallest reference suggestion B_ref
     "reprofile_headroom": None,
-    # NVML fallback for the startup utilization: vLLM's CUDA context and
-    # allocator take this much before it measures free memory
-    "cuda_context_bytes": 1 * GIB,
-    # budget settling (see round_budget and keep_deployed); 0 turns each off
     "gate_margin_bytes": 0,
     "budget_granularity_bytes": 0,
     "keep_step_bytes": 0,
@@ -585,9 +582,9 @@ def _choose_budget(p: _Planning, drift: _Drift, adm: Any) -> None:
     one; a deployed budget kept when it is still safe."""
     inp, cap, result, reasons, refuse = p.inputs, p.cap, p.result, p.reasons, p.refuse
     spec, launch, need = inp.spec, drift.launch, p.need
-    margin = size(spec.get("gate_margin_bytes") or DEFAULTS["gate_margin_bytes"], "gate_margin_bytes")
-    granularity = size(spec.get("budget_granularity_bytes") or DEFAULTS["budget_granularity_bytes"], "budget_granularity_bytes")
-    keep_step = size(spec.get("keep_step_bytes") or DEFAULTS["keep_step_bytes"], "keep_step_bytes")
+    # an explicit 0 turns each off
+    margin, granularity, keep_step = (size(spec[key] if spec.get(key) is not None else DEFAULTS[key], key)
+                                      for key in ("gate_margin_bytes", "budget_granularity_bytes", "keep_step_bytes"))
     deployed = spec.get("deployed") or None
     if deployed is not None and not isinstance(deployed, Mapping):
         raise PlanError(f"deployed: expected the plan record a host runs (a mapping), got {type(deployed).__name__}")

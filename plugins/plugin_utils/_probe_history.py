@@ -23,10 +23,12 @@ import os
 import tempfile
 import typing as t
 
+from ansible_collections.gpufleet.vllm.plugins.module_utils._defaults import default
+
 FORMAT = 1
 DIRNAME = ".probe-history"
-DEFAULT_KEEP = 20
-DEFAULT_WINDOW = 5
+DEFAULT_KEEP: int = default("probe_history_keep")
+DEFAULT_WINDOW: int = default("probe_history_window")
 
 
 class ProbeHistoryError(Exception):

@@ -87,9 +87,12 @@ def test_kv_plan_action_with_hosts_from():
     assert not result.get("failed"), result
     assert result["changed"] is False
     assert result["decision"] == "deploy"
-    assert result["kv_cache_memory_bytes"] == int(28.25 * GIB)
+    # the max safe bytes (the seed example's 28.25 GiB) less the default gate margin, 768 MiB: 27.5 GiB, a whole
+    # number of 256 MiB granules and of blocks
+    assert result["kv_cache_memory_bytes"] == int(28.25 * GIB) - 768 * 1024**2 == int(27.5 * GIB)
     assert result["weakest"] == {"host": "a/vllm", "rank": 1, "adjusted_bytes": int(28.25 * GIB)}
-    assert result["msg"].startswith("deploy: deploy 28.25GiB")
+    assert result["budget_choice"]["gate_margin_bytes"] == 768 * 1024**2
+    assert result["msg"].startswith("deploy: deploy 27.5GiB"), result["msg"]
 
 
 def test_kv_plan_action_plan_error_is_a_clean_failure():
@@ -169,7 +172,8 @@ def test_kv_profile_errors(tmp_path):
     "extra, deployable",
     [
         ({}, True),
-        ({"admission": {"tokens": 300_000}}, True),  # a shortfall is deployable unless admission is required
+        ({"admission": {"tokens": 300_000}}, False),  # a shortfall is not deployable by default (as in the kv_plan role)
+        ({"admission": {"tokens": 300_000}, "require_admission": False}, True),
         ({"admission": {"tokens": 300_000}, "require_admission": True}, False),
         ({"admission": {"tokens": 300_000}, "require_admission": False, "split_policy": "fail"}, True),
     ],
