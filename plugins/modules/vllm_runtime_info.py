@@ -121,7 +121,6 @@ import os
 from ansible.module_utils.basic import AnsibleModule
 from ansible.module_utils.common.text.converters import to_native
 
-from ansible_collections.gpufleet.vllm.plugins.module_utils._defaults import default
 from ansible_collections.gpufleet.vllm.plugins.module_utils._compat import (
     RUNTIME_PROBE,
     CompatError,
@@ -129,6 +128,7 @@ from ansible_collections.gpufleet.vllm.plugins.module_utils._compat import (
     model_fingerprint,
     parse_runtime_probe,
 )
+from ansible_collections.gpufleet.vllm.plugins.module_utils._defaults import default
 
 _COMPAT_FIELDS = ("vllm_version", "vllm_commit", "torch_version", "cuda_version", "model_fingerprint", "model_revision")
 

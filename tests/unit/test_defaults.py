@@ -169,7 +169,7 @@ def test_the_python_defaults_read_the_table():
                                            "cuda_context_bytes")} == {k: default(k) for k in ("guard_bytes", "budget_mode",
                                                                                               "fit_headroom", "max_capacity_loss",
                                                                                               "unstable_share", "cuda_context_bytes")}
-    assert (_probe_history.DEFAULT_WINDOW, _probe_history.DEFAULT_KEEP) == (default("probe_history_window"), default("probe_history_keep"))
+    assert (default("probe_history_window"), default("probe_history_keep")) == (_probe_history.DEFAULT_WINDOW, _probe_history.DEFAULT_KEEP)
     options = kv_plan_action.ARGUMENT_SPEC["probe_history"]["options"]
     assert (options["window"]["default"], options["keep"]["default"]) == (default("probe_history_window"), default("probe_history_keep"))
     assert (_lease.ARGUMENT_SPEC["ttl"]["default"], _lease.ARGUMENT_SPEC["wait"]["default"]) == (default("lease_ttl"), default("lease_wait"))

@@ -63,7 +63,7 @@ def scan(files: list[Path], spec: Path | None = None) -> tuple[set[str], set[str
                 continue
             if not isinstance(value, str):
                 continue
-            if key in SETTING_KEYS or key in ("groups", "hosts", "name") and "{{" not in value:
+            if key in SETTING_KEYS or (key in ("groups", "hosts", "name") and "{{" not in value):
                 # a registered result, a loop variable, a group made or targeted; a task name is prose
                 if key != "name":
                     written.update(NAME.findall(value))
