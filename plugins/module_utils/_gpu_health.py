@@ -224,11 +224,11 @@ def xid_events(nvml: t.Any, handles: t.Mapping[int, t.Any], wait_ms: int,
                     for index in by_handle.values():
                         out[index]["error"] = _error_text(exc)
                 break
-            index = by_handle.get(_handle_key(data.device))
-            if index is None or not int(data.eventType) & xid_type:
+            seen_on = by_handle.get(_handle_key(data.device))
+            if seen_on is None or not int(data.eventType) & xid_type:
                 continue
             xid = int(data.eventData)
-            out[index]["critical" if xid in CRITICAL_XIDS else "other"].append(xid)
+            out[seen_on]["critical" if xid in CRITICAL_XIDS else "other"].append(xid)
     finally:
         try:
             nvml.nvmlEventSetFree(event_set)

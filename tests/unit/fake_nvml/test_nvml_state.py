@@ -129,8 +129,8 @@ def test_list_values_with_encoded_commas_are_read():
 
 def test_health_keys_round_trip_and_are_written_only_when_set():
     state = nvml_state.new_state()
-    state["gpus"] = [nvml_state.make_gpu(0, 1 << 30), nvml_state.make_gpu(1, 1 << 30, remap_pending=1, ecc_mode=0, xid=[79, 48],
-                                                                        unsupported=["nvmlDeviceGetRetiredPagesPendingStatus"])]
+    sick = nvml_state.make_gpu(1, 1 << 30, remap_pending=1, ecc_mode=0, xid=[79, 48], unsupported=["nvmlDeviceGetRetiredPagesPendingStatus"])
+    state["gpus"] = [nvml_state.make_gpu(0, 1 << 30), sick]
     text = nvml_state.dumps(state)
     first, second = [line for line in text.splitlines() if line.startswith("gpu ")]
     assert "remap" not in first and "xid" not in first and "ecc" not in first
