@@ -910,7 +910,7 @@ def restore(layout: Layout, names: t.Sequence[str], systemctl: SystemctlRunner |
     for name in (validate_name(n) for n in names):
         entry: dict[str, t.Any] = {"name": name, "restored": [], "removed": [], "unknown": [], "left": [],
                                    "restart": False, "stop": False, "changed": False, "runtime_release": "",
-                                   "launch": None, "boot_gate_state": ""}
+                                   "launch": None, "boot_gate_state": "", "port": None}
         doc = load_snapshot(layout, name)
         if doc is None:
             entry["unknown"] = list(KINDS)
@@ -967,7 +967,7 @@ def restore(layout: Layout, names: t.Sequence[str], systemctl: SystemctlRunner |
 
 
 def _restored_launch(doc: t.Mapping[str, t.Any]) -> dict[str, t.Any]:
-    """The launch record and boot-gate state file of the plan file a snapshot keeps (``launch`` None:
+    """The launch record, boot-gate state file and port of the plan file a snapshot keeps (``launch`` None:
     no plan file, or one without a launch record; its boot is checked for health and errors only)."""
     data = _kept_data(doc, "plan") if doc["files"].get("plan") is not None else None
     try:
@@ -977,8 +977,10 @@ def _restored_launch(doc: t.Mapping[str, t.Any]) -> dict[str, t.Any]:
     plan = plan if isinstance(plan, dict) else {}
     launch = plan.get("launch")
     gate = plan.get("boot_gate")
+    port = plan.get("port")
     return {"launch": launch if isinstance(launch, dict) else None,
-            "boot_gate_state": str(gate.get("state_file") or "") if isinstance(gate, dict) and launch else ""}
+            "boot_gate_state": str(gate.get("state_file") or "") if isinstance(gate, dict) and launch else "",
+            "port": port if isinstance(port, int) and not isinstance(port, bool) else None}
 
 
 def runtime_to_restore(layout: Layout, names: t.Sequence[str], runtime_venv: str, change_id: str = "") -> dict[str, t.Any]:

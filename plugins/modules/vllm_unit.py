@@ -473,6 +473,9 @@ instances:
         - The boot gate's state file named by the restored plan file (O(gpufleet.vllm.vllm_boot_check#module:boot_gate_state));
           empty when the unit starts without the gate (O(state=restored)).
       type: str
+    port:
+      description: The port the restored plan file says the restored unit listens on; null without one (O(state=restored)).
+      type: int
   sample:
     - name: main
       pending: true

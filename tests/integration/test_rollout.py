@@ -516,13 +516,52 @@ def test_a_hand_written_unit_is_taken_over_and_given_back_by_rollback(fleet):
     host_vars = fleet.inventory.parent / "host_vars"
     host_vars.mkdir(exist_ok=True)
     (host_vars / f"{host}.yml").write_text(yaml.safe_dump({"vllm_service_adopt_units": ["vllm.service"]}), encoding="utf-8")
+    stopped = (r"TASK \[(?:gpufleet\.vllm\.vllm_canary : )?Stop the other units on the instance's GPUs\][^\n]*\n"
+               r"changed: \[sim-ro-3\] => \(item=vllm.service\)")
     try:
+        # profile.yml runs the rollout's profiled canary: drained through the hooks, as the service user,
+        # the hand-written unit stopped for it and running again (checked) before the undrain
+        hooks = fleet.workdir / "profile-hooks.log"
+        recorder = fleet.workdir / "profile-hook.yml"
+        recorder.write_text(f"""---
+- name: Record the hook
+  ansible.builtin.shell: >-
+    echo "{{{{ gpufleet_hook_event }}}} {{{{ gpufleet_hook_host }}}}
+    {{{{ gpufleet_hook_instances | map(attribute='name') | join(',') }}}}" >> {hooks}
+  delegate_to: localhost
+  changed_when: false
+""", encoding="utf-8")
+        profiles = len(fleet.profiles())
+        canary_users: list[str] = []
+
+        def watch(line: str) -> None:
+            if "Boot the canary engine (profiled)" in line and not canary_users:
+                def look() -> None:
+                    for _attempt in range(60):
+                        ps = fleet.harness.exec(host, ["ps", "-eo", "user:20,args"]).stdout
+                        found = [row.split()[0] for row in ps.splitlines()
+                                 if " serve " in row and "--port" in row and "--kv-cache-memory-bytes" not in row]
+                        if found:
+                            canary_users.extend(found)
+                            return
+                        time.sleep(0.5)
+                threading.Thread(target=look, daemon=True).start()
+
+        rc, out = fleet.rollout({"gpufleet_class": "ro-l40s", "gpufleet_target": host, "gpufleet_canary_host": host,
+                                 "gpufleet_hooks": {"drain": str(recorder), "undrain": str(recorder)}},
+                                playbook=REPO / "playbooks" / "profile.yml", on_line=watch)
+        assert rc == 0, out[-6000:]
+        assert len(fleet.profiles()) == profiles + 1, "the new profile is recorded next to the others"
+        assert hooks.read_text(encoding="utf-8").split() == ["drain", host, "main", "undrain", host, "main"]
+        assert canary_users and set(canary_users) == {"vllm"}, canary_users
+        assert re.search(stopped, out), out[-6000:]
+        assert re.search(r"TASK \[Check that the units the canary stopped run again\][^\n]*\nok: \[sim-ro-3\]", out), out[-6000:]
+        assert legacy_state(fleet, host) == ("active", "enabled")
+
         # only this host: it is the canary host of the run, so the canaries must stop and restart vllm.service
         rc, out = fleet.rollout({"gpufleet_target": host})
         assert rc == 0, out[-6000:]
         assert "Manual canary on sim-ro-3 passed" in out
-        stopped = (r"TASK \[(?:gpufleet\.vllm\.vllm_canary : )?Stop the other units on the instance's GPUs\][^\n]*\n"
-                   r"changed: \[sim-ro-3\] => \(item=vllm.service\)")
         assert re.search(stopped, out), out[-6000:]
         assert "takes over vllm.service (running and enabled)" in out, out[-6000:]
         # its engine holds the GPUs until it stops: it passes the gate only because its memory counts as the host's own

@@ -231,3 +231,25 @@ def test_upgrade_goes_through_the_batches_and_prunes_old_releases(fleet):
     stop = next(s for s in outline["stops"] if s["host"] == one)
     assert stop["boots"] == 2 + starts and stop["drained"] is True, json.dumps(outline)
     assert stop["when"].startswith("2 canaries"), stop
+
+
+def test_rollback_switches_the_runtime_back_and_checks_the_restored_boot(fleet):
+    """rollback.yml of the upgrade on the canary host: drained through the hook before anything stops,
+    the unit from before the upgrade restored, the venv switched back to the release the upgrade's
+    snapshot kept (0.33.1), the restored unit restarted on it and its boot checked, then undrained."""
+    one, _two = HOSTS
+    before = venv_target(fleet, one)
+    assert re.fullmatch(rf"{RELEASES}/vllm-0\.33\.2-[0-9a-f]{{10}}", before), before
+    kept = fleet.snapshot(one)
+    assert kept and re.fullmatch(rf"{RELEASES}/vllm-0\.33\.1-[0-9a-f]{{10}}", kept.get("runtime_release", "")), kept
+    fleet.hooks.write_text("", encoding="utf-8")  # type: ignore[attr-defined]
+    rc, out = fleet.rollout({"gpufleet_rollback_hosts": one}, playbook=REPO / "playbooks" / "rollback.yml")
+    assert rc == 0, out[-6000:]
+    assert venv_target(fleet, one) == kept["runtime_release"]
+    assert engine_version(fleet, one) == "0.33.1"
+    assert fleet.active(one) == "active" and serving_release(fleet, one) == kept["runtime_release"]
+    assert re.search(r"Check the boot of each restarted unit against the plan it was restored with\][^\n]*\n"
+                     rf"ok: \[{one}\] => \(item=vllm-main\.service\)", out), out[-6000:]
+    assert f"the engine runtime was switched back to {kept['runtime_release']}" in out, out[-6000:]
+    hooks = fleet.hooks.read_text(encoding="utf-8").split("\n")  # type: ignore[attr-defined]
+    assert hooks[:2] == [f"drain {one}", f"undrain {one}"], hooks

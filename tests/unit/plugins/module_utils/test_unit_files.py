@@ -698,7 +698,7 @@ def test_snapshots_that_keep_two_releases_are_refused_before_anything_is_restore
 def test_a_restore_names_the_launch_record_its_boot_is_checked_against(layout):
     systemd = FakeSystemd()
     launch = {"schema": 1, "decision": "deploy", "manual": True, "kv_cache_memory_bytes": 1000}
-    plan = {"instance": "a", "launch": launch, "boot_gate": {"policy": "refuse", "state_file": "/run/gpufleet/a.boot-gate.json"}}
+    plan = {"instance": "a", "port": 8001, "launch": launch, "boot_gate": {"policy": "refuse", "state_file": "/run/gpufleet/a.boot-gate.json"}}
     write(layout, [{"name": "a", "unit": UNIT_A, "env": ENV_A, "plan": plan}], check=False)
     record(layout, [{"name": "a", "plan": plan}], check=False)
     systemd.active["vllm-a.service"] = "active"
@@ -706,8 +706,8 @@ def test_a_restore_names_the_launch_record_its_boot_is_checked_against(layout):
     write(layout, [{"name": "a", "unit": UNIT_B}], check=False)
     (back,) = restore(layout, ["a"], systemd.run, check=False)
     assert back["restart"] is True
-    assert back["launch"] == launch and back["boot_gate_state"] == "/run/gpufleet/a.boot-gate.json"
+    assert back["launch"] == launch and back["boot_gate_state"] == "/run/gpufleet/a.boot-gate.json" and back["port"] == 8001
     # a unit kept without a plan file: its boot is checked for health and errors only
     snapshot(layout, ["b"], systemd.show, check=False)
     (none,) = restore(layout, ["b"], systemd.run, check=False)
-    assert none["launch"] is None and none["boot_gate_state"] == ""
+    assert none["launch"] is None and none["boot_gate_state"] == "" and none["port"] is None
