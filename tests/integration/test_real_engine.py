@@ -117,8 +117,8 @@ GROUP_VARS: dict[str, Any] = {
     # a value "1" would mask every figure 1; "TRUE" is what the hub libraries also accept.
     "gpufleet_env": {"HF_HUB_OFFLINE": "TRUE", "TRANSFORMERS_OFFLINE": "TRUE"},
     "gpufleet_guard": "16MiB",
-    # the tiny model's KV budget is about 1.3 GiB: the defaults made for GPUs (a 64 MiB gate margin, budgets
-    # rounded down to 256 MiB) would plan 0.79 of the reference, below the manual canary's 0.9 token ratio
+    # the tiny model's KV budget is about 1.3 GiB: the defaults made for GPUs (a 768 MiB gate margin, budgets
+    # rounded down to 256 MiB) would plan less than half of the reference, below the manual canary's 0.9 token ratio
     "gpufleet_gate_margin": "16MiB",
     "gpufleet_budget_granularity": "16MiB",
     "gpufleet_admission": {"concurrency": 2, "tokens_per_request": MAX_MODEL_LEN},

@@ -67,6 +67,9 @@ PLAYBOOK = """
           gpu-b/vllm: [{rank: 0, boot_free_bytes: 40.75GiB}, {rank: 1, boot_free_bytes: 42GiB}]
           gpu-c/vllm: [{rank: 0, boot_free_bytes: 42GiB}, {rank: 1, boot_free_bytes: 42GiB}]
         guard_bytes: 0.5GiB
+        # the protocol's exact formula: no gate margin, no rounding
+        gate_margin_bytes: 0
+        budget_granularity_bytes: 0
         max_model_len: 8192
         max_capacity_loss: 0.5
       register: plan
