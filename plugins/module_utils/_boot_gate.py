@@ -30,6 +30,12 @@ Policies (``vllm_service_boot_gate``):
 
 It never raises a budget: a rank above its floor starts the plan as written.
 
+Under every policy, a start is refused when a rank's GPU is another card than the plan's
+(``gpu_uuids``) or, with the plan file's ``boot_gate.gpu_health`` ``refuse`` (the default),
+when it fails an NVML health check (``_gpu_health``: uncorrectable ECC errors since the driver
+loaded, a row remapping pending or failed, pages pending retirement, a critical Xid event while
+the gate listens, ``boot_gate.xid_wait_ms``); ``warn`` starts and names the GPU in the line.
+
 The plan file (``<state_dir>/<instance>.plan.json``) is read in format 3 (the instance,
 its GPUs and the gate's policy and state file, and the class's launch record, ``_launch``
 and ``docs/launch-contract.md``), and in the formats earlier releases wrote: 1 (budget,
@@ -47,7 +53,7 @@ import sys
 import time
 import typing as t
 
-from ._gpu_health import BLOCKING_CHECKS, HEALTH_POLICIES, unhealthy
+from ._gpu_health import BLOCKING_CHECKS, HEALTH_POLICIES, listen_for_xids, unhealthy
 from ._kv_capacity import SOURCES as CAPACITY_SOURCES, blocks_for_bytes, floor_utilization, full_attention_request_blocks, one_request_blocks, tokens_for_blocks
 from ._launch import PLAN_CHECKSUM_VARIABLE, PLAN_FILE_FORMAT, LaunchError, check_launch, plan_checksum, rank_bytes
 
@@ -673,8 +679,6 @@ def run(argv: t.Sequence[str], nvml: t.Any = None, execv: t.Callable[[str, list[
             return EXIT_PROBE_FAILED
         gpus = found["gpus"]
         if plan["xid_wait_ms"]:
-            from ._gpu_health import listen_for_xids  # pylint: disable=import-outside-toplevel
-
             # only Xids raised while the gate listens reach it (NVML delivers no earlier event)
             xids = listen_for_xids(nvml, [int(g["index"]) for g in gpus], plan["xid_wait_ms"])
             for gpu in gpus:
