@@ -190,14 +190,25 @@ HOST_FILES = ["sh", "-c", "find /etc /opt /srv /usr/local /var/lib -xdev"
               r" \( -path /etc/fake-nvml -o -path /var/lib/systemd -o -path /var/lib/prometheus \) -prune"
               r" -o -printf '%p %y %s %m %T@ %l\n' | sort"]
 # every vllm-* and gpufleet-* unit (loaded or only a file), and the instance's invocation (a restart changes it)
-HOST_UNITS = ["sh", "-c", "systemctl list-units --all --plain --no-legend --no-pager 'vllm-*' 'gpufleet-*';"
-              " systemctl list-unit-files --no-legend --no-pager 'vllm-*' 'gpufleet-*';"
-              " systemctl show vllm-main.service -p InvocationID -p ActiveEnterTimestamp -p NRestarts"]
+UNIT_LISTS = ("systemctl list-units --all --plain --no-legend --no-pager 'vllm-*' 'gpufleet-*'",
+              "systemctl list-unit-files --no-legend --no-pager 'vllm-*' 'gpufleet-*'",
+              "systemctl show vllm-main.service -p InvocationID -p ActiveEnterTimestamp -p NRestarts")
+# the metrics exporter's timer starts its service every 60 s by itself: for those two, only that they are loaded
+METRICS_UNITS = ("gpufleet-vllm-metrics.service", "gpufleet-vllm-metrics.timer")
+
+
+def host_units(fleet, host: str) -> str:
+    loaded, files, shown = (fleet.harness.exec(host, ["sh", "-c", cmd], check=True).stdout for cmd in UNIT_LISTS)
+    rows = []
+    for line in loaded.splitlines():
+        name, load, active, sub = line.split()[:4]
+        rows.append(f"unit {name} {load}" if name in METRICS_UNITS else f"unit {name} {load} {active} {sub}")
+    rows += ["file " + " ".join(line.split()[:2]) for line in files.splitlines() if line.strip()]
+    return "\n".join(sorted(rows) + shown.splitlines())
 
 
 def host_state(fleet) -> dict[str, tuple[str, str]]:
-    return {host: (fleet.harness.exec(host, HOST_FILES, check=True).stdout, fleet.harness.exec(host, HOST_UNITS, check=True).stdout)
-            for host in HOSTS}
+    return {host: (fleet.harness.exec(host, HOST_FILES, check=True).stdout, host_units(fleet, host)) for host in HOSTS}
 
 
 def assert_hosts_unchanged(fleet, before: dict[str, tuple[str, str]], what: str) -> None:
