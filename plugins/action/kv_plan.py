@@ -14,7 +14,7 @@ from ansible.plugins.action import ActionBase
 from ansible_collections.gpufleet.vllm.plugins.module_utils._defaults import default
 from ansible_collections.gpufleet.vllm.plugins.module_utils._validate import ValidationError, boolean, instance_name, integer
 from ansible_collections.gpufleet.vllm.plugins.plugin_utils import _probe_history
-from ansible_collections.gpufleet.vllm.plugins.plugin_utils._plan import SPLIT_POLICIES, PlanError, plan_class, plan_deployable
+from ansible_collections.gpufleet.vllm.plugins.plugin_utils._plan import SPLIT_POLICIES, UNSTABLE_SCOPES, PlanError, plan_class, plan_deployable
 
 ARGUMENT_SPEC: dict[str, Any] = {
     "host_class": {"type": "str"},
@@ -35,6 +35,7 @@ ARGUMENT_SPEC: dict[str, Any] = {
     "keep_step_bytes": {"type": "raw", "default": default("keep_step_bytes")},
     "deployed": {"type": "dict"},
     "split_policy": {"type": "str", "default": default("split_policy"), "choices": list(SPLIT_POLICIES)},
+    "unstable_scope": {"type": "str", "default": default("unstable_scope"), "choices": list(UNSTABLE_SCOPES)},
     "require_admission": {"type": "bool", "default": default("require_admission")},
     "probe_history": {
         "type": "dict",

@@ -1,7 +1,7 @@
 # Copyright (c) gpufleet maintainers
 # GNU General Public License v3.0+ (see https://www.gnu.org/licenses/gpl-3.0.txt)
 # SPDX-License-Identifier: GPL-3.0-or-later
-"""Filters: to_bytes, human_bytes, kv_bytes_per_token, kv_reference (documentation in the YAML files beside this one)."""
+"""Filters: to_bytes, human_bytes, kv_bytes_per_token, kv_reference, host_plan (documentation in the YAML files beside this one)."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from ansible_collections.gpufleet.vllm.plugins.module_utils._geometry import Geo
 from ansible_collections.gpufleet.vllm.plugins.module_utils._sizes import SizeError, human_bytes as _human_bytes, parse_size
 from ansible_collections.gpufleet.vllm.plugins.module_utils._validate import ValidationError, boolean, integer
 from ansible_collections.gpufleet.vllm.plugins.plugin_utils._canary_reference import ReferenceError, reference_from_canary
+from ansible_collections.gpufleet.vllm.plugins.plugin_utils._plan import host_plan as _host_plan
 
 
 def to_bytes(value: Any, field: str = "value") -> int:
@@ -92,6 +93,15 @@ def kv_reference(
         raise AnsibleFilterError(f"kv_reference: {exc}") from None
 
 
+def host_plan(plan: Any, host: Any) -> Mapping[str, Any]:
+    """A class's kv_plan result and one of its hosts -> the plan that host runs (its group's, else the class's)."""
+    if not isinstance(plan, Mapping):
+        raise AnsibleFilterError(f"host_plan: expected a kv_plan result (a mapping), got {type(plan).__name__}")
+    if not isinstance(host, str) or not host:
+        raise AnsibleFilterError(f"host_plan: expected a host name, got {host!r}")
+    return _host_plan(plan, host)
+
+
 class FilterModule:
     """gpufleet.vllm size and KV geometry filters."""
 
@@ -101,4 +111,5 @@ class FilterModule:
             "human_bytes": human_bytes,
             "kv_bytes_per_token": kv_bytes_per_token,
             "kv_reference": kv_reference,
+            "host_plan": host_plan,
         }

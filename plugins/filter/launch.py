@@ -12,7 +12,14 @@ from typing import Any, Callable, Mapping
 
 from ansible.errors import AnsibleFilterError
 
-from ansible_collections.gpufleet.vllm.plugins.module_utils._launch import LaunchError, check_launch, cuda_visible_devices as _cuda_visible_devices, for_instance, plan_file, runs
+from ansible_collections.gpufleet.vllm.plugins.module_utils._launch import (
+    LaunchError,
+    check_launch,
+    cuda_visible_devices as _cuda_visible_devices,
+    for_instance,
+    plan_file,
+    runs,
+)
 from ansible_collections.gpufleet.vllm.plugins.module_utils._serve_argv import EngineSpecError, budget_args
 
 

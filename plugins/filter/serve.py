@@ -24,6 +24,7 @@ from ansible_collections.gpufleet.vllm.plugins.module_utils._validate import (
     systemd_exec_start as _systemd_exec_start,
     systemd_value as _systemd_value,
 )
+from ansible_collections.gpufleet.vllm.plugins.plugin_utils._plan_inputs import PlanError, reference_boot_seconds
 
 
 def _mapping(value: Any, name: str) -> Mapping[str, Any]:
@@ -48,12 +49,16 @@ def health_url(host: Any, port: Any) -> str:
         raise AnsibleFilterError(str(exc)) from None
 
 
-def boot_timeout(configured: Any, measured_seconds: Any = None, serve_args: Any = None, field: Any = "boot_timeout") -> int:
-    """A configured boot timeout (0: derive it), the class's measured canary boot and the serve args -> seconds."""
+def boot_timeout(configured: Any, measured: Any = None, serve_args: Any = None, field: Any = "boot_timeout") -> int:
+    """A configured boot timeout (0: derive it), the class's measured canary boot and the serve args -> seconds.
+
+    ``measured``: seconds, a plan (its ``boot_seconds``), a reference profile or a profile-store
+    record (its canary's ``startup_seconds``), or None."""
     name = field if isinstance(field, str) and field else "boot_timeout"
     try:
-        return _boot_timeout(configured, measured_seconds, _mapping(serve_args, "serve_args").get("enforce_eager", False), name)[0]
-    except EngineSpecError as exc:
+        seconds = reference_boot_seconds(measured) if isinstance(measured, Mapping) else measured
+        return _boot_timeout(configured, seconds, _mapping(serve_args, "serve_args").get("enforce_eager", False), name)[0]
+    except (EngineSpecError, PlanError) as exc:
         raise AnsibleFilterError(f"boot_timeout: {exc}") from None
 
 

@@ -21,7 +21,6 @@ from ._serve_argv import LOOPBACK, EngineSpecError
 from ._vllm_log import GIB_ROUNDING_BYTES, EngineLog, parse_engine_log
 from ._vllm_metrics import EngineMetrics
 
-
 # How long a start may take to answer /health when the inventory does not say (timeout 0): the
 # class's profiled canary measured this model's boot on this runtime, and a unit's start is the
 # same boot (weights, torch.compile, CUDA graphs) on a host that may be busier or whose compile

@@ -47,7 +47,12 @@ DEFAULTS: t.Mapping[str, Default] = MappingProxyType({
     "keep_step_bytes": Default(
         512 * MIB, "a deployed budget still safe and this close to the new one is kept: no canary, no restart"),
     "require_admission": Default(True, "a class that cannot hold its admission plan is never deployed"),
-    "split_policy": Default("warn", "a class with outlier hosts deploys the weakest rank's budget and says which hosts"),
+    "split_policy": Default(
+        "per_host", "a class with outlier hosts deploys the weakest rank's budget on the outliers only; the other hosts "
+        "run the plan of their own group, so one outlier does not cost every host its budget"),
+    "unstable_scope": Default(
+        "host", "a host whose free memory is not steady runs vLLM's own profiling (auto_profile); the class's steady hosts "
+        "keep a fixed budget planned without it, and are not all restarted for one host"),
     "budget_mode": Default("max_safe", "deploy the largest budget every rank can hold"),
     "fit_headroom": Default(0.1, "fit_admission: a tenth more blocks than the admission plan needs"),
     "max_capacity_loss": Default(0.05, "a split is recommended when the weakest hosts cost more than 5 % of the median host's budget"),
@@ -58,7 +63,11 @@ DEFAULTS: t.Mapping[str, Default] = MappingProxyType({
     "probe_history_window": Default(5, "recent probes compared for movement of a rank's free memory"),
     "probe_history_keep": Default(20, "probes kept per host"),
     # starting and checking engines
-    "settle_timeout": Default(300, "seconds the production instance gets to serve and hold its memory still after the profiled canary"),
+    "settle_timeout": Default(0, "seconds the production instance gets to serve and hold its memory still after the profiled canary; "
+                              "0 derives it from that canary's boot (_boot_check.boot_timeout)"),
+    "boot_timeout": Default(0, "seconds a unit's engine gets to answer /health after a start; 0 derives it from the class's measured "
+                            "canary boot (_boot_check.boot_timeout), as a large model compiles and loads for many minutes"),
+    "canary_startup_timeout": Default(0, "seconds a canary engine gets to answer /health, derived as a unit's boot"),
     "probe_samples": Default(1, "one NVML reading per GPU unless told otherwise (the rollout asks for more)"),
     "probe_interval": Default(1.0, "seconds between NVML readings"),
     # where things are on a host

@@ -174,7 +174,7 @@ _SERVICE_PATHS = ("executable", "home", "state_dir", "unit_dir", "boot_gate_pyth
 DAY = 24 * 3600
 # (low, high): a bound above which the value is a mistake (a boot timeout of 1e9 s never times out)
 _SERVICE_COUNTS = {"restart_sec": (0, DAY), "start_limit_burst": (0, 10000), "start_limit_interval_sec": (0, 7 * DAY),
-                   "timeout_stop_sec": (0, DAY), "boot_timeout": (1, DAY), "gate_samples": (1, 1000),
+                   "timeout_stop_sec": (0, DAY), "boot_timeout": (0, DAY), "gate_samples": (1, 1000),
                    "min_tokens": (0, 1 << 40), "metrics_interval_sec": (1, DAY), "boot_gate_xid_wait_ms": (0, 10000)}
 BOOT_GATE_POLICIES = ("refuse", "shrink", "profile")
 BOOT_GATE_GPU_HEALTH = ("refuse", "warn")

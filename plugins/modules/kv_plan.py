@@ -168,12 +168,24 @@ options:
     type: dict
   split_policy:
     description:
-      - What a V(split) decision means for RV(deployable). V(warn) deploys the weakest rank's budget on every host
-        of the class (deployable), V(fail) stops the class (not deployable).
-      - The plan itself does not change.
+      - What a V(split) decision deploys. V(per_host) runs the weakest rank's budget on the outlier hosts only and
+        gives the other hosts the plan of their own group (RV(host_groups)); V(warn) deploys the weakest rank's budget
+        on every host of the class; both are deployable. V(fail) stops the class (not deployable).
+      - Each group's plan is the class's plan as it would be with only those hosts (floors, blocks, tokens), so the
+        boot gate and the boot check of a host judge it against its own group.
     type: str
-    choices: [warn, fail]
-    default: warn
+    choices: [per_host, warn, fail]
+    default: per_host
+    version_added: 2.0.0
+  unstable_scope:
+    description:
+      - Which hosts a rank whose free memory is not steady sends to vLLM's own profiling (V(auto_profile)).
+      - V(host) sends its host only (RV(host_groups)) and plans the class from its steady hosts, which keep a fixed
+        budget and are not restarted for the unsteady one; with no steady host the class is V(auto_profile).
+        V(class) makes the whole class V(auto_profile), as 1.x did.
+    type: str
+    choices: [host, class]
+    default: host
     version_added: 2.0.0
   require_admission:
     description:
@@ -410,6 +422,17 @@ split:
   returned: always
   type: list
   elements: dict
+host_groups:
+  description:
+    - Hosts of the class that run a plan of their own, each group with C(name), C(hosts), C(why) (V(split) - the
+      non-outlier hosts under O(split_policy=per_host) - or V(unstable) - hosts whose free memory is not steady under
+      O(unstable_scope=host), planned V(auto_profile)) and C(plan) (the plan of those hosts alone, shaped like this
+      result). The class's other hosts run this plan. Empty when every host runs it.
+    - P(gpufleet.vllm.host_plan#filter) returns a host's plan.
+  returned: always
+  type: list
+  elements: dict
+  version_added: 2.0.0
 capacity:
   description: Median host budget, capacity lost to the weakest host, threshold and outlier hosts.
   returned: always

@@ -61,15 +61,20 @@ from ansible_collections.gpufleet.vllm.plugins.plugin_utils._plan_inputs import 
     size,
 )
 
-__all__ = ["DECISIONS", "DEFAULTS", "SPLIT_POLICIES", "PlanError", "keep_deployed", "plan_class", "plan_deployable", "round_budget",
-           "startup_utilization"]
+__all__ = ["DECISIONS", "DEFAULTS", "SPLIT_POLICIES", "UNSTABLE_SCOPES", "PlanError", "host_plan", "keep_deployed", "plan_class",
+           "plan_deployable", "round_budget", "startup_utilization"]
 
 GIB = 1024**3
 MIB = 1024**2
 
 DECISIONS = ("deploy", "reprofile", "split", "auto_profile", "refuse")
-# What a split decision does: warn deploys the weakest rank's budget on every host, fail stops the class.
-SPLIT_POLICIES = ("warn", "fail")
+# What a split decision does: per_host gives each group of hosts its own plan (the outliers the weakest
+# rank's budget, the others their own), warn deploys the weakest rank's budget on every host, fail stops
+# the class.
+SPLIT_POLICIES = ("per_host", "warn", "fail")
+# Which hosts an unsteady rank sends to vLLM's own profiling (auto_profile): its host alone (the other
+# hosts are planned without it) or the whole class.
+UNSTABLE_SCOPES = ("host", "class")
 
 # plan_class's own defaults: the collection's (module_utils/_defaults.py), except the budget settling
 # (round_budget and keep_deployed), off unless asked for, so that plan_class alone gives the protocol's exact
@@ -290,6 +295,7 @@ def _empty_result(host_class: str, budget_mode: str) -> dict[str, Any]:
         "guard_bytes": None,
         "host_count": 0,
         "rank_count": 0,
+        "boot_seconds": None,
         "human": {},
     }
 
@@ -806,7 +812,7 @@ def _instability(p: _Planning, drift: _Drift) -> None:
     p.unstable_reason = (
         f"free memory is not steady on {_names(shown)} (limit {human_bytes(int(share_limit))} = "
         f"{p.inputs.unstable_share} x guard): a fixed byte budget is the wrong tool there; use automatic profiling "
-        f"(--gpu-memory-utilization) for this class"
+        f"(--gpu-memory-utilization) there"
     )
 
 
@@ -867,15 +873,16 @@ def plan_deployable(plan: Mapping[str, Any], split_policy: str = "warn", require
     """Whether a class's plan may be deployed: the one rule ``kv_plan`` returns as ``deployable``.
 
     ``deploy``, ``reprofile`` and ``auto_profile`` plans are; a ``split`` is with
-    ``split_policy`` ``warn`` (the weakest rank's budget on every host), not with
-    ``fail``; ``refuse`` never is. With ``require_admission``, a plan whose admission
-    check failed (``admission.ok`` false) is not deployable either; a plan without an
-    admission check passes it.
+    ``split_policy`` ``per_host`` (each group its own plan) or ``warn`` (the weakest
+    rank's budget on every host), not with ``fail``; ``refuse`` never is. With
+    ``require_admission``, a plan whose admission check failed (``admission.ok`` false)
+    is not deployable either; a plan without an admission check passes it. A plan with
+    ``host_groups`` is deployable when each group's plan is too.
     """
     if not isinstance(plan, Mapping):
         raise PlanError(f"plan: expected a kv_plan result (a mapping), got {type(plan).__name__}")
     if split_policy not in SPLIT_POLICIES:
-        raise PlanError(f"split_policy: expected warn or fail, got {split_policy!r}")
+        raise PlanError(f"split_policy: expected {', '.join(SPLIT_POLICIES)}, got {split_policy!r}")
     try:
         require_admission = boolean(require_admission, "require_admission")
     except ValidationError as exc:
@@ -887,7 +894,11 @@ def plan_deployable(plan: Mapping[str, Any], split_policy: str = "warn", require
         return False
     admission = plan.get("admission")
     admission_failed = isinstance(admission, Mapping) and admission.get("ok") is False
-    return not (require_admission and admission_failed)
+    if require_admission and admission_failed:
+        return False
+    groups = plan.get("host_groups") or ()
+    return all(isinstance(g, Mapping) and isinstance(g.get("plan"), Mapping) and plan_deployable(g["plan"], split_policy, require_admission)
+               for g in groups)
 
 
 def plan_class(spec: Mapping[str, Any]) -> dict[str, Any]:
@@ -897,9 +908,96 @@ def plan_class(spec: Mapping[str, Any]) -> dict[str, Any]:
     launch contract (``_launch``), which is what every start and check reads. A class that
     cannot be planned safely is not an error: ``decision`` is ``refuse`` and ``reasons`` say why.
     """
+    split_policy = _choice(spec, "split_policy", SPLIT_POLICIES, default("split_policy"))
+    scope = _choice(spec, "unstable_scope", UNSTABLE_SCOPES, default("unstable_scope"))
     result = _analyse_class(spec)
     result["launch"] = launch_from_plan(result)
+    result["host_groups"] = []
+    if scope == "host" and result["decision"] == "auto_profile":
+        result = _unsteady_hosts_apart(spec, result)
+    if split_policy == "per_host" and result["decision"] == "split":
+        _split_groups_apart(spec, result)
     return result
+
+
+def _choice(spec: Mapping[str, Any], key: str, choices: Sequence[str], fallback: str) -> str:
+    value = spec.get(key)
+    if value is None:
+        return fallback
+    if value not in choices:
+        raise PlanError(f"{key}: expected one of {', '.join(choices)}, got {value!r}")
+    return str(value)
+
+
+def _inventory_host(member: Any) -> str:
+    """The inventory host of a planned member (``hosts_from`` names members ``<host>/<instance>``)."""
+    return str(member).split("/", 1)[0]
+
+
+def _sub_plan(spec: Mapping[str, Any], hosts: Sequence[str]) -> dict[str, Any]:
+    """The plan of some of the class's inventory hosts alone (all their members), as the class would be planned with only them."""
+    raw = spec.get("hosts") or {}
+    wanted = set(hosts)
+    sub = dict(spec, hosts={m: v for m, v in raw.items() if _inventory_host(m) in wanted}, unstable_scope="class", split_policy="warn")
+    plan = _analyse_class(sub)
+    plan["launch"] = launch_from_plan(plan)
+    plan["host_groups"] = []
+    return plan
+
+
+def _unsteady_hosts_apart(spec: Mapping[str, Any], result: dict[str, Any]) -> dict[str, Any]:
+    """unstable_scope host: the hosts whose free memory is not steady run vLLM's own profiling
+    (auto_profile), and the class is planned from its steady hosts; with none steady, the class is
+    auto_profile as a whole. The unsteady hosts' group is that plan of them alone."""
+    # a host's instances share its plan: one unsteady member sends the whole host
+    unsteady = sorted({_inventory_host(u["host"]) for u in result["unstable"]})
+    steady = sorted({_inventory_host(m) for m in (spec.get("hosts") or {})} - set(unsteady))
+    if not steady or not unsteady:
+        return result
+    main = _sub_plan(spec, steady)
+    if main["decision"] in ("refuse", "auto_profile"):
+        return result
+    apart = _sub_plan(spec, unsteady)
+    main["unstable"] = result["unstable"]
+    main["host_count"] = result["host_count"]
+    main["rank_count"] = result["rank_count"]
+    main["host_groups"] = [{"name": f"{main['host_class']}-unsteady", "hosts": unsteady, "why": "unstable", "plan": apart}]
+    one = len(unsteady) == 1
+    main["reasons"].insert(
+        1, f"{apart['reasons'][0]}: only {_names(unsteady)} {'runs' if one else 'run'} vLLM's own profiling (auto_profile); "
+           f"the class's {len(steady)} other hosts are planned without {'it' if one else 'them'} (unstable_scope host)")
+    main["reasons"].extend(r for r in apart["reasons"][1:] if r.startswith("auto_profile:"))
+    return main
+
+
+def _split_groups_apart(spec: Mapping[str, Any], result: dict[str, Any]) -> None:
+    """split_policy per_host: the outliers run the class's budget (the weakest rank's), the other hosts
+    the plan of their own group, so that one outlier does not cost every host its budget."""
+    main_group = next((g for g in result["split"] if g["name"].endswith("-main")), None)
+    low_group = next((g for g in result["split"] if g["name"].endswith("-low")), None)
+    if not main_group or not low_group:
+        return
+    # a host's instances share its plan: a host with one outlier member runs the class's budget
+    low_hosts = {_inventory_host(m) for m in low_group["hosts"]}
+    hosts = sorted({_inventory_host(m) for m in main_group["hosts"]} - low_hosts)
+    if not hosts:
+        return
+    main = _sub_plan(spec, hosts)
+    if main["decision"] not in ("deploy", "reprofile"):
+        return
+    result["host_groups"].append({"name": main_group["name"], "hosts": hosts, "why": "split", "plan": main})
+    result["reasons"].insert(
+        1, f"split_policy per_host: {_names(hosts)} run their own budget "
+           f"{human_bytes(main['kv_cache_memory_bytes'])}; the outliers run the class's {human_bytes(result['kv_cache_memory_bytes'])}")
+
+
+def host_plan(plan: Mapping[str, Any], host: str) -> Mapping[str, Any]:
+    """The plan a host of the class runs: its group's (``host_groups``), else the class's."""
+    for group in plan.get("host_groups") or ():
+        sub = group.get("plan") if isinstance(group, Mapping) else None
+        if isinstance(sub, Mapping) and host in group.get("hosts", ()):
+            return sub
+    return plan
 
 
 def _analyse_class(spec: Mapping[str, Any]) -> dict[str, Any]:
@@ -920,6 +1018,8 @@ def _analyse_class(spec: Mapping[str, Any]) -> dict[str, Any]:
         return result
 
     p = _Planning(inputs, inputs.ref, result)
+    # the reference canary's boot: what a unit's start is given to answer /health (boot_timeout 0)
+    result["boot_seconds"] = inputs.ref["boot_seconds"]
     result["rank_count"] = sum(len(h["ranks"]) for h in inputs.hosts.values())
     _settle_reference_kv(p)
     _check_reference_suggestions(p)

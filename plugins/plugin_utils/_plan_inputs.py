@@ -214,6 +214,18 @@ def parse_reference(raw: Any) -> Reference | None:
     return out
 
 
+def reference_boot_seconds(doc: Mapping[str, Any]) -> float | None:
+    """The measured boot of a class: a plan's ``boot_seconds``, else the canary's of a reference
+    profile or of a whole profile-store record (``profile.canary.startup_seconds``)."""
+    if doc.get("boot_seconds") is not None:
+        value = doc["boot_seconds"]
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+            raise PlanError(f"boot_seconds: expected a number of seconds, got {value!r}")
+        return float(value)
+    profile = doc.get("profile")
+    return _boot_seconds((profile if isinstance(profile, Mapping) else doc).get("canary"))
+
+
 def _boot_seconds(canary: Any) -> float | None:
     """The profiled canary's boot time (``canary.startup_seconds``), or None when the record has none."""
     if not isinstance(canary, Mapping) or canary.get("startup_seconds") is None:

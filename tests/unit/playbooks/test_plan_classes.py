@@ -103,8 +103,9 @@ def test_classes_follow_the_stated_order_and_leave_out_classes_that_do_not_deplo
 def canary_host_note(task_name: str, variables: dict[str, t.Any]) -> str:
     tasks = yaml.safe_load((ROOT / "playbooks" / "parts" / "canary_undrain.yml").read_text(encoding="utf-8"))
     note = find_task(tasks, task_name)["ansible.builtin.set_fact"]["gpufleet_canary_host_note"]
+    # __gpufleet_boot_timeout: the task's own var (vllm_service_boot_timeout through gpufleet.vllm.boot_timeout)
     variables = dict(variables, inventory_hostname="h1", vllm_canary_instance={"name": "main", "port": 8000},
-                     vllm_service_boot_timeout=120)
+                     __gpufleet_boot_timeout=120)
     return Templar(loader=DataLoader(), variables=variables).template(trust_as_template(note))
 
 

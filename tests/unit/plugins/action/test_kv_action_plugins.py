@@ -192,11 +192,16 @@ def test_kv_plan_action_split_policy_decides_a_split():
     hosts = {f"h{i}": [{"rank": 0, "boot_free_bytes": 42 * GIB}, {"rank": 1, "boot_free_bytes": 42 * GIB}] for i in range(3)}
     hosts["weak"] = [{"rank": 0, "boot_free_bytes": 38 * GIB}, {"rank": 1, "boot_free_bytes": 42 * GIB}]
     args = {"host_class": "h200", "reference": REFERENCE, "guard_bytes": "0.5GiB", "max_model_len": 8192, "hosts": hosts}
-    warn = action(KvPlan, args).run(task_vars={})
-    assert warn["decision"] == "split" and warn["deployable"] is True
+    warn = action(KvPlan, dict(args, split_policy="warn")).run(task_vars={})
+    assert warn["decision"] == "split" and warn["deployable"] is True and warn["host_groups"] == []
     fail = action(KvPlan, dict(args, split_policy="fail")).run(task_vars={})
     assert fail["decision"] == "split" and fail["deployable"] is False
     assert {k: v for k, v in fail.items() if k != "deployable"} == {k: v for k, v in warn.items() if k != "deployable"}
+    # per_host (the default): the hosts other than the outlier run their own group's plan
+    per_host = action(KvPlan, args).run(task_vars={})
+    assert per_host["decision"] == "split" and per_host["deployable"] is True
+    (group,) = per_host["host_groups"]
+    assert group["hosts"] == ["h0", "h1", "h2"] and group["plan"]["kv_cache_memory_bytes"] > per_host["kv_cache_memory_bytes"]
 
 
 def test_kv_plan_action_rejects_a_bad_split_policy():

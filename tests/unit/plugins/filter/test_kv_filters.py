@@ -14,7 +14,7 @@ LLAMA_8B = {"hidden_size": 4096, "num_attention_heads": 32, "num_hidden_layers":
 
 
 def test_filter_names():
-    assert set(F) == {"to_bytes", "human_bytes", "kv_bytes_per_token", "kv_reference"}
+    assert set(F) == {"to_bytes", "human_bytes", "kv_bytes_per_token", "kv_reference", "host_plan"}
 
 
 def test_to_bytes():

@@ -12,7 +12,9 @@ from hypothesis import strategies as st
 from ansible_collections.gpufleet.vllm.plugins.plugin_utils._plan import (
     PlanError,
     floor_utilization,
+    host_plan,
     plan_class,
+    plan_deployable,
 )
 from ansible_collections.gpufleet.vllm.plugins.module_utils._vllm_log import GIB_ROUNDING_BYTES
 
@@ -422,14 +424,41 @@ def test_auto_profile_for_unsteady_free_memory():
         "a": [{"rank": 0, "boot_free_bytes": "42GiB", "free_min_bytes": "41GiB", "free_max_bytes": "42GiB"}],
         "b": [{"rank": 0, "boot_free_bytes": "42GiB", "free_min_bytes": "41.875GiB", "free_max_bytes": "42GiB"}],
     }
-    plan = plan_class(spec(hosts=hosts))
+    plan = plan_class(spec(hosts=hosts, unstable_scope="class"))
     assert plan["decision"] == "auto_profile"
     assert [u["host"] for u in plan["unstable"]] == ["a"]
     assert "a rank 0 (moves 1GiB)" in plan["reasons"][0]
     assert plan["gpu_memory_utilization"] is not None
+    assert plan["host_groups"] == []
     # a spread equal to the limit (0.5 x 0.5 GiB) is still steady
     hosts["a"][0]["free_min_bytes"] = 42 * GIB - GIB // 4
     assert plan_class(spec(hosts=hosts))["decision"] == "deploy"
+
+
+def test_an_unsteady_host_alone_runs_vllms_profiling():
+    """unstable_scope host (the default): the steady hosts keep a fixed budget planned without the unsteady one."""
+    hosts = {
+        "a": [{"rank": 0, "boot_free_bytes": "40GiB", "free_min_bytes": "39GiB", "free_max_bytes": "40GiB"}],
+        "b": [{"rank": 0, "boot_free_bytes": "42GiB"}],
+        "c": [{"rank": 0, "boot_free_bytes": "41.5GiB"}],
+    }
+    plan = plan_class(spec(hosts=hosts))
+    assert plan["decision"] == "deploy"
+    # planned from b and c: the weakest is c (drift 0.5 GiB), not the unsteady a (drift 2 GiB)
+    assert plan["weakest"]["host"] == "c" and plan["kv_cache_memory_bytes"] == 29 * GIB
+    assert plan["host_count"] == 3 and [u["host"] for u in plan["unstable"]] == ["a"]
+    (group,) = plan["host_groups"]
+    assert group["hosts"] == ["a"] and group["why"] == "unstable"
+    assert group["plan"]["decision"] == "auto_profile" and group["plan"]["launch"]["manual"] is False
+    assert "free memory is not steady on a rank 0 (moves 1GiB)" in plan["reasons"][1]
+    assert "only a runs vLLM's own profiling (auto_profile); the class's 2 other hosts are planned without it" in plan["reasons"][1]
+    assert host_plan(plan, "a") is group["plan"] and host_plan(plan, "b") is plan
+    assert plan_deployable(plan)
+    # every host unsteady: the class as a whole
+    for name in hosts:
+        hosts[name] = hosts["a"]
+    whole = plan_class(spec(hosts=hosts))
+    assert whole["decision"] == "auto_profile" and whole["host_groups"] == []
 
 
 def test_auto_profile_for_flagged_host():
@@ -452,6 +481,43 @@ def test_split_names_outliers_and_budgets():
     assert any("split outliers n3, n7" in r for r in plan["reasons"])
     # within the allowed loss: no split
     assert plan_class(spec(hosts=hosts, max_capacity_loss=0.2))["decision"] == "deploy"
+
+
+def test_a_hosts_instances_share_its_plan():
+    """Members are <host>/<instance>: one unsteady instance sends its whole host to vLLM's profiling."""
+    hosts = {
+        "a/x": [{"rank": 0, "boot_free_bytes": "42GiB"}],
+        "a/y": {"ranks": [{"rank": 0, "boot_free_bytes": "42GiB"}], "unstable": True},
+        "b/x": [{"rank": 0, "boot_free_bytes": "42GiB"}],
+        "b/y": [{"rank": 0, "boot_free_bytes": "42GiB"}],
+    }
+    plan = plan_class(spec(hosts=hosts))
+    assert plan["decision"] == "deploy" and [g["hosts"] for g in plan["host_groups"]] == [["a"]]
+    assert host_plan(plan, "a")["decision"] == "auto_profile" and host_plan(plan, "a")["host_count"] == 2
+    assert host_plan(plan, "b") is plan
+
+
+def test_split_per_host_gives_the_other_hosts_their_own_plan():
+    hosts = {f"n{i}": [{"rank": 0, "boot_free_bytes": "42GiB"}] for i in range(10)}
+    hosts["n3"] = [{"rank": 0, "boot_free_bytes": "38GiB"}]
+    plan = plan_class(spec(hosts=hosts, max_capacity_loss=0.05))
+    assert plan["decision"] == "split" and plan["kv_cache_memory_bytes"] == int(25.5 * GIB)
+    (group,) = plan["host_groups"]
+    assert group["why"] == "split" and "n3" not in group["hosts"] and len(group["hosts"]) == 9
+    main = group["plan"]
+    assert main["decision"] == "deploy" and main["kv_cache_memory_bytes"] == int(29.5 * GIB)
+    # the group's floors are its own budget's: a host of it is gated against them
+    assert main["free_floor_bytes"][0] > plan["free_floor_bytes"][0]
+    assert host_plan(plan, "n0")["kv_cache_memory_bytes"] == int(29.5 * GIB)
+    assert host_plan(plan, "n3")["kv_cache_memory_bytes"] == int(25.5 * GIB)
+    assert "split_policy per_host" in plan["reasons"][1]
+    assert plan_deployable(plan, "per_host") and plan_deployable(plan, "warn") and not plan_deployable(plan, "fail")
+    # warn: the weakest budget everywhere, no groups
+    assert plan_class(spec(hosts=hosts, max_capacity_loss=0.05, split_policy="warn"))["host_groups"] == []
+    with pytest.raises(PlanError, match="split_policy: expected one of per_host, warn, fail"):
+        plan_class(spec(split_policy="hosts"))
+    with pytest.raises(PlanError, match="unstable_scope"):
+        plan_class(spec(unstable_scope="rack"))
 
 
 def test_reprofile_only_for_large_headroom():

@@ -54,7 +54,7 @@ def test_require_admission_accepts_ansible_booleans():
 @pytest.mark.parametrize(
     "args, match",
     [
-        (({"decision": "deploy"}, "maybe"), r"^split_policy: expected warn or fail, got 'maybe'$"),
+        (({"decision": "deploy"}, "maybe"), r"^split_policy: expected per_host, warn, fail, got 'maybe'$"),
         (({"decision": "ship"},), r"^plan.decision: expected one of deploy, reprofile, split, auto_profile, refuse, got 'ship'$"),
         (({},), r"^plan.decision: expected one of .*, got None$"),
         (([],), r"^plan: expected a kv_plan result \(a mapping\), got list$"),

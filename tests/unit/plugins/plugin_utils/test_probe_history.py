@@ -78,9 +78,9 @@ REFERENCE = {"ranks": [{"rank": 0, "free_bytes": 40 * GIB, "kv_bytes": 30 * GIB}
              "block_size": 16, "bytes_per_block": 2 << 20}
 
 
-def plan(hosts: dict[str, Any]) -> dict[str, Any]:
+def plan(hosts: dict[str, Any], scope: str = "class") -> dict[str, Any]:
     return plan_class({"host_class": "c", "reference": REFERENCE, "guard_bytes": "0.5GiB", "max_model_len": 8192,
-                       "hosts": hosts})
+                       "hosts": hosts, "unstable_scope": scope})
 
 
 def test_a_rank_that_moved_across_probes_makes_the_class_auto_profile_with_a_lowest_free_utilization():
@@ -97,6 +97,12 @@ def test_a_rank_that_moved_across_probes_makes_the_class_auto_profile_with_a_low
     assert got["gpu_memory_utilization"] == floor_utilization(37 * GIB - GIB // 2 - GIB, TOTAL)
     assert got["utilization_source"] == "lowest_free"
     assert any("from the lowest free memory seen, 37GiB on host a/vllm rank 0" in r for r in got["reasons"])
+    # unstable_scope host: only a runs vLLM's profiling, from the same lowest free memory; b keeps a fixed budget
+    apart = plan(moved, "host")
+    assert apart["decision"] == "deploy" and apart["weakest"]["host"] == "b/vllm"
+    (group,) = apart["host_groups"]
+    assert group["hosts"] == ["a"] and group["plan"]["decision"] == "auto_profile"
+    assert group["plan"]["gpu_memory_utilization"] == got["gpu_memory_utilization"]
 
 
 def test_a_rank_unstable_within_one_probe_gets_its_boot_free_memory_as_the_utilization_basis():
