@@ -23,6 +23,9 @@ is covered by molecule/vllm_runtime.
    outline states that outage. Every host serves 0.33.2 and keeps the release before it; older ones
    are removed. (That a canary host already running the final unit is not restarted again is
    test_rollout.py's second run: nothing changes, no restart.)
+3. rollback.yml of that upgrade on the canary host: drained through the hook before anything stops,
+   the venv switched back to the release the upgrade's snapshot kept (0.33.1), the unit from before
+   restarted on it and its boot checked, then undrained.
 """
 
 from __future__ import annotations
