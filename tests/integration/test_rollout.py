@@ -33,9 +33,10 @@ is tested on the real engine (tests/integration/test_real_engine.py):
 10. a host on another driver than its class reference stops the run before any host;
 11. a host still on a hand-written ``vllm.service`` (simulated engine) with a drop-in: profile.yml
     runs the rollout's profiled canary there (drained through the hooks, as the service user, the
-    hand-written unit stopped and running again before the undrain); the rollout takes it over (the canaries stop and restart it, its memory counts as the host's
-    own at the gates, it is stopped and disabled in the change that starts vllm-main, kept
-    with its drop-in), and rollback.yml puts it back, enabled and running.
+    hand-written unit stopped and running again before the undrain); the rollout takes it over
+    (the canaries stop and restart it, its memory counts as the host's own at the gates, it is
+    stopped and disabled in the change that starts vllm-main, kept with its drop-in), and
+    rollback.yml puts it back, enabled and running.
 """
 
 from __future__ import annotations
