@@ -70,7 +70,7 @@ def judge(tokens: int, min_tokens: int, ttft: float = 0.2) -> tuple[str, list[st
     return verdict, reasons
 
 
-def test_playbook_passes_the_planned_tokens_only_for_fit_admission_and_split():
+def test_playbook_passes_the_planned_tokens_for_every_manual_budget():
     tasks = yaml.safe_load((ROOT / "playbooks" / "parts" / "plan_classes.yml").read_text())[0]["tasks"]
     expr = find_task(tasks, "Run the manual canary with the planned budget")["vars"]["vllm_canary_min_tokens"]
 
@@ -83,9 +83,12 @@ def test_playbook_passes_the_planned_tokens_only_for_fit_admission_and_split():
     safe = planned("max_safe", "deploy", 490000)
     # split_policy warn deploys the weakest host's budget on the whole class
     split = planned("max_safe", "split", 416000)
+    # a max_safe budget is below the reference by the drift, the guard, the gate margin and the rounding
+    unknown = planned("max_safe", "deploy", 0)
     assert int(render(expr, fit)) == PLAN_TOKENS
-    assert int(render(expr, safe)) == 0
+    assert int(render(expr, safe)) == 490000
     assert int(render(expr, split)) == 416000
+    assert int(render(expr, unknown)) == 0, "tokens the plan cannot count: token_ratio x the reference's"
 
 
 def test_right_sized_canary_reaching_the_plan_passes():
