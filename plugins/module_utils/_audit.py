@@ -262,6 +262,8 @@ def registry(report: t.Mapping[str, t.Any], prometheus: t.Any) -> t.Any:
     audited = gauge("last_audit_timestamp_seconds", "when these figures were measured", inst_labels)
     health = gauge("gpu_health", "1 when the rank's GPU passes the NVML health check, 0 when it fails it (no series: the GPU "
                    "does not support the query, or NVML could not read the GPU)", [*rank_labels, "uuid", "check"])
+    info = gauge("gpu_info", "1 per rank: the card NVML finds at the rank's GPU index now (UUID, PCI bus id), to join with "
+                 "the rank's other series", [*rank_labels, "uuid", "pci_bus_id"])
     errors = prometheus.Gauge(METRIC_PREFIX + "plan_file_errors", "plan files that cannot be read", registry=reg)
     errors.set(len(report.get("errors") or ()))
     for inst in report["instances"]:
@@ -274,6 +276,8 @@ def registry(report: t.Mapping[str, t.Any], prometheus: t.Any) -> t.Any:
                 free.labels(**rlabels).set(row["free_bytes"])
             if row["margin_bytes"] is not None:
                 margin.labels(**rlabels).set(row["margin_bytes"])
+            if row.get("uuid") or row.get("pci_bus_id"):
+                info.labels(uuid=str(row.get("uuid") or ""), pci_bus_id=str(row.get("pci_bus_id") or ""), **rlabels).set(1)
             for check, healthy in health_checks(row.get("health")).items():
                 health.labels(uuid=str(row.get("uuid") or ""), check=check, **rlabels).set(1 if healthy else 0)
         if inst["kv_cache_memory_bytes"] is not None:

@@ -119,6 +119,7 @@ def parse_plan(doc: t.Any, where: str = "plan file") -> dict[str, t.Any]:
         "manual": manual,
         "gpus": list(gpus),
         "gpu_uuids": _gpu_uuids(doc.get("gpu_uuids"), len(gpus), where),
+        "gpu_pci_bus_ids": _gpu_pci_bus_ids(doc.get("gpu_pci_bus_ids"), len(gpus), where),
         "kv_cache_memory_bytes": _int(doc, "kv_cache_memory_bytes", where, required=manual),
         "num_blocks": _int(doc, "num_blocks", where, required=False),
         "kv_cache_tokens": _int(doc, "kv_cache_tokens", where, required=False),
@@ -265,6 +266,15 @@ def _gpu_uuids(value: t.Any, count: int, where: str) -> list[str] | None:
     return list(value)
 
 
+def _gpu_pci_bus_ids(value: t.Any, count: int, where: str) -> list[str] | None:
+    """The PCI bus ids of the instance's GPUs in rank order (informative: the UUIDs identify the cards); None: not named."""
+    if value is None:
+        return None
+    if not isinstance(value, list) or len(value) != count or not all(isinstance(b, str) and b and b.isprintable() for b in value):
+        raise BootGateError(f"{where}: gpu_pci_bus_ids must list one PCI bus id per GPU of gpus ({count}), got {value!r}")
+    return list(value)
+
+
 def moved_gpus(plan: t.Mapping[str, t.Any], gpus: t.Sequence[t.Mapping[str, t.Any]]) -> list[str]:
     """The ranks whose GPU index now names another card than the one the plan was made for (by UUID).
 
@@ -276,13 +286,17 @@ def moved_gpus(plan: t.Mapping[str, t.Any], gpus: t.Sequence[t.Mapping[str, t.An
     if not planned:
         return []
     found = {int(g["index"]): g.get("uuid") for g in gpus}
+    bus = {int(g["index"]): g.get("pci_bus_id") for g in gpus}
+    planned_bus = plan.get("gpu_pci_bus_ids") or [None] * len(planned)
     where_now = {uuid: index for index, uuid in found.items() if uuid}
     out = []
-    for rank, (index, uuid) in enumerate(zip(plan["gpus"], planned)):
+    for rank, (index, uuid, slot) in enumerate(zip(plan["gpus"], planned, planned_bus)):
         now = found.get(index)
         if now and now != uuid:
+            now_at = f" at PCI {bus[index]}" if bus.get(index) else ""
+            was_at = f" at PCI {slot}" if slot else ""
             moved = f" ({uuid} is GPU {where_now[uuid]} now)" if uuid in where_now else ""
-            out.append(f"rank {rank}: GPU {index} is {now}, the plan was made for {uuid}{moved}")
+            out.append(f"rank {rank}: GPU {index} is {now}{now_at}, the plan was made for {uuid}{was_at}{moved}")
     return out
 
 
@@ -297,7 +311,8 @@ def rank_rows(plan: t.Mapping[str, t.Any], gpus: t.Sequence[t.Mapping[str, t.Any
                                  "total_bytes": None, "margin_bytes": None}
         if gpu is not None:
             free = int(gpu.get("boot_free_bytes", gpu.get("free_bytes", 0)))
-            row.update(free_bytes=free, total_bytes=int(gpu.get("total_bytes") or 0), uuid=gpu.get("uuid"))
+            row.update(free_bytes=free, total_bytes=int(gpu.get("total_bytes") or 0), uuid=gpu.get("uuid"),
+                       pci_bus_id=gpu.get("pci_bus_id"))
             if gpu.get("health") is not None:
                 row["health"] = gpu["health"]
             if floor is not None:

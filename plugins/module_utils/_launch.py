@@ -271,6 +271,15 @@ def instance_gpu_uuids(gpus: t.Sequence[t.Any], host_gpus: t.Any) -> list[str] |
     return [str(u) for u in uuids] if all(isinstance(u, str) and u.startswith("GPU-") for u in uuids) else None
 
 
+def instance_gpu_pci_bus_ids(gpus: t.Sequence[t.Any], host_gpus: t.Any) -> list[str] | None:
+    """The PCI bus ids (``pci_bus_id``, as NVML prints them) of an instance's GPUs; None unless all are known."""
+    if not isinstance(host_gpus, (list, tuple)):
+        return None
+    by_index = {g.get("index"): g.get("pci_bus_id") for g in host_gpus if isinstance(g, t.Mapping)}
+    found = [by_index.get(int(g)) for g in gpus]
+    return [str(b) for b in found] if all(isinstance(b, str) and b for b in found) else None
+
+
 def cuda_visible_devices(gpus: t.Sequence[t.Any], host_gpus: t.Any) -> str:
     """The engine's ``CUDA_VISIBLE_DEVICES``: the instance's cards by NVML UUID in rank order, else by index.
 
@@ -300,6 +309,8 @@ def plan_file(launch: t.Mapping[str, t.Any], instance: t.Mapping[str, t.Any], *,
     record = check_launch(launch)
     name = str(instance["name"])
     uuids = instance_gpu_uuids(instance["gpus"], host_gpus)
+    # where each card sits, for people: a moved card's message names the slot it was planned in
+    bus_ids = instance_gpu_pci_bus_ids(instance["gpus"], host_gpus) if uuids else None
     return {
         "format": PLAN_FILE_FORMAT,
         "instance": name,
@@ -309,6 +320,7 @@ def plan_file(launch: t.Mapping[str, t.Any], instance: t.Mapping[str, t.Any], *,
         "model": model,
         "gpus": [int(g) for g in instance["gpus"]],
         **({"gpu_uuids": uuids} if uuids else {}),
+        **({"gpu_pci_bus_ids": bus_ids} if bus_ids else {}),
         "port": int(instance["port"]),
         "max_model_len": int(max_model_len) if max_model_len else None,
         "planned_at": planned_at,

@@ -90,8 +90,9 @@ checked_at:
 instances:
   description:
     - One entry per manual-budget instance, with C(instance), C(unit), C(host_class), C(policy), C(verdict),
-      C(next_start) (the gate's action at a start now), C(ranks) (C(rank), C(gpu), C(uuid), C(free_bytes), C(floor_bytes),
-      C(margin_bytes), C(health) as M(gpufleet.vllm.gpu_memory_info) returns it), C(min_margin_bytes), C(kv_cache_memory_bytes), C(kv_cache_tokens), C(would_start),
+      C(next_start) (the gate's action at a start now), C(ranks) (C(rank), C(gpu), C(uuid), C(pci_bus_id), C(free_bytes),
+      C(floor_bytes), C(margin_bytes), C(health) as M(gpufleet.vllm.gpu_memory_info) returns it), C(min_margin_bytes),
+      C(kv_cache_memory_bytes), C(kv_cache_tokens), C(would_start),
       C(planned_at), C(plan_age_days), C(compat_key_hash), C(reference_key_hash), C(key_matches),
       C(last_start) (the gate's last record), C(plan_checksum) and C(recorded_checksum) (the unit's) and C(reasons).
   returned: success

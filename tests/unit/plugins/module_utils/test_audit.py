@@ -248,6 +248,10 @@ def test_gpu_health_is_exported_per_check_and_an_unhealthy_gpu_would_be_refused(
     samples = {(s.name, s.labels.get("vllm_instance")): s.value
                for fam in text_string_to_metric_families(out.read_text()) for s in fam.samples}
     assert samples[("gpufleet_vllm_would_refuse", "a")] == 0 and samples[("gpufleet_vllm_would_refuse", "b")] == 1
+    # which card each rank is on now: UUID and PCI bus id (the fake library puts card i at bus 0x18 + i)
+    info = {(s.labels["vllm_instance"], s.labels["rank"], s.labels["uuid"], s.labels["pci_bus_id"]): s.value
+            for fam in text_string_to_metric_families(out.read_text()) for s in fam.samples if s.name == "gpufleet_vllm_gpu_info"}
+    assert info == {("a", "0", uuids[0], "00000000:18:00.0"): 1.0, ("b", "0", uuids[1], "00000000:19:00.0"): 1.0}
 
 
 def test_exporter_refuses_a_file_node_exporter_would_not_read(tmp_path, capsys):

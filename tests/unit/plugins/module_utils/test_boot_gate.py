@@ -240,6 +240,15 @@ def test_a_planned_card_that_is_not_at_its_index_any_more_is_refused_under_every
         assert (f"rank 0: GPU 0 is {UUID1}, the plan was made for {UUID0} ({UUID0} is GPU 1 now); rank 1: GPU 1 is {UUID0}, "
                 f"the plan was made for {UUID1} ({UUID1} is GPU 0 now)") in verdict["message"]
         assert "not starting on a card the plan was not made for" in gate.decide(plan, replaced, policy)["message"]
+    # with the PCI bus ids the plan file records, the message says where each card sits
+    slots = ["00000000:18:00.0", "00000000:2A:00.0"]
+    located = gate.parse_plan(plan_doc(gpu_uuids=[UUID0, UUID1], gpu_pci_bus_ids=slots))
+    found = [dict(g, pci_bus_id=b) for g, b in zip(swapped, reversed(slots))]
+    assert (f"rank 0: GPU 0 is {UUID1} at PCI 00000000:2A:00.0, the plan was made for {UUID0} at PCI 00000000:18:00.0 "
+            f"({UUID0} is GPU 1 now)") in gate.decide(located, found, "shrink")["message"]
+    assert gate.rank_rows(located, found)[0]["pci_bus_id"] == "00000000:2A:00.0"
+    with pytest.raises(gate.BootGateError, match="gpu_pci_bus_ids must list one PCI bus id per GPU"):
+        gate.parse_plan(plan_doc(gpu_uuids=[UUID0, UUID1], gpu_pci_bus_ids=slots[:1]))
     # a plan file without UUIDs (written before they were recorded) or a GPU without one is not judged by UUID
     assert gate.decide(gate.parse_plan(plan_doc()), swapped, "refuse")["action"] == "start"
     assert gate.decide(plan, gpus(FLOOR + GIB), "refuse")["action"] == "start"
@@ -265,7 +274,8 @@ def test_launcher_refuses_a_start_after_the_gpus_were_enumerated_anew(tmp_path):
     done = run_launcher(tmp_path, plan_path, state_path, "shrink", "x1")
     assert done.returncode == gate.EXIT_REFUSED, done.stderr
     assert "ENGINE" not in done.stdout
-    assert f"rank 0: GPU 0 is {UUID1}, the plan was made for {UUID0}" in done.stderr
+    # the fake library puts card i at bus 0x18 + i: UUID1 (made at index 0) sits at 00000000:18:00.0
+    assert f"rank 0: GPU 0 is {UUID1} at PCI 00000000:18:00.0, the plan was made for {UUID0}" in done.stderr
     assert json.loads(state_path.read_text())["action"] == "refuse"
 
 

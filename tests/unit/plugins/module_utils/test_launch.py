@@ -189,3 +189,8 @@ def test_the_plan_file_names_the_instances_cards_by_uuid_when_the_probe_read_the
     assert _boot_gate.parse_plan(json.loads(json.dumps(named)))["gpu_uuids"] == named["gpu_uuids"]
     # not every card known, or no probe: no UUIDs (never some of them)
     assert "gpu_uuids" not in doc(probed[:2]) and "gpu_uuids" not in doc(None) and "gpu_uuids" not in doc([{"index": 3}])
+    # the PCI bus ids beside them, where the probe read every one
+    located = doc([dict(g, pci_bus_id=f"00000000:{0x18 + g['index']:02X}:00.0") for g in probed])
+    assert located["gpu_pci_bus_ids"] == ["00000000:1B:00.0", "00000000:19:00.0"]
+    assert _boot_gate.parse_plan(json.loads(json.dumps(located)))["gpu_pci_bus_ids"] == located["gpu_pci_bus_ids"]
+    assert "gpu_pci_bus_ids" not in named
