@@ -66,4 +66,3 @@ def test_unpinned_packages_are_refused_and_read_only_installs_nothing(tmp_path):
     assert outcome["read_only_found"] == "ok", outcome["read_only_found"]
     assert sorted(p.name for p in found.iterdir()) == ["bin"], "read-only: nothing written into the venv"
     assert "Build the binding venv" not in stdout and "Look for a complete binding venv" not in stdout
-
