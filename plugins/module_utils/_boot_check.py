@@ -45,7 +45,7 @@ def boot_timeout(configured: t.Any, measured_seconds: t.Any = None, enforce_eage
         seconds = float(configured)
     except (TypeError, ValueError):
         raise EngineSpecError(f"{field}: expected a number of seconds (0 derives it), got {configured!r}") from None
-    if seconds < 0 or seconds != seconds:
+    if not seconds >= 0:  # negative, or NaN
         raise EngineSpecError(f"{field}: expected 0 (derived) or a positive number of seconds, got {configured!r}")
     if seconds > 0:
         return int(-(-seconds // 1)), f"{field} {int(-(-seconds // 1))} s (set in the inventory)"
