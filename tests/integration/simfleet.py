@@ -200,6 +200,13 @@ def l40s_fleet(boot_delay_s: float) -> dict[str, Any]:
     }
 
 
+def class_unit(unit_text: str | None) -> str | None:
+    """A unit as every host of its class runs it: each host's own cards (CUDA_VISIBLE_DEVICES, their
+    UUIDs) left out, so that two hosts of one plan compare equal."""
+    return re.sub(r"(?m)^Environment=CUDA_VISIBLE_DEVICES=\S+$", "Environment=CUDA_VISIBLE_DEVICES=<the host's cards>",
+                  unit_text) if unit_text is not None else None
+
+
 def budget(unit_text: str | None) -> int | None:
     match = re.search(r"--kv-cache-memory-bytes (\d+)", unit_text or "")
     return int(match.group(1)) if match else None
