@@ -24,6 +24,7 @@ would), a co-tenant injected into the fake NVML state:
 7. the plan file edited on the host (budget and expectations doubled) with a co-tenant
    below the floor: the gate refuses it against the checksum the deploy's drop-in
    records, and the audit and the exporter say ``plan_edited``;
+7b. a GPU whose row remapping is pending (NVML health): refused, named by index and UUID, exported;
 8. a controller whose clock is 400 days ahead of the hosts' (libfaketime on ``ansible-playbook``
    alone: the test hosts share this machine's clock): the audit judges ages on the controller's
    clock, names the skew per host and says ``reprofile_due`` rather than ``ok``;
@@ -590,6 +591,38 @@ def test_another_card_at_the_planned_index_is_refused_and_exported(fleet):
         wait_active(fleet, host)
     assert fleet.active(host) == "active", "the planned card back at its index starts again"
     assert exporter_samples(fleet, host)[("gpufleet_vllm_last_start_refused", (("class", CLASS), ("vllm_instance", "main")))] == 0
+
+
+def test_a_gpu_with_a_pending_row_remapping_is_refused_and_exported(fleet):
+    """NVML health at the start: the card's rows were remapped after an uncorrectable error and the remapping waits
+    for a GPU reset (``inject gpu-health --fault remap-pending``). Under the default ``gpu_health: refuse`` the gate
+    starts nothing on it, naming the GPU's index and UUID and why; the exporter writes the failing check
+    (``gpufleet_vllm_gpu_health{check="remap_pending"}`` 0) beside the refused start; once the GPU was reset, it starts."""
+    host = SHRINK
+    (uuid,) = json.loads(fleet.read(host, fleet.plan_path))["gpu_uuids"]
+    fleet.sim.inject_gpu_health(host, 0, "remap-pending", clear=False)
+    rank = (("class", CLASS), ("gpu", "0"), ("rank", "0"), ("uuid", uuid), ("vllm_instance", "main"))
+    inst = (("class", CLASS), ("vllm_instance", "main"))
+    try:
+        state = restart_refused(fleet, host)
+        journal = fleet.harness.exec(host, ["journalctl", f"_SYSTEMD_INVOCATION_ID={state['InvocationID']}", "-o", "cat"]).stdout
+        assert f"rank 0 (GPU 0, {uuid}): a row remapping is pending (reset the GPU to apply it)" in journal, journal
+        assert "not starting on an unhealthy GPU (gpu_health: refuse)" in journal, journal
+        record = gate_state(fleet, host)
+        assert record["action"] == "refuse" and record["ranks"][0]["health"]["remapped_rows"]["pending"] is True
+
+        samples = exporter_samples(fleet, host)
+        assert samples[("gpufleet_vllm_gpu_health", (("check", "remap_pending"), *rank))] == 0
+        assert samples[("gpufleet_vllm_gpu_health", (("check", "ecc_uncorrected"), *rank))] == 1
+        assert samples[("gpufleet_vllm_would_refuse", inst)] == 1
+        assert samples[("gpufleet_vllm_last_start_refused", inst)] == 1
+    finally:
+        fleet.sim.inject_gpu_health(host, 0, None, clear=True)
+        fleet.harness.exec(host, ["systemctl", "reset-failed", UNIT])
+        fleet.harness.exec(host, ["systemctl", "restart", UNIT])
+        wait_active(fleet, host)
+    assert fleet.active(host) == "active", "the GPU reset (no remapping pending), the unit starts again"
+    assert exporter_samples(fleet, host)[("gpufleet_vllm_gpu_health", (("check", "remap_pending"), *rank))] == 1
 
 
 def test_a_controller_clock_far_from_the_hosts_is_named_by_the_audit(fleet):
