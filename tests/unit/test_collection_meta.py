@@ -99,6 +99,19 @@ def test_build_excludes_development_trees(tarball_members: list[str]) -> None:
     assert not bad, "built collection ships development files:\n" + "\n".join(sorted(bad)[:40])
 
 
+def test_the_docs_install_the_version_galaxy_yml_builds() -> None:
+    """README's install commands and the AWX execution environment name the version `make build` produces."""
+    version = str(_load_yaml(REPO_ROOT / "galaxy.yml")["version"])
+    readme = (REPO_ROOT / "README.md").read_text(encoding="utf-8")
+    named = set(re.findall(r"gpufleet-vllm-([0-9][0-9.]*[0-9])\.tar\.gz", readme)) | set(re.findall(r"gpufleet\.vllm:==([0-9.]+[0-9])", readme))
+    assert named == {version}, f"README installs {sorted(named)}, galaxy.yml builds {version}"
+    awx = (REPO_ROOT / "docs" / "awx.md").read_text(encoding="utf-8")
+    assert f'version: ">={version}"' in awx and f"gpufleet-ee:{version}" in awx, "docs/awx.md's execution environment names another version"
+    porting = (REPO_ROOT / "docs" / "porting.md").read_text(encoding="utf-8")
+    assert re.search(rf"^## From [0-9.]+ to {re.escape(version)}$", porting, re.MULTILINE), f"docs/porting.md has no section for {version}"
+    assert "not released yet" not in porting.split("\n## ", 2)[1], "the porting guide's newest section says it is not released"
+
+
 def test_build_manifest_matches_galaxy_yml(built_tarball: Path) -> None:
     galaxy = _load_yaml(REPO_ROOT / "galaxy.yml")
     assert isinstance(galaxy, dict)
