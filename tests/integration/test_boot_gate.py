@@ -213,7 +213,9 @@ def test_the_rollout_writes_a_format_3_plan_and_every_unit_starts_through_the_ga
     for host, policy in ((SHRINK, "shrink"), (REFUSE, "refuse"), (PROFILE, "profile")):
         plan = fleet.plan(host)
         assert plan["format"] == 3 and plan["schema"] == 1 and plan["manual"] is True
-        assert plan["boot_gate"] == {"policy": policy, "state_file": STATE}
+        assert plan["boot_gate"] == {"policy": policy, "state_file": STATE, "gpu_health": "refuse"}
+        # the cards by UUID and where they sit, one per GPU
+        assert len(plan["gpu_uuids"]) == len(plan["gpu_pci_bus_ids"]) == len(plan["gpus"]), plan
         assert plan["capacity"]["bytes_per_block"] > 0 and plan["max_model_len"] == 8192
         assert plan["admission"]["required_blocks"] == 8 * 512 + 1
         state = gate_state(fleet, host)
