@@ -12,6 +12,7 @@ Plain Python (no Ansible import).
 
 from __future__ import annotations
 
+import math
 import subprocess
 import typing as t
 from dataclasses import dataclass, field
@@ -45,7 +46,7 @@ def boot_timeout(configured: t.Any, measured_seconds: t.Any = None, enforce_eage
         seconds = float(configured)
     except (TypeError, ValueError):
         raise EngineSpecError(f"{field}: expected a number of seconds (0 derives it), got {configured!r}") from None
-    if not seconds >= 0:  # negative, or NaN
+    if seconds < 0 or math.isnan(seconds):
         raise EngineSpecError(f"{field}: expected 0 (derived) or a positive number of seconds, got {configured!r}")
     if seconds > 0:
         return int(-(-seconds // 1)), f"{field} {int(-(-seconds // 1))} s (set in the inventory)"
