@@ -235,54 +235,37 @@ static int parse_int(const char *s, int *out)
 }
 
 /* List values are decoded first, then split on ',' (writers may or may not encode the commas). */
-static int parse_noise(const char *s, struct fake_gpu *g)
+static int parse_ull_list(const char *s, unsigned long long *out, int max, int *n)
 {
-    char buf[4096];
-    g->n_noise = 0;
+    char buf[8192];
+    *n = 0;
     if (!*s)
         return 0;
     if (pct_decode(s, buf, sizeof buf))
         return -1;
     char *save = NULL;
     for (char *tok = strtok_r(buf, ",", &save); tok; tok = strtok_r(NULL, ",", &save)) {
-        if (g->n_noise >= MAX_NOISE || parse_ull(tok, &g->noise[g->n_noise]))
+        if (*n >= max || parse_ull(tok, &out[*n]))
             return -1;
-        g->n_noise++;
+        (*n)++;
     }
     return 0;
 }
 
-static int parse_xids(const char *s, struct fake_gpu *g)
+static int parse_name_list(const char *s, char (*out)[STR], int max, int *n)
 {
-    char buf[4096];
-    g->n_xids = 0;
+    char buf[8192];
+    *n = 0;
     if (!*s)
         return 0;
     if (pct_decode(s, buf, sizeof buf))
         return -1;
     char *save = NULL;
     for (char *tok = strtok_r(buf, ",", &save); tok; tok = strtok_r(NULL, ",", &save)) {
-        if (g->n_xids >= MAX_XIDS || parse_ull(tok, &g->xids[g->n_xids]))
+        if (*n >= max || strlen(tok) >= STR)
             return -1;
-        g->n_xids++;
-    }
-    return 0;
-}
-
-static int parse_unsupported(const char *s, struct fake_gpu *g)
-{
-    char buf[4096];
-    g->n_unsupported = 0;
-    if (!*s)
-        return 0;
-    if (pct_decode(s, buf, sizeof buf))
-        return -1;
-    char *save = NULL;
-    for (char *tok = strtok_r(buf, ",", &save); tok; tok = strtok_r(NULL, ",", &save)) {
-        if (g->n_unsupported >= MAX_UNSUPPORTED || strlen(tok) >= STR)
-            return -1;
-        strcpy(g->unsupported[g->n_unsupported], tok);
-        g->n_unsupported++;
+        strcpy(out[*n], tok);
+        (*n)++;
     }
     return 0;
 }
@@ -298,20 +281,7 @@ static int parse_uint(const char *s, unsigned int *out)
 
 static int parse_missing(const char *s, struct fake_state *st)
 {
-    char buf[8192];
-    st->n_missing = 0;
-    if (!*s)
-        return 0;
-    if (pct_decode(s, buf, sizeof buf))
-        return -1;
-    char *save = NULL;
-    for (char *tok = strtok_r(buf, ",", &save); tok; tok = strtok_r(NULL, ",", &save)) {
-        if (st->n_missing >= MAX_MISSING || strlen(tok) >= STR)
-            return -1;
-        strcpy(st->missing[st->n_missing], tok);
-        st->n_missing++;
-    }
-    return 0;
+    return parse_name_list(s, st->missing, MAX_MISSING, &st->n_missing);
 }
 
 static int parse_cc(const char *s, struct fake_gpu *g)
@@ -347,11 +317,11 @@ static int apply_system(struct fake_state *st, const char *key, const char *raw)
 static int apply_gpu(struct fake_gpu *g, int *have_index, const char *key, const char *raw)
 {
     if (!strcmp(key, "noise"))
-        return parse_noise(raw, g);
+        return parse_ull_list(raw, g->noise, MAX_NOISE, &g->n_noise);
     if (!strcmp(key, "xid"))
-        return parse_xids(raw, g);
+        return parse_ull_list(raw, g->xids, MAX_XIDS, &g->n_xids);
     if (!strcmp(key, "unsupported"))
-        return parse_unsupported(raw, g);
+        return parse_name_list(raw, g->unsupported, MAX_UNSUPPORTED, &g->n_unsupported);
     char val[STR];
     if (pct_decode(raw, val, sizeof val))
         return -1;

@@ -337,6 +337,23 @@ def test_unreachable_host_is_left_out(fleet):
         assert fleet.active(host) == "active", host
 
 
+def watch_canary_user(fleet, host: str, users: list[str]) -> None:
+    """In the background, record the account of the profiled canary engine once it runs on ``host``: the production
+    instance is stopped then, and the canary is the engine without a fixed budget (the simulated engine listens on
+    the canary port)."""
+
+    def look() -> None:
+        for _attempt in range(60):
+            ps = fleet.harness.exec(host, ["ps", "-eo", "user:20,args"]).stdout
+            found = [row.split()[0] for row in ps.splitlines()
+                     if " serve " in row and "--port" in row and "--kv-cache-memory-bytes" not in row]
+            if found:
+                users.extend(found)
+                return
+            time.sleep(0.5)
+    threading.Thread(target=look, daemon=True).start()
+
+
 def test_compat_key_change_forces_a_profiled_canary(fleet):
     """A new key on a running class: plan.yml first says what the rollout will do (the chosen canary
     host, whose production instance both canaries stop, for about how long); the rollout then runs the
@@ -368,18 +385,7 @@ def test_compat_key_change_forces_a_profiled_canary(fleet):
 
     def watch(line: str) -> None:
         if "Boot the canary engine (profiled)" in line and not canary_users:
-            # the canary engine's account, while it boots (the simulated engine listens on the canary port)
-            def look() -> None:
-                for _attempt in range(60):
-                    ps = fleet.harness.exec("sim-ro-2", ["ps", "-eo", "user:20,args"]).stdout
-                    # the canary engine: the production instance is stopped, and it is the one without a fixed budget
-                    found = [row.split()[0] for row in ps.splitlines()
-                             if " serve " in row and "--port" in row and "--kv-cache-memory-bytes" not in row]
-                    if found:
-                        canary_users.extend(found)
-                        return
-                    time.sleep(0.5)
-            threading.Thread(target=look, daemon=True).start()
+            watch_canary_user(fleet, "sim-ro-2", canary_users)
         if "Start the instance again" in line and not slowed.is_set():
             # the production instance restarted after the profiled canary boots slowly, its memory growing
             fleet.sim.inject_slow_next_boot("sim-ro-2", 15.0, 30)
@@ -549,16 +555,7 @@ def test_a_hand_written_unit_is_taken_over_and_given_back_by_rollback(fleet):
 
         def watch(line: str) -> None:
             if "Boot the canary engine (profiled)" in line and not canary_users:
-                def look() -> None:
-                    for _attempt in range(60):
-                        ps = fleet.harness.exec(host, ["ps", "-eo", "user:20,args"]).stdout
-                        found = [row.split()[0] for row in ps.splitlines()
-                                 if " serve " in row and "--port" in row and "--kv-cache-memory-bytes" not in row]
-                        if found:
-                            canary_users.extend(found)
-                            return
-                        time.sleep(0.5)
-                threading.Thread(target=look, daemon=True).start()
+                watch_canary_user(fleet, host, canary_users)
 
         rc, out = fleet.rollout({"gpufleet_class": "ro-l40s", "gpufleet_target": host, "gpufleet_canary_host": host,
                                  "gpufleet_hooks": {"drain": str(recorder), "undrain": str(recorder)}},

@@ -153,13 +153,19 @@ def test_host_gpu_model_and_noise_errors_name_the_field(tmp_path, fields, messag
         fleetctl.load_fleet(path)
 
 
-def test_inject_noise_sets_and_clears_one_gpu(tmp_path, monkeypatch) -> None:
+def _fleet_with_state(tmp_path, monkeypatch) -> tuple[fleetctl.Fleet, Path]:
+    """A small fleet whose host sim-x-2's NVML state file is a local file (the injections' target)."""
     path = tmp_path / "fleet.yml"
     path.write_text(yaml.safe_dump(_small_fleet()))
     sim = fleetctl.Fleet(path)
     state = tmp_path / "state"
     fleetctl.nvml_state.save(str(state), fleetctl.build_state(sim.fleet, "sim-x-2"))
     monkeypatch.setattr(sim, "state_file", lambda host: state)
+    return sim, state
+
+
+def test_inject_noise_sets_and_clears_one_gpu(tmp_path, monkeypatch) -> None:
+    sim, state = _fleet_with_state(tmp_path, monkeypatch)
     sim.inject_noise("sim-x-2", 1, [0, 384 << 20])
     assert [g["noise"] for g in fleetctl.nvml_state.load(str(state))["gpus"]] == [[], [0, 384 << 20]]
     sim.inject_noise("sim-x-2", 1, None)
@@ -179,12 +185,7 @@ def test_noise_command_line(monkeypatch) -> None:
 
 
 def test_inject_gpu_health_sets_and_clears_each_fault_on_one_gpu(tmp_path, monkeypatch) -> None:
-    path = tmp_path / "fleet.yml"
-    path.write_text(yaml.safe_dump(_small_fleet()))
-    sim = fleetctl.Fleet(path)
-    state = tmp_path / "state"
-    fleetctl.nvml_state.save(str(state), fleetctl.build_state(sim.fleet, "sim-x-2"))
-    monkeypatch.setattr(sim, "state_file", lambda host: state)
+    sim, state = _fleet_with_state(tmp_path, monkeypatch)
 
     def gpu(index: int) -> dict:
         return fleetctl.nvml_state.load(str(state))["gpus"][index]
