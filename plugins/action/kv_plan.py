@@ -123,6 +123,10 @@ def members_from_group(group: str, task_vars: Mapping[str, Any],
                     "free_max_bytes": gpu.get("free_max_bytes"),
                     "gpu_name": gpu.get("name"),
                     "total_bytes": gpu.get("total_bytes"),
+                    # the card, for the plan's per-rank table (the planner does not judge by it)
+                    "gpu": int(index),
+                    "uuid": gpu.get("uuid"),
+                    "pci_bus_id": gpu.get("pci_bus_id"),
                 }
                 moved = _probe_history.movement(history[host], int(index), window) if history and host in history else None
                 if moved is not None:

@@ -816,12 +816,28 @@ def _instability(p: _Planning, drift: _Drift) -> None:
     )
 
 
+def _rank_cards(raw_hosts: Any) -> dict[tuple[str, int], dict[str, Any]]:
+    """(member, rank) -> the card a rank entry of the input names (``gpu`` index, ``uuid``, ``pci_bus_id``), where it names one."""
+    cards: dict[tuple[str, int], dict[str, Any]] = {}
+    for name, value in (raw_hosts.items() if isinstance(raw_hosts, Mapping) else ()):
+        entries = value.get("ranks") if isinstance(value, Mapping) else value
+        for i, entry in enumerate(entries if isinstance(entries, list) else ()):
+            if isinstance(entry, Mapping) and isinstance(entry.get("rank", i), int):
+                card = {k: entry[k] for k in ("gpu", "uuid", "pci_bus_id") if entry.get(k) is not None}
+                if card:
+                    cards[(str(name), entry.get("rank", i))] = card
+    return cards
+
+
 def _per_rank_table(p: _Planning, drift: _Drift) -> None:
     per_rank = []
+    # the card of each rank, where the probe named it: a plan read later says which GPU it was made for
+    cards = _rank_cards(p.inputs.spec.get("hosts"))
     for name, rank, free, drift_bytes, adjusted, is_unstable, spread in drift.rows:
         floor = p.floors[rank]
         per_rank.append(
             {
+                **cards.get((name, rank), {}),
                 "host": name,
                 "rank": rank,
                 "boot_free_bytes": free,

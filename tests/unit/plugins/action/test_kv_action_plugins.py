@@ -14,6 +14,7 @@ from ansible.errors import AnsibleActionFail
 from ansible_collections.gpufleet.vllm.plugins.action.kv_plan import ActionModule as KvPlan
 from ansible_collections.gpufleet.vllm.plugins.action.kv_plan import members_from_group
 from ansible_collections.gpufleet.vllm.plugins.action.kv_profile import ActionModule as KvProfile
+from ansible_collections.gpufleet.vllm.plugins.plugin_utils._plan import plan_class
 
 GIB = 1024**3
 REFERENCE = {
@@ -50,7 +51,15 @@ def test_members_from_group_default_instance_and_facts_paths():
     }
     members = members_from_group("h200", task_vars(hv))
     assert sorted(members) == ["a/vllm", "b/vllm"]
-    assert members["a/vllm"][1] == {"rank": 1, "boot_free_bytes": int(40.75 * GIB), "gpu_name": "NVIDIA H200", "total_bytes": 141 * GIB}
+    assert members["a/vllm"][1] == {"rank": 1, "boot_free_bytes": int(40.75 * GIB), "gpu_name": "NVIDIA H200", "total_bytes": 141 * GIB,
+                                    "gpu": 1}
+    # the card a probe named (UUID, PCI bus id) goes with the rank into the plan's per-rank table
+    hv["a"]["gpufleet_gpus"][1].update(uuid="GPU-11111111-0000-4000-8000-000000000001", pci_bus_id="00000000:19:00.0")
+    members = members_from_group("h200", task_vars(hv))
+    plan = plan_class({"host_class": "h200", "reference": REFERENCE, "hosts": members, "max_model_len": 8192})
+    row = next(r for r in plan["per_rank"] if r["host"] == "a/vllm" and r["rank"] == 1)
+    assert (row["gpu"], row["uuid"], row["pci_bus_id"]) == (1, "GPU-11111111-0000-4000-8000-000000000001", "00000000:19:00.0")
+    assert "uuid" not in next(r for r in plan["per_rank"] if r["host"] == "b/vllm")
 
 
 def test_members_from_group_instances_take_their_gpus_in_order():
