@@ -404,9 +404,9 @@ per_rank:
   contains:
     host: {description: Host or host/instance., type: str}
     rank: {description: Rank number., type: int}
-    gpu: {description: The rank's NVML index (from O(hosts_from), or a rank entry's C(gpu))., type: int}
-    uuid: {description: The card's NVML UUID where the probe read it (a rank entry's C(uuid))., type: str}
-    pci_bus_id: {description: The card's PCI bus id where the probe read it (a rank entry's C(pci_bus_id))., type: str}
+    gpu: {description: "The rank's NVML index (from O(hosts_from), or a rank entry's C(gpu)).", type: int}
+    uuid: {description: "The card's NVML UUID where the probe read it (a rank entry's C(uuid)).", type: str}
+    pci_bus_id: {description: "The card's PCI bus id where the probe read it (a rank entry's C(pci_bus_id)).", type: str}
     boot_free_bytes: {description: Free memory at boot (NVML)., type: int}
     drift_bytes: {description: C(F_ref - F_boot) (negative when more is free)., type: int}
     adjusted_bytes: {description: C(B_adj) of this rank., type: int}
