@@ -384,7 +384,7 @@ def test_a_setting_built_from_a_host_variable_comes_from_the_first_target_host(t
 def test_a_wrong_run_setting_stops_the_run_naming_it(tmp_path):
     proc, run = run_validate(tmp_path, {"gpufleet_profile_store": str(tmp_path / "store"), "gpufleet_split_policy": "maybe"})
     assert proc.returncode != 0 and run is None
-    assert "value of gpufleet_split_policy must be one of: warn, fail, got: maybe" in proc.stdout, proc.stdout[-3000:]
+    assert "value of gpufleet_split_policy must be one of: per_host, warn, fail, got: maybe" in proc.stdout, proc.stdout[-3000:]
     proc, run = run_validate(tmp_path, {"gpufleet_profile_store": str(tmp_path / "store"), "gpufleet_rollout_serial": "1,0"})
     assert proc.returncode != 0 and run is None
     assert "gpufleet_rollout_serial[1]: expected a positive int or a share 'N%' (0 < N <= 100), got 0" in proc.stdout, proc.stdout[-3000:]
