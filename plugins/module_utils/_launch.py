@@ -262,22 +262,23 @@ def for_instance(plan: t.Mapping[str, t.Any], default_utilization: float, where:
     return record
 
 
-def instance_gpu_uuids(gpus: t.Sequence[t.Any], host_gpus: t.Any) -> list[str] | None:
-    """The NVML UUIDs of an instance's GPUs (indices) from the host's probed GPUs (``index``, ``uuid``); None unless all are known."""
+def _instance_gpu_field(gpus: t.Sequence[t.Any], host_gpus: t.Any, key: str, prefix: str = "") -> list[str] | None:
+    """One probed field (``key``) of each of an instance's GPUs (indices), in rank order; None unless every GPU has it."""
     if not isinstance(host_gpus, (list, tuple)):
         return None
-    by_index = {g.get("index"): g.get("uuid") for g in host_gpus if isinstance(g, t.Mapping)}
-    uuids = [by_index.get(int(g)) for g in gpus]
-    return [str(u) for u in uuids] if all(isinstance(u, str) and u.startswith("GPU-") for u in uuids) else None
+    by_index = {g.get("index"): g.get(key) for g in host_gpus if isinstance(g, t.Mapping)}
+    found = [by_index.get(int(g)) for g in gpus]
+    return [str(v) for v in found] if all(isinstance(v, str) and v and v.startswith(prefix) for v in found) else None
+
+
+def instance_gpu_uuids(gpus: t.Sequence[t.Any], host_gpus: t.Any) -> list[str] | None:
+    """The NVML UUIDs of an instance's GPUs (indices) from the host's probed GPUs (``index``, ``uuid``); None unless all are known."""
+    return _instance_gpu_field(gpus, host_gpus, "uuid", "GPU-")
 
 
 def instance_gpu_pci_bus_ids(gpus: t.Sequence[t.Any], host_gpus: t.Any) -> list[str] | None:
     """The PCI bus ids (``pci_bus_id``, as NVML prints them) of an instance's GPUs; None unless all are known."""
-    if not isinstance(host_gpus, (list, tuple)):
-        return None
-    by_index = {g.get("index"): g.get("pci_bus_id") for g in host_gpus if isinstance(g, t.Mapping)}
-    found = [by_index.get(int(g)) for g in gpus]
-    return [str(b) for b in found] if all(isinstance(b, str) and b for b in found) else None
+    return _instance_gpu_field(gpus, host_gpus, "pci_bus_id")
 
 
 def cuda_visible_devices(gpus: t.Sequence[t.Any], host_gpus: t.Any) -> str:

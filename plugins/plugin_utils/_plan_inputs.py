@@ -218,10 +218,7 @@ def reference_boot_seconds(doc: Mapping[str, Any]) -> float | None:
     """The measured boot of a class: a plan's ``boot_seconds``, else the canary's of a reference
     profile or of a whole profile-store record (``profile.canary.startup_seconds``)."""
     if doc.get("boot_seconds") is not None:
-        value = doc["boot_seconds"]
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
-            raise PlanError(f"boot_seconds: expected a number of seconds, got {value!r}")
-        return float(value)
+        return _seconds(doc["boot_seconds"], "boot_seconds")
     profile = doc.get("profile")
     return _boot_seconds((profile if isinstance(profile, Mapping) else doc).get("canary"))
 
@@ -230,9 +227,12 @@ def _boot_seconds(canary: Any) -> float | None:
     """The profiled canary's boot time (``canary.startup_seconds``), or None when the record has none."""
     if not isinstance(canary, Mapping) or canary.get("startup_seconds") is None:
         return None
-    value = canary["startup_seconds"]
+    return _seconds(canary["startup_seconds"], "reference.canary.startup_seconds")
+
+
+def _seconds(value: Any, field: str) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
-        raise PlanError(f"reference.canary.startup_seconds: expected a number of seconds, got {value!r}")
+        raise PlanError(f"{field}: expected a number of seconds, got {value!r}")
     return float(value)
 
 
