@@ -37,6 +37,7 @@ import typing as t
 
 from ._boot_gate import POLICIES, BootGateError, decide, parse_plan, read_state, trust_problem
 from ._gpu_health import health_checks
+from ._instance import unit_name
 from ._launch import PLAN_CHECKSUM_DROPIN, PLAN_CHECKSUM_VARIABLE
 
 VERDICTS = ("ok", "reprofile_due", "would_shrink", "would_refuse", "plan_edited")
@@ -179,7 +180,7 @@ def audit(state_dir: str, nvml: t.Any, now: float | None = None,
     devices = sorted({g for _path, plan in plans for g in plan["gpus"]})
     # the running engines' memory is what their next start gets back: free + own, as the
     # rollout's gates count it (the boot gate itself runs before its engine exists)
-    units = [plan["unit"] or f"vllm-{plan['instance']}.service" for _path, plan in plans]
+    units = [plan["unit"] or unit_name(plan["instance"]) for _path, plan in plans]
     probe_errors: dict[str, str] = {}
     try:
         gpus = probe(nvml, devices=devices, samples=1, service_units=units, host=host)["gpus"] if devices else []
@@ -192,7 +193,7 @@ def audit(state_dir: str, nvml: t.Any, now: float | None = None,
     for path, plan in plans:
         state = read_state(plan["state_file"]) if plan["state_file"] else None
         key = (reference_key_hashes or {}).get(plan.get("host_class") or "")
-        unit = plan["unit"] or f"vllm-{plan['instance']}.service"
+        unit = plan["unit"] or unit_name(plan["instance"])
         entry = judge(plan, gpus, judging, reprofile_after_days, key, state, recorded_checksum(unit_dir, unit), path, clock)
         if path in probe_errors:
             # no figures of its GPUs: the gate does not start it (it exits before the engine)
@@ -217,7 +218,7 @@ def _probe_each(nvml: t.Any, plans: list[tuple[str, dict[str, t.Any]]], host: st
     gpus: dict[int, dict[str, t.Any]] = {}
     errors: dict[str, str] = {}
     for path, plan in plans:
-        unit = plan["unit"] or f"vllm-{plan['instance']}.service"
+        unit = plan["unit"] or unit_name(plan["instance"])
         try:
             found = probe(nvml, devices=plan["gpus"], samples=1, service_units=[unit], host=host)["gpus"] if plan["gpus"] else []
         except error as exc:

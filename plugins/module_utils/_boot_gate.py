@@ -55,6 +55,7 @@ import typing as t
 
 from ._gpu_health import BLOCKING_CHECKS, HEALTH_POLICIES, listen_for_xids, unhealthy
 from ._kv_capacity import SOURCES as CAPACITY_SOURCES, blocks_for_bytes, floor_utilization, full_attention_request_blocks, one_request_blocks, tokens_for_blocks
+from ._instance import unit_name
 from ._launch import PLAN_CHECKSUM_VARIABLE, PLAN_FILE_FORMAT, LaunchError, check_launch, plan_checksum, rank_bytes
 
 PLAN_FORMATS = (1, 2, PLAN_FILE_FORMAT)
@@ -358,7 +359,7 @@ def _decide(plan: t.Mapping[str, t.Any], gpus: t.Sequence[t.Mapping[str, t.Any]]
     the per-rank rows and one ``message`` for the journal."""
     if policy not in POLICIES:
         raise BootGateError(f"policy {policy!r}: expected one of {', '.join(POLICIES)}")
-    unit = plan.get("unit") or f"vllm-{plan.get('instance')}.service"
+    unit = plan.get("unit") or unit_name(str(plan.get("instance")))
     rows = rank_rows(plan, gpus)
     planned = {"kv_cache_memory_bytes": plan["kv_cache_memory_bytes"], "gpu_memory_utilization": plan["gpu_memory_utilization"],
                "num_blocks": plan["num_blocks"], "kv_cache_tokens": plan["kv_cache_tokens"]}

@@ -27,6 +27,7 @@ __all__ = [
     "ModuleShell",
     "check_params",
     "host_facts",
+    "host_message",
     "module_result",
     "probe_report",
     "pynvml",
@@ -123,7 +124,7 @@ def module_result(module: ModuleShell, binding: Any, host: str, *, set_facts: bo
     return out
 
 
-def _host_message(exc: NvmlProbeError, host: str) -> str:
+def host_message(exc: NvmlProbeError, host: str) -> str:
     """The probe's message, naming the host once."""
     return exc.message if exc.message.startswith(host) else f"{host}: {exc.message}"
 
@@ -138,7 +139,7 @@ def probe_report(module: ModuleShell, params: dict[str, Any], binding: Any, host
     try:
         result = read(params, binding, host, _module_runner(module))
     except NvmlProbeError as exc:
-        return {"error": _host_message(exc, host), "gpu": exc.gpu, "nvml_error": exc.code}
+        return {"error": host_message(exc, host), "gpu": exc.gpu, "nvml_error": exc.code}
     for warning in result.pop("warnings"):
         module.warn(warning)
     return result
@@ -160,7 +161,7 @@ def run(module: ModuleShell, binding: Any, *, set_facts: bool, missing_binding: 
     try:
         result = module_result(module, binding, host, set_facts=set_facts)
     except NvmlProbeError as exc:
-        module.fail_json(msg=_host_message(exc, host), gpu=exc.gpu, nvml_error=exc.code)
+        module.fail_json(msg=host_message(exc, host), gpu=exc.gpu, nvml_error=exc.code)
     for warning in result.pop("warnings"):
         module.warn(warning)
     module.exit_json(**result)

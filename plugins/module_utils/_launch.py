@@ -56,6 +56,8 @@ import hashlib
 import json
 import typing as t
 
+from ._instance import unit_name
+
 SCHEMA = 1
 # The host's plan file (<state_dir>/<instance>.plan.json) with the launch record inside.
 PLAN_FILE_FORMAT = 3
@@ -315,7 +317,7 @@ def plan_file(launch: t.Mapping[str, t.Any], instance: t.Mapping[str, t.Any], *,
     return {
         "format": PLAN_FILE_FORMAT,
         "instance": name,
-        "unit": f"vllm-{name}.service",
+        "unit": unit_name(name),
         "host_class": host_class,
         "compat_key_hash": compat_key_hash,
         "model": model,

@@ -65,6 +65,7 @@ import typing as t
 from dataclasses import dataclass
 
 from . import _validate as v
+from ._instance import env_file_name, plan_file_name, unit_name, unit_names
 from ._launch import PLAN_CHECKSUM_DROPIN, PLAN_CHECKSUM_VARIABLE, LaunchError, for_instance, plan_checksum, plan_file_bytes
 from ._serve_argv import CONTROLLED_OPTIONS, EngineSpecError, option_name, render_serve_args
 
@@ -106,15 +107,15 @@ class Layout:
         return os.path.join(self.state_dir, "units")
 
     def unit_name(self, name: str) -> str:
-        return f"vllm-{name}.service"
+        return unit_name(name)
 
     def path(self, name: str, kind: str) -> str:
         if kind == "unit":
             return os.path.join(self.unit_dir, self.unit_name(name))
         if kind == "plan":
-            return os.path.join(self.state_dir, f"{name}.plan.json")
+            return os.path.join(self.state_dir, plan_file_name(name))
         if kind == "env":
-            return os.path.join(self.state_dir, f"vllm-{name}.env")
+            return os.path.join(self.state_dir, env_file_name(name))
         if kind == "dropin":
             return os.path.join(self.unit_dir, f"{self.unit_name(name)}.d", PLAN_CHECKSUM_DROPIN)
         raise UnitFilesError(f"unknown file kind {kind!r}")
@@ -1039,7 +1040,7 @@ def rollback_summary(entries: t.Sequence[t.Mapping[str, t.Any]]) -> str:
 
 def validate_adopted(units: t.Sequence[t.Any], instance_names: t.Sequence[str], field: str = "adopt") -> list[str]:
     """The units to take over: systemd service names, none twice, none of this host's own instance units."""
-    own = {f"vllm-{n}.service" for n in instance_names}
+    own = set(unit_names(instance_names))
     out: list[str] = []
     if not isinstance(units, (list, tuple)):
         raise UnitFilesError(f"{field}: expected a list of unit names")

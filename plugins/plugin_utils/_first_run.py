@@ -20,6 +20,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from ansible_collections.gpufleet.vllm.plugins.module_utils._instance import unit_name
+
 __all__ = ["CANARY_RULE", "FirstRunError", "outline", "outline_lines"]
 
 CANARY_RULE = "the first healthy host of the class by name"
@@ -109,7 +111,7 @@ def outline(spec: Mapping[str, Any]) -> dict[str, Any]:
                 raise FirstRunError(f"hosts.{host}[{pos}]: expected {{name, active_state, unit_exists}}")
             name = _text(inst.get("name"), f"hosts.{host}[{pos}].name")
             running = _active(inst.get("active_state"))
-            unit = f"vllm-{name}.service"
+            unit = unit_name(name)
             units.append({"host": host, "unit": unit, "action": "replace" if inst.get("unit_exists") else "create",
                           "batch": batch_of.get(host)})
             if not running:

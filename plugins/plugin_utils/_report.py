@@ -25,6 +25,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from ansible_collections.gpufleet.vllm.plugins.module_utils._instance import unit_name
 from ansible_collections.gpufleet.vllm.plugins.module_utils._launch import figures as launch_figures, plan_checksum, plan_file_figures
 from ansible_collections.gpufleet.vllm.plugins.module_utils._sizes import SizeError, human_bytes, parse_size
 
@@ -441,7 +442,7 @@ def _probe_instance(raw: Any, where: str) -> dict[str, Any]:
     gpus = [_num(g) for g in _sequence(inst.get("gpus"), f"{where}.gpus")]
     return {
         "name": name,
-        "unit": str(inst.get("unit") or f"vllm-{name}.service"),
+        "unit": str(inst.get("unit") or unit_name(name)),
         "gpus": [g for g in gpus if g is not None],
         "port": _num(inst.get("port")),
         "load_state": str(inst.get("load_state") or "") or None,

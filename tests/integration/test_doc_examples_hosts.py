@@ -89,7 +89,7 @@ def collections_path(tmp_path_factory):
 def texts(collections_path) -> dict[str, str]:
     return doc_examples.examples(collections_path, "module",
                                  ["gpu_memory_facts", "gpu_memory_info", "vllm_account", "vllm_audit", "vllm_boot_check", "vllm_canary",
-                                  "vllm_host_tools", "vllm_runtime_info", "vllm_unit"])
+                                  "vllm_host_snapshot", "vllm_host_tools", "vllm_runtime_info", "vllm_unit"])
 
 
 @pytest.fixture(scope="module")
@@ -257,15 +257,19 @@ def engines(sim):
 def test_boot_check_and_gpu_memory_examples(sim, collections_path, texts, tmp_path, engines):
     out = tmp_path / "gpus.json"
     facts_out = tmp_path / "facts.json"
+    snapshot_out = tmp_path / "snapshot.json"
     playbook = doc_examples.module_playbook(texts["vllm_boot_check"], HOST, {"gpufleet_plan": engines})
     playbook += doc_examples.module_playbook(texts["gpu_memory_info"], HOST, post_tasks=[
         keep(out, "{'all': gpu.gpus, 'last': gpu_pair.gpus, 'facts': ansible_facts.gpufleet_gpus | default(none)}")])
     playbook += doc_examples.module_playbook(texts["gpu_memory_facts"], HOST, post_tasks=[
         keep(facts_out, "{'gpus': ansible_facts.gpufleet_gpus, 'nvml': ansible_facts.gpufleet_nvml, 'probed': probed.gpus}")])
+    playbook += doc_examples.module_playbook(texts["vllm_host_snapshot"], HOST, post_tasks=[
+        keep(snapshot_out, "{'snap': snap, 'facts': ansible_facts.gpufleet_host_snapshot}")])
     proc = run(sim, collections_path, tmp_path, playbook)
     doc_examples.assert_examples_ran(proc, texts["vllm_boot_check"])
     doc_examples.assert_examples_ran(proc, texts["gpu_memory_info"])
     doc_examples.assert_examples_ran(proc, texts["gpu_memory_facts"])
+    doc_examples.assert_examples_ran(proc, texts["vllm_host_snapshot"])
     # the embedder's 2 GiB: 1024 blocks of 16 tokens of Llama-3.1-8B (2 MiB per block)
     assert "16384 tokens in 2GiB" in proc.stdout, proc.stdout[-3000:]
     got = json.loads(out.read_text(encoding="utf-8"))
@@ -281,6 +285,14 @@ def test_boot_check_and_gpu_memory_examples(sim, collections_path, texts, tmp_pa
     assert facts["gpus"] == facts["probed"] and [g["index"] for g in facts["gpus"]] == [0, 1, 2, 3]
     assert facts["nvml"]["host"] == HOST and facts["nvml"]["driver_version"] == "580.159.04"
     assert [g["boot_free_bytes"] for g in facts["gpus"][2:]] == [TOTAL - RESERVED] * 2
+    # vllm_host_snapshot: the same GPUs, vllm-main.service running (its memory this host's own), no unit for "side"
+    snapshot = json.loads(snapshot_out.read_text(encoding="utf-8"))
+    snap = snapshot["snap"]
+    assert [g["index"] for g in snap["gpus"]] == [0, 1, 2, 3] and [g["boot_free_bytes"] for g in snap["gpus"][2:]] == [TOTAL - RESERVED] * 2
+    assert [(i["unit"], i["active_state"], i["unit_exists"]) for i in snap["instances"]] == [
+        ("vllm-main.service", "active", True), ("vllm-side.service", "inactive", False)]
+    assert snap["interpreter"] == "/opt/vllm/venv/bin/python"
+    assert snapshot["facts"] == {"host": HOST, "interpreter": snap["interpreter"], "instances": snap["instances"]}
 
 
 def test_vllm_audit_examples(sim, collections_path, texts, tmp_path):

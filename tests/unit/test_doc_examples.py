@@ -29,8 +29,8 @@ MODULES = sorted(p.stem for p in (REPO / "plugins" / "modules").glob("*.py") if 
 FILTERS = sorted(p.stem for p in (REPO / "plugins" / "filter").glob("*.yml"))
 # Modules whose examples run here (controller side); the others need a GPU host.
 CONTROLLER_MODULES = ["kv_plan", "kv_profile", "rollout_lease", "rollout_report"]
-HOST_MODULES = ["gpu_memory_facts", "gpu_memory_info", "vllm_account", "vllm_audit", "vllm_boot_check", "vllm_canary", "vllm_host_tools",
-                "vllm_runtime_info", "vllm_unit"]
+HOST_MODULES = ["gpu_memory_facts", "gpu_memory_info", "vllm_account", "vllm_audit", "vllm_boot_check", "vllm_canary",
+                "vllm_host_snapshot", "vllm_host_tools", "vllm_runtime_info", "vllm_unit"]
 MODEL_CONFIG = REPO / "sim" / "models" / "llama-3.1-8b-instruct" / "config.json"
 GIB = 1024**3
 
@@ -49,7 +49,7 @@ def test_plugins_found():
                        "host_plan", "human_bytes", "kv_bytes_per_token", "kv_reference",
                        "launch_contract", "launch_plan_file", "launch_runs", "launch_serve_args", "release_history", "rollback_summary", "rollout_batches",
                        "rollout_plan", "rollout_plan_drift", "run_settings", "runtime_problems", "systemd_environment",
-                       "systemd_environment_file", "systemd_exec_start", "systemd_value", "to_bytes",
+                       "systemd_environment_file", "systemd_exec_start", "systemd_value", "to_bytes", "unit_name",
                        "unknown_variables", "vllm_instances_problems", "vllm_secret_options", "vllm_serve_argv", "vllm_service_problems"]
     assert sorted(CONTROLLER_MODULES + HOST_MODULES) == MODULES, "every module's examples run in one of the two tests"
 

@@ -40,9 +40,14 @@ def find_task(tasks: list[dict[str, t.Any]], name: str) -> dict[str, t.Any]:
     raise KeyError(name)
 
 
+def all_tasks(plays: list[dict[str, t.Any]]) -> list[dict[str, t.Any]]:
+    """The tasks of every play of a playbook file, in order."""
+    return [task for play in plays for task in play.get("tasks", [])]
+
+
 def failed_class_state(variables: dict[str, t.Any]) -> dict[str, t.Any]:
     plays = yaml.safe_load((ROOT / "playbooks" / "parts" / "plan_classes.yml").read_text(encoding="utf-8"))
-    state = find_task(plays[0]["tasks"], "Keep the failure of the class")["ansible.builtin.set_fact"]["gpufleet_class_state"]
+    state = find_task(all_tasks(plays), "Keep the failure of the class")["ansible.builtin.set_fact"]["gpufleet_class_state"]
     variables = dict(variables, gpufleet_host_class="c", inventory_hostname="h1",
                      ansible_failed_task={"name": "Stop the class on a split (split_policy fail), class c"},
                      ansible_failed_result={"msg": "kv_plan: class c should be split"})
@@ -77,7 +82,7 @@ def test_a_class_stopped_before_planning_has_no_plan() -> None:
 def classes_in_rollout_order(variables: dict[str, t.Any]) -> t.Any:
     """The [class, hosts] list the playbook hands to gpufleet.vllm.rollout_batches (unit tested on its own)."""
     plays = yaml.safe_load((ROOT / "playbooks" / "parts" / "plan_classes.yml").read_text(encoding="utf-8"))
-    task = find_task(plays[0]["tasks"], "Work out the batches of every deployable class")
+    task = find_task(all_tasks(plays), "Work out the batches of every deployable class")
     expression = task["ansible.builtin.set_fact"]["gpufleet_batch_plan"]
     call = " | gpufleet.vllm.rollout_batches(gpufleet_run.serial)"
     assert call in expression
@@ -123,7 +128,7 @@ def test_a_canary_host_left_drained_says_why() -> None:
 
 def test_every_failed_class_can_give_its_drained_canary_host_back() -> None:
     plays = yaml.safe_load((ROOT / "playbooks" / "parts" / "plan_classes.yml").read_text(encoding="utf-8"))
-    task = find_task(plays[0]["tasks"], "Give the canary host back to its load balancer, or say why not")
+    task = find_task(all_tasks(plays), "Give the canary host back to its load balancer, or say why not")
     assert task["ansible.builtin.include_tasks"] == "canary_undrain.yml"
     assert task["when"] == "gpufleet_canary_drained | default(false) | bool"
 
@@ -142,26 +147,30 @@ def test_the_canary_host_goes_first_in_its_class() -> None:
     assert classes == [["l40s", ["l-3", "l-1", "l-2"]], ["h200", ["h-1"]]]
 
 
-def test_the_outline_reads_each_instance_unit_state() -> None:
-    """The first-run outline's hosts: per instance its ActiveState and whether a unit file exists,
-    from `systemctl show --property=LoadState --property=ActiveState` (in systemd's own order)."""
+def test_the_outline_reads_each_instance_unit_state_from_the_host_snapshots() -> None:
+    """The first-run outline's hosts: per host the instances its snapshot read (parts/probe.yml's
+    gpufleet.vllm.vllm_host_snapshot, whose reading of systemd is unit tested in test_host_snapshot)."""
     plays = yaml.safe_load((ROOT / "playbooks" / "parts" / "plan_classes.yml").read_text(encoding="utf-8"))
-    task = find_task(plays[0]["tasks"], "Outline what the run does to the class (canary host, instances that stop and for how long, units)")
+    task = find_task(all_tasks(plays), "Outline what the run does to the class (canary host, instances that stop and for how long, units)")
     expression = task["ansible.builtin.set_fact"]["gpufleet_first_run_spec"]["hosts"]
-
-    def states(*pairs: tuple[str, str]) -> dict[str, t.Any]:
-        return {"results": [{"item": {"name": name}, "stdout": stdout} for name, stdout in pairs]}
-
+    h1 = [{"name": "main", "active_state": "active", "unit_exists": True, "plan": {}},
+          {"name": "side", "active_state": "failed", "unit_exists": True, "plan": {}}]
+    h2 = [{"name": "main", "active_state": "inactive", "unit_exists": False, "plan": {}}]
     templar = Templar(loader=DataLoader(), variables={
         "gpufleet_class_hosts": ["h1", "h2"],
-        "hostvars": {
-            "h1": {"gpufleet_unit_states": states(("main", "LoadState=loaded\nActiveState=active"),
-                                                  ("side", "LoadState=loaded\nActiveState=failed"))},
-            "h2": {"gpufleet_unit_states": states(("main", "LoadState=not-found\nActiveState=inactive"))},
-        },
+        "hostvars": {"h1": {"gpufleet_probe_result": {"instances": h1}}, "h2": {"gpufleet_probe_result": {"instances": h2}}},
     })
-    assert templar.template(trust_as_template(expression)) == {
-        "h1": [{"name": "main", "active_state": "active", "unit_exists": True},
-               {"name": "side", "active_state": "failed", "unit_exists": True}],
-        "h2": [{"name": "main", "active_state": "inactive", "unit_exists": False}],
-    }
+    assert templar.template(trust_as_template(expression)) == {"h1": h1, "h2": h2}
+
+
+def test_only_the_canary_hosts_run_the_canary_play() -> None:
+    """The profile, plan and canary tasks run in a play of their own on the canary hosts: the other hosts of a
+    class have nothing to skip there (the cost that grew with the fleet), and localhost keeps the run alive."""
+    plays = yaml.safe_load((ROOT / "playbooks" / "parts" / "plan_classes.yml").read_text(encoding="utf-8"))
+    canary_play = next(p for p in plays if any(t.get("name") == "Work out the class" for t in p["tasks"]))
+    assert canary_play["hosts"] == "gpufleet_canaries:localhost"
+    assert find_task(plays[0]["tasks"], "Group the canary hosts")["ansible.builtin.group_by"]["key"] == "gpufleet_canaries"
+    for play in plays:
+        if play is not canary_play:
+            assert not [t for t in play["tasks"] if "when" in t and "gpufleet_class_canary" in str(t["when"])
+                        and t.get("name") != "Group the canary hosts"]

@@ -1,0 +1,93 @@
+# Copyright (c) gpufleet maintainers
+# GNU General Public License v3.0+ (see LICENSES/GPL-3.0-or-later.txt or https://www.gnu.org/licenses/gpl-3.0.txt)
+# SPDX-License-Identifier: GPL-3.0-or-later
+"""One host's snapshot for planning: its GPUs, its instances' units and plan records, its probe interpreter.
+
+What the planning plays need from a host, read in one module run (``vllm_host_snapshot``):
+the NVML probe of :mod:`._gpu_memory` (every GPU with its UUID, free memory samples, this
+host's own engine processes), and for every instance its unit's state (one ``systemctl
+show`` for all of them) and the plan record its running unit passed its boot check with
+(``_unit_files.read_plan``: ``{}`` when there is none or it cannot be parsed). The unit
+names come from :mod:`._instance`. Plain Python: the NVML binding and the command runner
+are handed in.
+"""
+from __future__ import annotations
+
+import typing as t
+
+from ._defaults import default
+from ._gpu_memory import ARGUMENT_SPEC as PROBE_ARGUMENT_SPEC, check_params as check_probe_params, host_facts, read as read_gpus
+from ._instance import unit_name
+from ._unit_files import Layout, UnitFilesError, read_plan, systemctl_show
+from ._validate import ValidationError, instance_name, text
+
+__all__ = ["ARGUMENT_SPEC", "UNIT_PROPERTIES", "HostSnapshotError", "check_params", "snapshot", "snapshot_facts"]
+
+ARGUMENT_SPEC: dict[str, dict[str, t.Any]] = {
+    **PROBE_ARGUMENT_SPEC,
+    "instances": {"type": "list", "elements": "str", "default": ["vllm"]},
+    "adopt_units": {"type": "list", "elements": "str", "default": []},
+    "state_dir": {"type": "path", "default": default("state_dir")},
+}
+
+# what the snapshot reads of every instance's unit
+UNIT_PROPERTIES = ("LoadState", "ActiveState", "SubState")
+
+Runner = t.Callable[[t.Sequence[str]], t.Tuple[int, str, str]]
+
+
+class HostSnapshotError(Exception):
+    """The units cannot be read (systemctl failed); the message names the host."""
+
+
+def check_params(params: t.Mapping[str, t.Any]) -> None:
+    """The probe's checks, then every instance name, adopted unit and the state directory."""
+    check_probe_params(dict(params))
+    names = [instance_name(n, f"instances[{i}]") for i, n in enumerate(params["instances"] or [])]
+    if len(set(names)) != len(names):
+        raise ValidationError(f"instances: names must be unique, got {names}")
+    for i, unit in enumerate(params["adopt_units"] or []):
+        text(unit, f"adopt_units[{i}]")
+    state_dir = text(params["state_dir"], "state_dir")
+    if not state_dir.startswith("/"):
+        raise ValidationError(f"state_dir: expected an absolute path, got {state_dir!r}")
+
+
+def snapshot(params: t.Mapping[str, t.Any], binding: t.Any, host: str, run_command: Runner, interpreter: str) -> dict[str, t.Any]:
+    """The snapshot of this host (checked ``params``); raises NvmlProbeError or HostSnapshotError.
+
+    The probe counts the processes of the instances' units and of ``adopt_units`` (and of
+    ``service_units``) as this host's own engine.
+    """
+    names = list(params["instances"] or [])
+    units = [unit_name(n) for n in names]
+    own_units = list(dict.fromkeys(units + list(params["adopt_units"] or []) + list(params["service_units"] or [])))
+    result = read_gpus(dict(params, service_units=own_units), binding, host, run_command)
+    try:
+        states = systemctl_show(run_command, properties=UNIT_PROPERTIES)(units)
+    except UnitFilesError as exc:
+        raise HostSnapshotError(f"{host}: cannot read the units of the instances: {exc}") from None
+    layout = Layout(state_dir=params["state_dir"])
+    instances = []
+    for name, unit in zip(names, units):
+        props = states.get(unit, {})
+        load_state = props.get("LoadState", "")
+        instances.append({
+            "name": name,
+            "unit": unit,
+            "load_state": load_state,
+            "active_state": props.get("ActiveState", ""),
+            "sub_state": props.get("SubState", ""),
+            "unit_exists": bool(load_state) and load_state != "not-found",
+            "plan": read_plan(layout, name),
+        })
+    result["instances"] = instances
+    result["interpreter"] = interpreter
+    return result
+
+
+def snapshot_facts(result: t.Mapping[str, t.Any], host: str) -> dict[str, t.Any]:
+    """The probe's host facts (``gpufleet_gpus``, ``gpufleet_nvml``) and ``gpufleet_host_snapshot``."""
+    facts = host_facts(dict(result), host)
+    facts["gpufleet_host_snapshot"] = {"host": host, "interpreter": result["interpreter"], "instances": result["instances"]}
+    return facts

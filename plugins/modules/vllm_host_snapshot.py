@@ -1,0 +1,175 @@
+#!/usr/bin/python
+# Copyright (c) gpufleet maintainers
+# GNU General Public License v3.0+ (see LICENSES/GPL-3.0-or-later.txt or https://www.gnu.org/licenses/gpl-3.0.txt)
+# SPDX-License-Identifier: GPL-3.0-or-later
+from __future__ import annotations
+
+DOCUMENTATION = r"""
+---
+module: vllm_host_snapshot
+short_description: What planning needs from one host, in one call - GPUs, instance units, plan records, probe interpreter
+version_added: 2.1.0
+description:
+  - Reads in one module run what the planning plays (C(probe.yml), C(plan.yml), C(rollout.yml)) need from a host, so
+    that no later task reads it again.
+  - The NVML probe of M(gpufleet.vllm.gpu_memory_facts), with the same options and result. The processes of the
+    instances' units (C(vllm-NAME.service) for every name in O(instances)) and of O(adopt_units) count as this
+    host's own engine.
+  - For every instance in O(instances) its unit's state (C(LoadState), C(ActiveState), C(SubState), read with one
+    C(systemctl show)), and the plan record its running unit passed its boot check with
+    (O(state_dir)C(/NAME.plan.json); an empty mapping when there is none or it cannot be parsed).
+  - The Python interpreter the module ran with (one that imports C(pynvml)).
+  - Sets the host facts C(gpufleet_gpus) and C(gpufleet_nvml) as M(gpufleet.vllm.gpu_memory_facts) does, and
+    C(gpufleet_host_snapshot) (the instances and the interpreter).
+  - Never changes anything on the host; always returns C(changed=false).
+author:
+  - gpufleet maintainers (@gpufleet)
+extends_documentation_fragment:
+  - gpufleet.vllm.attributes
+  - gpufleet.vllm.attributes.FACTS
+  - gpufleet.vllm.attributes.FACTS_MODULE
+  - gpufleet.vllm.attributes.PLATFORM_LINUX
+  - gpufleet.vllm.attributes.ACTIONGROUP_VLLM
+  - gpufleet.vllm.gpu_memory
+attributes:
+  facts:
+    support: full
+    details:
+      - Sets C(ansible_facts.gpufleet_gpus), C(ansible_facts.gpufleet_nvml) and C(ansible_facts.gpufleet_host_snapshot).
+options:
+  instances:
+    description:
+      - Names of the host's vLLM instances (unit C(vllm-NAME.service), plan record C(NAME.plan.json)).
+      - Each name is 1-64 ASCII letters, digits, C(_), C(.) or C(-), starting with a letter or digit; names are unique.
+    type: list
+    elements: str
+    default: [vllm]
+  adopt_units:
+    description: Hand-written systemd units the instances take over; their processes count as this host's own engine.
+    type: list
+    elements: str
+    default: []
+  state_dir:
+    description: Directory of the plan records (C(vllm_service_state_dir)).
+    type: path
+    default: /etc/gpufleet
+seealso:
+  - module: gpufleet.vllm.gpu_memory_facts
+  - module: gpufleet.vllm.vllm_unit
+  - module: gpufleet.vllm.kv_plan
+"""
+
+EXAMPLES = r"""
+- name: Read the host once for planning (nine samples, half a second apart)
+  gpufleet.vllm.vllm_host_snapshot:
+    instances: [main, side]
+    samples: 9
+    interval: 0.5
+  vars:
+    ansible_python_interpreter: /opt/vllm/venv/bin/python
+  register: snap
+
+- name: Show which instances run and the budget each one's plan record holds
+  ansible.builtin.debug:
+    msg: >-
+      {{ snap.instances | map(attribute='name') | zip(snap.instances | map(attribute='active_state'),
+         snap.instances | map(attribute='plan') | map(attribute='kv_cache_memory_bytes', default=none)) | list }}
+"""
+
+RETURN = r"""
+gpus:
+  description: One entry per GPU read, as M(gpufleet.vllm.gpu_memory_info) returns it (its RETURN documents every field).
+  returned: success
+  type: list
+  elements: dict
+driver_version: {description: NVIDIA driver version., type: str, returned: success, sample: "550.127.05"}
+cuda_driver_version: {description: Highest CUDA version the driver supports., type: str, returned: success, sample: "12.4"}
+nvml_version: {description: NVML library version., type: str, returned: success, sample: "12.550.127.05"}
+own_pids: {description: Process ids counted as this host's own engine., type: list, elements: int, returned: success, sample: [4242]}
+instances:
+  description: One entry per name in O(instances), in that order.
+  returned: success
+  type: list
+  elements: dict
+  contains:
+    name: {description: The instance name., type: str, returned: success, sample: main}
+    unit: {description: Its systemd unit., type: str, returned: success, sample: vllm-main.service}
+    load_state: {description: systemd's C(LoadState) (V(not-found) when there is no unit)., type: str, returned: success, sample: loaded}
+    active_state: {description: systemd's C(ActiveState)., type: str, returned: success, sample: active}
+    sub_state: {description: systemd's C(SubState)., type: str, returned: success, sample: running}
+    unit_exists: {description: Whether systemd knows the unit., type: bool, returned: success, sample: true}
+    plan:
+      description: The plan record of the unit's last boot check, as parsed JSON; empty when there is none or it cannot be parsed.
+      type: dict
+      returned: success
+      sample: {instance: main, kv_cache_memory_bytes: 34359738368, gpu_memory_utilization: 0.95}
+interpreter:
+  description: The Python interpreter the module ran with (it imports C(pynvml)).
+  returned: success
+  type: str
+  sample: /opt/vllm/venv/bin/python
+ansible_facts:
+  description: Facts set on the host (what C(hostvars[host]) holds afterwards).
+  returned: success
+  type: dict
+  contains:
+    gpufleet_gpus:
+      description: The same list as RV(gpus) (what the planner reads per host).
+      type: list
+      elements: dict
+      returned: success
+    gpufleet_nvml:
+      description: The host-level part of the probe, with the host name NVML was read on.
+      type: dict
+      returned: success
+    gpufleet_host_snapshot:
+      description: The host name, RV(interpreter) and RV(instances).
+      type: dict
+      returned: success
+      sample: {host: gpu-a1, interpreter: /opt/vllm/venv/bin/python, instances: []}
+"""
+
+import platform
+import sys
+
+from ansible.module_utils.basic import AnsibleModule, missing_required_lib
+
+from ansible_collections.gpufleet.vllm.plugins.module_utils._gpu_memory import PYNVML_IMPORT_ERROR, host_message, pynvml
+from ansible_collections.gpufleet.vllm.plugins.module_utils._host_snapshot import (
+    ARGUMENT_SPEC,
+    HostSnapshotError,
+    check_params,
+    snapshot,
+    snapshot_facts,
+)
+from ansible_collections.gpufleet.vllm.plugins.module_utils._nvml_probe import NvmlProbeError
+from ansible_collections.gpufleet.vllm.plugins.module_utils._validate import ValidationError
+
+
+def main() -> None:
+    module = AnsibleModule(argument_spec=ARGUMENT_SPEC, supports_check_mode=True)
+    try:
+        check_params(module.params)
+    except ValidationError as exc:
+        module.fail_json(msg=str(exc))
+    if pynvml is None:
+        module.fail_json(msg=missing_required_lib("nvidia-ml-py"), exception=PYNVML_IMPORT_ERROR)
+    host = platform.node()
+
+    def run_command(argv):
+        rc, out, err = module.run_command(list(argv), environ_update={"LC_ALL": "C", "SYSTEMD_PAGER": ""})
+        return int(rc), str(out), str(err)
+
+    try:
+        result = snapshot(module.params, pynvml, host, run_command, sys.executable)
+    except NvmlProbeError as exc:
+        module.fail_json(msg=host_message(exc, host), gpu=exc.gpu, nvml_error=exc.code)
+    except HostSnapshotError as exc:
+        module.fail_json(msg=str(exc))
+    for warning in result.pop("warnings"):
+        module.warn(warning)
+    module.exit_json(changed=False, ansible_facts=snapshot_facts(result, host), **result)
+
+
+if __name__ == "__main__":
+    main()

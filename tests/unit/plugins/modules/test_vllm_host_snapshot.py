@@ -1,0 +1,127 @@
+# Copyright (c) gpufleet maintainers
+# GNU General Public License v3.0+ (see LICENSES/GPL-3.0-or-later.txt or https://www.gnu.org/licenses/gpl-3.0.txt)
+"""vllm_host_snapshot: the probe, every instance's unit state and plan record, the interpreter, in one call."""
+from __future__ import annotations
+
+import json
+import platform
+import sys
+from typing import Any
+
+import pytest
+from ansible.module_utils.testing import patch_module_args
+
+from ansible_collections.gpufleet.vllm.plugins.module_utils import _host_snapshot, _instance
+from ansible_collections.gpufleet.vllm.plugins.modules import gpu_memory_facts, vllm_host_snapshot
+from ansible_collections.gpufleet.vllm.tests.unit.plugins.module_utils.test_nvml_probe import FakeNvml, make_state
+
+UNITS = {
+    "vllm-main.service": {"LoadState": "loaded", "ActiveState": "active", "SubState": "running", "MainPID": "0"},
+    "vllm-side.service": {"LoadState": "loaded", "ActiveState": "failed", "SubState": "failed", "MainPID": "0"},
+}
+NOT_FOUND = {"LoadState": "not-found", "ActiveState": "inactive", "SubState": "dead", "MainPID": "0"}
+
+
+class FakeSystemctl:
+    """``systemctl show`` as the module runs it: the probe's one unit at a time, the snapshot's all at once."""
+
+    def __init__(self, units: dict[str, dict[str, str]], rc: int = 0) -> None:
+        self.units, self.rc, self.calls = units, rc, []
+
+    def __call__(self, argv: Any, **_kwargs: Any) -> tuple[int, str, str]:
+        argv = list(argv)
+        self.calls.append(argv)
+        assert argv[:2] == ["systemctl", "show"], argv
+        if "-p" in argv:  # the probe: ControlGroup, MainPID, LoadState of one unit
+            props = self.units.get(argv[-1], NOT_FOUND)
+            return 0, f"ControlGroup=\nMainPID={props['MainPID']}\nLoadState={props['LoadState']}\n", ""
+        if self.rc:
+            return self.rc, "", "Failed to connect to bus: No such file or directory"
+        wanted = argv[-1].split("=", 1)[1].split(",")
+        names = [a for a in argv[2:] if not a.startswith("--")]
+        blocks = ["\n".join(f"{k}={self.units.get(n, NOT_FOUND)[k]}" for k in wanted) for n in names]
+        return 0, "\n\n".join(blocks) + "\n", ""
+
+
+def run(monkeypatch, capsys, module: Any, args: dict[str, Any], systemctl: FakeSystemctl | None = None) -> tuple[int, dict[str, Any]]:
+    monkeypatch.setattr(module, "pynvml", FakeNvml(make_state(2)))
+    monkeypatch.setattr(platform, "node", lambda: "gpu-a1")
+    fake = systemctl or FakeSystemctl(UNITS)
+    monkeypatch.setattr(module.AnsibleModule, "run_command", lambda self, argv, **kw: fake(argv, **kw))
+    with patch_module_args(args), pytest.raises(SystemExit) as exc:
+        module.main()
+    return exc.value.code or 0, json.loads(capsys.readouterr().out)
+
+
+def test_one_call_reads_the_gpus_the_units_and_the_plan_records(monkeypatch, capsys, tmp_path):
+    (tmp_path / "main.plan.json").write_text(json.dumps({"instance": "main", "kv_cache_memory_bytes": 8 << 30}))
+    (tmp_path / "side.plan.json").write_text("{not json")
+    systemctl = FakeSystemctl(UNITS)
+    rc, out = run(monkeypatch, capsys, vllm_host_snapshot,
+                  {"instances": ["main", "side", "new"], "state_dir": str(tmp_path), "samples": 2, "interval": 0}, systemctl)
+    assert rc == 0 and out["changed"] is False
+    assert [g["index"] for g in out["gpus"]] == [0, 1] and out["gpus"][0]["samples"] == 2
+    assert out["interpreter"] == sys.executable
+    assert [(i["name"], i["unit"], i["active_state"], i["unit_exists"]) for i in out["instances"]] == [
+        ("main", "vllm-main.service", "active", True),
+        ("side", "vllm-side.service", "failed", True),
+        ("new", "vllm-new.service", "inactive", False)]
+    # the plan record as parsed; an unparsable or missing one is empty (the canary then runs)
+    assert [i["plan"] for i in out["instances"]] == [{"instance": "main", "kv_cache_memory_bytes": 8 << 30}, {}, {}]
+    # the units' states in one systemctl call, besides the probe's own reading of each unit's processes
+    snapshot_calls = [c for c in systemctl.calls if "-p" not in c]
+    assert snapshot_calls == [["systemctl", "show", "vllm-main.service", "vllm-side.service", "vllm-new.service",
+                               "--property=LoadState,ActiveState,SubState"]]
+    facts = out["ansible_facts"]
+    assert facts["gpufleet_gpus"] == out["gpus"] and facts["gpufleet_nvml"]["host"] == "gpu-a1"
+    assert facts["gpufleet_host_snapshot"] == {"host": "gpu-a1", "interpreter": sys.executable, "instances": out["instances"]}
+
+
+def test_the_probe_part_is_gpu_memory_facts_with_the_instances_units_as_own(monkeypatch, capsys, tmp_path):
+    args = {"samples": 1, "interval": 0}
+    warned: list[str] = []
+    for module in (vllm_host_snapshot, gpu_memory_facts):
+        monkeypatch.setattr(module.AnsibleModule, "warn", lambda self, msg: warned.append(msg))
+    rc_snap, snap = run(monkeypatch, capsys, vllm_host_snapshot,
+                        dict(args, instances=["main"], adopt_units=["legacy.service"], state_dir=str(tmp_path)))
+    rc_facts, facts = run(monkeypatch, capsys, gpu_memory_facts, dict(args, service_units=["vllm-main.service", "legacy.service"]))
+    assert rc_snap == rc_facts == 0
+    for key in ("gpus", "driver_version", "cuda_driver_version", "nvml_version", "own_pids"):
+        assert snap[key] == facts[key], key
+    # the unknown legacy unit is named by both, once each
+    assert [w for w in warned if "'legacy.service' not found" in w] == ["gpu-a1: systemd unit 'legacy.service' not found: no process counts as own through it"] * 2
+
+
+@pytest.mark.parametrize(("args", "field"), [
+    ({"instances": ["main", "bad\nname"]}, "instances[1]"),
+    ({"instances": ["main", "main"]}, "instances: names must be unique"),
+    ({"state_dir": "relative/dir"}, "state_dir: expected an absolute path"),
+    ({"adopt_units": ["ok.service", "x\x1b"]}, "adopt_units[1]"),
+    ({"samples": 0}, "samples"),
+])
+def test_bad_input_names_the_field_and_reads_nothing(monkeypatch, capsys, args, field):
+    systemctl = FakeSystemctl(UNITS)
+    rc, out = run(monkeypatch, capsys, vllm_host_snapshot, args, systemctl)
+    assert rc == 1 and out["msg"].startswith(field), out["msg"]
+    assert systemctl.calls == []
+
+
+def test_a_systemd_that_cannot_be_read_fails_naming_the_host(monkeypatch, capsys, tmp_path):
+    rc, out = run(monkeypatch, capsys, vllm_host_snapshot, {"instances": ["main"], "state_dir": str(tmp_path)}, FakeSystemctl(UNITS, rc=1))
+    assert rc == 1 and "ansible_facts" not in out
+    assert out["msg"].startswith("gpu-a1: cannot read the units of the instances: systemctl show vllm-main.service failed (rc 1)")
+
+
+def test_the_argument_spec_is_the_probes_plus_the_instances():
+    from ansible_collections.gpufleet.vllm.plugins.module_utils._gpu_memory import ARGUMENT_SPEC as PROBE
+
+    assert {k: v for k, v in _host_snapshot.ARGUMENT_SPEC.items() if k in PROBE} == PROBE
+    assert set(_host_snapshot.ARGUMENT_SPEC) - set(PROBE) == {"instances", "adopt_units", "state_dir"}
+
+
+def test_unit_names_have_one_home():
+    assert _instance.unit_name("main") == "vllm-main.service"
+    assert _instance.unit_names(["a", "b"]) == ["vllm-a.service", "vllm-b.service"]
+    assert _instance.instance_of_unit("vllm-main.service") == "main"
+    assert _instance.instance_of_unit("vllm-.service") is None and _instance.instance_of_unit("other.service") is None
+    assert _instance.env_file_name("main") == "vllm-main.env" and _instance.plan_file_name("main") == "main.plan.json"
