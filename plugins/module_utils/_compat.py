@@ -26,7 +26,7 @@ import os
 import re
 import struct
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping, Sequence, Tuple
 
 __all__ = [
     "BOOL_FIELDS",
@@ -273,6 +273,22 @@ if os.path.isdir(nvidia):
 out["library_dirs"] = [d for d in lib_dirs if os.path.isdir(d)]
 print(json.dumps(out))
 """
+
+# the runtime_info fields that join the compatibility key (the model's fingerprint and revision besides)
+RUNTIME_KEY_FIELDS = ("vllm_version", "vllm_commit", "torch_version", "cuda_version")
+
+
+def read_runtime(python: str, run_command: Callable[[Sequence[str]], Tuple[int, str, str]]) -> dict[str, Any]:
+    """The engine's runtime as ``python`` (its venv's interpreter) reports it through :data:`RUNTIME_PROBE`.
+
+    :func:`parse_runtime_probe`'s fields; raises CompatError naming the interpreter when it
+    cannot run or read its packages. ``vllm_runtime_info`` and ``vllm_host_snapshot`` both read it so.
+    """
+    rc, out, err = run_command([python, "-c", RUNTIME_PROBE])
+    if rc != 0:
+        raise CompatError(f"{python} could not read its packages (rc {rc}): {err.strip()[-500:]}")
+    return parse_runtime_probe(out)
+
 
 _ASSIGN = r"^(?:{name})[ \t]*(?::[^=\n]*)?=[ \t]*(?:\w+[ \t]*=[ \t]*)*(?:'([^']*)'|\"([^\"]*)\"|None)"
 

@@ -7,27 +7,32 @@ What the planning plays need from a host, read in one module run (``vllm_host_sn
 the NVML probe of :mod:`._gpu_memory` (every GPU with its UUID, free memory samples, this
 host's own engine processes), and for every instance its unit's state (one ``systemctl
 show`` for all of them) and the plan record its running unit passed its boot check with
-(``_unit_files.read_plan``: ``{}`` when there is none or it cannot be parsed). The unit
-names come from :mod:`._instance`. Plain Python: the NVML binding and the command runner
+(``_unit_files.read_plan``: ``{}`` when there is none or it cannot be parsed), and with an
+engine executable the runtime fields of the compatibility key its venv reports (as
+``vllm_runtime_info`` reads them, :func:`._compat.read_runtime`). The unit names come from
+:mod:`._instance`. Plain Python: the NVML binding and the command runner
 are handed in.
 """
 from __future__ import annotations
 
+import os
 import typing as t
 
+from ._compat import RUNTIME_KEY_FIELDS, CompatError, read_runtime
 from ._defaults import default
 from ._gpu_memory import ARGUMENT_SPEC as PROBE_ARGUMENT_SPEC, check_params as check_probe_params, host_facts, read as read_gpus
 from ._instance import unit_name
 from ._unit_files import Layout, UnitFilesError, read_plan, systemctl_show
 from ._validate import ValidationError, instance_name, text
 
-__all__ = ["ARGUMENT_SPEC", "UNIT_PROPERTIES", "HostSnapshotError", "check_params", "snapshot", "snapshot_facts"]
+__all__ = ["ARGUMENT_SPEC", "UNIT_PROPERTIES", "HostSnapshotError", "check_params", "engine_runtime", "snapshot", "snapshot_facts"]
 
 ARGUMENT_SPEC: dict[str, dict[str, t.Any]] = {
     **PROBE_ARGUMENT_SPEC,
     "instances": {"type": "list", "elements": "str", "default": ["vllm"]},
     "adopt_units": {"type": "list", "elements": "str", "default": []},
     "state_dir": {"type": "path", "default": default("state_dir")},
+    "engine_executable": {"type": "path"},
 }
 
 # what the snapshot reads of every instance's unit
@@ -48,9 +53,34 @@ def check_params(params: t.Mapping[str, t.Any]) -> None:
         raise ValidationError(f"instances: names must be unique, got {names}")
     for i, unit in enumerate(params["adopt_units"] or []):
         text(unit, f"adopt_units[{i}]")
-    state_dir = text(params["state_dir"], "state_dir")
-    if not state_dir.startswith("/"):
-        raise ValidationError(f"state_dir: expected an absolute path, got {state_dir!r}")
+    for field in ("state_dir", "engine_executable"):
+        if field == "engine_executable" and not params.get(field):
+            continue
+        path = text(params[field], field)
+        if not path.startswith("/"):
+            raise ValidationError(f"{field}: expected an absolute path, got {path!r}")
+
+
+def engine_runtime(executable: str, run_command: Runner) -> dict[str, t.Any]:
+    """The engine's runtime fields of the compatibility key, read by the interpreter beside its CLI.
+
+    ``{executable, python, compat, error}``: ``python`` is None when there is no interpreter
+    beside the CLI (the simulated engine, nothing to read); ``error`` says why a present one
+    could not be read (the reader of the snapshot fails the host with it, as
+    ``vllm_runtime_info`` would).
+    """
+    python = os.path.join(os.path.dirname(executable), "python")
+    engine: dict[str, t.Any] = {"executable": executable, "python": None, "compat": {}, "error": None}
+    if not os.access(python, os.X_OK):
+        return engine
+    engine["python"] = python
+    try:
+        runtime = read_runtime(python, run_command)
+    except CompatError as exc:
+        engine["error"] = str(exc)
+        return engine
+    engine["compat"] = {k: runtime[k] for k in RUNTIME_KEY_FIELDS if runtime.get(k) is not None}
+    return engine
 
 
 def snapshot(params: t.Mapping[str, t.Any], binding: t.Any, host: str, run_command: Runner, interpreter: str) -> dict[str, t.Any]:
@@ -83,11 +113,14 @@ def snapshot(params: t.Mapping[str, t.Any], binding: t.Any, host: str, run_comma
         })
     result["instances"] = instances
     result["interpreter"] = interpreter
+    if params.get("engine_executable"):
+        result["engine"] = engine_runtime(params["engine_executable"], run_command)
     return result
 
 
 def snapshot_facts(result: t.Mapping[str, t.Any], host: str) -> dict[str, t.Any]:
     """The probe's host facts (``gpufleet_gpus``, ``gpufleet_nvml``) and ``gpufleet_host_snapshot``."""
     facts = host_facts(dict(result), host)
-    facts["gpufleet_host_snapshot"] = {"host": host, "interpreter": result["interpreter"], "instances": result["instances"]}
+    facts["gpufleet_host_snapshot"] = {"host": host, "interpreter": result["interpreter"], "instances": result["instances"],
+                                       "engine": result.get("engine")}
     return facts

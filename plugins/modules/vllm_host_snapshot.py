@@ -18,6 +18,7 @@ description:
   - For every instance in O(instances) its unit's state (C(LoadState), C(ActiveState), C(SubState), read with one
     C(systemctl show)), and the plan record its running unit passed its boot check with
     (O(state_dir)C(/NAME.plan.json); an empty mapping when there is none or it cannot be parsed).
+  - With O(engine_executable), the runtime fields of the compatibility key, read by the engine's own interpreter.
   - The Python interpreter the module ran with (one that imports C(pynvml)).
   - Sets the host facts C(gpufleet_gpus) and C(gpufleet_nvml) as M(gpufleet.vllm.gpu_memory_facts) does, and
     C(gpufleet_host_snapshot) (the instances and the interpreter).
@@ -53,6 +54,12 @@ options:
     description: Directory of the plan records (C(vllm_service_state_dir)).
     type: path
     default: /etc/gpufleet
+  engine_executable:
+    description:
+      - The C(vllm) CLI of the instances. When given, the snapshot reads the runtime fields of the compatibility key
+        (vLLM, its commit, torch and its CUDA build) from distribution metadata with the interpreter beside it, as
+        M(gpufleet.vllm.vllm_runtime_info) does, without importing either. Omit to read no runtime.
+    type: path
 seealso:
   - module: gpufleet.vllm.gpu_memory_facts
   - module: gpufleet.vllm.vllm_unit
@@ -63,6 +70,7 @@ EXAMPLES = r"""
 - name: Read the host once for planning (nine samples, half a second apart)
   gpufleet.vllm.vllm_host_snapshot:
     instances: [main, side]
+    engine_executable: /opt/vllm/venv/bin/vllm
     samples: 9
     interval: 0.5
   vars:
@@ -103,6 +111,26 @@ instances:
       type: dict
       returned: success
       sample: {instance: main, kv_cache_memory_bytes: 34359738368, gpu_memory_utilization: 0.95}
+engine:
+  description: The engine's runtime, with O(engine_executable).
+  returned: when O(engine_executable) is given
+  type: dict
+  contains:
+    executable: {description: O(engine_executable)., type: str, returned: always, sample: /opt/vllm/venv/bin/vllm}
+    python:
+      description: The interpreter beside it that was read; V(null) when there is none (nothing to read).
+      type: str
+      returned: always
+      sample: /opt/vllm/venv/bin/python
+    compat:
+      description: The runtime fields of the compatibility key (those M(gpufleet.vllm.vllm_runtime_info) returns in its C(compat), less the model's).
+      type: dict
+      returned: always
+      sample: {vllm_version: 0.33.0, torch_version: 2.9.0+cu128, cuda_version: "12.8"}
+    error:
+      description: Why a present interpreter could not be read (the reader fails the host with it); V(null) when read.
+      type: str
+      returned: always
 interpreter:
   description: The Python interpreter the module ran with (it imports C(pynvml)).
   returned: success
@@ -123,10 +151,10 @@ ansible_facts:
       type: dict
       returned: success
     gpufleet_host_snapshot:
-      description: The host name, RV(interpreter) and RV(instances).
+      description: The host name, RV(interpreter), RV(instances) and RV(engine) (V(null) without O(engine_executable)).
       type: dict
       returned: success
-      sample: {host: gpu-a1, interpreter: /opt/vllm/venv/bin/python, instances: []}
+      sample: {host: gpu-a1, interpreter: /opt/vllm/venv/bin/python, instances: [], engine: null}
 """
 
 import platform

@@ -122,15 +122,15 @@ from ansible.module_utils.basic import AnsibleModule
 from ansible.module_utils.common.text.converters import to_native
 
 from ansible_collections.gpufleet.vllm.plugins.module_utils._compat import (
-    RUNTIME_PROBE,
+    RUNTIME_KEY_FIELDS,
     CompatError,
     missing_libraries,
     model_fingerprint,
-    parse_runtime_probe,
+    read_runtime,
 )
 from ansible_collections.gpufleet.vllm.plugins.module_utils._defaults import default
 
-_COMPAT_FIELDS = ("vllm_version", "vllm_commit", "torch_version", "cuda_version", "model_fingerprint", "model_revision")
+_COMPAT_FIELDS = RUNTIME_KEY_FIELDS + ("model_fingerprint", "model_revision")
 
 
 def main() -> None:
@@ -146,11 +146,11 @@ def main() -> None:
     python = module.params["python"] or os.path.join(os.path.dirname(module.params["executable"]), "python")
     if not os.access(python, os.X_OK):
         module.fail_json(msg=f"vllm_runtime_info: {python} is not an executable interpreter (is the engine installed?)")
-    rc, out, err = module.run_command([python, "-c", RUNTIME_PROBE])
-    if rc != 0:
-        module.fail_json(msg=f"vllm_runtime_info: {python} could not read its packages (rc {rc}): {err.strip()[-500:]}")
     try:
-        runtime = parse_runtime_probe(out)
+        runtime = read_runtime(python, module.run_command)
+    except CompatError as exc:
+        module.fail_json(msg=f"vllm_runtime_info: {to_native(exc)}")
+    try:
         model = module.params["model"]
         fingerprint = model_fingerprint(model) if model else {"fingerprint": None, "revision": None, "files": {}}
     except CompatError as exc:

@@ -74,7 +74,9 @@ def test_one_call_reads_the_gpus_the_units_and_the_plan_records(monkeypatch, cap
                                "--property=LoadState,ActiveState,SubState"]]
     facts = out["ansible_facts"]
     assert facts["gpufleet_gpus"] == out["gpus"] and facts["gpufleet_nvml"]["host"] == "gpu-a1"
-    assert facts["gpufleet_host_snapshot"] == {"host": "gpu-a1", "interpreter": sys.executable, "instances": out["instances"]}
+    assert facts["gpufleet_host_snapshot"] == {"host": "gpu-a1", "interpreter": sys.executable, "instances": out["instances"],
+                                               "engine": None}
+    assert "engine" not in out  # no engine_executable: no runtime read
 
 
 def test_the_probe_part_is_gpu_memory_facts_with_the_instances_units_as_own(monkeypatch, capsys, tmp_path):
@@ -96,6 +98,7 @@ def test_the_probe_part_is_gpu_memory_facts_with_the_instances_units_as_own(monk
     ({"instances": ["main", "bad\nname"]}, "instances[1]"),
     ({"instances": ["main", "main"]}, "instances: names must be unique"),
     ({"state_dir": "relative/dir"}, "state_dir: expected an absolute path"),
+    ({"engine_executable": "venv/bin/vllm"}, "engine_executable: expected an absolute path"),
     ({"adopt_units": ["ok.service", "x\x1b"]}, "adopt_units[1]"),
     ({"samples": 0}, "samples"),
 ])
@@ -116,7 +119,7 @@ def test_the_argument_spec_is_the_probes_plus_the_instances():
     from ansible_collections.gpufleet.vllm.plugins.module_utils._gpu_memory import ARGUMENT_SPEC as PROBE
 
     assert {k: v for k, v in _host_snapshot.ARGUMENT_SPEC.items() if k in PROBE} == PROBE
-    assert set(_host_snapshot.ARGUMENT_SPEC) - set(PROBE) == {"instances", "adopt_units", "state_dir"}
+    assert set(_host_snapshot.ARGUMENT_SPEC) - set(PROBE) == {"instances", "adopt_units", "state_dir", "engine_executable"}
 
 
 def test_unit_names_have_one_home():
@@ -125,3 +128,45 @@ def test_unit_names_have_one_home():
     assert _instance.instance_of_unit("vllm-main.service") == "main"
     assert _instance.instance_of_unit("vllm-.service") is None and _instance.instance_of_unit("other.service") is None
     assert _instance.env_file_name("main") == "vllm-main.env" and _instance.plan_file_name("main") == "main.plan.json"
+
+
+RUNTIME_JSON = json.dumps({"python": "/opt/vllm/venv/bin/python", "base_python": "/usr/bin/python3.12", "purelib": "/x",
+                           "distributions": {"vllm": "0.33.0", "torch": "2.9.0"},
+                           "files": {"torch/version.py": "__version__ = '2.9.0+cu128'\ncuda = '12.8'\n"}, "extensions": [], "library_dirs": []})
+
+
+def fake_engine(tmp_path, python_script: str | None):
+    bindir = tmp_path / "venv" / "bin"
+    bindir.mkdir(parents=True)
+    (bindir / "vllm").write_text("#!/bin/sh\necho 0.33.0\n")
+    (bindir / "vllm").chmod(0o755)
+    if python_script is not None:
+        (bindir / "python").write_text(python_script)
+        (bindir / "python").chmod(0o755)
+    return str(bindir / "vllm")
+
+
+def shell_runner(argv):
+    import subprocess
+    done = subprocess.run(list(argv), capture_output=True, text=True, check=False)
+    return done.returncode, done.stdout, done.stderr
+
+
+def test_the_engine_runtime_is_the_runtime_info_modules_key_fields(tmp_path):
+    (tmp_path / "runtime.json").write_text(RUNTIME_JSON)
+    exe = fake_engine(tmp_path, f"#!/bin/sh\ncat {tmp_path}/runtime.json\n")
+    engine = _host_snapshot.engine_runtime(exe, shell_runner)
+    assert engine == {"executable": exe, "python": str(tmp_path / "venv" / "bin" / "python"), "error": None,
+                      "compat": {"vllm_version": "0.33.0", "torch_version": "2.9.0", "cuda_version": "12.8"}}
+
+
+def test_an_engine_without_an_interpreter_has_nothing_to_read(tmp_path):
+    engine = _host_snapshot.engine_runtime(fake_engine(tmp_path, None), shell_runner)
+    assert engine["python"] is None and engine["compat"] == {} and engine["error"] is None
+
+
+def test_an_interpreter_that_cannot_read_its_packages_is_named_not_fatal(tmp_path):
+    exe = fake_engine(tmp_path, "#!/bin/sh\necho 'ModuleNotFoundError: importlib' >&2\nexit 3\n")
+    engine = _host_snapshot.engine_runtime(exe, shell_runner)
+    assert engine["compat"] == {}
+    assert engine["error"] == f"{tmp_path}/venv/bin/python could not read its packages (rc 3): ModuleNotFoundError: importlib"

@@ -1,0 +1,81 @@
+# Copyright (c) gpufleet maintainers
+# GNU General Public License v3.0+ (see LICENSES/GPL-3.0-or-later.txt or https://www.gnu.org/licenses/gpl-3.0.txt)
+# SPDX-License-Identifier: GPL-3.0-or-later
+"""What a class's planning decides before any canary: the one home of "needs a profiled canary".
+
+The planning play (``playbooks/parts/plan_classes.yml``) asks :func:`canary_need` once per
+class, on its canary host, with the reference lookup (``kv_profile`` ``state=query``) and the
+run's settings, and every task that runs, skips or explains the profiled canary reads the
+answer. Controller-side, plain Python.
+"""
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass
+from typing import Any
+
+__all__ = ["CanaryNeed", "ClassPlanError", "canary_need"]
+
+QUERY_STATUSES = ("found", "missing", "changed")
+
+
+class ClassPlanError(ValueError):
+    """A lookup result that is not one ``kv_profile`` returns; the message names the field."""
+
+
+@dataclass(frozen=True)
+class CanaryNeed:
+    """Whether the class runs a profiled canary, and what the run can do with the class."""
+
+    # the store holds a reference profile for the class's compatibility key
+    reference_found: bool
+    # a profiled canary runs first (with canaries on) or would run (a dry run)
+    profiled: bool
+    # why a profiled canary is needed ('' when it is not)
+    why: str
+    # the class is planned in this run: a reference is at hand, or the canaries make one
+    plan_now: bool
+    # why a dry run stops before planning the class ('' when it does not stop)
+    dry_run_stop: str
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _differences(query: Mapping[str, Any]) -> list[Mapping[str, Any]]:
+    differences = query.get("differences") or []
+    if not isinstance(differences, list) or not all(isinstance(d, Mapping) for d in differences):
+        raise ClassPlanError("profile query: differences must be a list of {field, reference, current}")
+    return differences
+
+
+def canary_need(query: Mapping[str, Any], host_class: str, *, force_profile: bool, run_canaries: bool) -> CanaryNeed:
+    """The decision for one class from its reference lookup.
+
+    A profiled canary is needed when the store has no reference for the key (``missing``), the
+    key changed (``changed``), or the run asks for a fresh profile (``gpufleet_force_profile``).
+    Without canaries (``plan.yml``) a class without a reference is not planned, and says why.
+    """
+    if not isinstance(query, Mapping):
+        raise ClassPlanError("profile query: expected the result of gpufleet.vllm.kv_profile state=query")
+    status = query.get("status")
+    if status not in QUERY_STATUSES:
+        raise ClassPlanError(f"profile query: status must be one of {', '.join(QUERY_STATUSES)}, got {status!r}")
+    differences = _differences(query)
+    found = status == "found"
+    if force_profile:
+        why = "a fresh profile was asked for (gpufleet_force_profile)"
+    elif status == "missing":
+        why = "no reference profile in the store yet"
+    elif status == "changed":
+        why = "the compatibility key changed: " + ", ".join(json.dumps(dict(d)) for d in differences)
+    else:
+        why = ""
+    dry_run_stop = ""
+    if not run_canaries and not found:
+        fields = ", ".join(str(d.get("field")) for d in differences)
+        dry_run_stop = (f"class {host_class} has no reference profile for its compatibility key ({status}"
+                        f"{': ' + fields if differences else ''}); a rollout runs a profiled canary first")
+    return CanaryNeed(reference_found=found, profiled=bool(why), why=why, plan_now=bool(run_canaries or found),
+                      dry_run_stop=dry_run_stop)
