@@ -151,6 +151,17 @@ def remote_calls(log: Path, addresses: dict[str, str], windows: list[tuple[float
     return counts
 
 
+def fixed_plays(lines: list[tuple[float, str]]) -> list[dict[str, Any]]:
+    """The plays before the first batch, each with its seconds (header to the next play's header)."""
+    heads = [(stamp, line[len("PLAY ["):line.index("]")]) for stamp, line in lines if line.startswith("PLAY [")]
+    out = []
+    for (stamp, name), (nxt, _next_name) in zip(heads, heads[1:]):
+        if name == ROLLOUT_PLAY:
+            break
+        out.append({"play": name, "seconds": round(nxt - stamp, 2)})
+    return out
+
+
 def run_playbook(inventory: Path, forks: int, timeout: float, extra_vars: dict[str, Any] | None = None,
                  ssh_log: tuple[Path, Path] | None = None) -> tuple[int, list[tuple[float, str]], float, float]:
     """ansible-playbook with every line time-stamped (seconds since start); also returns the start's epoch time."""
@@ -284,6 +295,13 @@ def measure_rollout(sim: fleetctl.Fleet, inventory: Path, names: list[str], kind
     addresses = {n: str(sim.h.inventory_data(names=names)["all"]["hosts"][n]["ansible_host"]) for n in names}
     calls = remote_calls(ssh_log[1], addresses, [(epoch + b["start"], epoch + b["end"]) for b in batches])
     out["remote_calls_in_batches"] = calls
+    # the fixed part: what every host gets before the first batch, and the canary host (first by name) its canaries
+    fixed_calls = remote_calls(ssh_log[1], addresses, [(0.0, epoch + first)]) if first is not None else {}
+    if fixed_calls:
+        others = [n for h, n in fixed_calls.items() if h != names[0]]
+        out["remote_calls_before_first_batch"] = {"canary_host": fixed_calls[names[0]],
+                                                  "other_hosts": {"min": min(others), "max": max(others)} if others else None}
+    out["fixed_plays"] = fixed_plays(lines)
     out["remote_calls_per_host"] = {"min": min(calls.values()), "max": max(calls.values())} if calls else None
     out["batches_seconds"] = round(sum(r["wall_s"] for r in rows), 2)
     out["batch_machinery_seconds"] = round(sum(r["batch_machinery_s"] for r in rows), 2)

@@ -1,7 +1,7 @@
 # Copyright (c) gpufleet maintainers
 # GNU General Public License v3.0+ (see https://www.gnu.org/licenses/gpl-3.0.txt)
 # SPDX-License-Identifier: GPL-3.0-or-later
-"""Filters: class_canary (documentation in the YAML file beside this one).
+"""Filters: class_canary, class_deploy_order (documentation in the YAML files beside this one).
 
 One call into ``plugin_utils/_class_plan``, where the class's planning decisions live."""
 
@@ -11,7 +11,7 @@ from typing import Any, Callable
 
 from ansible.errors import AnsibleFilterError
 
-from ansible_collections.gpufleet.vllm.plugins.plugin_utils._class_plan import ClassPlanError, canary_need
+from ansible_collections.gpufleet.vllm.plugins.plugin_utils._class_plan import ClassPlanError, canary_need, deploy_order
 
 
 def class_canary(query: Any, host_class: Any, force_profile: Any = False, run_canaries: Any = True) -> dict[str, Any]:
@@ -24,8 +24,24 @@ def class_canary(query: Any, host_class: Any, force_profile: Any = False, run_ca
         raise AnsibleFilterError(f"class_canary: {exc}") from None
 
 
+def class_deploy_order(hostvars: Any, hosts: Any, classes: Any) -> list[list[Any]]:
+    """hostvars, the play's hosts and the class order -> ``[class, hosts]`` per deployable class, its canary host first."""
+    if not isinstance(hosts, (list, tuple)) or not isinstance(classes, (list, tuple)):
+        raise AnsibleFilterError("class_deploy_order: hosts and classes must be lists")
+    states = {}
+    for host in hosts:
+        host_vars = hostvars[host]
+        state = host_vars.get("gpufleet_class_state") or {}
+        states[str(host)] = {"host_class": host_vars.get("gpufleet_host_class"), "ok": state.get("ok") is True,
+                             "canary": host_vars.get("gpufleet_canary_of_class")}
+    try:
+        return deploy_order(states, [str(c) for c in classes])
+    except ClassPlanError as exc:
+        raise AnsibleFilterError(f"class_deploy_order: {exc}") from None
+
+
 class FilterModule:
     """gpufleet.vllm class planning filters."""
 
     def filters(self) -> dict[str, Callable[..., Any]]:
-        return {"class_canary": class_canary}
+        return {"class_canary": class_canary, "class_deploy_order": class_deploy_order}

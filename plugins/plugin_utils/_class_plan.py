@@ -11,11 +11,11 @@ answer. Controller-side, plain Python.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-__all__ = ["CanaryNeed", "ClassPlanError", "canary_need"]
+__all__ = ["CanaryNeed", "ClassPlanError", "canary_need", "deploy_order"]
 
 QUERY_STATUSES = ("found", "missing", "changed")
 
@@ -79,3 +79,26 @@ def canary_need(query: Mapping[str, Any], host_class: str, *, force_profile: boo
                         f"{': ' + fields if differences else ''}); a rollout runs a profiled canary first")
     return CanaryNeed(reference_found=found, profiled=bool(why), why=why, plan_now=bool(run_canaries or found),
                       dry_run_stop=dry_run_stop)
+
+
+def deploy_order(hosts: Mapping[str, Mapping[str, Any]], classes: Sequence[str]) -> list[list[Any]]:
+    """The ``[class, hosts]`` list the batches are cut from (``rollout_batches``).
+
+    ``hosts``: host -> ``{host_class, ok, canary}`` (its class, whether the class is deployable,
+    the class's canary host). Classes come in the order of ``classes`` (``gpufleet_classes`` as
+    given, else sorted by name); a class with no deployable host is left out. Within a class
+    the canary host goes first (its production instance already stopped for the canaries),
+    then the others by name.
+    """
+    if not isinstance(hosts, Mapping):
+        raise ClassPlanError("hosts: expected host -> {host_class, ok, canary}")
+    order = []
+    for cls in classes:
+        members = sorted(h for h, st in hosts.items() if isinstance(st, Mapping) and st.get("host_class") == cls and st.get("ok") is True)
+        if not members:
+            continue
+        canary = hosts[members[0]].get("canary") or ""
+        if canary in members:
+            members = [canary] + [h for h in members if h != canary]
+        order.append([cls, members])
+    return order

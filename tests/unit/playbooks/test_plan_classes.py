@@ -16,6 +16,9 @@ import yaml
 from ansible.parsing.dataloader import DataLoader
 from ansible.template import Templar, trust_as_template
 
+from ansible_collections.gpufleet.vllm.plugins.filter.class_plan import class_deploy_order
+from ansible_collections.gpufleet.vllm.plugins.plugin_utils._class_plan import deploy_order
+
 ROOT = pathlib.Path(__file__).resolve().parents[3]
 
 SPLIT_PLAN = {
@@ -80,14 +83,13 @@ def test_a_class_stopped_before_planning_has_no_plan() -> None:
 
 
 def classes_in_rollout_order(variables: dict[str, t.Any]) -> t.Any:
-    """The [class, hosts] list the playbook hands to gpufleet.vllm.rollout_batches (unit tested on its own)."""
+    """The [class, hosts] list the playbook hands to gpufleet.vllm.rollout_batches (unit tested on its own),
+    through the filter the playbook calls with the play's hostvars."""
     plays = yaml.safe_load((ROOT / "playbooks" / "parts" / "plan_classes.yml").read_text(encoding="utf-8"))
-    task = find_task(all_tasks(plays), "Work out the batches of every deployable class")
-    expression = task["ansible.builtin.set_fact"]["gpufleet_batch_plan"]
-    call = " | gpufleet.vllm.rollout_batches(gpufleet_run.serial)"
-    assert call in expression
-    templar = Templar(loader=DataLoader(), variables=variables)
-    return templar.template(trust_as_template(expression.replace(call, "")))
+    expression = find_task(all_tasks(plays), "Work out the batches of every deployable class")["ansible.builtin.set_fact"]["gpufleet_batch_plan"]
+    assert "gpufleet.vllm.class_deploy_order(ansible_play_hosts, gpufleet_run.classes)" in expression
+    run = variables["gpufleet_run"]
+    return class_deploy_order(variables["hostvars"], variables["ansible_play_hosts"], run["classes"])
 
 
 def test_classes_follow_the_stated_order_and_leave_out_classes_that_do_not_deploy() -> None:
@@ -103,6 +105,7 @@ def test_classes_follow_the_stated_order_and_leave_out_classes_that_do_not_deplo
         "gpufleet_run": {"classes": ["l40s", "mixed", "h200"], "serial": [1, "50%"]},
     })
     assert classes == [["l40s", ["l-1", "l-2", "l-3"]], ["h200", ["h-1", "h-2"]]]
+    assert deploy_order({"a": {"host_class": "c", "ok": False}}, ["c"]) == []
 
 
 def canary_host_note(task_name: str, variables: dict[str, t.Any]) -> str:
