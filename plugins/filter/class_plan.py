@@ -1,7 +1,7 @@
 # Copyright (c) gpufleet maintainers
 # GNU General Public License v3.0+ (see https://www.gnu.org/licenses/gpl-3.0.txt)
 # SPDX-License-Identifier: GPL-3.0-or-later
-"""Filters: class_canary, class_deploy_order (documentation in the YAML files beside this one).
+"""Filters: class_canary, class_deploy_order, class_states (documentation in the YAML files beside this one).
 
 One call into ``plugin_utils/_class_plan``, where the class's planning decisions live."""
 
@@ -11,7 +11,7 @@ from typing import Any, Callable
 
 from ansible.errors import AnsibleFilterError
 
-from ansible_collections.gpufleet.vllm.plugins.plugin_utils._class_plan import ClassPlanError, canary_need, deploy_order
+from ansible_collections.gpufleet.vllm.plugins.plugin_utils._class_plan import ClassPlanError, canary_need, class_states as _class_states, deploy_order
 
 
 def class_canary(query: Any, host_class: Any, force_profile: Any = False, run_canaries: Any = True) -> dict[str, Any]:
@@ -40,8 +40,19 @@ def class_deploy_order(hostvars: Any, hosts: Any, classes: Any) -> list[list[Any
         raise AnsibleFilterError(f"class_deploy_order: {exc}") from None
 
 
+def class_states(hostvars: Any, hosts: Any) -> dict[str, dict[str, Any]]:
+    """hostvars and the planned hosts -> every class's state with its reference id (the plan artifact's classes)."""
+    if not isinstance(hosts, (list, tuple)):
+        raise AnsibleFilterError("class_states: hosts must be a list")
+    rows = []
+    for host in hosts:
+        host_vars = hostvars[host]
+        rows.append((str(host), host_vars.get("gpufleet_host_class"), host_vars.get("gpufleet_class_state")))
+    return _class_states(rows)
+
+
 class FilterModule:
     """gpufleet.vllm class planning filters."""
 
     def filters(self) -> dict[str, Callable[..., Any]]:
-        return {"class_canary": class_canary, "class_deploy_order": class_deploy_order}
+        return {"class_canary": class_canary, "class_deploy_order": class_deploy_order, "class_states": class_states}

@@ -38,9 +38,9 @@ def rollout_batches(classes: Any, serial: Any = None) -> list[dict[str, Any]]:
         raise AnsibleFilterError(f"rollout_batches: {exc}") from None
 
 
-def rollout_plan(classes: Mapping[str, Any] | None, hosts: Mapping[str, Any], created: str, serial: Any = None) -> dict[str, Any]:
-    """The plan artifact plan.yml writes (``classes`` None: from the hosts' class states)."""
-    if not isinstance(classes or {}, Mapping) or not isinstance(hosts, Mapping):
+def rollout_plan(classes: Mapping[str, Any], hosts: Mapping[str, Any], created: str, serial: Any = None) -> dict[str, Any]:
+    """The plan artifact plan.yml writes."""
+    if not isinstance(classes, Mapping) or not isinstance(hosts, Mapping):
         raise AnsibleFilterError("rollout_plan: classes and hosts must be mappings")
     return _rollout.plan_artifact(classes, hosts, str(created), serial)
 

@@ -71,7 +71,8 @@ def engine_runtime(executable: str, run_command: Runner) -> dict[str, t.Any]:
     """
     python = os.path.join(os.path.dirname(executable), "python")
     engine: dict[str, t.Any] = {"executable": executable, "python": None, "compat": {}, "error": None}
-    if not os.access(python, os.X_OK):
+    # present, even as a broken link: a venv whose interpreter cannot run is an error, not "no runtime"
+    if not os.path.lexists(python):
         return engine
     engine["python"] = python
     try:
@@ -109,13 +110,22 @@ def snapshot(params: t.Mapping[str, t.Any], binding: t.Any, host: str, run_comma
             "active_state": props.get("ActiveState", ""),
             "sub_state": props.get("SubState", ""),
             "unit_exists": bool(load_state) and load_state != "not-found",
-            "plan": read_plan(layout, name),
+            **_plan_record(layout, name),
         })
     result["instances"] = instances
     result["interpreter"] = interpreter
     if params.get("engine_executable"):
         result["engine"] = engine_runtime(params["engine_executable"], run_command)
     return result
+
+
+def _plan_record(layout: Layout, name: str) -> dict[str, t.Any]:
+    """``{plan, plan_error}``: the parsed plan record ({} when there is none, or it cannot be parsed or read:
+    the reader plans as if nothing were deployed, and runs the manual canary), and why it could not be read."""
+    try:
+        return {"plan": read_plan(layout, name), "plan_error": None}
+    except UnitFilesError as exc:
+        return {"plan": {}, "plan_error": str(exc)}
 
 
 def snapshot_facts(result: t.Mapping[str, t.Any], host: str) -> dict[str, t.Any]:

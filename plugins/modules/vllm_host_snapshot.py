@@ -107,10 +107,14 @@ instances:
     sub_state: {description: systemd's C(SubState)., type: str, returned: success, sample: running}
     unit_exists: {description: Whether systemd knows the unit., type: bool, returned: success, sample: true}
     plan:
-      description: The plan record of the unit's last boot check, as parsed JSON; empty when there is none or it cannot be parsed.
+      description: The plan record of the unit's last boot check, as parsed JSON; empty when there is none or it cannot be parsed or read.
       type: dict
       returned: success
       sample: {instance: main, kv_cache_memory_bytes: 34359738368, gpu_memory_utilization: 0.95}
+    plan_error:
+      description: Why the plan record could not be read (V(null) when it was read or there is none).
+      type: str
+      returned: success
 engine:
   description: The engine's runtime, with O(engine_executable).
   returned: when O(engine_executable) is given
@@ -128,7 +132,7 @@ engine:
       returned: always
       sample: {vllm_version: 0.33.0, torch_version: 2.9.0+cu128, cuda_version: "12.8"}
     error:
-      description: Why a present interpreter could not be read (the reader fails the host with it); V(null) when read.
+      description: Why an interpreter beside the CLI (even a broken link) could not be read (the reader fails the host with it); V(null) when read.
       type: str
       returned: always
 interpreter:
@@ -185,7 +189,12 @@ def main() -> None:
     host = platform.node()
 
     def run_command(argv):
-        rc, out, err = module.run_command(list(argv), environ_update={"LC_ALL": "C", "SYSTEMD_PAGER": ""})
+        # a program that cannot be started (the engine's interpreter a broken link) is an rc and a reason, not the
+        # module's end: the snapshot names it and the reader fails the host with it
+        try:
+            rc, out, err = module.run_command(list(argv), environ_update={"LC_ALL": "C", "SYSTEMD_PAGER": ""}, handle_exceptions=False)
+        except OSError as exc:
+            return 127, "", str(exc)
         return int(rc), str(out), str(err)
 
     try:

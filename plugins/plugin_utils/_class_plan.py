@@ -11,13 +11,14 @@ answer. Controller-side, plain Python.
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-__all__ = ["CanaryNeed", "ClassPlanError", "canary_need", "deploy_order"]
+__all__ = ["CanaryNeed", "ClassPlanError", "canary_need", "class_states", "deploy_order"]
 
-QUERY_STATUSES = ("found", "missing", "changed")
+QUERY_STATUSES = ("found", "missing", "mismatch")
 
 
 class ClassPlanError(ValueError):
@@ -54,7 +55,7 @@ def canary_need(query: Mapping[str, Any], host_class: str, *, force_profile: boo
     """The decision for one class from its reference lookup.
 
     A profiled canary is needed when the store has no reference for the key (``missing``), the
-    key changed (``changed``), or the run asks for a fresh profile (``gpufleet_force_profile``).
+    key changed (``mismatch``), or the run asks for a fresh profile (``gpufleet_force_profile``).
     Without canaries (``plan.yml``) a class without a reference is not planned, and says why.
     """
     if not isinstance(query, Mapping):
@@ -68,7 +69,7 @@ def canary_need(query: Mapping[str, Any], host_class: str, *, force_profile: boo
         why = "a fresh profile was asked for (gpufleet_force_profile)"
     elif status == "missing":
         why = "no reference profile in the store yet"
-    elif status == "changed":
+    elif status == "mismatch":
         why = "the compatibility key changed: " + ", ".join(json.dumps(dict(d)) for d in differences)
     else:
         why = ""
@@ -102,3 +103,21 @@ def deploy_order(hosts: Mapping[str, Mapping[str, Any]], classes: Sequence[str])
             members = [canary] + [h for h in members if h != canary]
         order.append([cls, members])
     return order
+
+
+def class_states(hosts: Sequence[tuple[str, Any, Any]]) -> dict[str, dict[str, Any]]:
+    """Every class's state, as the plan artifact records it (``rollout_plan``'s classes).
+
+    ``hosts``: ``(host, class, class state or None)`` per planned host. Every host of a class
+    holds the same state (the planning play gives it the canary host's); the first host by name
+    gives it, ``{}`` when it holds none (a class that never finished planning), with
+    ``reference_id``, the file name of the class's reference profile (``profile_path``).
+    """
+    classes: dict[str, dict[str, Any]] = {}
+    for _host, host_class, state in sorted(hosts, key=lambda row: str(row[0])):
+        if host_class is None or str(host_class) in classes:
+            continue
+        out = dict(state) if isinstance(state, Mapping) else {}
+        out["reference_id"] = os.path.basename(str(out.get("profile_path") or "")) or None
+        classes[str(host_class)] = out
+    return classes

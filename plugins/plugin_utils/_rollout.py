@@ -24,7 +24,6 @@ Plain Python, no Ansible import.
 
 from __future__ import annotations
 
-import os
 
 import re
 from collections.abc import Iterable, Mapping, Sequence
@@ -173,38 +172,19 @@ def serial_sizes(batches: Sequence[Mapping[str, Any]]) -> list[int]:
 
 
 # ---------------------------------------------------------------- the plan artifact
-def classes_from_hosts(hosts: Mapping[str, Mapping[str, Any]]) -> dict[str, dict[str, Any]]:
-    """Every class's state from its hosts' ``class_state`` (every host of a class holds the same one),
-    with ``reference_id``, the file name of its reference profile (``profile_path``)."""
-    classes: dict[str, dict[str, Any]] = {}
-    for _host, facts in sorted(hosts.items()):
-        name = facts.get("class")
-        if classes.get(name) or not isinstance(facts.get("class_state"), Mapping):
-            # a host that left the run before its class was planned holds none: the class's other hosts do
-            classes.setdefault(name, {})
-            continue
-        state = dict(facts["class_state"])
-        state["reference_id"] = os.path.basename(str(state.get("profile_path") or "")) or None
-        classes[name] = state
-    return classes
-
-
 def plan_artifact(classes: Mapping[str, Mapping[str, Any]], hosts: Mapping[str, Mapping[str, Any]],
                   created: str, serial: Any = None) -> dict[str, Any]:
     """The document plan.yml writes and rollout.yml applies.
 
     ``classes``: ``{class: {decision, ok, reasons, plan, key_hash, compat, reference_id}}``
-    (``plan`` is the class's plan from the planner, its launch record under ``launch``), or empty to
-    take them from the hosts' ``class_state`` (:func:`classes_from_hosts`); ``hosts``: ``{host: {class,
-    instances: [{name, gpus, unit_checksum?}], gpus: [{index, boot_free_bytes}], units?: [{name, unit_checksum}],
-    class_state?}}`` (an instance without its own ``unit_checksum`` takes its unit's from ``units``,
-    ``vllm_service``'s status of the host).
+    (``plan`` is the class's plan from the planner, its launch record under ``launch``;
+    ``class_states`` builds them from the hosts' class states); ``hosts``: ``{host: {class,
+    instances: [{name, gpus, unit_checksum?}], gpus: [{index, boot_free_bytes}], units?: [{name, unit_checksum}]}}``
+    (an instance without its own ``unit_checksum`` takes its unit's from ``units``, ``vllm_service``'s status of the host).
     Every figure an apply run checks is kept: per class the decision, budget, floors,
     utilization, tokens, reference id and compatibility key; per host its instances' GPUs,
     the unit checksum the plan writes and the free memory seen when planning.
     """
-    if not classes:
-        classes = classes_from_hosts(hosts)
     out_classes: dict[str, Any] = {}
     for name, cls in sorted(classes.items()):
         plan = dict(cls.get("plan") or {})

@@ -68,6 +68,7 @@ def test_one_call_reads_the_gpus_the_units_and_the_plan_records(monkeypatch, cap
         ("new", "vllm-new.service", "inactive", False)]
     # the plan record as parsed; an unparsable or missing one is empty (the canary then runs)
     assert [i["plan"] for i in out["instances"]] == [{"instance": "main", "kv_cache_memory_bytes": 8 << 30}, {}, {}]
+    assert [i["plan_error"] for i in out["instances"]] == [None, None, None]
     # the units' states in one systemctl call, besides the probe's own reading of each unit's processes
     snapshot_calls = [c for c in systemctl.calls if "-p" not in c]
     assert snapshot_calls == [["systemctl", "show", "vllm-main.service", "vllm-side.service", "vllm-new.service",
@@ -147,8 +148,12 @@ def fake_engine(tmp_path, python_script: str | None):
 
 
 def shell_runner(argv):
+    """The module's runner: a program that cannot start is rc 127 and the reason."""
     import subprocess
-    done = subprocess.run(list(argv), capture_output=True, text=True, check=False)
+    try:
+        done = subprocess.run(list(argv), capture_output=True, text=True, check=False)
+    except OSError as exc:
+        return 127, "", str(exc)
     return done.returncode, done.stdout, done.stderr
 
 
@@ -170,3 +175,18 @@ def test_an_interpreter_that_cannot_read_its_packages_is_named_not_fatal(tmp_pat
     engine = _host_snapshot.engine_runtime(exe, shell_runner)
     assert engine["compat"] == {}
     assert engine["error"] == f"{tmp_path}/venv/bin/python could not read its packages (rc 3): ModuleNotFoundError: importlib"
+
+
+def test_a_plan_record_that_cannot_be_read_is_no_plan_and_says_why(monkeypatch, capsys, tmp_path):
+    (tmp_path / "main.plan.json").mkdir()  # not a file: reading it fails
+    rc, out = run(monkeypatch, capsys, vllm_host_snapshot, {"instances": ["main"], "state_dir": str(tmp_path)})
+    assert rc == 0
+    assert out["instances"][0]["plan"] == {} and "main.plan.json" in out["instances"][0]["plan_error"]
+
+
+def test_an_interpreter_that_is_a_broken_link_is_an_error_not_no_runtime(tmp_path):
+    exe = fake_engine(tmp_path, None)
+    (tmp_path / "venv" / "bin" / "python").symlink_to(tmp_path / "gone" / "python3")
+    engine = _host_snapshot.engine_runtime(exe, shell_runner)
+    assert engine["python"] == str(tmp_path / "venv" / "bin" / "python") and engine["compat"] == {}
+    assert engine["error"].startswith(f"{tmp_path}/venv/bin/python could not read its packages")

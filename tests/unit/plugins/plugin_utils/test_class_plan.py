@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from ansible_collections.gpufleet.vllm.plugins.plugin_utils._class_plan import ClassPlanError, canary_need
+from ansible_collections.gpufleet.vllm.plugins.plugin_utils._class_plan import ClassPlanError, canary_need, class_states
 
-CHANGED = {"status": "changed", "differences": [{"field": "driver_version", "reference": "550.1", "current": "570.2"},
+CHANGED = {"status": "mismatch", "differences": [{"field": "driver_version", "reference": "550.1", "current": "570.2"},
                                                 {"field": "vllm_version", "reference": "0.32.0", "current": "0.33.0"}]}
 
 
@@ -32,19 +32,30 @@ def test_a_profiled_canary_runs_when_the_store_has_no_reference_for_the_key_or_o
 
 def test_a_dry_run_says_which_key_fields_moved():
     assert canary_need(CHANGED, "h200", force_profile=False, run_canaries=False).dry_run_stop == (
-        "class h200 has no reference profile for its compatibility key (changed: driver_version, vllm_version); "
+        "class h200 has no reference profile for its compatibility key (mismatch: driver_version, vllm_version); "
         "a rollout runs a profiled canary first")
     assert canary_need({"status": "missing"}, "l40s", force_profile=False, run_canaries=False).dry_run_stop == (
         "class l40s has no reference profile for its compatibility key (missing); a rollout runs a profiled canary first")
 
 
 @pytest.mark.parametrize(("query", "message"), [
-    ({"status": "stale"}, "profile query: status must be one of found, missing, changed, got 'stale'"),
-    ({}, "profile query: status must be one of found, missing, changed, got None"),
-    ({"status": "changed", "differences": "driver"}, "profile query: differences must be a list"),
+    ({"status": "stale"}, "profile query: status must be one of found, missing, mismatch, got 'stale'"),
+    ({}, "profile query: status must be one of found, missing, mismatch, got None"),
+    ({"status": "mismatch", "differences": "driver"}, "profile query: differences must be a list"),
     ([], "profile query: expected the result of gpufleet.vllm.kv_profile state=query"),
 ])
 def test_a_lookup_that_kv_profile_does_not_return_is_named(query, message):
     with pytest.raises(ClassPlanError) as exc:
         canary_need(query, "h200", force_profile=False, run_canaries=True)
     assert str(exc.value).startswith(message)
+
+
+def test_every_planned_class_keeps_the_state_its_first_host_holds():
+    state = {"ok": True, "profile_path": "/store/h200/p1.json", "plan": {}}
+    failed = {"ok": False, "failed": True, "reasons": ["class l40s stopped on l-1: ..."], "plan": {}}
+    classes = class_states([("h-2", "h200", state), ("h-1", "h200", state), ("l-1", "l40s", failed), ("x-1", "gone", None)])
+    assert classes["h200"] == dict(state, reference_id="p1.json")
+    # a class whose canary failed keeps its failure (the artifact shows it not deployable, with its reasons)
+    assert classes["l40s"] == dict(failed, reference_id=None)
+    # a class whose hosts never got a state is still in the artifact, empty
+    assert classes["gone"] == {"reference_id": None}
