@@ -26,7 +26,7 @@ import os
 import re
 import struct
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Sequence, Tuple
+from typing import Any, Callable, Mapping, Sequence
 
 __all__ = [
     "BOOL_FIELDS",
@@ -278,7 +278,7 @@ print(json.dumps(out))
 RUNTIME_KEY_FIELDS = ("vllm_version", "vllm_commit", "torch_version", "cuda_version")
 
 
-def read_runtime(python: str, run_command: Callable[[Sequence[str]], Tuple[int, str, str]]) -> dict[str, Any]:
+def read_runtime(python: str, run_command: Callable[[Sequence[str]], tuple[int, str, str]]) -> dict[str, Any]:
     """The engine's runtime as ``python`` (its venv's interpreter) reports it through :data:`RUNTIME_PROBE`.
 
     :func:`parse_runtime_probe`'s fields; raises CompatError naming the interpreter when it

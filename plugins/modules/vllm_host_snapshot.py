@@ -163,6 +163,7 @@ ansible_facts:
 
 import platform
 import sys
+from collections.abc import Sequence
 
 from ansible.module_utils.basic import AnsibleModule, missing_required_lib
 
@@ -188,7 +189,7 @@ def main() -> None:
         module.fail_json(msg=missing_required_lib("nvidia-ml-py"), exception=PYNVML_IMPORT_ERROR)
     host = platform.node()
 
-    def run_command(argv):
+    def run_command(argv: Sequence[str]) -> tuple[int, str, str]:
         # a program that cannot be started (the engine's interpreter a broken link) is an rc and a reason, not the
         # module's end: the snapshot names it and the reader fails the host with it
         try:

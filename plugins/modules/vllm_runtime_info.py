@@ -130,7 +130,7 @@ from ansible_collections.gpufleet.vllm.plugins.module_utils._compat import (
 )
 from ansible_collections.gpufleet.vllm.plugins.module_utils._defaults import default
 
-_COMPAT_FIELDS = RUNTIME_KEY_FIELDS + ("model_fingerprint", "model_revision")
+_COMPAT_FIELDS = (*RUNTIME_KEY_FIELDS, "model_fingerprint", "model_revision")
 
 
 def main() -> None:

@@ -24,7 +24,6 @@ Plain Python, no Ansible import.
 
 from __future__ import annotations
 
-
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
