@@ -77,11 +77,9 @@ EXAMPLES = r"""
     ansible_python_interpreter: /opt/vllm/venv/bin/python
   register: snap
 
-- name: Show which instances run and the budget each one's plan record holds
+- name: Show which instances run, and the interpreter that read the GPUs
   ansible.builtin.debug:
-    msg: >-
-      {{ snap.instances | map(attribute='name') | zip(snap.instances | map(attribute='active_state'),
-         snap.instances | map(attribute='plan') | map(attribute='kv_cache_memory_bytes', default=none)) | list }}
+    msg: "{{ snap.instances | items2dict(key_name='name', value_name='active_state') }} (read with {{ snap.interpreter }})"
 """
 
 RETURN = r"""

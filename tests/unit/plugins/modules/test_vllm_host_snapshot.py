@@ -92,7 +92,8 @@ def test_the_probe_part_is_gpu_memory_facts_with_the_instances_units_as_own(monk
     for key in ("gpus", "driver_version", "cuda_driver_version", "nvml_version", "own_pids"):
         assert snap[key] == facts[key], key
     # the unknown legacy unit is named by both, once each
-    assert [w for w in warned if "'legacy.service' not found" in w] == ["gpu-a1: systemd unit 'legacy.service' not found: no process counts as own through it"] * 2
+    unknown = "gpu-a1: systemd unit 'legacy.service' not found: no process counts as own through it"
+    assert [w for w in warned if "'legacy.service' not found" in w] == [unknown] * 2
 
 
 @pytest.mark.parametrize(("args", "field"), [

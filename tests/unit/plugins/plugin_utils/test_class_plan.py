@@ -8,7 +8,7 @@ import pytest
 from ansible_collections.gpufleet.vllm.plugins.plugin_utils._class_plan import ClassPlanError, canary_need, class_states
 
 CHANGED = {"status": "mismatch", "differences": [{"field": "driver_version", "reference": "550.1", "current": "570.2"},
-                                                {"field": "vllm_version", "reference": "0.32.0", "current": "0.33.0"}]}
+                                                 {"field": "vllm_version", "reference": "0.32.0", "current": "0.33.0"}]}
 
 
 @pytest.mark.parametrize(("query", "force", "canaries", "profiled", "plan_now", "why"), [
