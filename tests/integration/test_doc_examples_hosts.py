@@ -292,7 +292,9 @@ def test_boot_check_and_gpu_memory_examples(sim, collections_path, texts, tmp_pa
     assert [(i["unit"], i["active_state"], i["unit_exists"]) for i in snap["instances"]] == [
         ("vllm-main.service", "active", True), ("vllm-side.service", "inactive", False)]
     assert snap["interpreter"] == "/opt/vllm/venv/bin/python"
-    assert snapshot["facts"] == {"host": HOST, "interpreter": snap["interpreter"], "instances": snap["instances"]}
+    # the engine's runtime, read by the interpreter beside its CLI (this venv has no vLLM distribution to report)
+    assert snap["engine"] == {"executable": "/opt/vllm/venv/bin/vllm", "python": "/opt/vllm/venv/bin/python", "compat": {}, "error": None}
+    assert snapshot["facts"] == {"host": HOST, "interpreter": snap["interpreter"], "instances": snap["instances"], "engine": snap["engine"]}
 
 
 def test_vllm_audit_examples(sim, collections_path, texts, tmp_path):
