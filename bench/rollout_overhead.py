@@ -21,7 +21,10 @@ startup complete.``). Per batch, ``overhead = batch wall - the slowest
 boot-to-healthy of its hosts`` (the hosts of a batch boot in parallel); the
 per-host overhead is the sum over batches divided by the hosts (goal < 5 s).
 The marginal cost of a host, ``(batches wall at 32 - at 8) / 24`` (installs), is
-reported too.
+reported too, and so is the fixed part's growth per host between the smallest and the largest
+size (updates), with the fixed part that line projects for 1,000 hosts. Per run: the seconds of
+each play before the first batch, and the remote calls every host gets before it (the canary
+host, first by name, separately: its canaries).
 
 Remote calls: ``ssh`` runs through a wrapper that logs the host and the time of every
 call (pipelining on, so one call is one module run or one raw command on the host); the
@@ -375,6 +378,19 @@ def measure(size: int, prefix: str, boot_delay: float, serial: list[Any], forks:
     return runs
 
 
+def fixed_part_slope(runs: list[dict[str, Any]], kind: str = "update", hosts: int = 1000) -> dict[str, Any] | None:
+    """The fixed part's growth per host between the smallest and the largest fleet of ``kind`` runs,
+    and the fixed part it projects for ``hosts`` (a straight line through the largest size)."""
+    done = sorted((r for r in runs if r.get("kind") == kind and r.get("fixed_seconds") is not None), key=lambda r: r["hosts"])
+    if len(done) < 2 or done[-1]["hosts"] <= done[0]["hosts"]:
+        return None
+    small, large = done[0], done[-1]
+    slope = (large["fixed_seconds"] - small["fixed_seconds"]) / (large["hosts"] - small["hosts"])
+    return {"kind": kind, "from_hosts": small["hosts"], "to_hosts": large["hosts"], "seconds_per_host": round(slope, 3),
+            "projected_hosts": hosts, "projected_fixed_seconds": round(large["fixed_seconds"] + slope * (hosts - large["hosts"]), 1),
+            "forks": large.get("forks")}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", default="8,32")
@@ -403,6 +419,7 @@ def main() -> int:
         if large["hosts"] > small["hosts"]:
             out["marginal_seconds_per_host"] = round(
                 (large["batches_seconds"] - small["batches_seconds"]) / (large["hosts"] - small["hosts"]), 3)
+    out["fixed_part_per_host"] = fixed_part_slope(runs)
     print(json.dumps(out, indent=2))
     complete = all("overhead_per_host_s" in r for r in runs) and len(runs) == 2 * len(args.sizes.split(","))
     return 0 if complete and all(r.get("teardown") == "clean" for r in runs) else 1

@@ -370,6 +370,13 @@ def render_rollout(res: dict[str, Any]) -> tuple[list[str], list[tuple[str, str,
             noted.add(run["hosts"])
             lines.append(f"- {run['hosts']} hosts: measured by a separate `python bench/rollout_overhead.py --sizes {run['hosts']}` "
                          f"at {run.get('measured_at', 'n/a')} UTC, not in the run above; the two runs saw different machine load.")
+        if run.get("fixed_plays"):
+            calls = run.get("remote_calls_before_first_batch") or {}
+            others = calls.get("other_hosts") or {}
+            lines.append(f"- {run['hosts']} hosts, {run.get('kind', 'install')}, fixed part per play (s): "
+                         + "; ".join(f"{p['play']} {p['seconds']}" for p in run["fixed_plays"])
+                         + (f". Remote calls before the first batch: canary host {calls.get('canary_host')}, "
+                            f"other hosts {others.get('min')}-{others.get('max')}." if calls else "."))
         if run.get("batches"):
             lines.append(f"- {run['hosts']} hosts, {run.get('kind', 'install')}, batches (hosts / wall s / overhead s): "
                          + "; ".join(f"{b['hosts']} / {b['wall_s']} / {b['overhead_s']}" for b in run["batches"])
@@ -381,6 +388,11 @@ def render_rollout(res: dict[str, Any]) -> tuple[list[str], list[tuple[str, str,
                 lines += ["", "  ```", *("  " + ln for ln in tail[-15:]), "  ```"]
     if result.get("marginal_seconds_per_host") is not None:
         lines.append(f"- Marginal cost of one more host (batches wall, largest vs smallest size): {result['marginal_seconds_per_host']} s.")
+    slope = result.get("fixed_part_per_host")
+    if slope:
+        lines.append(f"- Fixed part per host ({slope['kind']}s, {slope['from_hosts']} to {slope['to_hosts']} hosts, "
+                     f"{slope['forks']} forks): {slope['seconds_per_host']} s; a straight line through {slope['to_hosts']} hosts "
+                     f"gives {slope['projected_fixed_seconds']} s at {slope['projected_hosts']} hosts on this machine.")
     lines.append("")
     for run in result["runs"]:
         what = f"rollout ({run['hosts']} hosts, {run.get('kind', 'install')}): < 5 s per host beyond boot-to-healthy"
