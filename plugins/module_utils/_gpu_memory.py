@@ -29,6 +29,7 @@ __all__ = [
     "host_facts",
     "host_message",
     "module_result",
+    "module_runner",
     "probe_report",
     "pynvml",
     "read",
@@ -107,9 +108,16 @@ def read(params: dict[str, Any], binding: Any, host: str, run_command: Callable[
     )
 
 
-def _module_runner(module: ModuleShell) -> Callable[[Sequence[str]], tuple[int, str, str]]:
+def module_runner(module: ModuleShell) -> Callable[[Sequence[str]], tuple[int, str, str]]:
+    """``module.run_command`` as the probe and the snapshot call it: C locale, no pager, and a program that
+    cannot be started (a missing systemctl, an engine interpreter that is a broken link) returned as rc 127
+    with the reason, for the caller to name, instead of ending the module."""
     def run_command(argv: Sequence[str]) -> tuple[int, str, str]:
-        rc, out, err = module.run_command(argv, environ_update={"LC_ALL": "C", "SYSTEMD_PAGER": ""})
+        try:
+            rc, out, err = module.run_command(list(argv), environ_update={"LC_ALL": "C", "SYSTEMD_PAGER": ""},
+                                              handle_exceptions=False)
+        except OSError as exc:
+            return 127, "", str(exc)
         return int(rc), str(out), str(err)
 
     return run_command
@@ -117,7 +125,7 @@ def _module_runner(module: ModuleShell) -> Callable[[Sequence[str]], tuple[int, 
 
 def module_result(module: ModuleShell, binding: Any, host: str, *, set_facts: bool) -> dict[str, Any]:
     """Probe through ``binding`` with the module's parameters; returns the module result (with ``warnings``)."""
-    result = read(module.params, binding, host, _module_runner(module))
+    result = read(module.params, binding, host, module_runner(module))
     out: dict[str, Any] = {"changed": False, **result}
     if set_facts:
         out["ansible_facts"] = host_facts(result, host)
@@ -137,7 +145,7 @@ def probe_report(module: ModuleShell, params: dict[str, Any], binding: Any, host
     the units), and the free-memory gate that reads the probe fails the host with the error.
     """
     try:
-        result = read(params, binding, host, _module_runner(module))
+        result = read(params, binding, host, module_runner(module))
     except NvmlProbeError as exc:
         return {"error": host_message(exc, host), "gpu": exc.gpu, "nvml_error": exc.code}
     for warning in result.pop("warnings"):

@@ -54,11 +54,8 @@ def check_params(params: t.Mapping[str, t.Any]) -> None:
     for i, unit in enumerate(params["adopt_units"] or []):
         text(unit, f"adopt_units[{i}]")
     for field in ("state_dir", "engine_executable"):
-        if field == "engine_executable" and not params.get(field):
-            continue
-        path = text(params[field], field)
-        if not path.startswith("/"):
-            raise ValidationError(f"{field}: expected an absolute path, got {path!r}")
+        if params.get(field) is not None and not text(params[field], field).startswith("/"):
+            raise ValidationError(f"{field}: expected an absolute path, got {params[field]!r}")
 
 
 def engine_runtime(executable: str, run_command: Runner) -> dict[str, t.Any]:

@@ -161,11 +161,10 @@ ansible_facts:
 
 import platform
 import sys
-from collections.abc import Sequence
 
 from ansible.module_utils.basic import AnsibleModule, missing_required_lib
 
-from ansible_collections.gpufleet.vllm.plugins.module_utils._gpu_memory import PYNVML_IMPORT_ERROR, host_message, pynvml
+from ansible_collections.gpufleet.vllm.plugins.module_utils._gpu_memory import PYNVML_IMPORT_ERROR, host_message, module_runner, pynvml
 from ansible_collections.gpufleet.vllm.plugins.module_utils._host_snapshot import (
     ARGUMENT_SPEC,
     HostSnapshotError,
@@ -187,17 +186,8 @@ def main() -> None:
         module.fail_json(msg=missing_required_lib("nvidia-ml-py"), exception=PYNVML_IMPORT_ERROR)
     host = platform.node()
 
-    def run_command(argv: Sequence[str]) -> tuple[int, str, str]:
-        # a program that cannot be started (the engine's interpreter a broken link) is an rc and a reason, not the
-        # module's end: the snapshot names it and the reader fails the host with it
-        try:
-            rc, out, err = module.run_command(list(argv), environ_update={"LC_ALL": "C", "SYSTEMD_PAGER": ""}, handle_exceptions=False)
-        except OSError as exc:
-            return 127, "", str(exc)
-        return int(rc), str(out), str(err)
-
     try:
-        result = snapshot(module.params, pynvml, host, run_command, sys.executable)
+        result = snapshot(module.params, pynvml, host, module_runner(module), sys.executable)
     except NvmlProbeError as exc:
         module.fail_json(msg=host_message(exc, host), gpu=exc.gpu, nvml_error=exc.code)
     except HostSnapshotError as exc:
