@@ -53,6 +53,7 @@ import sys
 import time
 import typing as t
 
+from ._floor_check import below_floor, floor_rows, shortfall
 from ._gpu_health import BLOCKING_CHECKS, HEALTH_POLICIES, listen_for_xids, unhealthy
 from ._instance import unit_name
 from ._kv_capacity import SOURCES as CAPACITY_SOURCES, blocks_for_bytes, floor_utilization, full_attention_request_blocks, one_request_blocks, tokens_for_blocks
@@ -302,24 +303,8 @@ def moved_gpus(plan: t.Mapping[str, t.Any], gpus: t.Sequence[t.Mapping[str, t.An
 
 
 def rank_rows(plan: t.Mapping[str, t.Any], gpus: t.Sequence[t.Mapping[str, t.Any]]) -> list[dict[str, t.Any]]:
-    """Per rank of the instance: GPU, NVML free memory now, floor, margin (free - floor)."""
-    by_index = {int(g["index"]): g for g in gpus}
-    rows = []
-    for rank, index in enumerate(plan["gpus"]):
-        gpu = by_index.get(index)
-        floor = plan["free_floor_bytes"].get(rank)
-        row: dict[str, t.Any] = {"rank": rank, "gpu": index, "floor_bytes": floor, "free_bytes": None,
-                                 "total_bytes": None, "margin_bytes": None}
-        if gpu is not None:
-            free = int(gpu.get("boot_free_bytes", gpu.get("free_bytes", 0)))
-            row.update(free_bytes=free, total_bytes=int(gpu.get("total_bytes") or 0), uuid=gpu.get("uuid"),
-                       pci_bus_id=gpu.get("pci_bus_id"))
-            if gpu.get("health") is not None:
-                row["health"] = gpu["health"]
-            if floor is not None:
-                row["margin_bytes"] = free - floor
-        rows.append(row)
-    return rows
+    """Per rank of the instance: GPU, NVML free memory now, floor, margin (free - floor) (``_floor_check.floor_rows``)."""
+    return floor_rows(plan["gpus"], gpus, plan["free_floor_bytes"])
 
 
 def health_findings(rows: t.Sequence[t.Mapping[str, t.Any]]) -> tuple[list[str], list[str]]:
@@ -397,7 +382,7 @@ def _decide(plan: t.Mapping[str, t.Any], gpus: t.Sequence[t.Mapping[str, t.Any]]
     unfloored = [r for r in rows if r["floor_bytes"] is None]
     if unfloored:
         return refuse("; ".join(f"rank {r['rank']} (GPU {r['gpu']}): the plan file has no floor for it" for r in unfloored))
-    below = [r for r in rows if r["margin_bytes"] < 0]
+    below = below_floor(rows)
     if not below:
         low = min(rows, key=lambda r: r["margin_bytes"])
         out.update(action="start", message=(
@@ -416,8 +401,8 @@ def _decide(plan: t.Mapping[str, t.Any], gpus: t.Sequence[t.Mapping[str, t.Any]]
 def _shrink(out: dict[str, t.Any], plan: t.Mapping[str, t.Any], rows: list[dict[str, t.Any]], shown: str,
             refuse: t.Callable[[str], dict[str, t.Any]]) -> dict[str, t.Any]:
     before = plan["kv_cache_memory_bytes"]
-    shortfall = max(max(0, r["floor_bytes"] - r["free_bytes"]) for r in rows)
-    after = before - shortfall
+    short = shortfall(rows)
+    after = before - short
     figures = plan["capacity"]
     if figures is None:
         return refuse(shown + "; shrink needs the plan's capacity figures (bytes per block), which this plan file lacks: "
@@ -428,7 +413,7 @@ def _shrink(out: dict[str, t.Any], plan: t.Mapping[str, t.Any], rows: list[dict[
     blocks_after, tokens_after = capacity(figures, after)
     degraded = {"kv_cache_memory_bytes_before": before, "kv_cache_memory_bytes_after": max(0, after),
                 "kv_cache_tokens_before": tokens_before, "kv_cache_tokens_after": tokens_after,
-                "num_blocks_before": blocks_before, "num_blocks_after": blocks_after, "shortfall_bytes": shortfall}
+                "num_blocks_before": blocks_before, "num_blocks_after": blocks_after, "shortfall_bytes": short}
     out["degraded"] = degraded
     if plan["max_model_len"]:
         need = request_blocks_needed(figures, plan["max_model_len"])
@@ -442,7 +427,7 @@ def _shrink(out: dict[str, t.Any], plan: t.Mapping[str, t.Any], rows: list[dict[
                       f"below the admission plan's {plan['admission_blocks']} blocks ({plan['admission_tokens']} tokens)")
     util = plan["gpu_memory_utilization"]
     total = min(r["total_bytes"] for r in rows if r["total_bytes"])
-    new_util = floor_utilization(math.ceil(total * util) - shortfall, total) if util and total else util
+    new_util = floor_utilization(math.ceil(total * util) - short, total) if util and total else util
     if not new_util or new_util <= 0:
         return refuse(f"{shown}; no --gpu-memory-utilization is left for vLLM's startup check after the shrink")
     out["started"] = {"kv_cache_memory_bytes": after, "gpu_memory_utilization": min(util or new_util, new_util),

@@ -15,6 +15,7 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from ._floor_check import below_floor, floor_rows, rank_floor
 from ._launch import LaunchError, check_launch
 from ._sizes import human_bytes
 
@@ -47,29 +48,23 @@ def gate_violations(gpus: Sequence[Mapping[str, Any]] | Mapping[str, Any], insta
         raise LaunchError("launch.gpu_memory_utilization: an auto_profile record needs the utilization (launch_contract sets it)")
     utilization = float(record["gpu_memory_utilization"] or 0)
     by_index = {int(g["index"]): g for g in read}
+    totals = {index: int(g["total_bytes"]) for index, g in by_index.items()} if auto else {}
     out = []
     for inst in instances:
-        for rank, index in enumerate(int(g) for g in inst["gpus"]):
-            where = f"{inst['name']} rank {rank} (GPU {index})"
-            gpu = by_index.get(index)
-            if gpu is None:
+        indices = [int(g) for g in inst["gpus"]]
+        # automatic profiling: vLLM's own startup check, ceil(total * utilization), is the floor
+        needs = {rank: math.ceil(totals[index] * utilization) for rank, index in enumerate(indices) if index in totals} if auto else floors
+        rows = floor_rows(indices, read, needs)
+        below = below_floor(rows)
+        for row in rows:
+            where = f"{inst['name']} rank {row['rank']} (GPU {row['gpu']})"
+            if row["free_bytes"] is None:
                 out.append(f"{where}: not found by NVML")
-                continue
-            need = math.ceil(int(gpu["total_bytes"]) * utilization) if auto else rank_floor(floors, rank)
-            if need is None:
+            elif row["floor_bytes"] is None:
                 out.append(f"{where}: the plan has no floor for this rank")
-                continue
-            free = int(gpu["boot_free_bytes"])
-            if free < need:
-                others = [str(p["pid"]) for p in gpu.get("processes") or [] if not p.get("own")]
+            elif row in below:
+                free, need = row["free_bytes"], row["floor_bytes"]
+                others = [str(p["pid"]) for p in by_index[row["gpu"]].get("processes") or [] if not p.get("own")]
                 out.append(f"{where}: boot-free {free} B ({human_bytes(free)}) < floor {need} B ({human_bytes(need)})"
                            + (f", other processes: {','.join(others)}" if others else ""))
     return out
-
-
-def rank_floor(floors: Mapping[Any, Any], rank: int) -> int | None:
-    """The floor of ``rank`` in a launch record's per-rank ``free_floor_bytes`` (keys int or str)."""
-    for key in (rank, str(rank)):
-        if key in floors:
-            return int(floors[key])
-    return None

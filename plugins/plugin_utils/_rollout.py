@@ -28,7 +28,8 @@ import re
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from ansible_collections.gpufleet.vllm.plugins.module_utils._free_memory_gate import gate_violations, rank_floor
+from ansible_collections.gpufleet.vllm.plugins.module_utils._floor_check import rank_floor
+from ansible_collections.gpufleet.vllm.plugins.module_utils._free_memory_gate import gate_violations
 from ansible_collections.gpufleet.vllm.plugins.module_utils._sizes import human_bytes
 
 __all__ = [
