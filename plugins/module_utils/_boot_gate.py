@@ -58,6 +58,7 @@ from ._gpu_health import BLOCKING_CHECKS, HEALTH_POLICIES, listen_for_xids, unhe
 from ._instance import unit_name
 from ._kv_capacity import SOURCES as CAPACITY_SOURCES, blocks_for_bytes, floor_utilization, full_attention_request_blocks, one_request_blocks, tokens_for_blocks
 from ._launch import PLAN_CHECKSUM_VARIABLE, PLAN_FILE_FORMAT, LaunchError, check_launch, plan_checksum, rank_bytes
+from ._validate import int_field
 
 PLAN_FORMATS = (1, 2, PLAN_FILE_FORMAT)
 PLAN_FORMAT = PLAN_FILE_FORMAT
@@ -83,16 +84,8 @@ def _hb(value: int) -> str:
 
 
 def _int(doc: t.Mapping[str, t.Any], key: str, where: str, required: bool = True) -> int | None:
-    value = doc.get(key)
-    if value is None:
-        if required:
-            raise BootGateError(f"{where}: {key} is missing")
-        return None
-    if isinstance(value, bool) or not isinstance(value, int):
-        if isinstance(value, float) and value.is_integer():
-            return int(value)
-        raise BootGateError(f"{where}: {key} must be an integer, got {value!r}")
-    return value
+    return int_field(doc.get(key), f"{where}: {key}", required=required, error=BootGateError,
+                     message="{field} must be an integer, got {value!r}")
 
 
 # ---------------------------------------------------------------- plan file

@@ -39,6 +39,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
+from ._validate import int_field
+
 __all__ = [
     "FAMILIES",
     "KVLayout",
@@ -168,10 +170,8 @@ class KVLayout:
 
 # ----------------------------------------------------------------- layer kinds
 def _int(cfg: Mapping[str, Any], key: str) -> int | None:
-    value = cfg.get(key)
-    if isinstance(value, bool) or not isinstance(value, int):
-        return None
-    return value
+    """An integer of the model's config; anything else reads as absent."""
+    return int_field(cfg.get(key), key, floats="refuse", quiet=True)
 
 
 def _hybrid_kinds(cfg: Mapping[str, Any], model_type: str, n: int) -> list[str] | None:

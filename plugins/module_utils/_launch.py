@@ -57,6 +57,7 @@ import json
 import typing as t
 
 from ._instance import unit_name
+from ._validate import int_field
 
 SCHEMA = 1
 # The host's plan file (<state_dir>/<instance>.plan.json) with the launch record inside.
@@ -77,18 +78,7 @@ class LaunchError(ValueError):
 
 
 def _int(doc: t.Mapping[str, t.Any], key: str, where: str, low: int = 0) -> int | None:
-    value = doc.get(key)
-    if value is None:
-        return None
-    if isinstance(value, float) and value.is_integer():
-        value = int(value)
-    if isinstance(value, str) and value.strip().isdigit():
-        value = int(value.strip())
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise LaunchError(f"{where}.{key}: expected an integer, got {value!r}")
-    if value < low:
-        raise LaunchError(f"{where}.{key}: expected at least {low}, got {value}")
-    return value
+    return int_field(doc.get(key), f"{where}.{key}", low=low, strings=True, error=LaunchError)
 
 
 def _fraction(doc: t.Mapping[str, t.Any], key: str, where: str, low_open: bool) -> float | None:

@@ -35,6 +35,7 @@ __all__ = [
     "env_name",
     "environment_file",
     "instance_name",
+    "int_field",
     "integer",
     "is_secret_option",
     "no_control",
@@ -194,6 +195,45 @@ def integer(value: object, field: str, *, low: int | None = None, high: int | No
     if (low is not None and result < low) or (high is not None and result > high):
         span = f"{low}..{high}" if low is not None and high is not None else (f">= {low}" if low is not None else f"<= {high}")
         raise ValidationError(f"{field}: must be an integer in {span}, got {_shown(value)}")
+    return result
+
+
+def int_field(value: object, field: str, *, required: bool = False, low: int | None = None, strings: bool = False,
+              floats: str = "whole", what: str = "an integer", error: type[Exception] = ValidationError,
+              quiet: bool = False, message: str = "{field}: expected {what}, got {value!r}") -> int | None:
+    """An integer field of a record (a plan file, a launch record, a report, a model's config): the one
+    rule the readers of stored records share; :func:`integer` is the one for what a user gives.
+
+    ``None`` stays None (``required``: ``"FIELD is missing"``); a bool is never an integer.
+    ``floats``: ``"whole"`` reads 3.0 as 3 and refuses 2.5, ``"truncate"`` reads any finite float
+    as ``int(value)``, ``"refuse"`` refuses them all. ``strings``: decimal digits (blanks around
+    them allowed) read as their number. ``low``: the smallest value allowed
+    (``"FIELD: expected at least LOW, got VALUE"``). Anything else is ``message``
+    (``"FIELD: expected WHAT, got VALUE"``; its fields ``field``, ``what``, ``value``), raised as
+    ``error`` (the caller's exception class), or with ``quiet`` read as absent (None).
+    """
+    if value is None:
+        if required and not quiet:
+            raise error(f"{field} is missing")
+        return None
+    result: int | None = None
+    if isinstance(value, bool):
+        pass
+    elif isinstance(value, int):
+        result = value
+    elif isinstance(value, float):
+        if (floats == "truncate" and math.isfinite(value)) or (floats == "whole" and value.is_integer()):
+            result = int(value)
+    elif strings and isinstance(value, str) and value.strip().isdecimal():
+        result = int(value.strip())
+    if result is None:
+        if quiet:
+            return None
+        raise error(message.format(field=field, what=what, value=value))
+    if low is not None and result < low:
+        if quiet:
+            return None
+        raise error(f"{field}: expected at least {low}, got {result}")
     return result
 
 

@@ -20,7 +20,6 @@ Rendering and writing a run directory: ``_report_render``.
 from __future__ import annotations
 
 import datetime as _dt
-import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -28,6 +27,7 @@ from typing import Any
 from ansible_collections.gpufleet.vllm.plugins.module_utils._instance import unit_name
 from ansible_collections.gpufleet.vllm.plugins.module_utils._launch import figures as launch_figures, plan_checksum, plan_file_figures
 from ansible_collections.gpufleet.vllm.plugins.module_utils._sizes import SizeError, human_bytes, parse_size
+from ansible_collections.gpufleet.vllm.plugins.module_utils._validate import int_field
 
 __all__ = [
     "AUDIT_VERDICTS",
@@ -90,16 +90,8 @@ class ReportError(ValueError):
 # ---------------------------------------------------------------- small helpers
 def _int(value: Any, field: str) -> int | None:
     """An integer byte figure from an int or a size string; None stays None."""
-    if value is None or value == "":
-        return None
-    if isinstance(value, bool):
-        raise ReportError(f"{field}: expected a byte count, got {value!r}")
-    if isinstance(value, int):
-        return value
-    if isinstance(value, float):
-        if math.isnan(value) or math.isinf(value):
-            raise ReportError(f"{field}: expected a byte count, got {value!r}")
-        return int(value)
+    if value is None or value == "" or isinstance(value, (bool, int, float)):
+        return int_field(None if value == "" else value, field, floats="truncate", what="a byte count", error=ReportError)
     try:
         return parse_size(value, field)
     except SizeError as exc:

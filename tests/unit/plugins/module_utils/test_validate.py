@@ -23,6 +23,39 @@ def test_boolean_words(value, expected):
     assert v.boolean(value, "flag") is expected
 
 
+@pytest.mark.parametrize("value, kw, expected", [
+    (7, {}, 7), (None, {}, None), (3.0, {}, 3), (2.9, {"floats": "truncate"}, 2), (-2.9, {"floats": "truncate"}, -2),
+    (" 42 ", {"strings": True}, 42), (0, {"low": 0}, 0), ("x", {"quiet": True}, None), (1.0, {"floats": "refuse", "quiet": True}, None),
+    (True, {"quiet": True}, None), (-1, {"low": 0, "quiet": True}, None),
+])
+def test_int_field_reads_a_records_integer(value, kw, expected):
+    assert v.int_field(value, "doc.n", **kw) == expected
+
+
+class _Mine(ValueError):
+    pass
+
+
+@pytest.mark.parametrize("value, kw, message", [
+    (None, {"required": True}, "doc.n is missing"),
+    (True, {}, "doc.n: expected an integer, got True"),
+    (2.5, {}, "doc.n: expected an integer, got 2.5"),
+    (math.inf, {"floats": "truncate"}, "doc.n: expected an integer, got inf"),
+    (math.nan, {"floats": "truncate", "what": "a byte count"}, "doc.n: expected a byte count, got nan"),
+    (3.0, {"floats": "refuse"}, "doc.n: expected an integer, got 3.0"),
+    ("42", {}, "doc.n: expected an integer, got '42'"),
+    ("-4", {"strings": True}, "doc.n: expected an integer, got '-4'"),
+    ([1], {}, "doc.n: expected an integer, got [1]"),
+    (0, {"low": 1}, "doc.n: expected at least 1, got 0"),
+    ("0", {"low": 1, "strings": True}, "doc.n: expected at least 1, got 0"),
+    ("x", {"message": "{field} must be an integer, got {value!r}"}, "doc.n must be an integer, got 'x'"),
+])
+def test_int_field_refuses_naming_the_field_with_the_callers_error(value, kw, message):
+    with pytest.raises(_Mine) as info:
+        v.int_field(value, "doc.n", error=_Mine, **kw)
+    assert str(info.value) == message
+
+
 @pytest.mark.parametrize("value", ["maybe", "", "2", 2, -1, None, [], {}, "yess", 0.5, "y\n x"])
 def test_boolean_refuses_other_words(value):
     with pytest.raises(v.ValidationError, match=r"^flag: expected a boolean"):
