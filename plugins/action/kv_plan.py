@@ -12,6 +12,7 @@ from ansible.errors import AnsibleActionFail
 from ansible.plugins.action import ActionBase
 
 from ansible_collections.gpufleet.vllm.plugins.module_utils._defaults import default
+from ansible_collections.gpufleet.vllm.plugins.module_utils._instance import clashes
 from ansible_collections.gpufleet.vllm.plugins.module_utils._validate import ValidationError, boolean, instance_name, integer
 from ansible_collections.gpufleet.vllm.plugins.plugin_utils import _probe_history
 from ansible_collections.gpufleet.vllm.plugins.plugin_utils._plan import SPLIT_POLICIES, UNSTABLE_SCOPES, PlanError, plan_class, plan_deployable
@@ -93,15 +94,19 @@ def members_from_group(group: str, task_vars: Mapping[str, Any],
         instances = hv.get("gpufleet_instances") or [{"name": DEFAULT_INSTANCE, "gpus": sorted(by_index)}]
         if not isinstance(instances, list):
             raise AnsibleActionFail(f"host {host}: gpufleet_instances must be a list of {{name, gpus, port}}")
-        used: dict[int, str] = {}
-        for inst in instances:
+        # the instance rules of a host (_instance.clashes), each refused where the loop below reaches it
+        found = clashes([{"name": i.get("name"), "gpus": sorted(by_index) if i.get("gpus") is None else i.get("gpus")}
+                         if isinstance(i, Mapping) else None for i in instances])
+        twice_named = {c.position for c in found if c.rule == "name"}
+        gpu_clash = {(c.position, c.rank): c for c in found if c.rule in ("gpu_twice", "gpu_shared")}
+        for pos, inst in enumerate(instances):
             if not isinstance(inst, Mapping) or not inst.get("name"):
                 raise AnsibleActionFail(f"host {host}: every gpufleet_instances entry needs a name")
             try:
                 instance_name(inst["name"], f"host {host} gpufleet_instances name")
             except ValidationError as exc:
                 raise AnsibleActionFail(str(exc)) from None
-            if f"{host}/{inst['name']}" in members:
+            if pos in twice_named:
                 raise AnsibleActionFail(f"host {host}: instance {inst['name']} appears twice in gpufleet_instances")
             indices = inst.get("gpus")
             if indices is None:
@@ -132,11 +137,11 @@ def members_from_group(group: str, task_vars: Mapping[str, Any],
                 if moved is not None:
                     entry["history_spread_bytes"], entry["history_min_bytes"] = moved
                 ranks.append({k: v for k, v in entry.items() if v is not None})
-                if int(index) in used and used[int(index)] == inst["name"]:
+                clash = gpu_clash.get((pos, rank))
+                if clash is not None and clash.rule == "gpu_twice":
                     raise AnsibleActionFail(f"host {host} instance {inst['name']}: GPU {index} is listed twice")
-                owner = used.setdefault(int(index), inst["name"])
-                if owner != inst["name"]:
-                    raise AnsibleActionFail(f"host {host}: GPU {index} is used by instances {owner} and {inst['name']}; "
+                if clash is not None:
+                    raise AnsibleActionFail(f"host {host}: GPU {index} is used by instances {instances[clash.other]['name']} and {inst['name']}; "
                                             "instances sharing a GPU would each be planned the whole budget")
             try:
                 flagged = boolean(hv.get("gpufleet_unstable", False), f"host {host} gpufleet_unstable")

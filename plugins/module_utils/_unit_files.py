@@ -65,7 +65,7 @@ import typing as t
 from dataclasses import dataclass
 
 from . import _validate as v
-from ._instance import env_file_name, plan_file_name, unit_name, unit_names
+from ._instance import clashes, env_file_name, plan_file_name, unit_name, unit_names
 from ._launch import PLAN_CHECKSUM_DROPIN, PLAN_CHECKSUM_VARIABLE, LaunchError, for_instance, plan_checksum, plan_file_bytes
 from ._serve_argv import CONTROLLED_OPTIONS, EngineSpecError, option_name, render_serve_args
 
@@ -203,36 +203,34 @@ def _instances_problems(instances: t.Any, problems: list[str], field: str = "vll
     if not isinstance(instances, (list, tuple)) or not instances:
         problems.append(f"{field}: expected a non-empty list of {{name, gpus, port}}")
         return
-    names: list[str | None] = []
-    ports: list[int | None] = []
-    owner: dict[int, int] = {}
+    # each instance's checked name, port and GPUs (None where refused), for the rules between instances
+    checked: list[dict[str, t.Any]] = []
     for i, inst in enumerate(instances):
         where = f"{field}[{i}]"
+        checked.append({})
         if not isinstance(inst, t.Mapping):
             problems.append(f"{where}: expected a mapping with name, gpus and port")
             continue
-        name = _check(problems, v.instance_name, inst.get("name"), f"{where}.name")
-        names.append(name)
-        ports.append(_check(problems, v.port, inst.get("port"), f"{where}.port"))
+        checked[i]["name"] = _check(problems, v.instance_name, inst.get("name"), f"{where}.name")
+        checked[i]["port"] = _check(problems, v.port, inst.get("port"), f"{where}.port")
         gpus = inst.get("gpus")
         if not isinstance(gpus, (list, tuple)) or not gpus:
             problems.append(f"{where}.gpus: expected a non-empty list of NVML indices")
             continue
-        seen: list[int] = []
-        for j, gpu in enumerate(gpus):
-            index = _check(problems, v.integer, gpu, f"{where}.gpus[{j}]", low=0, high=_MAX_GPUS - 1)
-            if index is None:
-                continue
-            if index in seen:
-                problems.append(f"{where}.gpus: GPU {index} is listed twice")
-                continue
-            seen.append(index)
-            if index in owner and owner[index] != i:
-                problems.append(f"{where}.gpus: GPU {index} is also used by {field}[{owner[index]}]; "
-                                "instances sharing a GPU would each get the whole plan's budget")
-            owner.setdefault(index, i)
-    _check(problems, v.unique, [n for n in names if n is not None], f"{field} names")
-    _check(problems, v.unique, [p for p in ports if p is not None], f"{field} ports")
+        checked[i]["gpus"] = [_check(problems, v.integer, gpu, f"{where}.gpus[{j}]", low=0, high=_MAX_GPUS - 1)
+                              for j, gpu in enumerate(gpus)]
+    found = clashes(checked)
+    for clash in found:
+        where = f"{field}[{clash.position}].gpus"
+        if clash.rule == "gpu_twice":
+            problems.append(f"{where}: GPU {clash.value} is listed twice")
+        elif clash.rule == "gpu_shared":
+            problems.append(f"{where}: GPU {clash.value} is also used by {field}[{clash.other}]; "
+                            "instances sharing a GPU would each get the whole plan's budget")
+    for rule, what in (("name", "names"), ("port", "ports")):
+        twice = list(dict.fromkeys(str(c.value) for c in found if c.rule == rule))
+        if twice:
+            problems.append(f"{field} {what}: {', '.join(twice)} appear(s) more than once")
 
 
 def _plan_problems(plan: t.Any, default_utilization: t.Any, problems: list[str]) -> None:
