@@ -11,7 +11,7 @@ from typing import Any, Mapping
 from ansible.errors import AnsibleActionFail, AnsibleError
 from ansible.plugins.action import ActionBase
 
-from ansible_collections.gpufleet.vllm.plugins.module_utils._compat import CompatError, compat_key
+from ansible_collections.gpufleet.vllm.plugins.module_utils._compat import CompatError, compat_key, key_hash
 from ansible_collections.gpufleet.vllm.plugins.plugin_utils._canary_reference import (
     ReferenceError,
     model_config_from,
@@ -100,7 +100,7 @@ class ActionModule(ActionBase):  # type: ignore[misc]  # ActionBase is Any: ansi
                 elif answer["status"] == "mismatch":
                     fields = ", ".join(d["field"] for d in answer["differences"])
                     result["msg"] = (
-                        f"class {args['host_class']} has no profile for key {key.hash}; the newest one differs in: {fields}. "
+                        f"class {args['host_class']} has no profile for key {key_hash(key)}; the newest one differs in: {fields}. "
                         "Run a profiled canary for the new key."
                     )
                 else:

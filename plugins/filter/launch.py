@@ -47,7 +47,7 @@ def launch_plan_file(launch: Any, instance: Any, host: Any) -> dict[str, Any]:
     if not isinstance(instance, Mapping) or not isinstance(host, Mapping):
         raise AnsibleFilterError("launch_plan_file: expected an instance {name, gpus, port} and a mapping of host facts")
     try:
-        return plan_file(launch, instance, host_class=host.get("host_class") or None, compat_key_hash=host.get("compat_key_hash") or None,
+        return plan_file(launch, instance, host_class=host.get("host_class") or None, key_hash=host.get("compat_key_hash") or None,
                          model=str(host["model"]), max_model_len=int(host.get("max_model_len") or 0), planned_at=str(host["planned_at"]),
                          gate_policy=host.get("gate_policy"), gate_state_dir=host.get("gate_state_dir"), host_gpus=host.get("gpus"),
                          gate_gpu_health=host.get("gate_gpu_health") or None, gate_xid_wait_ms=int(host.get("gate_xid_wait_ms") or 0))

@@ -40,6 +40,7 @@ __all__ = [
     "compat_key",
     "diff_keys",
     "host_fields",
+    "key_hash",
     "missing_libraries",
     "model_fingerprint",
     "parse_runtime_probe",
@@ -226,6 +227,22 @@ def compat_key(fields: Mapping[str, Any] | CompatKey) -> CompatKey:
         canon[name] = _canonical_value(name, value)
     full = hashlib.sha256(canonical_json(canon).encode("ascii")).hexdigest()
     return CompatKey(fields=dict(sorted(canon.items())), hash=full[:16], full_hash=full)
+
+
+def key_hash(fields: Mapping[str, Any] | CompatKey) -> str:
+    """The compatibility key's hash: the first 16 hex digits of the SHA-256 of the canonical
+    fields (:func:`compat_key`). Every place that computes or checks the hash of a key calls this;
+    inside the Python it is called ``key_hash``.
+
+    The public names that carry it, kept as they are: the profile store record's and
+    ``kv_profile``'s ``key_hash``; ``kv_plan``'s ``reference.compat_hash`` and
+    ``hosts.<host>.compat_hash`` (a whole ``kv_profile`` record's ``key_hash`` is read too); the
+    plan file's ``compat_key_hash`` (``vllm_service_compat_key_hash``, ``kv_plan``'s
+    ``deployed.compat_key_hash``, ``vllm_unit``'s restart field); the run report's class
+    ``key_hash`` and instance ``compat_key_hash``; ``vllm_audit``'s ``compat_key_hash``,
+    ``reference_key_hash`` and option ``reference_key_hashes``.
+    """
+    return compat_key(fields).hash
 
 
 def diff_keys(a: Mapping[str, Any] | CompatKey, b: Mapping[str, Any] | CompatKey) -> list[dict[str, Any]]:

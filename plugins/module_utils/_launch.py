@@ -287,13 +287,14 @@ def cuda_visible_devices(gpus: t.Sequence[t.Any], host_gpus: t.Any) -> str:
 
 
 def plan_file(launch: t.Mapping[str, t.Any], instance: t.Mapping[str, t.Any], *, host_class: str | None,
-              compat_key_hash: str | None, model: str, max_model_len: int | None, planned_at: str,
+              key_hash: str | None, model: str, max_model_len: int | None, planned_at: str,
               gate_policy: str | None, gate_state_dir: str | None, host_gpus: t.Any = None,
               gate_gpu_health: str | None = None, gate_xid_wait_ms: int | None = None) -> dict[str, t.Any]:
     """The host's plan file of one instance (format :data:`PLAN_FILE_FORMAT`): where it runs and its launch record.
 
     The boot gate reads it at every start; an application embedding vLLM reads the same
     record (``docs/launch-contract.md``). ``max_model_len`` 0 or ``None``: not set.
+    ``key_hash``: the compatibility key's hash (``_compat.key_hash``), the file's ``compat_key_hash``.
     ``host_gpus``: the host's probed GPUs; with every GPU's UUID known, ``gpu_uuids`` names
     the cards in rank order and the gate refuses a start on another card at one of the indices.
     ``gate_gpu_health`` (``refuse`` or ``warn``) and ``gate_xid_wait_ms``: what the gate does with an
@@ -309,7 +310,7 @@ def plan_file(launch: t.Mapping[str, t.Any], instance: t.Mapping[str, t.Any], *,
         "instance": name,
         "unit": unit_name(name),
         "host_class": host_class,
-        "compat_key_hash": compat_key_hash,
+        "compat_key_hash": key_hash,
         "model": model,
         "gpus": [int(g) for g in instance["gpus"]],
         **({"gpu_uuids": uuids} if uuids else {}),

@@ -502,7 +502,7 @@ def _check_uniform_class(p: _Planning) -> None:
         # a reference total taken from vLLM's log is rounded to 0.01 GiB: NVML's exact figure matches it
         ref_total = None
     mixed("GPU total memory", ref_total, totals)
-    mixed("compatibility key hash", ref.get("compat_hash"), {n: h["compat_hash"] for n, h in p.inputs.hosts.items()})
+    mixed("compatibility key hash", ref.get("key_hash"), {n: h["key_hash"] for n, h in p.inputs.hosts.items()})
     p.totals = totals
 
 
@@ -623,7 +623,7 @@ def _choose_budget(p: _Planning, drift: _Drift, adm: Any) -> None:
     planned_budget = budget
     keep_need = max(need[1] if need else 0, p.one_req_blocks or 0) or None
     budget, kept, keep_reason = keep_deployed(
-        budget, max(0, launch) - margin, deployed, p.ref.get("compat_hash"), keep_step,
+        budget, max(0, launch) - margin, deployed, p.ref.get("key_hash"), keep_step,
         cap.num_blocks if cap is not None else (lambda _bytes: 0), keep_need if cap is not None else None)
     result["budget_choice"] = {
         "max_safe_bytes": max(0, launch),

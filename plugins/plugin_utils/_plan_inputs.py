@@ -56,7 +56,7 @@ class Reference(TypedDict):
     max_concurrency: float | None
     max_model_len: int | None
     gpu_name: Any
-    compat_hash: Any
+    key_hash: Any  # the compatibility key's hash (input reference.compat_hash, or a kv_profile record's key_hash)
     boot_seconds: float | None  # the profiled canary's boot (start to /health), when the record has it
 
 
@@ -73,7 +73,7 @@ class Host(TypedDict):
     unstable: bool
     gpu_name: Any
     total_bytes: Any
-    compat_hash: Any
+    key_hash: Any  # input hosts.<host>.compat_hash
 
 
 def size(value: Any, field: str) -> int:
@@ -116,16 +116,16 @@ def parse_reference(raw: Any) -> Reference | None:
     if not isinstance(raw, Mapping):
         raise PlanError(f"reference: expected a mapping (a recorded profile), got {type(raw).__name__}")
     ref = dict(raw)
-    compat_hash = ref.get("compat_hash")
+    key_hash = ref.get("compat_hash")
     runtime = {k: ref.get(k) for k in _RUNTIME_KEYS if ref.get(k) is not None}
     if "ranks" not in ref and isinstance(ref.get("profile"), Mapping):
         # a whole kv_profile record: unwrap it; its compatibility key names the runtime it was profiled on
-        compat_hash = compat_hash or ref.get("key_hash")
+        key_hash = key_hash or ref.get("key_hash")
         compat_raw = ref.get("compat")
         compat: Mapping[str, Any] = compat_raw if isinstance(compat_raw, Mapping) else {}
         runtime = {k: compat.get(k) for k in _RUNTIME_KEYS if compat.get(k) is not None}
         ref = dict(ref["profile"])
-        compat_hash = ref.get("compat_hash") or compat_hash
+        key_hash = ref.get("compat_hash") or key_hash
         runtime.update((k, ref[k]) for k in _RUNTIME_KEYS if ref.get(k) is not None)
     ranks_raw = ref.get("ranks")
     if not ranks_raw:
@@ -194,7 +194,7 @@ def parse_reference(raw: Any) -> Reference | None:
         "max_concurrency": _concurrency(ref.get("max_concurrency")),
         "max_model_len": size(ref["max_model_len"], "reference.max_model_len") if ref.get("max_model_len") is not None else None,
         "gpu_name": ref.get("gpu_name"),
-        "compat_hash": compat_hash,
+        "key_hash": key_hash,
         "boot_seconds": _boot_seconds(ref.get("canary")),
     }
     for key, value in runtime.items():
@@ -312,7 +312,7 @@ def parse_hosts(raw: Any) -> dict[str, Host]:
             "unstable": _flag(attrs.get("unstable", False), f"hosts.{host}.unstable"),
             "gpu_name": attrs.get("gpu_name"),
             "total_bytes": attrs.get("total_bytes"),
-            "compat_hash": attrs.get("compat_hash"),
+            "key_hash": attrs.get("compat_hash"),
         }
     return hosts
 

@@ -51,7 +51,7 @@ import tempfile
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator, Mapping
 
-from ansible_collections.gpufleet.vllm.plugins.module_utils._compat import CompatError, CompatKey, compat_key, diff_keys
+from ansible_collections.gpufleet.vllm.plugins.module_utils._compat import CompatError, CompatKey, compat_key, diff_keys, key_hash
 from ansible_collections.gpufleet.vllm.plugins.module_utils._sizes import SizeError, parse_size
 from ansible_collections.gpufleet.vllm.plugins.module_utils._validate import ValidationError, class_name
 
@@ -215,8 +215,8 @@ class ProfileStore:
             key = compat_key(data["compat"])
         except CompatError as exc:
             raise ProfileStoreError(f"{path}: {exc}") from None
-        if key.hash != data["key_hash"]:
-            raise ProfileStoreError(f"{path}: key_hash {data['key_hash']!r} does not match its compat fields ({key.hash}); the file was edited")
+        if key_hash(key) != data["key_hash"]:
+            raise ProfileStoreError(f"{path}: key_hash {data['key_hash']!r} does not match its compat fields ({key_hash(key)}); the file was edited")
         if record_hash(data) != data["record_hash"]:
             raise ProfileStoreError(f"{path}: record_hash does not match its content; the file was edited")
         try:
@@ -274,12 +274,12 @@ class ProfileStore:
             "status": "missing",
             "profile": None,
             "differences": [],
-            "key_hash": wanted.hash,
+            "key_hash": key_hash(wanted),
             "corrupt": corrupt,
             "count": len(records),
         }
         for record in records:
-            if record["key_hash"] == wanted.hash:
+            if record["key_hash"] == key_hash(wanted):
                 result.update(status="found", profile=record)
                 return result
         if records:
@@ -318,7 +318,7 @@ class ProfileStore:
             {
                 "format": FORMAT,
                 "host_class": host_class,
-                "key_hash": key.hash,
+                "key_hash": key_hash(key),
                 "compat": key.fields,
                 "recorded_at": now.strftime(_STAMP),
                 "profile": data,

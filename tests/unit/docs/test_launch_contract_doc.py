@@ -68,7 +68,7 @@ def _run_example(path: Path, monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
 
 
 def _plan_file(tmp_path: Path, launch: dict[str, Any], host_gpus: Any = None) -> Path:
-    doc = _launch.plan_file(launch, {"name": "main", "gpus": [2, 3], "port": 8000}, host_class="h200", compat_key_hash="k",
+    doc = _launch.plan_file(launch, {"name": "main", "gpus": [2, 3], "port": 8000}, host_class="h200", key_hash="k",
                             model="/srv/models/m", max_model_len=8192, planned_at="2026-12-02T10:00:00Z",
                             gate_policy="shrink", gate_state_dir="/var/lib/gpufleet-vllm", host_gpus=host_gpus)
     path = tmp_path / "main.plan.json"

@@ -523,7 +523,7 @@ def _plan_file(plan: dict[str, Any]) -> dict[str, Any]:
     """The plan file the role writes from the planner's result (its launch record), as JSON reads it back."""
     from ansible_collections.gpufleet.vllm.plugins.module_utils._launch import plan_file
 
-    doc = plan_file(plan["launch"], {"name": "main", "gpus": [0], "port": 8000}, host_class="h200", compat_key_hash=None,
+    doc = plan_file(plan["launch"], {"name": "main", "gpus": [0], "port": 8000}, host_class="h200", key_hash=None,
                     model="/srv/m", max_model_len=32768, planned_at="2026-12-02T00:00:00Z", gate_policy="shrink",
                     gate_state_dir="/var/lib/gpufleet-vllm")
     loaded: dict[str, Any] = json.loads(json.dumps(doc))

@@ -15,6 +15,7 @@ from ansible_collections.gpufleet.vllm.plugins.module_utils._compat import (
     compat_key,
     diff_keys,
     host_fields,
+    key_hash,
 )
 
 BASE = {
@@ -38,6 +39,27 @@ def test_hash_is_sha256_prefix_of_canonical_json():
     assert key.hash == key.full_hash[:16]
     assert len(key.hash) == 16
     assert key.as_dict()["hash"] == key.hash
+
+
+def test_key_hash_is_the_keys_hash_from_fields_or_a_key():
+    key = compat_key(BASE)
+    assert key_hash(BASE) == key_hash(key) == key.hash
+    assert key_hash({**BASE, "max_model_len": "8192", "unset": None}) == key.hash  # canonical, None left out
+    assert key_hash({**BASE, "max_model_len": 4096}) != key.hash
+    with pytest.raises(CompatError):
+        key_hash(["model"])  # type: ignore[arg-type]
+
+
+def test_the_profile_store_and_the_planner_carry_the_same_hash(tmp_path):
+    """The store's record key_hash is key_hash(compat); kv_plan reads it from a whole record as its reference's."""
+    from ansible_collections.gpufleet.vllm.plugins.plugin_utils._plan_inputs import parse_reference
+    from ansible_collections.gpufleet.vllm.plugins.plugin_utils._profile_store import ProfileStore
+
+    record = ProfileStore(str(tmp_path)).build_record(
+        {"host_class": "h200", "compat": BASE, "profile": {"ranks": [{"rank": 0, "free_bytes": 100, "kv_bytes": 10}]}})
+    assert record["key_hash"] == key_hash(BASE)
+    ref = parse_reference(record)
+    assert ref is not None and ref["key_hash"] == key_hash(BASE)
 
 
 def test_canonicalisation_makes_equivalent_inputs_equal():

@@ -34,7 +34,7 @@ def spec(boot_free: int = 130 * GIB, **extra: Any) -> dict[str, Any]:
 
 
 def host_file(launch: dict[str, Any]) -> dict[str, Any]:
-    doc = _launch.plan_file(launch, {"name": "main", "gpus": [3], "port": 8001}, host_class="h200", compat_key_hash="k1",
+    doc = _launch.plan_file(launch, {"name": "main", "gpus": [3], "port": 8001}, host_class="h200", key_hash="k1",
                             model="/srv/m", max_model_len=8192, planned_at="2026-12-02T10:00:00Z", gate_policy="shrink",
                             gate_state_dir="/var/lib/gpufleet-vllm")
     loaded: dict[str, Any] = json.loads(json.dumps(doc))  # the file on the host: JSON, rank keys as text
@@ -180,7 +180,7 @@ def test_the_plan_file_names_the_instances_cards_by_uuid_when_the_probe_read_the
     probed = [{"index": i, "uuid": f"GPU-{i:08d}-0000-4000-8000-000000000000"} for i in range(4)]
 
     def doc(host_gpus: Any) -> dict[str, Any]:
-        return _launch.plan_file(launch, {"name": "main", "gpus": [3, 1], "port": 8001}, host_class="h200", compat_key_hash="k1",
+        return _launch.plan_file(launch, {"name": "main", "gpus": [3, 1], "port": 8001}, host_class="h200", key_hash="k1",
                                  model="/srv/m", max_model_len=8192, planned_at="2026-12-02T10:00:00Z", gate_policy="shrink",
                                  gate_state_dir="/var/lib/gpufleet-vllm", host_gpus=host_gpus)
 
