@@ -9,12 +9,15 @@ host's own engine processes), and for every instance its unit's state (one ``sys
 show`` for all of them) and the plan record its running unit passed its boot check with
 (``_unit_files.read_plan``: ``{}`` when there is none or it cannot be parsed), and with an
 engine executable the runtime fields of the compatibility key its venv reports (as
-``vllm_runtime_info`` reads them, :func:`._compat.read_runtime`). The unit names come from
-:mod:`._instance`. Plain Python: the NVML binding and the command runner
-are handed in.
+``vllm_runtime_info`` reads them, :func:`._compat.read_runtime`), and with a runtime venv the
+install record of the engine runtime (:func:`install_record`: the release the ``vllm_runtime``
+role switched the venv to, ``_unit_files.runtime_link``, and that release's
+``.gpufleet-complete`` stamp). The unit names come from :mod:`._instance`. Plain Python: the
+NVML binding and the command runner are handed in.
 """
 from __future__ import annotations
 
+import json
 import os
 import typing as t
 
@@ -22,10 +25,11 @@ from ._compat import RUNTIME_KEY_FIELDS, CompatError, read_runtime
 from ._defaults import default
 from ._gpu_memory import ARGUMENT_SPEC as PROBE_ARGUMENT_SPEC, check_params as check_probe_params, host_facts, read as read_gpus
 from ._instance import unit_name
-from ._unit_files import Layout, UnitFilesError, read_plan, systemctl_show
+from ._unit_files import Layout, UnitFilesError, read_bytes, read_plan, runtime_link, systemctl_show
 from ._validate import ValidationError, instance_name, text
 
-__all__ = ["ARGUMENT_SPEC", "UNIT_PROPERTIES", "HostSnapshotError", "check_params", "engine_runtime", "snapshot", "snapshot_facts"]
+__all__ = ["ARGUMENT_SPEC", "RELEASE_STAMP", "UNIT_PROPERTIES", "HostSnapshotError", "check_params", "engine_runtime", "install_record",
+           "snapshot", "snapshot_facts"]
 
 ARGUMENT_SPEC: dict[str, dict[str, t.Any]] = {
     **PROBE_ARGUMENT_SPEC,
@@ -33,7 +37,12 @@ ARGUMENT_SPEC: dict[str, dict[str, t.Any]] = {
     "adopt_units": {"type": "list", "elements": "str", "default": []},
     "state_dir": {"type": "path", "default": default("state_dir")},
     "engine_executable": {"type": "path"},
+    "runtime_venv": {"type": "path"},
 }
+
+# the stamp the vllm_runtime role writes last into a release it installed completely (roles/vllm_runtime,
+# tasks/release.yml): JSON {package, version, python}; a venv kept as a release has {package: unmanaged, kept_from}
+RELEASE_STAMP = ".gpufleet-complete"
 
 # what the snapshot reads of every instance's unit
 UNIT_PROPERTIES = ("LoadState", "ActiveState", "SubState")
@@ -53,7 +62,7 @@ def check_params(params: t.Mapping[str, t.Any]) -> None:
         raise ValidationError(f"instances: names must be unique, got {names}")
     for i, unit in enumerate(params["adopt_units"] or []):
         text(unit, f"adopt_units[{i}]")
-    for field in ("state_dir", "engine_executable"):
+    for field in ("state_dir", "engine_executable", "runtime_venv"):
         if params.get(field) is not None and not text(params[field], field).startswith("/"):
             raise ValidationError(f"{field}: expected an absolute path, got {params[field]!r}")
 
@@ -113,7 +122,38 @@ def snapshot(params: t.Mapping[str, t.Any], binding: t.Any, host: str, run_comma
     result["interpreter"] = interpreter
     if params.get("engine_executable"):
         result["engine"] = engine_runtime(params["engine_executable"], run_command)
+    result.update(install_record(params.get("runtime_venv") or ""))
     return result
+
+
+def install_record(venv: str) -> dict[str, t.Any]:
+    """``{install_record, install_record_error}``: what the ``vllm_runtime`` role left at ``venv``.
+
+    The record is ``{venv, release, stamp}``: the release the venv link points to (as the role's
+    switch and the rollback read it, ``_unit_files.runtime_link``) and that release's stamp
+    (:data:`RELEASE_STAMP`, parsed). ``{}`` without ``venv``, or when it is not a link (a plain
+    directory, or missing: no release of the role). A release without a readable stamp keeps ``stamp: {}``, and
+    the error says why (the role never switches to a release without one).
+    """
+    release = runtime_link(venv) if venv else ""
+    if not release:
+        return {"install_record": {}, "install_record_error": None}
+    record: dict[str, t.Any] = {"venv": venv, "release": release, "stamp": {}}
+    path = os.path.join(release, RELEASE_STAMP)
+    try:
+        data = read_bytes(path)
+    except UnitFilesError as exc:
+        return {"install_record": record, "install_record_error": str(exc)}
+    if data is None:
+        return {"install_record": record, "install_record_error": f"{path}: missing: {release} is not a complete release"}
+    try:
+        stamp = json.loads(data)
+    except ValueError as exc:
+        return {"install_record": record, "install_record_error": f"{path}: cannot be parsed: {exc}"}
+    if not isinstance(stamp, dict):
+        return {"install_record": record, "install_record_error": f"{path}: expected a JSON object, got {type(stamp).__name__}"}
+    record["stamp"] = stamp
+    return {"install_record": record, "install_record_error": None}
 
 
 def _plan_record(layout: Layout, name: str) -> dict[str, t.Any]:
@@ -129,5 +169,6 @@ def snapshot_facts(result: t.Mapping[str, t.Any], host: str) -> dict[str, t.Any]
     """The probe's host facts (``gpufleet_gpus``, ``gpufleet_nvml``) and ``gpufleet_host_snapshot``."""
     facts = host_facts(dict(result), host)
     facts["gpufleet_host_snapshot"] = {"host": host, "interpreter": result["interpreter"], "instances": result["instances"],
-                                       "engine": result.get("engine")}
+                                       "engine": result.get("engine"), "install_record": result["install_record"],
+                                       "install_record_error": result["install_record_error"]}
     return facts

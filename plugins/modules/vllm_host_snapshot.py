@@ -7,7 +7,7 @@ from __future__ import annotations
 DOCUMENTATION = r"""
 ---
 module: vllm_host_snapshot
-short_description: What planning needs from one host, in one call - GPUs, instance units, plan records, probe interpreter
+short_description: What planning needs from one host, in one call - GPUs, instance units, plan records, install record, probe interpreter
 version_added: 2.1.0
 description:
   - Reads in one module run what the planning plays (C(probe.yml), C(plan.yml), C(rollout.yml)) need from a host, so
@@ -19,9 +19,11 @@ description:
     C(systemctl show)), and the plan record its running unit passed its boot check with
     (O(state_dir)C(/NAME.plan.json); an empty mapping when there is none or it cannot be parsed).
   - With O(engine_executable), the runtime fields of the compatibility key, read by the engine's own interpreter.
+  - With O(runtime_venv), the install record of the engine runtime - the release the P(gpufleet.vllm.vllm_runtime#role)
+    role switched the venv to, and that release's C(.gpufleet-complete) stamp (package, version, base interpreter).
   - The Python interpreter the module ran with (one that imports C(pynvml)).
   - Sets the host facts C(gpufleet_gpus) and C(gpufleet_nvml) as M(gpufleet.vllm.gpu_memory_facts) does, and
-    C(gpufleet_host_snapshot) (the instances and the interpreter).
+    C(gpufleet_host_snapshot) (the instances, the engine's runtime, the install record and the interpreter).
   - Never changes anything on the host; always returns C(changed=false).
 author:
   - gpufleet maintainers (@gpufleet)
@@ -60,6 +62,12 @@ options:
         (vLLM, its commit, torch and its CUDA build) from distribution metadata with the interpreter beside it, as
         M(gpufleet.vllm.vllm_runtime_info) does, without importing either. Omit to read no runtime.
     type: path
+  runtime_venv:
+    description:
+      - The engine's venv as the P(gpufleet.vllm.vllm_runtime#role) role manages it (C(vllm_runtime_venv), a symbolic
+        link to the current release). When given, the snapshot returns its install record (RV(install_record)), read
+        without starting any program. Omit to read none.
+    type: path
 seealso:
   - module: gpufleet.vllm.gpu_memory_facts
   - module: gpufleet.vllm.vllm_unit
@@ -71,6 +79,7 @@ EXAMPLES = r"""
   gpufleet.vllm.vllm_host_snapshot:
     instances: [main, side]
     engine_executable: /opt/vllm/venv/bin/vllm
+    runtime_venv: /opt/vllm/venv
     samples: 9
     interval: 0.5
   vars:
@@ -80,6 +89,10 @@ EXAMPLES = r"""
 - name: Show which instances run, and the interpreter that read the GPUs
   ansible.builtin.debug:
     msg: "{{ snap.instances | items2dict(key_name='name', value_name='active_state') }} (read with {{ snap.interpreter }})"
+
+- name: Show the engine release the venv runs (the runtime role's install record)
+  ansible.builtin.debug:
+    msg: "{{ snap.install_record.release | default('not installed by the runtime role') }} {{ snap.install_record.stamp | default({}) }}"
 """
 
 RETURN = r"""
@@ -133,6 +146,33 @@ engine:
       description: Why an interpreter beside the CLI (even a broken link) could not be read (the reader fails the host with it); V(null) when read.
       type: str
       returned: always
+install_record:
+  description:
+    - The install record of the engine runtime at O(runtime_venv) - what the P(gpufleet.vllm.vllm_runtime#role) role
+      left there; read-only.
+    - An empty mapping without O(runtime_venv), or when the venv is not a symbolic link (a plain directory or missing - no
+      release of the role).
+  returned: success
+  type: dict
+  contains:
+    venv: {description: O(runtime_venv)., type: str, returned: when the venv is a link, sample: /opt/vllm/venv}
+    release:
+      description: The release directory the venv points to (resolved).
+      type: str
+      returned: when the venv is a link
+      sample: /opt/vllm/releases/vllm-0.33.0-3f2a9c1d0e
+    stamp:
+      description:
+        - The release's C(.gpufleet-complete) stamp as parsed JSON - C(package), C(version) and C(python) (the base
+          interpreter) for a release the role installed, C(package=unmanaged) and C(kept_from) for a venv it kept as a
+          release; empty when it cannot be read (see RV(install_record_error)).
+      type: dict
+      returned: when the venv is a link
+      sample: {package: vllm, version: 0.33.0, python: /usr/bin/python3.12}
+install_record_error:
+  description: Why the release's stamp could not be read (missing, unreadable, not a JSON object); V(null) when it was read or there is no record.
+  type: str
+  returned: success
 interpreter:
   description: The Python interpreter the module ran with (it imports C(pynvml)).
   returned: success
@@ -153,10 +193,13 @@ ansible_facts:
       type: dict
       returned: success
     gpufleet_host_snapshot:
-      description: The host name, RV(interpreter), RV(instances) and RV(engine) (V(null) without O(engine_executable)).
+      description:
+        - The host name, RV(interpreter), RV(instances), RV(engine) (V(null) without O(engine_executable)),
+          RV(install_record) and RV(install_record_error).
       type: dict
       returned: success
-      sample: {host: gpu-a1, interpreter: /opt/vllm/venv/bin/python, instances: [], engine: null}
+      sample: {host: gpu-a1, interpreter: /opt/vllm/venv/bin/python, instances: [], engine: null, install_record: {},
+               install_record_error: null}
 """
 
 import platform

@@ -294,7 +294,10 @@ def test_boot_check_and_gpu_memory_examples(sim, collections_path, texts, tmp_pa
     assert snap["interpreter"] == "/opt/vllm/venv/bin/python"
     # the engine's runtime, read by the interpreter beside its CLI (this venv has no vLLM distribution to report)
     assert snap["engine"] == {"executable": "/opt/vllm/venv/bin/vllm", "python": "/opt/vllm/venv/bin/python", "compat": {}, "error": None}
-    assert snapshot["facts"] == {"host": HOST, "interpreter": snap["interpreter"], "instances": snap["instances"], "engine": snap["engine"]}
+    # the venv is a plain directory here, not a release the runtime role switched to: no install record
+    assert snap["install_record"] == {} and snap["install_record_error"] is None
+    assert snapshot["facts"] == {"host": HOST, "interpreter": snap["interpreter"], "instances": snap["instances"], "engine": snap["engine"],
+                                 "install_record": {}, "install_record_error": None}
 
 
 def test_vllm_audit_examples(sim, collections_path, texts, tmp_path):

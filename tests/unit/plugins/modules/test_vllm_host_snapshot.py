@@ -76,8 +76,9 @@ def test_one_call_reads_the_gpus_the_units_and_the_plan_records(monkeypatch, cap
     facts = out["ansible_facts"]
     assert facts["gpufleet_gpus"] == out["gpus"] and facts["gpufleet_nvml"]["host"] == "gpu-a1"
     assert facts["gpufleet_host_snapshot"] == {"host": "gpu-a1", "interpreter": sys.executable, "instances": out["instances"],
-                                               "engine": None}
+                                               "engine": None, "install_record": {}, "install_record_error": None}
     assert "engine" not in out  # no engine_executable: no runtime read
+    assert out["install_record"] == {} and out["install_record_error"] is None  # no runtime_venv: no install record
 
 
 def test_the_probe_part_is_gpu_memory_facts_with_the_instances_units_as_own(monkeypatch, capsys, tmp_path):
@@ -101,6 +102,7 @@ def test_the_probe_part_is_gpu_memory_facts_with_the_instances_units_as_own(monk
     ({"instances": ["main", "main"]}, "instances: names must be unique"),
     ({"state_dir": "relative/dir"}, "state_dir: expected an absolute path"),
     ({"engine_executable": "venv/bin/vllm"}, "engine_executable: expected an absolute path"),
+    ({"runtime_venv": "opt/vllm/venv"}, "runtime_venv: expected an absolute path"),
     ({"adopt_units": ["ok.service", "x\x1b"]}, "adopt_units[1]"),
     ({"samples": 0}, "samples"),
 ])
@@ -121,7 +123,7 @@ def test_the_argument_spec_is_the_probes_plus_the_instances():
     from ansible_collections.gpufleet.vllm.plugins.module_utils._gpu_memory import ARGUMENT_SPEC as PROBE
 
     assert {k: v for k, v in _host_snapshot.ARGUMENT_SPEC.items() if k in PROBE} == PROBE
-    assert set(_host_snapshot.ARGUMENT_SPEC) - set(PROBE) == {"instances", "adopt_units", "state_dir", "engine_executable"}
+    assert set(_host_snapshot.ARGUMENT_SPEC) - set(PROBE) == {"instances", "adopt_units", "state_dir", "engine_executable", "runtime_venv"}
 
 
 def test_unit_names_have_one_home():
@@ -191,3 +193,49 @@ def test_an_interpreter_that_is_a_broken_link_is_an_error_not_no_runtime(tmp_pat
     engine = _host_snapshot.engine_runtime(exe, shell_runner)
     assert engine["python"] == str(tmp_path / "venv" / "bin" / "python") and engine["compat"] == {}
     assert engine["error"].startswith(f"{tmp_path}/venv/bin/python could not read its packages")
+
+
+def runtime_release(tmp_path, stamp: str | None):
+    """A venv link to a release as the vllm_runtime role leaves them (the stamp written last)."""
+    release = tmp_path / "releases" / "vllm-0.33.0-3f2a9c1d0e"
+    (release / "bin").mkdir(parents=True)
+    if stamp is not None:
+        (release / ".gpufleet-complete").write_text(stamp)
+    (tmp_path / "venv").symlink_to(release)
+    return str(tmp_path / "venv"), str(release)
+
+
+def test_the_install_record_is_the_release_the_venv_runs_and_its_stamp(monkeypatch, capsys, tmp_path):
+    venv, release = runtime_release(tmp_path, '{"package": "vllm", "version": "0.33.0", "python": "/usr/bin/python3.12"}\n')
+    rc, out = run(monkeypatch, capsys, vllm_host_snapshot, {"instances": ["main"], "state_dir": str(tmp_path), "runtime_venv": venv})
+    assert rc == 0
+    assert out["install_record"] == {"venv": venv, "release": release,
+                                     "stamp": {"package": "vllm", "version": "0.33.0", "python": "/usr/bin/python3.12"}}
+    assert out["install_record_error"] is None
+    snap = out["ansible_facts"]["gpufleet_host_snapshot"]
+    assert (snap["install_record"], snap["install_record_error"]) == (out["install_record"], None)
+
+
+def test_a_venv_that_is_no_release_of_the_runtime_role_has_no_install_record(tmp_path):
+    (tmp_path / "plain").mkdir()
+    for venv in (str(tmp_path / "plain"), str(tmp_path / "missing"), ""):
+        assert _host_snapshot.install_record(venv) == {"install_record": {}, "install_record_error": None}, venv
+
+
+@pytest.mark.parametrize(("stamp", "error"), [
+    (None, "/.gpufleet-complete: missing: {release} is not a complete release"),
+    ("{not json", "/.gpufleet-complete: cannot be parsed: "),
+    ("[1, 2]", "/.gpufleet-complete: expected a JSON object, got list"),
+])
+def test_a_release_whose_stamp_cannot_be_read_keeps_the_release_and_says_why(tmp_path, stamp, error):
+    venv, release = runtime_release(tmp_path, stamp)
+    got = _host_snapshot.install_record(venv)
+    assert got["install_record"] == {"venv": venv, "release": release, "stamp": {}}
+    assert got["install_record_error"].startswith(release + error.format(release=release)), got["install_record_error"]
+
+
+def test_an_unreadable_stamp_is_named_not_fatal(tmp_path):
+    venv, release = runtime_release(tmp_path, None)
+    (tmp_path / "releases" / "vllm-0.33.0-3f2a9c1d0e" / ".gpufleet-complete").mkdir()  # not a file: reading it fails
+    got = _host_snapshot.install_record(venv)
+    assert got["install_record"]["stamp"] == {} and got["install_record_error"].startswith(f"{release}/.gpufleet-complete: cannot read")
