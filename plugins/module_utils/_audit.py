@@ -8,9 +8,13 @@
 Plain Python with no Ansible import, used on the host by the ``vllm_audit`` module
 (``playbooks/audit.yml``) and by the metrics exporter (``gpufleet-vllm-metrics``, run by a
 systemd timer, writing node_exporter textfile metrics). Both read the plan files
-(``<state_dir>/*.plan.json``), probe NVML once for every GPU they name and judge every
-instance with the boot gate's own rule (:func:`_boot_gate.decide` under the unit's policy),
-so the audit says exactly what the gate would do at the next start.
+(``<state_dir>/*.plan.json``) with the boot gate's own reader (:func:`_boot_gate.read_plan`),
+probe NVML once for every GPU they name with the probe every other reader of a host uses
+(:func:`_nvml_probe.probe`, behind ``gpu_memory_info`` and ``vllm_host_snapshot``; the module
+hands in the same command runner as the snapshot) and judge every instance with the boot
+gate's own rule (:func:`_boot_gate.decide` under the unit's policy), so the audit says exactly
+what the gate would do at the next start. Nothing here reads a plan file, the gate's record or
+NVML a way of its own; only the plan checksum the deploy records beside the unit is read here.
 
 Verdicts, worst first: ``plan_edited`` (the plan file is not the one the deploy wrote: its
 checksum differs from the one recorded beside the unit, so the gate refuses the next start),
@@ -28,18 +32,18 @@ from __future__ import annotations
 
 import calendar
 import glob
-import json
 import os
 import re
 import sys
 import time
 import typing as t
 
-from ._boot_gate import POLICIES, BootGateError, decide, parse_plan, read_state, trust_problem
+from ._boot_gate import POLICIES, BootGateError, decide, read_plan, read_state, trust_problem
 from ._gpu_health import health_checks
 from ._instance import unit_name
 from ._launch import PLAN_CHECKSUM_DROPIN, PLAN_CHECKSUM_VARIABLE
 
+RunCommand = t.Callable[[t.Sequence[str]], t.Tuple[int, str, str]]
 VERDICTS = ("ok", "reprofile_due", "would_shrink", "would_refuse", "plan_edited")
 # a plan dated this far in the future of the judging clock names a wrong clock (or an edited date)
 FUTURE_TOLERANCE_S = 300.0
@@ -154,12 +158,14 @@ def audit(state_dir: str, nvml: t.Any, now: float | None = None,
           reprofile_after_days: float = DEFAULT_REPROFILE_AFTER_DAYS,
           reference_key_hashes: t.Mapping[str, str] | None = None, host: str = "localhost",
           unit_dir: str = "/etc/systemd/system", controller_time: float | None = None,
-          max_clock_skew: float = DEFAULT_MAX_CLOCK_SKEW_S) -> dict[str, t.Any]:
+          max_clock_skew: float = DEFAULT_MAX_CLOCK_SKEW_S, run_command: RunCommand | None = None) -> dict[str, t.Any]:
     """Every manual-budget instance of this host, judged now (one NVML probe for all).
 
     ``now``: the host's clock. With ``controller_time`` (the controller's clock when it sent the
     audit) ages are judged on the controller's clock, which wrote ``planned_at``, and the skew
     between the two is reported; beyond ``max_clock_skew`` seconds every instance says so.
+    ``run_command``: how the probe runs ``systemctl`` to find the units' processes (the module's
+    runner, as the snapshot's; the probe's own without one, as in the exporter).
     """
     from ._nvml_probe import NvmlProbeError, probe  # pylint: disable=import-outside-toplevel
 
@@ -170,10 +176,12 @@ def audit(state_dir: str, nvml: t.Any, now: float | None = None,
     errors: list[str] = []
     for path in plan_files(state_dir):
         try:
-            with open(path, encoding="utf-8") as handle:
-                plan = parse_plan(json.load(handle), f"plan file {path}")
-        except (OSError, ValueError, BootGateError) as exc:
-            errors.append(f"{path}: {exc}")
+            plan = read_plan(path)  # the gate's reader: what the next start would read
+        except BootGateError as exc:
+            errors.append(str(exc))  # it names the file
+            continue
+        except ValueError as exc:  # a figure the gate's checks did not expect: still only this file
+            errors.append(f"plan file {path}: {exc}")
             continue
         if plan["manual"]:
             plans.append((path, plan))
@@ -183,12 +191,12 @@ def audit(state_dir: str, nvml: t.Any, now: float | None = None,
     units = [plan["unit"] or unit_name(plan["instance"]) for _path, plan in plans]
     probe_errors: dict[str, str] = {}
     try:
-        gpus = probe(nvml, devices=devices, samples=1, service_units=units, host=host)["gpus"] if devices else []
+        gpus = probe(nvml, devices=devices, samples=1, service_units=units, host=host, run_command=run_command)["gpus"] if devices else []
     except NvmlProbeError:
         if len(plans) < 2:
             raise
         # one GPU that NVML cannot read must not blind the other instances: each on its own
-        gpus, probe_errors = _probe_each(nvml, plans, host, probe, NvmlProbeError)
+        gpus, probe_errors = _probe_each(nvml, plans, host, probe, NvmlProbeError, run_command)
     instances = []
     for path, plan in plans:
         state = read_state(plan["state_file"]) if plan["state_file"] else None
@@ -213,14 +221,15 @@ def audit(state_dir: str, nvml: t.Any, now: float | None = None,
 
 
 def _probe_each(nvml: t.Any, plans: list[tuple[str, dict[str, t.Any]]], host: str, probe: t.Callable[..., t.Any],
-                error: type[Exception]) -> tuple[list[dict[str, t.Any]], dict[str, str]]:
+                error: type[Exception], run_command: RunCommand | None = None) -> tuple[list[dict[str, t.Any]], dict[str, str]]:
     """The GPUs of each instance probed on their own: those that answer, and per plan file the error of the others."""
     gpus: dict[int, dict[str, t.Any]] = {}
     errors: dict[str, str] = {}
     for path, plan in plans:
         unit = plan["unit"] or unit_name(plan["instance"])
         try:
-            found = probe(nvml, devices=plan["gpus"], samples=1, service_units=[unit], host=host)["gpus"] if plan["gpus"] else []
+            found = probe(nvml, devices=plan["gpus"], samples=1, service_units=[unit], host=host,
+                          run_command=run_command)["gpus"] if plan["gpus"] else []
         except error as exc:
             errors[path] = str(exc)
             continue

@@ -13,8 +13,10 @@ short_description: Judge every vLLM instance of a host against its free-memory f
 version_added: 1.0.0
 description:
   - Reads the plan files of the host's instances (C(<state_dir>/*.plan.json), written by the P(gpufleet.vllm.vllm_service#role)
-    role), probes NVML once for every GPU they name and judges each manual-budget instance with the boot gate's own
-    rule under the unit's policy, so the verdict says what the next start would do.
+    role) with the boot gate's own reader, probes NVML once for every GPU they name (the probe of
+    M(gpufleet.vllm.vllm_host_snapshot) and M(gpufleet.vllm.gpu_memory_info), one sample, the instances' units' processes
+    counted as this host's own) and judges each manual-budget instance with the boot gate's own rule under the unit's
+    policy, so the verdict says what the next start would do.
   - Per instance and rank, the NVML free memory now, the plan's floor and the margin between them; the plan's age;
     its compatibility key against O(reference_key_hashes); the gate's record of the last start (degraded or not).
   - "Verdicts, worst first: V(plan_edited) (the plan file is not the one the deploy wrote - its checksum is not the one
@@ -120,7 +122,7 @@ from ansible.module_utils.basic import AnsibleModule, missing_required_lib
 
 from ansible_collections.gpufleet.vllm.plugins.module_utils._audit import VERDICTS, audit
 from ansible_collections.gpufleet.vllm.plugins.module_utils._defaults import default
-from ansible_collections.gpufleet.vllm.plugins.module_utils._gpu_memory import PYNVML_IMPORT_ERROR, pynvml
+from ansible_collections.gpufleet.vllm.plugins.module_utils._gpu_memory import PYNVML_IMPORT_ERROR, host_message, module_runner, pynvml
 from ansible_collections.gpufleet.vllm.plugins.module_utils._nvml_probe import NvmlProbeError
 
 
@@ -142,14 +144,17 @@ def main() -> None:
         module.fail_json(msg=f"max_clock_skew must be >= 0, got {module.params['max_clock_skew']}")
     if pynvml is None:
         module.fail_json(msg=missing_required_lib("nvidia-ml-py"), exception=PYNVML_IMPORT_ERROR)
+    host = platform.node()
     try:
+        # the probe runs systemctl through the snapshot's runner (vllm_host_snapshot)
         result = audit(module.params["state_dir"], pynvml, now=time.time(),
                        reprofile_after_days=module.params["reprofile_after_days"],
                        reference_key_hashes={str(k): str(v) for k, v in module.params["reference_key_hashes"].items()},
-                       host=platform.node(), unit_dir=module.params["unit_dir"],
-                       controller_time=module.params["controller_time"], max_clock_skew=module.params["max_clock_skew"])
+                       host=host, unit_dir=module.params["unit_dir"],
+                       controller_time=module.params["controller_time"], max_clock_skew=module.params["max_clock_skew"],
+                       run_command=module_runner(module))
     except NvmlProbeError as exc:
-        module.fail_json(msg=f"{platform.node()}: {exc.message}", gpu=exc.gpu, nvml_error=exc.code)
+        module.fail_json(msg=host_message(exc, host), gpu=exc.gpu, nvml_error=exc.code)
     worst = max((VERDICTS.index(i["verdict"]) for i in result["instances"]), default=0)
     module.exit_json(changed=False, worst=VERDICTS[worst], **result)
 

@@ -99,7 +99,7 @@ def test_ages_are_judged_on_the_controllers_clock_and_the_hosts_skew_is_reported
     plans.mkdir()
     (plans / "main.plan.json").write_text(json.dumps(plan_doc()))
 
-    def probe(nvml, devices, samples, service_units, host):  # noqa: ARG001 - the audit's NVML probe
+    def probe(nvml, devices, samples, service_units, host, run_command=None):  # noqa: ARG001 - the audit's NVML probe
         return {"gpus": [{"index": 0, "boot_free_bytes": FREE, "total_bytes": TOTAL}]}
 
     monkeypatch.setattr("ansible_collections.gpufleet.vllm.plugins.module_utils._nvml_probe.probe", probe)
