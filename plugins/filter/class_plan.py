@@ -1,7 +1,7 @@
 # Copyright (c) gpufleet maintainers
 # GNU General Public License v3.0+ (see https://www.gnu.org/licenses/gpl-3.0.txt)
 # SPDX-License-Identifier: GPL-3.0-or-later
-"""Filters: class_canary, class_deploy_order, class_states (documentation in the YAML files beside this one).
+"""Filters: class_canary, class_deploy_order, class_state, class_states (documentation in the YAML files beside this one).
 
 One call into ``plugin_utils/_class_plan``, where the class's planning decisions live."""
 
@@ -11,7 +11,13 @@ from typing import Any, Callable
 
 from ansible.errors import AnsibleFilterError
 
-from ansible_collections.gpufleet.vllm.plugins.plugin_utils._class_plan import ClassPlanError, canary_need, class_states as _class_states, deploy_order
+from ansible_collections.gpufleet.vllm.plugins.plugin_utils._class_plan import (
+    ClassPlanError,
+    canary_need,
+    class_state as _class_state,
+    class_states as _class_states,
+    deploy_order,
+)
 
 
 def class_canary(query: Any, host_class: Any, force_profile: Any = False, run_canaries: Any = True) -> dict[str, Any]:
@@ -22,6 +28,18 @@ def class_canary(query: Any, host_class: Any, force_profile: Any = False, run_ca
         return canary_need(query, host_class, force_profile=bool(force_profile), run_canaries=bool(run_canaries)).as_dict()
     except ClassPlanError as exc:
         raise AnsibleFilterError(f"class_canary: {exc}") from None
+
+
+def class_state(outcome: Any, host_class: Any, **fields: Any) -> dict[str, Any]:
+    """A class's outcome and what planning found -> its state record (``gpufleet_class_state``), built in one place."""
+    if not isinstance(host_class, str) or not host_class:
+        raise AnsibleFilterError("class_state: host_class must be the class name")
+    try:
+        return _class_state(str(outcome), host_class, **fields).as_dict()
+    except TypeError as exc:  # an unknown keyword
+        raise AnsibleFilterError(f"class_state: {exc}") from None
+    except ClassPlanError as exc:
+        raise AnsibleFilterError(f"class_state: {exc}") from None
 
 
 def class_deploy_order(hostvars: Any, hosts: Any, classes: Any) -> list[list[Any]]:
@@ -55,4 +73,5 @@ class FilterModule:
     """gpufleet.vllm class planning filters."""
 
     def filters(self) -> dict[str, Callable[..., Any]]:
-        return {"class_canary": class_canary, "class_deploy_order": class_deploy_order, "class_states": class_states}
+        return {"class_canary": class_canary, "class_deploy_order": class_deploy_order, "class_state": class_state,
+                "class_states": class_states}

@@ -1,24 +1,31 @@
 # Copyright (c) gpufleet maintainers
 # GNU General Public License v3.0+ (see LICENSES/GPL-3.0-or-later.txt or https://www.gnu.org/licenses/gpl-3.0.txt)
 # SPDX-License-Identifier: GPL-3.0-or-later
-"""What a class's planning decides before any canary: the one home of "needs a profiled canary".
+"""What a class's planning decides: the one home of "needs a profiled canary" and of the class state.
 
 The planning play (``playbooks/parts/plan_classes.yml``) asks :func:`canary_need` once per
 class, on its canary host, with the reference lookup (``kv_profile`` ``state=query``) and the
 run's settings, and every task that runs, skips or explains the profiled canary reads the
-answer. Controller-side, plain Python.
+answer. Whatever the class's outcome (planned, stopped for a profile in a dry run, failed, or
+never finished on a lost canary host), its state record (``gpufleet_class_state``, which the
+rollout, the plan artifact and the report read) is built by :func:`class_state` alone.
+Controller-side, plain Python.
 """
 from __future__ import annotations
 
 import json
 import os
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from typing import Any
 
-__all__ = ["CanaryNeed", "ClassPlanError", "canary_need", "class_states", "deploy_order"]
+__all__ = ["CLASS_OUTCOMES", "CanaryNeed", "ClassPlanError", "ClassState", "canary_need", "class_state", "class_states", "deploy_order"]
 
 QUERY_STATUSES = ("found", "missing", "mismatch")
+
+# planned: a plan (deployable or not); needs_profile: a dry run stopped before a profiled canary;
+# failed: the canary or the plan failed; unfinished: the canary host never gave a state (lost)
+CLASS_OUTCOMES = ("planned", "needs_profile", "failed", "unfinished")
 
 
 class ClassPlanError(ValueError):
@@ -42,6 +49,73 @@ class CanaryNeed:
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+@dataclass(frozen=True)
+class ClassState:
+    """A class's state after planning, as every host of the class holds it (``gpufleet_class_state``).
+
+    ``ok``: the class is deployed in this run; ``failed``: its canary or plan failed (the run
+    stops the class); ``needs_profile``: a dry run found no reference (a rollout profiles first).
+    The optional fields are those of a planned class (and ``first_run`` of a class whose outline
+    was made); they are left out of :meth:`as_dict` when unset, as the record always had them.
+    """
+
+    ok: bool
+    failed: bool
+    needs_profile: bool
+    plan: dict[str, Any]
+    key_hash: str
+    reasons: list[str]
+    profile_path: str | None = None
+    compat: dict[str, Any] | None = None
+    applied_plan: str | None = None
+    manual_canary: str | None = None
+    first_run: dict[str, Any] | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        # not dataclasses.asdict: it rebuilds nested containers by their type, which Ansible's lazy templated ones refuse
+        return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}
+
+
+def _mapping(value: Any, field: str) -> dict[str, Any]:
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping):
+        raise ClassPlanError(f"class state: {field} must be a mapping, got {type(value).__name__}")
+    return dict(value)
+
+
+def class_state(outcome: str, host_class: str, *, deployable: bool = False, plan: Any = None, key_hash: Any = "",
+                reasons: Any = (), profile_path: Any = None, compat: Any = None, applied_plan: Any = None,
+                manual_canary: Any = None, first_run: Any = None, canary_host: str = "") -> ClassState:
+    """The state record of one class (``outcome`` one of :data:`CLASS_OUTCOMES`).
+
+    ``planned``: ``ok`` is ``deployable``; the plan's own ``reasons`` are the class's unless
+    ``reasons`` are given. ``unfinished`` (the canary host ``canary_host`` was lost before it gave a
+    state) says so. A failed or unfinished class has no key hash: nothing of it is deployed.
+    """
+    if outcome not in CLASS_OUTCOMES:
+        raise ClassPlanError(f"class state: outcome must be one of {', '.join(CLASS_OUTCOMES)}, got {outcome!r}")
+    plan_doc = _mapping(plan, "plan")
+    if isinstance(reasons, str) or not isinstance(reasons, (list, tuple)):
+        raise ClassPlanError("class state: reasons must be a list of texts")
+    why = [str(r) for r in reasons]
+    if outcome == "unfinished":
+        why = why or [f"class {host_class}: the canary host {canary_host} did not finish planning"]
+        return ClassState(ok=False, failed=True, needs_profile=False, plan={}, key_hash="", reasons=why)
+    if outcome == "failed":
+        return ClassState(ok=False, failed=True, needs_profile=False, plan=plan_doc, key_hash="", reasons=why)
+    outline = None if first_run is None else _mapping(first_run, "first_run")
+    if outcome == "needs_profile":
+        return ClassState(ok=False, failed=False, needs_profile=True, plan={}, key_hash=str(key_hash or ""), reasons=why,
+                          first_run=outline)
+    if not why:
+        why = [str(r) for r in plan_doc.get("reasons") or []]
+    return ClassState(ok=bool(deployable), failed=False, needs_profile=False, plan=plan_doc, key_hash=str(key_hash or ""),
+                      reasons=why, profile_path=str(profile_path or ""), compat=_mapping(compat, "compat"),
+                      applied_plan=str(applied_plan or ""), manual_canary=None if manual_canary is None else str(manual_canary),
+                      first_run=outline)
 
 
 def _differences(query: Mapping[str, Any]) -> list[Mapping[str, Any]]:

@@ -17,7 +17,7 @@ from ansible.parsing.dataloader import DataLoader
 from ansible.template import Templar, trust_as_template
 
 from ansible_collections.gpufleet.vllm.plugins.filter.class_plan import class_deploy_order
-from ansible_collections.gpufleet.vllm.plugins.plugin_utils._class_plan import deploy_order
+from ansible_collections.gpufleet.vllm.plugins.plugin_utils._class_plan import class_state, deploy_order
 
 ROOT = pathlib.Path(__file__).resolve().parents[3]
 
@@ -48,28 +48,34 @@ def all_tasks(plays: list[dict[str, t.Any]]) -> list[dict[str, t.Any]]:
     return [task for play in plays for task in play.get("tasks", [])]
 
 
-def failed_class_state(variables: dict[str, t.Any]) -> dict[str, t.Any]:
+def test_every_class_state_is_built_by_the_class_state_filter() -> None:
+    """The class state's one writer: every task that sets gpufleet_class_state calls gpufleet.vllm.class_state,
+    with the outcome the task stands for (its behaviour is unit tested in test_class_plan.py)."""
     plays = yaml.safe_load((ROOT / "playbooks" / "parts" / "plan_classes.yml").read_text(encoding="utf-8"))
-    state = find_task(all_tasks(plays), "Keep the failure of the class")["ansible.builtin.set_fact"]["gpufleet_class_state"]
-    variables = dict(variables, gpufleet_host_class="c", inventory_hostname="h1",
-                     ansible_failed_task={"name": "Stop the class on a split (split_policy fail), class c"},
-                     ansible_failed_result={"msg": "kv_plan: class c should be split"})
-    templar = Templar(loader=DataLoader(), variables=variables)
+    outcomes = {
+        "Stop here when a profile is needed but canaries are off (dry run)": "'needs_profile' | gpufleet.vllm.class_state(",
+        "Keep the class state": "'planned' | gpufleet.vllm.class_state(",
+        "Keep the failure of the class": "'failed' | gpufleet.vllm.class_state(gpufleet_host_class, plan=kv_plan_result | default({})",
+        "Take the class state from the canary host": "default('unfinished' | gpufleet.vllm.class_state(",
+    }
+    for name, call in outcomes.items():
+        assert call in find_task(all_tasks(plays), name)["ansible.builtin.set_fact"]["gpufleet_class_state"], name
+    writers = [t["name"] for t in walk(all_tasks(plays)) if "gpufleet_class_state" in (t.get("ansible.builtin.set_fact") or {})]
+    assert sorted(writers) == sorted(outcomes)
 
-    def render(value: t.Any) -> t.Any:
-        if isinstance(value, str):
-            return templar.template(trust_as_template(value))
-        if isinstance(value, list):
-            return [render(v) for v in value]
-        if isinstance(value, dict):
-            return {k: render(v) for k, v in value.items()}
-        return value
 
-    return render(state)
+def walk(tasks: list[dict[str, t.Any]]) -> list[dict[str, t.Any]]:
+    out = []
+    for task in tasks:
+        out.append(task)
+        for key in ("block", "rescue", "always"):
+            out.extend(walk(task.get(key) or []))
+    return out
 
 
 def test_a_class_stopped_after_planning_keeps_its_plan() -> None:
-    state = failed_class_state({"kv_plan_result": SPLIT_PLAN})
+    state = class_state("failed", "c", plan=SPLIT_PLAN, reasons=[
+        "class c stopped on h1: Stop the class on a split (split_policy fail), class c: kv_plan: class c should be split"]).as_dict()
     assert state["ok"] is False and state["failed"] is True
     assert state["plan"] == SPLIT_PLAN
     assert state["reasons"] == ["class c stopped on h1: Stop the class on a split (split_policy fail), class c: "
@@ -77,7 +83,7 @@ def test_a_class_stopped_after_planning_keeps_its_plan() -> None:
 
 
 def test_a_class_stopped_before_planning_has_no_plan() -> None:
-    state = failed_class_state({})
+    state = class_state("failed", "c", plan=None, reasons=["class c stopped on h1: a task: no message"]).as_dict()
     assert state["plan"] == {}
     assert state["failed"] is True
 

@@ -3,9 +3,13 @@
 """canary_need: the one answer to "does the class run a profiled canary, and why" (parts/plan_classes.yml reads it)."""
 from __future__ import annotations
 
-import pytest
+import re
 
-from ansible_collections.gpufleet.vllm.plugins.plugin_utils._class_plan import ClassPlanError, canary_need, class_states
+import pytest
+from ansible.errors import AnsibleFilterError
+
+from ansible_collections.gpufleet.vllm.plugins.filter.class_plan import class_state as class_state_filter
+from ansible_collections.gpufleet.vllm.plugins.plugin_utils._class_plan import ClassPlanError, canary_need, class_state, class_states
 
 CHANGED = {"status": "mismatch", "differences": [{"field": "driver_version", "reference": "550.1", "current": "570.2"},
                                                  {"field": "vllm_version", "reference": "0.32.0", "current": "0.33.0"}]}
@@ -59,3 +63,40 @@ def test_every_planned_class_keeps_the_state_its_first_host_holds():
     assert classes["l40s"] == dict(failed, reference_id=None)
     # a class whose hosts never got a state is still in the artifact, empty
     assert classes["gone"] == {"reference_id": None}
+
+
+def test_a_planned_class_state_takes_its_plans_reasons_and_keeps_every_field():
+    plan = {"decision": "budget", "reasons": ["budget from the weakest rank"], "launch": {"manual": True}}
+    state = class_state("planned", "h200", deployable=True, plan=plan, key_hash="k1", profile_path="/store/h200/p.json",
+                        compat={"model": "m"}, applied_plan="", manual_canary="pass", first_run={"lines": []}).as_dict()
+    assert state == {"ok": True, "failed": False, "needs_profile": False, "plan": plan, "key_hash": "k1",
+                     "reasons": ["budget from the weakest rank"], "profile_path": "/store/h200/p.json", "compat": {"model": "m"},
+                     "applied_plan": "", "manual_canary": "pass", "first_run": {"lines": []}}
+    assert class_state("planned", "h200", plan=plan, reasons=["refused"]).as_dict()["ok"] is False
+
+
+def test_failed_dry_run_and_lost_classes_have_the_fields_they_always_had():
+    failed = class_state("failed", "c", plan={"decision": "split"}, reasons=["class c stopped on h1: x: y"]).as_dict()
+    assert failed == {"ok": False, "failed": True, "needs_profile": False, "plan": {"decision": "split"}, "key_hash": "",
+                      "reasons": ["class c stopped on h1: x: y"]}
+    dry = class_state("needs_profile", "c", key_hash="k2", reasons=["no reference"], first_run={"lines": ["a"]}).as_dict()
+    assert dry == {"ok": False, "failed": False, "needs_profile": True, "plan": {}, "key_hash": "k2", "reasons": ["no reference"],
+                   "first_run": {"lines": ["a"]}}
+    lost = class_state("unfinished", "c", canary_host="h9").as_dict()
+    assert lost["failed"] is True and lost["reasons"] == ["class c: the canary host h9 did not finish planning"]
+
+
+@pytest.mark.parametrize(("outcome", "fields", "message"), [
+    ("deployed", {}, "outcome must be one of planned, needs_profile, failed, unfinished, got 'deployed'"),
+    ("planned", {"plan": ["not", "a", "plan"]}, "plan must be a mapping, got list"),
+    ("planned", {"compat": "k"}, "compat must be a mapping, got str"),
+    ("failed", {"reasons": "one text"}, "reasons must be a list of texts"),
+])
+def test_a_class_state_from_bad_inputs_names_the_field(outcome, fields, message):
+    with pytest.raises(ClassPlanError, match=re.escape(message)):
+        class_state(outcome, "c", **fields)
+
+
+def test_the_class_state_filter_names_an_unknown_field():
+    with pytest.raises(AnsibleFilterError, match="class_state: .*unexpected keyword argument 'plans'"):
+        class_state_filter("planned", "c", plans={})
