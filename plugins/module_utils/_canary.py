@@ -310,7 +310,7 @@ class Terminated(Exception):
     """The canary itself was asked to stop (SIGTERM/SIGHUP) while an engine ran."""
 
 
-def _raise_on_termination() -> t.Callable[[], None]:
+def raise_on_termination() -> t.Callable[[], None]:
     """Turn SIGTERM/SIGHUP into an exception so ``finally`` stops the engine; returns the restorer."""
     if threading.current_thread() is not threading.main_thread():
         return lambda: None
@@ -534,7 +534,7 @@ def run_canary(
     launch = _prepare_launch(spec)
     result = _initial_result(spec, launch)
     run = _CanaryRun(spec, launch, EngineProcess(launch.argv, launch.env, launch.partial_log, account), result)
-    restore_signals = _raise_on_termination()
+    restore_signals = raise_on_termination()
     try:
         _boot(run, after_healthy, during_load)
     finally:

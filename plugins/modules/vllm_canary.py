@@ -22,6 +22,10 @@ description:
   - The verdict is V(pass), V(fail) or V(inconclusive). A boot the engine refuses, an engine that dies, or one that
     is not healthy within O(startup_timeout) always fails the task, with the engine's own error in the task's C(msg).
   - Nothing is left running after the module returns, whatever happened.
+  - On a serving host, O(takeover) gives the canary the GPUs of an instance in the same run - it leaves a hold on the
+    instance, stops it and the units it names, and starts them again afterwards (see the option). O(gpu_probe) reads
+    NVML free memory just before the boot, and O(read_model_config) reads the model's C(config.json), so that a canary
+    is one call to the host.
 author:
   - gpufleet maintainers (@gpufleet)
 extends_documentation_fragment:
@@ -178,6 +182,76 @@ options:
   group:
     description: With O(user), the group the engine runs as (default the user's primary group).
     type: str
+  takeover:
+    description:
+      - Take the GPUs of a serving instance for the canary, and give them back. Before anything stops, a hold
+        (C(<state_dir>/units/vllm-<instance>.canary-hold.json), root, 0600, written in one rename) records that the
+        instance served and which other units ran; then those units and the instance stop; after the canary, whatever
+        happened to it (a failed boot, a signal), they start again, and the hold is taken off only once everything it
+        names started.
+      - A canary cut off before that (its host rebooted, the module killed) leaves the hold; the next run's snapshot,
+        canary and O(gpufleet.vllm.vllm_unit#module:instances) treat the instance as serving and start it.
+      - A hold found at the start (a cut-off canary's) counts as serving; its units are stopped and started with this one's.
+      - Omitted, the canary stops nothing (the GPUs must be free).
+    type: dict
+    version_added: 2.1.0
+    suboptions:
+      instance:
+        description: The instance whose unit (C(vllm-<instance>.service)) the canary stops and starts again.
+        type: str
+        required: true
+      state_dir:
+        description: The collection's state directory on the host (the hold is kept in its C(units) directory).
+        type: path
+        default: /etc/gpufleet
+      stop_service:
+        description: Stop the instance (and O(takeover.stop_units)); V(false) leaves every unit as it is.
+        type: bool
+        default: true
+      stop_units:
+        description: Other units that hold the instance's GPUs (hand-written units it takes over); those that run are
+          stopped and started again.
+        type: list
+        elements: str
+        default: []
+  gpu_probe:
+    description:
+      - Read NVML free memory of these GPUs just before the engine starts (after O(takeover) stopped what held them),
+        as M(gpufleet.vllm.gpu_memory_info) reads it; returned as RV(gpu_probe). The reference profile records it.
+      - Needs C(pynvml) importable by the interpreter the module runs with (the probe's, C(gpu_probe_interpreter)).
+    type: dict
+    version_added: 2.1.0
+    suboptions:
+      devices:
+        description: GPU indices or UUIDs to read (default all).
+        type: list
+        elements: str
+      samples:
+        description: Samples per GPU (the lowest free memory counts).
+        type: int
+        default: 1
+      interval:
+        description: Seconds between samples.
+        type: float
+        default: 1.0
+      service_units:
+        description: Units whose processes count as this host's own engine.
+        type: list
+        elements: str
+        default: []
+      service_pids:
+        description: Process ids that count as this host's own engine.
+        type: list
+        elements: int
+        default: []
+  read_model_config:
+    description:
+      - Read the model's C(config.json) on the host (O(model) is a local directory) before anything stops, returned as
+        RV(model_config_file) the way M(ansible.builtin.slurp) returns a file. One that cannot be read fails the task
+        before the canary.
+    type: bool
+    default: false
+    version_added: 2.1.0
 notes:
   - The load test uses only the Python standard library on the target.
 seealso:
@@ -211,6 +285,26 @@ EXAMPLES = r"""
     reference: "{{ profiled }}"
     tolerances: {token_ratio: 0.9, latency_ratio: 1.5, preemptions: 0}
   register: manual
+
+- name: A canary on a serving host - the instance's GPUs taken over and given back, NVML read just before the boot
+  gpufleet.vllm.vllm_canary:
+    executable: /opt/vllm/venv/bin/vllm
+    model: /srv/models/llama-3.1-8b-instruct
+    mode: manual
+    kv_cache_memory_bytes: "{{ manual.kv_cache_memory_bytes }}"
+    gpu_memory_utilization: 0.9
+    serve_args:
+      max_model_len: 8192
+    load: {requests: 8, concurrency: 4, prompt_tokens: 128, max_tokens: 16}
+    cuda_visible_devices: "0"
+    takeover:
+      instance: main
+    gpu_probe:
+      devices: ["0"]
+  vars:
+    # the interpreter must import pynvml (a vLLM virtual environment's does)
+    ansible_python_interpreter: /opt/vllm/venv/bin/python
+  register: taken_over
 
 - name: Show the verdict and the comparison
   ansible.builtin.debug:
@@ -347,18 +441,98 @@ log_path:
   description: Where the engine log was kept.
   returned: when O(log_path) is set
   type: str
+takeover:
+  description: What the canary found and did with O(takeover) (in check mode, what it would stop).
+  returned: with O(takeover)
+  type: dict
+  contains:
+    unit:
+      description: The instance's unit.
+      type: str
+    instance_serving:
+      description: The instance served before the canary (it was active, or a cut-off canary's hold was there).
+      type: bool
+    instance_active:
+      description: The instance's unit was active (or activating) when the canary started.
+      type: bool
+    active_state:
+      description: The instance unit's C(ActiveState) when the canary started.
+      type: str
+    held_before:
+      description: A cut-off canary's hold was there.
+      type: bool
+    stopped_units:
+      description: The other units the canary stopped and started again (those that ran, and those a cut-off canary stopped).
+      type: list
+      elements: str
+    hold_written:
+      description: This canary left the hold.
+      type: bool
+    stopped:
+      description: The units stopped, in that order.
+      type: list
+      elements: str
+    started:
+      description: The units started again.
+      type: list
+      elements: str
+    hold_removed:
+      description: The hold was taken off (everything it names runs again).
+      type: bool
+    errors:
+      description: Units that could not be stopped or started again (the hold stays then).
+      type: list
+      elements: str
+gpu_probe:
+  description: NVML free memory just before the boot (M(gpufleet.vllm.gpu_memory_info)'s result, C(gpus) per GPU).
+  returned: with O(gpu_probe), when not in check mode
+  type: dict
+model_config_file:
+  description: The model's C(config.json) as M(ansible.builtin.slurp) returns it (C(content) base64, C(source), C(encoding)).
+  returned: with O(read_model_config)
+  type: dict
 """
 
+import base64
+import os
+import platform
 import traceback
 from typing import Any, Mapping
 
-from ansible.module_utils.basic import AnsibleModule
+from ansible.module_utils.basic import AnsibleModule, missing_required_lib
 from ansible.module_utils.common.text.converters import to_native
 
 from ansible_collections.gpufleet.vllm.plugins.module_utils._boot_check import primary_error
-from ansible_collections.gpufleet.vllm.plugins.module_utils._canary import CanarySpec, Tolerances, canary_argv, run_canary
+from ansible_collections.gpufleet.vllm.plugins.module_utils._canary import (
+    CanarySpec,
+    Terminated,
+    Tolerances,
+    canary_argv,
+    raise_on_termination,
+    run_canary,
+)
+from ansible_collections.gpufleet.vllm.plugins.module_utils._canary_takeover import (
+    ARGUMENT_SPEC as TAKEOVER_SPEC,
+    Takeover,
+    TakeoverError,
+    TakeoverState,
+    check_params as check_takeover,
+    give_back,
+    read_state,
+    take,
+)
 from ansible_collections.gpufleet.vllm.plugins.module_utils._engine_process import free_port
+from ansible_collections.gpufleet.vllm.plugins.module_utils._gpu_memory import (
+    ARGUMENT_SPEC as GPU_PROBE_SPEC,
+    PYNVML_IMPORT_ERROR,
+    check_params as check_gpu_probe,
+    host_message,
+    module_runner,
+    pynvml,
+    read as read_gpus,
+)
 from ansible_collections.gpufleet.vllm.plugins.module_utils._load_test import LoadSpec
+from ansible_collections.gpufleet.vllm.plugins.module_utils._nvml_probe import NvmlProbeError
 from ansible_collections.gpufleet.vllm.plugins.module_utils._serve_argv import EngineSpecError, redact_argv
 from ansible_collections.gpufleet.vllm.plugins.module_utils._sizes import SizeError, parse_size
 from ansible_collections.gpufleet.vllm.plugins.module_utils._validate import ValidationError, integer, is_secret_option, port, text
@@ -406,6 +580,71 @@ def build_spec(params: Mapping[str, Any]) -> CanarySpec:
     )
 
 
+def read_model_config(model: str) -> dict[str, Any]:
+    """The model's ``config.json`` on this host, as ``ansible.builtin.slurp`` returns a file."""
+    if not model.startswith("/"):
+        raise ValueError(f"read_model_config: the model must be a local directory (an absolute path), got {model!r}")
+    path = os.path.join(model, "config.json")
+    try:
+        with open(path, "rb") as handle:
+            data = handle.read()
+    except OSError as exc:
+        raise ValueError(f"read_model_config: cannot read {path}: {exc.strerror or exc}") from None
+    return {"content": base64.b64encode(data).decode("ascii"), "source": path, "encoding": "base64"}
+
+
+def takeover_failure(state: TakeoverState | None) -> str:
+    """What the failure of a canary that took over an instance left behind, for its message."""
+    if state is None or not state.errors:
+        return ""
+    return (f"; what it stopped did not all start again ({'; '.join(state.errors)}): the hold on {state.unit} stays, "
+            "and the next run's canary or deploy starts it")
+
+
+def run_taken_over(module: AnsibleModule, spec: CanarySpec, takeover: Takeover | None, state: TakeoverState | None) -> dict[str, Any]:
+    """Take over the instance's GPUs, read NVML, run the canary, give the GPUs back (always); fails the module."""
+    params = module.params
+    run = module_runner(module)
+    extra: dict[str, Any] = {}
+    error: str | None = None
+    result: dict[str, Any] | None = None
+    # a SIGTERM or SIGHUP (the task's timeout, a stopped connection) still gives the GPUs back
+    restore_signals = raise_on_termination()
+    try:
+        try:
+            if takeover is not None and state is not None:
+                take(takeover, state, run)
+            if params["gpu_probe"]:
+                probe = read_gpus(dict(params["gpu_probe"]), pynvml, platform.node(), run)
+                for warning in probe.pop("warnings", []):
+                    module.warn(warning)
+                extra["gpu_probe"] = probe
+            result = run_canary(spec)
+        finally:
+            if takeover is not None and state is not None:
+                give_back(takeover, state, run)
+    except TakeoverError as exc:
+        error = f"vLLM canary ({spec.mode}): {exc}"
+    except NvmlProbeError as exc:
+        error = f"vLLM canary ({spec.mode}): NVML before the boot: {host_message(exc, platform.node())}"
+    except Terminated as exc:
+        error = f"vLLM canary ({spec.mode}): {exc}"
+    finally:
+        restore_signals()
+    if state is not None:
+        extra["takeover"] = state.as_result()
+    changed = bool(spec.log_path) or bool(state is not None and (state.stopped or state.started or state.hold_written or state.hold_removed))
+    if error is not None or result is None:
+        module.fail_json(msg=(error or f"vLLM canary ({spec.mode}) did not run") + takeover_failure(state), changed=changed, **extra)
+        raise AssertionError("unreachable")  # fail_json exits
+    result.update(extra)
+    result["changed"] = changed
+    if state is not None and state.errors:
+        module.fail_json(msg=f"vLLM canary ({spec.mode}) verdict {result['verdict']}: " + "; ".join(result.get("reasons") or ["no reasons"])
+                         + takeover_failure(state), **result)
+    return result
+
+
 def main() -> None:
     module = AnsibleModule(
         argument_spec=dict(
@@ -447,6 +686,9 @@ def main() -> None:
             vllm_version=dict(type="str"),
             user=dict(type="str"),
             group=dict(type="str"),
+            takeover=dict(type="dict", options=TAKEOVER_SPEC),
+            gpu_probe=dict(type="dict", options=GPU_PROBE_SPEC),
+            read_model_config=dict(type="bool", default=False),
         ),
         required_if=[("mode", "manual", ("kv_cache_memory_bytes",))],
         supports_check_mode=True,
@@ -457,19 +699,34 @@ def main() -> None:
         if value not in (None, True, False, "") and is_secret_option(str(key)):
             for item in value if isinstance(value, list) else [value]:
                 module.no_log_values.add(str(item))
+    extra: dict[str, Any] = {}
+    state: TakeoverState | None = None
     try:
         spec = build_spec(params)
+        takeover = check_takeover(params["takeover"]) if params["takeover"] else None
+        if params["gpu_probe"]:
+            check_gpu_probe(dict(params["gpu_probe"]))
+        if params["gpu_probe"] and pynvml is None:
+            module.fail_json(msg=missing_required_lib("nvidia-ml-py (pynvml), for gpu_probe"), exception=PYNVML_IMPORT_ERROR)
+        # before anything stops: a model whose config cannot be read fails here
+        if params["read_model_config"]:
+            extra["model_config_file"] = read_model_config(spec.model)
+        if takeover is not None:
+            state = read_state(takeover, module_runner(module))
         if module.check_mode:
             port = spec.port or free_port(spec.host)
-            module.exit_json(changed=False, argv=redact_argv(canary_argv(spec, port)), port=port)
-        result = run_canary(spec)
-    except (EngineSpecError, SizeError, ValidationError, ValueError) as exc:
+            if state is not None:
+                extra["takeover"] = state.as_result()
+            module.exit_json(changed=False, argv=redact_argv(canary_argv(spec, port)), port=port, **extra)
+        result = run_taken_over(module, spec, takeover, state)
+    except (EngineSpecError, SizeError, ValidationError, TakeoverError, ValueError) as exc:
         module.fail_json(msg=to_native(exc))
     except Exception as exc:  # pylint: disable=broad-exception-caught
         module.fail_json(msg=f"vllm_canary failed unexpectedly: {to_native(exc)}", exception=traceback.format_exc())
+    result.update(extra)
 
     verdict = result["verdict"]
-    changed = bool(spec.log_path)
+    changed = result.pop("changed")
     if result.get("health") != "healthy":
         root = primary_error(result.get("engine_errors") or [])
         module.fail_json(

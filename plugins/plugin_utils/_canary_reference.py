@@ -26,7 +26,9 @@ from typing import Any, Callable, Mapping, Sequence
 
 __all__ = ["ReferenceError", "model_config_from", "reference_from_canary"]
 
-_DROPPED = ("log_tail", "invocation", "changed", "failed", "msg")
+# what the run result carries beside the canary's own figures: the pre-boot probe and the model's config
+# (the reference keeps them as its ranks' free memory and its geometry) and what the takeover stopped
+_DROPPED = ("log_tail", "invocation", "changed", "failed", "msg", "takeover", "gpu_probe", "model_config_file")
 
 
 class ReferenceError(ValueError):

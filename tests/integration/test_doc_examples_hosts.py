@@ -126,13 +126,18 @@ def keep(path: Path, expression: str) -> dict[str, Any]:
 
 def test_vllm_canary_examples(sim, collections_path, texts, tmp_path):
     out = tmp_path / "canary.json"
-    playbook = doc_examples.module_playbook(texts["vllm_canary"], HOST, post_tasks=[keep(out, "{'profiled': profiled, 'manual': manual}")])
+    results = "{'profiled': profiled, 'manual': manual, 'taken_over': taken_over}"
+    playbook = doc_examples.module_playbook(texts["vllm_canary"], HOST, post_tasks=[keep(out, results)])
     proc = run(sim, collections_path, tmp_path, playbook)
     doc_examples.assert_examples_ran(proc, texts["vllm_canary"])
     got = json.loads(out.read_text(encoding="utf-8"))
     assert got["profiled"]["verdict"] == "pass" and got["manual"]["verdict"] == "pass", got["manual"]["reasons"]
     assert got["manual"]["kv_cache_memory_bytes"] == min(r["suggested_kv_bytes_fit"] for r in got["profiled"]["ranks"])
     assert got["manual"]["comparison"]["token_ratio"] >= 0.9
+    # no instance main serves on this host: nothing stopped or held; NVML read just before the boot
+    taken = got["taken_over"]
+    assert taken["verdict"] == "pass" and taken["takeover"]["instance_serving"] is False and taken["takeover"]["stopped"] == []
+    assert [g["index"] for g in taken["gpu_probe"]["gpus"]] == [0], taken["gpu_probe"]
     # nothing left running on the GPUs
     state = json.loads(sim.h.exec(HOST, ["python3", "-c", NVML_PROCS], check=True).stdout)
     assert state == [[], [], [], []]

@@ -28,7 +28,8 @@ The tests run in file order and build on each other's end state (one fleet per m
    the rollout;
 7. the snapshot directory read-only on a host during a budget change: nothing of it is
    stopped or restored, its files and service stay as they were;
-8. the controller killed while the profiled canary holds the canary host; a normal run;
+8. the controller killed while the profiled canary holds the canary host (its module goes on on the
+   host: it is then killed there too, with its engine, so that the hold stays); a normal run;
    then rollback.yml on that host: its instance serves at every step's end;
 9. a host's link lost as the batch's write calls start: the batch's other hosts check
    their boots before the run stops; the next run finishes the lost host;
@@ -451,6 +452,22 @@ def test_a_snapshot_that_cannot_be_written_leaves_the_host_serving(fleet, seen):
     assert budget(fleet.unit("sim-ft-1")) != budget(before["sim-ft-1"][0]), "batch 1 took the new budget"
 
 
+def cut_off_the_canary_module(fleet, host: str, timeout: float = 60.0) -> int | None:
+    """Once the profiled canary's engine runs on ``host`` (on loopback, without a fixed budget), SIGKILL
+    its parent, the vllm_canary module, and then the engine's process group; the module's pid (None: none ran)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        rows = fleet.harness.exec(host, ["ps", "-eo", "ppid=,pgid=,args="]).stdout.splitlines()
+        for row in rows:
+            ppid, pgid, args = [*row.split(None, 2), ""][:3]
+            if " serve " in f" {args} " and "--host 127.0.0.1" in args and "--kv-cache-memory-bytes" not in args:
+                fleet.harness.exec(host, ["kill", "-KILL", ppid])
+                fleet.harness.exec(host, ["kill", "-KILL", "--", f"-{pgid}"])
+                return int(ppid)
+        time.sleep(0.2)
+    return None
+
+
 def test_a_canary_killed_by_its_controller_never_makes_a_rollback_stop_the_instance(fleet, seen):
     """SIGKILL of the controller while the profiled canary holds the canary host's GPUs; then a normal
     run; then rollback.yml on that host: the instance serves at every step's end."""
@@ -475,6 +492,11 @@ def test_a_canary_killed_by_its_controller_never_makes_a_rollback_stop_the_insta
     finally:
         done.set()
     assert killed, "the run ended before the profiled canary held the canary host:\n" + out[-6000:]
+    # The controller's death does not cut the canary off: its module goes on on the host, and would start
+    # the instance again itself. Cut it off there too (a rebooted host, a killed module): SIGKILL of the
+    # module and of its engine, so that nothing of it runs its cleanup.
+    module_pid = cut_off_the_canary_module(fleet, canary)
+    assert module_pid, "the canary's module ran on after its controller was killed"
     assert fleet.active(canary) != "active" and hold.exists(), "the cut-off canary left the instance stopped, and its hold"
 
     rc, out = fleet.rollout({"gpufleet_guard": "1.5GiB"})

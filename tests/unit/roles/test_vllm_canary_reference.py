@@ -59,8 +59,8 @@ def role_vars(**over: t.Any) -> dict[str, t.Any]:
         "vllm_canary_profile_store": "", "vllm_canary_host_class": "l4-tp2", "vllm_canary_compat_key": {"model": "tiny"},
         "vllm_canary_instance": {"name": "left", "gpus": ["5", 2], "port": 8000}, "vllm_canary_gpu_memory_utilization": "0.85",
         "vllm_canary_model_config": "", "vllm_canary_serve_args": {"tensor_parallel_size": 2},
-        "__vllm_canary_run": RUN, "__vllm_canary_preboot": {"gpus": PREBOOT},
-        "__vllm_canary_config_file": {"changed": False, "skipped": True, "skip_reason": "Conditional result was False"},
+        # the module's result carries the pre-boot probe (gpu_probe) and, when asked, the model's config (model_config_file)
+        "__vllm_canary_run": dict(RUN, gpu_probe={"gpus": PREBOOT}, takeover={"instance_serving": False}),
     }, **over)
 
 
@@ -103,7 +103,8 @@ def test_recorded_the_fact_is_the_profile_recorded(tmp_path, check_mode):
 
 def test_the_host_config_json_gives_the_geometry():
     slurped = {"content": base64.b64encode(json.dumps(CONFIG).encode()).decode(), "source": "/models/tiny/config.json"}
-    _result, fact = run_role_task(role_vars(vllm_canary_record=False, __vllm_canary_config_file=slurped))
+    run = dict(RUN, gpu_probe={"gpus": PREBOOT}, model_config_file=slurped)
+    _result, fact = run_role_task(role_vars(vllm_canary_record=False, __vllm_canary_run=run))
     assert fact["geometry"] == {"config": CONFIG, "serve_args": {"tensor_parallel_size": 2}}
 
 
