@@ -24,7 +24,7 @@ import typing as t
 from ._compat import RUNTIME_KEY_FIELDS, CompatError, read_runtime
 from ._defaults import default
 from ._gpu_memory import ARGUMENT_SPEC as PROBE_ARGUMENT_SPEC, check_params as check_probe_params, host_facts, read as read_gpus
-from ._instance import unit_name
+from ._instance import clashes, unit_name
 from ._unit_files import Layout, UnitFilesError, read_bytes, read_plan, runtime_link, systemctl_show
 from ._validate import ValidationError, instance_name, text
 
@@ -58,8 +58,9 @@ def check_params(params: t.Mapping[str, t.Any]) -> None:
     """The probe's checks, then every instance name, adopted unit and the state directory."""
     check_probe_params(dict(params))
     names = [instance_name(n, f"instances[{i}]") for i, n in enumerate(params["instances"] or [])]
-    if len(set(names)) != len(names):
-        raise ValidationError(f"instances: names must be unique, got {names}")
+    for clash in clashes([{"name": n} for n in names]):
+        raise ValidationError(f"instances[{clash.position}]: {clash.value!r} is also instances[{clash.other}]; "
+                              f"names must be unique, got {names}")
     for i, unit in enumerate(params["adopt_units"] or []):
         text(unit, f"adopt_units[{i}]")
     for field in ("state_dir", "engine_executable", "runtime_venv"):
