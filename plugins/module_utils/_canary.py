@@ -11,6 +11,7 @@ Plain Python (no Ansible import).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import tempfile
@@ -310,21 +311,44 @@ class Terminated(Exception):
     """The canary itself was asked to stop (SIGTERM/SIGHUP) while an engine ran."""
 
 
+TERMINATION_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
+
+
 def raise_on_termination() -> t.Callable[[], None]:
-    """Turn SIGTERM/SIGHUP into an exception so ``finally`` stops the engine; returns the restorer."""
+    """Turn SIGTERM/SIGHUP into an exception so ``finally`` stops the engine; returns the restorer.
+
+    One-shot: the first signal raises and the next ones are ignored until the restorer runs, so
+    that a second one (systemd sends SIGTERM, then SIGHUP) does not cut the cleanup short.
+    """
     if threading.current_thread() is not threading.main_thread():
         return lambda: None
 
     def handler(signum: int, _frame: t.Any) -> None:
+        for sig in TERMINATION_SIGNALS:
+            signal.signal(sig, signal.SIG_IGN)
         raise Terminated(f"the canary received signal {signum}; the engine was stopped")
 
-    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    previous = {sig: signal.signal(sig, handler) for sig in TERMINATION_SIGNALS}
 
     def restore() -> None:
         for sig, old in previous.items():
             signal.signal(sig, old)
 
     return restore
+
+
+@contextlib.contextmanager
+def termination_deferred() -> t.Iterator[None]:
+    """Hold SIGTERM/SIGHUP back while the block runs (starting again what a canary stopped must not be cut
+    short); one that arrived meanwhile is delivered when the block ends."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, TERMINATION_SIGNALS)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
 
 
 @dataclass

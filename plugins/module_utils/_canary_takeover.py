@@ -112,6 +112,10 @@ def read_state(takeover: Takeover, run: Runner) -> TakeoverState:
     unit = unit_name(takeover.instance)
     try:
         hold = canary_hold(_layout(takeover), takeover.instance)
+    except UnitFilesError as exc:
+        # unreadable is not "no hold": the instance may have served before a cut-off canary
+        raise TakeoverError(f"cannot read the hold a cut-off canary may have left on {unit} ({exc}); nothing was stopped") from None
+    try:
         props = systemctl_show(run, properties=("ActiveState",))([unit])
     except UnitFilesError as exc:
         raise TakeoverError(f"cannot read the instance's unit {unit}: {exc}") from None

@@ -205,7 +205,8 @@ options:
         type: path
         default: /etc/gpufleet
       stop_service:
-        description: Stop the instance (and O(takeover.stop_units)); V(false) leaves every unit as it is.
+        description: Stop the instance and the running O(takeover.stop_units); V(false) leaves them as they are (units
+          a cut-off canary's hold names are still started again, and the hold kept).
         type: bool
         default: true
       stop_units:
@@ -510,6 +511,7 @@ from ansible_collections.gpufleet.vllm.plugins.module_utils._canary import (
     canary_argv,
     raise_on_termination,
     run_canary,
+    termination_deferred,
 )
 from ansible_collections.gpufleet.vllm.plugins.module_utils._canary_takeover import (
     ARGUMENT_SPEC as TAKEOVER_SPEC,
@@ -594,15 +596,20 @@ def read_model_config(model: str) -> dict[str, Any]:
 
 
 def takeover_failure(state: TakeoverState | None) -> str:
-    """What the failure of a canary that took over an instance left behind, for its message."""
+    """What a canary that took over an instance left behind when not everything started again, for its message."""
     if state is None or not state.errors:
         return ""
     return (f"; what it stopped did not all start again ({'; '.join(state.errors)}): the hold on {state.unit} stays, "
             "and the next run's canary or deploy starts it")
 
 
-def run_taken_over(module: AnsibleModule, spec: CanarySpec, takeover: Takeover | None, state: TakeoverState | None) -> dict[str, Any]:
-    """Take over the instance's GPUs, read NVML, run the canary, give the GPUs back (always); fails the module."""
+def run_taken_over(module: AnsibleModule, spec: CanarySpec, takeover: Takeover | None,
+                   state: TakeoverState | None) -> tuple[dict[str, Any] | None, dict[str, Any], str | None]:
+    """Take over the instance's GPUs, read NVML, run the canary, give the GPUs back (always).
+
+    ``(the canary's result or None, the probe result, the error that stopped it or None)``: whatever
+    went wrong, the caller reports the takeover with it.
+    """
     params = module.params
     run = module_runner(module)
     extra: dict[str, Any] = {}
@@ -622,27 +629,23 @@ def run_taken_over(module: AnsibleModule, spec: CanarySpec, takeover: Takeover |
             result = run_canary(spec)
         finally:
             if takeover is not None and state is not None:
-                give_back(takeover, state, run)
+                # not cut short by a signal: one that arrives meanwhile is raised once everything started
+                with termination_deferred():
+                    give_back(takeover, state, run)
     except TakeoverError as exc:
         error = f"vLLM canary ({spec.mode}): {exc}"
     except NvmlProbeError as exc:
         error = f"vLLM canary ({spec.mode}): NVML before the boot: {host_message(exc, platform.node())}"
     except Terminated as exc:
         error = f"vLLM canary ({spec.mode}): {exc}"
+    except (EngineSpecError, SizeError, ValidationError, ValueError) as exc:
+        error = f"vLLM canary ({spec.mode}): {to_native(exc)}"
+    except Exception as exc:  # pylint: disable=broad-exception-caught
+        error = f"vllm_canary failed unexpectedly: {to_native(exc)}"
+        extra["exception"] = traceback.format_exc()
     finally:
         restore_signals()
-    if state is not None:
-        extra["takeover"] = state.as_result()
-    changed = bool(spec.log_path) or bool(state is not None and (state.stopped or state.started or state.hold_written or state.hold_removed))
-    if error is not None or result is None:
-        module.fail_json(msg=(error or f"vLLM canary ({spec.mode}) did not run") + takeover_failure(state), changed=changed, **extra)
-        raise AssertionError("unreachable")  # fail_json exits
-    result.update(extra)
-    result["changed"] = changed
-    if state is not None and state.errors:
-        module.fail_json(msg=f"vLLM canary ({spec.mode}) verdict {result['verdict']}: " + "; ".join(result.get("reasons") or ["no reasons"])
-                         + takeover_failure(state), **result)
-    return result
+    return result, extra, error
 
 
 def main() -> None:
@@ -704,41 +707,49 @@ def main() -> None:
     try:
         spec = build_spec(params)
         takeover = check_takeover(params["takeover"]) if params["takeover"] else None
+        # first: whatever fails after this, the result says whether the instance served (its caller waits for it)
+        if takeover is not None:
+            state = read_state(takeover, module_runner(module))
+            extra["takeover"] = state.as_result()
         if params["gpu_probe"]:
             check_gpu_probe(dict(params["gpu_probe"]))
-        if params["gpu_probe"] and pynvml is None:
-            module.fail_json(msg=missing_required_lib("nvidia-ml-py (pynvml), for gpu_probe"), exception=PYNVML_IMPORT_ERROR)
+            if pynvml is None:
+                module.fail_json(msg=missing_required_lib("nvidia-ml-py (pynvml), for gpu_probe"), exception=PYNVML_IMPORT_ERROR,
+                                 **extra)
         # before anything stops: a model whose config cannot be read fails here
         if params["read_model_config"]:
             extra["model_config_file"] = read_model_config(spec.model)
-        if takeover is not None:
-            state = read_state(takeover, module_runner(module))
         if module.check_mode:
             port = spec.port or free_port(spec.host)
-            if state is not None:
-                extra["takeover"] = state.as_result()
             module.exit_json(changed=False, argv=redact_argv(canary_argv(spec, port)), port=port, **extra)
-        result = run_taken_over(module, spec, takeover, state)
     except (EngineSpecError, SizeError, ValidationError, TakeoverError, ValueError) as exc:
-        module.fail_json(msg=to_native(exc))
+        module.fail_json(msg=to_native(exc), **extra)
     except Exception as exc:  # pylint: disable=broad-exception-caught
-        module.fail_json(msg=f"vllm_canary failed unexpectedly: {to_native(exc)}", exception=traceback.format_exc())
-    result.update(extra)
+        module.fail_json(msg=f"vllm_canary failed unexpectedly: {to_native(exc)}", exception=traceback.format_exc(), **extra)
 
+    result, probed, error = run_taken_over(module, spec, takeover, state)
+    extra.update(probed)
+    if state is not None:
+        extra["takeover"] = state.as_result()
+    changed = bool(spec.log_path) or bool(state is not None and (state.stopped or state.started or state.hold_written or state.hold_removed))
+    left = takeover_failure(state)
+    if error is not None or result is None:
+        module.fail_json(msg=(error or f"vLLM canary ({spec.mode}) did not run") + left, changed=changed, **extra)
+        return
+    result.update(extra)
     verdict = result["verdict"]
-    changed = result.pop("changed")
     if result.get("health") != "healthy":
         root = primary_error(result.get("engine_errors") or [])
         module.fail_json(
-            msg=f"vLLM canary ({spec.mode}) did not boot: " + "; ".join(result["reasons"]) if result["reasons"]
-            else f"vLLM canary ({spec.mode}) did not boot ({result.get('health')})",
+            msg=(f"vLLM canary ({spec.mode}) did not boot: " + "; ".join(result["reasons"]) if result["reasons"]
+                 else f"vLLM canary ({spec.mode}) did not boot ({result.get('health')})") + left,
             engine_error=root, changed=changed, **result,
         )
     if verdict in params["fail_on"]:
-        module.fail_json(
-            msg=f"vLLM canary ({spec.mode}) verdict {verdict}: " + "; ".join(result["reasons"]),
-            changed=changed, **result,
-        )
+        module.fail_json(msg=f"vLLM canary ({spec.mode}) verdict {verdict}: " + "; ".join(result["reasons"]) + left,
+                         changed=changed, **result)
+    if left:
+        module.fail_json(msg=f"vLLM canary ({spec.mode}) verdict {verdict}" + left, changed=changed, **result)
     module.exit_json(changed=changed, **result)
 
 

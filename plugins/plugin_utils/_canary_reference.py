@@ -28,7 +28,7 @@ __all__ = ["ReferenceError", "model_config_from", "reference_from_canary"]
 
 # what the run result carries beside the canary's own figures: the pre-boot probe and the model's config
 # (the reference keeps them as its ranks' free memory and its geometry) and what the takeover stopped
-_DROPPED = ("log_tail", "invocation", "changed", "failed", "msg", "takeover", "gpu_probe", "model_config_file")
+_DROPPED = ("log_tail", "invocation", "changed", "failed", "msg", "takeover", "gpu_probe", "model_config_file", "warnings")
 
 
 class ReferenceError(ValueError):

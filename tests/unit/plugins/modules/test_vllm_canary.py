@@ -15,6 +15,7 @@ import pytest
 from ansible.module_utils.testing import patch_module_args
 
 from ansible_collections.gpufleet.vllm.plugins.modules import vllm_canary
+from ansible_collections.gpufleet.vllm.tests.unit.plugins.module_utils.test_canary_takeover import FakeSystemd
 from ansible_collections.gpufleet.vllm.tests.unit.plugins.module_utils.test_vllm_engine import write_fake_vllm
 
 SMALL_LOAD = {"requests": 4, "concurrency": 2, "prompt_tokens": 8, "max_tokens": 3, "warmup": 1}
@@ -98,3 +99,50 @@ def test_fail_on_controls_task_result(capsys, fake_vllm):
     rc, out = run(capsys, dict(common, env={}, load=dict(SMALL_LOAD, requests=0),
                                fail_on=["fail", "inconclusive"]))
     assert rc == 1 and out["verdict"] == "inconclusive" and "no load test was run" in out["msg"]
+
+
+def taken_over(monkeypatch, tmp_path, states: dict[str, str], fail: tuple[tuple[str, str], ...] = ()) -> tuple[FakeSystemd, dict[str, Any]]:
+    """A fake systemctl behind the module's runner, and the takeover option of instance main."""
+    systemd = FakeSystemd(states, fail=fail)
+    monkeypatch.setattr(vllm_canary, "module_runner", lambda _module: systemd)
+    return systemd, {"instance": "main", "state_dir": str(tmp_path / "gpufleet")}
+
+
+def test_a_canary_that_cannot_start_its_engine_gives_the_instance_back_and_says_it_served(capsys, monkeypatch, tmp_path):
+    """The engine's account does not exist: the instance was stopped for it, is started again, and the failure
+    says it served (its caller waits for it before the host goes back to its load balancer)."""
+    systemd, takeover = taken_over(monkeypatch, tmp_path, {"vllm-main.service": "active"})
+    rc, out = run(capsys, {"executable": "/nonexistent/vllm", "model": "m", "mode": "manual", "kv_cache_memory_bytes": 10**8,
+                           "user": "no-such-user-xyz", "takeover": takeover})
+    assert rc == 1 and "no-such-user-xyz" in out["msg"], out["msg"]
+    assert systemd.verbs() == ["stop vllm-main.service", "start vllm-main.service"]
+    assert out["takeover"]["instance_serving"] is True and out["takeover"]["hold_removed"] is True and out["changed"] is True
+
+
+def test_a_failed_boot_and_a_failed_restart_are_both_said(capsys, monkeypatch, tmp_path, fake_vllm):
+    systemd, takeover = taken_over(monkeypatch, tmp_path, {"vllm-main.service": "active"}, fail=(("start", "vllm-main.service"),))
+    rc, out = run(capsys, {"executable": fake_vllm, "model": "m", "mode": "manual", "kv_cache_memory_bytes": 100000000,
+                           "env": {"FAKE_ENGINE": "die_at_boot"}, "load": SMALL_LOAD, "startup_timeout": 20, "takeover": takeover})
+    assert rc == 1
+    assert out["msg"].startswith("vLLM canary (manual) did not boot: the engine exited while booting"), out["msg"]
+    assert "what it stopped did not all start again (systemctl start vllm-main.service failed (rc 1)" in out["msg"]
+    assert "the hold on vllm-main.service stays" in out["msg"] and out["engine_error"].startswith("rank 0: ValueError")
+    assert (tmp_path / "gpufleet" / "units" / "vllm-main.canary-hold.json").exists()
+    assert systemd.states["vllm-main.service"] == "inactive"
+
+
+def test_a_model_config_that_cannot_be_read_stops_nothing(capsys, monkeypatch, tmp_path):
+    systemd, takeover = taken_over(monkeypatch, tmp_path, {"vllm-main.service": "active"})
+    rc, out = run(capsys, {"executable": "/nonexistent/vllm", "model": str(tmp_path / "no-model"), "takeover": takeover,
+                           "read_model_config": True})
+    assert rc == 1 and out["msg"].startswith(f"read_model_config: cannot read {tmp_path / 'no-model' / 'config.json'}")
+    assert systemd.verbs() == [] and out["takeover"]["instance_serving"] is True
+
+
+def test_check_mode_reads_what_the_canary_would_stop_and_stops_nothing(capsys, monkeypatch, tmp_path):
+    systemd, takeover = taken_over(monkeypatch, tmp_path, {"vllm-main.service": "active", "old.service": "active"})
+    takeover["stop_units"] = ["old.service"]
+    rc, out = run(capsys, {"_ansible_check_mode": True, "executable": "/nonexistent/vllm", "model": "m", "takeover": takeover})
+    assert rc == 0 and out["changed"] is False
+    assert out["takeover"]["stopped_units"] == ["old.service"] and out["takeover"]["instance_serving"] is True
+    assert systemd.verbs() == [] and not (tmp_path / "gpufleet").exists()
