@@ -9,8 +9,10 @@ Ansible's own templar).
 
 from __future__ import annotations
 
+import json
 import pathlib
 import re
+import sys
 import typing as t
 
 import yaml
@@ -180,3 +182,44 @@ def test_only_the_canary_hosts_run_the_canary_play() -> None:
         if play is not canary_play:
             assert not [t for t in play["tasks"] if "when" in t and "gpufleet_class_canary" in str(t["when"])
                         and t.get("name") != "Group the canary hosts"]
+
+
+def test_the_four_class_state_writers_render_through_ansible(tmp_path) -> None:
+    """The planning play's own set_fact tasks (read from its file), run by ansible-playbook on localhost with the
+    inputs each outcome has: each record is the one class_state builds (real Jinja, real filter loading)."""
+    sys.path.insert(0, str(ROOT / "tests" / "examples"))
+    import doc_examples  # pylint: disable=import-outside-toplevel,import-error
+
+    plays = yaml.safe_load((ROOT / "playbooks" / "parts" / "plan_classes.yml").read_text(encoding="utf-8"))
+    writers = {t["name"]: t for t in walk(all_tasks(plays)) if "gpufleet_class_state" in (t.get("ansible.builtin.set_fact") or {})}
+    plan = {"decision": "budget", "reasons": ["budget from the weakest rank"], "launch": {"manual": True}}
+    common = {"gpufleet_host_class": "c", "gpufleet_class_canary": "h9", "kv_plan_result": plan, "kv_plan_deployable": True,
+              "gpufleet_profile_query": {"key_hash": "k1"}, "gpufleet_reference": {"key_hash": "k1", "path": "/s/c/p1.yml"},
+              "vllm_canary_compat_key": {"model": "m"}, "gpufleet_run": {"plan": None}, "gpufleet_manual_canary_needed": True,
+              "vllm_canary_result": {"verdict": "pass"}, "gpufleet_canary_need": {"dry_run_stop": "no reference"},
+              "gpufleet_first_run_spec": {"host_class": "c", "canary_host": "h9", "canary_instance": "main", "profiled_canary": False,
+                                          "hosts": {"h9": []}, "batches": [["h9"]], "drain": False},
+              "ansible_failed_task": {"name": "Boot the canary engine (manual)"},
+              "ansible_failed_result": {"msg": "vLLM canary (manual) did not boot"}}
+    tasks = []
+    for name, task in writers.items():
+        fact = task["ansible.builtin.set_fact"]["gpufleet_class_state"].replace("hostvars[gpufleet_class_canary].gpufleet_class_state", "undefined_state")
+        tasks.append({"name": name, "ansible.builtin.set_fact": {"gpufleet_class_state": fact}})
+        tasks.append({"name": f"Keep {name}", "ansible.builtin.set_fact": {"got": "{{ got | default({}) | combine({%r: gpufleet_class_state}) }}" % name}})
+    out = tmp_path / "states.json"
+    tasks.append({"name": "Write them", "ansible.builtin.copy": {"dest": str(out), "content": "{{ got | to_json }}", "mode": "0644"}})
+    playbook = [{"hosts": "localhost", "connection": "local", "gather_facts": False, "vars": common, "tasks": tasks}]
+    tree = doc_examples.make_collections_tree(tmp_path / "collections")
+    proc = doc_examples.run_playbook(playbook, tmp_path, tree)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    got = json.loads(out.read_text(encoding="utf-8"))
+    planned = got["Keep the class state"]
+    assert planned["ok"] is True and planned["reasons"] == plan["reasons"] and planned["manual_canary"] == "pass"
+    assert (planned["key_hash"], planned["profile_path"], planned["applied_plan"], planned["compat"]) == ("k1", "/s/c/p1.yml", "", {"model": "m"})
+    assert planned["first_run"]["canary_host"] == "h9"
+    assert got["Keep the failure of the class"] == {
+        "ok": False, "failed": True, "needs_profile": False, "plan": plan, "key_hash": "",
+        "reasons": ["class c stopped on localhost: Boot the canary engine (manual): vLLM canary (manual) did not boot"]}
+    dry = got["Stop here when a profile is needed but canaries are off (dry run)"]
+    assert dry["needs_profile"] is True and dry["reasons"] == ["no reference"] and dry["key_hash"] == "k1"
+    assert got["Take the class state from the canary host"]["reasons"] == ["class c: the canary host h9 did not finish planning"]
