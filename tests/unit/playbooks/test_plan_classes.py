@@ -205,7 +205,8 @@ def test_the_four_class_state_writers_render_through_ansible(tmp_path) -> None:
     for name, task in writers.items():
         fact = task["ansible.builtin.set_fact"]["gpufleet_class_state"].replace("hostvars[gpufleet_class_canary].gpufleet_class_state", "undefined_state")
         tasks.append({"name": name, "ansible.builtin.set_fact": {"gpufleet_class_state": fact}})
-        tasks.append({"name": f"Keep {name}", "ansible.builtin.set_fact": {"got": "{{ got | default({}) | combine({" + repr(name) + ": gpufleet_class_state}) }}"}})
+        keep = "{{ got | default({}) | combine({" + repr(name) + ": gpufleet_class_state}) }}"
+        tasks.append({"name": f"Keep {name}", "ansible.builtin.set_fact": {"got": keep}})
     out = tmp_path / "states.json"
     tasks.append({"name": "Write them", "ansible.builtin.copy": {"dest": str(out), "content": "{{ got | to_json }}", "mode": "0644"}})
     playbook = [{"hosts": "localhost", "connection": "local", "gather_facts": False, "vars": common, "tasks": tasks}]
