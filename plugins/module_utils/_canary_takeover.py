@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 from ._defaults import default
 from ._instance import unit_name
-from ._unit_files import Layout, UnitFilesError, atomic_write, canary_hold, canary_hold_path, ensure_absent, ensure_dir, systemctl_show
+from ._unit_files import Layout, SystemctlRunner, UnitFilesError, atomic_write, canary_hold, canary_hold_path, ensure_absent, ensure_dir, systemctl_show
 from ._validate import ValidationError, instance_name, text
 
 __all__ = ["ARGUMENT_SPEC", "SERVING_STATES", "Takeover", "TakeoverError", "TakeoverState", "check_params", "give_back", "read_state",
@@ -44,9 +44,6 @@ ARGUMENT_SPEC: dict[str, dict[str, t.Any]] = {
 
 # the unit states in which a unit holds its GPUs (or is about to)
 SERVING_STATES = ("active", "activating", "reloading")
-
-Runner = t.Callable[[t.Sequence[str]], t.Tuple[int, str, str]]
-
 
 class TakeoverError(Exception):
     """A unit could not be read, stopped or started, or the hold written; the message says which."""
@@ -107,7 +104,7 @@ def _layout(takeover: Takeover) -> Layout:
     return Layout(state_dir=takeover.state_dir)
 
 
-def read_state(takeover: Takeover, run: Runner) -> TakeoverState:
+def read_state(takeover: Takeover, run: SystemctlRunner) -> TakeoverState:
     """The instance's state, the running ``stop_units`` and a hold left by a cut-off canary; reads only."""
     unit = unit_name(takeover.instance)
     try:
@@ -148,13 +145,13 @@ def _write_hold(takeover: Takeover, state: TakeoverState, now: datetime.datetime
         raise TakeoverError(f"cannot leave the hold on {state.unit} before the canary stops it ({exc}); nothing was stopped") from None
 
 
-def _systemctl(run: Runner, verb: str, units: t.Sequence[str]) -> str | None:
+def _systemctl(run: SystemctlRunner, verb: str, units: t.Sequence[str]) -> str | None:
     """``systemctl VERB UNITS``; the error, or None."""
     rc, _out, err = run(["systemctl", verb, *units])
     return None if rc == 0 else f"systemctl {verb} {' '.join(units)} failed (rc {rc}): {err.strip()}"
 
 
-def take(takeover: Takeover, state: TakeoverState, run: Runner, now: datetime.datetime | None = None) -> None:
+def take(takeover: Takeover, state: TakeoverState, run: SystemctlRunner, now: datetime.datetime | None = None) -> None:
     """Leave the hold (a serving instance, none there yet), then stop the other running units and the instance.
 
     Raises TakeoverError when the hold cannot be written (nothing stopped) or a stop fails (the
@@ -176,7 +173,7 @@ def take(takeover: Takeover, state: TakeoverState, run: Runner, now: datetime.da
             raise TakeoverError(error)
 
 
-def give_back(takeover: Takeover, state: TakeoverState, run: Runner) -> None:
+def give_back(takeover: Takeover, state: TakeoverState, run: SystemctlRunner) -> None:
     """Start the other units and the instance again (the instance: whenever it served, a held one too),
     then take the hold off, only when everything started; errors in :attr:`TakeoverState.errors`."""
     # all of them, as a held canary left them stopped too (start is a no-op for a unit that runs)
