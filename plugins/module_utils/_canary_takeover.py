@@ -45,6 +45,7 @@ ARGUMENT_SPEC: dict[str, dict[str, t.Any]] = {
 # the unit states in which a unit holds its GPUs (or is about to)
 SERVING_STATES = ("active", "activating", "reloading")
 
+
 class TakeoverError(Exception):
     """A unit could not be read, stopped or started, or the hold written; the message says which."""
 
