@@ -314,11 +314,30 @@ class Terminated(Exception):
 TERMINATION_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
 
 
+class _Termination:
+    """Whether a block that must not be cut short runs (its depth), and the signal that arrived meanwhile.
+
+    A flag rather than a signal mask: Python runs its handlers in the main thread whichever thread the
+    kernel delivered the signal to, so a mask on the main thread does not hold them back while other
+    threads run (the load test's)."""
+
+    deferred = 0
+    pending: int | None = None
+
+
+_TERMINATION = _Termination()
+
+
+def _terminated(signum: int) -> Terminated:
+    return Terminated(f"the canary received signal {signum}; the engine was stopped")
+
+
 def raise_on_termination() -> t.Callable[[], None]:
     """Turn SIGTERM/SIGHUP into an exception so ``finally`` stops the engine; returns the restorer.
 
     One-shot: the first signal raises and the next ones are ignored until the restorer runs, so
-    that a second one (systemd sends SIGTERM, then SIGHUP) does not cut the cleanup short.
+    that a second one (systemd sends SIGTERM, then SIGHUP) does not cut the cleanup short. Inside
+    :func:`termination_deferred` the first one waits for the block's end.
     """
     if threading.current_thread() is not threading.main_thread():
         return lambda: None
@@ -326,7 +345,10 @@ def raise_on_termination() -> t.Callable[[], None]:
     def handler(signum: int, _frame: t.Any) -> None:
         for sig in TERMINATION_SIGNALS:
             signal.signal(sig, signal.SIG_IGN)
-        raise Terminated(f"the canary received signal {signum}; the engine was stopped")
+        if _TERMINATION.deferred:
+            _TERMINATION.pending = signum
+            return
+        raise _terminated(signum)
 
     previous = {sig: signal.signal(sig, handler) for sig in TERMINATION_SIGNALS}
 
@@ -339,16 +361,16 @@ def raise_on_termination() -> t.Callable[[], None]:
 
 @contextlib.contextmanager
 def termination_deferred() -> t.Iterator[None]:
-    """Hold SIGTERM/SIGHUP back while the block runs (starting again what a canary stopped must not be cut
-    short); one that arrived meanwhile is delivered when the block ends."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, TERMINATION_SIGNALS)
+    """Hold a SIGTERM/SIGHUP back while the block runs (starting again what a canary stopped must not be
+    cut short); one that arrived meanwhile is raised as :class:`Terminated` when the block ends."""
+    _TERMINATION.deferred += 1
     try:
         yield
     finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+        _TERMINATION.deferred -= 1
+    if not _TERMINATION.deferred and _TERMINATION.pending is not None:
+        signum, _TERMINATION.pending = _TERMINATION.pending, None
+        raise _terminated(signum)
 
 
 @dataclass

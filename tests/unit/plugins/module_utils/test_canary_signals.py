@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
+import time
 
 import pytest
 
@@ -28,6 +30,9 @@ def test_the_first_signal_raises_and_the_next_ones_wait_for_the_restorer():
 
 
 def test_a_signal_during_a_deferred_block_is_raised_once_the_block_is_done():
+    """Also while another thread runs (the kernel may hand the signal to it; Python still runs the handler here)."""
+    other = threading.Thread(target=time.sleep, args=(1.0,), daemon=True)
+    other.start()
     restore = raise_on_termination()
     done = []
     try:
