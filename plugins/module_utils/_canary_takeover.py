@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from ._defaults import default
 from ._instance import unit_name
 from ._unit_files import Layout, SystemctlRunner, UnitFilesError, atomic_write, canary_hold, canary_hold_path, ensure_absent, ensure_dir, systemctl_show
-from ._validate import ValidationError, instance_name, text
+from ._validate import abs_path, instance_name, text
 
 __all__ = ["ARGUMENT_SPEC", "SERVING_STATES", "Takeover", "TakeoverError", "TakeoverState", "check_params", "give_back", "read_state",
            "take"]
@@ -96,8 +96,8 @@ def check_params(params: t.Mapping[str, t.Any]) -> Takeover:
     instance_name(params["instance"], "takeover.instance")
     for i, unit in enumerate(params["stop_units"] or []):
         text(unit, f"takeover.stop_units[{i}]")
-    if not text(params["state_dir"], "takeover.state_dir").startswith("/"):
-        raise ValidationError(f"takeover.state_dir: expected an absolute path, got {params['state_dir']!r}")
+    # the hold is written below it: absolute and normalised (no '..' leading out of it)
+    abs_path(params["state_dir"], "takeover.state_dir")
     return Takeover.from_params(params)
 
 

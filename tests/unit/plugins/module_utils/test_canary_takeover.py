@@ -166,6 +166,7 @@ def test_is_active_output_that_does_not_match_the_units_is_an_error(tmp_path):
     ({"instance": "../etc"}, "takeover.instance"),
     ({"stop_units": ["ok.service", ""]}, "takeover.stop_units[1]"),
     ({"state_dir": "relative/dir"}, "takeover.state_dir"),
+    ({"state_dir": "/etc/gpufleet/../../tmp"}, "takeover.state_dir: must not contain '..'"),
 ])
 def test_bad_options_name_the_field(tmp_path, over, field):
     with pytest.raises(ValidationError, match=field.replace("[", r"\[").replace("]", r"\]")):
