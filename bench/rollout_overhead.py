@@ -198,10 +198,10 @@ def run_playbook(inventory: Path, forks: int, timeout: float, extra_vars: dict[s
 
 
 def batch_task_names() -> set[str]:
-    """Names of the tasks that open and close every batch (parts/batch_start.yml, batch_end.yml)."""
+    """Names of the tasks that open and close every batch (tasks/batch_start.yml, batch_end.yml)."""
     names: set[str] = set()
     for part in ("batch_start.yml", "batch_end.yml"):
-        with open(REPO / "playbooks" / "parts" / part, encoding="utf-8") as handle:
+        with open(REPO / "playbooks" / "tasks" / part, encoding="utf-8") as handle:
             names.update(task["name"] for task in yaml.safe_load(handle))
     return names
 
@@ -209,7 +209,7 @@ def batch_task_names() -> set[str]:
 def split_batches(lines: list[tuple[float, str]], hosts: list[str]) -> tuple[float | None, list[dict[str, Any]]]:
     """(start of the first batch, batches with their start, end, hosts and batch machinery seconds).
 
-    The batch machinery is the time from the header of each task of parts/batch_start.yml and
+    The batch machinery is the time from the header of each task of tasks/batch_start.yml and
     batch_end.yml to the next task's header: what per-class ramps, progress lines, the pause
     and the hooks cost each batch.
     """

@@ -12,8 +12,8 @@ It also gives every host, the implicit localhost included, ``sim_checkout``: the
 absolute path of the checkout this inventory lies in. The group variables build the
 controller paths (profile store, report directory, model configs) from it, because
 Ansible's playbook directory is that of whichever playbook file holds the play (a play
-of an imported playbook such as ``playbooks/parts/plan_classes.yml`` sees
-``playbooks/parts``) and the implicit localhost has no inventory directory.
+of an imported playbook such as ``playbooks/plays/plan_classes.yml`` sees
+``playbooks/plays``) and the implicit localhost has no inventory directory.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 # SPDX-License-Identifier: GPL-3.0-or-later
 """What a class's planning decides: the one home of "needs a profiled canary" and of the class state.
 
-The planning play (``playbooks/parts/plan_classes.yml``) asks :func:`canary_need` once per
+The planning play (``playbooks/plays/plan_classes.yml``) asks :func:`canary_need` once per
 class, on its canary host, with the reference lookup (``kv_profile`` ``state=query``) and the
 run's settings, and every task that runs, skips or explains the profiled canary reads the
 answer. Whatever the class's outcome (planned, stopped for a profile in a dry run, failed, or

@@ -583,7 +583,7 @@ _MANUAL_VERDICTS = ("pass", "fail", "inconclusive")
 
 
 def _class_group(host_class: str) -> str:
-    """The inventory group of a class's hosts (playbooks/parts/validate.yml adds them)."""
+    """The inventory group of a class's hosts (playbooks/plays/validate.yml adds them)."""
     return "gpufleet_class_" + "".join(c if c.isascii() and (c.isalnum() or c == "_") else "_" for c in host_class)
 
 

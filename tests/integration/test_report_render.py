@@ -34,7 +34,7 @@ PLAYBOOK = """
   connection: local
   gather_facts: false
   tasks:
-    - name: Keep the run settings as parts/validate.yml does
+    - name: Keep the run settings as plays/validate.yml does
       ansible.builtin.set_fact:
         gpufleet_run:
           serial: [1, "50%"]
@@ -75,7 +75,7 @@ PLAYBOOK = """
       register: plan
       run_once: true
 
-    - name: Keep the class state and the canaries as parts/plan_classes.yml does
+    - name: Keep the class state and the canaries as plays/plan_classes.yml does
       ansible.builtin.set_fact:
         gpufleet_host_class: h200
         gpufleet_class_state:
@@ -100,7 +100,7 @@ PLAYBOOK = """
       run_once: true
       changed_when: false
 
-    - name: Work out the batches of the class as parts/plan_classes.yml does
+    - name: Work out the batches of the class as plays/plan_classes.yml does
       ansible.builtin.set_fact:
         gpufleet_batch_plan: "{{ [['h200', ansible_play_hosts | sort]] | gpufleet.vllm.rollout_batches(hostvars['localhost']['gpufleet_run']['serial']) }}"
       delegate_to: localhost
@@ -120,7 +120,7 @@ PLAYBOOK = """
     gpufleet_hook_batch: "{{ hostvars['localhost']['gpufleet_batches'] | last }}"
   tasks:
     - name: Show the batch start
-      ansible.builtin.import_tasks: REPO/playbooks/parts/batch_start.yml
+      ansible.builtin.import_tasks: REPO/playbooks/tasks/batch_start.yml
 
     - name: Deploy
       block:
@@ -136,17 +136,17 @@ PLAYBOOK = """
           when: inventory_hostname == fail_host
       rescue:
         - name: Write the run report with this failure
-          ansible.builtin.include_tasks: REPO/playbooks/parts/report_tasks.yml
+          ansible.builtin.include_tasks: REPO/playbooks/tasks/report_tasks.yml
 
         - name: Fail this host so no later batch runs
           ansible.builtin.fail:
             msg: "{{ inventory_hostname }} failed; the previous units were restored and restarted"
 
     - name: Show the batch end
-      ansible.builtin.import_tasks: REPO/playbooks/parts/batch_end.yml
+      ansible.builtin.import_tasks: REPO/playbooks/tasks/batch_end.yml
 
 - name: Report the rollout
-  ansible.builtin.import_playbook: REPO/playbooks/parts/report.yml
+  ansible.builtin.import_playbook: REPO/playbooks/plays/report.yml
 """
 
 INVENTORY = """
@@ -163,7 +163,7 @@ all:
 
 def run_playbook(tmp_path: Path, fail_host: str) -> tuple[subprocess.CompletedProcess[str], Path]:
     reports = tmp_path / "reports"
-    reports.mkdir()  # parts/validate.yml creates and write-tests it in a real run
+    reports.mkdir()  # plays/validate.yml creates and write-tests it in a real run
     (tmp_path / "play.yml").write_text(PLAYBOOK.replace("REPO/", f"{REPO}/"), encoding="utf-8")
     (tmp_path / "hosts.yml").write_text(INVENTORY.replace("STATE/", f"{tmp_path}/state/"), encoding="utf-8")
     env = dict(os.environ)
@@ -328,10 +328,10 @@ def test_failed_host_report_and_chromium_rendering(tmp_path, chromium):
         assert needle in text, f"{needle!r} not in the rendered DOM"
 
 
-# ---------------------------------------------------------------- parts/validate.yml: report directory and survey answers
+# ---------------------------------------------------------------- plays/validate.yml: report directory and survey answers
 VALIDATE_PLAY = """
 - name: Check the inputs
-  ansible.builtin.import_playbook: REPO/playbooks/parts/validate.yml
+  ansible.builtin.import_playbook: REPO/playbooks/plays/validate.yml
 
 - name: Show the run settings
   hosts: localhost

@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
-PLAYBOOKS = sorted([*(ROOT / "playbooks").glob("*.yml"), *(ROOT / "playbooks" / "parts").glob("*.yml")])
+PLAYBOOKS = sorted([*(ROOT / "playbooks").glob("*.yml"), *(ROOT / "playbooks" / "plays").glob("*.yml"), *(ROOT / "playbooks" / "tasks").glob("*.yml")])
 BOUND = '{{ gpufleet_remote_timeout | default(600) | int }}'
 
 

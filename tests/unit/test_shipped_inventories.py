@@ -4,7 +4,7 @@
 """The shipped inventories name controller paths that are the same in every play.
 
 ``playbook_dir`` is the directory of the playbook file that holds the play: ``playbooks`` in
-``rollout.yml``'s own plays, ``playbooks/parts`` in the plays it imports (the canaries and the
+``rollout.yml``'s own plays, ``playbooks/plays`` in the plays it imports (the canaries and the
 planning). ``inventory_dir`` is a host's own variable: the implicit localhost has none, and
 ansible-runner (AWX) copies the inventory away from the project. A path built from either
 named a file in one play and another (or none) in the next: ``make demo`` stopped at both

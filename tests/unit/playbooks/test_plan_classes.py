@@ -1,7 +1,7 @@
 # Copyright (c) gpufleet maintainers
 # GNU General Public License v3.0+ (see LICENSES/GPL-3.0-or-later.txt or https://www.gnu.org/licenses/gpl-3.0.txt)
 # SPDX-License-Identifier: GPL-3.0-or-later
-"""The class state parts/plan_classes.yml keeps when a class stops.
+"""The class state plays/plan_classes.yml keeps when a class stops.
 
 The expressions are the ones in the playbook (read from its file and templated by
 Ansible's own templar).
@@ -54,7 +54,7 @@ def all_tasks(plays: list[dict[str, t.Any]]) -> list[dict[str, t.Any]]:
 def test_every_class_state_is_built_by_the_class_state_filter() -> None:
     """The class state's one writer: every task that sets gpufleet_class_state calls gpufleet.vllm.class_state,
     one per outcome (its behaviour is unit tested in test_class_plan.py); found by what they set, not by name."""
-    plays = yaml.safe_load((ROOT / "playbooks" / "parts" / "plan_classes.yml").read_text(encoding="utf-8"))
+    plays = yaml.safe_load((ROOT / "playbooks" / "plays" / "plan_classes.yml").read_text(encoding="utf-8"))
     expressions = [str(t["ansible.builtin.set_fact"]["gpufleet_class_state"]) for t in walk(all_tasks(plays))
                    if "gpufleet_class_state" in (t.get("ansible.builtin.set_fact") or {})]
     outcomes = sorted(re.search(r"'(\w+)' \| gpufleet\.vllm\.class_state\(", e).group(1) for e in expressions)
@@ -90,7 +90,7 @@ def test_a_class_stopped_before_planning_has_no_plan() -> None:
 def classes_in_rollout_order(variables: dict[str, t.Any]) -> t.Any:
     """The [class, hosts] list the playbook hands to gpufleet.vllm.rollout_batches (unit tested on its own),
     through the filter the playbook calls with the play's hostvars."""
-    plays = yaml.safe_load((ROOT / "playbooks" / "parts" / "plan_classes.yml").read_text(encoding="utf-8"))
+    plays = yaml.safe_load((ROOT / "playbooks" / "plays" / "plan_classes.yml").read_text(encoding="utf-8"))
     expression = find_task(all_tasks(plays), "Work out the batches of every deployable class")["ansible.builtin.set_fact"]["gpufleet_batch_plan"]
     assert "gpufleet.vllm.class_deploy_order(ansible_play_hosts, gpufleet_run.classes)" in expression
     run = variables["gpufleet_run"]
@@ -114,7 +114,7 @@ def test_classes_follow_the_stated_order_and_leave_out_classes_that_do_not_deplo
 
 
 def canary_host_note(task_name: str, variables: dict[str, t.Any]) -> str:
-    tasks = yaml.safe_load((ROOT / "playbooks" / "parts" / "canary_undrain.yml").read_text(encoding="utf-8"))
+    tasks = yaml.safe_load((ROOT / "playbooks" / "tasks" / "canary_undrain.yml").read_text(encoding="utf-8"))
     note = find_task(tasks, task_name)["ansible.builtin.set_fact"]["gpufleet_canary_host_note"]
     # __gpufleet_boot_timeout: the task's own var (vllm_service_boot_timeout through gpufleet.vllm.boot_timeout)
     variables = dict(variables, inventory_hostname="h1", vllm_canary_instance={"name": "main", "port": 8000},
@@ -135,7 +135,7 @@ def test_a_canary_host_left_drained_says_why() -> None:
 
 
 def test_every_failed_class_can_give_its_drained_canary_host_back() -> None:
-    plays = yaml.safe_load((ROOT / "playbooks" / "parts" / "plan_classes.yml").read_text(encoding="utf-8"))
+    plays = yaml.safe_load((ROOT / "playbooks" / "plays" / "plan_classes.yml").read_text(encoding="utf-8"))
     task = find_task(all_tasks(plays), "Give the canary host back to its load balancer, or say why not")
     assert task["ansible.builtin.include_tasks"] == "canary_undrain.yml"
     assert task["when"] == "gpufleet_canary_drained | default(false) | bool"
@@ -156,9 +156,9 @@ def test_the_canary_host_goes_first_in_its_class() -> None:
 
 
 def test_the_outline_reads_each_instance_unit_state_from_the_host_snapshots() -> None:
-    """The first-run outline's hosts: per host the instances its snapshot read (parts/probe.yml's
+    """The first-run outline's hosts: per host the instances its snapshot read (plays/probe.yml's
     gpufleet.vllm.vllm_host_snapshot, whose reading of systemd is unit tested in test_host_snapshot)."""
-    plays = yaml.safe_load((ROOT / "playbooks" / "parts" / "plan_classes.yml").read_text(encoding="utf-8"))
+    plays = yaml.safe_load((ROOT / "playbooks" / "plays" / "plan_classes.yml").read_text(encoding="utf-8"))
     task = find_task(all_tasks(plays), "Outline what the run does to the class (canary host, instances that stop and for how long, units)")
     expression = task["ansible.builtin.set_fact"]["gpufleet_first_run_spec"]["hosts"]
     h1 = [{"name": "main", "active_state": "active", "unit_exists": True, "plan": {}},
@@ -174,7 +174,7 @@ def test_the_outline_reads_each_instance_unit_state_from_the_host_snapshots() ->
 def test_only_the_canary_hosts_run_the_canary_play() -> None:
     """The profile, plan and canary tasks run in a play of their own on the canary hosts: the other hosts of a
     class have nothing to skip there (the cost that grew with the fleet), and localhost keeps the run alive."""
-    plays = yaml.safe_load((ROOT / "playbooks" / "parts" / "plan_classes.yml").read_text(encoding="utf-8"))
+    plays = yaml.safe_load((ROOT / "playbooks" / "plays" / "plan_classes.yml").read_text(encoding="utf-8"))
     canary_play = next(p for p in plays if any(t.get("name") == "Work out the class" for t in p["tasks"]))
     assert canary_play["hosts"] == "gpufleet_canaries:localhost"
     assert find_task(plays[0]["tasks"], "Group the canary hosts")["ansible.builtin.group_by"]["key"] == "gpufleet_canaries"
@@ -190,7 +190,7 @@ def test_the_four_class_state_writers_render_through_ansible(tmp_path) -> None:
     sys.path.insert(0, str(ROOT / "tests" / "examples"))
     import doc_examples  # pylint: disable=import-outside-toplevel,import-error
 
-    plays = yaml.safe_load((ROOT / "playbooks" / "parts" / "plan_classes.yml").read_text(encoding="utf-8"))
+    plays = yaml.safe_load((ROOT / "playbooks" / "plays" / "plan_classes.yml").read_text(encoding="utf-8"))
     writers = {t["name"]: t for t in walk(all_tasks(plays)) if "gpufleet_class_state" in (t.get("ansible.builtin.set_fact") or {})}
     plan = {"decision": "budget", "reasons": ["budget from the weakest rank"], "launch": {"manual": True}}
     common = {"gpufleet_host_class": "c", "gpufleet_class_canary": "h9", "kv_plan_result": plan, "kv_plan_deployable": True,

@@ -29,12 +29,12 @@ def plays(name: str) -> list[dict[str, t.Any]]:
 
 
 def test_profile_and_the_rollout_run_one_canary_task_file_with_the_same_inputs() -> None:
-    rollout = next(p for p in plays("parts/plan_classes.yml") if p["hosts"].startswith("gpufleet_canaries"))
+    rollout = next(p for p in plays("plays/plan_classes.yml") if p["hosts"].startswith("gpufleet_canaries"))
     profile = next(p for p in plays("profile.yml") if p.get("name") == "Run the profiled canary")
     assert find_task(rollout["tasks"], "Run the profiled canary of the class and record it")["ansible.builtin.include_tasks"] == \
         "canary_profiled.yml"
     assert find_task(profile["tasks"], "Run the profiled canary of the class and record it on {{ gpufleet_profile_host }}")[
-        "ansible.builtin.include_tasks"] == "parts/canary_profiled.yml"
+        "ansible.builtin.include_tasks"] == "tasks/canary_profiled.yml"
     assert "../vars/canary.yml" in rollout["vars_files"] and "vars/canary.yml" in profile["vars_files"]
     assert not [v for v in list(rollout["vars"]) + list(profile["vars"]) if v.startswith("vllm_canary_")], \
         "the canary's inputs have one home: vars/canary.yml"
@@ -44,7 +44,7 @@ def test_profile_and_the_rollout_run_one_canary_task_file_with_the_same_inputs()
     assert inputs["vllm_canary_stop_units"].startswith("{{ vllm_service_adopt_units")
     # what the canary stopped must serve again before the undrain, as after the rollout's canaries
     assert find_task(profile["tasks"], "Give the canary host back to its load balancer once what the canary stopped serves again")[
-        "ansible.builtin.include_tasks"] == "parts/canary_serving.yml"
+        "ansible.builtin.include_tasks"] == "tasks/canary_serving.yml"
     assert find_task(rollout["tasks"], "Give the canary host back to its load balancer once its production instance answers")[
         "ansible.builtin.include_tasks"] == "canary_serving.yml"
 

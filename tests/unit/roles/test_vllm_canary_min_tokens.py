@@ -71,7 +71,7 @@ def judge(tokens: int, min_tokens: int, ttft: float = 0.2) -> tuple[str, list[st
 
 
 def test_playbook_passes_the_planned_tokens_for_every_manual_budget():
-    tasks = [task for play in yaml.safe_load((ROOT / "playbooks" / "parts" / "plan_classes.yml").read_text()) for task in play["tasks"]]
+    tasks = [task for play in yaml.safe_load((ROOT / "playbooks" / "plays" / "plan_classes.yml").read_text()) for task in play["tasks"]]
     expr = find_task(tasks, "Run the manual canary with the planned budget")["vars"]["vllm_canary_min_tokens"]
 
     def planned(budget_mode: str, decision: str, tokens: int) -> dict:

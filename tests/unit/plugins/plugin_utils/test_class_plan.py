@@ -1,6 +1,6 @@
 # Copyright (c) gpufleet maintainers
 # GNU General Public License v3.0+ (see LICENSES/GPL-3.0-or-later.txt or https://www.gnu.org/licenses/gpl-3.0.txt)
-"""canary_need: the one answer to "does the class run a profiled canary, and why" (parts/plan_classes.yml reads it)."""
+"""canary_need: the one answer to "does the class run a profiled canary, and why" (plays/plan_classes.yml reads it)."""
 from __future__ import annotations
 
 import re
