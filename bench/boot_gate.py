@@ -37,7 +37,7 @@ RESERVED = 566231040
 import nvml_state  # noqa: E402  pylint: disable=wrong-import-position
 
 # what the launcher the role installs runs: the library as a small package of its own
-GATE = "import sys; sys.path.insert(0, {lib!r}); from gpufleet_vllm_host._boot_gate import run; sys.exit(run(sys.argv[1:]))"
+GATE = "import sys; sys.path.insert(0, {lib!r}); from gpufleet_vllm_host._gate._boot_gate import run; sys.exit(run(sys.argv[1:]))"
 
 
 def gate_modules() -> list[str]:
@@ -98,6 +98,7 @@ def main() -> int:
         package.mkdir(parents=True)
         (package / "__init__.py").write_text("")
         for name in gate_modules():
+            (package / name).parent.mkdir(exist_ok=True)
             (package / name).write_text((ROOT / "plugins" / "module_utils" / name).read_text())
         gate = [sys.executable, "-c", GATE.format(lib=str(work / "lib")), "--plan", str(work / "bench.plan.json"), "--", "/bin/true", "serve", "m",
                 "--kv-cache-memory-bytes", str(30 << 30)]

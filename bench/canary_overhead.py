@@ -28,11 +28,11 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 CACHE = Path(os.environ.get("GPUFLEET_CACHE", REPO / ".cache"))
 try:
-    from ansible_collections.gpufleet.vllm.plugins.module_utils import _canary
+    from ansible_collections.gpufleet.vllm.plugins.module_utils._engine import _canary
 except ImportError:
     sys.path.insert(0, str(CACHE / "collections"))
-    from ansible_collections.gpufleet.vllm.plugins.module_utils import _canary
-from ansible_collections.gpufleet.vllm.plugins.module_utils._load_test import LoadSpec
+    from ansible_collections.gpufleet.vllm.plugins.module_utils._engine import _canary
+from ansible_collections.gpufleet.vllm.plugins.module_utils._engine._load_test import LoadSpec
 
 
 def main() -> int:

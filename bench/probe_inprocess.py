@@ -64,7 +64,7 @@ def main() -> int:
     package = importlib.machinery.ModuleSpec("gpufleet_module_utils", None, is_package=True)
     package.submodule_search_locations = [str(ROOT / "plugins" / "module_utils")]
     sys.modules.setdefault(package.name, importlib.util.module_from_spec(package))
-    probe_mod = importlib.import_module(f"{package.name}._nvml_probe")
+    probe_mod = importlib.import_module(f"{package.name}._gpu._nvml_probe")
 
     with tempfile.TemporaryDirectory() as tmp:
         state_path = Path(tmp) / "state"

@@ -12,7 +12,7 @@ from ansible.errors import AnsibleActionFail
 from ansible.plugins.action import ActionBase
 
 from ansible_collections.gpufleet.vllm.plugins.module_utils._defaults import default
-from ansible_collections.gpufleet.vllm.plugins.module_utils._instance import clashes
+from ansible_collections.gpufleet.vllm.plugins.module_utils._units._instance import clashes
 from ansible_collections.gpufleet.vllm.plugins.module_utils._validate import ValidationError, boolean, instance_name, integer
 from ansible_collections.gpufleet.vllm.plugins.plugin_utils import _probe_history
 from ansible_collections.gpufleet.vllm.plugins.plugin_utils._plan import SPLIT_POLICIES, UNSTABLE_SCOPES, PlanError, plan_class, plan_deployable

@@ -11,7 +11,7 @@ from typing import Any, Mapping
 from ansible.errors import AnsibleActionFail, AnsibleError
 from ansible.plugins.action import ActionBase
 
-from ansible_collections.gpufleet.vllm.plugins.module_utils._compat import CompatError, compat_key, key_hash
+from ansible_collections.gpufleet.vllm.plugins.module_utils._plan._compat import CompatError, compat_key, key_hash
 from ansible_collections.gpufleet.vllm.plugins.plugin_utils._canary_reference import (
     ReferenceError,
     model_config_from,

@@ -4,7 +4,7 @@
 # GNU General Public License v3.0+ (see https://www.gnu.org/licenses/gpl-3.0.txt)
 # SPDX-License-Identifier: GPL-3.0-or-later
 
-"""The options, requirements and notes of gpu_memory_info and gpu_memory_facts (one argument spec, module_utils/_gpu_memory.py)."""
+"""The options, requirements and notes of gpu_memory_info and gpu_memory_facts (one argument spec, module_utils/_gpu/_gpu_memory.py)."""
 
 from __future__ import annotations
 

@@ -3,7 +3,7 @@
 # SPDX-License-Identifier: GPL-3.0-or-later
 """Filters: unit_name (documentation in the YAML file beside this one).
 
-One call into ``module_utils/_instance``, the one home of an instance's names."""
+One call into ``module_utils/_units/_instance``, the one home of an instance's names."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from typing import Any, Callable, Mapping
 
 from ansible.errors import AnsibleFilterError
 
-from ansible_collections.gpufleet.vllm.plugins.module_utils._instance import unit_name as _unit_name
+from ansible_collections.gpufleet.vllm.plugins.module_utils._units._instance import unit_name as _unit_name
 from ansible_collections.gpufleet.vllm.plugins.module_utils._validate import ValidationError, instance_name
 
 

@@ -10,7 +10,7 @@ from typing import Any, Callable, Mapping
 
 from ansible.errors import AnsibleFilterError
 
-from ansible_collections.gpufleet.vllm.plugins.module_utils._geometry import GeometryError, engine_target, geometry_from_config
+from ansible_collections.gpufleet.vllm.plugins.module_utils._plan._geometry import GeometryError, engine_target, geometry_from_config
 from ansible_collections.gpufleet.vllm.plugins.module_utils._sizes import SizeError, human_bytes as _human_bytes, parse_size
 from ansible_collections.gpufleet.vllm.plugins.module_utils._validate import ValidationError, boolean, integer
 from ansible_collections.gpufleet.vllm.plugins.plugin_utils._canary_reference import ReferenceError, reference_from_canary

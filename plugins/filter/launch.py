@@ -3,7 +3,7 @@
 # SPDX-License-Identifier: GPL-3.0-or-later
 """Filters: cuda_visible_devices, launch_contract, launch_plan_file, launch_runs, launch_serve_args (documentation in the YAML files beside this one).
 
-Each is one call into ``module_utils/_launch`` or ``_serve_argv``: the launch contract's
+Each is one call into ``module_utils/_plan/_launch`` or ``_serve_argv``: the launch contract's
 rules live there, not here."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from typing import Any, Callable, Mapping
 
 from ansible.errors import AnsibleFilterError
 
-from ansible_collections.gpufleet.vllm.plugins.module_utils._launch import (
+from ansible_collections.gpufleet.vllm.plugins.module_utils._plan._launch import (
     LaunchError,
     check_launch,
     cuda_visible_devices as _cuda_visible_devices,
@@ -20,7 +20,7 @@ from ansible_collections.gpufleet.vllm.plugins.module_utils._launch import (
     plan_file,
     runs,
 )
-from ansible_collections.gpufleet.vllm.plugins.module_utils._serve_argv import EngineSpecError, budget_args
+from ansible_collections.gpufleet.vllm.plugins.module_utils._engine._serve_argv import EngineSpecError, budget_args
 
 
 def cuda_visible_devices(gpus: Any, host_gpus: Any = None, field: Any = "gpus") -> str:

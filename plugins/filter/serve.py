@@ -11,10 +11,10 @@ from typing import Any, Callable, Mapping
 
 from ansible.errors import AnsibleFilterError
 
-from ansible_collections.gpufleet.vllm.plugins.module_utils._boot_check import boot_timeout as _boot_timeout
-from ansible_collections.gpufleet.vllm.plugins.module_utils._engine_process import base_url
-from ansible_collections.gpufleet.vllm.plugins.module_utils._serve_argv import EngineSpecError, render_serve_args
-from ansible_collections.gpufleet.vllm.plugins.module_utils._unit_files import instances_problems, service_input_problems
+from ansible_collections.gpufleet.vllm.plugins.module_utils._engine._boot_check import boot_timeout as _boot_timeout
+from ansible_collections.gpufleet.vllm.plugins.module_utils._engine._engine_process import base_url
+from ansible_collections.gpufleet.vllm.plugins.module_utils._engine._serve_argv import EngineSpecError, render_serve_args
+from ansible_collections.gpufleet.vllm.plugins.module_utils._units._unit_files import instances_problems, service_input_problems
 from ansible_collections.gpufleet.vllm.plugins.module_utils._validate import (
     ValidationError,
     environment_file,

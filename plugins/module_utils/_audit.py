@@ -38,10 +38,10 @@ import sys
 import time
 import typing as t
 
-from ._boot_gate import POLICIES, BootGateError, decide, read_plan, read_state, trust_problem
-from ._gpu_health import health_checks
-from ._instance import unit_name
-from ._launch import PLAN_CHECKSUM_DROPIN, PLAN_CHECKSUM_VARIABLE
+from ._gate._boot_gate import POLICIES, BootGateError, decide, read_plan, read_state, trust_problem
+from ._gpu._gpu_health import health_checks
+from ._units._instance import unit_name
+from ._plan._launch import PLAN_CHECKSUM_DROPIN, PLAN_CHECKSUM_VARIABLE
 
 RunCommand = t.Callable[[t.Sequence[str]], t.Tuple[int, str, str]]
 VERDICTS = ("ok", "reprofile_due", "would_shrink", "would_refuse", "plan_edited")
@@ -167,7 +167,7 @@ def audit(state_dir: str, nvml: t.Any, now: float | None = None,
     ``run_command``: how the probe runs ``systemctl`` to find the units' processes (the module's
     runner, as the snapshot's; the probe's own without one, as in the exporter).
     """
-    from ._nvml_probe import NvmlProbeError, probe  # pylint: disable=import-outside-toplevel
+    from ._gpu._nvml_probe import NvmlProbeError, probe  # pylint: disable=import-outside-toplevel
 
     now = time.time() if now is None else now
     skew = None if controller_time is None else now - controller_time
@@ -343,7 +343,7 @@ def exporter_main(argv: t.Sequence[str], nvml: t.Any = None, prometheus: t.Any =
         import prometheus_client  # pylint: disable=import-outside-toplevel
 
         prometheus = prometheus_client
-    from ._nvml_probe import NvmlProbeError  # pylint: disable=import-outside-toplevel
+    from ._gpu._nvml_probe import NvmlProbeError  # pylint: disable=import-outside-toplevel
     try:
         report = audit(opts["state-dir"], nvml, host=os.uname().nodename, unit_dir=opts["unit-dir"])
     except NvmlProbeError as exc:

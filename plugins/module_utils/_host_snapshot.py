@@ -21,11 +21,11 @@ import json
 import os
 import typing as t
 
-from ._compat import RUNTIME_KEY_FIELDS, CompatError, read_runtime
+from ._plan._compat import RUNTIME_KEY_FIELDS, CompatError, read_runtime
 from ._defaults import default
-from ._gpu_memory import ARGUMENT_SPEC as PROBE_ARGUMENT_SPEC, check_params as check_probe_params, host_facts, read as read_gpus
-from ._instance import clashes, unit_name
-from ._unit_files import Layout, UnitFilesError, read_bytes, read_plan, runtime_link, systemctl_show
+from ._gpu._gpu_memory import ARGUMENT_SPEC as PROBE_ARGUMENT_SPEC, check_params as check_probe_params, host_facts, read as read_gpus
+from ._units._instance import clashes, unit_name
+from ._units._unit_files import Layout, UnitFilesError, read_bytes, read_plan, runtime_link, systemctl_show
 from ._validate import ValidationError, instance_name, text
 
 __all__ = ["ARGUMENT_SPEC", "RELEASE_STAMP", "UNIT_PROPERTIES", "HostSnapshotError", "check_params", "engine_runtime", "install_record",

@@ -97,7 +97,7 @@ ansible_facts:
 
 from ansible.module_utils.basic import AnsibleModule, missing_required_lib
 
-from ansible_collections.gpufleet.vllm.plugins.module_utils._gpu_memory import ARGUMENT_SPEC, PYNVML_IMPORT_ERROR, pynvml, run
+from ansible_collections.gpufleet.vllm.plugins.module_utils._gpu._gpu_memory import ARGUMENT_SPEC, PYNVML_IMPORT_ERROR, pynvml, run
 
 
 def main() -> None:

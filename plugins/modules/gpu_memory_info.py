@@ -122,7 +122,7 @@ own_pids: {description: Process ids counted as this host's own engine., type: li
 
 from ansible.module_utils.basic import AnsibleModule, missing_required_lib
 
-from ansible_collections.gpufleet.vllm.plugins.module_utils._gpu_memory import ARGUMENT_SPEC, PYNVML_IMPORT_ERROR, pynvml, run
+from ansible_collections.gpufleet.vllm.plugins.module_utils._gpu._gpu_memory import ARGUMENT_SPEC, PYNVML_IMPORT_ERROR, pynvml, run
 
 
 def main() -> None:

@@ -121,7 +121,7 @@ from typing import Any
 from ansible.module_utils.basic import AnsibleModule
 from ansible.module_utils.common.text.converters import to_native
 
-from ansible_collections.gpufleet.vllm.plugins.module_utils._service_account import ARGUMENT_SPEC, AccountError, apply
+from ansible_collections.gpufleet.vllm.plugins.module_utils._units._service_account import ARGUMENT_SPEC, AccountError, apply
 
 
 def run_module(module: AnsibleModule) -> dict[str, Any]:

@@ -122,8 +122,8 @@ from ansible.module_utils.basic import AnsibleModule, missing_required_lib
 
 from ansible_collections.gpufleet.vllm.plugins.module_utils._audit import VERDICTS, audit
 from ansible_collections.gpufleet.vllm.plugins.module_utils._defaults import default
-from ansible_collections.gpufleet.vllm.plugins.module_utils._gpu_memory import PYNVML_IMPORT_ERROR, host_message, module_runner, pynvml
-from ansible_collections.gpufleet.vllm.plugins.module_utils._nvml_probe import NvmlProbeError
+from ansible_collections.gpufleet.vllm.plugins.module_utils._gpu._gpu_memory import PYNVML_IMPORT_ERROR, host_message, module_runner, pynvml
+from ansible_collections.gpufleet.vllm.plugins.module_utils._gpu._nvml_probe import NvmlProbeError
 
 
 def main() -> None:

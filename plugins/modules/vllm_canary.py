@@ -503,8 +503,8 @@ from typing import Any, Mapping
 from ansible.module_utils.basic import AnsibleModule, missing_required_lib
 from ansible.module_utils.common.text.converters import to_native
 
-from ansible_collections.gpufleet.vllm.plugins.module_utils._boot_check import primary_error
-from ansible_collections.gpufleet.vllm.plugins.module_utils._canary import (
+from ansible_collections.gpufleet.vllm.plugins.module_utils._engine._boot_check import primary_error
+from ansible_collections.gpufleet.vllm.plugins.module_utils._engine._canary import (
     CanarySpec,
     Terminated,
     Tolerances,
@@ -513,7 +513,7 @@ from ansible_collections.gpufleet.vllm.plugins.module_utils._canary import (
     run_canary,
     termination_deferred,
 )
-from ansible_collections.gpufleet.vllm.plugins.module_utils._canary_takeover import (
+from ansible_collections.gpufleet.vllm.plugins.module_utils._engine._canary_takeover import (
     ARGUMENT_SPEC as TAKEOVER_SPEC,
     Takeover,
     TakeoverError,
@@ -523,8 +523,8 @@ from ansible_collections.gpufleet.vllm.plugins.module_utils._canary_takeover imp
     read_state,
     take,
 )
-from ansible_collections.gpufleet.vllm.plugins.module_utils._engine_process import free_port
-from ansible_collections.gpufleet.vllm.plugins.module_utils._gpu_memory import (
+from ansible_collections.gpufleet.vllm.plugins.module_utils._engine._engine_process import free_port
+from ansible_collections.gpufleet.vllm.plugins.module_utils._gpu._gpu_memory import (
     ARGUMENT_SPEC as GPU_PROBE_SPEC,
     PYNVML_IMPORT_ERROR,
     check_params as check_gpu_probe,
@@ -533,9 +533,9 @@ from ansible_collections.gpufleet.vllm.plugins.module_utils._gpu_memory import (
     pynvml,
     read as read_gpus,
 )
-from ansible_collections.gpufleet.vllm.plugins.module_utils._load_test import LoadSpec
-from ansible_collections.gpufleet.vllm.plugins.module_utils._nvml_probe import NvmlProbeError
-from ansible_collections.gpufleet.vllm.plugins.module_utils._serve_argv import EngineSpecError, redact_argv
+from ansible_collections.gpufleet.vllm.plugins.module_utils._engine._load_test import LoadSpec
+from ansible_collections.gpufleet.vllm.plugins.module_utils._gpu._nvml_probe import NvmlProbeError
+from ansible_collections.gpufleet.vllm.plugins.module_utils._engine._serve_argv import EngineSpecError, redact_argv
 from ansible_collections.gpufleet.vllm.plugins.module_utils._sizes import SizeError, parse_size
 from ansible_collections.gpufleet.vllm.plugins.module_utils._validate import ValidationError, integer, is_secret_option, port, text
 

@@ -146,7 +146,7 @@ from typing import Any
 from ansible.module_utils.basic import AnsibleModule
 from ansible.module_utils.common.text.converters import to_native
 
-from ansible_collections.gpufleet.vllm.plugins.module_utils._host_tools import ARGUMENT_SPEC, HostToolsError, apply
+from ansible_collections.gpufleet.vllm.plugins.module_utils._units._host_tools import ARGUMENT_SPEC, HostToolsError, apply
 
 
 def run_module(module: AnsibleModule) -> dict[str, Any]:

@@ -121,7 +121,7 @@ import os
 from ansible.module_utils.basic import AnsibleModule
 from ansible.module_utils.common.text.converters import to_native
 
-from ansible_collections.gpufleet.vllm.plugins.module_utils._compat import (
+from ansible_collections.gpufleet.vllm.plugins.module_utils._plan._compat import (
     RUNTIME_KEY_FIELDS,
     CompatError,
     missing_libraries,

@@ -639,27 +639,27 @@ from ansible.module_utils.basic import AnsibleModule, missing_required_lib
 from ansible.module_utils.common.text.converters import to_native
 
 from ansible_collections.gpufleet.vllm.plugins.module_utils._defaults import default
-from ansible_collections.gpufleet.vllm.plugins.module_utils._free_memory_gate import gate_violations
-from ansible_collections.gpufleet.vllm.plugins.module_utils._gpu_memory import (
+from ansible_collections.gpufleet.vllm.plugins.module_utils._gate._free_memory_gate import gate_violations
+from ansible_collections.gpufleet.vllm.plugins.module_utils._gpu._gpu_memory import (
     ARGUMENT_SPEC as GPU_PROBE_SPEC,
     PYNVML_IMPORT_ERROR,
     check_params as check_gpu_probe,
     probe_report,
     pynvml,
 )
-from ansible_collections.gpufleet.vllm.plugins.module_utils._host_tools import (
+from ansible_collections.gpufleet.vllm.plugins.module_utils._units._host_tools import (
     ARGUMENT_SPEC as HOST_TOOLS_SPEC,
     HostToolsError,
     apply as apply_host_tools,
     start_units,
 )
-from ansible_collections.gpufleet.vllm.plugins.module_utils._launch import LaunchError
-from ansible_collections.gpufleet.vllm.plugins.module_utils._service_account import (
+from ansible_collections.gpufleet.vllm.plugins.module_utils._plan._launch import LaunchError
+from ansible_collections.gpufleet.vllm.plugins.module_utils._units._service_account import (
     ARGUMENT_SPEC as ACCOUNT_SPEC,
     AccountError,
     apply as apply_account,
 )
-from ansible_collections.gpufleet.vllm.plugins.module_utils._unit_files import (
+from ansible_collections.gpufleet.vllm.plugins.module_utils._units._unit_files import (
     ADOPT_PROPERTIES,
     SHOW_PROPERTIES,
     Layout,

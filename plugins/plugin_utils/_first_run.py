@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from ansible_collections.gpufleet.vllm.plugins.module_utils._instance import unit_name
+from ansible_collections.gpufleet.vllm.plugins.module_utils._units._instance import unit_name
 
 __all__ = ["CANARY_RULE", "FirstRunError", "outline", "outline_lines"]
 

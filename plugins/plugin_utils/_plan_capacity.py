@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from dataclasses import replace
 from typing import Any
 
-from ansible_collections.gpufleet.vllm.plugins.module_utils._geometry import (
+from ansible_collections.gpufleet.vllm.plugins.module_utils._plan._geometry import (
     EngineTarget,
     GeometryError,
     KVGeometry,
@@ -26,15 +26,15 @@ from ansible_collections.gpufleet.vllm.plugins.module_utils._geometry import (
     engine_target,
     load_config,
 )
-from ansible_collections.gpufleet.vllm.plugins.module_utils._kv_block_size import attention_block_size
-from ansible_collections.gpufleet.vllm.plugins.module_utils._kv_capacity import (
+from ansible_collections.gpufleet.vllm.plugins.module_utils._plan._kv_block_size import attention_block_size
+from ansible_collections.gpufleet.vllm.plugins.module_utils._plan._kv_capacity import (
     blocks_for_bytes,
     capacity_record,
     full_attention_request_blocks,
     one_request_blocks,
     tokens_for_blocks,
 )
-from ansible_collections.gpufleet.vllm.plugins.module_utils._kv_layout import KVLayout
+from ansible_collections.gpufleet.vllm.plugins.module_utils._plan._kv_layout import KVLayout
 from ansible_collections.gpufleet.vllm.plugins.plugin_utils._plan_inputs import PlanError, Reference
 
 __all__ = ["Capacity", "class_capacity", "geometry_family", "reference_geometry", "what_if_fp8"]

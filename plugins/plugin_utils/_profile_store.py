@@ -51,7 +51,7 @@ import tempfile
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator, Mapping
 
-from ansible_collections.gpufleet.vllm.plugins.module_utils._compat import CompatError, CompatKey, compat_key, diff_keys, key_hash
+from ansible_collections.gpufleet.vllm.plugins.module_utils._plan._compat import CompatError, CompatKey, compat_key, diff_keys, key_hash
 from ansible_collections.gpufleet.vllm.plugins.module_utils._sizes import SizeError, parse_size
 from ansible_collections.gpufleet.vllm.plugins.module_utils._validate import ValidationError, class_name
 

@@ -10,7 +10,7 @@ Plain Python, no Ansible import.
   classes follow one another in the given order and no batch mixes two classes.
   The serial play runs these batches as one ``serial`` list of sizes
   (:func:`serial_sizes`) over the hosts in the same order.
-* :func:`gate_violations` (``module_utils/_free_memory_gate.py``, which the host's write call
+* :func:`gate_violations` (``module_utils/_gate/_free_memory_gate.py``, which the host's write call
   runs too) is the free-memory gate the serial batches run on every host, before its
   instances stop and again after (with what they held counted free).
 * :func:`run_settings` collects the run's settings (the play's variables first, else the first
@@ -28,8 +28,8 @@ import re
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from ansible_collections.gpufleet.vllm.plugins.module_utils._floor_check import rank_floor
-from ansible_collections.gpufleet.vllm.plugins.module_utils._free_memory_gate import gate_violations
+from ansible_collections.gpufleet.vllm.plugins.module_utils._gate._floor_check import rank_floor
+from ansible_collections.gpufleet.vllm.plugins.module_utils._gate._free_memory_gate import gate_violations
 from ansible_collections.gpufleet.vllm.plugins.module_utils._sizes import human_bytes
 
 __all__ = [

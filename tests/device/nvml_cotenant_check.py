@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
-PROBE_PATH = HERE.parent.parent / "plugins" / "module_utils" / "_nvml_probe.py"
+PROBE_PATH = HERE.parent.parent / "plugins" / "module_utils" / "_gpu" / "_nvml_probe.py"
 ALLOC_BYTES = int(os.environ.get("COTENANT_BYTES", str(8 << 30)))
 MIB = 1 << 20
 

@@ -44,7 +44,7 @@ from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
-PROBE_PATH = HERE.parent.parent / "plugins" / "module_utils" / "_nvml_probe.py"
+PROBE_PATH = HERE.parent.parent / "plugins" / "module_utils" / "_gpu" / "_nvml_probe.py"
 RUNS = int(os.environ.get("NVML_CHECK_RUNS", "20"))
 SAMPLES = int(os.environ.get("NVML_CHECK_SAMPLES", "5"))
 INTERVAL = float(os.environ.get("NVML_CHECK_INTERVAL", "0.2"))

@@ -2,7 +2,7 @@
 # Prepare the Python sources of every vLLM release the collection supports, for the
 # oracle matrix and the per-release format checks (tests/integration/test_vllm_releases.py):
 #   DEST/<version>/vllm/...   the .py files of the `vllm` wheel of that release
-# The releases are the collection's own list (plugins/module_utils/_vllm_release.py,
+# The releases are the collection's own list (plugins/module_utils/_engine/_vllm_release.py,
 # SUPPORTED_WHEELS). Only the wheel is fetched (no dependencies): its planning code is
 # imported with the CPU engine's interpreter, which has torch and vLLM's other
 # dependencies. Idempotent: a stamp per release skips what is already there; each release
@@ -16,7 +16,7 @@ main() {
     PY="${PY:-python3}"
     trap 'echo "prepare-vllm-sources: FAILED (exit $?): $BASH_COMMAND" >&2' ERR
     # SUPPORTED_WHEELS, read from the module's source (module_utils has no command line)
-    mapfile -t versions < <("$PY" - "$ROOT/plugins/module_utils/_vllm_release.py" <<'PYEOF'
+    mapfile -t versions < <("$PY" - "$ROOT/plugins/module_utils/_engine/_vllm_release.py" <<'PYEOF'
 import ast
 import sys
 

@@ -23,7 +23,7 @@ from typing import Any
 
 import yaml
 
-from ansible_collections.gpufleet.vllm.plugins.module_utils._launch import plan_file_figures
+from ansible_collections.gpufleet.vllm.plugins.module_utils._plan._launch import plan_file_figures
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "sim"))

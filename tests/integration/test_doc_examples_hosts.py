@@ -26,7 +26,7 @@ from typing import Any
 import pytest
 import yaml
 
-from ansible_collections.gpufleet.vllm.plugins.module_utils._geometry import geometry_from_config
+from ansible_collections.gpufleet.vllm.plugins.module_utils._plan._geometry import geometry_from_config
 from ansible_collections.gpufleet.vllm.plugins.plugin_utils._plan import plan_class
 
 REPO = Path(__file__).resolve().parents[2]

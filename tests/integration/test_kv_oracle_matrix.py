@@ -3,7 +3,7 @@
 # SPDX-License-Identifier: GPL-3.0-or-later
 """The oracle matrix: the collection's KV figures against vLLM's own planning code, per release (no boot).
 
-For every release of ``SUPPORTED_WHEELS`` (``plugins/module_utils/_vllm_release.py``) and
+For every release of ``SUPPORTED_WHEELS`` (``plugins/module_utils/_engine/_vllm_release.py``) and
 every family case below, ``tests/engine/kv_oracle.py`` runs in the CPU engine's
 interpreter with that release's unpacked sources first on ``PYTHONPATH``
 (``.cache/vllm-sources/<version>``, made by ``make vllm-sources``), one process per
@@ -43,9 +43,9 @@ from typing import Any
 
 import pytest
 
-from ansible_collections.gpufleet.vllm.plugins.module_utils._geometry import KVGeometry, capacity_model, engine_target
-from ansible_collections.gpufleet.vllm.plugins.module_utils._kv_layout import KVLayout, layer_kinds
-from ansible_collections.gpufleet.vllm.plugins.module_utils._vllm_release import SUPPORTED_WHEELS
+from ansible_collections.gpufleet.vllm.plugins.module_utils._plan._geometry import KVGeometry, capacity_model, engine_target
+from ansible_collections.gpufleet.vllm.plugins.module_utils._plan._kv_layout import KVLayout, layer_kinds
+from ansible_collections.gpufleet.vllm.plugins.module_utils._engine._vllm_release import SUPPORTED_WHEELS
 
 REPO = Path(__file__).resolve().parents[2]
 CACHE = Path(os.environ.get("GPUFLEET_CACHE", REPO / ".cache"))

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from ansible_collections.gpufleet.vllm.plugins.module_utils._vllm_log import parse_engine_log
+from ansible_collections.gpufleet.vllm.plugins.module_utils._engine._vllm_log import parse_engine_log
 
 REPO = Path(__file__).resolve().parents[2]
 LOG_FIXTURES = REPO / "tests" / "unit" / "fixtures" / "vllm_logs"

@@ -29,9 +29,9 @@ from pathlib import Path
 
 import pytest
 
-from ansible_collections.gpufleet.vllm.plugins.module_utils import _canary, _engine_process
-from ansible_collections.gpufleet.vllm.plugins.module_utils._load_test import LoadSpec
-from ansible_collections.gpufleet.vllm.plugins.module_utils._vllm_release import release_rules
+from ansible_collections.gpufleet.vllm.plugins.module_utils._engine import _canary, _engine_process
+from ansible_collections.gpufleet.vllm.plugins.module_utils._engine._load_test import LoadSpec
+from ansible_collections.gpufleet.vllm.plugins.module_utils._engine._vllm_release import release_rules
 import procgroup  # noqa: E402  pylint: disable=wrong-import-position,import-error
 
 REPO = Path(__file__).resolve().parents[2]

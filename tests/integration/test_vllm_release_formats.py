@@ -40,15 +40,15 @@ from typing import Any, Callable, NamedTuple
 
 import pytest
 
-from ansible_collections.gpufleet.vllm.plugins.module_utils import _vllm_log, _vllm_metrics
-from ansible_collections.gpufleet.vllm.plugins.module_utils._vllm_log import (
+from ansible_collections.gpufleet.vllm.plugins.module_utils._engine import _vllm_log, _vllm_metrics
+from ansible_collections.gpufleet.vllm.plugins.module_utils._engine._vllm_log import (
     GIB,
     GIB_ROUNDING_BYTES,
     EngineLog,
     gib_to_bytes,
     parse_engine_log,
 )
-from ansible_collections.gpufleet.vllm.plugins.module_utils._vllm_release import (
+from ansible_collections.gpufleet.vllm.plugins.module_utils._engine._vllm_release import (
     SUPPORTED_WHEELS,
     release_rules,
 )

@@ -92,7 +92,7 @@ def collection_names() -> tuple[set[str], set[str]]:
         text = path.read_text(encoding="utf-8")
         if path.parent.name in ("action", "filter", "plugin_utils"):
             read.update(PLUGIN_READ.findall(text))
-        if path.parent.name in ("modules", "module_utils"):
+        if path.parent.name == "modules" or "module_utils" in path.parts:
             written.update(FACT_KEY.findall(text))  # facts a module returns (gpufleet_gpus, gpufleet_nvml)
     return read, written
 

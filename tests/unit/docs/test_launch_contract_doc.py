@@ -19,7 +19,8 @@ from typing import Any
 
 import pytest
 
-from ansible_collections.gpufleet.vllm.plugins.module_utils import _boot_gate, _launch
+from ansible_collections.gpufleet.vllm.plugins.module_utils._gate import _boot_gate
+from ansible_collections.gpufleet.vllm.plugins.module_utils._plan import _launch
 from ansible_collections.gpufleet.vllm.plugins.plugin_utils._plan import plan_class
 
 DOC = Path(__file__).resolve().parents[3] / "docs" / "launch-contract.md"

@@ -367,7 +367,7 @@ def test_probe_end_to_end_through_real_pynvml(tmp_path):
     nvml_state.add_process(state, gpu=0, pid=4242, used=6 * GIB, name="embedder", pidns="other")
     out = run_nvml(tmp_path, """
         sys.path.insert(0, os.environ["PYTHONPATH"].split(os.pathsep)[0])
-        from ansible_collections.gpufleet.vllm.plugins.module_utils._nvml_probe import probe
+        from ansible_collections.gpufleet.vllm.plugins.module_utils._gpu._nvml_probe import probe
         with nvml_state.locked(STATE):
             s = nvml_state.load(STATE)
             nvml_state.add_process(s, gpu=1, pid=os.getpid(), used=10 << 30, name="me")
@@ -489,7 +489,7 @@ def test_probe_without_any_nvml_library_says_so(tmp_path):
         import json, sys
         sys.path.insert(0, sys.argv[1])
         import pynvml
-        from ansible_collections.gpufleet.vllm.plugins.module_utils._nvml_probe import NvmlProbeError, probe
+        from ansible_collections.gpufleet.vllm.plugins.module_utils._gpu._nvml_probe import NvmlProbeError, probe
         try:
             probe(pynvml, host="nodriver")
         except NvmlProbeError as exc:

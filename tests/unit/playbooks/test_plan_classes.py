@@ -137,7 +137,7 @@ def test_a_canary_host_left_drained_says_why() -> None:
 def test_every_failed_class_can_give_its_drained_canary_host_back() -> None:
     plays = yaml.safe_load((ROOT / "playbooks" / "plays" / "plan_classes.yml").read_text(encoding="utf-8"))
     task = find_task(all_tasks(plays), "Give the canary host back to its load balancer, or say why not")
-    assert task["ansible.builtin.include_tasks"] == "canary_undrain.yml"
+    assert task["ansible.builtin.include_tasks"] == "../tasks/canary_undrain.yml"
     assert task["when"] == "gpufleet_canary_drained | default(false) | bool"
 
 

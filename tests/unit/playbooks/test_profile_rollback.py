@@ -32,7 +32,7 @@ def test_profile_and_the_rollout_run_one_canary_task_file_with_the_same_inputs()
     rollout = next(p for p in plays("plays/plan_classes.yml") if p["hosts"].startswith("gpufleet_canaries"))
     profile = next(p for p in plays("profile.yml") if p.get("name") == "Run the profiled canary")
     assert find_task(rollout["tasks"], "Run the profiled canary of the class and record it")["ansible.builtin.include_tasks"] == \
-        "canary_profiled.yml"
+        "../tasks/canary_profiled.yml"
     assert find_task(profile["tasks"], "Run the profiled canary of the class and record it on {{ gpufleet_profile_host }}")[
         "ansible.builtin.include_tasks"] == "tasks/canary_profiled.yml"
     assert "../vars/canary.yml" in rollout["vars_files"] and "vars/canary.yml" in profile["vars_files"]
@@ -46,7 +46,7 @@ def test_profile_and_the_rollout_run_one_canary_task_file_with_the_same_inputs()
     assert find_task(profile["tasks"], "Give the canary host back to its load balancer once what the canary stopped serves again")[
         "ansible.builtin.include_tasks"] == "tasks/canary_serving.yml"
     assert find_task(rollout["tasks"], "Give the canary host back to its load balancer once its production instance answers")[
-        "ansible.builtin.include_tasks"] == "canary_serving.yml"
+        "ansible.builtin.include_tasks"] == "../tasks/canary_serving.yml"
 
 
 def switch_back_allowed(selected: list[str], runtime: dict[str, t.Any]) -> bool:

@@ -19,8 +19,8 @@ from ansible.errors import AnsibleValueOmittedError
 from ansible.parsing.dataloader import DataLoader
 from ansible.template import Templar, trust_as_template
 
-from ansible_collections.gpufleet.vllm.plugins.module_utils._canary import Tolerances, judge_canary
-from ansible_collections.gpufleet.vllm.plugins.module_utils._launch import from_plan
+from ansible_collections.gpufleet.vllm.plugins.module_utils._engine._canary import Tolerances, judge_canary
+from ansible_collections.gpufleet.vllm.plugins.module_utils._plan._launch import from_plan
 
 ROOT = pathlib.Path(__file__).resolve().parents[3]
 OMITTED = object()

@@ -23,7 +23,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "tools"))
 
 import unit_render  # noqa: E402  pylint: disable=wrong-import-position,import-error
 
-from ansible_collections.gpufleet.vllm.plugins.module_utils._unit_files import service_input_problems  # noqa: E402
+from ansible_collections.gpufleet.vllm.plugins.module_utils._units._unit_files import service_input_problems  # noqa: E402
 
 
 @pytest.fixture(scope="module")

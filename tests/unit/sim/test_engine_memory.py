@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from ansible_collections.gpufleet.vllm.plugins.module_utils._geometry import geometry_from_config
+from ansible_collections.gpufleet.vllm.plugins.module_utils._plan._geometry import geometry_from_config
 
 MODELS = Path(__file__).resolve().parents[3] / "sim" / "models"
 

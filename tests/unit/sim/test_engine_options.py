@@ -7,7 +7,7 @@ import argparse
 
 import pytest
 
-from ansible_collections.gpufleet.vllm.plugins.module_utils._serve_argv import render_serve_args
+from ansible_collections.gpufleet.vllm.plugins.module_utils._engine._serve_argv import render_serve_args
 
 # vLLM's human_readable_int: lowercase suffixes decimal, uppercase binary,
 # decimals only with decimal suffixes, anything else must be a plain int.

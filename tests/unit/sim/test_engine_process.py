@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from ansible_collections.gpufleet.vllm.plugins.module_utils._vllm_log import parse_engine_log
-from ansible_collections.gpufleet.vllm.plugins.module_utils._vllm_metrics import parse_metrics
+from ansible_collections.gpufleet.vllm.plugins.module_utils._engine._vllm_log import parse_engine_log
+from ansible_collections.gpufleet.vllm.plugins.module_utils._engine._vllm_metrics import parse_metrics
 
 ROOT = Path(__file__).resolve().parents[3]
 ENGINE = ROOT / "sim" / "engine" / "vllm"

@@ -9,7 +9,7 @@ import pytest
 from ansible.errors import AnsibleFilterError
 
 from ansible_collections.gpufleet.vllm.plugins.filter.serve import FilterModule
-from ansible_collections.gpufleet.vllm.plugins.module_utils._serve_argv import render_serve_args
+from ansible_collections.gpufleet.vllm.plugins.module_utils._engine._serve_argv import render_serve_args
 
 F = FilterModule().filters()
 

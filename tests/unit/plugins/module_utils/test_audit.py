@@ -17,7 +17,8 @@ import prometheus_client
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from ansible_collections.gpufleet.vllm.plugins.module_utils import _audit, _boot_gate
+from ansible_collections.gpufleet.vllm.plugins.module_utils import _audit
+from ansible_collections.gpufleet.vllm.plugins.module_utils._gate import _boot_gate
 from ansible_collections.gpufleet.vllm.plugins.plugin_utils import _report, _report_render
 from ansible_collections.gpufleet.vllm.tests.fake_nvml import nvml_state
 
@@ -102,7 +103,7 @@ def test_ages_are_judged_on_the_controllers_clock_and_the_hosts_skew_is_reported
     def probe(nvml, devices, samples, service_units, host, run_command=None):  # noqa: ARG001 - the audit's NVML probe
         return {"gpus": [{"index": 0, "boot_free_bytes": FREE, "total_bytes": TOTAL}]}
 
-    monkeypatch.setattr("ansible_collections.gpufleet.vllm.plugins.module_utils._nvml_probe.probe", probe)
+    monkeypatch.setattr("ansible_collections.gpufleet.vllm.plugins.module_utils._gpu._nvml_probe.probe", probe)
     behind = NOW - 400 * 86400  # the host's clock 400 days behind the controller's
     got = _audit.audit(str(plans), None, now=behind, reprofile_after_days=1.0, unit_dir=str(tmp_path), controller_time=NOW)
     assert got["clock_skew_seconds"] == -400 * 86400

@@ -17,7 +17,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ansible_collections.gpufleet.vllm.plugins.module_utils import _boot_gate as gate
+from ansible_collections.gpufleet.vllm.plugins.module_utils._gate import _boot_gate as gate
 from ansible_collections.gpufleet.vllm.tests.fake_nvml import nvml_state
 
 ROOT = Path(__file__).resolve().parents[4]
@@ -182,7 +182,7 @@ def run_launcher(tmp_path: Path, plan_path: Path, state_path: Path, policy: str,
     engine = tmp_path / "engine"
     engine.write_text("#!/bin/sh\necho ENGINE \"$@\"\n")
     engine.chmod(0o755)
-    code = ("import sys; from ansible_collections.gpufleet.vllm.plugins.module_utils._boot_gate import run; "
+    code = ("import sys; from ansible_collections.gpufleet.vllm.plugins.module_utils._gate._boot_gate import run; "
             "sys.exit(run(sys.argv[1:]))")
     return subprocess.run(
         [sys.executable, "-c", code, "--plan", str(plan_path), "--policy", policy, "--state", str(state_path),
@@ -455,7 +455,7 @@ def test_pynvml_from_the_copy_vllm_ships_when_nvidia_ml_py_is_missing(tmp_path):
     (pkg / "third_party" / "pynvml.py").write_text("import sys\nMARK = sys.modules[__name__].__name__\n")
     import ansible_collections  # pylint: disable=import-outside-toplevel
     collections_root = str(Path(list(ansible_collections.__path__)[0]).parent)
-    code = ("import sys; from ansible_collections.gpufleet.vllm.plugins.module_utils import _boot_gate as g; "
+    code = ("import sys; from ansible_collections.gpufleet.vllm.plugins.module_utils._gate import _boot_gate as g; "
             "m = g.load_pynvml(); print(m.MARK, m.__file__)")
     # -S: no site-packages, so no nvidia-ml-py
     proc = subprocess.run([sys.executable, "-S", "-c", code], capture_output=True, text=True, timeout=60, check=False,
@@ -468,7 +468,7 @@ def test_pynvml_from_the_copy_vllm_ships_when_nvidia_ml_py_is_missing(tmp_path):
 def test_no_pynvml_anywhere_is_an_import_error_naming_both(tmp_path):
     import ansible_collections  # pylint: disable=import-outside-toplevel
     collections_root = str(Path(list(ansible_collections.__path__)[0]).parent)
-    code = ("from ansible_collections.gpufleet.vllm.plugins.module_utils import _boot_gate as g\n"
+    code = ("from ansible_collections.gpufleet.vllm.plugins.module_utils._gate import _boot_gate as g\n"
             "try:\n    g.load_pynvml()\nexcept ImportError as exc:\n    print(exc)\n")
     proc = subprocess.run([sys.executable, "-S", "-c", code], capture_output=True, text=True, timeout=60, check=False,
                           env={"PYTHONPATH": f"{tmp_path}:{collections_root}", "PATH": "/usr/bin:/bin"})
@@ -521,7 +521,7 @@ def _class_spec(config: dict[str, Any], boot_free: int) -> dict[str, Any]:
 
 def _plan_file(plan: dict[str, Any]) -> dict[str, Any]:
     """The plan file the role writes from the planner's result (its launch record), as JSON reads it back."""
-    from ansible_collections.gpufleet.vllm.plugins.module_utils._launch import plan_file
+    from ansible_collections.gpufleet.vllm.plugins.module_utils._plan._launch import plan_file
 
     doc = plan_file(plan["launch"], {"name": "main", "gpus": [0], "port": 8000}, host_class="h200", key_hash=None,
                     model="/srv/m", max_model_len=32768, planned_at="2026-12-02T00:00:00Z", gate_policy="shrink",
@@ -572,7 +572,7 @@ def test_shrink_checks_one_request_with_the_blocks_of_every_kv_cache_group():
 
 
 def test_the_gate_and_the_planner_share_one_floor_utilization():
-    from ansible_collections.gpufleet.vllm.plugins.module_utils import _kv_capacity
+    from ansible_collections.gpufleet.vllm.plugins.module_utils._plan import _kv_capacity
     from ansible_collections.gpufleet.vllm.plugins.plugin_utils import _plan
 
     assert gate.floor_utilization is _kv_capacity.floor_utilization is _plan.floor_utilization

@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import pytest
 
-from ansible_collections.gpufleet.vllm.plugins.module_utils._boot_check import (
+from ansible_collections.gpufleet.vllm.plugins.module_utils._engine._boot_check import (
     BOOT_TIMEOUT_FACTOR,
     BOOT_TIMEOUT_MIN_SECONDS,
     UNMEASURED_BOOT_TIMEOUT_SECONDS,
     boot_timeout,
 )
-from ansible_collections.gpufleet.vllm.plugins.module_utils._serve_argv import EngineSpecError
+from ansible_collections.gpufleet.vllm.plugins.module_utils._engine._serve_argv import EngineSpecError
 from ansible_collections.gpufleet.vllm.plugins.plugin_utils._plan_inputs import PlanError, parse_reference
 
 

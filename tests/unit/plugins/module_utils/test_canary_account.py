@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from ansible_collections.gpufleet.vllm.plugins.module_utils import _engine_process, _serve_argv
+from ansible_collections.gpufleet.vllm.plugins.module_utils._engine import _engine_process, _serve_argv
 
 
 def test_unknown_account_is_an_error_naming_it():

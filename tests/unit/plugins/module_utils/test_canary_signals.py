@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from ansible_collections.gpufleet.vllm.plugins.module_utils._canary import Terminated, raise_on_termination, termination_deferred
+from ansible_collections.gpufleet.vllm.plugins.module_utils._engine._canary import Terminated, raise_on_termination, termination_deferred
 
 
 def test_the_first_signal_raises_and_the_next_ones_wait_for_the_restorer():

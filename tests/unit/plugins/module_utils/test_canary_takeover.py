@@ -11,8 +11,8 @@ import typing as t
 
 import pytest
 
-from ansible_collections.gpufleet.vllm.plugins.module_utils import _canary_takeover
-from ansible_collections.gpufleet.vllm.plugins.module_utils._canary_takeover import (
+from ansible_collections.gpufleet.vllm.plugins.module_utils._engine import _canary_takeover
+from ansible_collections.gpufleet.vllm.plugins.module_utils._engine._canary_takeover import (
     ARGUMENT_SPEC,
     Takeover,
     TakeoverError,
@@ -21,7 +21,7 @@ from ansible_collections.gpufleet.vllm.plugins.module_utils._canary_takeover imp
     read_state,
     take,
 )
-from ansible_collections.gpufleet.vllm.plugins.module_utils._unit_files import Layout, UnitFilesError, canary_hold, canary_hold_path
+from ansible_collections.gpufleet.vllm.plugins.module_utils._units._unit_files import Layout, UnitFilesError, canary_hold, canary_hold_path
 from ansible_collections.gpufleet.vllm.plugins.module_utils._validate import ValidationError
 
 

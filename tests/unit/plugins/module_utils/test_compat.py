@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from ansible_collections.gpufleet.vllm.plugins.module_utils._compat import (
+from ansible_collections.gpufleet.vllm.plugins.module_utils._plan._compat import (
     KNOWN_FIELDS,
     SERVE_ARG_FIELDS,
     CompatError,

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from ansible_collections.gpufleet.vllm.plugins.module_utils._compat import (
+from ansible_collections.gpufleet.vllm.plugins.module_utils._plan._compat import (
     RUNTIME_PROBE,
     CompatError,
     compat_key,

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import yaml
 
-from ansible_collections.gpufleet.vllm.plugins.module_utils import _boot_gate, _floor_check, _free_memory_gate, _launch
+from ansible_collections.gpufleet.vllm.plugins.module_utils._gate import _boot_gate, _floor_check, _free_memory_gate
+from ansible_collections.gpufleet.vllm.plugins.module_utils._plan import _launch
 
 ROOT = Path(__file__).resolve().parents[4]
 GIB = 1 << 30
@@ -57,19 +58,35 @@ def test_both_gates_find_the_same_ranks_below_their_floor():
     assert [r["rank"] for r in _floor_check.below_floor(_boot_gate.rank_rows(plan, reading))] == [1]
 
 
+MODULE_UTILS = ROOT / "plugins/module_utils"
+
+
 def _relative_imports(path: Path) -> set[str]:
-    names = set()
+    """The module_utils files (paths under plugins/module_utils) a file imports relatively, from
+    its own folder or, with ``..``, from a sibling subpackage."""
+    files: set[Path] = set()
     for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
-        if isinstance(node, ast.ImportFrom) and node.level == 1 and node.module:
-            names.add(node.module.split(".")[0] + ".py")
-    return names
+        if not (isinstance(node, ast.ImportFrom) and node.level):
+            continue
+        base = path.parent
+        for _ in range(node.level - 1):
+            base = base.parent
+        target = base.joinpath(*node.module.split(".")) if node.module else base
+        if target.is_dir():  # from .._gpu import _nvml_probe, from .. import _validate
+            files.update(target / f"{alias.name}.py" for alias in node.names)
+        else:
+            files.add(target.parent / f"{target.name}.py")
+    return {p.relative_to(MODULE_UTILS).as_posix() for p in files}
 
 
 def test_the_boot_gates_installed_modules_import_only_each_other():
     """vllm_service installs these module_utils files as a package of their own on the host: every module
-    one of them imports must be installed too, or the gate fails at the unit's start."""
+    one of them imports must be installed too, and the __init__.py of every subpackage they lie in, or
+    the gate fails at the unit's start."""
     shipped = yaml.safe_load((ROOT / "roles/vllm_service/vars/main.yml").read_text(encoding="utf-8"))["__vllm_service_gate_modules"]
-    assert "_boot_gate.py" in shipped and "_floor_check.py" in shipped
+    assert "_gate/_boot_gate.py" in shipped and "_gate/_floor_check.py" in shipped
     for name in shipped:
-        missing = _relative_imports(ROOT / "plugins/module_utils" / name) - set(shipped)
+        missing = _relative_imports(MODULE_UTILS / name) - set(shipped)
         assert not missing, f"{name} imports {sorted(missing)}, which the gate does not install"
+        package = Path(name).parent
+        assert package == Path(".") or (package / "__init__.py").as_posix() in shipped, f"{name}: its package's __init__.py is not installed"

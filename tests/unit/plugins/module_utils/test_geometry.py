@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from ansible_collections.gpufleet.vllm.plugins.module_utils._geometry import (
+from ansible_collections.gpufleet.vllm.plugins.module_utils._plan._geometry import (
     GeometryError,
     UnpredictableGeometry,
     cdiv,

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from ansible_collections.gpufleet.vllm.plugins.module_utils import _gpu_health as h
+from ansible_collections.gpufleet.vllm.plugins.module_utils._gpu import _gpu_health as h
 
 NOT_SUPPORTED, TIMEOUT, NOT_FOUND_FN, GPU_LOST, UNKNOWN = 3, 10, 13, 15, 999
 

@@ -11,8 +11,8 @@ import sys
 
 import pytest
 
-from ansible_collections.gpufleet.vllm.plugins.module_utils import _host_tools
-from ansible_collections.gpufleet.vllm.plugins.module_utils._host_tools import (
+from ansible_collections.gpufleet.vllm.plugins.module_utils._units import _host_tools
+from ansible_collections.gpufleet.vllm.plugins.module_utils._units._host_tools import (
     HostToolsError,
     apply,
     compile_dir,

@@ -5,8 +5,8 @@
 
 from __future__ import annotations
 
-from ansible_collections.gpufleet.vllm.plugins.module_utils import _instance
-from ansible_collections.gpufleet.vllm.plugins.module_utils._instance import Clash
+from ansible_collections.gpufleet.vllm.plugins.module_utils._units import _instance
+from ansible_collections.gpufleet.vllm.plugins.module_utils._units._instance import Clash
 
 
 def test_the_names_of_an_instance():

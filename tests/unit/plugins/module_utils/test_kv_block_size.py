@@ -11,14 +11,14 @@ from __future__ import annotations
 
 import pytest
 
-from ansible_collections.gpufleet.vllm.plugins.module_utils._geometry import (
+from ansible_collections.gpufleet.vllm.plugins.module_utils._plan._geometry import (
     GeometryError,
     UnpredictableGeometry,
     capacity_model,
     engine_target,
     geometry_from_config,
 )
-from ansible_collections.gpufleet.vllm.plugins.module_utils._vllm_release import RELEASES, SUPPORTED_WHEELS, parse_version, release_rules
+from ansible_collections.gpufleet.vllm.plugins.module_utils._engine._vllm_release import RELEASES, SUPPORTED_WHEELS, parse_version, release_rules
 from ansible_collections.gpufleet.vllm.plugins.plugin_utils._plan import plan_class
 
 GIB = 1024**3
@@ -198,7 +198,7 @@ def test_a_bad_runtime_version_names_the_field():
 
 
 def test_a_034_profiled_canary_measures_without_the_extensible_kv_cache():
-    from ansible_collections.gpufleet.vllm.plugins.module_utils._canary import CanarySpec, canary_argv
+    from ansible_collections.gpufleet.vllm.plugins.module_utils._engine._canary import CanarySpec, canary_argv
 
     def argv(**kw):
         return canary_argv(CanarySpec(executable="/opt/vllm/bin/vllm", model="/m", gpu_memory_utilization=0.9, **kw), 8000)

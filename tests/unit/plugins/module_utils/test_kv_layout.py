@@ -13,7 +13,7 @@ import math
 
 import pytest
 
-from ansible_collections.gpufleet.vllm.plugins.module_utils._geometry import (
+from ansible_collections.gpufleet.vllm.plugins.module_utils._plan._geometry import (
     GeometryError,
     KVGeometry,
     UnpredictableGeometry,
@@ -21,7 +21,7 @@ from ansible_collections.gpufleet.vllm.plugins.module_utils._geometry import (
     engine_target,
     geometry_from_config,
 )
-from ansible_collections.gpufleet.vllm.plugins.module_utils._kv_layout import FAMILIES, KVLayout, layer_kinds
+from ansible_collections.gpufleet.vllm.plugins.module_utils._plan._kv_layout import FAMILIES, KVLayout, layer_kinds
 from ansible_collections.gpufleet.vllm.plugins.plugin_utils._plan import plan_class
 
 GIB = 1024**3

@@ -9,8 +9,9 @@ from typing import Any
 
 import pytest
 
-from ansible_collections.gpufleet.vllm.plugins.module_utils import _boot_gate, _launch
-from ansible_collections.gpufleet.vllm.plugins.module_utils._launch import LaunchError
+from ansible_collections.gpufleet.vllm.plugins.module_utils._gate import _boot_gate
+from ansible_collections.gpufleet.vllm.plugins.module_utils._plan import _launch
+from ansible_collections.gpufleet.vllm.plugins.module_utils._plan._launch import LaunchError
 from ansible_collections.gpufleet.vllm.plugins.plugin_utils._plan import keep_deployed, plan_class
 
 GIB = 1 << 30
@@ -164,7 +165,7 @@ def test_the_kept_budget_and_the_running_check_read_every_plan_file_format():
 
 
 def test_the_unit_and_the_canary_render_the_budget_with_one_function():
-    from ansible_collections.gpufleet.vllm.plugins.module_utils._serve_argv import budget_args, build_argv
+    from ansible_collections.gpufleet.vllm.plugins.module_utils._engine._serve_argv import budget_args, build_argv
 
     launch = plan_class(spec())["launch"]
     words = budget_args(launch["kv_cache_memory_bytes"], launch["gpu_memory_utilization"])

@@ -11,8 +11,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ansible_collections.gpufleet.vllm.plugins.module_utils import _nvml_probe as probe_mod
-from ansible_collections.gpufleet.vllm.plugins.module_utils._nvml_probe import NvmlProbeError, probe
+from ansible_collections.gpufleet.vllm.plugins.module_utils._gpu import _nvml_probe as probe_mod
+from ansible_collections.gpufleet.vllm.plugins.module_utils._gpu._nvml_probe import NvmlProbeError, probe
 
 GIB = 1 << 30
 

@@ -17,7 +17,7 @@ import typing as t
 
 import pytest
 
-from ansible_collections.gpufleet.vllm.plugins.module_utils import _service_account as sa
+from ansible_collections.gpufleet.vllm.plugins.module_utils._units import _service_account as sa
 
 UID, GID = os.getuid(), os.getgid()
 

@@ -19,8 +19,8 @@ import stat
 
 import pytest
 
-from ansible_collections.gpufleet.vllm.plugins.module_utils._launch import plan_checksum
-from ansible_collections.gpufleet.vllm.plugins.module_utils._unit_files import (
+from ansible_collections.gpufleet.vllm.plugins.module_utils._plan._launch import plan_checksum
+from ansible_collections.gpufleet.vllm.plugins.module_utils._units._unit_files import (
     Layout,
     UnitFilesError,
     adopted_status,
@@ -536,7 +536,7 @@ def test_a_snapshot_that_cannot_be_written_leaves_the_last_one_and_its_rollback_
             raise UnitFilesError(f"{path}: cannot write: Read-only file system")
         real_write(path, data, uid, gid, file_mode)
 
-    monkeypatch.setattr("ansible_collections.gpufleet.vllm.plugins.module_utils._unit_files.atomic_write", read_only)
+    monkeypatch.setattr("ansible_collections.gpufleet.vllm.plugins.module_utils._units._unit_files.atomic_write", read_only)
     with pytest.raises(UnitFilesError, match="Read-only file system"):
         snapshot(layout, ["a"], systemd.show, check=False, change_id="run-2")
     assert load_snapshot(layout, "a") == before, "the last snapshot is as it was"

@@ -21,14 +21,14 @@ from pathlib import Path
 
 import pytest
 
-from ansible_collections.gpufleet.vllm.plugins.module_utils import _boot_check, _canary, _engine_process, _serve_argv, _vllm_log
-from ansible_collections.gpufleet.vllm.plugins.module_utils._load_test import (
+from ansible_collections.gpufleet.vllm.plugins.module_utils._engine import _boot_check, _canary, _engine_process, _serve_argv, _vllm_log
+from ansible_collections.gpufleet.vllm.plugins.module_utils._engine._load_test import (
     LoadSpec,
     build_prompt,
     percentile,
 )
-from ansible_collections.gpufleet.vllm.plugins.module_utils._vllm_log import parse_engine_log
-from ansible_collections.gpufleet.vllm.plugins.module_utils._vllm_metrics import parse_metrics
+from ansible_collections.gpufleet.vllm.plugins.module_utils._engine._vllm_log import parse_engine_log
+from ansible_collections.gpufleet.vllm.plugins.module_utils._engine._vllm_metrics import parse_metrics
 
 FIXTURES = Path(__file__).resolve().parents[2] / "fixtures" / "vllm_logs"
 

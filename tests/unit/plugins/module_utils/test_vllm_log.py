@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from ansible_collections.gpufleet.vllm.plugins.module_utils._vllm_log import (
+from ansible_collections.gpufleet.vllm.plugins.module_utils._engine._vllm_log import (
     GIB,
     GIB_ROUNDING_BYTES,
     LogParser,

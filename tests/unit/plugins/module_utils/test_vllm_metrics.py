@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from ansible_collections.gpufleet.vllm.plugins.module_utils import _vllm_metrics
-from ansible_collections.gpufleet.vllm.plugins.module_utils._vllm_metrics import (
+from ansible_collections.gpufleet.vllm.plugins.module_utils._engine import _vllm_metrics
+from ansible_collections.gpufleet.vllm.plugins.module_utils._engine._vllm_metrics import (
     Histogram,
     MetricsParseError,
     histogram_quantile,

@@ -11,7 +11,8 @@ from typing import Any
 import pytest
 from ansible.module_utils.testing import patch_module_args
 
-from ansible_collections.gpufleet.vllm.plugins.module_utils import _audit, _boot_gate
+from ansible_collections.gpufleet.vllm.plugins.module_utils import _audit
+from ansible_collections.gpufleet.vllm.plugins.module_utils._gate import _boot_gate
 from ansible_collections.gpufleet.vllm.plugins.modules import vllm_audit
 from ansible_collections.gpufleet.vllm.tests.unit.plugins.module_utils.test_audit import plan_doc
 from ansible_collections.gpufleet.vllm.tests.unit.plugins.module_utils.test_nvml_probe import FakeNvml, make_state
@@ -66,11 +67,11 @@ def test_the_probe_gets_the_callers_runner_also_when_each_instance_is_probed_alo
     def probe(nvml, devices, samples, service_units, host, run_command=None):  # noqa: ARG001
         seen.append((tuple(service_units), run_command))
         if len(service_units) > 1:
-            from ansible_collections.gpufleet.vllm.plugins.module_utils._nvml_probe import NvmlProbeError
+            from ansible_collections.gpufleet.vllm.plugins.module_utils._gpu._nvml_probe import NvmlProbeError
             raise NvmlProbeError("GPU 0 is lost")
         return {"gpus": [{"index": 0, "boot_free_bytes": FREE, "total_bytes": TOTAL}]}
 
-    monkeypatch.setattr("ansible_collections.gpufleet.vllm.plugins.module_utils._nvml_probe.probe", probe)
+    monkeypatch.setattr("ansible_collections.gpufleet.vllm.plugins.module_utils._gpu._nvml_probe.probe", probe)
     got = _audit.audit(str(tmp_path), None, now=1_800_000_000.0, unit_dir=str(tmp_path), run_command=runner)
     assert [i["instance"] for i in got["instances"]] == ["a", "b"]
     assert seen == [(("vllm-a.service", "vllm-b.service"), runner), (("vllm-a.service",), runner), (("vllm-b.service",), runner)]

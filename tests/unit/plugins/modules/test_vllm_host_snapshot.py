@@ -11,7 +11,8 @@ from typing import Any
 import pytest
 from ansible.module_utils.testing import patch_module_args
 
-from ansible_collections.gpufleet.vllm.plugins.module_utils import _host_snapshot, _instance
+from ansible_collections.gpufleet.vllm.plugins.module_utils import _host_snapshot
+from ansible_collections.gpufleet.vllm.plugins.module_utils._units import _instance
 from ansible_collections.gpufleet.vllm.plugins.modules import gpu_memory_facts, vllm_host_snapshot
 from ansible_collections.gpufleet.vllm.tests.unit.plugins.module_utils.test_nvml_probe import FakeNvml, make_state
 
@@ -120,7 +121,7 @@ def test_a_systemd_that_cannot_be_read_fails_naming_the_host(monkeypatch, capsys
 
 
 def test_the_argument_spec_is_the_probes_plus_the_instances():
-    from ansible_collections.gpufleet.vllm.plugins.module_utils._gpu_memory import ARGUMENT_SPEC as PROBE
+    from ansible_collections.gpufleet.vllm.plugins.module_utils._gpu._gpu_memory import ARGUMENT_SPEC as PROBE
 
     assert {k: v for k, v in _host_snapshot.ARGUMENT_SPEC.items() if k in PROBE} == PROBE
     assert set(_host_snapshot.ARGUMENT_SPEC) - set(PROBE) == {"instances", "adopt_units", "state_dir", "engine_executable", "runtime_venv"}

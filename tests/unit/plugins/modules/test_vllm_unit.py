@@ -20,7 +20,7 @@ import pytest
 from ansible.module_utils.basic import AnsibleModule
 from ansible.module_utils.testing import patch_module_args
 
-from ansible_collections.gpufleet.vllm.plugins.module_utils._launch import for_instance
+from ansible_collections.gpufleet.vllm.plugins.module_utils._plan._launch import for_instance
 from ansible_collections.gpufleet.vllm.plugins.modules import vllm_unit
 from ansible_collections.gpufleet.vllm.tests.unit.plugins.module_utils.test_nvml_probe import FakeNvml, make_state
 

@@ -16,7 +16,7 @@ from ansible_collections.gpufleet.vllm.plugins.plugin_utils._plan import (
     plan_class,
     plan_deployable,
 )
-from ansible_collections.gpufleet.vllm.plugins.module_utils._vllm_log import GIB_ROUNDING_BYTES
+from ansible_collections.gpufleet.vllm.plugins.module_utils._engine._vllm_log import GIB_ROUNDING_BYTES
 
 GIB = 1024**3
 MIB = 1024**2

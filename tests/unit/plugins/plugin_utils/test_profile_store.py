@@ -9,7 +9,7 @@ import stat
 import pytest
 import yaml
 
-from ansible_collections.gpufleet.vllm.plugins.module_utils._compat import compat_key
+from ansible_collections.gpufleet.vllm.plugins.module_utils._plan._compat import compat_key
 from ansible_collections.gpufleet.vllm.plugins.plugin_utils._profile_store import ProfileStore, ProfileStoreError
 
 KEY = {"model": "tiny-llama", "vllm_version": "0.32.0", "gpu_name": "NVIDIA H200", "total_bytes": 150754820096}

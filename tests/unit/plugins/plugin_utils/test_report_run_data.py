@@ -4,7 +4,7 @@
 contributes, and that a failed looped task names each failed item."""
 from __future__ import annotations
 
-from ansible_collections.gpufleet.vllm.plugins.module_utils._launch import plan_checksum
+from ansible_collections.gpufleet.vllm.plugins.module_utils._plan._launch import plan_checksum
 from ansible_collections.gpufleet.vllm.plugins.plugin_utils._report import build_report, run_data
 
 STATE = {"ok": True, "failed": False, "needs_profile": False, "plan": {}, "key_hash": "k1", "manual_canary": "pass", "reasons": []}

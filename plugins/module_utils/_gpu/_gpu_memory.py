@@ -15,7 +15,7 @@ import traceback
 from typing import Any, Callable, NoReturn, Protocol, Sequence
 
 from ansible_collections.gpufleet.vllm.plugins.module_utils._defaults import default
-from ansible_collections.gpufleet.vllm.plugins.module_utils._nvml_probe import NvmlProbeError, probe
+from ansible_collections.gpufleet.vllm.plugins.module_utils._gpu._nvml_probe import NvmlProbeError, probe
 from ansible_collections.gpufleet.vllm.plugins.module_utils._validate import ValidationError, integer, number, text
 
 __all__ = [

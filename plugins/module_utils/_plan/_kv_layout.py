@@ -39,7 +39,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from ._validate import int_field
+from .._validate import int_field
 
 __all__ = [
     "FAMILIES",

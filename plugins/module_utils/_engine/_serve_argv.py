@@ -19,7 +19,7 @@ import os
 import re
 import typing as t
 
-from ._validate import ValidationError, env_name, is_secret_option, number, port as valid_port, text as v_text
+from .._validate import ValidationError, env_name, is_secret_option, number, port as valid_port, text as v_text
 
 # Options the canary sets itself; a caller must not pass them in serve_args.
 CONTROLLED_OPTIONS = frozenset(

@@ -56,8 +56,8 @@ import hashlib
 import json
 import typing as t
 
-from ._instance import unit_name
-from ._validate import int_field
+from .._units._instance import unit_name
+from .._validate import int_field
 
 SCHEMA = 1
 # The host's plan file (<state_dir>/<instance>.plan.json) with the launch record inside.

@@ -40,7 +40,7 @@ from typing import Any, Mapping
 
 from ._kv_capacity import DTYPE_BYTES
 from ._kv_layout import UnknownLayout
-from ._vllm_release import ReleaseRules, release_rules
+from .._engine._vllm_release import ReleaseRules, release_rules
 
 __all__ = [
     "BlockSize",

@@ -54,11 +54,11 @@ import time
 import typing as t
 
 from ._floor_check import below_floor, floor_rows, shortfall
-from ._gpu_health import BLOCKING_CHECKS, HEALTH_POLICIES, listen_for_xids, unhealthy
-from ._instance import unit_name
-from ._kv_capacity import SOURCES as CAPACITY_SOURCES, blocks_for_bytes, floor_utilization, full_attention_request_blocks, one_request_blocks, tokens_for_blocks
-from ._launch import PLAN_CHECKSUM_VARIABLE, PLAN_FILE_FORMAT, LaunchError, check_launch, plan_checksum, rank_bytes
-from ._validate import int_field
+from .._gpu._gpu_health import BLOCKING_CHECKS, HEALTH_POLICIES, listen_for_xids, unhealthy
+from .._units._instance import unit_name
+from .._plan._kv_capacity import SOURCES as CAPACITY_SOURCES, blocks_for_bytes, floor_utilization, full_attention_request_blocks, one_request_blocks, tokens_for_blocks
+from .._plan._launch import PLAN_CHECKSUM_VARIABLE, PLAN_FILE_FORMAT, LaunchError, check_launch, plan_checksum, rank_bytes
+from .._validate import int_field
 
 PLAN_FORMATS = (1, 2, PLAN_FILE_FORMAT)
 PLAN_FORMAT = PLAN_FILE_FORMAT
@@ -640,7 +640,7 @@ def load_pynvml() -> t.Any:
 def run(argv: t.Sequence[str], nvml: t.Any = None, execv: t.Callable[[str, list[str]], t.Any] | None = None,
         log: t.Callable[[str], None] | None = None, clock: t.Callable[[], float] = time.time) -> int:
     """The launcher: returns the exit status when it does not hand over to the engine."""
-    from ._nvml_probe import NvmlProbeError, probe  # pylint: disable=import-outside-toplevel
+    from .._gpu._nvml_probe import NvmlProbeError, probe  # pylint: disable=import-outside-toplevel
 
     emit = log or _journal
     started = time.monotonic()

@@ -26,10 +26,10 @@ import os
 import typing as t
 from dataclasses import dataclass, field
 
-from ._defaults import default
-from ._instance import unit_name
-from ._unit_files import Layout, SystemctlRunner, UnitFilesError, atomic_write, canary_hold, canary_hold_path, ensure_absent, ensure_dir, systemctl_show
-from ._validate import abs_path, instance_name, text
+from .._defaults import default
+from .._units._instance import unit_name
+from .._units._unit_files import Layout, SystemctlRunner, UnitFilesError, atomic_write, canary_hold, canary_hold_path, ensure_absent, ensure_dir, systemctl_show
+from .._validate import abs_path, instance_name, text
 
 __all__ = ["ARGUMENT_SPEC", "SERVING_STATES", "Takeover", "TakeoverError", "TakeoverState", "check_params", "give_back", "read_state",
            "take"]

@@ -25,7 +25,7 @@ import pwd
 import stat
 import typing as t
 
-from . import _validate as v
+from .. import _validate as v
 from ._unit_files import UnitFilesError, ensure_dir
 
 __all__ = ["ARGUMENT_SPEC", "HOME_MODE", "SHELL", "AccountError", "apply", "check_model", "ensure", "ready", "unreadable"]

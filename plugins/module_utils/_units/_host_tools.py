@@ -28,7 +28,7 @@ import sys
 import typing as t
 from dataclasses import dataclass
 
-from . import _validate as v
+from .. import _validate as v
 from ._unit_files import UnitFilesError, ensure_dir, ensure_file
 
 __all__ = ["ARGUMENT_SPEC", "HostToolsError", "ToolDir", "ToolFile", "apply", "compile_dir", "install", "parse_dirs", "parse_files",
@@ -157,11 +157,16 @@ def under(paths: t.Iterable[str], directory: str) -> bool:
 
 
 def _compiled(directory: str) -> bool:
-    """Every .py file of ``directory`` has a compiled file in its __pycache__."""
-    cache = os.path.join(directory, "__pycache__")
-    names = os.listdir(cache) if os.path.isdir(cache) else []
-    sources = [n[:-3] for n in os.listdir(directory) if n.endswith(".py")] if os.path.isdir(directory) else []
-    return all(any(n.startswith(src + ".") and n.endswith(".pyc") for n in names) for src in sources)
+    """Every .py file of ``directory`` and of its subfolders (the gate library's subpackages) has a
+    compiled file in its folder's __pycache__."""
+    for folder, subfolders, files in os.walk(directory):
+        subfolders[:] = [s for s in subfolders if s != "__pycache__"]
+        cache = os.path.join(folder, "__pycache__")
+        names = os.listdir(cache) if os.path.isdir(cache) else []
+        sources = [n[:-3] for n in files if n.endswith(".py")]
+        if not all(any(n.startswith(src + ".") and n.endswith(".pyc") for n in names) for src in sources):
+            return False
+    return True
 
 
 def _run(run: Runner, argv: list[str], what: str) -> None:

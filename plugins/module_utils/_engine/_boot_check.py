@@ -17,6 +17,7 @@ import subprocess
 import typing as t
 from dataclasses import dataclass, field
 
+from .._gate._floor_check import rank_floor
 from ._engine_process import base_url, scrape_metrics, wait_healthy
 from ._serve_argv import LOOPBACK, EngineSpecError
 from ._vllm_log import GIB_ROUNDING_BYTES, EngineLog, parse_engine_log
@@ -164,13 +165,11 @@ def log_tail(text: str, lines: int = 60, limit: int = 12000) -> str:
 
 
 def _rank_floor(floor: int | t.Mapping[t.Any, t.Any] | None, rank: int) -> int | None:
+    """The floor of ``rank``: one floor for every rank, or a per-rank map read as both gates read it."""
     if floor is None:
         return None
     if isinstance(floor, t.Mapping):
-        for key, value in floor.items():
-            if int(key) == rank:
-                return int(value)
-        return None
+        return rank_floor(floor, rank)
     return int(floor)
 
 
