@@ -55,10 +55,11 @@ def main() -> int:
         env = dict(os.environ, LD_LIBRARY_PATH=lib_dir + (":" + os.environ["LD_LIBRARY_PATH"] if os.environ.get("LD_LIBRARY_PATH") else ""))
         os.execve(sys.executable, [sys.executable, *sys.argv], env)
 
-    import pynvml  # pylint: disable=import-outside-toplevel
     import importlib  # pylint: disable=import-outside-toplevel
     import importlib.machinery  # pylint: disable=import-outside-toplevel
     import importlib.util  # pylint: disable=import-outside-toplevel
+
+    import pynvml  # pylint: disable=import-outside-toplevel
 
     # the module_utils folder as a package: the probe imports its siblings
     package = importlib.machinery.ModuleSpec("gpufleet_module_utils", None, is_package=True)

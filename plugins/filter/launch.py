@@ -12,6 +12,7 @@ from typing import Any, Callable, Mapping
 
 from ansible.errors import AnsibleFilterError
 
+from ansible_collections.gpufleet.vllm.plugins.module_utils._engine._serve_argv import EngineSpecError, budget_args
 from ansible_collections.gpufleet.vllm.plugins.module_utils._plan._launch import (
     LaunchError,
     check_launch,
@@ -20,7 +21,6 @@ from ansible_collections.gpufleet.vllm.plugins.module_utils._plan._launch import
     plan_file,
     runs,
 )
-from ansible_collections.gpufleet.vllm.plugins.module_utils._engine._serve_argv import EngineSpecError, budget_args
 
 
 def cuda_visible_devices(gpus: Any, host_gpus: Any = None, field: Any = "gpus") -> str:

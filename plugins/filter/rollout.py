@@ -16,9 +16,9 @@ from ansible.module_utils.common.arg_spec import ArgumentSpecValidator
 from jinja2 import Undefined
 from jinja2.exceptions import UndefinedError
 
-from ansible_collections.gpufleet.vllm.plugins.module_utils._plan import _compat
 from ansible_collections.gpufleet.vllm.plugins.module_utils import _lease, _validate
 from ansible_collections.gpufleet.vllm.plugins.module_utils._defaults import default
+from ansible_collections.gpufleet.vllm.plugins.module_utils._plan import _compat
 from ansible_collections.gpufleet.vllm.plugins.module_utils._plan._launch import LaunchError
 from ansible_collections.gpufleet.vllm.plugins.module_utils._units._unit_files import rollback_summary as _rollback_summary
 from ansible_collections.gpufleet.vllm.plugins.plugin_utils import _releases, _rollout

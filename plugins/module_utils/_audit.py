@@ -40,8 +40,8 @@ import typing as t
 
 from ._gate._boot_gate import POLICIES, BootGateError, decide, read_plan, read_state, trust_problem
 from ._gpu._gpu_health import health_checks
-from ._units._instance import unit_name
 from ._plan._launch import PLAN_CHECKSUM_DROPIN, PLAN_CHECKSUM_VARIABLE
+from ._units._instance import unit_name
 
 RunCommand = t.Callable[[t.Sequence[str]], t.Tuple[int, str, str]]
 VERDICTS = ("ok", "reprofile_due", "would_shrink", "would_refuse", "plan_edited")

@@ -21,12 +21,12 @@ import json
 import os
 import typing as t
 
-from ._plan._compat import RUNTIME_KEY_FIELDS, CompatError, read_runtime
 from ._defaults import default
 from ._gpu._gpu_memory import ARGUMENT_SPEC as PROBE_ARGUMENT_SPEC, check_params as check_probe_params, host_facts, read as read_gpus
+from ._plan._compat import RUNTIME_KEY_FIELDS, CompatError, read_runtime
 from ._units._instance import clashes, unit_name
 from ._units._unit_files import Layout, UnitFilesError, read_bytes, read_plan, runtime_link, systemctl_show
-from ._validate import ValidationError, instance_name, text
+from ._validate import ValidationError, abs_path, instance_name, text
 
 __all__ = ["ARGUMENT_SPEC", "RELEASE_STAMP", "UNIT_PROPERTIES", "HostSnapshotError", "check_params", "engine_runtime", "install_record",
            "snapshot", "snapshot_facts"]
@@ -63,9 +63,11 @@ def check_params(params: t.Mapping[str, t.Any]) -> None:
                               f"names must be unique, got {names}")
     for i, unit in enumerate(params["adopt_units"] or []):
         text(unit, f"adopt_units[{i}]")
-    for field in ("state_dir", "engine_executable", "runtime_venv"):
-        if params.get(field) is not None and not text(params[field], field).startswith("/"):
-            raise ValidationError(f"{field}: expected an absolute path, got {params[field]!r}")
+    # the project's path rule (absolute, normalised, no '..'); the state directory as vllm_canary's
+    # takeover reads it, the engine's files wherever the runtime put them
+    for field, spaces in (("state_dir", False), ("engine_executable", True), ("runtime_venv", True)):
+        if params.get(field) is not None:
+            abs_path(params[field], field, spaces=spaces)
 
 
 def engine_runtime(executable: str, run_command: Runner) -> dict[str, t.Any]:

@@ -257,12 +257,12 @@ from urllib.parse import urlsplit
 from ansible.module_utils.basic import AnsibleModule
 from ansible.module_utils.common.text.converters import to_native
 
-from ansible_collections.gpufleet.vllm.plugins.module_utils._engine._boot_check import BootCheckSpec, Systemd, run_boot_check
-from ansible_collections.gpufleet.vllm.plugins.module_utils._gate._boot_gate import boot_expectations, wait_state
 from ansible_collections.gpufleet.vllm.plugins.module_utils._defaults import default
+from ansible_collections.gpufleet.vllm.plugins.module_utils._engine._boot_check import BootCheckSpec, Systemd, run_boot_check
 from ansible_collections.gpufleet.vllm.plugins.module_utils._engine._engine_process import base_url, health_address
-from ansible_collections.gpufleet.vllm.plugins.module_utils._plan._launch import LaunchError, check_launch
 from ansible_collections.gpufleet.vllm.plugins.module_utils._engine._serve_argv import EngineSpecError
+from ansible_collections.gpufleet.vllm.plugins.module_utils._gate._boot_gate import boot_expectations, wait_state
+from ansible_collections.gpufleet.vllm.plugins.module_utils._plan._launch import LaunchError, check_launch
 from ansible_collections.gpufleet.vllm.plugins.module_utils._sizes import SizeError, parse_size
 from ansible_collections.gpufleet.vllm.plugins.module_utils._units._unit_files import Layout, UnitFilesError, group_id, record
 from ansible_collections.gpufleet.vllm.plugins.module_utils._validate import ValidationError, integer, port, text

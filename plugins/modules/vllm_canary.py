@@ -524,6 +524,8 @@ from ansible_collections.gpufleet.vllm.plugins.module_utils._engine._canary_take
     take,
 )
 from ansible_collections.gpufleet.vllm.plugins.module_utils._engine._engine_process import free_port
+from ansible_collections.gpufleet.vllm.plugins.module_utils._engine._load_test import LoadSpec
+from ansible_collections.gpufleet.vllm.plugins.module_utils._engine._serve_argv import EngineSpecError, redact_argv
 from ansible_collections.gpufleet.vllm.plugins.module_utils._gpu._gpu_memory import (
     ARGUMENT_SPEC as GPU_PROBE_SPEC,
     PYNVML_IMPORT_ERROR,
@@ -533,9 +535,7 @@ from ansible_collections.gpufleet.vllm.plugins.module_utils._gpu._gpu_memory imp
     pynvml,
     read as read_gpus,
 )
-from ansible_collections.gpufleet.vllm.plugins.module_utils._engine._load_test import LoadSpec
 from ansible_collections.gpufleet.vllm.plugins.module_utils._gpu._nvml_probe import NvmlProbeError
-from ansible_collections.gpufleet.vllm.plugins.module_utils._engine._serve_argv import EngineSpecError, redact_argv
 from ansible_collections.gpufleet.vllm.plugins.module_utils._sizes import SizeError, parse_size
 from ansible_collections.gpufleet.vllm.plugins.module_utils._validate import ValidationError, integer, is_secret_option, port, text
 

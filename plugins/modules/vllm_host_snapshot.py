@@ -208,6 +208,7 @@ import sys
 from ansible.module_utils.basic import AnsibleModule, missing_required_lib
 
 from ansible_collections.gpufleet.vllm.plugins.module_utils._gpu._gpu_memory import PYNVML_IMPORT_ERROR, host_message, module_runner, pynvml
+from ansible_collections.gpufleet.vllm.plugins.module_utils._gpu._nvml_probe import NvmlProbeError
 from ansible_collections.gpufleet.vllm.plugins.module_utils._host_snapshot import (
     ARGUMENT_SPEC,
     HostSnapshotError,
@@ -215,7 +216,6 @@ from ansible_collections.gpufleet.vllm.plugins.module_utils._host_snapshot impor
     snapshot,
     snapshot_facts,
 )
-from ansible_collections.gpufleet.vllm.plugins.module_utils._gpu._nvml_probe import NvmlProbeError
 from ansible_collections.gpufleet.vllm.plugins.module_utils._validate import ValidationError
 
 

@@ -121,6 +121,7 @@ import os
 from ansible.module_utils.basic import AnsibleModule
 from ansible.module_utils.common.text.converters import to_native
 
+from ansible_collections.gpufleet.vllm.plugins.module_utils._defaults import default
 from ansible_collections.gpufleet.vllm.plugins.module_utils._plan._compat import (
     RUNTIME_KEY_FIELDS,
     CompatError,
@@ -128,7 +129,6 @@ from ansible_collections.gpufleet.vllm.plugins.module_utils._plan._compat import
     model_fingerprint,
     read_runtime,
 )
-from ansible_collections.gpufleet.vllm.plugins.module_utils._defaults import default
 
 _COMPAT_FIELDS = (*RUNTIME_KEY_FIELDS, "model_fingerprint", "model_revision")
 

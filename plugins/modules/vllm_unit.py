@@ -647,13 +647,13 @@ from ansible_collections.gpufleet.vllm.plugins.module_utils._gpu._gpu_memory imp
     probe_report,
     pynvml,
 )
+from ansible_collections.gpufleet.vllm.plugins.module_utils._plan._launch import LaunchError
 from ansible_collections.gpufleet.vllm.plugins.module_utils._units._host_tools import (
     ARGUMENT_SPEC as HOST_TOOLS_SPEC,
     HostToolsError,
     apply as apply_host_tools,
     start_units,
 )
-from ansible_collections.gpufleet.vllm.plugins.module_utils._plan._launch import LaunchError
 from ansible_collections.gpufleet.vllm.plugins.module_utils._units._service_account import (
     ARGUMENT_SPEC as ACCOUNT_SPEC,
     AccountError,

@@ -42,13 +42,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ansible_collections.gpufleet.vllm.plugins.module_utils._defaults import default
+from ansible_collections.gpufleet.vllm.plugins.module_utils._engine._vllm_log import GIB_ROUNDING_BYTES
 from ansible_collections.gpufleet.vllm.plugins.module_utils._plan._geometry import KVGeometry
 from ansible_collections.gpufleet.vllm.plugins.module_utils._plan._kv_capacity import floor_utilization, one_request_blocks, profiled_utilization_cap
 from ansible_collections.gpufleet.vllm.plugins.module_utils._plan._kv_layout import KVLayout
 from ansible_collections.gpufleet.vllm.plugins.module_utils._plan._launch import deployed as launch_deployed, from_plan as launch_from_plan
 from ansible_collections.gpufleet.vllm.plugins.module_utils._sizes import human_bytes
 from ansible_collections.gpufleet.vllm.plugins.module_utils._validate import ValidationError, boolean, number as valid_number
-from ansible_collections.gpufleet.vllm.plugins.module_utils._engine._vllm_log import GIB_ROUNDING_BYTES
 from ansible_collections.gpufleet.vllm.plugins.plugin_utils._plan_capacity import Capacity, class_capacity, geometry_family, reference_geometry, what_if_fp8
 from ansible_collections.gpufleet.vllm.plugins.plugin_utils._plan_inputs import (
     Host,

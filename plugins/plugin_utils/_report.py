@@ -24,9 +24,9 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ansible_collections.gpufleet.vllm.plugins.module_utils._units._instance import unit_name
 from ansible_collections.gpufleet.vllm.plugins.module_utils._plan._launch import figures as launch_figures, plan_checksum, plan_file_figures
 from ansible_collections.gpufleet.vllm.plugins.module_utils._sizes import SizeError, human_bytes, parse_size
+from ansible_collections.gpufleet.vllm.plugins.module_utils._units._instance import unit_name
 from ansible_collections.gpufleet.vllm.plugins.module_utils._validate import int_field
 
 __all__ = [

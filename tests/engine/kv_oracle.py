@@ -62,8 +62,8 @@ from types import SimpleNamespace
 from typing import Any, Callable
 
 import torch
-from vllm.model_executor import models
 from vllm.config.cache import CacheConfig
+from vllm.model_executor import models
 from vllm.model_executor.models.config import MODELS_CONFIG_MAP, MambaModelConfig
 from vllm.platforms.cpu import CpuPlatform
 from vllm.platforms.interface import Platform

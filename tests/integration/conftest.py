@@ -37,9 +37,8 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "tests" / "hosts"))
 
-import testhosts  # noqa: E402  pylint: disable=wrong-import-position,import-error
-
 import procgroup  # noqa: E402  pylint: disable=wrong-import-position,import-error
+import testhosts  # noqa: E402  pylint: disable=wrong-import-position,import-error
 
 
 @dataclasses.dataclass

@@ -41,14 +41,13 @@ import time
 import urllib.request
 from typing import Any
 
+import procgroup  # noqa: E402  pylint: disable=wrong-import-position,import-error
 import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
+from simfleet import REPO, SimFleet, l40s_fleet  # pylint: disable=import-error
 
 from ansible_collections.gpufleet.vllm.plugins.module_utils._plan._kv_capacity import floor_utilization
-
-from simfleet import REPO, SimFleet, l40s_fleet  # pylint: disable=import-error
-import procgroup  # noqa: E402  pylint: disable=wrong-import-position,import-error
 
 GIB = 1 << 30
 MIB = 1 << 20

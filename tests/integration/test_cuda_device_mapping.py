@@ -29,8 +29,8 @@ from pathlib import Path
 
 import pytest
 
-from ansible_collections.gpufleet.vllm.plugins.module_utils._plan._launch import cuda_visible_devices
 from ansible_collections.gpufleet.vllm.plugins.module_utils._engine._vllm_release import SUPPORTED_WHEELS
+from ansible_collections.gpufleet.vllm.plugins.module_utils._plan._launch import cuda_visible_devices
 
 REPO = Path(__file__).resolve().parents[2]
 CACHE = Path(os.environ.get("GPUFLEET_CACHE") or REPO / ".cache")

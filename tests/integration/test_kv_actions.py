@@ -11,8 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
 import procgroup  # noqa: E402  pylint: disable=wrong-import-position,import-error
+import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 PLAYBOOK = REPO / "tests" / "integration" / "playbooks" / "kv_actions.yml"

@@ -30,11 +30,11 @@ from typing import Any
 import pytest
 
 from ansible_collections.gpufleet.vllm.plugins.module_utils._engine import _canary
+from ansible_collections.gpufleet.vllm.plugins.module_utils._engine._load_test import LoadSpec
+from ansible_collections.gpufleet.vllm.plugins.module_utils._engine._vllm_log import parse_engine_log
 from ansible_collections.gpufleet.vllm.plugins.module_utils._plan._geometry import capacity_model, engine_target
 from ansible_collections.gpufleet.vllm.plugins.plugin_utils._canary_reference import reference_from_canary
-from ansible_collections.gpufleet.vllm.plugins.module_utils._engine._load_test import LoadSpec
 from ansible_collections.gpufleet.vllm.plugins.plugin_utils._plan import plan_class
-from ansible_collections.gpufleet.vllm.plugins.module_utils._engine._vllm_log import parse_engine_log
 
 REPO = Path(__file__).resolve().parents[2]
 CACHE = Path(os.environ.get("GPUFLEET_CACHE", REPO / ".cache"))

@@ -43,9 +43,9 @@ from typing import Any
 
 import pytest
 
+from ansible_collections.gpufleet.vllm.plugins.module_utils._engine._vllm_release import SUPPORTED_WHEELS
 from ansible_collections.gpufleet.vllm.plugins.module_utils._plan._geometry import KVGeometry, capacity_model, engine_target
 from ansible_collections.gpufleet.vllm.plugins.module_utils._plan._kv_layout import KVLayout, layer_kinds
-from ansible_collections.gpufleet.vllm.plugins.module_utils._engine._vllm_release import SUPPORTED_WHEELS
 
 REPO = Path(__file__).resolve().parents[2]
 CACHE = Path(os.environ.get("GPUFLEET_CACHE", REPO / ".cache"))

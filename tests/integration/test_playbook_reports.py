@@ -30,8 +30,8 @@ from ansible_collections.gpufleet.vllm.plugins.module_utils._sizes import human_
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import test_report_render as render  # noqa: E402  pylint: disable=wrong-import-position,import-error
 import procgroup  # noqa: E402  pylint: disable=wrong-import-position,import-error
+import test_report_render as render  # noqa: E402  pylint: disable=wrong-import-position,import-error
 
 HOSTS = ["sim-rp-1", "sim-rp-2"]
 CLASS = "rp-l40s"

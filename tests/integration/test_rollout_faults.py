@@ -56,11 +56,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import pytest
-from ansible_collections.gpufleet.vllm.plugins.module_utils._sizes import human_bytes, parse_size
-
 import procgroup  # pylint: disable=import-error
+import pytest
 from simfleet import L40S, REPO, SimFleet, budget, class_unit, l40s_fleet, reached, recap  # pylint: disable=import-error
+
+from ansible_collections.gpufleet.vllm.plugins.module_utils._sizes import human_bytes, parse_size
 
 GIB = 1 << 30
 MIB = 1 << 20

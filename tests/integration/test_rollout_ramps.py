@@ -41,8 +41,7 @@ from typing import Any
 
 import pytest
 import yaml
-
-from simfleet import REPO, SimFleet, l40s_fleet, budget  # pylint: disable=import-error
+from simfleet import REPO, SimFleet, budget, l40s_fleet  # pylint: disable=import-error
 
 GIB = 1 << 30
 A_HOSTS = ["sim-rp-a1", "sim-rp-a2"]

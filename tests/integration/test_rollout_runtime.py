@@ -41,7 +41,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
 from simfleet import REPO, SimFleet, l40s_fleet  # pylint: disable=import-error
 
 HOSTS = ["sim-rr-1", "sim-rr-2"]

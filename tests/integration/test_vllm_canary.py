@@ -27,12 +27,12 @@ import time
 import uuid
 from pathlib import Path
 
+import procgroup  # noqa: E402  pylint: disable=wrong-import-position,import-error
 import pytest
 
 from ansible_collections.gpufleet.vllm.plugins.module_utils._engine import _canary, _engine_process
 from ansible_collections.gpufleet.vllm.plugins.module_utils._engine._load_test import LoadSpec
 from ansible_collections.gpufleet.vllm.plugins.module_utils._engine._vllm_release import release_rules
-import procgroup  # noqa: E402  pylint: disable=wrong-import-position,import-error
 
 REPO = Path(__file__).resolve().parents[2]
 CACHE = Path(os.environ.get("GPUFLEET_CACHE", REPO / ".cache"))

@@ -22,22 +22,21 @@ from unittest.mock import MagicMock
 
 import pytest
 from ansible.errors import AnsibleActionFail, AnsibleFilterError
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
+from hypothesis import HealthCheck, given, settings, strategies as st
 
 from ansible_collections.gpufleet.vllm.plugins.action.kv_plan import ActionModule as KvPlan
 from ansible_collections.gpufleet.vllm.plugins.action.kv_profile import ActionModule as KvProfile
 from ansible_collections.gpufleet.vllm.plugins.filter.kv import FilterModule as KvFilters
 from ansible_collections.gpufleet.vllm.plugins.filter.serve import FilterModule as ServeFilters
-from ansible_collections.gpufleet.vllm.plugins.module_utils._units import _unit_files as uf
-from ansible_collections.gpufleet.vllm.plugins.plugin_utils._plan import PlanError, plan_class
-from ansible_collections.gpufleet.vllm.plugins.plugin_utils._profile_store import ProfileStore, ProfileStoreError
-from ansible_collections.gpufleet.vllm.plugins.module_utils._sizes import SizeError, parse_size
-from ansible_collections.gpufleet.vllm.plugins.module_utils._validate import ValidationError
 from ansible_collections.gpufleet.vllm.plugins.module_utils._engine._canary import canary_env
 from ansible_collections.gpufleet.vllm.plugins.module_utils._engine._serve_argv import EngineSpecError
 from ansible_collections.gpufleet.vllm.plugins.module_utils._gpu import _gpu_memory
+from ansible_collections.gpufleet.vllm.plugins.module_utils._sizes import SizeError, parse_size
+from ansible_collections.gpufleet.vllm.plugins.module_utils._units import _unit_files as uf
+from ansible_collections.gpufleet.vllm.plugins.module_utils._validate import ValidationError
 from ansible_collections.gpufleet.vllm.plugins.modules import vllm_boot_check, vllm_canary
+from ansible_collections.gpufleet.vllm.plugins.plugin_utils._plan import PlanError, plan_class
+from ansible_collections.gpufleet.vllm.plugins.plugin_utils._profile_store import ProfileStore, ProfileStoreError
 
 F = {**KvFilters().filters(), **ServeFilters().filters()}
 COUNTS: collections.Counter[str] = collections.Counter()

@@ -19,9 +19,9 @@ import yaml
 from ansible_collections.gpufleet.vllm.plugins.filter.kv import FilterModule as KvFilters
 from ansible_collections.gpufleet.vllm.plugins.filter.serve import FilterModule as ServeFilters
 from ansible_collections.gpufleet.vllm.plugins.module_utils._engine import _canary, _serve_argv
+from ansible_collections.gpufleet.vllm.plugins.module_utils._sizes import SizeError, parse_size
 from ansible_collections.gpufleet.vllm.plugins.plugin_utils._plan import PlanError, plan_class
 from ansible_collections.gpufleet.vllm.plugins.plugin_utils._profile_store import ProfileStore, ProfileStoreError
-from ansible_collections.gpufleet.vllm.plugins.module_utils._sizes import SizeError, parse_size
 from ansible_collections.gpufleet.vllm.tests.unit.plugins.module_utils.test_vllm_engine import spec_for, write_fake_vllm
 
 F = {**KvFilters().filters(), **ServeFilters().filters()}
@@ -273,7 +273,8 @@ def test_negative_head_dim_is_an_error():
 
 
 def test_non_ascii_unit_name_is_refused():
-    from ansible_collections.gpufleet.vllm.plugins.module_utils._units._unit_files import UnitFilesError, validate_name  # pylint: disable=import-outside-toplevel
+    # pylint: disable-next=import-outside-toplevel
+    from ansible_collections.gpufleet.vllm.plugins.module_utils._units._unit_files import UnitFilesError, validate_name
 
     with pytest.raises(UnitFilesError, match="instance name"):
         validate_name("v\u0131llm")

@@ -410,8 +410,7 @@ def _imports(path: Path) -> tuple[set[str], set[Path]]:
             module = node.module or ""
             if node.level:
                 base = path.parent
-                for _ in range(node.level - 1):
-                    base = base.parent
+                base = base.parents[node.level - 2] if node.level > 1 else base
                 own_files(base, module, node.names)
             elif module.startswith(_OWN_MODULE_UTILS):
                 own_files(module_utils, module[len(_OWN_MODULE_UTILS):], node.names)

@@ -19,9 +19,9 @@ import pytest
 import yaml
 
 from ansible_collections.gpufleet.vllm.plugins.action import kv_plan as kv_plan_action
-from ansible_collections.gpufleet.vllm.plugins.module_utils._gpu import _gpu_memory
 from ansible_collections.gpufleet.vllm.plugins.module_utils import _lease
 from ansible_collections.gpufleet.vllm.plugins.module_utils._defaults import DEFAULTS, MEASURED_CUDA_CONTEXT_BYTES, default
+from ansible_collections.gpufleet.vllm.plugins.module_utils._gpu import _gpu_memory
 from ansible_collections.gpufleet.vllm.plugins.module_utils._sizes import parse_size
 from ansible_collections.gpufleet.vllm.plugins.plugin_utils import _plan, _probe_history
 

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import yaml
 
-from ansible_collections.gpufleet.vllm.plugins.plugin_utils._plan import DECISIONS
 from ansible_collections.gpufleet.vllm.plugins.module_utils._engine._vllm_log import ERROR_KINDS
+from ansible_collections.gpufleet.vllm.plugins.plugin_utils._plan import DECISIONS
 
 REPO = Path(__file__).resolve().parents[2]
 TROUBLE = REPO / "docs" / "troubleshooting.md"

@@ -20,11 +20,11 @@ import time
 import typing as t
 from dataclasses import dataclass, field
 
+from .._validate import ValidationError, integer, number
 from ._boot_check import capacity_figures, log_tail, primary_error, reserved_kv_by_rank, summarise_log
 from ._engine_process import Account, EngineProcess, StopResult, free_port, port_in_use, scrape_metrics, wait_healthy
 from ._load_test import LoadSpec, run_load_test
 from ._serve_argv import LOOPBACK, EngineSpecError, api_key_of, build_argv, engine_env, redact_argv, without_api_key
-from .._validate import ValidationError, integer, number
 from ._vllm_log import parse_engine_log
 from ._vllm_metrics import EngineMetrics
 from ._vllm_release import release_rules

@@ -53,12 +53,19 @@ import sys
 import time
 import typing as t
 
-from ._floor_check import below_floor, floor_rows, shortfall
 from .._gpu._gpu_health import BLOCKING_CHECKS, HEALTH_POLICIES, listen_for_xids, unhealthy
-from .._units._instance import unit_name
-from .._plan._kv_capacity import SOURCES as CAPACITY_SOURCES, blocks_for_bytes, floor_utilization, full_attention_request_blocks, one_request_blocks, tokens_for_blocks
+from .._plan._kv_capacity import (
+    SOURCES as CAPACITY_SOURCES,
+    blocks_for_bytes,
+    floor_utilization,
+    full_attention_request_blocks,
+    one_request_blocks,
+    tokens_for_blocks,
+)
 from .._plan._launch import PLAN_CHECKSUM_VARIABLE, PLAN_FILE_FORMAT, LaunchError, check_launch, plan_checksum, rank_bytes
+from .._units._instance import unit_name
 from .._validate import int_field
+from ._floor_check import below_floor, floor_rows, shortfall
 
 PLAN_FORMATS = (1, 2, PLAN_FILE_FORMAT)
 PLAN_FORMAT = PLAN_FILE_FORMAT

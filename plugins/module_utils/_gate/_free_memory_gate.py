@@ -15,9 +15,9 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from ._floor_check import below_floor, floor_rows, rank_floor
 from .._plan._launch import LaunchError, check_launch
 from .._sizes import human_bytes
+from ._floor_check import below_floor, floor_rows, rank_floor
 
 __all__ = ["gate_violations", "rank_floor"]
 

@@ -38,9 +38,9 @@ import math
 from dataclasses import dataclass
 from typing import Any, Mapping
 
+from .._engine._vllm_release import ReleaseRules, release_rules
 from ._kv_capacity import DTYPE_BYTES
 from ._kv_layout import UnknownLayout
-from .._engine._vllm_release import ReleaseRules, release_rules
 
 __all__ = [
     "BlockSize",

@@ -65,9 +65,9 @@ import typing as t
 from dataclasses import dataclass
 
 from .. import _validate as v
-from ._instance import clashes, env_file_name, plan_file_name, unit_name, unit_names
-from .._plan._launch import PLAN_CHECKSUM_DROPIN, PLAN_CHECKSUM_VARIABLE, LaunchError, for_instance, plan_checksum, plan_file_bytes
 from .._engine._serve_argv import CONTROLLED_OPTIONS, EngineSpecError, option_name, render_serve_args
+from .._plan._launch import PLAN_CHECKSUM_DROPIN, PLAN_CHECKSUM_VARIABLE, LaunchError, for_instance, plan_checksum, plan_file_bytes
+from ._instance import clashes, env_file_name, plan_file_name, unit_name, unit_names
 
 KINDS = ("unit", "plan", "env", "dropin")
 

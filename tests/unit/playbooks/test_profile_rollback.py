@@ -18,7 +18,6 @@ import pytest
 import yaml
 from ansible.parsing.dataloader import DataLoader
 from ansible.template import Templar, trust_as_template
-
 from test_plan_classes import find_task  # pylint: disable=import-error
 
 ROOT = pathlib.Path(__file__).resolve().parents[3]

@@ -11,7 +11,6 @@ from __future__ import annotations
 import sys
 
 import yaml
-
 from _role_cases import ROOT, run_role_cases  # pylint: disable=import-error  # beside this file
 
 PINNED = "nvidia-ml-py==13.615.71"

@@ -17,7 +17,6 @@ import typing as t
 
 import pytest
 import yaml
-
 from _role_cases import run_role_cases  # pylint: disable=import-error  # beside this file
 
 ROOT = pathlib.Path(__file__).resolve().parents[3]

@@ -7,7 +7,6 @@
 from __future__ import annotations
 
 import pytest
-
 from _role_cases import run_role_cases  # pylint: disable=import-error  # beside this file
 
 MANUAL = {"kv_cache_memory_bytes": 30333206528, "gpu_memory_utilization": 0.2854, "reasons": ["r"]}

@@ -11,8 +11,7 @@ from unittest.mock import MagicMock
 import pytest
 from ansible.errors import AnsibleActionFail
 
-from ansible_collections.gpufleet.vllm.plugins.action.kv_plan import ActionModule as KvPlan
-from ansible_collections.gpufleet.vllm.plugins.action.kv_plan import members_from_group
+from ansible_collections.gpufleet.vllm.plugins.action.kv_plan import ActionModule as KvPlan, members_from_group
 from ansible_collections.gpufleet.vllm.plugins.action.kv_profile import ActionModule as KvProfile
 from ansible_collections.gpufleet.vllm.plugins.plugin_utils._plan import plan_class
 

@@ -14,8 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 
 from ansible_collections.gpufleet.vllm.plugins.module_utils._gate import _boot_gate as gate
 from ansible_collections.gpufleet.vllm.tests.fake_nvml import nvml_state

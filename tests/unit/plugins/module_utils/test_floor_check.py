@@ -69,8 +69,7 @@ def _relative_imports(path: Path) -> set[str]:
         if not (isinstance(node, ast.ImportFrom) and node.level):
             continue
         base = path.parent
-        for _ in range(node.level - 1):
-            base = base.parent
+        base = base.parents[node.level - 2] if node.level > 1 else base
         target = base.joinpath(*node.module.split(".")) if node.module else base
         if target.is_dir():  # from .._gpu import _nvml_probe, from .. import _validate
             files.update(target / f"{alias.name}.py" for alias in node.names)

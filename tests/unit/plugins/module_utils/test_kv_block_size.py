@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pytest
 
+from ansible_collections.gpufleet.vllm.plugins.module_utils._engine._vllm_release import RELEASES, SUPPORTED_WHEELS, parse_version, release_rules
 from ansible_collections.gpufleet.vllm.plugins.module_utils._plan._geometry import (
     GeometryError,
     UnpredictableGeometry,
@@ -18,7 +19,6 @@ from ansible_collections.gpufleet.vllm.plugins.module_utils._plan._geometry impo
     engine_target,
     geometry_from_config,
 )
-from ansible_collections.gpufleet.vllm.plugins.module_utils._engine._vllm_release import RELEASES, SUPPORTED_WHEELS, parse_version, release_rules
 from ansible_collections.gpufleet.vllm.plugins.plugin_utils._plan import plan_class
 
 GIB = 1024**3

@@ -9,8 +9,7 @@ import math
 import re
 
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 
 from ansible_collections.gpufleet.vllm.plugins.module_utils import _validate as v
 

@@ -17,8 +17,8 @@ from typing import Any
 import pytest
 from ansible.module_utils.testing import patch_module_args
 
-from ansible_collections.gpufleet.vllm.plugins.module_utils._gate import _boot_gate
 from ansible_collections.gpufleet.vllm.plugins.module_utils._engine import _engine_process
+from ansible_collections.gpufleet.vllm.plugins.module_utils._gate import _boot_gate
 from ansible_collections.gpufleet.vllm.plugins.modules import vllm_boot_check
 from ansible_collections.gpufleet.vllm.tests.unit.plugins.module_utils.test_vllm_engine import write_fake_vllm
 

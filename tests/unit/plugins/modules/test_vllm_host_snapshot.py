@@ -101,9 +101,12 @@ def test_the_probe_part_is_gpu_memory_facts_with_the_instances_units_as_own(monk
 @pytest.mark.parametrize(("args", "field"), [
     ({"instances": ["main", "bad\nname"]}, "instances[1]"),
     ({"instances": ["main", "main"]}, "instances[1]: 'main' is also instances[0]; names must be unique"),
-    ({"state_dir": "relative/dir"}, "state_dir: expected an absolute path"),
-    ({"engine_executable": "venv/bin/vllm"}, "engine_executable: expected an absolute path"),
-    ({"runtime_venv": "opt/vllm/venv"}, "runtime_venv: expected an absolute path"),
+    ({"state_dir": "relative/dir"}, "state_dir: must be an absolute path"),
+    ({"state_dir": "/var/lib/gpufleet/../../etc"}, "state_dir: must not contain '..'"),
+    ({"engine_executable": "venv/bin/vllm"}, "engine_executable: must be an absolute path"),
+    ({"engine_executable": "/opt/vllm//bin/vllm"}, "engine_executable: must be a normalised path"),
+    ({"runtime_venv": "opt/vllm/venv"}, "runtime_venv: must be an absolute path"),
+    ({"runtime_venv": "/opt/vllm/venv\n"}, "runtime_venv:"),
     ({"adopt_units": ["ok.service", "x\x1b"]}, "adopt_units[1]"),
     ({"samples": 0}, "samples"),
 ])

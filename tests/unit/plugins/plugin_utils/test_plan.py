@@ -6,9 +6,9 @@ import copy
 import math
 
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 
+from ansible_collections.gpufleet.vllm.plugins.module_utils._engine._vllm_log import GIB_ROUNDING_BYTES
 from ansible_collections.gpufleet.vllm.plugins.plugin_utils._plan import (
     PlanError,
     floor_utilization,
@@ -16,7 +16,6 @@ from ansible_collections.gpufleet.vllm.plugins.plugin_utils._plan import (
     plan_class,
     plan_deployable,
 )
-from ansible_collections.gpufleet.vllm.plugins.module_utils._engine._vllm_log import GIB_ROUNDING_BYTES
 
 GIB = 1024**3
 MIB = 1024**2

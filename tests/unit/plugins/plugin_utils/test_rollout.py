@@ -9,8 +9,7 @@ import copy
 import re
 
 import pytest
-from hypothesis import given
-from hypothesis import strategies as st
+from hypothesis import given, strategies as st
 
 from ansible_collections.gpufleet.vllm.plugins.module_utils._plan._launch import LaunchError, for_instance, from_plan
 from ansible_collections.gpufleet.vllm.plugins.plugin_utils._rollout import (
