@@ -11,7 +11,6 @@ from typing import Any, Callable, Mapping
 
 from ansible.errors import AnsibleFilterError
 
-from ansible_collections.gpufleet.vllm.plugins.module_utils._engine._boot_check import boot_timeout as _boot_timeout
 from ansible_collections.gpufleet.vllm.plugins.module_utils._engine._engine_process import base_url
 from ansible_collections.gpufleet.vllm.plugins.module_utils._engine._serve_argv import EngineSpecError, render_serve_args
 from ansible_collections.gpufleet.vllm.plugins.module_utils._units._unit_files import instances_problems, service_input_problems
@@ -24,7 +23,7 @@ from ansible_collections.gpufleet.vllm.plugins.module_utils._validate import (
     systemd_exec_start as _systemd_exec_start,
     systemd_value as _systemd_value,
 )
-from ansible_collections.gpufleet.vllm.plugins.plugin_utils._plan_inputs import PlanError, reference_boot_seconds
+from ansible_collections.gpufleet.vllm.plugins.plugin_utils._plan_inputs import PlanError, boot_timeout_for
 
 
 def _mapping(value: Any, name: str) -> Mapping[str, Any]:
@@ -56,8 +55,7 @@ def boot_timeout(configured: Any, measured: Any = None, serve_args: Any = None, 
     record (its canary's ``startup_seconds``), or None."""
     name = field if isinstance(field, str) and field else "boot_timeout"
     try:
-        seconds = reference_boot_seconds(measured) if isinstance(measured, Mapping) else measured
-        return _boot_timeout(configured, seconds, _mapping(serve_args, "serve_args").get("enforce_eager", False), name)[0]
+        return boot_timeout_for(configured, measured, _mapping(serve_args, "serve_args"), name)
     except (EngineSpecError, PlanError) as exc:
         raise AnsibleFilterError(f"boot_timeout: {exc}") from None
 

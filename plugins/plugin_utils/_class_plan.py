@@ -3,10 +3,11 @@
 # SPDX-License-Identifier: GPL-3.0-or-later
 """What a class's planning decides: the one home of "needs a profiled canary" and of the class state.
 
-The planning play (``playbooks/plays/plan_classes.yml``) asks :func:`canary_need` once per
-class, on its canary host, with the reference lookup (``kv_profile`` ``state=query``) and the
-run's settings, and every task that runs, skips or explains the profiled canary reads the
-answer. Whatever the class's outcome (planned, stopped for a profile in a dry run, failed, or
+The planning play (``playbooks/plays/plan_classes.yml``) calls :func:`prepare_class` once per
+class (``gpufleet.vllm.class_plan``), on its canary host, before any host is touched: the
+reference lookup in the profile store, :func:`canary_need` on it and the run's settings, what
+moved since an approved plan, and the first-run outline's inputs. Every task that runs, skips
+or explains the profiled canary reads that answer. Whatever the class's outcome (planned, stopped for a profile in a dry run, failed, or
 never finished on a lost canary host), its state record (``gpufleet_class_state``, which the
 rollout, the plan artifact and the report read) is built by :func:`class_state` alone.
 Controller-side, plain Python.
@@ -19,7 +20,13 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
-__all__ = ["CLASS_OUTCOMES", "CanaryNeed", "ClassPlanError", "ClassState", "canary_need", "class_state", "class_states", "deploy_order"]
+from ansible_collections.gpufleet.vllm.plugins.module_utils._plan._compat import compat_key
+from ansible_collections.gpufleet.vllm.plugins.plugin_utils._plan_inputs import boot_timeout_for
+from ansible_collections.gpufleet.vllm.plugins.plugin_utils._profile_store import ProfileStore
+from ansible_collections.gpufleet.vllm.plugins.plugin_utils._rollout import class_batches, plan_drift
+
+__all__ = ["CLASS_OUTCOMES", "CanaryNeed", "ClassPlanError", "ClassPreparation", "ClassState", "canary_need", "class_state", "class_states",
+           "deploy_order", "prepare_class"]
 
 QUERY_STATUSES = ("found", "missing", "mismatch")
 
@@ -154,6 +161,116 @@ def canary_need(query: Mapping[str, Any], host_class: str, *, force_profile: boo
                         f"{': ' + fields if differences else ''}); a rollout runs a profiled canary first")
     return CanaryNeed(reference_found=found, profiled=bool(why), why=why, plan_now=bool(run_canaries or found),
                       dry_run_stop=dry_run_stop)
+
+
+@dataclass(frozen=True)
+class ClassPreparation:
+    """What a class's planning knows before any host is touched (``gpufleet.vllm.class_plan``'s result)."""
+
+    # the class's compatibility key, canonical, and its hash
+    key_hash: str
+    compat: dict[str, Any]
+    # the profile store's answer for the key: status found/mismatch/missing, the profile (the
+    # reference when found, the class's newest under another key on a mismatch), differences,
+    # unreadable files (corrupt) and how many records the class has (count)
+    reference: dict[str, Any]
+    # whether a profiled canary runs, and why (:func:`canary_need`)
+    canary: CanaryNeed
+    # what moved since the approved plan (empty without one); any entry stops every class
+    plan_moved: list[str]
+    # the inputs of the first-run outline (``_first_run.outline``) but the manual canary, which
+    # is decided after the class is planned
+    first_run_spec: dict[str, Any]
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"key_hash": self.key_hash, "compat": self.compat, "reference": self.reference, "canary": self.canary.as_dict(),
+                "plan_moved": self.plan_moved, "first_run_spec": self.first_run_spec}
+
+
+def _instances_of(snapshots: Mapping[str, Any], host: str) -> list[Any]:
+    snapshot = snapshots.get(host)
+    if not isinstance(snapshot, Mapping):
+        raise ClassPlanError(f"snapshots: no host snapshot of {host} (gpufleet.vllm.vllm_host_snapshot's result)")
+    instances = snapshot.get("instances")
+    if not isinstance(instances, list):
+        raise ClassPlanError(f"snapshots[{host}].instances: expected the list the host snapshot returns")
+    return instances
+
+
+def _canary_facts(profile: Any) -> Mapping[str, Any]:
+    """The canary part of a profile-store record (``profile.canary``), {} when it has none."""
+    inner = profile.get("profile") if isinstance(profile, Mapping) else None
+    canary = inner.get("canary") if isinstance(inner, Mapping) else None
+    return canary if isinstance(canary, Mapping) else {}
+
+
+def _load_seconds(canary: Mapping[str, Any]) -> float | None:
+    """One canary load test as the profile measured it (warm-up included), None when unknown."""
+    raw = canary.get("load")
+    load: Mapping[str, Any] = raw if isinstance(raw, Mapping) else {}
+    total = 0.0
+    for name in ("seconds", "warmup_seconds"):
+        value = load.get(name)
+        if value is not None and not isinstance(value, bool):
+            try:
+                total += float(value)
+            except (TypeError, ValueError):
+                raise ClassPlanError(f"reference.profile.canary.load.{name}: expected seconds, got {value!r}") from None
+    return total or None
+
+
+def prepare_class(store: ProfileStore, host_class: str, compat: Mapping[str, Any], *, hosts: Sequence[str],
+                  snapshots: Mapping[str, Any], canary_host: str, canary_instance: str, canary_chosen: bool = False,
+                  approved_plan: Any = None, force_profile: bool = False, run_canaries: bool = True, serial: Any = None,
+                  boot_timeout: Any = 0, serve_args: Mapping[str, Any] | None = None, drain: bool = False) -> ClassPreparation:
+    """What one class's planning decides before any host is touched.
+
+    ``hosts``: the class's hosts in their order (the canary host among them); ``snapshots``: host
+    -> its ``vllm_host_snapshot`` result (the instances' unit states for the outline, the GPUs for
+    an approved plan's floors). ``approved_plan``: the plan artifact being applied, or None.
+    ``boot_timeout`` and ``serve_args``: the service's, for the outline's upper bound when no boot
+    was measured. Raises :class:`ClassPlanError`, and the store's, the key's, the plan's and the
+    batches' own errors (each names its field).
+    """
+    if not hosts or canary_host not in hosts:
+        raise ClassPlanError(f"hosts: expected the class's hosts with the canary host {canary_host} among them, got {list(hosts)}")
+    key = compat_key(compat)
+    answer = store.query(host_class, key)
+    need = canary_need(answer, host_class, force_profile=force_profile, run_canaries=run_canaries)
+    found = answer["status"] == "found"
+    moved: list[str] = []
+    if isinstance(approved_plan, Mapping):
+        profile_path = (answer.get("profile") or {}).get("path") if found else None
+        gpus = {}
+        for host in hosts:
+            snapshot = snapshots.get(host)
+            gpus[host] = list(snapshot.get("gpus") or []) if isinstance(snapshot, Mapping) else []
+        moved = plan_drift(approved_plan, host_class, {"key_hash": answer["key_hash"], "compat": dict(compat),
+                                                       "reference_id": os.path.basename(profile_path) if profile_path else None,
+                                                       "hosts": gpus})
+        if force_profile:
+            moved.append("gpufleet_force_profile would record a new reference profile")
+    # the boot the outline counts with: the reference's canary, else (another key) the class's newest profile's
+    timed = answer.get("profile") or {}
+    canary = _canary_facts(timed)
+    order = [canary_host] + [h for h in hosts if h != canary_host]
+    spec = {
+        "host_class": host_class,
+        "canary_host": canary_host,
+        "canary_chosen": bool(canary_chosen),
+        "canary_instance": canary_instance,
+        "profiled_canary": need.profiled,
+        "manual_canary": None,
+        "hosts": {h: _instances_of(snapshots, h) for h in hosts},
+        "batches": [b["hosts"] for b in class_batches([[host_class, order]], [1, "10%", "50%"] if serial is None else serial)],
+        "boot_seconds": canary.get("startup_seconds"),
+        "boot_source": "the reference profile's canary" if found else "the class's newest profile (another compatibility key)",
+        "boot_timeout": boot_timeout_for(boot_timeout, timed, serve_args or {}, "vllm_service_boot_timeout"),
+        "load_seconds": _load_seconds(canary),
+        "drain": bool(drain),
+    }
+    return ClassPreparation(key_hash=str(answer["key_hash"]), compat=dict(key.fields), reference=dict(answer), canary=need,
+                            plan_moved=moved, first_run_spec=spec)
 
 
 def deploy_order(hosts: Mapping[str, Mapping[str, Any]], classes: Sequence[str]) -> list[list[Any]]:

@@ -15,10 +15,12 @@ import math
 from collections.abc import Mapping
 from typing import Any, Optional, Tuple, TypedDict
 
+from ansible_collections.gpufleet.vllm.plugins.module_utils._engine._boot_check import boot_timeout as _boot_timeout
 from ansible_collections.gpufleet.vllm.plugins.module_utils._sizes import MAX_BYTES, SizeError, parse_size
 from ansible_collections.gpufleet.vllm.plugins.module_utils._validate import ValidationError, boolean
 
-__all__ = ["Host", "HostRank", "PlanError", "RefRank", "Reference", "admission_need", "parse_hosts", "parse_reference", "size"]
+__all__ = ["Host", "HostRank", "PlanError", "RefRank", "Reference", "admission_need", "boot_timeout_for", "parse_hosts", "parse_reference",
+           "reference_boot_seconds", "size"]
 
 
 class PlanError(ValueError):
@@ -221,6 +223,16 @@ def reference_boot_seconds(doc: Mapping[str, Any]) -> float | None:
         return _seconds(doc["boot_seconds"], "boot_seconds")
     profile = doc.get("profile")
     return _boot_seconds((profile if isinstance(profile, Mapping) else doc).get("canary"))
+
+
+def boot_timeout_for(configured: Any, measured: Any = None, serve_args: Mapping[str, Any] | None = None,
+                     field: str = "boot_timeout") -> int:
+    """Seconds a start may take: ``configured`` (0 derives it) from ``measured`` - seconds, or a
+    plan, reference profile or profile-store record (:func:`reference_boot_seconds`) - and the
+    serve args (``enforce_eager``). The one reading of the measured boot behind the ``boot_timeout``
+    filter and the class plan's outline; raises :class:`PlanError` or ``EngineSpecError``."""
+    seconds = reference_boot_seconds(measured) if isinstance(measured, Mapping) else measured
+    return _boot_timeout(configured, seconds, (serve_args or {}).get("enforce_eager", False), field)[0]
 
 
 def _boot_seconds(canary: Any) -> float | None:

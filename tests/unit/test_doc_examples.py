@@ -28,7 +28,7 @@ import doc_examples  # noqa: E402  pylint: disable=wrong-import-position,import-
 MODULES = sorted(p.stem for p in (REPO / "plugins" / "modules").glob("*.py") if not p.name.startswith("_"))
 FILTERS = sorted(p.stem for p in (REPO / "plugins" / "filter").glob("*.yml"))
 # Modules whose examples run here (controller side); the others need a GPU host.
-CONTROLLER_MODULES = ["kv_plan", "kv_profile", "rollout_lease", "rollout_report"]
+CONTROLLER_MODULES = ["class_plan", "kv_plan", "kv_profile", "rollout_lease", "rollout_report"]
 HOST_MODULES = ["gpu_memory_facts", "gpu_memory_info", "vllm_account", "vllm_audit", "vllm_boot_check", "vllm_canary",
                 "vllm_host_snapshot", "vllm_host_tools", "vllm_runtime_info", "vllm_unit"]
 MODEL_CONFIG = REPO / "sim" / "models" / "llama-3.1-8b-instruct" / "config.json"
@@ -155,6 +155,40 @@ def test_profile_and_plan_examples_run_in_sequence(collections_path, tmp_path):
     assert got["seed"]["kv_cache_memory_bytes"] == int(28.25 * GIB), "the seed example's name says 28.25 GiB"
     assert got["fit"]["budget_mode"] == "fit_admission" and got["fit"]["admission"]["ok"] is True
     assert 16 * 8192 <= got["fit"]["kv_cache_tokens"] < got["plan"]["kv_cache_tokens"]
+
+
+def test_class_plan_examples_find_the_reference_kv_profile_recorded(collections_path, tmp_path):
+    """kv_profile's examples record a profile; class_plan's examples find it for the same key and outline the class."""
+    texts = doc_examples.examples(collections_path, "module", ["kv_profile", "class_plan"])
+    compat = next(t for t in doc_examples.example_tasks(texts["kv_profile"])
+                  if t.get("gpufleet.vllm.kv_profile", {}).get("state", "query") == "query")["gpufleet.vllm.kv_profile"]["compat"]
+    store = tmp_path / "profiles"
+    out = tmp_path / "results.json"
+
+    def snapshot(state):
+        return {"gpus": [{"index": 0, "boot_free_bytes": 42 * GIB}],
+                "instances": [{"name": "main", "active_state": state, "unit_exists": state != "inactive", "plan": {}}]}
+
+    inventory = tmp_path / "inventory.yml"
+    inventory.write_text(yaml.safe_dump({"all": {
+        "hosts": {"localhost": {"ansible_connection": "local", "ansible_python_interpreter": sys.executable}},
+        "children": {"h200_llama8b": {"hosts": {"gpu-a1": {"gpufleet_snapshot": snapshot("active")},
+                                                 "gpu-a2": {"gpufleet_snapshot": snapshot("inactive")}}}},
+    }}), encoding="utf-8")
+    variables = {"gpufleet_profile_store": str(store), "gpufleet_compat": compat}
+    playbook = doc_examples.module_playbook(texts["kv_profile"], "localhost", variables, connection="local")
+    playbook += doc_examples.module_playbook(texts["class_plan"], "localhost", variables, connection="local", post_tasks=[{
+        "name": "Keep the result", "ansible.builtin.copy": {"dest": str(out), "mode": "0644", "content": "{{ class_plan | to_json }}"}}])
+    proc = doc_examples.run_playbook(playbook, tmp_path, collections_path, inventory=inventory)
+    doc_examples.assert_examples_ran(proc, texts["class_plan"])
+    got = json.loads(out.read_text(encoding="utf-8"))
+    recorded = list(store.glob("h200-llama8b/*.yml"))
+    assert got["reference"]["status"] == "found" and got["reference"]["profile"]["path"] == str(recorded[0])
+    assert got["canary"] == {"reference_found": True, "profiled": False, "why": "", "plan_now": True, "dry_run_stop": ""}
+    assert got["plan_moved"] == [] and got["key_hash"] == got["reference"]["profile"]["key_hash"]
+    spec = got["first_run_spec"]
+    assert spec["batches"] == [["gpu-a1"], ["gpu-a2"]] and spec["hosts"]["gpu-a2"][0]["active_state"] == "inactive"
+    assert spec["manual_canary"] is None and spec["boot_source"] == "the reference profile's canary"
 
 
 def test_rollout_lease_examples_take_and_release_the_lease(collections_path, tmp_path):

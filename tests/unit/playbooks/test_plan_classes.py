@@ -155,20 +155,21 @@ def test_the_canary_host_goes_first_in_its_class() -> None:
     assert classes == [["l40s", ["l-3", "l-1", "l-2"]], ["h200", ["h-1"]]]
 
 
-def test_the_outline_reads_each_instance_unit_state_from_the_host_snapshots() -> None:
-    """The first-run outline's hosts: per host the instances its snapshot read (plays/probe.yml's
-    gpufleet.vllm.vllm_host_snapshot, whose reading of systemd is unit tested in test_host_snapshot)."""
+def test_the_class_plan_reads_each_hosts_snapshot() -> None:
+    """gpufleet.vllm.class_plan gets every host of the class with its snapshot (plays/probe.yml's
+    gpufleet.vllm.vllm_host_snapshot, whose reading of systemd is unit tested in test_host_snapshot); what it
+    makes of them (the outline's unit states, an approved plan's floors) is unit tested in test_class_plan."""
     plays = yaml.safe_load((ROOT / "playbooks" / "plays" / "plan_classes.yml").read_text(encoding="utf-8"))
-    task = find_task(all_tasks(plays), "Outline what the run does to the class (canary host, instances that stop and for how long, units)")
-    expression = task["ansible.builtin.set_fact"]["gpufleet_first_run_spec"]["hosts"]
-    h1 = [{"name": "main", "active_state": "active", "unit_exists": True, "plan": {}},
-          {"name": "side", "active_state": "failed", "unit_exists": True, "plan": {}}]
-    h2 = [{"name": "main", "active_state": "inactive", "unit_exists": False, "plan": {}}]
+    task = find_task(all_tasks(plays), "Work out what the class needs before any host is touched")
+    h1 = {"gpus": [{"index": 0}], "instances": [{"name": "main", "active_state": "active", "unit_exists": True, "plan": {}}]}
+    h2 = {"gpus": [{"index": 0}], "instances": [{"name": "main", "active_state": "inactive", "unit_exists": False, "plan": {}}]}
     templar = Templar(loader=DataLoader(), variables={
         "gpufleet_class_hosts": ["h1", "h2"],
-        "hostvars": {"h1": {"gpufleet_probe_result": {"instances": h1}}, "h2": {"gpufleet_probe_result": {"instances": h2}}},
+        "hostvars": {"h1": {"gpufleet_probe_result": h1}, "h2": {"gpufleet_probe_result": h2}},
     })
-    assert templar.template(trust_as_template(expression)) == {"h1": h1, "h2": h2}
+    args = task["gpufleet.vllm.class_plan"]
+    assert templar.template(trust_as_template(args["snapshots"])) == {"h1": h1, "h2": h2}
+    assert templar.template(trust_as_template(args["hosts"])) == ["h1", "h2"]
 
 
 def test_only_the_canary_hosts_run_the_canary_play() -> None:
@@ -194,11 +195,12 @@ def test_the_four_class_state_writers_render_through_ansible(tmp_path) -> None:
     writers = {t["name"]: t for t in walk(all_tasks(plays)) if "gpufleet_class_state" in (t.get("ansible.builtin.set_fact") or {})}
     plan = {"decision": "budget", "reasons": ["budget from the weakest rank"], "launch": {"manual": True}}
     common = {"gpufleet_host_class": "c", "gpufleet_class_canary": "h9", "kv_plan_result": plan, "kv_plan_deployable": True,
-              "gpufleet_profile_query": {"key_hash": "k1"}, "gpufleet_reference": {"key_hash": "k1", "path": "/s/c/p1.yml"},
+              "gpufleet_reference": {"key_hash": "k1", "path": "/s/c/p1.yml"},
               "vllm_canary_compat_key": {"model": "m"}, "gpufleet_run": {"plan": None}, "gpufleet_manual_canary_needed": True,
-              "vllm_canary_result": {"verdict": "pass"}, "gpufleet_canary_need": {"dry_run_stop": "no reference"},
-              "gpufleet_first_run_spec": {"host_class": "c", "canary_host": "h9", "canary_instance": "main", "profiled_canary": False,
-                                          "hosts": {"h9": []}, "batches": [["h9"]], "drain": False},
+              "vllm_canary_result": {"verdict": "pass"},
+              "gpufleet_class_plan": {"key_hash": "k1", "canary": {"dry_run_stop": "no reference"}, "first_run_spec": {
+                  "host_class": "c", "canary_host": "h9", "canary_instance": "main", "profiled_canary": False,
+                  "hosts": {"h9": []}, "batches": [["h9"]], "drain": False}},
               "ansible_failed_task": {"name": "Boot the canary engine (manual)"},
               "ansible_failed_result": {"msg": "vLLM canary (manual) did not boot"}}
     tasks = []

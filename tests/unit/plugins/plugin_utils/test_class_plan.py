@@ -1,15 +1,22 @@
 # Copyright (c) gpufleet maintainers
 # GNU General Public License v3.0+ (see LICENSES/GPL-3.0-or-later.txt or https://www.gnu.org/licenses/gpl-3.0.txt)
-"""canary_need: the one answer to "does the class run a profiled canary, and why" (plays/plan_classes.yml reads it)."""
+"""canary_need: the one answer to "does the class run a profiled canary, and why" (plays/plan_classes.yml reads it);
+prepare_class: everything gpufleet.vllm.class_plan works out for a class before any host is touched; class_state."""
 from __future__ import annotations
 
+import os
 import re
 
 import pytest
 from ansible.errors import AnsibleFilterError
 
 from ansible_collections.gpufleet.vllm.plugins.filter.class_plan import class_state as class_state_filter
-from ansible_collections.gpufleet.vllm.plugins.plugin_utils._class_plan import ClassPlanError, canary_need, class_state, class_states
+from ansible_collections.gpufleet.vllm.plugins.module_utils._engine._boot_check import boot_timeout
+from ansible_collections.gpufleet.vllm.plugins.module_utils._engine._serve_argv import EngineSpecError
+from ansible_collections.gpufleet.vllm.plugins.module_utils._plan._launch import from_plan
+from ansible_collections.gpufleet.vllm.plugins.plugin_utils._class_plan import ClassPlanError, canary_need, class_state, class_states, prepare_class
+from ansible_collections.gpufleet.vllm.plugins.plugin_utils._profile_store import ProfileStore
+from ansible_collections.gpufleet.vllm.plugins.plugin_utils._rollout import RolloutError, plan_artifact
 
 CHANGED = {"status": "mismatch", "differences": [{"field": "driver_version", "reference": "550.1", "current": "570.2"},
                                                  {"field": "vllm_version", "reference": "0.32.0", "current": "0.33.0"}]}
@@ -100,3 +107,96 @@ def test_a_class_state_from_bad_inputs_names_the_field(outcome, fields, message)
 def test_the_class_state_filter_names_an_unknown_field():
     with pytest.raises(AnsibleFilterError, match="class_state: .*unexpected keyword argument 'plans'"):
         class_state_filter("planned", "c", plans={})
+
+
+# ---------------------------------------------------------------- prepare_class (gpufleet.vllm.class_plan)
+KEY = {"model": "tiny-llama", "vllm_version": "0.32.0", "gpu_name": "NVIDIA H200", "total_bytes": 150754820096}
+GIB = 1 << 30
+PROFILE = {"ranks": [{"rank": 0, "free_bytes": 42 * GIB, "kv_bytes": 30 * GIB}], "total_bytes": 150754820096,
+           "canary": {"startup_seconds": 42.5, "load": {"seconds": 10, "warmup_seconds": 2.5}}}
+
+
+def _snapshot(state: str = "active", free: int = 42 * GIB) -> dict:
+    return {"gpus": [{"index": 0, "boot_free_bytes": free}],
+            "instances": [{"name": "main", "active_state": state, "unit_exists": True, "plan": {}}]}
+
+
+def _prepare(store, **over):
+    args = {"hosts": ["a", "b", "c"], "snapshots": {"a": _snapshot(), "b": _snapshot("inactive"), "c": _snapshot()},
+            "canary_host": "b", "canary_instance": "main", "serial": [1, "50%"]}
+    args.update(over)
+    return prepare_class(store, "h200", KEY, **args)
+
+
+@pytest.fixture(name="store")
+def _store(tmp_path):
+    return ProfileStore(str(tmp_path / "profiles"))
+
+
+def test_a_class_with_a_reference_needs_no_profiled_canary_and_is_outlined_canary_first(store):
+    recorded = store.record({"host_class": "h200", "compat": KEY, "profile": PROFILE})
+    got = _prepare(store, boot_timeout=0, serve_args={"enforce_eager": True})
+    assert got.reference["status"] == "found" and got.reference["profile"]["path"] == recorded["path"]
+    assert got.key_hash == recorded["key_hash"] and got.compat == recorded["compat"]
+    assert got.canary == canary_need({"status": "found"}, "h200", force_profile=False, run_canaries=True)
+    assert got.plan_moved == []
+    spec = got.first_run_spec
+    assert spec["batches"] == [["b"], ["a"], ["c"]] and spec["canary_host"] == "b" and spec["manual_canary"] is None
+    assert spec["hosts"]["b"] == _snapshot("inactive")["instances"]
+    # the boot the reference's canary measured, and the timeout derived from it (one reading: _plan_inputs.boot_timeout_for)
+    assert (spec["boot_seconds"], spec["load_seconds"], spec["boot_source"]) == (42.5, 12.5, "the reference profile's canary")
+    assert spec["boot_timeout"] == boot_timeout(0, 42.5, True, "vllm_service_boot_timeout")[0]
+    assert got.as_dict()["canary"]["profiled"] is False
+
+
+def test_a_class_without_a_reference_runs_a_profiled_canary_and_knows_no_boot(store):
+    got = _prepare(store, boot_timeout=600)
+    assert got.reference["status"] == "missing" and got.canary.profiled and got.canary.why == "no reference profile in the store yet"
+    spec = got.first_run_spec
+    assert spec["profiled_canary"] is True and spec["boot_seconds"] is None and spec["boot_timeout"] == 600
+    assert spec["boot_source"] == "the class's newest profile (another compatibility key)"
+
+
+def test_a_changed_key_times_the_outline_with_the_newest_profile_of_the_class(store):
+    store.record({"host_class": "h200", "compat": dict(KEY, vllm_version="0.31.0"), "profile": PROFILE})
+    got = _prepare(store)
+    assert got.reference["status"] == "mismatch" and "vllm_version" in got.canary.why
+    assert got.first_run_spec["boot_seconds"] == 42.5
+
+
+def test_a_dry_run_without_a_reference_says_it_stops(store):
+    got = _prepare(store, run_canaries=False)
+    assert not got.canary.plan_now and got.canary.dry_run_stop.startswith("class h200 has no reference profile")
+
+
+def _approved(store, recorded):
+    plan = {"decision": "deploy", "kv_cache_memory_bytes": 20 * GIB, "gpu_memory_utilization": 0.8, "kv_cache_tokens": 160000,
+            "free_floor_bytes": {"0": 40 * GIB}}
+    plan["launch"] = from_plan(plan)
+    classes = {"h200": {"ok": True, "reasons": [], "key_hash": recorded["key_hash"], "compat": recorded["compat"],
+                        "reference_id": os.path.basename(recorded["path"]), "plan": plan}}
+    hosts = {h: {"class": "h200", "instances": [{"name": "main", "gpus": [0], "unit_checksum": f"sum-{h}"}],
+                 "gpus": [{"index": 0, "boot_free_bytes": 42 * GIB}]} for h in ("a", "b", "c")}
+    return plan_artifact(classes, hosts, "2026-12-01T10:00:00+00:00", [1, "50%"])
+
+
+def test_an_approved_plan_holds_until_the_fleet_moves_or_a_fresh_profile_is_asked_for(store):
+    recorded = store.record({"host_class": "h200", "compat": KEY, "profile": PROFILE})
+    doc = _approved(store, recorded)
+    assert _prepare(store, approved_plan=doc).plan_moved == []
+    assert _prepare(store, approved_plan=doc, force_profile=True).plan_moved == ["gpufleet_force_profile would record a new reference profile"]
+    low = {"a": _snapshot(), "b": _snapshot("inactive"), "c": _snapshot(free=40 * GIB - 1)}
+    moved = _prepare(store, approved_plan=doc, snapshots=low).plan_moved
+    assert len(moved) == 1 and moved[0].startswith("c main rank 0 (GPU 0): free memory") and "below the planned floor" in moved[0]
+
+
+@pytest.mark.parametrize(("over", "error", "message"), [
+    ({"canary_host": "z"}, ClassPlanError, "hosts: expected the class's hosts with the canary host z among them"),
+    ({"snapshots": {"a": _snapshot(), "b": _snapshot()}}, ClassPlanError, "snapshots: no host snapshot of c"),
+    ({"snapshots": {"a": _snapshot(), "b": {"instances": "main"}, "c": _snapshot()}}, ClassPlanError, "snapshots[b].instances"),
+    ({"serial": [0]}, RolloutError, "serial"),
+    ({"boot_timeout": -5}, EngineSpecError, "vllm_service_boot_timeout"),
+])
+def test_bad_inputs_name_the_field(store, over, error, message):
+    with pytest.raises(error, match=re.escape(message)):
+        _prepare(store, **over)
