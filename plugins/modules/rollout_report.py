@@ -73,10 +73,13 @@ options:
       - C(batches) is a list of C({index, total, hosts, started, finished}).
       - C(check_mode) says whether the run was a dry run (default C(ansible_check_mode)).
       - "C(probe) (required with O(kind=probe)) maps C(hosts) to C({host: {class, error, driver_version,
-        cuda_driver_version, nvml_version, gpus, instances}}) where C(gpus) are the
+        cuda_driver_version, nvml_version, runtime, gpus, instances}}) where C(gpus) are the
         RV(gpufleet.vllm.gpu_memory_info#module:gpus) entries and each instance is C({name, unit, gpus, port,
         load_state, active_state, sub_state, plan}), C(plan) being the instance's plan file or null. A probe
         report's hosts come from this section."
+      - "C(runtime), optional, is C({record, error}): the RV(gpufleet.vllm.vllm_host_snapshot#module:install_record) and
+        RV(gpufleet.vllm.vllm_host_snapshot#module:install_record_error) of the host snapshot; the report keeps the
+        release, the package and version of its stamp, and the error."
       - "C(audit) (required with O(kind=audit)) maps C(hosts) to C({host: {class, error, instances}}) where
         C(instances) are the RV(gpufleet.vllm.vllm_audit#module:instances) entries. An audit report's hosts come
         from this section; its summary lists the instances that would be refused at their next start."

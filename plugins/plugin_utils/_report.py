@@ -444,6 +444,21 @@ def _probe_instance(raw: Any, where: str) -> dict[str, Any]:
     }
 
 
+def _probe_runtime(raw: Any, where: str) -> dict[str, Any] | None:
+    """The engine runtime's install record as the host snapshot read it (``{record, error}``: the release
+    the venv links to and its stamp) -> ``{release, package, version, error}``; None without one."""
+    if raw is None:
+        return None
+    data = _mapping(raw, where)
+    record = _mapping(data.get("record") or {}, f"{where}.record")
+    error = data.get("error")
+    if not record and error is None:
+        return None
+    stamp = _mapping(record.get("stamp") or {}, f"{where}.record.stamp")
+    return {"release": str(record.get("release") or "") or None, "package": str(stamp.get("package") or "") or None,
+            "version": str(stamp.get("version") or "") or None, "error": str(error) if error is not None else None}
+
+
 def _probe_section(raw: Any) -> dict[str, Any]:
     """``data.probe``: ``{hosts: {host: {class, error, driver_version, ..., gpus: [...], instances: [...]}}}``."""
     probe = _mapping(raw, "data.probe")
@@ -462,6 +477,7 @@ def _probe_section(raw: Any) -> dict[str, Any]:
                 "driver_version": str(facts.get("driver_version") or "") or None,
                 "cuda_driver_version": str(facts.get("cuda_driver_version") or "") or None,
                 "nvml_version": str(facts.get("nvml_version") or "") or None,
+                "runtime": _probe_runtime(facts.get("runtime"), f"{where}.runtime"),
                 "gpus": [_probe_gpu(g, f"{where}.gpus[{pos}]") for pos, g in enumerate(_sequence(facts.get("gpus"), f"{where}.gpus"))],
                 "instances": [
                     _probe_instance(i, f"{where}.instances[{pos}]") for pos, i in enumerate(_sequence(facts.get("instances"), f"{where}.instances"))

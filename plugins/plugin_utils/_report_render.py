@@ -285,6 +285,12 @@ def _host_line(host: Mapping[str, Any]) -> str:
         bits.append(f"CUDA {host['cuda_driver_version']}")
     if host["nvml_version"]:
         bits.append(f"NVML {host['nvml_version']}")
+    # reports written before the probe kept the install record have no runtime
+    runtime = host.get("runtime")
+    if runtime:
+        installed = " ".join(str(runtime[k]) for k in ("package", "version") if runtime.get(k))
+        bits.append(f"runtime {installed or 'unknown'}" + (f" ({runtime['release']})" if runtime.get("release") else "")
+                    + (f": {runtime['error']}" if runtime.get("error") else ""))
     return ", ".join(bits)
 
 

@@ -352,6 +352,9 @@ def probe_data():
                     "driver_version": "580.159.04",
                     "cuda_driver_version": "13.0",
                     "nvml_version": "13.580.159.04",
+                    "runtime": {"record": {"venv": "/opt/vllm/venv", "release": "/opt/vllm/releases/vllm-0.33.0-3f2a9c1d0e",
+                                           "stamp": {"package": "vllm", "version": "0.33.0", "python": "/usr/bin/python3.12"}},
+                                "error": None},
                     "gpus": [
                         probe_gpu(0, int(40.5 * GIB), own=100 * GIB, processes=[engine]),
                         probe_gpu(1, int(138.5 * GIB), processes=[cotenant]),
@@ -391,7 +394,11 @@ def test_probe_report_figures_reach_every_renderer():
         "probe: 1 of 2 host(s) probed, 2 GPU(s), 1 of 2 instance(s) active; lowest boot free 138.5GiB (gpu-a GPU 1); failed hosts gpu-b"
     )
     md = render_markdown(report)
-    assert "## Host gpu-a" in md and "- class h200, driver 580.159.04, CUDA 13.0, NVML 13.580.159.04" in md
+    assert hosts["gpu-a"]["runtime"] == {"release": "/opt/vllm/releases/vllm-0.33.0-3f2a9c1d0e", "package": "vllm", "version": "0.33.0",
+                                         "error": None}
+    assert hosts["gpu-b"]["runtime"] is None
+    assert "## Host gpu-a" in md and ("- class h200, driver 580.159.04, CUDA 13.0, NVML 13.580.159.04, "
+                                      "runtime vllm 0.33.0 (/opt/vllm/releases/vllm-0.33.0-3f2a9c1d0e)") in md
     assert "| 0 | NVIDIA H200 | 141GiB | 40.5GiB | 140.5GiB | 40.5GiB / 40.5GiB | 100GiB | none |" in md
     assert "| 1 | NVIDIA H200 | 141GiB | 138.5GiB | 138.5GiB | 138.5GiB / 138.5GiB | 0B | 1 (2GiB) |" in md
     assert "| 1 | 61001 | python3 | 2GiB | no |" in md
@@ -408,6 +415,23 @@ def test_probe_report_figures_reach_every_renderer():
     widths = [float(w) for w in re.findall(r'class="gpu-own" x="[0-9.]+" y="[0-9.]+" width="([0-9.]+)"', page)]
     assert widths == [pytest.approx(560 * 100 / 141, abs=0.1)]
     assert load_report(json.loads(json.dumps(report))) == report
+
+
+def test_a_probe_report_says_why_the_runtime_record_could_not_be_read():
+    data = probe_data()
+    data["probe"]["hosts"]["gpu-a"]["runtime"] = {
+        "record": {"venv": "/opt/vllm/venv", "release": "/opt/vllm/releases/r1", "stamp": {}},
+        "error": "/opt/vllm/releases/r1/.gpufleet-complete: missing: /opt/vllm/releases/r1 is not a complete release"}
+    report = build_report(data, "probe", generated=WHEN)
+    runtime = {h["host"]: h for h in report["probe"]["hosts"]}["gpu-a"]["runtime"]
+    assert runtime["release"] == "/opt/vllm/releases/r1" and runtime["version"] is None and "not a complete release" in runtime["error"]
+    assert "runtime unknown (/opt/vllm/releases/r1): /opt/vllm/releases/r1/.gpufleet-complete: missing" in render_markdown(report)
+    # a host without a release of the runtime role (a plain venv) has no record and no runtime
+    data["probe"]["hosts"]["gpu-a"]["runtime"] = {"record": {}, "error": None}
+    assert {h["host"]: h for h in build_report(data, "probe", generated=WHEN)["probe"]["hosts"]}["gpu-a"]["runtime"] is None
+    data["probe"]["hosts"]["gpu-a"]["runtime"] = {"record": {"release": "/r", "stamp": "vllm"}, "error": None}
+    with pytest.raises(ReportError, match=re.escape("data.probe.hosts.gpu-a.runtime.record.stamp")):
+        build_report(data, "probe", generated=WHEN)
 
 
 def test_probe_report_input_errors_name_the_field():
