@@ -31,7 +31,7 @@ ARGUMENT_SPEC: dict[str, Any] = {
     "run_canaries": {"type": "bool", "default": True},
     "serial": {"type": "list", "elements": "raw"},
     "boot_timeout": {"type": "raw", "default": 0},
-    "serve_args": {"type": "dict", "default": {}},
+    "enforce_eager": {"type": "raw", "default": False},
     "drain": {"type": "bool", "default": False},
 }
 
@@ -56,7 +56,7 @@ class ActionModule(ActionBase):  # type: ignore[misc]  # ActionBase is Any: ansi
                 ProfileStore(args["store"]), host_class, args["compat"], hosts=args["hosts"], snapshots=args["snapshots"],
                 canary_host=args["canary_host"], canary_instance=args["canary_instance"], canary_chosen=args["canary_chosen"],
                 approved_plan=args["approved_plan"], force_profile=args["force_profile"], run_canaries=args["run_canaries"],
-                serial=args["serial"], boot_timeout=args["boot_timeout"], serve_args=args["serve_args"], drain=args["drain"])
+                serial=args["serial"], boot_timeout=args["boot_timeout"], enforce_eager=args["enforce_eager"], drain=args["drain"])
         except _ERRORS as exc:
             result.update(failed=True, msg=f"class_plan ({host_class}): {exc}")
             return result

@@ -92,10 +92,12 @@ options:
         measured boot. The outline's upper bound when no boot was measured.
     type: raw
     default: 0
-  serve_args:
-    description: The service's C(vllm serve) options (their C(enforce_eager) sets the derived boot timeout).
-    type: dict
-    default: {}
+  enforce_eager:
+    description:
+      - The service's C(enforce_eager) C(vllm serve) option (C(gpufleet_serve_args)); it sets the boot timeout derived when
+        none was measured. Only this option is passed, never the whole serve options (which may hold a secret).
+    type: raw
+    default: false
   drain:
     description: A drain hook is set (the outline says the canary host is drained first).
     type: bool

@@ -53,7 +53,9 @@ options:
     elements: str
     default: []
   state_dir:
-    description: Directory of the plan records (C(vllm_service_state_dir)).
+    description:
+      - Directory of the plan records (C(vllm_service_state_dir)).
+      - An absolute, normalised path (no C(..), C(//) or C(/./)) without whitespace, as M(gpufleet.vllm.vllm_unit) takes it.
     type: path
     default: /etc/gpufleet
   engine_executable:
@@ -61,12 +63,14 @@ options:
       - The C(vllm) CLI of the instances. When given, the snapshot reads the runtime fields of the compatibility key
         (vLLM, its commit, torch and its CUDA build) from distribution metadata with the interpreter beside it, as
         M(gpufleet.vllm.vllm_runtime_info) does, without importing either. Omit to read no runtime.
+      - An absolute, normalised path (no C(..), C(//) or C(/./)).
     type: path
   runtime_venv:
     description:
       - The engine's venv as the P(gpufleet.vllm.vllm_runtime#role) role manages it (C(vllm_runtime_venv), a symbolic
         link to the current release). When given, the snapshot returns its install record (RV(install_record)), read
         without starting any program. Omit to read none.
+      - An absolute, normalised path (no C(..), C(//) or C(/./)).
     type: path
 seealso:
   - module: gpufleet.vllm.gpu_memory_facts

@@ -205,31 +205,29 @@ def _canary_facts(profile: Any) -> Mapping[str, Any]:
 
 
 def _load_seconds(canary: Mapping[str, Any]) -> float | None:
-    """One canary load test as the profile measured it (warm-up included), None when unknown."""
+    """One canary load test as the profile measured it (warm-up included), None when unknown. The
+    outline only estimates with it: a figure that is not a number counts as unknown, never fails the class."""
     raw = canary.get("load")
     load: Mapping[str, Any] = raw if isinstance(raw, Mapping) else {}
     total = 0.0
     for name in ("seconds", "warmup_seconds"):
         value = load.get(name)
-        if value is not None and not isinstance(value, bool):
-            try:
-                total += float(value)
-            except (TypeError, ValueError):
-                raise ClassPlanError(f"reference.profile.canary.load.{name}: expected seconds, got {value!r}") from None
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
+            total += float(value)
     return total or None
 
 
 def prepare_class(store: ProfileStore, host_class: str, compat: Mapping[str, Any], *, hosts: Sequence[str],
                   snapshots: Mapping[str, Any], canary_host: str, canary_instance: str, canary_chosen: bool = False,
                   approved_plan: Any = None, force_profile: bool = False, run_canaries: bool = True, serial: Any = None,
-                  boot_timeout: Any = 0, serve_args: Mapping[str, Any] | None = None, drain: bool = False) -> ClassPreparation:
+                  boot_timeout: Any = 0, enforce_eager: Any = False, drain: bool = False) -> ClassPreparation:
     """What one class's planning decides before any host is touched.
 
     ``hosts``: the class's hosts in their order (the canary host among them); ``snapshots``: host
     -> its ``vllm_host_snapshot`` result (the instances' unit states for the outline, the GPUs for
     an approved plan's floors). ``approved_plan``: the plan artifact being applied, or None.
-    ``boot_timeout`` and ``serve_args``: the service's, for the outline's upper bound when no boot
-    was measured. Raises :class:`ClassPlanError`, and the store's, the key's, the plan's and the
+    ``boot_timeout`` and ``enforce_eager`` (the service's serve option): the outline's upper bound when
+    no boot was measured. Raises :class:`ClassPlanError`, and the store's, the key's, the plan's and the
     batches' own errors (each names its field).
     """
     if not hosts or canary_host not in hosts:
@@ -265,7 +263,7 @@ def prepare_class(store: ProfileStore, host_class: str, compat: Mapping[str, Any
         "batches": [b["hosts"] for b in class_batches([[host_class, order]], [1, "10%", "50%"] if serial is None else serial)],
         "boot_seconds": canary.get("startup_seconds"),
         "boot_source": "the reference profile's canary" if found else "the class's newest profile (another compatibility key)",
-        "boot_timeout": boot_timeout_for(boot_timeout, timed, serve_args or {}, "vllm_service_boot_timeout"),
+        "boot_timeout": boot_timeout_for(boot_timeout, timed, {"enforce_eager": enforce_eager}, "vllm_service_boot_timeout"),
         "load_seconds": _load_seconds(canary),
         "drain": bool(drain),
     }

@@ -135,7 +135,7 @@ def _store(tmp_path):
 
 def test_a_class_with_a_reference_needs_no_profiled_canary_and_is_outlined_canary_first(store):
     recorded = store.record({"host_class": "h200", "compat": KEY, "profile": PROFILE})
-    got = _prepare(store, boot_timeout=0, serve_args={"enforce_eager": True})
+    got = _prepare(store, boot_timeout=0, enforce_eager=True)
     assert got.reference["status"] == "found" and got.reference["profile"]["path"] == recorded["path"]
     assert got.key_hash == recorded["key_hash"] and got.compat == recorded["compat"]
     assert got.canary == canary_need({"status": "found"}, "h200", force_profile=False, run_canaries=True)
