@@ -116,11 +116,17 @@ def test_filter_examples_return_what_they_document(collections_path, tmp_path):
     assert not problems, "\n".join(problems)
 
 
+def _queried_key(kv_profile_examples: str) -> dict:
+    """The compatibility key kv_profile's query example looks up (the examples after it use the same one)."""
+    query = next(t for t in doc_examples.example_tasks(kv_profile_examples)
+                 if t.get("gpufleet.vllm.kv_profile", {}).get("state", "query") == "query")
+    return query["gpufleet.vllm.kv_profile"]["compat"]
+
+
 def test_profile_and_plan_examples_run_in_sequence(collections_path, tmp_path):
     """kv_profile's examples record a profile and find it; kv_plan's examples plan from it."""
     texts = doc_examples.examples(collections_path, "module", ["kv_profile", "kv_plan"])
-    compat = next(t for t in doc_examples.example_tasks(texts["kv_profile"])
-                  if t.get("gpufleet.vllm.kv_profile", {}).get("state", "query") == "query")["gpufleet.vllm.kv_profile"]["compat"]
+    compat = _queried_key(texts["kv_profile"])
     store = tmp_path / "profiles"
     out = tmp_path / "results.json"
 
@@ -160,8 +166,7 @@ def test_profile_and_plan_examples_run_in_sequence(collections_path, tmp_path):
 def test_class_plan_examples_find_the_reference_kv_profile_recorded(collections_path, tmp_path):
     """kv_profile's examples record a profile; class_plan's examples find it for the same key and outline the class."""
     texts = doc_examples.examples(collections_path, "module", ["kv_profile", "class_plan"])
-    compat = next(t for t in doc_examples.example_tasks(texts["kv_profile"])
-                  if t.get("gpufleet.vllm.kv_profile", {}).get("state", "query") == "query")["gpufleet.vllm.kv_profile"]["compat"]
+    compat = _queried_key(texts["kv_profile"])
     store = tmp_path / "profiles"
     out = tmp_path / "results.json"
 
