@@ -18,6 +18,7 @@ import typing as t
 import yaml
 from ansible.parsing.dataloader import DataLoader
 from ansible.template import Templar, trust_as_template
+from task_lookup import including, only, plays_tasks, running, setting, tasks_in  # pylint: disable=import-error
 
 from ansible_collections.gpufleet.vllm.plugins.filter.class_plan import class_deploy_order
 from ansible_collections.gpufleet.vllm.plugins.plugin_utils._class_plan import class_state, deploy_order
@@ -33,43 +34,16 @@ SPLIT_PLAN = {
 }
 
 
-def find_task(tasks: list[dict[str, t.Any]], name: str) -> dict[str, t.Any]:
-    for task in tasks:
-        if task.get("name") == name:
-            return task
-        for key in ("block", "rescue", "always"):
-            if key in task:
-                try:
-                    return find_task(task[key], name)
-                except KeyError:
-                    pass
-    raise KeyError(name)
-
-
-def all_tasks(plays: list[dict[str, t.Any]]) -> list[dict[str, t.Any]]:
-    """The tasks of every play of a playbook file, in order."""
-    return [task for play in plays for task in play.get("tasks", [])]
-
-
 def test_every_class_state_is_built_by_the_class_state_filter() -> None:
     """The class state's one writer: every task that sets gpufleet_class_state calls gpufleet.vllm.class_state,
     one per outcome (its behaviour is unit tested in test_class_plan.py); found by what they set, not by name."""
     plays = yaml.safe_load((ROOT / "playbooks" / "plays" / "plan_classes.yml").read_text(encoding="utf-8"))
-    expressions = [str(t["ansible.builtin.set_fact"]["gpufleet_class_state"]) for t in walk(all_tasks(plays))
+    expressions = [str(t["ansible.builtin.set_fact"]["gpufleet_class_state"]) for t in tasks_in(plays_tasks(plays))
                    if "gpufleet_class_state" in (t.get("ansible.builtin.set_fact") or {})]
     outcomes = sorted(re.search(r"'(\w+)' \| gpufleet\.vllm\.class_state\(", e).group(1) for e in expressions)
     assert outcomes == ["failed", "needs_profile", "planned", "unfinished"], expressions
     # a failed class keeps the plan made so far (the report shows it)
     assert any("'failed' | gpufleet.vllm.class_state(gpufleet_host_class, plan=kv_plan_result | default({})" in e for e in expressions)
-
-
-def walk(tasks: list[dict[str, t.Any]]) -> list[dict[str, t.Any]]:
-    out = []
-    for task in tasks:
-        out.append(task)
-        for key in ("block", "rescue", "always"):
-            out.extend(walk(task.get(key) or []))
-    return out
 
 
 def test_a_class_stopped_after_planning_keeps_its_plan() -> None:
@@ -91,7 +65,7 @@ def classes_in_rollout_order(variables: dict[str, t.Any]) -> t.Any:
     """The [class, hosts] list the playbook hands to gpufleet.vllm.rollout_batches (unit tested on its own),
     through the filter the playbook calls with the play's hostvars."""
     plays = yaml.safe_load((ROOT / "playbooks" / "plays" / "plan_classes.yml").read_text(encoding="utf-8"))
-    expression = find_task(all_tasks(plays), "Work out the batches of every deployable class")["ansible.builtin.set_fact"]["gpufleet_batch_plan"]
+    expression = setting(plays_tasks(plays), "gpufleet_batch_plan")["ansible.builtin.set_fact"]["gpufleet_batch_plan"]
     assert "gpufleet.vllm.class_deploy_order(ansible_play_hosts, gpufleet_run.classes)" in expression
     run = variables["gpufleet_run"]
     return class_deploy_order(variables["hostvars"], variables["ansible_play_hosts"], run["classes"])
@@ -115,7 +89,8 @@ def test_classes_follow_the_stated_order_and_leave_out_classes_that_do_not_deplo
 
 def canary_host_note(task_name: str, variables: dict[str, t.Any]) -> str:
     tasks = yaml.safe_load((ROOT / "playbooks" / "tasks" / "canary_undrain.yml").read_text(encoding="utf-8"))
-    note = find_task(tasks, task_name)["ansible.builtin.set_fact"]["gpufleet_canary_host_note"]
+    # three tasks set the note, one per outcome; each test names the outcome it renders
+    note = only(tasks, f"is named {task_name!r}", lambda task: task.get("name") == task_name)["ansible.builtin.set_fact"]["gpufleet_canary_host_note"]
     # __gpufleet_boot_timeout: the task's own var (vllm_service_boot_timeout through gpufleet.vllm.boot_timeout)
     variables = dict(variables, inventory_hostname="h1", vllm_canary_instance={"name": "main", "port": 8000},
                      __gpufleet_boot_timeout=120)
@@ -136,8 +111,8 @@ def test_a_canary_host_left_drained_says_why() -> None:
 
 def test_every_failed_class_can_give_its_drained_canary_host_back() -> None:
     plays = yaml.safe_load((ROOT / "playbooks" / "plays" / "plan_classes.yml").read_text(encoding="utf-8"))
-    task = find_task(all_tasks(plays), "Give the canary host back to its load balancer, or say why not")
-    assert task["ansible.builtin.include_tasks"] == "../tasks/canary_undrain.yml"
+    task = including(plays_tasks(plays), "../tasks/canary_undrain.yml")
+    assert task in next(t for t in plays_tasks(plays) if "rescue" in t)["rescue"], "the undrain runs when the class fails"
     assert task["when"] == "gpufleet_canary_drained | default(false) | bool"
 
 
@@ -160,7 +135,7 @@ def test_the_class_plan_reads_each_hosts_snapshot() -> None:
     gpufleet.vllm.vllm_host_snapshot, whose reading of systemd is unit tested in test_host_snapshot); what it
     makes of them (the outline's unit states, an approved plan's floors) is unit tested in test_class_plan."""
     plays = yaml.safe_load((ROOT / "playbooks" / "plays" / "plan_classes.yml").read_text(encoding="utf-8"))
-    task = find_task(all_tasks(plays), "Work out what the class needs before any host is touched")
+    task = running(plays_tasks(plays), "gpufleet.vllm.class_plan")
     h1 = {"gpus": [{"index": 0}], "instances": [{"name": "main", "active_state": "active", "unit_exists": True, "plan": {}}]}
     h2 = {"gpus": [{"index": 0}], "instances": [{"name": "main", "active_state": "inactive", "unit_exists": False, "plan": {}}]}
     templar = Templar(loader=DataLoader(), variables={
@@ -178,7 +153,7 @@ def test_only_the_canary_hosts_run_the_canary_play() -> None:
     plays = yaml.safe_load((ROOT / "playbooks" / "plays" / "plan_classes.yml").read_text(encoding="utf-8"))
     canary_play = next(p for p in plays if any(t.get("name") == "Work out the class" for t in p["tasks"]))
     assert canary_play["hosts"] == "gpufleet_canaries:localhost"
-    assert find_task(plays[0]["tasks"], "Group the canary hosts")["ansible.builtin.group_by"]["key"] == "gpufleet_canaries"
+    assert running(plays[0]["tasks"], "ansible.builtin.group_by")["ansible.builtin.group_by"]["key"] == "gpufleet_canaries"
     for play in plays:
         if play is not canary_play:
             assert not [t for t in play["tasks"] if "when" in t and "gpufleet_class_canary" in str(t["when"])
@@ -192,7 +167,7 @@ def test_the_four_class_state_writers_render_through_ansible(tmp_path) -> None:
     import doc_examples  # pylint: disable=import-outside-toplevel,import-error
 
     plays = yaml.safe_load((ROOT / "playbooks" / "plays" / "plan_classes.yml").read_text(encoding="utf-8"))
-    writers = {t["name"]: t for t in walk(all_tasks(plays)) if "gpufleet_class_state" in (t.get("ansible.builtin.set_fact") or {})}
+    writers = {t["name"]: t for t in tasks_in(plays_tasks(plays)) if "gpufleet_class_state" in (t.get("ansible.builtin.set_fact") or {})}
     plan = {"decision": "budget", "reasons": ["budget from the weakest rank"], "launch": {"manual": True}}
     common = {"gpufleet_host_class": "c", "gpufleet_class_canary": "h9", "kv_plan_result": plan, "kv_plan_deployable": True,
               "gpufleet_reference": {"key_hash": "k1", "path": "/s/c/p1.yml"},

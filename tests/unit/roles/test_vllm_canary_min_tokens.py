@@ -18,6 +18,7 @@ import yaml
 from ansible.errors import AnsibleValueOmittedError
 from ansible.parsing.dataloader import DataLoader
 from ansible.template import Templar, trust_as_template
+from task_lookup import only, plays_tasks, running  # pylint: disable=import-error
 
 from ansible_collections.gpufleet.vllm.plugins.module_utils._engine._canary import Tolerances, judge_canary
 from ansible_collections.gpufleet.vllm.plugins.module_utils._plan._launch import from_plan
@@ -31,19 +32,6 @@ REFERENCE = {"mode": "profiled", "verdict": "pass", "kv_cache_tokens": 492128, "
 PLAN_TOKENS = 288384  # 0.586 of the reference: a right-sized budget
 
 
-def find_task(tasks: list[dict[str, t.Any]], name: str) -> dict[str, t.Any]:
-    for task in tasks:
-        if task.get("name") == name:
-            return task
-        for key in ("block", "rescue", "always"):
-            if key in task:
-                try:
-                    return find_task(task[key], name)
-                except KeyError:
-                    pass
-    raise KeyError(name)
-
-
 def render(expr: str, variables: dict[str, t.Any]) -> t.Any:
     try:
         return Templar(loader=DataLoader(), variables=variables).template(trust_as_template(expr))
@@ -53,7 +41,7 @@ def render(expr: str, variables: dict[str, t.Any]) -> t.Any:
 
 def module_args(min_tokens: int, tolerances: dict[str, t.Any] | None = None) -> tuple[t.Any, t.Any]:
     tasks = yaml.safe_load((ROOT / "roles" / "vllm_canary" / "tasks" / "main.yml").read_text())
-    args = find_task(tasks, "Boot the canary engine ({{ vllm_canary_mode }})")["gpufleet.vllm.vllm_canary"]
+    args = running(tasks, "gpufleet.vllm.vllm_canary")["gpufleet.vllm.vllm_canary"]
     variables = {"vllm_canary_mode": "manual", "vllm_canary_reference": REFERENCE,
                  "vllm_canary_min_tokens": min_tokens, "vllm_canary_tolerances": tolerances or {}}
     return render(args["reference"], variables), render(args["tolerances"], variables)
@@ -71,8 +59,9 @@ def judge(tokens: int, min_tokens: int, ttft: float = 0.2) -> tuple[str, list[st
 
 
 def test_playbook_passes_the_planned_tokens_for_every_manual_budget():
-    tasks = [task for play in yaml.safe_load((ROOT / "playbooks" / "plays" / "plan_classes.yml").read_text()) for task in play["tasks"]]
-    expr = find_task(tasks, "Run the manual canary with the planned budget")["vars"]["vllm_canary_min_tokens"]
+    tasks = plays_tasks(yaml.safe_load((ROOT / "playbooks" / "plays" / "plan_classes.yml").read_text()))
+    expr = only(tasks, "gives the canary the plan's tokens", lambda task: "vllm_canary_min_tokens" in (task.get("vars") or {}))[
+        "vars"]["vllm_canary_min_tokens"]
 
     def planned(budget_mode: str, decision: str, tokens: int) -> dict:
         plan = {"budget_mode": budget_mode, "decision": decision, "kv_cache_tokens": tokens,
