@@ -175,10 +175,10 @@ def test_class_plan_examples_find_the_reference_kv_profile_recorded(collections_
                 "instances": [{"name": "main", "active_state": state, "unit_exists": state != "inactive", "plan": {}}]}
 
     inventory = tmp_path / "inventory.yml"
+    members = {"gpu-a1": {"gpufleet_snapshot": snapshot("active")}, "gpu-a2": {"gpufleet_snapshot": snapshot("inactive")}}
     inventory.write_text(yaml.safe_dump({"all": {
         "hosts": {"localhost": {"ansible_connection": "local", "ansible_python_interpreter": sys.executable}},
-        "children": {"h200_llama8b": {"hosts": {"gpu-a1": {"gpufleet_snapshot": snapshot("active")},
-                                                 "gpu-a2": {"gpufleet_snapshot": snapshot("inactive")}}}},
+        "children": {"h200_llama8b": {"hosts": members}},
     }}), encoding="utf-8")
     variables = {"gpufleet_profile_store": str(store), "gpufleet_compat": compat}
     playbook = doc_examples.module_playbook(texts["kv_profile"], "localhost", variables, connection="local")
