@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 from ansible_collections.gpufleet.vllm.plugins.module_utils._plan._compat import compat_key
-from ansible_collections.gpufleet.vllm.plugins.plugin_utils._plan_inputs import boot_timeout_for
+from ansible_collections.gpufleet.vllm.plugins.plugin_utils._plan_inputs import boot_timeout_for, reference_boot_seconds
 from ansible_collections.gpufleet.vllm.plugins.plugin_utils._profile_store import ProfileStore
 from ansible_collections.gpufleet.vllm.plugins.plugin_utils._rollout import class_batches, plan_drift
 
@@ -187,18 +187,19 @@ class ClassPreparation:
                 "plan_moved": self.plan_moved, "first_run_spec": self.first_run_spec}
 
 
-def _instances_of(snapshots: Mapping[str, Any], host: str) -> list[Any]:
+def _snapshot_of(snapshots: Mapping[str, Any], host: str) -> Mapping[str, Any]:
+    """A host's snapshot, with the instance list the outline reads; an error names what is missing."""
     snapshot = snapshots.get(host)
     if not isinstance(snapshot, Mapping):
         raise ClassPlanError(f"snapshots: no host snapshot of {host} (gpufleet.vllm.vllm_host_snapshot's result)")
-    instances = snapshot.get("instances")
-    if not isinstance(instances, list):
+    if not isinstance(snapshot.get("instances"), list):
         raise ClassPlanError(f"snapshots[{host}].instances: expected the list the host snapshot returns")
-    return instances
+    return snapshot
 
 
 def _canary_facts(profile: Any) -> Mapping[str, Any]:
-    """The canary part of a profile-store record (``profile.canary``), {} when it has none."""
+    """The canary part of a profile-store record (``profile.canary``), {} when it has none (its load
+    test; its boot is :func:`_plan_inputs.reference_boot_seconds`'s to read)."""
     inner = profile.get("profile") if isinstance(profile, Mapping) else None
     canary = inner.get("canary") if isinstance(inner, Mapping) else None
     return canary if isinstance(canary, Mapping) else {}
@@ -232,6 +233,7 @@ def prepare_class(store: ProfileStore, host_class: str, compat: Mapping[str, Any
     """
     if not hosts or canary_host not in hosts:
         raise ClassPlanError(f"hosts: expected the class's hosts with the canary host {canary_host} among them, got {list(hosts)}")
+    by_host = {host: _snapshot_of(snapshots, host) for host in hosts}
     key = compat_key(compat)
     answer = store.query(host_class, key)
     need = canary_need(answer, host_class, force_profile=force_profile, run_canaries=run_canaries)
@@ -239,13 +241,9 @@ def prepare_class(store: ProfileStore, host_class: str, compat: Mapping[str, Any
     moved: list[str] = []
     if isinstance(approved_plan, Mapping):
         profile_path = (answer.get("profile") or {}).get("path") if found else None
-        gpus = {}
-        for host in hosts:
-            snapshot = snapshots.get(host)
-            gpus[host] = list(snapshot.get("gpus") or []) if isinstance(snapshot, Mapping) else []
         moved = plan_drift(approved_plan, host_class, {"key_hash": answer["key_hash"], "compat": dict(compat),
                                                        "reference_id": os.path.basename(profile_path) if profile_path else None,
-                                                       "hosts": gpus})
+                                                       "hosts": {h: list(s.get("gpus") or []) for h, s in by_host.items()}})
         if force_profile:
             moved.append("gpufleet_force_profile would record a new reference profile")
     # the boot the outline counts with: the reference's canary, else (another key) the class's newest profile's
@@ -259,9 +257,9 @@ def prepare_class(store: ProfileStore, host_class: str, compat: Mapping[str, Any
         "canary_instance": canary_instance,
         "profiled_canary": need.profiled,
         "manual_canary": None,
-        "hosts": {h: _instances_of(snapshots, h) for h in hosts},
+        "hosts": {h: s["instances"] for h, s in by_host.items()},
         "batches": [b["hosts"] for b in class_batches([[host_class, order]], [1, "10%", "50%"] if serial is None else serial)],
-        "boot_seconds": canary.get("startup_seconds"),
+        "boot_seconds": reference_boot_seconds(timed),
         "boot_source": "the reference profile's canary" if found else "the class's newest profile (another compatibility key)",
         "boot_timeout": boot_timeout_for(boot_timeout, timed, {"enforce_eager": enforce_eager}, "vllm_service_boot_timeout"),
         "load_seconds": _load_seconds(canary),
