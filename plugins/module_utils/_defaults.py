@@ -74,6 +74,9 @@ DEFAULTS: t.Mapping[str, Default] = MappingProxyType({
     "executable": Default("/opt/vllm/venv/bin/vllm", "the vllm CLI in the venv vllm_runtime installs"),
     "state_dir": Default("/etc/gpufleet", "plan files, environment files and kept units"),
     "unit_dir": Default("/etc/systemd/system", "where systemd reads administrator units"),
+    "service_user": Default("vllm", "the unprivileged account vLLM and its canaries run as"),
+    "nvml_binding_venv": Default("/opt/gpufleet/nvml-venv", "the small venv the NVML binding goes into on a host whose "
+                                 "interpreters lack it (before the vLLM runtime, whose venv ships it)"),
     # the runs
     "reprofile_after_days": Default(30.0, "a plan older than this is reprofile_due in the audit"),
     "lease_ttl": Default(7200, "seconds a class's lease holds without renewal; every batch renews it"),

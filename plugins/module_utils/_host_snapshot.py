@@ -12,8 +12,9 @@ engine executable the runtime fields of the compatibility key its venv reports (
 ``vllm_runtime_info`` reads them, :func:`._compat.read_runtime`), and with a runtime venv the
 install record of the engine runtime (:func:`install_record`: the release the ``vllm_runtime``
 role switched the venv to, ``_unit_files.runtime_link``, and that release's
-``.gpufleet-complete`` stamp). The unit names come from :mod:`._instance`. Plain Python: the
-NVML binding and the command runner are handed in.
+``.gpufleet-complete`` stamp), and with a model whether the service user can read all of it
+(:func:`._service_account.check_model`, where the user exists already). The unit names come
+from :mod:`._instance`. Plain Python: the NVML binding and the command runner are handed in.
 """
 from __future__ import annotations
 
@@ -25,11 +26,12 @@ from ._defaults import default
 from ._gpu._gpu_memory import ARGUMENT_SPEC as PROBE_ARGUMENT_SPEC, check_params as check_probe_params, host_facts, read as read_gpus
 from ._plan._compat import RUNTIME_KEY_FIELDS, CompatError, read_runtime
 from ._units._instance import clashes, unit_name
+from ._units._service_account import AccountError, check_model
 from ._units._unit_files import Layout, UnitFilesError, read_bytes, read_plan, runtime_link, systemctl_show
-from ._validate import ValidationError, abs_path, instance_name, text
+from ._validate import ValidationError, abs_path, account_name, instance_name, text
 
 __all__ = ["ARGUMENT_SPEC", "RELEASE_STAMP", "UNIT_PROPERTIES", "HostSnapshotError", "check_params", "engine_runtime", "install_record",
-           "snapshot", "snapshot_facts"]
+           "model_access", "snapshot", "snapshot_facts"]
 
 ARGUMENT_SPEC: dict[str, dict[str, t.Any]] = {
     **PROBE_ARGUMENT_SPEC,
@@ -38,6 +40,8 @@ ARGUMENT_SPEC: dict[str, dict[str, t.Any]] = {
     "state_dir": {"type": "path", "default": default("state_dir")},
     "engine_executable": {"type": "path"},
     "runtime_venv": {"type": "path"},
+    "model": {"type": "str"},
+    "model_user": {"type": "str", "default": default("service_user")},
 }
 
 # the stamp the vllm_runtime role writes last into a release it installed completely (roles/vllm_runtime,
@@ -68,6 +72,11 @@ def check_params(params: t.Mapping[str, t.Any]) -> None:
     for field, spaces in (("state_dir", False), ("engine_executable", True), ("runtime_venv", True)):
         if params.get(field) is not None:
             abs_path(params[field], field, spaces=spaces)
+    if params.get("model") is not None:
+        # any absolute path vllm serve takes (vllm_account's rule for a model), not only a normalised one
+        if not text(params["model"], "model").startswith("/"):
+            raise ValidationError(f"model: must be an absolute path (a local model), got {params['model']!r}")
+        account_name(params["model_user"], "model_user")
 
 
 def engine_runtime(executable: str, run_command: Runner) -> dict[str, t.Any]:
@@ -126,7 +135,23 @@ def snapshot(params: t.Mapping[str, t.Any], binding: t.Any, host: str, run_comma
     if params.get("engine_executable"):
         result["engine"] = engine_runtime(params["engine_executable"], run_command)
     result.update(install_record(params.get("runtime_venv") or ""))
+    if params.get("model"):
+        result["model_access"] = model_access(run_command, params["model_user"], params["model"])
     return result
+
+
+def model_access(run_command: t.Callable[..., tuple[int, str, str]], user: str, model: str) -> dict[str, t.Any]:
+    """``{model, user, checked, error}``: whether ``user`` can read all of ``model`` (vllm_account's check).
+
+    Where the user does not exist yet, nothing is checked (``checked`` false, no error): the
+    deploy that creates it checks then. ``error`` names what the user cannot read.
+    """
+    access: dict[str, t.Any] = {"model": model, "user": user, "checked": False, "error": None}
+    try:
+        access["checked"] = check_model(run_command, user, model, user_optional=True)
+    except AccountError as exc:
+        access["error"] = str(exc)
+    return access
 
 
 def install_record(venv: str) -> dict[str, t.Any]:
@@ -174,4 +199,6 @@ def snapshot_facts(result: t.Mapping[str, t.Any], host: str) -> dict[str, t.Any]
     facts["gpufleet_host_snapshot"] = {"host": host, "interpreter": result["interpreter"], "instances": result["instances"],
                                        "engine": result.get("engine"), "install_record": result["install_record"],
                                        "install_record_error": result["install_record_error"]}
+    if "model_access" in result:
+        facts["gpufleet_host_snapshot"]["model_access"] = result["model_access"]
     return facts

@@ -21,6 +21,7 @@ description:
   - With O(engine_executable), the runtime fields of the compatibility key, read by the engine's own interpreter.
   - With O(runtime_venv), the install record of the engine runtime - the release the P(gpufleet.vllm.vllm_runtime#role)
     role switched the venv to, and that release's C(.gpufleet-complete) stamp (package, version, base interpreter).
+  - With O(model), whether the service user can read all of the model (RV(model_access)).
   - The Python interpreter the module ran with (one that imports C(pynvml)).
   - Sets the host facts C(gpufleet_gpus) and C(gpufleet_nvml) as M(gpufleet.vllm.gpu_memory_facts) does, and
     C(gpufleet_host_snapshot) (the instances, the engine's runtime, the install record and the interpreter).
@@ -72,6 +73,18 @@ options:
         without starting any program. Omit to read none.
       - An absolute, normalised path (no C(..), C(//) or C(/./)).
     type: path
+  model:
+    description:
+      - A local model (an absolute path, as C(vllm serve) takes it) that O(model_user) must be able to read, all of it.
+        The snapshot checks it as M(gpufleet.vllm.vllm_account) O(gpufleet.vllm.vllm_account#module:state=checked) does
+        (C(find -L) as the user) and returns the outcome in RV(model_access); an unreadable file is no failure here.
+      - Where O(model_user) does not exist yet, nothing is checked (the deploy that creates the user checks then).
+      - Omit (or a model id) to check nothing.
+    type: str
+  model_user:
+    description: The service user that runs the engine (C(vllm_service_user)), whose access to O(model) is checked.
+    type: str
+    default: vllm
 seealso:
   - module: gpufleet.vllm.gpu_memory_facts
   - module: gpufleet.vllm.vllm_unit
@@ -177,6 +190,21 @@ install_record_error:
   description: Why the release's stamp could not be read (missing, unreadable, not a JSON object); V(null) when it was read or there is no record.
   type: str
   returned: success
+model_access:
+  description: With O(model), whether O(model_user) can read all of it.
+  returned: when O(model) is given
+  type: dict
+  contains:
+    model: {description: O(model)., type: str, returned: always, sample: /srv/models/llama-3.1-8b-instruct}
+    user: {description: O(model_user)., type: str, returned: always, sample: vllm}
+    checked:
+      description: Whether the model was checked and found readable; V(false) where the user does not exist yet or it is not readable.
+      type: bool
+      returned: always
+    error:
+      description: What the user cannot read (the first paths, or C(find)'s own errors); V(null) when readable or not checked.
+      type: str
+      returned: always
 interpreter:
   description: The Python interpreter the module ran with (it imports C(pynvml)).
   returned: success
@@ -199,7 +227,7 @@ ansible_facts:
     gpufleet_host_snapshot:
       description:
         - The host name, RV(interpreter), RV(instances), RV(engine) (V(null) without O(engine_executable)),
-          RV(install_record) and RV(install_record_error).
+          RV(install_record) and RV(install_record_error); with O(model) also RV(model_access).
       type: dict
       returned: success
       sample: {host: gpu-a1, interpreter: /opt/vllm/venv/bin/python, instances: [], engine: null, install_record: {},

@@ -88,7 +88,7 @@ def collections_path(tmp_path_factory):
 @pytest.fixture(scope="module")
 def texts(collections_path) -> dict[str, str]:
     return doc_examples.examples(collections_path, "module",
-                                 ["gpu_memory_facts", "gpu_memory_info", "vllm_account", "vllm_audit", "vllm_boot_check", "vllm_canary",
+                                 ["gpu_memory_facts", "gpu_memory_info", "nvml_interpreter", "vllm_account", "vllm_audit", "vllm_boot_check", "vllm_canary",
                                   "vllm_host_snapshot", "vllm_host_tools", "vllm_runtime_info", "vllm_unit"])
 
 
@@ -263,6 +263,7 @@ def test_boot_check_and_gpu_memory_examples(sim, collections_path, texts, tmp_pa
     out = tmp_path / "gpus.json"
     facts_out = tmp_path / "facts.json"
     snapshot_out = tmp_path / "snapshot.json"
+    interpreter_out = tmp_path / "interpreter.json"
     playbook = doc_examples.module_playbook(texts["vllm_boot_check"], HOST, {"gpufleet_plan": engines})
     playbook += doc_examples.module_playbook(texts["gpu_memory_info"], HOST, post_tasks=[
         keep(out, "{'all': gpu.gpus, 'last': gpu_pair.gpus, 'facts': ansible_facts.gpufleet_gpus | default(none)}")])
@@ -270,11 +271,14 @@ def test_boot_check_and_gpu_memory_examples(sim, collections_path, texts, tmp_pa
         keep(facts_out, "{'gpus': ansible_facts.gpufleet_gpus, 'nvml': ansible_facts.gpufleet_nvml, 'probed': probed.gpus}")])
     playbook += doc_examples.module_playbook(texts["vllm_host_snapshot"], HOST, post_tasks=[
         keep(snapshot_out, "{'snap': snap, 'facts': ansible_facts.gpufleet_host_snapshot}")])
+    playbook += doc_examples.module_playbook(texts["nvml_interpreter"], HOST, post_tasks=[
+        keep(interpreter_out, "{'found': nvml_interpreter, 'fact': ansible_facts.gpu_probe_interpreter}")])
     proc = run(sim, collections_path, tmp_path, playbook)
     doc_examples.assert_examples_ran(proc, texts["vllm_boot_check"])
     doc_examples.assert_examples_ran(proc, texts["gpu_memory_info"])
     doc_examples.assert_examples_ran(proc, texts["gpu_memory_facts"])
     doc_examples.assert_examples_ran(proc, texts["vllm_host_snapshot"])
+    doc_examples.assert_examples_ran(proc, texts["nvml_interpreter"])
     # the embedder's 2 GiB: 1024 blocks of 16 tokens of Llama-3.1-8B (2 MiB per block)
     assert "16384 tokens in 2GiB" in proc.stdout, proc.stdout[-3000:]
     got = json.loads(out.read_text(encoding="utf-8"))
@@ -301,6 +305,11 @@ def test_boot_check_and_gpu_memory_examples(sim, collections_path, texts, tmp_pa
     assert snap["engine"] == {"executable": "/opt/vllm/venv/bin/vllm", "python": "/opt/vllm/venv/bin/python", "compat": {}, "error": None}
     # the venv is a plain directory here, not a release the runtime role switched to: no install record
     assert snap["install_record"] == {} and snap["install_record_error"] is None
+    # nvml_interpreter: this venv has no python3 (passed over, named), the guest's interpreter imports pynvml
+    found = json.loads(interpreter_out.read_text(encoding="utf-8"))
+    assert found["found"]["candidates"][0] == "/opt/vllm/venv/bin/python3", found
+    assert found["found"]["passed_over"] == ["/opt/vllm/venv/bin/python3: not found"], found
+    assert found["found"]["interpreter"] == found["fact"] and found["fact"].endswith("/python3"), found
     assert snapshot["facts"] == {"host": HOST, "interpreter": snap["interpreter"], "instances": snap["instances"], "engine": snap["engine"],
                                  "install_record": {}, "install_record_error": None}
 

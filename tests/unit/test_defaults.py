@@ -67,6 +67,8 @@ PLACES: dict[str, list[tuple[str, ...]]] = {
                   ("doc", "vllm_unit", "state_dir"), ("doc", "vllm_boot_check", "record.state_dir"), ("jinja", "vllm_service_state_dir")],
     "unit_dir": [("role", "vllm_service_unit_dir"), ("doc", "vllm_audit", "unit_dir"), ("doc", "vllm_unit", "unit_dir"),
                  ("doc", "vllm_boot_check", "record.unit_dir")],
+    "service_user": [("role", "vllm_service_user"), ("doc", "vllm_host_snapshot", "model_user"), ("jinja", "vllm_service_user")],
+    "nvml_binding_venv": [("role", "gpu_probe_binding_venv"), ("doc", "nvml_interpreter", "binding_venv")],
     "reprofile_after_days": [("doc", "vllm_audit", "reprofile_after_days"), ("spec", "gpufleet_reprofile_after_days"),
                              ("jinja", "gpufleet_reprofile_after_days")],
     "lease_ttl": [("doc", "rollout_lease", "ttl"), ("spec", "gpufleet_lease_ttl"), ("jinja", "gpufleet_lease_ttl")],

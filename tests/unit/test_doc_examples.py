@@ -29,7 +29,7 @@ MODULES = sorted(p.stem for p in (REPO / "plugins" / "modules").glob("*.py") if 
 FILTERS = sorted(p.stem for p in (REPO / "plugins" / "filter").glob("*.yml"))
 # Modules whose examples run here (controller side); the others need a GPU host.
 CONTROLLER_MODULES = ["class_plan", "kv_plan", "kv_profile", "rollout_lease", "rollout_report"]
-HOST_MODULES = ["gpu_memory_facts", "gpu_memory_info", "vllm_account", "vllm_audit", "vllm_boot_check", "vllm_canary",
+HOST_MODULES = ["gpu_memory_facts", "gpu_memory_info", "nvml_interpreter", "vllm_account", "vllm_audit", "vllm_boot_check", "vllm_canary",
                 "vllm_host_snapshot", "vllm_host_tools", "vllm_runtime_info", "vllm_unit"]
 MODEL_CONFIG = REPO / "sim" / "models" / "llama-3.1-8b-instruct" / "config.json"
 GIB = 1024**3

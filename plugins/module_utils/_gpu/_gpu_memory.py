@@ -108,14 +108,15 @@ def read(params: dict[str, Any], binding: Any, host: str, run_command: Callable[
     )
 
 
-def module_runner(module: ModuleShell) -> Callable[[Sequence[str]], tuple[int, str, str]]:
+def module_runner(module: ModuleShell) -> Callable[..., tuple[int, str, str]]:
     """``module.run_command`` as the probe and the snapshot call it: C locale, no pager, and a program that
     cannot be started (a missing systemctl, an engine interpreter that is a broken link) returned as rc 127
-    with the reason, for the caller to name, instead of ending the module."""
-    def run_command(argv: Sequence[str]) -> tuple[int, str, str]:
+    with the reason, for the caller to name, instead of ending the module. ``cwd``: where it runs (the
+    model check runs as the service user from /)."""
+    def run_command(argv: Sequence[str], cwd: str | None = None) -> tuple[int, str, str]:
         try:
             rc, out, err = module.run_command(list(argv), environ_update={"LC_ALL": "C", "SYSTEMD_PAGER": ""},
-                                              handle_exceptions=False)
+                                              handle_exceptions=False, cwd=cwd)
         except OSError as exc:
             return 127, "", str(exc)
         return int(rc), str(out), str(err)

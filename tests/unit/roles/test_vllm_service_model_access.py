@@ -40,7 +40,12 @@ def test_the_rollout_checks_every_host_before_any_canary() -> None:
     access = [task for task in tasks if (task.get("ansible.builtin.include_role") or {}).get("tasks_from") == "model_access"]
     assert len(access) == 1, "the check of every host includes the model check"
     assert access[0]["vars"] == {"vllm_service_model": "{{ gpufleet_model }}", "vllm_service_model_access_user_optional": True}
-    assert "when" not in access[0], "it runs whether or not the rollout stages a runtime"
+    # it runs whether or not the rollout stages a runtime, where the host snapshot could not check (no user yet)
+    assert access[0]["when"] == "not gpufleet_probe_result.model_access.checked | default(false)"
+    # (a model the snapshot found unreadable is checked again there, and fails the host with the role's message)
+    probe = yaml.safe_load((ROOT / "playbooks" / "plays" / "probe.yml").read_text(encoding="utf-8"))[0]["tasks"]
+    snapshot = next(task for task in probe if "gpufleet.vllm.vllm_host_snapshot" in task)
+    assert snapshot["register"] == "gpufleet_probe_result" and "gpufleet_model" in snapshot["gpufleet.vllm.vllm_host_snapshot"]["model"]
     # a failure there is rescued into the report and stops the run before any host is touched
     rescue = check["tasks"][0]["rescue"]
     assert access[0] in check["tasks"][0]["block"]

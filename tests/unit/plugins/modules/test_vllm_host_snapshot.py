@@ -109,6 +109,9 @@ def test_the_probe_part_is_gpu_memory_facts_with_the_instances_units_as_own(monk
     ({"runtime_venv": "/opt/vllm/venv\n"}, "runtime_venv:"),
     ({"adopt_units": ["ok.service", "x\x1b"]}, "adopt_units[1]"),
     ({"samples": 0}, "samples"),
+    ({"model": "srv/models/m"}, "model: must be an absolute path (a local model)"),
+    ({"model": "/srv/models/m\x07"}, "model:"),
+    ({"model": "/srv/models/m", "model_user": "Bad User"}, "model_user:"),
 ])
 def test_bad_input_names_the_field_and_reads_nothing(monkeypatch, capsys, args, field):
     systemctl = FakeSystemctl(UNITS)
@@ -127,7 +130,8 @@ def test_the_argument_spec_is_the_probes_plus_the_instances():
     from ansible_collections.gpufleet.vllm.plugins.module_utils._gpu._gpu_memory import ARGUMENT_SPEC as PROBE
 
     assert {k: v for k, v in _host_snapshot.ARGUMENT_SPEC.items() if k in PROBE} == PROBE
-    assert set(_host_snapshot.ARGUMENT_SPEC) - set(PROBE) == {"instances", "adopt_units", "state_dir", "engine_executable", "runtime_venv"}
+    own = {"instances", "adopt_units", "state_dir", "engine_executable", "runtime_venv", "model", "model_user"}
+    assert set(_host_snapshot.ARGUMENT_SPEC) - set(PROBE) == own
 
 
 def test_unit_names_have_one_home():
@@ -243,3 +247,31 @@ def test_an_unreadable_stamp_is_named_not_fatal(tmp_path):
     (tmp_path / "releases" / "vllm-0.33.0-3f2a9c1d0e" / ".gpufleet-complete").mkdir()  # not a file: reading it fails
     got = _host_snapshot.install_record(venv)
     assert got["install_record"]["stamp"] == {} and got["install_record_error"].startswith(f"{release}/.gpufleet-complete: cannot read")
+
+
+class FakeRunuser:
+    """``runuser -u USER -- find -L MODEL ! -readable -print`` as the model check runs it."""
+
+    def __init__(self, unreadable: list[str]) -> None:
+        self.unreadable, self.calls = unreadable, []
+
+    def __call__(self, argv: Any, cwd: str | None = None) -> tuple[int, str, str]:
+        self.calls.append((list(argv), cwd))
+        assert list(argv[:5]) == ["runuser", "-u", "root", "--", "find"], argv
+        return 0, "".join(f"{path}\n" for path in self.unreadable), ""
+
+
+def test_the_model_check_is_the_account_modules_and_never_fails_the_snapshot(tmp_path):
+    readable = FakeRunuser([])
+    assert _host_snapshot.model_access(readable, "root", str(tmp_path)) == {
+        "model": str(tmp_path), "user": "root", "checked": True, "error": None}
+    # run from / (the user may not enter the controller's working directory)
+    assert readable.calls == [(["runuser", "-u", "root", "--", "find", "-L", str(tmp_path), "!", "-readable", "-print"], "/")]
+    access = _host_snapshot.model_access(FakeRunuser([f"{tmp_path}/model.safetensors"]), "root", str(tmp_path))
+    assert access["checked"] is False
+    assert access["error"].startswith(f"the service user root cannot read the model {tmp_path}: {tmp_path}/model.safetensors")
+    # a user not created yet: nothing checked, no error (the deploy that creates it checks)
+    nobody = FakeRunuser([])
+    assert _host_snapshot.model_access(nobody, "gpufleet-no-such-user", str(tmp_path)) == {
+        "model": str(tmp_path), "user": "gpufleet-no-such-user", "checked": False, "error": None}
+    assert nobody.calls == []
