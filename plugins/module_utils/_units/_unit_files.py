@@ -211,6 +211,11 @@ def _instances_problems(instances: t.Any, problems: list[str], field: str = "vll
         if not isinstance(inst, t.Mapping):
             problems.append(f"{where}: expected a mapping with name, gpus and port")
             continue
+        if "gang" in inst:
+            # a gang's checks and rank arguments exist (_gang), its planning, units and rollout not yet: without
+            # this, every member would start a one-host engine of the whole model
+            problems.append(f"{where}.gang: instances that span hosts (docs/multi-host.md) are not rolled out yet; "
+                            "give each host an instance of its own")
         checked[i]["name"] = _check(problems, v.instance_name, inst.get("name"), f"{where}.name")
         checked[i]["port"] = _check(problems, v.port, inst.get("port"), f"{where}.port")
         gpus = inst.get("gpus")

