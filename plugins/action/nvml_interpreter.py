@@ -43,10 +43,9 @@ class ActionModule(ActionBase):  # type: ignore[misc]  # ActionBase is Any: ansi
                            binding_venv_only=args["binding_venv_only"], host=host_python(gathered, configured))
         # read-only: it runs in check mode as it does otherwise
         run = self._low_level_execute_command(search_command(tried), sudoable=True)
-        found, passed_over = outcome(run.get("rc", 1), run.get("stdout", ""), run.get("stderr", ""))
+        found, passed_over = outcome(run.get("rc", 1), run.get("stdout", ""))
         result.update(changed=False, interpreter=found, candidates=tried, passed_over=passed_over)
         if found:
-            result["ansible_facts"] = {"gpu_probe_interpreter": found}
             result["msg"] = f"{found} imports pynvml"
         else:
             result["msg"] = "no interpreter here imports pynvml: " + "; ".join(passed_over or tried)

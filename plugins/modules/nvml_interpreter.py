@@ -12,22 +12,22 @@ short_description: Find the Python interpreter on a host that runs the NVML prob
 version_added: 2.1.0
 description:
   - Tries the candidate interpreters in order, in one shell command on the host (no module is copied), and
-    returns the first whose C(import pynvml) works, with the reason each earlier one was passed over.
+    returns the first whose C(import pynvml) works, with the reason each earlier one was passed over. Every line
+    of the command goes to its standard output, tagged, so that the reasons survive a terminal (C(ssh -tt)).
   - The candidates, in order - with O(binding_venv_only), only O(binding_venv)C(/bin/python); else with O(python),
     only that one; else O(vllm_python) (the vLLM venv ships C(nvidia-ml-py)), the interpreter Ansible runs modules
     with on the host (gathered, or C(ansible_python_interpreter) when it is an absolute path, else C(python3) on
     the C(PATH)), and O(binding_venv)C(/bin/python).
   - The P(gpufleet.vllm.gpu_probe#role) role's C(interpreter) entry point calls it, and installs the binding when
     none is found; the probe play calls it first and includes that role only for the hosts where none is found.
-  - Sets the host fact C(gpu_probe_interpreter) to the interpreter found, the fact every NVML read of the
-    collection runs with.
+  - Sets no fact; the caller keeps RV(interpreter) as C(gpu_probe_interpreter) (the variable every NVML read of the
+    collection runs with), as the role and the playbooks do with M(ansible.builtin.set_fact).
   - Never changes anything; always returns C(changed=false).
 author:
   - gpufleet maintainers (@gpufleet)
 extends_documentation_fragment:
   - gpufleet.vllm.attributes
   - gpufleet.vllm.attributes.INFO_MODULE
-  - gpufleet.vllm.attributes.FACTS
   - gpufleet.vllm.attributes.PLATFORM_LINUX
   - gpufleet.vllm.attributes.ACTIONGROUP_VLLM
 attributes:
@@ -39,10 +39,6 @@ attributes:
   async:
     description: Supports being used with the C(async) keyword.
     support: none
-  facts:
-    support: full
-    details:
-      - Sets C(ansible_facts.gpu_probe_interpreter) when an interpreter is found.
 options:
   python:
     description: The one interpreter to try (C(gpu_probe_python)); empty tries the others.

@@ -13,13 +13,15 @@ from __future__ import annotations
 import shlex
 from collections.abc import Sequence
 
-# Prints the first argument that imports pynvml (a bare name is resolved on the PATH) and exits 0;
-# the reason each other one was passed over goes to stderr, one line each; exit 1 when none does.
+# Tries each argument in order. Every line goes to stdout, tagged: ``skip<TAB>why`` for one passed over,
+# ``found<TAB>path`` for the first that imports pynvml (a bare name is resolved on the PATH), then exit 0;
+# exit 1 when none does. Nothing on stderr is read: over ssh with a terminal (``ssh -tt``, the ssh
+# connection's default for a command with become) stderr arrives inside stdout.
 SEARCH = (
     'for p in "$@"; do '
-    'q=$(command -v "$p" 2>/dev/null) && [ -x "$q" ] || { echo "$p: not found" >&2; continue; }; '
-    "if err=$(\"$q\" -c 'import pynvml' 2>&1); then echo \"$q\"; exit 0; fi; "
-    'echo "$q: $(printf \'%s\\n\' "$err" | tail -n 1)" >&2; '
+    'q=$(command -v "$p" 2>/dev/null) && [ -x "$q" ] || { printf \'skip\\t%s: not found\\n\' "$p"; continue; }; '
+    "if err=$(\"$q\" -c 'import pynvml' 2>&1); then printf 'found\\t%s\\n' \"$q\"; exit 0; fi; "
+    'printf \'skip\\t%s: %s\\n\' "$q" "$(printf \'%s\\n\' "$err" | tail -n 1)"; '
     "done; exit 1"
 )
 
@@ -52,7 +54,16 @@ def search_command(tried: Sequence[str]) -> str:
     return " ".join(shlex.quote(word) for word in ["sh", "-c", SEARCH, "sh", *tried])
 
 
-def outcome(rc: int, stdout: str, stderr: str) -> tuple[str, list[str]]:
-    """The interpreter found ('' when none) and the reasons the others were passed over, from SEARCH's output."""
-    found = stdout.strip().splitlines()[-1].strip() if rc == 0 and stdout.strip() else ""
-    return found, [line for line in stderr.splitlines() if line.strip()]
+def outcome(rc: int, stdout: str) -> tuple[str, list[str]]:
+    """The interpreter found ('' when none) and why the others were passed over, from SEARCH's tagged output.
+
+    Untagged lines (a login banner, a warning of ssh's) are ignored; a terminal's carriage returns are stripped.
+    """
+    found, passed_over = "", []
+    for line in stdout.splitlines():
+        tag, _, text = line.rstrip("\r").partition("\t")
+        if tag == "skip" and text:
+            passed_over.append(text)
+        elif tag == "found" and text and rc == 0:
+            found = text
+    return found, passed_over

@@ -272,7 +272,7 @@ def test_boot_check_and_gpu_memory_examples(sim, collections_path, texts, tmp_pa
     playbook += doc_examples.module_playbook(texts["vllm_host_snapshot"], HOST, post_tasks=[
         keep(snapshot_out, "{'snap': snap, 'facts': ansible_facts.gpufleet_host_snapshot}")])
     playbook += doc_examples.module_playbook(texts["nvml_interpreter"], HOST, post_tasks=[
-        keep(interpreter_out, "{'found': nvml_interpreter, 'fact': ansible_facts.gpu_probe_interpreter}")])
+        keep(interpreter_out, "{'found': nvml_interpreter, 'fact': gpu_probe_interpreter | default(none)}")])
     proc = run(sim, collections_path, tmp_path, playbook)
     doc_examples.assert_examples_ran(proc, texts["vllm_boot_check"])
     doc_examples.assert_examples_ran(proc, texts["gpu_memory_info"])
@@ -305,11 +305,12 @@ def test_boot_check_and_gpu_memory_examples(sim, collections_path, texts, tmp_pa
     assert snap["engine"] == {"executable": "/opt/vllm/venv/bin/vllm", "python": "/opt/vllm/venv/bin/python", "compat": {}, "error": None}
     # the venv is a plain directory here, not a release the runtime role switched to: no install record
     assert snap["install_record"] == {} and snap["install_record_error"] is None
-    # nvml_interpreter: this venv has no python3 (passed over, named), the guest's interpreter imports pynvml
+    # nvml_interpreter over ssh: the vLLM venv's python3, the first candidate, imports pynvml; no fact is set
+    # (tests/integration/test_probe_interpreter.py reads the reasons of the ones passed over, over ssh)
     found = json.loads(interpreter_out.read_text(encoding="utf-8"))
-    assert found["found"]["candidates"][0] == "/opt/vllm/venv/bin/python3", found
-    assert found["found"]["passed_over"] == ["/opt/vllm/venv/bin/python3: not found"], found
-    assert found["found"]["interpreter"] == found["fact"] and found["fact"].endswith("/python3"), found
+    assert found["found"]["candidates"] == ["/opt/vllm/venv/bin/python3", "/usr/bin/python3", "/opt/gpufleet/nvml-venv/bin/python"], found
+    assert found["found"]["interpreter"] == "/opt/vllm/venv/bin/python3" and found["found"]["passed_over"] == [], found
+    assert found["fact"] is None, found
     assert snapshot["facts"] == {"host": HOST, "interpreter": snap["interpreter"], "instances": snap["instances"], "engine": snap["engine"],
                                  "install_record": {}, "install_record_error": None}
 

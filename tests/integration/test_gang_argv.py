@@ -40,8 +40,10 @@ for argv in json.load(sys.stdin):
     args = top.parse_args(["serve", *argv])
     serve.validate(args)
     args.model = args.model_tag or args.model
-    config = EngineArgs.from_cli_args(args).create_engine_config().parallel_config
-    out.append({"headless": args.headless, "hybrid_lb": args.data_parallel_hybrid_lb, "world_size": config.world_size, "nnodes": config.nnodes,
+    # as vllm serve builds it: run_headless passes headless=True (entrypoints/cli/serve.py)
+    config = EngineArgs.from_cli_args(args).create_engine_config(headless=args.headless).parallel_config
+    out.append({"headless": args.headless, "hybrid_lb": config.data_parallel_hybrid_lb,
+                "external_lb": config.data_parallel_external_lb, "world_size": config.world_size, "nnodes": config.nnodes,
                 "node_rank": config.node_rank, "master_addr": config.master_addr, "master_port": config.master_port,
                 "data_parallel_size": config.data_parallel_size, "data_parallel_size_local": config.data_parallel_size_local,
                 "data_parallel_rank": config.data_parallel_rank, "data_parallel_master_ip": config.data_parallel_master_ip,
@@ -86,7 +88,8 @@ def test_every_members_command_line_is_the_rank_vllm_derives():
         assert (member["data_parallel_size"], member["data_parallel_size_local"]) == (2, 1), member
         assert (member["data_parallel_master_ip"], member["data_parallel_rpc_port"]) == ("10.0.0.1", 29556), member
         assert member["data_parallel_rank"] == rank and member["world_size"] == 1, member
-    assert [m["headless"] for m in got[2:4]] == [False, True]
-    # dp-hybrid: every member serves its own API (no --headless), each with its own start rank
-    assert [(m["data_parallel_size_local"], m["data_parallel_rank"], m["headless"], m["hybrid_lb"]) for m in got[4:]] == [
-        (2, 0, False, True), (1, 2, False, True), (1, 3, False, True)]
+    assert [(m["headless"], m["hybrid_lb"], m["external_lb"]) for m in got[2:4]] == [(False, False, False), (True, False, False)]
+    # dp-hybrid: every member serves its own API (no --headless), each with its own start rank; vLLM runs a member
+    # with one engine as external load balancing (its API serves its own engine), one with more as hybrid
+    assert [(m["data_parallel_size_local"], m["data_parallel_rank"], m["headless"], m["hybrid_lb"], m["external_lb"])
+            for m in got[4:]] == [(2, 0, False, True, False), (1, 2, False, False, True), (1, 3, False, False, True)]

