@@ -61,7 +61,7 @@ def outcome(rc: int, stdout: str) -> tuple[str, list[str]]:
     """
     found, passed_over = "", []
     for line in stdout.splitlines():
-        tag, _, text = line.rstrip("\r").partition("\t")
+        tag, text = (line.rstrip("\r").split("\t", 1) + [""])[:2]
         if tag == "skip" and text:
             passed_over.append(text)
         elif tag == "found" and text and rc == 0:

@@ -22,8 +22,8 @@ def test_the_candidates_follow_the_roles_rule():
     # gpu_probe_python set: only that one; gpu_probe_install_binding: only the small venv's
     assert candidates(python="/usr/local/bin/python3.12", binding_venv_only=False, **common) == ["/usr/local/bin/python3.12"]
     assert candidates(python="/usr/local/bin/python3.12", binding_venv_only=True, **common) == [f"{VENV}/bin/python"]
-    assert candidates(python="", binding_venv_only=False, **dict(common, vllm_python="", binding_venv=VENV + "/")) == [
-        "/usr/bin/python3", f"{VENV}/bin/python"]
+    no_vllm = {"vllm_python": "", "binding_venv": VENV + "/", "host": "/usr/bin/python3"}
+    assert candidates(python="", binding_venv_only=False, **no_vllm) == ["/usr/bin/python3", f"{VENV}/bin/python"]
 
 
 def test_the_host_python_is_the_gathered_one_else_an_absolute_setting_else_python3():
