@@ -61,7 +61,8 @@ def outcome(rc: int, stdout: str) -> tuple[str, list[str]]:
     """
     found, passed_over = "", []
     for line in stdout.splitlines():
-        tag, text = (line.rstrip("\r").split("\t", 1) + [""])[:2]
+        fields = line.rstrip("\r").split("\t", 1)
+        tag, text = (fields[0], fields[1]) if len(fields) == 2 else (fields[0], "")
         if tag == "skip" and text:
             passed_over.append(text)
         elif tag == "found" and text and rc == 0:
