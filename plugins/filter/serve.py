@@ -116,11 +116,13 @@ def vllm_service_problems(inputs: Any) -> list[str]:
     return service_input_problems(inputs)
 
 
-def vllm_instances_problems(instances: Any, field: str = "vllm_service_instances") -> list[str]:
+def vllm_instances_problems(instances: Any, field: str = "vllm_service_instances", gangs: Any = False) -> list[str]:
     """An instance list -> a list of ``field[i].key: what is wrong`` (empty when it is valid)."""
     if not isinstance(field, str) or not field:
         raise AnsibleFilterError("vllm_instances_problems: field must be the name of the variable that holds the instances")
-    return instances_problems(instances, field)
+    if not isinstance(gangs, bool):
+        raise AnsibleFilterError(f"vllm_instances_problems: gangs must be true or false, got {gangs!r}")
+    return instances_problems(instances, field, gangs)
 
 
 class FilterModule:

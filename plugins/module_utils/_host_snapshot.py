@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import typing as t
 
 from ._defaults import default
@@ -31,7 +32,7 @@ from ._units._unit_files import Layout, UnitFilesError, read_bytes, read_plan, r
 from ._validate import ValidationError, abs_path, account_name, instance_name, text
 
 __all__ = ["ARGUMENT_SPEC", "RELEASE_STAMP", "UNIT_PROPERTIES", "HostSnapshotError", "check_params", "engine_runtime", "install_record",
-           "model_access", "snapshot", "snapshot_facts"]
+           "model_access", "resolve", "snapshot", "snapshot_facts"]
 
 ARGUMENT_SPEC: dict[str, dict[str, t.Any]] = {
     **PROBE_ARGUMENT_SPEC,
@@ -42,6 +43,7 @@ ARGUMENT_SPEC: dict[str, dict[str, t.Any]] = {
     "runtime_venv": {"type": "path"},
     "model": {"type": "str"},
     "model_user": {"type": "str", "default": default("service_user")},
+    "resolve": {"type": "list", "elements": "str", "default": []},
 }
 
 # the stamp the vllm_runtime role writes last into a release it installed completely (roles/vllm_runtime,
@@ -77,6 +79,9 @@ def check_params(params: t.Mapping[str, t.Any]) -> None:
         if not text(params["model"], "model").startswith("/"):
             raise ValidationError(f"model: must be an absolute path (a local model), got {params['model']!r}")
         account_name(params["model_user"], "model_user")
+    for i, name in enumerate(params.get("resolve") or []):
+        if any(ch.isspace() for ch in text(name, f"resolve[{i}]", max_len=255)):
+            raise ValidationError(f"resolve[{i}]: a host name or address has no whitespace, got {name!r}")
 
 
 def engine_runtime(executable: str, run_command: Runner) -> dict[str, t.Any]:
@@ -137,7 +142,18 @@ def snapshot(params: t.Mapping[str, t.Any], binding: t.Any, host: str, run_comma
     result.update(install_record(params.get("runtime_venv") or ""))
     if params.get("model"):
         result["model_access"] = model_access(run_command, params["model_user"], params["model"])
+    result["resolved"] = [resolve(name) for name in params.get("resolve") or []]
     return result
+
+
+def resolve(name: str) -> dict[str, t.Any]:
+    """``{name, addresses, error}``: what ``name`` resolves to on this host (the system resolver,
+    as vLLM's own connection to it would), or why it does not."""
+    try:
+        infos = socket.getaddrinfo(name, None, type=socket.SOCK_STREAM)
+    except (OSError, UnicodeError) as exc:
+        return {"name": name, "addresses": [], "error": str(exc)}
+    return {"name": name, "addresses": list(dict.fromkeys(str(info[4][0]) for info in infos)), "error": None}
 
 
 def model_access(run_command: t.Callable[..., tuple[int, str, str]], user: str, model: str) -> dict[str, t.Any]:

@@ -85,6 +85,14 @@ options:
     description: The service user that runs the engine (C(vllm_service_user)), whose access to O(model) is checked.
     type: str
     default: vllm
+  resolve:
+    description:
+      - Host names or addresses to resolve on this host with the system resolver, returned in RV(resolved). The
+        playbooks give a follower of an instance that spans hosts the gang's address (C(docs/multi-host.md)).
+      - A name that does not resolve is no failure here; RV(resolved) says why.
+    type: list
+    elements: str
+    default: []
 seealso:
   - module: gpufleet.vllm.gpu_memory_facts
   - module: gpufleet.vllm.vllm_unit
@@ -205,6 +213,16 @@ model_access:
       description: What the user cannot read (the first paths, or C(find)'s own errors); V(null) when readable or not checked.
       type: str
       returned: always
+resolved:
+  description: One entry per O(resolve) name, in its order.
+  returned: success
+  type: list
+  elements: dict
+  contains:
+    name: {description: The name as given., type: str, returned: always, sample: gpu-a1.example.net}
+    addresses: {description: The addresses it resolves to (empty when it does not)., type: list, elements: str, returned: always,
+                sample: [10.20.0.11]}
+    error: {description: Why it does not resolve; V(null) when it does., type: str, returned: always}
 interpreter:
   description: The Python interpreter the module ran with (it imports C(pynvml)).
   returned: success

@@ -9,7 +9,11 @@ them up: fake NVML GPUs, the simulated engine).
 * probe.yml writes a probe report: per host and GPU the memory and processes, per
   instance the unit state and its plan; a host that cannot be reached is in the report
   with its error and fails the run;
-* an unwritable report directory stops probe.yml before any host is contacted.
+* an unwritable report directory stops probe.yml before any host is contacted;
+* an instance that spans both hosts (a gang, docs/multi-host.md) is checked by plan.yml across
+  its members, before any host is contacted (the inventory) and from the probe (GPU models, the
+  leader's address resolved on the follower), and refused with what is still to come; no host
+  gets a unit or a plan record.
 """
 
 from __future__ import annotations
@@ -29,7 +33,9 @@ from ansible_collections.gpufleet.vllm.plugins.module_utils._sizes import human_
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(REPO / "tests" / "fake_nvml"))
 
+import nvml_state  # noqa: E402  pylint: disable=wrong-import-position,import-error
 import procgroup  # noqa: E402  pylint: disable=wrong-import-position,import-error
 import test_report_render as render  # noqa: E402  pylint: disable=wrong-import-position,import-error
 
@@ -264,3 +270,54 @@ def test_probe_writes_a_probe_report(fleet, running_instance, chromium, tmp_path
     assert dom.returncode == 0, dom.stderr[-3000:]
     for needle in ("Host sim-rp-1", "active (running)", "not installed", "Connection refused", "<td>61001</td>"):
         assert needle in dom.stdout, f"{needle!r} not in the rendered DOM"
+
+
+def gang_inventory(fleet: Fleet, path: Path, gang: dict[str, Any], serve_args: dict[str, Any] | None = None) -> Path:
+    """The fleet's inventory with its instance made a gang over both hosts."""
+    inventory = yaml.safe_load(fleet.inventory.read_text(encoding="utf-8"))
+    group = inventory["all"]["children"]["rp_l40s"]["vars"]
+    group["gpufleet_instances"] = [{"name": "main", "gpus": [0, 1], "port": 8000, "gang": gang}]
+    group["gpufleet_serve_args"] = serve_args or {**group["gpufleet_serve_args"], "pipeline_parallel_size": 2}
+    path.write_text(yaml.safe_dump(inventory), encoding="utf-8")
+    return path
+
+
+def test_a_gang_is_checked_across_its_members_and_refused_before_any_host_is_touched(fleet, tmp_path):
+    members = {"mode": "mp", "members": HOSTS}
+    # the inventory: the leader is no member, and TP 2 x PP 2 x DP 2 asks for 8 GPUs of the 4 the members give
+    wrong = gang_inventory(fleet, tmp_path / "wrong.yml", {**members, "leader": "sim-rp-9"},
+                           {"tensor_parallel_size": 2, "pipeline_parallel_size": 2, "data_parallel_size": 2, "max_model_len": 8192})
+    rc, out = playbook(wrong, "plan.yml", extra_vars={"gpufleet_target": "rp_l40s"})
+    assert rc != 0
+    assert "sim-rp-1: gpufleet_instances[0].gang.leader: 'sim-rp-9' is not one of the members (sim-rp-1, sim-rp-2)" in out, out[-4000:]
+    assert "no host was probed or touched" in out and "TASK [Read the host" not in out, out[-4000:]
+
+    # the probe: sim-rp-2's GPU 1 is another model, and the gang's address does not resolve on sim-rp-2 (the follower)
+    state_path = Path(fleet.harness.get("sim-rp-2").fake_nvml_dir) / "state"
+    with nvml_state.locked(str(state_path)):
+        original = nvml_state.load(str(state_path))
+        changed = json.loads(json.dumps(original))
+        changed["gpus"][1]["name"] = "NVIDIA L40"
+        nvml_state.save(str(state_path), changed)
+    try:
+        unresolved = gang_inventory(fleet, tmp_path / "unresolved.yml", {**members, "address": "rp-leader.invalid"})
+        rc, out = playbook(unresolved, "plan.yml", extra_vars={"gpufleet_target": "rp_l40s"})
+    finally:
+        with nvml_state.locked(str(state_path)):
+            nvml_state.save(str(state_path), original)
+    assert rc != 0
+    assert ("sim-rp-2: gpufleet_instances instance main: the gang's address rp-leader.invalid (the leader sim-rp-1) does not "
+            "resolve on this follower: ") in out, out[-4000:]
+    assert ("sim-rp-1: gpufleet_instances instance main: the gang's ranks are on different GPU models (NVIDIA L40: sim-rp-2 GPU 1; "
+            "NVIDIA L40S: sim-rp-1 GPU 0, sim-rp-1 GPU 1, sim-rp-2 GPU 0)") in out, out[-4000:]
+
+    # a gang that passes (the follower resolves the leader's ansible_host): refused with what is still to come
+    fine = gang_inventory(fleet, tmp_path / "fine.yml", members)
+    rc, out = playbook(fine, "plan.yml", extra_vars={"gpufleet_target": "rp_l40s"})
+    assert rc != 0
+    assert ("gpufleet_instances main span(s) hosts (sim-rp-1, sim-rp-2): the gangs passed their checks (members, sizes, GPU "
+            "models, the leader address), but gangs are not planned or rolled out yet (docs/multi-host.md); no host was touched") in out, out[-4000:]
+    assert "TASK [Boot the canary" not in out and "PLAY [Profile, plan and canary" not in out, out[-4000:]
+    for host in HOSTS:
+        assert not fleet.exists(host, "/etc/systemd/system/vllm-main.service"), host
+        assert not fleet.exists(host, "/etc/gpufleet/main.plan.json"), host

@@ -192,14 +192,17 @@ def _check(problems: list[str], fn: t.Callable[..., t.Any], *args: t.Any, **kwar
         return None
 
 
-def instances_problems(instances: t.Any, field: str = "vllm_service_instances") -> list[str]:
-    """Every problem with an instance list (names, ports, GPUs), named as ``field`` (the variable the user wrote)."""
+def instances_problems(instances: t.Any, field: str = "vllm_service_instances", gangs: bool = False) -> list[str]:
+    """Every problem with an instance list (names, ports, GPUs), named as ``field`` (the variable the user wrote).
+
+    ``gangs``: an instance's ``gang`` is checked by the caller (the playbooks' gang checks, across the
+    members), not refused here."""
     problems: list[str] = []
-    _instances_problems(instances, problems, field)
+    _instances_problems(instances, problems, field, gangs)
     return problems
 
 
-def _instances_problems(instances: t.Any, problems: list[str], field: str = "vllm_service_instances") -> None:
+def _instances_problems(instances: t.Any, problems: list[str], field: str = "vllm_service_instances", gangs: bool = False) -> None:
     if not isinstance(instances, (list, tuple)) or not instances:
         problems.append(f"{field}: expected a non-empty list of {{name, gpus, port}}")
         return
@@ -211,7 +214,7 @@ def _instances_problems(instances: t.Any, problems: list[str], field: str = "vll
         if not isinstance(inst, t.Mapping):
             problems.append(f"{where}: expected a mapping with name, gpus and port")
             continue
-        if "gang" in inst:
+        if "gang" in inst and not gangs:
             # a gang's checks and rank arguments exist (_gang), its planning, units and rollout not yet: without
             # this, every member would start a one-host engine of the whole model
             problems.append(f"{where}.gang: instances that span hosts (docs/multi-host.md) are not rolled out yet; "

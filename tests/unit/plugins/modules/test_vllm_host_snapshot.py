@@ -112,6 +112,8 @@ def test_the_probe_part_is_gpu_memory_facts_with_the_instances_units_as_own(monk
     ({"model": "srv/models/m"}, "model: must be an absolute path (a local model)"),
     ({"model": "/srv/models/m\x07"}, "model:"),
     ({"model": "/srv/models/m", "model_user": "Bad User"}, "model_user:"),
+    ({"resolve": ["leader one"]}, "resolve[0]: a host name or address has no whitespace"),
+    ({"resolve": ["gpu-a1\n"]}, "resolve[0]:"),
 ])
 def test_bad_input_names_the_field_and_reads_nothing(monkeypatch, capsys, args, field):
     systemctl = FakeSystemctl(UNITS)
@@ -130,7 +132,7 @@ def test_the_argument_spec_is_the_probes_plus_the_instances():
     from ansible_collections.gpufleet.vllm.plugins.module_utils._gpu._gpu_memory import ARGUMENT_SPEC as PROBE
 
     assert {k: v for k, v in _host_snapshot.ARGUMENT_SPEC.items() if k in PROBE} == PROBE
-    own = {"instances", "adopt_units", "state_dir", "engine_executable", "runtime_venv", "model", "model_user"}
+    own = {"instances", "adopt_units", "state_dir", "engine_executable", "runtime_venv", "model", "model_user", "resolve"}
     assert set(_host_snapshot.ARGUMENT_SPEC) - set(PROBE) == own
 
 
@@ -275,3 +277,30 @@ def test_the_model_check_is_the_account_modules_and_never_fails_the_snapshot(tmp
     assert _host_snapshot.model_access(nobody, "gpufleet-no-such-user", str(tmp_path)) == {
         "model": str(tmp_path), "user": "gpufleet-no-such-user", "checked": False, "error": None}
     assert nobody.calls == []
+
+
+def test_resolve_asks_the_system_resolver_and_names_what_does_not_resolve(monkeypatch, capsys, tmp_path):
+    # the real resolver for an address literal and localhost (no network needed); a name the resolver
+    # refuses stands in for one the site's DNS does not know (no test depends on a DNS server)
+    real = _host_snapshot.socket.getaddrinfo
+
+    def getaddrinfo(name, *args, **kwargs):
+        if name.endswith(".invalid"):
+            raise _host_snapshot.socket.gaierror(-2, "Name or service not known")
+        return real(name, *args, **kwargs)
+
+    monkeypatch.setattr(_host_snapshot.socket, "getaddrinfo", getaddrinfo)
+    rc, out = run(monkeypatch, capsys, vllm_host_snapshot,
+                  {"instances": ["main"], "state_dir": str(tmp_path), "resolve": ["127.0.0.1", "localhost", "leader.invalid"]},
+                  FakeSystemctl(UNITS))
+    assert rc == 0, out
+    by_name = {entry["name"]: entry for entry in out["resolved"]}
+    assert [entry["name"] for entry in out["resolved"]] == ["127.0.0.1", "localhost", "leader.invalid"]
+    assert by_name["127.0.0.1"] == {"name": "127.0.0.1", "addresses": ["127.0.0.1"], "error": None}
+    assert by_name["localhost"]["addresses"] and by_name["localhost"]["error"] is None
+    assert by_name["leader.invalid"] == {"name": "leader.invalid", "addresses": [], "error": "[Errno -2] Name or service not known"}
+
+
+def test_nothing_to_resolve_is_an_empty_list(monkeypatch, capsys, tmp_path):
+    rc, out = run(monkeypatch, capsys, vllm_host_snapshot, {"instances": ["main"], "state_dir": str(tmp_path)}, FakeSystemctl(UNITS))
+    assert rc == 0 and out["resolved"] == []

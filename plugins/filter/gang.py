@@ -1,0 +1,53 @@
+# Copyright (c) gpufleet maintainers
+# GNU General Public License v3.0+ (see https://www.gnu.org/licenses/gpl-3.0.txt)
+# SPDX-License-Identifier: GPL-3.0-or-later
+"""Filters: gang_problems, gang_addresses, gangs (documentation in the YAML files beside this one).
+
+Calls into ``plugin_utils/_gangs``, the run's view of its instances that span hosts."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Mapping, Sequence
+
+from ansible.errors import AnsibleFilterError
+
+from ansible_collections.gpufleet.vllm.plugins.plugin_utils import _gangs
+
+
+def _checked(name: str, hostvars: Any, hosts: Any) -> tuple[Mapping[str, Any], list[str]]:
+    if not isinstance(hostvars, Mapping):
+        raise AnsibleFilterError(f"{name}: expected hostvars as the input, got {type(hostvars).__name__}")
+    if isinstance(hosts, str) or not isinstance(hosts, Sequence):
+        raise AnsibleFilterError(f"{name}: expected a list of hosts, got {type(hosts).__name__}")
+    return hostvars, [str(h) for h in hosts]
+
+
+def gang_problems(hostvars: Any, hosts: Any, probed: Any = False) -> list[str]:
+    """hostvars, the run's hosts -> what is wrong with their gangs (the inventory's view, or with
+    ``probed`` the probe's)."""
+    given, names = _checked("gang_problems", hostvars, hosts)
+    if not isinstance(probed, bool):
+        raise AnsibleFilterError(f"gang_problems: probed must be true or false, got {probed!r}")
+    return _gangs.probed_problems(given, names) if probed else _gangs.inventory_problems(given, names)
+
+
+def gang_addresses(hostvars: Any, host: Any) -> list[str]:
+    """hostvars, a host -> the gang addresses that host must resolve as a follower."""
+    given, names = _checked("gang_addresses", hostvars, [host] if isinstance(host, str) else host)
+    return [address for name in names for address in _gangs.addresses_to_resolve(given, name)]
+
+
+def gangs(hostvars: Any, hosts: Any) -> list[dict[str, Any]]:
+    """hostvars, the run's hosts -> their gangs, checked (gang_problems first names what is wrong)."""
+    given, names = _checked("gangs", hostvars, hosts)
+    problems = _gangs.inventory_problems(given, names)
+    if problems:
+        raise AnsibleFilterError(f"gangs: {'; '.join(problems)}")
+    return _gangs.described(given, names)
+
+
+class FilterModule:
+    """gpufleet.vllm filters for instances that span hosts."""
+
+    def filters(self) -> dict[str, Callable[..., Any]]:
+        return {"gang_problems": gang_problems, "gang_addresses": gang_addresses, "gangs": gangs}

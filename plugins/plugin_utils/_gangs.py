@@ -1,0 +1,178 @@
+# Copyright (c) gpufleet maintainers
+# GNU General Public License v3.0+ (see LICENSES/GPL-3.0-or-later.txt or https://www.gnu.org/licenses/gpl-3.0.txt)
+# SPDX-License-Identifier: GPL-3.0-or-later
+"""The gangs of a run (instances that span hosts), checked from the inventory and from the probe.
+
+Controller side: reads each host's variables (``hostvars``) and, after the probe, each host's
+snapshot. The gang's own rules (mode, members, sizes, rank arguments) live in
+``module_utils/_units/_gang.py``; this module applies them to a run's hosts:
+
+- :func:`inventory_problems`, before any host is contacted: each gang as its hosts give it
+  (:func:`._gang.parse`), what its members must agree on (:func:`._gang.across_hosts`), and that
+  its members are hosts of one class with the same model and serve options;
+- :func:`addresses_to_resolve`: what a follower must resolve (the gang's address), asked of the
+  host snapshot (``vllm_host_snapshot`` ``resolve``);
+- :func:`probed_problems`, after the probe: every member probed, one GPU model over every rank
+  of the gang, and the gang's address resolved on every follower.
+"""
+from __future__ import annotations
+
+import typing as t
+
+from ansible_collections.gpufleet.vllm.plugins.module_utils._units._gang import Gang, GangError, across_hosts, parse
+
+__all__ = ["GangView", "addresses_to_resolve", "described", "gangs", "inventory_problems", "probed_problems"]
+
+FIELD = "gpufleet_instances"
+SERVE_ARGS = "gpufleet_serve_args"
+# what every member of a gang must give alike: one engine runs one model with one set of serve options
+_ALIKE = ("gpufleet_host_class", "gpufleet_model", SERVE_ARGS)
+
+
+class GangView(t.NamedTuple):
+    """A gang as a host's inventory gives it: ``field`` names where (``gpufleet_instances[0].gang``)."""
+
+    host: str
+    name: str
+    field: str
+    gang: t.Mapping[str, t.Any]
+    gpus: t.Sequence[t.Any]
+
+
+def _vars(hostvars: t.Mapping[str, t.Any], host: str) -> t.Mapping[str, t.Any]:
+    found = hostvars.get(host)
+    return found if isinstance(found, t.Mapping) else {}
+
+
+def _views(hostvars: t.Mapping[str, t.Any], host: str) -> list[GangView]:
+    instances = _vars(hostvars, host).get(FIELD)
+    if not isinstance(instances, (list, tuple)):
+        return []
+    return [GangView(host, str(inst.get("name")), f"{FIELD}[{i}].gang", inst["gang"], inst.get("gpus") or [])
+            for i, inst in enumerate(instances) if isinstance(inst, t.Mapping) and "gang" in inst]
+
+
+def _gpu_counts(hostvars: t.Mapping[str, t.Any], members: t.Iterable[t.Any], name: str) -> dict[str, int]:
+    """How many GPUs each member's instance ``name`` has (members without it are left out)."""
+    counts: dict[str, int] = {}
+    for member in members:
+        for view in _views(hostvars, str(member)):
+            if view.name == name and isinstance(view.gpus, (list, tuple)):
+                counts[str(member)] = len(view.gpus)
+    return counts
+
+
+def _parse(hostvars: t.Mapping[str, t.Any], view: GangView) -> Gang:
+    gang = view.gang
+    members = gang.get("members") if isinstance(gang, t.Mapping) else None
+    listed = members if isinstance(members, (list, tuple)) else []
+    leader = gang.get("leader", listed[0] if listed else None) if isinstance(gang, t.Mapping) else None
+    leader_vars = _vars(hostvars, str(leader)) if leader is not None else {}
+    return parse(gang, field=view.field, serve_args=_vars(hostvars, view.host).get(SERVE_ARGS),
+                 gpus=_gpu_counts(hostvars, listed, view.name),
+                 leader_address=leader_vars.get("ansible_host", leader if leader_vars else None),
+                 serve_args_field=SERVE_ARGS)
+
+
+def inventory_problems(hostvars: t.Mapping[str, t.Any], hosts: t.Sequence[str]) -> list[str]:
+    """Every problem with the gangs of ``hosts`` (the run's hosts), each naming the host and field."""
+    problems: list[str] = []
+    checked: set[tuple[str, str]] = set()
+    run_hosts = [str(h) for h in hosts]
+    views = {h: {v.name: v.gang for v in _views(hostvars, h)} for h in run_hosts}
+    for host in run_hosts:
+        for view in _views(hostvars, host):
+            key = (view.name, repr(view.gang))
+            if key in checked:
+                continue  # the same gang as another member gives it: checked once
+            checked.add(key)
+            try:
+                gang = _parse(hostvars, view)
+            except GangError as exc:
+                problems.append(f"{host}: {exc}")
+                continue
+            for var in _ALIKE:
+                given = {m: _vars(hostvars, m).get(var) for m in gang.members if m in views}
+                if len({repr(value) for value in given.values()}) > 1:
+                    problems.append(f"{host}: {view.field}: every member must give the same {var} (one engine runs over them), got "
+                                    + "; ".join(f"{m}: {value!r}" for m, value in given.items()))
+    problems.extend(across_hosts(views, FIELD))
+    return list(dict.fromkeys(problems))
+
+
+def gangs(hostvars: t.Mapping[str, t.Any], hosts: t.Sequence[str]) -> dict[str, Gang]:
+    """The checked gangs of ``hosts`` by ``INSTANCE@LEADER`` (call after :func:`inventory_problems` found none)."""
+    found: dict[str, Gang] = {}
+    for host in hosts:
+        for view in _views(hostvars, str(host)):
+            gang = _parse(hostvars, view)
+            found.setdefault(f"{view.name}@{gang.leader}", gang)
+    return found
+
+
+def described(hostvars: t.Mapping[str, t.Any], hosts: t.Sequence[str]) -> list[dict[str, t.Any]]:
+    """The checked gangs of ``hosts`` as plain data, sorted by instance and leader: ``{name, mode, members,
+    leader, address, port, tensor_parallel_size, pipeline_parallel_size, data_parallel_size, gpus, host_class}``."""
+    return [{"name": label.split("@", 1)[0], "mode": gang.mode, "members": list(gang.members), "leader": gang.leader,
+             "address": gang.address, "port": gang.port, "tensor_parallel_size": gang.tensor_parallel_size,
+             "pipeline_parallel_size": gang.pipeline_parallel_size, "data_parallel_size": gang.data_parallel_size,
+             "gpus": dict(gang.gpus), "host_class": _vars(hostvars, gang.leader).get("gpufleet_host_class")}
+            for label, gang in sorted(gangs(hostvars, hosts).items())]
+
+
+def addresses_to_resolve(hostvars: t.Mapping[str, t.Any], host: str) -> list[str]:
+    """The addresses ``host`` must resolve as a follower: the address of each gang it follows."""
+    wanted: list[str] = []
+    for view in _views(hostvars, host):
+        try:
+            gang = _parse(hostvars, view)
+        except GangError:
+            continue  # named before the probe (inventory_problems)
+        if host in gang.members and host != gang.leader:
+            wanted.append(gang.address)
+    return sorted(set(wanted))
+
+
+def _gpu_names(snapshot: t.Mapping[str, t.Any], indices: t.Sequence[t.Any]) -> dict[int, str]:
+    by_index = {g.get("index"): g for g in snapshot.get("gpus") or [] if isinstance(g, t.Mapping)}
+    return {int(i): str((by_index.get(int(i)) or {}).get("name") or "") for i in indices}
+
+
+def probed_problems(hostvars: t.Mapping[str, t.Any], hosts: t.Sequence[str], snapshot_var: str = "gpufleet_probe_result") -> list[str]:
+    """What the probe shows wrong with each gang of ``hosts``: a member not probed, GPU models that
+    differ between ranks, a follower that cannot resolve the gang's address.
+
+    A gang whose members the probe skipped (their class is not one the run chose) is not looked at."""
+    problems: list[str] = []
+    for label, gang in sorted(gangs(hostvars, hosts).items()):
+        name = label.split("@", 1)[0]
+        snaps = [_vars(hostvars, m).get(snapshot_var) for m in gang.members]
+        if all(isinstance(snap, t.Mapping) and snap.get("skipped") for snap in snaps):
+            continue  # a class the run does not choose (gpufleet_classes): nothing of it was probed
+        models: dict[str, list[str]] = {}
+        for member in gang.members:
+            snap = _vars(hostvars, member).get(snapshot_var)
+            if not isinstance(snap, t.Mapping) or snap.get("failed") or snap.get("unreachable") or snap.get("skipped") \
+                    or "gpus" not in snap:
+                why = snap.get("msg") if isinstance(snap, t.Mapping) and snap.get("msg") else "no snapshot"
+                problems.append(f"{member}: {FIELD} instance {name}: this member of the gang was not probed ({why}); "
+                                "a gang runs on all of its members or not at all")
+                continue
+            view = next(v for v in _views(hostvars, member) if v.name == name)
+            names = _gpu_names(snap, view.gpus)
+            for index, model in names.items():
+                models.setdefault(model or "no GPU at this index", []).append(f"{member} GPU {index}")
+            if member != gang.leader:
+                resolved = {r.get("name"): r for r in snap.get("resolved") or [] if isinstance(r, t.Mapping)}
+                entry = resolved.get(gang.address)
+                if entry is None:
+                    problems.append(f"{member}: {FIELD} instance {name}: the snapshot did not resolve the gang's address {gang.address}")
+                elif entry.get("error") or not entry.get("addresses"):
+                    problems.append(f"{member}: {FIELD} instance {name}: the gang's address {gang.address} (the leader "
+                                    f"{gang.leader}) does not resolve on this follower: {entry.get('error') or 'no address'}; "
+                                    "set gang.address to an address every member resolves")
+        if len(models) > 1:
+            problems.append(f"{gang.leader}: {FIELD} instance {name}: the gang's ranks are on different GPU models ("
+                            + "; ".join(f"{model}: {', '.join(where)}" for model, where in sorted(models.items()))
+                            + "); one engine runs over all of them at the pace and memory of the smallest")
+    return problems

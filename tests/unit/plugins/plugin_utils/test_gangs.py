@@ -1,0 +1,146 @@
+# Copyright (c) gpufleet maintainers
+# GNU General Public License v3.0+ (see https://www.gnu.org/licenses/gpl-3.0.txt)
+"""A run's gangs from its hosts' variables (plugin_utils/_gangs): the inventory's checks across
+members, what a follower resolves, and what the probe shows of every member."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+
+from ansible_collections.gpufleet.vllm.plugins.plugin_utils import _gangs
+
+
+def member(gang: dict[str, Any], gpus: list[int], **more: Any) -> dict[str, Any]:
+    return {"gpufleet_host_class": "h100-dsv3", "gpufleet_model": "/srv/models/dsv3", "ansible_host": more.pop("ansible_host", None),
+            "gpufleet_serve_args": {"tensor_parallel_size": 8, "pipeline_parallel_size": 2, "max_model_len": 32768},
+            "gpufleet_instances": [{"name": "dsv3", "port": 8000, "gpus": gpus, "gang": copy.deepcopy(gang)}], **more}
+
+
+GANG = {"mode": "mp", "members": ["a1", "a2"]}
+
+
+def two_hosts(gang: dict[str, Any] | None = None, **overrides: dict[str, Any]) -> dict[str, Any]:
+    hv = {"a1": member(gang or GANG, list(range(8)), ansible_host="10.20.0.11"),
+          "a2": member(gang or GANG, list(range(8)), ansible_host="10.20.0.12"),
+          "solo": {"gpufleet_host_class": "l40s", "gpufleet_instances": [{"name": "main", "port": 8000, "gpus": [0]}]}}
+    for host, values in overrides.items():
+        hv[host].update(values)
+    return hv
+
+
+def test_a_gang_the_members_agree_on_has_no_problem_and_is_described_once():
+    hv = two_hosts()
+    assert _gangs.inventory_problems(hv, ["a1", "a2", "solo"]) == []
+    assert _gangs.described(hv, ["a1", "a2", "solo"]) == [{
+        "name": "dsv3", "mode": "mp", "members": ["a1", "a2"], "leader": "a1", "address": "10.20.0.11", "port": 29501,
+        "tensor_parallel_size": 8, "pipeline_parallel_size": 2, "data_parallel_size": 1, "gpus": {"a1": 8, "a2": 8},
+        "host_class": "h100-dsv3"}]
+
+
+def test_the_leader_address_defaults_to_its_inventory_name_without_ansible_host():
+    hv = two_hosts(a1={"ansible_host": None})
+    del hv["a1"]["ansible_host"]
+    assert _gangs.described(hv, ["a1", "a2"])[0]["address"] == "a1"
+    assert _gangs.addresses_to_resolve(hv, "a2") == ["a1"] and _gangs.addresses_to_resolve(hv, "a1") == []
+
+
+def test_a_follower_resolves_the_given_address_the_leader_nothing():
+    hv = two_hosts({**GANG, "address": "dsv3-leader.example.net", "leader": "a2"})
+    assert _gangs.addresses_to_resolve(hv, "a1") == ["dsv3-leader.example.net"]
+    assert _gangs.addresses_to_resolve(hv, "a2") == [] and _gangs.addresses_to_resolve(hv, "solo") == []
+
+
+@pytest.mark.parametrize("hv, hosts, expected", [
+    (two_hosts({**GANG, "leader": "a3"}), ["a1", "a2"], "a1: gpufleet_instances[0].gang.leader: 'a3' is not one of the members (a1, a2)"),
+    (two_hosts({**GANG, "mode": "ray"}), ["a1", "a2"], "a1: gpufleet_instances[0].gang.mode: ray is not managed"),
+    (two_hosts(a2={"gpufleet_host_class": "h100-other"}), ["a1", "a2"],
+     "a1: gpufleet_instances[0].gang: every member must give the same gpufleet_host_class (one engine runs over them), got "
+     "a1: 'h100-dsv3'; a2: 'h100-other'"),
+    (two_hosts(a2={"gpufleet_model": "/srv/models/other"}), ["a1", "a2"], "every member must give the same gpufleet_model"),
+    (two_hosts(a2={"gpufleet_serve_args": {"tensor_parallel_size": 8, "pipeline_parallel_size": 2, "max_model_len": 8192}}), ["a1", "a2"],
+     "every member must give the same gpufleet_serve_args"),
+    (two_hosts(), ["a1"], "a1: gpufleet_instances instance dsv3: member a2 is not a host of this run"),
+    (two_hosts(solo={"gpufleet_instances": [{"name": "dsv3", "port": 8000, "gpus": [0], "gang": GANG}]}), ["a1", "a2", "solo"],
+     "solo: gpufleet_instances instance dsv3: this host is not one of the gang's members (a1, a2)"),
+])
+def test_inventory_problems_name_the_host_and_field(hv, hosts, expected):
+    problems = _gangs.inventory_problems(hv, hosts)
+    assert any(p.startswith(expected) or expected in p for p in problems), problems
+
+
+def test_a_gang_given_alike_by_both_members_is_named_once():
+    problems = _gangs.inventory_problems(two_hosts({**GANG, "port": 70000}), ["a1", "a2"])
+    assert problems == ["a1: gpufleet_instances[0].gang.port: must be an integer in 1..65535, got 70000"]
+
+
+def test_sizes_against_the_gpus_of_every_member():
+    hv = two_hosts()
+    hv["a2"]["gpufleet_instances"][0]["gpus"] = [0, 1, 2, 3]
+    problems = _gangs.inventory_problems(hv, ["a1", "a2"])
+    assert problems == ["a1: gpufleet_instances[0].gang: tensor_parallel_size 8 x pipeline_parallel_size 2 x data_parallel_size 1 = 16 GPUs, "
+                        "but the members hold 12 (a1: 8, a2: 4)"]
+
+
+def probed(hv: dict[str, Any], names: dict[str, str], resolved: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    for host, model in names.items():
+        hv[host]["gpufleet_probe_result"] = {"gpus": [{"index": i, "name": model} for i in range(8)], "resolved": []}
+    hv["a2"]["gpufleet_probe_result"]["resolved"] = resolved if resolved is not None else [
+        {"name": "10.20.0.11", "addresses": ["10.20.0.11"], "error": None}]
+    return hv
+
+
+def test_probed_members_with_one_model_and_a_resolved_address_pass():
+    hv = probed(two_hosts(), {"a1": "NVIDIA H100 80GB HBM3", "a2": "NVIDIA H100 80GB HBM3"})
+    assert _gangs.probed_problems(hv, ["a1", "a2", "solo"]) == []
+
+
+def test_ranks_on_two_gpu_models_are_named_with_every_gpu():
+    hv = probed(two_hosts(), {"a1": "NVIDIA H100 80GB HBM3", "a2": "NVIDIA H100 PCIe"})
+    hv["a2"]["gpufleet_probe_result"]["gpus"][7]["name"] = "NVIDIA H100 80GB HBM3"
+    (problem,) = _gangs.probed_problems(hv, ["a1", "a2"])
+    assert problem.startswith("a1: gpufleet_instances instance dsv3: the gang's ranks are on different GPU models (NVIDIA H100 80GB HBM3: "
+                              "a1 GPU 0, a1 GPU 1, a1 GPU 2, a1 GPU 3, a1 GPU 4, a1 GPU 5, a1 GPU 6, a1 GPU 7, a2 GPU 7; "
+                              "NVIDIA H100 PCIe: a2 GPU 0, "), problem
+
+
+def test_a_gpu_index_the_member_does_not_have_is_named_as_such():
+    hv = probed(two_hosts(), {"a1": "NVIDIA H100", "a2": "NVIDIA H100"})
+    hv["a2"]["gpufleet_probe_result"]["gpus"] = hv["a2"]["gpufleet_probe_result"]["gpus"][:7]
+    (problem,) = _gangs.probed_problems(hv, ["a1", "a2"])
+    assert "no GPU at this index: a2 GPU 7" in problem
+
+
+def test_an_address_a_follower_cannot_resolve_names_the_follower_and_the_error():
+    hv = probed(two_hosts(), {"a1": "NVIDIA H100", "a2": "NVIDIA H100"},
+                resolved=[{"name": "10.20.0.11", "addresses": [], "error": "[Errno -2] Name or service not known"}])
+    assert _gangs.probed_problems(hv, ["a1", "a2"]) == [
+        "a2: gpufleet_instances instance dsv3: the gang's address 10.20.0.11 (the leader a1) does not resolve on this follower: "
+        "[Errno -2] Name or service not known; set gang.address to an address every member resolves"]
+    hv["a2"]["gpufleet_probe_result"]["resolved"] = []
+    assert _gangs.probed_problems(hv, ["a1", "a2"]) == [
+        "a2: gpufleet_instances instance dsv3: the snapshot did not resolve the gang's address 10.20.0.11"]
+
+
+@pytest.mark.parametrize("result, why", [
+    ({"unreachable": True, "msg": "Failed to connect to the host via ssh"}, "Failed to connect to the host via ssh"),
+    ({"failed": True, "msg": "NVML: driver not loaded"}, "NVML: driver not loaded"),
+    (None, "no snapshot"),
+])
+def test_a_member_the_probe_lost_fails_the_whole_gang(result, why):
+    hv = probed(two_hosts(), {"a1": "NVIDIA H100", "a2": "NVIDIA H100"})
+    if result is None:
+        del hv["a2"]["gpufleet_probe_result"]
+    else:
+        hv["a2"]["gpufleet_probe_result"] = result
+    assert _gangs.probed_problems(hv, ["a1", "a2"]) == [
+        f"a2: gpufleet_instances instance dsv3: this member of the gang was not probed ({why}); a gang runs on all of its members or not at all"]
+
+
+def test_a_gang_of_a_class_the_run_did_not_choose_is_not_looked_at():
+    hv = two_hosts()
+    for host in ("a1", "a2"):
+        hv[host]["gpufleet_probe_result"] = {"skipped": True, "changed": False}
+    assert _gangs.probed_problems(hv, ["a1", "a2"]) == []
