@@ -28,7 +28,12 @@ def gang_problems(hostvars: Any, hosts: Any, probed: Any = False) -> list[str]:
     given, names = _checked("gang_problems", hostvars, hosts)
     if not isinstance(probed, bool):
         raise AnsibleFilterError(f"gang_problems: probed must be true or false, got {probed!r}")
-    return _gangs.probed_problems(given, names) if probed else _gangs.inventory_problems(given, names)
+    if not probed:
+        return _gangs.inventory_problems(given, names)
+    try:
+        return _gangs.probed_problems(given, names)
+    except ValueError as exc:  # GangError: the inventory's checks come first
+        raise AnsibleFilterError(f"gang_problems: {exc} (the inventory's gang checks, gang_problems without probed, come first)") from None
 
 
 def gang_addresses(hostvars: Any, host: Any) -> list[str]:

@@ -17,6 +17,7 @@ snapshot. The gang's own rules (mode, members, sizes, rank arguments) live in
 """
 from __future__ import annotations
 
+import json
 import typing as t
 
 from ansible_collections.gpufleet.vllm.plugins.module_utils._units._gang import Gang, GangError, across_hosts, parse
@@ -39,93 +40,127 @@ class GangView(t.NamedTuple):
     gpus: t.Sequence[t.Any]
 
 
-def _vars(hostvars: t.Mapping[str, t.Any], host: str) -> t.Mapping[str, t.Any]:
-    found = hostvars.get(host)
-    return found if isinstance(found, t.Mapping) else {}
+class _Hosts:
+    """The hosts' variables as one call reads them: each host's variables and gang views read once
+    (every read of ``hostvars[host]`` templates that host's variables anew)."""
+
+    def __init__(self, hostvars: t.Mapping[str, t.Any]) -> None:
+        self._hostvars = hostvars
+        self._vars: dict[str, t.Mapping[str, t.Any]] = {}
+        self._views: dict[str, list[GangView]] = {}
+
+    def vars(self, host: str) -> t.Mapping[str, t.Any]:
+        if host not in self._vars:
+            found = self._hostvars.get(host)
+            self._vars[host] = found if isinstance(found, t.Mapping) else {}
+        return self._vars[host]
+
+    def views(self, host: str) -> list[GangView]:
+        if host not in self._views:
+            instances = self.vars(host).get(FIELD)
+            self._views[host] = [] if not isinstance(instances, (list, tuple)) else [
+                GangView(host, str(inst.get("name")), f"{FIELD}[{i}].gang", inst["gang"], inst.get("gpus") or [])
+                for i, inst in enumerate(instances) if isinstance(inst, t.Mapping) and "gang" in inst]
+        return self._views[host]
 
 
-def _views(hostvars: t.Mapping[str, t.Any], host: str) -> list[GangView]:
-    instances = _vars(hostvars, host).get(FIELD)
-    if not isinstance(instances, (list, tuple)):
-        return []
-    return [GangView(host, str(inst.get("name")), f"{FIELD}[{i}].gang", inst["gang"], inst.get("gpus") or [])
-            for i, inst in enumerate(instances) if isinstance(inst, t.Mapping) and "gang" in inst]
+def _key(view: GangView) -> tuple[str, str]:
+    """One gang as every member gives it (the same instance name and the same mapping, in any key order)."""
+    return view.name, json.dumps(view.gang, sort_keys=True, default=str)
 
 
-def _gpu_counts(hostvars: t.Mapping[str, t.Any], members: t.Iterable[t.Any], name: str) -> dict[str, int]:
+def _gpu_counts(hosts: _Hosts, members: t.Iterable[t.Any], name: str) -> dict[str, int]:
     """How many GPUs each member's instance ``name`` has (members without it are left out)."""
     counts: dict[str, int] = {}
     for member in members:
-        for view in _views(hostvars, str(member)):
+        if not isinstance(member, (str, int)) or isinstance(member, bool):
+            continue  # parse() names it
+        for view in hosts.views(str(member)):
             if view.name == name and isinstance(view.gpus, (list, tuple)):
                 counts[str(member)] = len(view.gpus)
     return counts
 
 
-def _parse(hostvars: t.Mapping[str, t.Any], view: GangView) -> Gang:
+def _parse(hosts: _Hosts, view: GangView) -> Gang:
     gang = view.gang
     members = gang.get("members") if isinstance(gang, t.Mapping) else None
     listed = members if isinstance(members, (list, tuple)) else []
     leader = gang.get("leader", listed[0] if listed else None) if isinstance(gang, t.Mapping) else None
-    leader_vars = _vars(hostvars, str(leader)) if leader is not None else {}
-    return parse(gang, field=view.field, serve_args=_vars(hostvars, view.host).get(SERVE_ARGS),
-                 gpus=_gpu_counts(hostvars, listed, view.name),
-                 leader_address=leader_vars.get("ansible_host", leader if leader_vars else None),
+    leader_vars = hosts.vars(str(leader)) if isinstance(leader, (str, int)) and not isinstance(leader, bool) else {}
+    return parse(gang, field=view.field, serve_args=hosts.vars(view.host).get(SERVE_ARGS),
+                 gpus=_gpu_counts(hosts, listed, view.name),
+                 leader_address=leader_vars.get("ansible_host") or (str(leader) if leader_vars else None),
                  serve_args_field=SERVE_ARGS)
+
+
+def _alike(values: t.Iterable[t.Any]) -> bool:
+    """Whether every value equals the first (serve options in any key order; no options is an empty mapping)."""
+    seen = [value if value is not None else {} for value in values]
+    return all(value == seen[0] for value in seen[1:])
 
 
 def inventory_problems(hostvars: t.Mapping[str, t.Any], hosts: t.Sequence[str]) -> list[str]:
     """Every problem with the gangs of ``hosts`` (the run's hosts), each naming the host and field."""
+    cache = _Hosts(hostvars)
     problems: list[str] = []
     checked: set[tuple[str, str]] = set()
     run_hosts = [str(h) for h in hosts]
-    views = {h: {v.name: v.gang for v in _views(hostvars, h)} for h in run_hosts}
+    views = {h: {v.name: v.gang for v in cache.views(h)} for h in run_hosts}
     for host in run_hosts:
-        for view in _views(hostvars, host):
-            key = (view.name, repr(view.gang))
-            if key in checked:
+        for view in cache.views(host):
+            if _key(view) in checked:
                 continue  # the same gang as another member gives it: checked once
-            checked.add(key)
+            checked.add(_key(view))
             try:
-                gang = _parse(hostvars, view)
+                gang = _parse(cache, view)
             except GangError as exc:
                 problems.append(f"{host}: {exc}")
                 continue
             for var in _ALIKE:
-                given = {m: _vars(hostvars, m).get(var) for m in gang.members if m in views}
-                if len({repr(value) for value in given.values()}) > 1:
+                given = {m: cache.vars(m).get(var) for m in gang.members if m in views}
+                if not _alike(given.values()):
                     problems.append(f"{host}: {view.field}: every member must give the same {var} (one engine runs over them), got "
                                     + "; ".join(f"{m}: {value!r}" for m, value in given.items()))
     problems.extend(across_hosts(views, FIELD))
     return list(dict.fromkeys(problems))
 
 
-def gangs(hostvars: t.Mapping[str, t.Any], hosts: t.Sequence[str]) -> dict[str, Gang]:
-    """The checked gangs of ``hosts`` by ``INSTANCE@LEADER`` (call after :func:`inventory_problems` found none)."""
+def _gangs(cache: _Hosts, hosts: t.Sequence[str]) -> dict[str, Gang]:
     found: dict[str, Gang] = {}
+    seen: set[tuple[str, str]] = set()
     for host in hosts:
-        for view in _views(hostvars, str(host)):
-            gang = _parse(hostvars, view)
-            found.setdefault(f"{view.name}@{gang.leader}", gang)
+        for view in cache.views(str(host)):
+            if _key(view) not in seen:
+                seen.add(_key(view))
+                gang = _parse(cache, view)
+                found.setdefault(f"{view.name}@{gang.leader}", gang)
     return found
+
+
+def gangs(hostvars: t.Mapping[str, t.Any], hosts: t.Sequence[str]) -> dict[str, Gang]:
+    """The checked gangs of ``hosts`` by ``INSTANCE@LEADER``; raises GangError for a gang the inventory gets
+    wrong (call after :func:`inventory_problems` found none)."""
+    return _gangs(_Hosts(hostvars), hosts)
 
 
 def described(hostvars: t.Mapping[str, t.Any], hosts: t.Sequence[str]) -> list[dict[str, t.Any]]:
     """The checked gangs of ``hosts`` as plain data, sorted by instance and leader: ``{name, mode, members,
     leader, address, port, tensor_parallel_size, pipeline_parallel_size, data_parallel_size, gpus, host_class}``."""
+    cache = _Hosts(hostvars)
     return [{"name": label.split("@", 1)[0], "mode": gang.mode, "members": list(gang.members), "leader": gang.leader,
              "address": gang.address, "port": gang.port, "tensor_parallel_size": gang.tensor_parallel_size,
              "pipeline_parallel_size": gang.pipeline_parallel_size, "data_parallel_size": gang.data_parallel_size,
-             "gpus": dict(gang.gpus), "host_class": _vars(hostvars, gang.leader).get("gpufleet_host_class")}
-            for label, gang in sorted(gangs(hostvars, hosts).items())]
+             "gpus": dict(gang.gpus), "host_class": cache.vars(gang.leader).get("gpufleet_host_class")}
+            for label, gang in sorted(_gangs(cache, hosts).items())]
 
 
 def addresses_to_resolve(hostvars: t.Mapping[str, t.Any], host: str) -> list[str]:
     """The addresses ``host`` must resolve as a follower: the address of each gang it follows."""
+    cache = _Hosts(hostvars)
     wanted: list[str] = []
-    for view in _views(hostvars, host):
+    for view in cache.views(host):
         try:
-            gang = _parse(hostvars, view)
+            gang = _parse(cache, view)
         except GangError:
             continue  # named before the probe (inventory_problems)
         if host in gang.members and host != gang.leader:
@@ -133,35 +168,39 @@ def addresses_to_resolve(hostvars: t.Mapping[str, t.Any], host: str) -> list[str
     return sorted(set(wanted))
 
 
-def _gpu_names(snapshot: t.Mapping[str, t.Any], indices: t.Sequence[t.Any]) -> dict[int, str]:
-    by_index = {g.get("index"): g for g in snapshot.get("gpus") or [] if isinstance(g, t.Mapping)}
-    return {int(i): str((by_index.get(int(i)) or {}).get("name") or "") for i in indices}
-
-
 def probed_problems(hostvars: t.Mapping[str, t.Any], hosts: t.Sequence[str], snapshot_var: str = "gpufleet_probe_result") -> list[str]:
-    """What the probe shows wrong with each gang of ``hosts``: a member not probed, GPU models that
-    differ between ranks, a follower that cannot resolve the gang's address.
+    """What the probe shows wrong with each gang of ``hosts``: a member not probed, a GPU of the instance the
+    member does not have, GPU models that differ between ranks, a follower that cannot resolve the gang's
+    address. Raises GangError for a gang the inventory gets wrong (:func:`inventory_problems` first).
 
     A gang whose members the probe skipped (their class is not one the run chose) is not looked at."""
+    cache = _Hosts(hostvars)
     problems: list[str] = []
-    for label, gang in sorted(gangs(hostvars, hosts).items()):
+    for label, gang in sorted(_gangs(cache, hosts).items()):
         name = label.split("@", 1)[0]
-        snaps = [_vars(hostvars, m).get(snapshot_var) for m in gang.members]
-        if all(isinstance(snap, t.Mapping) and snap.get("skipped") for snap in snaps):
+        snaps = {m: cache.vars(m).get(snapshot_var) for m in gang.members}
+        if all(isinstance(snap, t.Mapping) and snap.get("skipped") for snap in snaps.values()):
             continue  # a class the run does not choose (gpufleet_classes): nothing of it was probed
         models: dict[str, list[str]] = {}
         for member in gang.members:
-            snap = _vars(hostvars, member).get(snapshot_var)
+            snap = snaps[member]
             if not isinstance(snap, t.Mapping) or snap.get("failed") or snap.get("unreachable") or snap.get("skipped") \
                     or "gpus" not in snap:
                 why = snap.get("msg") if isinstance(snap, t.Mapping) and snap.get("msg") else "no snapshot"
                 problems.append(f"{member}: {FIELD} instance {name}: this member of the gang was not probed ({why}); "
                                 "a gang runs on all of its members or not at all")
                 continue
-            view = next(v for v in _views(hostvars, member) if v.name == name)
-            names = _gpu_names(snap, view.gpus)
-            for index, model in names.items():
-                models.setdefault(model or "no GPU at this index", []).append(f"{member} GPU {index}")
+            view = next(v for v in cache.views(member) if v.name == name)
+            by_index: dict[int, t.Mapping[str, t.Any]] = {int(g["index"]): g for g in snap.get("gpus") or []
+                                                          if isinstance(g, t.Mapping) and isinstance(g.get("index"), int)}
+            missing = [int(i) for i in view.gpus if int(i) not in by_index]
+            if missing:
+                problems.append(f"{member}: {FIELD} instance {name}: GPU(s) {', '.join(map(str, missing))} of the gang are not on "
+                                f"this host (the probe found {', '.join(str(i) for i in sorted(by_index)) or 'none'})")
+            for index in view.gpus:
+                if int(index) in by_index:
+                    model = str(by_index[int(index)].get("name") or "an unnamed GPU")
+                    models.setdefault(model, []).append(f"{member} GPU {int(index)}")
             if member != gang.leader:
                 resolved = {r.get("name"): r for r in snap.get("resolved") or [] if isinstance(r, t.Mapping)}
                 entry = resolved.get(gang.address)

@@ -653,6 +653,9 @@ def run_data(hostvars: Mapping[str, Any], groups: Mapping[str, Any], hosts_from:
                 error += ": " + "; ".join(str(r.get("msg") or "no message") for r in items)
             failed_task = (raw_vars(host) if raw_vars else hv).get("ansible_failed_task")
             task = failed_task.get("name") if isinstance(failed_task, Mapping) else None
+        elif in_batch and hv.get("gpufleet_host_error"):
+            # a check that ran once for the run (run_once) failed on one host; the play names each host it concerns
+            error = str(hv["gpufleet_host_error"])
         pending = [i.get("name") for i in hv.get("vllm_service_pending") or [] if isinstance(i, Mapping)]
         hosts[host] = {
             "class": cls,

@@ -7,6 +7,13 @@ file system, with a writable overlay layer of its own, in its own network namesp
 ``host0``, controller side ``10.213.<n>.1/24`` on ``gpf-v<n>``). sshd in the guest
 accepts the key ``<cache>/ssh/id_ed25519`` for root.
 
+Every host also has a second interface, ``fabric0`` with ``10.214.0.<n>/24``, on one bridge
+shared by all test hosts (the fabric: the bridge ``fab0`` in a network namespace of its own,
+``gpffab``, made with the first host and removed with the last). The hosts reach each other
+there and only there, as GPU hosts reach each other over a data network of their own (an
+instance that spans hosts runs its ranks' traffic over it); the controller does not route
+between the hosts' own links.
+
 Per host, ``<cache>/hosts/<name>/`` holds ``host.json`` (the registry entry),
 ``console.log``, the overlay layers and ``fake-nvml/`` (bound to ``/etc/fake-nvml`` in
 the guest). The fake NVML library ``<cache>/fake-nvml/libnvidia-ml.so.1`` is bound
@@ -73,6 +80,13 @@ NETNS_PREFIX = "gpf-"
 VETH_PREFIX = "gpf-v"
 SUBNET_PREFIX = "10.213"
 GUEST_IFACE = "host0"
+# The fabric between the test hosts (see the module's docstring): not under NETNS_PREFIX, which
+# names the hosts' own namespaces. Its lock is machine-wide: every harness cache shares it.
+FABRIC_NETNS = "gpffab"
+FABRIC_BRIDGE = "fab0"
+FABRIC_IFACE = "fabric0"
+FABRIC_PREFIX = "10.214.0"
+FABRIC_LOCK = Path("/run/gpffab.lock")
 NAME_RE = re.compile(r"^[a-z][a-z0-9-]{0,29}[a-z0-9]$|^[a-z]$")
 GUEST_ENV = {
     "PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
@@ -221,6 +235,8 @@ class HostInfo:
     state: str
     started_at: float
     boot_seconds: float | None = None
+    # the host's address on the fabric shared by the test hosts ("" in records from before it)
+    fabric_address: str = ""
 
     @classmethod
     def load(cls, path: Path) -> HostInfo:
@@ -540,7 +556,58 @@ class Harness:
             owner = self._owner_of_path(point)
             if owner is not None:
                 found.append(Leftover("mount", owner, point))
+        ports = self._fabric_ports()
+        for port in ports:
+            owner = index_owner.get(int(port[1:]), "?") if port[1:].isdigit() else "?"
+            found.append(Leftover("link", owner, f"{FABRIC_NETNS}/{port}"))
+        if Path(f"/run/netns/{FABRIC_NETNS}").exists() and not ports:
+            found.append(Leftover("netns", "fabric", FABRIC_NETNS))
         return found
+
+    # ------------------------------------------------------------------ fabric
+    @staticmethod
+    def _fabric_ports() -> list[str]:
+        """The hosts' links on the fabric's bridge (empty when there is no fabric)."""
+        if not Path(f"/run/netns/{FABRIC_NETNS}").exists():
+            return []
+        proc = run(["ip", "-n", FABRIC_NETNS, "-o", "link", "show", "master", FABRIC_BRIDGE], check=False)
+        return [line.split(":")[1].strip().split("@")[0] for line in proc.stdout.splitlines() if ":" in line]
+
+    @contextlib.contextmanager
+    def _fabric_locked(self) -> t.Iterator[None]:
+        fd = os.open(FABRIC_LOCK, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)
+
+    def _join_fabric(self, info: HostInfo) -> None:
+        """Give the host its fabric link (the bridge made first when no host has one)."""
+        port = f"f{info.index}"
+        with self._fabric_locked():
+            if not Path(f"/run/netns/{FABRIC_NETNS}").exists():
+                run(["ip", "netns", "add", FABRIC_NETNS])
+                run(["ip", "-n", FABRIC_NETNS, "link", "add", FABRIC_BRIDGE, "type", "bridge"])
+                run(["ip", "-n", FABRIC_NETNS, "link", "set", FABRIC_BRIDGE, "up"])
+            run(["ip", "-n", FABRIC_NETNS, "link", "add", port, "type", "veth", "peer", "name", FABRIC_IFACE,
+                 "netns", info.netns])
+            run(["ip", "-n", FABRIC_NETNS, "link", "set", port, "master", FABRIC_BRIDGE])
+            run(["ip", "-n", FABRIC_NETNS, "link", "set", port, "up"])
+        run(["ip", "-n", info.netns, "addr", "add", f"{info.fabric_address}/24", "dev", FABRIC_IFACE])
+        run(["ip", "-n", info.netns, "link", "set", FABRIC_IFACE, "up"])
+
+    def _leave_fabric(self, index: int | None) -> None:
+        """Remove the host's fabric link, and the fabric once no host is on it. The link is removed
+        here, not with the host's namespace: a namespace is destroyed after its last user is gone,
+        asynchronously, and the bridge would still count the link."""
+        with self._fabric_locked():
+            if not Path(f"/run/netns/{FABRIC_NETNS}").exists():
+                return
+            if index is not None and f"f{index}" in self._fabric_ports():
+                run(["ip", "-n", FABRIC_NETNS, "link", "del", f"f{index}"], check=False)
+            if not self._fabric_ports():
+                run(["ip", "netns", "del", FABRIC_NETNS], check=False)
 
     def check_clean(self, names: t.Sequence[str] = ()) -> None:
         """Raise HarnessError naming every leftover (only those of ``names`` when given)."""
@@ -728,7 +795,7 @@ class Harness:
             name=name, index=index, address=address, gateway=gateway, port=22, user="root",
             identity_file=str(self.ssh_key), netns=netns, veth=veth, nspawn_pid=0, leader_pid=0,
             root=str(root), binds=list(binds), binds_ro=list(binds_ro), fake_nvml_dir=str(fake_dir),
-            state="starting", started_at=time.time(),
+            state="starting", started_at=time.time(), fabric_address=f"{FABRIC_PREFIX}.{index}",
         )
         # Recorded before anything is created so that `down NAME` finds every piece.
         info.save(hdir / "host.json")
@@ -745,6 +812,7 @@ class Harness:
         run(["ip", "-n", netns, "link", "set", "lo", "up"])
         run(["ip", "-n", netns, "addr", "add", f"{address}/24", "dev", GUEST_IFACE])
         run(["ip", "-n", netns, "link", "set", GUEST_IFACE, "up"])
+        self._join_fabric(info)
         self._start_nspawn(info)
 
     def _nspawn_argv(self, info: HostInfo) -> list[str]:
@@ -961,8 +1029,12 @@ class Harness:
                     self._down_one(name)
             if all_hosts:
                 for x in self.leftovers():
-                    if x.kind == "link":
+                    if x.kind == "link" and "/" in x.detail:  # a fabric link whose host is gone
+                        namespace, _sep, port = x.detail.partition("/")
+                        run(["ip", "-n", namespace, "link", "del", port], check=False)
+                    elif x.kind == "link":
                         run(["ip", "link", "del", x.detail], check=False)
+                self._leave_fabric(None)
             return sorted(targets)
 
     def _guest_processes(self) -> dict[int, str]:
@@ -1045,6 +1117,7 @@ class Harness:
                     run(["umount", "-l", point], check=False)
         if info is not None and Path(f"/sys/class/net/{info.veth}").exists():
             run(["ip", "link", "del", info.veth], check=False)
+        self._leave_fabric(info.index if info is not None else None)
         netns = f"{NETNS_PREFIX}{name}"
         if Path(f"/run/netns/{netns}").exists():
             run(["ip", "netns", "del", netns])

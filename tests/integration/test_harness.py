@@ -56,6 +56,23 @@ def test_inventory_reaches_each_guest_at_its_own_address(pair: TestHosts) -> Non
     assert pair.hosts[A].address != pair.hosts[B].address
 
 
+def test_the_hosts_reach_each_other_over_the_fabric_only(pair: TestHosts) -> None:
+    a, b = pair.hosts[A], pair.hosts[B]
+    assert a.fabric_address == f"{testhosts.FABRIC_PREFIX}.{a.index}" and a.fabric_address != b.fabric_address
+    assert f"inet {a.fabric_address}/24" in _ssh(pair, A, f"ip -4 -o addr show dev {testhosts.FABRIC_IFACE}")
+    # a TCP connection from A to B's fabric address (sshd listens on every address of the guest)
+    probe = f"import socket; socket.create_connection(('{b.fabric_address}', 22), timeout=5).close(); print('ok')"
+    assert _ssh(pair, A, f'python3 -c "{probe}"') == "ok"
+    # the hosts' own links do not route between them: the fabric is their one path
+    other = f"import socket; socket.create_connection(('{b.address}', 22), timeout=2)"
+    assert pair.harness.ssh(A, [f'python3 -c "{other}"'], timeout=60).returncode != 0
+    # the controller is on neither side of the fabric
+    assert subprocess.run(["ip", "-4", "-o", "addr"], capture_output=True, text=True, check=True).stdout.count(
+        f"{testhosts.FABRIC_PREFIX}.") == 0
+    ports = pair.harness._fabric_ports()  # pylint: disable=protected-access
+    assert {f"f{a.index}", f"f{b.index}"} <= set(ports)
+
+
 def test_pid1_is_a_real_systemd(pair: TestHosts) -> None:
     for name in (A, B):
         assert pair.harness.exec(name, ["cat", "/proc/1/comm"], check=True).stdout.strip() == "systemd"
@@ -142,6 +159,7 @@ def test_down_leaves_nothing_and_is_idempotent(harness: testhosts.Harness) -> No
     assert not Path(f"/run/netns/gpf-{name}").exists()
     assert not testhosts.pid_alive(info.nspawn_pid)
     assert not Path(f"/sys/class/net/{info.veth}").exists()
+    assert f"f{info.index}" not in harness._fabric_ports()  # pylint: disable=protected-access
     assert not any(p.startswith(str(harness.host_dir(name))) for p in testhosts.read_mountinfo())
     assert harness.down([name]) == [name]  # again: nothing to do, no error
     subprocess.run([*TESTHOSTS, "check-clean", name], check=True)

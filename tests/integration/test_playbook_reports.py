@@ -311,13 +311,22 @@ def test_a_gang_is_checked_across_its_members_and_refused_before_any_host_is_tou
     assert ("sim-rp-1: gpufleet_instances instance main: the gang's ranks are on different GPU models (NVIDIA L40: sim-rp-2 GPU 1; "
             "NVIDIA L40S: sim-rp-1 GPU 0, sim-rp-1 GPU 1, sim-rp-2 GPU 0)") in out, out[-4000:]
 
-    # a gang that passes (the follower resolves the leader's ansible_host): refused with what is still to come
+    # a gang that passes (the follower resolves the leader's ansible_host): refused with what is still to come,
+    # by rollout.yml too, which took its class's lease: the run report is written and the lease released
     fine = gang_inventory(fleet, tmp_path / "fine.yml", members)
-    rc, out = playbook(fine, "plan.yml", extra_vars={"gpufleet_target": "rp_l40s"})
+    before = run_dirs(fleet.reports, "rollout")
+    rc, out = playbook(fine, "rollout.yml", extra_vars={"gpufleet_target": "rp_l40s"})
     assert rc != 0
-    assert ("gpufleet_instances main span(s) hosts (sim-rp-1, sim-rp-2): the gangs passed their checks (members, sizes, GPU "
-            "models, the leader address), but gangs are not planned or rolled out yet (docs/multi-host.md); no host was touched") in out, out[-4000:]
-    assert "TASK [Boot the canary" not in out and "PLAY [Profile, plan and canary" not in out, out[-4000:]
+    refusal = ("gpufleet_instances main span(s) hosts (sim-rp-1, sim-rp-2): the gangs passed their checks (members, sizes, GPU "
+               "models, the leader address), but gangs are not planned or rolled out yet (docs/multi-host.md)")
+    assert f"{refusal}; no host was touched" in out, out[-4000:]
+    assert "TASK [Boot the canary" not in out and "PLAY [Stage the vLLM runtime" not in out, out[-4000:]
+    assert not (fleet.store / ".leases" / f"{CLASS}.json").exists(), "the class lease is released"
+    runs = [p for p in run_dirs(fleet.reports, "rollout") if p not in before]
+    assert len(runs) == 1, out[-4000:]
+    report = json.loads((runs[0] / "report.json").read_text(encoding="utf-8"))
+    failed = {h["host"]: h for h in report["hosts"] if h["outcome"] == "failed"}
+    assert sorted(failed) == HOSTS and all(refusal in (h["error"] or "") for h in failed.values()), report["hosts"]
     for host in HOSTS:
         assert not fleet.exists(host, "/etc/systemd/system/vllm-main.service"), host
         assert not fleet.exists(host, "/etc/gpufleet/main.plan.json"), host

