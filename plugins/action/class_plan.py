@@ -29,7 +29,8 @@ ARGUMENT_SPEC: dict[str, Any] = {
     "approved_plan": {"type": "dict"},
     "force_profile": {"type": "bool", "default": False},
     "run_canaries": {"type": "bool", "default": True},
-    "serial": {"type": "list", "elements": "raw"},
+    "serial": {"type": "raw"},
+    "max_unavailable": {"type": "raw"},
     "boot_timeout": {"type": "raw", "default": 0},
     "enforce_eager": {"type": "raw", "default": False},
     "drain": {"type": "bool", "default": False},
@@ -56,7 +57,8 @@ class ActionModule(ActionBase):  # type: ignore[misc]  # ActionBase is Any: ansi
                 ProfileStore(args["store"]), host_class, args["compat"], hosts=args["hosts"], snapshots=args["snapshots"],
                 canary_host=args["canary_host"], canary_instance=args["canary_instance"], canary_chosen=args["canary_chosen"],
                 approved_plan=args["approved_plan"], force_profile=args["force_profile"], run_canaries=args["run_canaries"],
-                serial=args["serial"], boot_timeout=args["boot_timeout"], enforce_eager=args["enforce_eager"], drain=args["drain"])
+                serial=args["serial"], max_unavailable=args["max_unavailable"], boot_timeout=args["boot_timeout"],
+                enforce_eager=args["enforce_eager"], drain=args["drain"])
         except _ERRORS as exc:
             result.update(failed=True, msg=f"class_plan ({host_class}): {exc}")
             return result
@@ -67,7 +69,8 @@ class ActionModule(ActionBase):  # type: ignore[misc]  # ActionBase is Any: ansi
             result["warnings"] = [f"unreadable profile skipped: {c['error']}" for c in corrupt]
         need = prepared.canary
         result["msg"] = (f"class {host_class}: key {prepared.key_hash}, reference {prepared.reference['status']}; "
-                         + (f"a profiled canary runs first: {need.why}" if need.profiled and need.plan_now
+                         + ("refused: " + "; ".join(prepared.refusal) if prepared.refusal
+                            else f"a profiled canary runs first: {need.why}" if need.profiled and need.plan_now
                             else need.dry_run_stop or "no profiled canary needed")
                          + (f"; the approved plan no longer holds: {'; '.join(prepared.plan_moved)}" if prepared.plan_moved else ""))
         return result

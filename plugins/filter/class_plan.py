@@ -7,7 +7,7 @@ One call into ``plugin_utils/_class_plan``, where the class's planning decisions
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 from ansible.errors import AnsibleFilterError
 
@@ -18,6 +18,7 @@ from ansible_collections.gpufleet.vllm.plugins.plugin_utils._class_plan import (
     class_states as _class_states,
     deploy_order,
 )
+from ansible_collections.gpufleet.vllm.plugins.plugin_utils._rollout import host_capacity
 
 
 def class_canary(query: Any, host_class: Any, force_profile: Any = False, run_canaries: Any = True) -> dict[str, Any]:
@@ -42,16 +43,20 @@ def class_state(outcome: Any, host_class: Any, **fields: Any) -> dict[str, Any]:
         raise AnsibleFilterError(f"class_state: {exc}") from None
 
 
-def class_deploy_order(hostvars: Any, hosts: Any, classes: Any) -> list[list[Any]]:
-    """hostvars, the play's hosts and the class order -> ``[class, hosts]`` per deployable class, its canary host first."""
+def class_deploy_order(hostvars: Any, hosts: Any, classes: Any) -> list[dict[str, Any]]:
+    """hostvars, the play's hosts and the class order -> ``{class, hosts, serial, max_unavailable, capacity}`` per
+    deployable class, its canary host first."""
     if not isinstance(hosts, (list, tuple)) or not isinstance(classes, (list, tuple)):
         raise AnsibleFilterError("class_deploy_order: hosts and classes must be lists")
     states = {}
     for host in hosts:
         host_vars = hostvars[host]
         state = host_vars.get("gpufleet_class_state") or {}
+        snapshot = host_vars.get("gpufleet_probe_result")
         states[str(host)] = {"host_class": host_vars.get("gpufleet_host_class"), "ok": state.get("ok") is True,
-                             "canary": host_vars.get("gpufleet_canary_of_class")}
+                             "canary": host_vars.get("gpufleet_canary_of_class"),
+                             "serial": host_vars.get("gpufleet_rollout_serial"), "max_unavailable": host_vars.get("gpufleet_max_unavailable"),
+                             "capacity": host_capacity(snapshot) if isinstance(snapshot, Mapping) else 0}
     try:
         return deploy_order(states, [str(c) for c in classes])
     except ClassPlanError as exc:

@@ -1,8 +1,8 @@
 # Copyright (c) gpufleet maintainers
 # GNU General Public License v3.0+ (see LICENSES/GPL-3.0-or-later.txt or https://www.gnu.org/licenses/gpl-3.0.txt)
 # SPDX-License-Identifier: GPL-3.0-or-later
-"""Filters: compat_fields, gate_violations, release_history, rollback_summary, rollout_batches, rollout_plan, rollout_plan_drift, run_settings,
-runtime_problems.
+"""Filters: class_settings_problems, compat_fields, gate_violations, release_history, rollback_summary, rollout_batches,
+rollout_plan, rollout_plan_drift, run_settings, runtime_problems.
 
 The documentation of each is in the YAML file of its name beside this one.
 """
@@ -37,6 +37,18 @@ def rollout_batches(classes: Any, serial: Any = None) -> list[dict[str, Any]]:
         return _rollout.class_batches(classes, [1, "10%", "50%"] if serial is None else serial)
     except _rollout.RolloutError as exc:
         raise AnsibleFilterError(f"rollout_batches: {exc}") from None
+
+
+def class_settings_problems(hostvars: Any, hosts: Any) -> list[str]:
+    """hostvars, the run's hosts -> what is wrong with each class's own settings (its serial batches, its capacity budget)."""
+    if not isinstance(hostvars, Mapping) or isinstance(hosts, str) or not isinstance(hosts, Sequence):
+        raise AnsibleFilterError("class_settings_problems: expected hostvars | gpufleet.vllm.class_settings_problems(list of hosts)")
+    wanted = ("gpufleet_host_class", *_rollout.CLASS_SETTINGS)
+    views = {}
+    for host in hosts:
+        found = hostvars.get(host) or {}
+        views[str(host)] = {name: found.get(name) for name in wanted}
+    return _rollout.class_settings_problems(views)
 
 
 def rollout_plan(classes: Mapping[str, Any], hosts: Mapping[str, Any], created: str, serial: Any = None) -> dict[str, Any]:
@@ -165,6 +177,7 @@ class FilterModule:
 
     def filters(self) -> dict[str, Callable[..., Any]]:
         return {
+            "class_settings_problems": class_settings_problems,
             "compat_fields": compat_fields,
             "gate_violations": gate_violations,
             "release_history": release_history,

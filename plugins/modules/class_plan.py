@@ -83,9 +83,19 @@ options:
     type: bool
     default: true
   serial:
-    description: The run's batches (C(gpufleet_rollout_serial)), for the outline; V([1, "10%", "50%"]) when omitted.
-    type: list
-    elements: raw
+    description:
+      - The class's batches (C(gpufleet_rollout_serial)), a list of sizes and shares V(N%) of the class's hosts (or an AWX
+        survey's text answer, V(1,10%,50%)); V([1, "10%", "50%"]) when omitted.
+    type: raw
+  max_unavailable:
+    description:
+      - The class's capacity budget (C(gpufleet_max_unavailable)) - at most this much of its serving capacity is away
+        (drained, stopping, restarting) at once - a number of hosts (V(2)), a share of the class's hosts (V(25%), rounded
+        down), or KV-cache tokens (V(500000 tokens)), the tokens each host serves as its plan records count them
+        (its active instances' C(kv_cache_tokens) in its snapshot). Each batch is the serial entry's size or fewer.
+      - A budget that lets no host go at once, or less than one host serves, refuses the class before any host is
+        touched (RV(refusal)); omitted, only O(serial) sizes the batches.
+    type: raw
   boot_timeout:
     description:
       - The service's boot timeout in seconds (C(vllm_service_boot_timeout)); V(0) derives it from the reference's
@@ -137,6 +147,18 @@ key_hash:
   returned: success
   type: str
   sample: 3f2a9c0e5b7d1a44
+refusal:
+  description: Why the class is refused before any host is touched (its capacity budget, O(max_unavailable)); empty when it is not.
+  returned: success
+  type: list
+  elements: str
+  sample: ["gpufleet_max_unavailable 10% of the class's 4 host(s) lets no host be away at once"]
+batches:
+  description: The class's batches, each a list of hosts, as the rollout cuts them (O(serial) within O(max_unavailable)), the canary host first.
+  returned: success
+  type: list
+  elements: list
+  sample: [[gpu-a1], [gpu-a2, gpu-a3]]
 compat:
   description: The canonical compatibility key fields.
   returned: success

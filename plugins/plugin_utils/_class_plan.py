@@ -23,7 +23,7 @@ from typing import Any
 from ansible_collections.gpufleet.vllm.plugins.module_utils._plan._compat import compat_key
 from ansible_collections.gpufleet.vllm.plugins.plugin_utils._plan_inputs import boot_timeout_for, reference_boot_seconds
 from ansible_collections.gpufleet.vllm.plugins.plugin_utils._profile_store import ProfileStore
-from ansible_collections.gpufleet.vllm.plugins.plugin_utils._rollout import class_batches, plan_drift
+from ansible_collections.gpufleet.vllm.plugins.plugin_utils._rollout import budget_problems, class_batches, host_capacity, parse_budget, plan_drift
 
 __all__ = ["CLASS_OUTCOMES", "CanaryNeed", "ClassPlanError", "ClassPreparation", "ClassState", "canary_need", "class_state", "class_states",
            "deploy_order", "prepare_class"]
@@ -181,10 +181,16 @@ class ClassPreparation:
     # the inputs of the first-run outline (``_first_run.outline``) but the manual canary, which
     # is decided after the class is planned
     first_run_spec: dict[str, Any]
+    # why the class is refused before any host is touched (its capacity budget holds none of its
+    # hosts, or not one of them); empty when it is not: no canary runs for a refused class
+    refusal: list[str]
+    # the class's batches as the rollout cuts them (its serial entries within its capacity budget)
+    batches: list[list[str]]
 
     def as_dict(self) -> dict[str, Any]:
         return {"key_hash": self.key_hash, "compat": self.compat, "reference": self.reference, "canary": self.canary.as_dict(),
-                "plan_moved": self.plan_moved, "first_run_spec": self.first_run_spec}
+                "plan_moved": self.plan_moved, "first_run_spec": self.first_run_spec, "refusal": self.refusal,
+                "batches": self.batches}
 
 
 def _snapshot_of(snapshots: Mapping[str, Any], host: str) -> Mapping[str, Any]:
@@ -221,14 +227,18 @@ def _load_seconds(canary: Mapping[str, Any]) -> float | None:
 def prepare_class(store: ProfileStore, host_class: str, compat: Mapping[str, Any], *, hosts: Sequence[str],
                   snapshots: Mapping[str, Any], canary_host: str, canary_instance: str, canary_chosen: bool = False,
                   approved_plan: Any = None, force_profile: bool = False, run_canaries: bool = True, serial: Any = None,
-                  boot_timeout: Any = 0, enforce_eager: Any = False, drain: bool = False) -> ClassPreparation:
+                  max_unavailable: Any = None, boot_timeout: Any = 0, enforce_eager: Any = False,
+                  drain: bool = False) -> ClassPreparation:
     """What one class's planning decides before any host is touched.
 
     ``hosts``: the class's hosts in their order (the canary host among them); ``snapshots``: host
     -> its ``vllm_host_snapshot`` result (the instances' unit states for the outline, the GPUs for
     an approved plan's floors). ``approved_plan``: the plan artifact being applied, or None.
-    ``boot_timeout`` and ``enforce_eager`` (the service's serve option): the outline's upper bound when
-    no boot was measured. Raises :class:`ClassPlanError`, and the store's, the key's, the plan's and the
+    ``serial`` and ``max_unavailable``: the class's batches and capacity budget
+    (``gpufleet_rollout_serial``, ``gpufleet_max_unavailable``); a budget that holds none of the
+    class's hosts refuses the class (``refusal``: no canary runs). ``boot_timeout`` and
+    ``enforce_eager`` (the service's serve option): the outline's upper bound when no boot was
+    measured. Raises :class:`ClassPlanError`, and the store's, the key's, the plan's and the
     batches' own errors (each names its field).
     """
     if not hosts or canary_host not in hosts:
@@ -237,6 +247,15 @@ def prepare_class(store: ProfileStore, host_class: str, compat: Mapping[str, Any
     key = compat_key(compat)
     answer = store.query(host_class, key)
     need = canary_need(answer, host_class, force_profile=force_profile, run_canaries=run_canaries)
+    order = [canary_host] + [h for h in hosts if h != canary_host]
+    budget = parse_budget(max_unavailable)
+    capacity = {h: host_capacity(s) for h, s in by_host.items()}
+    refusal = budget_problems(budget, order, capacity)
+    if refusal:  # nothing of the class runs: no canary stops its canary host's instance
+        need = CanaryNeed(reference_found=need.reference_found, profiled=False, why="", plan_now=False, dry_run_stop="")
+    batches = [b["hosts"] for b in class_batches(
+        [{"class": host_class, "hosts": order, "max_unavailable": None if refusal else max_unavailable, "capacity": capacity}],
+        [1, "10%", "50%"] if serial is None else serial)]
     found = answer["status"] == "found"
     moved: list[str] = []
     if isinstance(approved_plan, Mapping):
@@ -249,7 +268,6 @@ def prepare_class(store: ProfileStore, host_class: str, compat: Mapping[str, Any
     # the boot the outline counts with: the reference's canary, else (another key) the class's newest profile's
     timed = answer.get("profile") or {}
     canary = _canary_facts(timed)
-    order = [canary_host] + [h for h in hosts if h != canary_host]
     spec = {
         "host_class": host_class,
         "canary_host": canary_host,
@@ -258,7 +276,7 @@ def prepare_class(store: ProfileStore, host_class: str, compat: Mapping[str, Any
         "profiled_canary": need.profiled,
         "manual_canary": None,
         "hosts": {h: s["instances"] for h, s in by_host.items()},
-        "batches": [b["hosts"] for b in class_batches([[host_class, order]], [1, "10%", "50%"] if serial is None else serial)],
+        "batches": batches,
         "boot_seconds": reference_boot_seconds(timed),
         "boot_source": "the reference profile's canary" if found else "the class's newest profile (another compatibility key)",
         "boot_timeout": boot_timeout_for(boot_timeout, timed, {"enforce_eager": enforce_eager}, "vllm_service_boot_timeout"),
@@ -266,21 +284,23 @@ def prepare_class(store: ProfileStore, host_class: str, compat: Mapping[str, Any
         "drain": bool(drain),
     }
     return ClassPreparation(key_hash=str(answer["key_hash"]), compat=dict(key.fields), reference=dict(answer), canary=need,
-                            plan_moved=moved, first_run_spec=spec)
+                            plan_moved=moved, first_run_spec=spec, refusal=refusal, batches=batches)
 
 
-def deploy_order(hosts: Mapping[str, Mapping[str, Any]], classes: Sequence[str]) -> list[list[Any]]:
-    """The ``[class, hosts]`` list the batches are cut from (``rollout_batches``).
+def deploy_order(hosts: Mapping[str, Mapping[str, Any]], classes: Sequence[str]) -> list[dict[str, Any]]:
+    """The classes the batches are cut from (``rollout_batches``), each ``{class, hosts, serial,
+    max_unavailable, capacity}``.
 
-    ``hosts``: host -> ``{host_class, ok, canary}`` (its class, whether the class is deployable,
-    the class's canary host). Classes come in the order of ``classes`` (``gpufleet_classes`` as
-    given, else sorted by name); a class with no deployable host is left out. Within a class
-    the canary host goes first (its production instance already stopped for the canaries),
-    then the others by name.
+    ``hosts``: host -> ``{host_class, ok, canary, serial, max_unavailable, capacity}`` (its class,
+    whether the class is deployable, the class's canary host, the class's own serial entries and
+    capacity budget as the canary host gives them, None when unset, and the KV-cache tokens the
+    host serves). Classes come in the order of ``classes`` (``gpufleet_classes`` as given, else
+    sorted by name); a class with no deployable host is left out. Within a class the canary host
+    goes first (its production instance already stopped for the canaries), then the others by name.
     """
     if not isinstance(hosts, Mapping):
         raise ClassPlanError("hosts: expected host -> {host_class, ok, canary}")
-    order = []
+    order: list[dict[str, Any]] = []
     for cls in classes:
         members = sorted(h for h, st in hosts.items() if isinstance(st, Mapping) and st.get("host_class") == cls and st.get("ok") is True)
         if not members:
@@ -288,7 +308,9 @@ def deploy_order(hosts: Mapping[str, Mapping[str, Any]], classes: Sequence[str])
         canary = hosts[members[0]].get("canary") or ""
         if canary in members:
             members = [canary] + [h for h in members if h != canary]
-        order.append([cls, members])
+        first = hosts[members[0]]
+        order.append({"class": cls, "hosts": members, "serial": first.get("serial"), "max_unavailable": first.get("max_unavailable"),
+                      "capacity": {h: int(hosts[h].get("capacity") or 0) for h in members}})
     return order
 
 

@@ -7,7 +7,11 @@ Plain Python, no Ansible import.
 
 * :func:`class_batches` ramps every class over its own hosts: the serial entries
   (``[1, "10%", "50%"]``, the last one repeating) are sizes or shares *of that class*,
-  classes follow one another in the given order and no batch mixes two classes.
+  classes follow one another in the given order and no batch mixes two classes. A class may
+  bring its own serial entries and a capacity budget (``gpufleet_max_unavailable``,
+  :func:`parse_budget`): no batch takes more of the class's serving capacity away at once
+  (hosts, a share of its hosts, or the KV-cache tokens its hosts serve); :func:`budget_problems`
+  names the hosts a budget can never take away (the class is refused before any host is touched).
   The serial play runs these batches as one ``serial`` list of sizes
   (:func:`serial_sizes`) over the hosts in the same order.
 * :func:`gate_violations` (``module_utils/_gate/_free_memory_gate.py``, which the host's write call
@@ -26,7 +30,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 from ansible_collections.gpufleet.vllm.plugins.module_utils._gate._floor_check import rank_floor
 from ansible_collections.gpufleet.vllm.plugins.module_utils._gate._free_memory_gate import gate_violations
@@ -34,11 +38,16 @@ from ansible_collections.gpufleet.vllm.plugins.module_utils._sizes import human_
 
 __all__ = [
     "PLAN_FORMAT",
+    "Budget",
     "RolloutError",
+    "budget_problems",
     "check_artifact",
     "check_serial",
     "class_batches",
+    "class_settings_problems",
     "gate_violations",
+    "host_capacity",
+    "parse_budget",
     "plan_artifact",
     "plan_drift",
     "run_settings",
@@ -60,16 +69,97 @@ class RolloutError(ValueError):
     """Bad rollout input; the message names the field."""
 
 
-def _serial_list(serial: Any) -> list[str]:
+BUDGET_FIELD = "gpufleet_max_unavailable"
+_BUDGET_SHARE = re.compile(r"^(?:100|[1-9][0-9]?)(?:\.[0-9]+)?%$")
+_BUDGET_TOKENS = re.compile(r"^([1-9][0-9]*)\s*tokens?$")
+
+
+class Budget(NamedTuple):
+    """How much of a class's serving capacity may be away at once: ``hosts`` (a number of hosts),
+    ``share`` (a percentage of the class's hosts, rounded down) or ``tokens`` (the KV-cache tokens
+    the hosts serve, as their plan records count them); ``given`` is the value as written."""
+
+    kind: str
+    amount: float
+    given: str
+
+    def hosts(self, class_size: int) -> int | None:
+        """Hosts the budget lets go at once in a class of ``class_size`` (None for a token budget)."""
+        if self.kind == "hosts":
+            return int(self.amount)
+        if self.kind == "share":
+            return int(self.amount / 100.0 * class_size)
+        return None
+
+
+def parse_budget(value: Any, field: str = BUDGET_FIELD) -> Budget | None:
+    """A capacity budget: a positive int (hosts), ``N%`` (a share of the class's hosts) or ``N tokens``;
+    None or an empty text is no budget. Raises :class:`RolloutError` naming ``field``."""
+    if value is None or (isinstance(value, str) and not value.strip()):
+        return None
+    if isinstance(value, int) and not isinstance(value, bool):
+        if value < 1:
+            raise RolloutError(f"{field}: a number of hosts must be 1 or more, got {value}")
+        return Budget("hosts", value, str(value))
+    text = value.strip() if isinstance(value, str) else None
+    if text is not None and text.isdigit() and text.isascii():
+        return parse_budget(int(text), field)
+    if text is not None and _BUDGET_SHARE.match(text):
+        return Budget("share", float(text[:-1]), text)
+    match = _BUDGET_TOKENS.match(text.lower()) if text is not None else None
+    if match:
+        return Budget("tokens", int(match.group(1)), text or "")
+    raise RolloutError(f"{field}: expected a number of hosts (2), a share of the class's hosts ('25%') or KV-cache tokens "
+                       f"('500000 tokens'), got {value!r}")
+
+
+def host_capacity(snapshot: Mapping[str, Any]) -> int:
+    """The KV-cache tokens a host serves, as its plan records count them: the sum of ``kv_cache_tokens``
+    over its active instances (``vllm_host_snapshot``'s ``instances``); 0 for a host that serves nothing."""
+    total = 0
+    for inst in snapshot.get("instances") or []:
+        if not isinstance(inst, Mapping) or inst.get("active_state") != "active":
+            continue
+        plan = inst.get("plan")
+        tokens = plan.get("kv_cache_tokens") if isinstance(plan, Mapping) else None
+        if isinstance(tokens, int) and not isinstance(tokens, bool) and tokens > 0:
+            total += tokens
+    return total
+
+
+def budget_problems(budget: Budget | None, hosts: Sequence[str], capacity: Mapping[str, int] | None = None) -> list[str]:
+    """Why ``budget`` cannot roll out the class of ``hosts`` (empty when it can): it lets no host go at
+    once, or a host serves more tokens than a token budget allows away."""
+    if budget is None or not hosts:
+        return []
+    allowed = budget.hosts(len(hosts))
+    if allowed is not None:
+        if allowed < 1:
+            return [f"{BUDGET_FIELD} {budget.given} of the class's {len(hosts)} host(s) lets no host be away at once: "
+                    f"not even the canary host {hosts[0]} can be rolled out (give at least one host)"]
+        return []
+    capacity = capacity or {}
+    too_big = [h for h in hosts if capacity.get(h, 0) > budget.amount]
+    if not too_big:
+        return []
+    return [f"{BUDGET_FIELD} {budget.given} is less than what "
+            + ", ".join(f"{h} serves ({capacity[h]} KV-cache tokens)" for h in too_big)
+            + ": that host can never be taken away within the budget"
+            + (" (the canary host)" if hosts[0] in too_big else "")]
+
+
+def _serial_list(serial: Any, field: str = "gpufleet_rollout_serial") -> list[str]:
+    if isinstance(serial, str) and ("," in serial or serial.strip().startswith("[")):
+        serial = _text_list(serial)  # an AWX survey's answer, as run_settings reads it
     items = serial if isinstance(serial, Sequence) and not isinstance(serial, str) else [serial]
     out = []
     for pos, item in enumerate(items):
         text = str(item).strip()
         if isinstance(item, bool) or not _SERIAL_ITEM.match(text):
-            raise RolloutError(f"gpufleet_rollout_serial[{pos}]: expected a positive int or a share 'N%' (0 < N <= 100), got {item!r}")
+            raise RolloutError(f"{field}[{pos}]: expected a positive int or a share 'N%' (0 < N <= 100), got {item!r}")
         out.append(text)
     if not out:
-        raise RolloutError("gpufleet_rollout_serial: expected at least one batch size")
+        raise RolloutError(f"{field}: expected at least one batch size")
     return out
 
 
@@ -117,21 +207,80 @@ def run_settings(names: Iterable[str], given: Mapping[str, Any], inventory: Mapp
     return out
 
 
+# the settings a class gives in its group variables, every host of it alike
+CLASS_SETTINGS = ("gpufleet_rollout_serial", BUDGET_FIELD)
+
+
+def class_settings_problems(hosts: Mapping[str, Mapping[str, Any]]) -> list[str]:
+    """What is wrong with the per-class settings of ``hosts`` (host -> its variables: ``gpufleet_host_class``
+    and :data:`CLASS_SETTINGS`): each must be valid and the same on every host of a class."""
+    problems: list[str] = []
+    by_class: dict[str, list[str]] = {}
+    for host in sorted(hosts):
+        by_class.setdefault(str(hosts[host].get("gpufleet_host_class")), []).append(host)
+    for cls, members in sorted(by_class.items()):
+        for name in CLASS_SETTINGS:
+            given = {h: hosts[h].get(name) for h in members}
+            first = given[members[0]]
+            if any(value != first for value in given.values()):
+                problems.append(f"class {cls}: its hosts give different {name} ("
+                                + "; ".join(f"{h}: {v!r}" for h, v in given.items())
+                                + "); set it once in the class's group variables")
+                continue
+            if first is None or (isinstance(first, str) and not first.strip()):
+                continue
+            try:
+                if name == BUDGET_FIELD:
+                    parse_budget(first, name)
+                else:
+                    _serial_list(first, name)
+            except RolloutError as exc:
+                problems.append(f"class {cls}: {exc}")
+    return problems
+
+
+def _cut(hosts: Sequence[str], items: Sequence[str], budget: Budget | None, capacity: Mapping[str, int]) -> list[list[str]]:
+    """One class's batches: each serial entry's size, within the budget (at least one host a batch;
+    :func:`budget_problems` refuses a class where that host would exceed it)."""
+    allowed = budget.hosts(len(hosts)) if budget is not None else None
+    left = list(hosts)
+    batches: list[list[str]] = []
+    step = 0
+    while left:
+        size = min(_size(items[step], len(hosts)), len(left))
+        if allowed is not None:
+            size = max(1, min(size, allowed))
+        elif budget is not None:  # tokens: the batch's hosts serve no more than the budget, together
+            taken = 0
+            for count, host in enumerate(left[:size], start=1):
+                taken += capacity.get(host, 0)
+                if taken > budget.amount and count > 1:
+                    size = count - 1
+                    break
+        batches.append(left[:size])
+        left = left[size:]
+        step = min(step + 1, len(items) - 1)
+    return batches
+
+
 def class_batches(classes: Sequence[Any], serial: Any) -> list[dict[str, Any]]:
     """Batches of every class, classes in the given order.
 
     ``classes``: ``[[class, [host, ...]], ...]`` or ``[{class, hosts}, ...]`` (hosts in the
-    order they are rolled out). Returns ``[{index, total, class, class_index, class_total,
-    class_first, class_last, hosts}]``: ``index``/``total`` count every batch of the run,
-    ``class_index``/``class_total`` the batches of that class.
+    order they are rolled out); a mapping may also give the class's own ``serial`` (else
+    ``serial``), its ``max_unavailable`` budget (:func:`parse_budget`) and ``capacity`` (host ->
+    the KV-cache tokens it serves, :func:`host_capacity`). Returns ``[{index, total, class,
+    class_index, class_total, class_first, class_last, hosts}]``: ``index``/``total`` count
+    every batch of the run, ``class_index``/``class_total`` the batches of that class.
     """
-    items = _serial_list(serial)
+    run_items = _serial_list(serial)
     if not isinstance(classes, Sequence) or isinstance(classes, (str, Mapping)):
         raise RolloutError("classes: expected a list of [class, hosts] pairs in rollout order")
     out: list[dict[str, Any]] = []
     seen_hosts: dict[str, str] = {}
     seen_classes: set[str] = set()
     for pos, entry in enumerate(classes):
+        own: Mapping[str, Any] = entry if isinstance(entry, Mapping) else {}
         if isinstance(entry, Mapping):
             name, hosts = entry.get("class"), entry.get("hosts")
         elif isinstance(entry, Sequence) and not isinstance(entry, str) and len(entry) == 2:
@@ -149,14 +298,12 @@ def class_batches(classes: Sequence[Any], serial: Any) -> list[dict[str, Any]]:
             if host in seen_hosts:
                 raise RolloutError(f"classes[{pos}].hosts: {host} is in class {seen_hosts[host]} and in class {name}")
             seen_hosts[host] = name
-        left = list(hosts)
-        batches: list[list[str]] = []
-        step = 0
-        while left:
-            size = min(_size(items[step], len(hosts)), len(left))
-            batches.append(left[:size])
-            left = left[size:]
-            step = min(step + 1, len(items) - 1)
+        items = _serial_list(own["serial"], f"classes[{pos}].serial") if own.get("serial") not in (None, "", []) else run_items
+        budget = parse_budget(own.get("max_unavailable"), f"classes[{pos}].max_unavailable")
+        capacity = own.get("capacity") or {}
+        if not isinstance(capacity, Mapping):
+            raise RolloutError(f"classes[{pos}].capacity: expected host -> KV-cache tokens, got {capacity!r}")
+        batches = _cut(hosts, items, budget, capacity)
         for number, group in enumerate(batches, start=1):
             out.append({"class": name, "class_index": number, "class_total": len(batches),
                         "class_first": number == 1, "class_last": number == len(batches), "hosts": group})

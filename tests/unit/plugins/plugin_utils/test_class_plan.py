@@ -149,6 +149,26 @@ def test_a_class_with_a_reference_needs_no_profiled_canary_and_is_outlined_canar
     assert got.as_dict()["canary"]["profiled"] is False
 
 
+def test_the_outline_and_the_batches_keep_the_class_budget(store):
+    got = _prepare(store, serial=[1, "100%"], max_unavailable=1)
+    assert got.refusal == [] and got.batches == [["b"], ["a"], ["c"]] and got.first_run_spec["batches"] == got.batches
+    assert got.as_dict()["batches"] == got.batches and got.as_dict()["refusal"] == []
+
+
+def test_a_budget_that_cannot_take_a_host_away_refuses_the_class_before_any_canary(store):
+    got = _prepare(store, max_unavailable="10%")
+    assert got.refusal == ["gpufleet_max_unavailable 10% of the class's 3 host(s) lets no host be away at once: not even the "
+                           "canary host b can be rolled out (give at least one host)"]
+    # no canary: nothing of the class runs
+    assert (got.canary.profiled, got.canary.plan_now, got.canary.dry_run_stop) == (False, False, "")
+    snapshots = {h: {"gpus": [], "instances": [{"name": "main", "active_state": "active", "plan": {"kv_cache_tokens": 65536}}]}
+                 for h in ("a", "b", "c")}
+    got = _prepare(store, snapshots=snapshots, max_unavailable="50000 tokens")
+    assert len(got.refusal) == 1 and "b serves (65536 KV-cache tokens)" in got.refusal[0] and got.canary.plan_now is False
+    got = _prepare(store, snapshots=snapshots, max_unavailable="140000 tokens", serial=[1, "100%"])
+    assert got.refusal == [] and got.batches == [["b"], ["a", "c"]]
+
+
 def test_a_class_without_a_reference_runs_a_profiled_canary_and_knows_no_boot(store):
     got = _prepare(store, boot_timeout=600)
     assert got.reference["status"] == "missing" and got.canary.profiled and got.canary.why == "no reference profile in the store yet"

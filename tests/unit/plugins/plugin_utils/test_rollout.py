@@ -14,9 +14,14 @@ from hypothesis import given, strategies as st
 from ansible_collections.gpufleet.vllm.plugins.module_utils._plan._launch import LaunchError, for_instance, from_plan
 from ansible_collections.gpufleet.vllm.plugins.plugin_utils._rollout import (
     PLAN_FORMAT,
+    Budget,
     RolloutError,
+    budget_problems,
     check_artifact,
     class_batches,
+    class_settings_problems,
+    host_capacity,
+    parse_budget,
     gate_violations,
     plan_artifact,
     plan_drift,
@@ -98,6 +103,89 @@ def test_batches_cover_every_host_once_in_order_never_mixing_classes(counts, ser
         item = str(serial[0])
         want = max(1, int(float(item[:-1]) / 100 * len(hs))) if item.endswith("%") else int(item)
         assert len(first["hosts"]) == min(want, len(hs))
+
+
+# ---------------------------------------------------------------- capacity budget
+@pytest.mark.parametrize("value, budget", [
+    (2, Budget("hosts", 2, "2")),
+    ("3", Budget("hosts", 3, "3")),
+    ("25%", Budget("share", 25.0, "25%")),
+    ("12.5%", Budget("share", 12.5, "12.5%")),
+    ("500000 tokens", Budget("tokens", 500000, "500000 tokens")),
+    ("131072tokens", Budget("tokens", 131072, "131072tokens")),
+    (None, None),
+    ("", None),
+])
+def test_a_budget_is_hosts_a_share_or_tokens(value, budget):
+    assert parse_budget(value) == budget
+
+
+@pytest.mark.parametrize("value", [0, -1, True, "0%", "150%", "2 GiB", "tokens", "1.5", [2], {"hosts": 2}, "0 tokens"])
+def test_a_bad_budget_names_the_field(value):
+    with pytest.raises(RolloutError, match=r"^gpufleet_max_unavailable: "):
+        parse_budget(value)
+
+
+@pytest.mark.parametrize("budget, serial, sizes", [
+    (2, [1, "50%"], [1, 2, 2, 2, 1]),        # the budget caps the 50 % batches
+    ("25%", [1, "100%"], [1, 2, 2, 2, 1]),   # 25 % of 8 hosts: 2
+    ("10%", [1, "50%"], None),               # 10 % of 8 hosts holds none: refused (budget_problems)
+    (8, [1, "50%"], [1, 4, 3]),              # a budget above every batch changes nothing
+    (None, [1, "50%"], [1, 4, 3]),
+])
+def test_no_batch_takes_more_hosts_away_than_the_budget(budget, serial, sizes):
+    members = hosts("l", 8)
+    problems = budget_problems(parse_budget(budget), members)
+    if sizes is None:
+        assert problems == ["gpufleet_max_unavailable 10% of the class's 8 host(s) lets no host be away at once: not even the "
+                            "canary host l-1 can be rolled out (give at least one host)"]
+        return
+    assert problems == []
+    batches = class_batches([{"class": "l40s", "hosts": members, "max_unavailable": budget}], serial)
+    assert [len(b["hosts"]) for b in batches] == sizes
+    assert [h for b in batches for h in b["hosts"]] == members
+
+
+def test_a_token_budget_counts_what_each_host_serves():
+    members = hosts("l", 5)
+    capacity = {"l-1": 100_000, "l-2": 100_000, "l-3": 50_000, "l-4": 0, "l-5": 200_000}
+    batches = class_batches([{"class": "l40s", "hosts": members, "max_unavailable": "200000 tokens", "capacity": capacity}], [1, "100%"])
+    assert [b["hosts"] for b in batches] == [["l-1"], ["l-2", "l-3", "l-4"], ["l-5"]]
+    for b in batches:
+        assert sum(capacity[h] for h in b["hosts"]) <= 200_000
+    # a host that serves more than the budget can never go within it: the class is refused, naming it
+    assert budget_problems(parse_budget("150000 tokens"), members, capacity) == [
+        "gpufleet_max_unavailable 150000 tokens is less than what l-5 serves (200000 KV-cache tokens): that host can never be "
+        "taken away within the budget"]
+    assert budget_problems(parse_budget("150000 tokens"), ["l-5", "l-1"], capacity)[0].endswith("(the canary host)")
+
+
+def test_a_class_brings_its_own_serial_entries():
+    batches = class_batches([{"class": "a", "hosts": hosts("a", 4), "serial": [2]}, {"class": "b", "hosts": hosts("b", 4)},
+                             {"class": "c", "hosts": hosts("c", 4), "serial": "1,100%"}], [1, "50%"])
+    assert [(b["class"], len(b["hosts"])) for b in batches] == [("a", 2), ("a", 2), ("b", 1), ("b", 2), ("b", 1), ("c", 1), ("c", 3)]
+    with pytest.raises(RolloutError, match=r"^classes\[0\]\.serial\[0\]: expected a positive int"):
+        class_batches([{"class": "a", "hosts": ["a-1"], "serial": ["0%"]}], [1])
+
+
+def test_what_a_host_serves_is_its_active_instances_planned_tokens():
+    snapshot = {"instances": [{"name": "a", "active_state": "active", "plan": {"kv_cache_tokens": 100}},
+                              {"name": "b", "active_state": "inactive", "plan": {"kv_cache_tokens": 1000}},
+                              {"name": "c", "active_state": "active", "plan": {}},
+                              {"name": "d", "active_state": "active", "plan": {"kv_cache_tokens": 20}}]}
+    assert host_capacity(snapshot) == 120 and host_capacity({}) == 0
+
+
+def test_a_class_gives_its_settings_once_and_valid():
+    hv = {"a": {"gpufleet_host_class": "l40s", "gpufleet_max_unavailable": 2, "gpufleet_rollout_serial": [1, "50%"]},
+          "b": {"gpufleet_host_class": "l40s", "gpufleet_max_unavailable": 2, "gpufleet_rollout_serial": [1, "50%"]},
+          "c": {"gpufleet_host_class": "h200", "gpufleet_max_unavailable": "0%", "gpufleet_rollout_serial": None},
+          "d": {"gpufleet_host_class": "h100", "gpufleet_max_unavailable": None, "gpufleet_rollout_serial": [1]},
+          "e": {"gpufleet_host_class": "h100", "gpufleet_max_unavailable": None, "gpufleet_rollout_serial": [2]}}
+    assert class_settings_problems(hv) == [
+        "class h100: its hosts give different gpufleet_rollout_serial (d: [1]; e: [2]); set it once in the class's group variables",
+        "class h200: gpufleet_max_unavailable: expected a number of hosts (2), a share of the class's hosts ('25%') or KV-cache "
+        "tokens ('500000 tokens'), got '0%'"]
 
 
 # ---------------------------------------------------------------- plan artifact
