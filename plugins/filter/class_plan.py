@@ -44,7 +44,7 @@ def class_state(outcome: Any, host_class: Any, **fields: Any) -> dict[str, Any]:
 
 
 def class_deploy_order(hostvars: Any, hosts: Any, classes: Any) -> list[dict[str, Any]]:
-    """hostvars, the play's hosts and the class order -> ``{class, hosts, serial, max_unavailable, capacity}`` per
+    """hostvars, the play's hosts and the class order -> ``{class, hosts, max_unavailable, capacity}`` per
     deployable class, its canary host first."""
     if not isinstance(hosts, (list, tuple)) or not isinstance(classes, (list, tuple)):
         raise AnsibleFilterError("class_deploy_order: hosts and classes must be lists")
@@ -55,8 +55,8 @@ def class_deploy_order(hostvars: Any, hosts: Any, classes: Any) -> list[dict[str
         snapshot = host_vars.get("gpufleet_probe_result")
         states[str(host)] = {"host_class": host_vars.get("gpufleet_host_class"), "ok": state.get("ok") is True,
                              "canary": host_vars.get("gpufleet_canary_of_class"),
-                             "serial": host_vars.get("gpufleet_rollout_serial"), "max_unavailable": host_vars.get("gpufleet_max_unavailable"),
-                             "capacity": host_capacity(snapshot) if isinstance(snapshot, Mapping) else 0}
+                             "max_unavailable": host_vars.get("gpufleet_max_unavailable"),
+                             "capacity": host_capacity(snapshot) if isinstance(snapshot, Mapping) else None}
     try:
         return deploy_order(states, [str(c) for c in classes])
     except ClassPlanError as exc:

@@ -84,7 +84,7 @@ options:
     default: true
   serial:
     description:
-      - The class's batches (C(gpufleet_rollout_serial)), a list of sizes and shares V(N%) of the class's hosts (or an AWX
+      - The run's batches (C(gpufleet_rollout_serial)), a list of sizes and shares V(N%) of the class's hosts (or an AWX
         survey's text answer, V(1,10%,50%)); V([1, "10%", "50%"]) when omitted.
     type: raw
   max_unavailable:
@@ -92,7 +92,8 @@ options:
       - The class's capacity budget (C(gpufleet_max_unavailable)) - at most this much of its serving capacity is away
         (drained, stopping, restarting) at once - a number of hosts (V(2)), a share of the class's hosts (V(25%), rounded
         down), or KV-cache tokens (V(500000 tokens)), the tokens each host serves as its plan records count them
-        (its active instances' C(kv_cache_tokens) in its snapshot). Each batch is the serial entry's size or fewer.
+        (its active instances' planned C(kv_cache_tokens) in its snapshot; a host where an active instance's record gives
+        no figure goes in a batch of its own). Each batch is the serial entry's size or fewer.
       - A budget that lets no host go at once, or less than one host serves, refuses the class before any host is
         touched (RV(refusal)); omitted, only O(serial) sizes the batches.
     type: raw

@@ -234,7 +234,7 @@ def prepare_class(store: ProfileStore, host_class: str, compat: Mapping[str, Any
     ``hosts``: the class's hosts in their order (the canary host among them); ``snapshots``: host
     -> its ``vllm_host_snapshot`` result (the instances' unit states for the outline, the GPUs for
     an approved plan's floors). ``approved_plan``: the plan artifact being applied, or None.
-    ``serial`` and ``max_unavailable``: the class's batches and capacity budget
+    ``serial`` and ``max_unavailable``: the run's batches and the class's capacity budget
     (``gpufleet_rollout_serial``, ``gpufleet_max_unavailable``); a budget that holds none of the
     class's hosts refuses the class (``refusal``: no canary runs). ``boot_timeout`` and
     ``enforce_eager`` (the service's serve option): the outline's upper bound when no boot was
@@ -288,13 +288,13 @@ def prepare_class(store: ProfileStore, host_class: str, compat: Mapping[str, Any
 
 
 def deploy_order(hosts: Mapping[str, Mapping[str, Any]], classes: Sequence[str]) -> list[dict[str, Any]]:
-    """The classes the batches are cut from (``rollout_batches``), each ``{class, hosts, serial,
+    """The classes the batches are cut from (``rollout_batches``), each ``{class, hosts,
     max_unavailable, capacity}``.
 
-    ``hosts``: host -> ``{host_class, ok, canary, serial, max_unavailable, capacity}`` (its class,
-    whether the class is deployable, the class's canary host, the class's own serial entries and
-    capacity budget as the canary host gives them, None when unset, and the KV-cache tokens the
-    host serves). Classes come in the order of ``classes`` (``gpufleet_classes`` as given, else
+    ``hosts``: host -> ``{host_class, ok, canary, max_unavailable, capacity}`` (its class, whether
+    the class is deployable, the class's canary host, the class's capacity budget as the canary host
+    gives it, None when unset, and the KV-cache tokens the host serves, None when not known).
+    Classes come in the order of ``classes`` (``gpufleet_classes`` as given, else
     sorted by name); a class with no deployable host is left out. Within a class the canary host
     goes first (its production instance already stopped for the canaries), then the others by name.
     """
@@ -309,8 +309,8 @@ def deploy_order(hosts: Mapping[str, Mapping[str, Any]], classes: Sequence[str])
         if canary in members:
             members = [canary] + [h for h in members if h != canary]
         first = hosts[members[0]]
-        order.append({"class": cls, "hosts": members, "serial": first.get("serial"), "max_unavailable": first.get("max_unavailable"),
-                      "capacity": {h: int(hosts[h].get("capacity") or 0) for h in members}})
+        order.append({"class": cls, "hosts": members, "max_unavailable": first.get("max_unavailable"),
+                      "capacity": {h: hosts[h].get("capacity") for h in members}})
     return order
 
 

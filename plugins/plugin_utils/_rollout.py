@@ -8,7 +8,7 @@ Plain Python, no Ansible import.
 * :func:`class_batches` ramps every class over its own hosts: the serial entries
   (``[1, "10%", "50%"]``, the last one repeating) are sizes or shares *of that class*,
   classes follow one another in the given order and no batch mixes two classes. A class may
-  bring its own serial entries and a capacity budget (``gpufleet_max_unavailable``,
+  bring a capacity budget (``gpufleet_max_unavailable``,
   :func:`parse_budget`): no batch takes more of the class's serving capacity away at once
   (hosts, a share of its hosts, or the KV-cache tokens its hosts serve); :func:`budget_problems`
   names the hosts a budget can never take away (the class is refused before any host is touched).
@@ -30,10 +30,12 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable, Mapping, Sequence
+from decimal import Decimal
 from typing import Any, NamedTuple
 
 from ansible_collections.gpufleet.vllm.plugins.module_utils._gate._floor_check import rank_floor
 from ansible_collections.gpufleet.vllm.plugins.module_utils._gate._free_memory_gate import gate_violations
+from ansible_collections.gpufleet.vllm.plugins.module_utils._plan._launch import plan_file_figures
 from ansible_collections.gpufleet.vllm.plugins.module_utils._sizes import human_bytes
 
 __all__ = [
@@ -87,8 +89,8 @@ class Budget(NamedTuple):
         """Hosts the budget lets go at once in a class of ``class_size`` (None for a token budget)."""
         if self.kind == "hosts":
             return int(self.amount)
-        if self.kind == "share":
-            return int(self.amount / 100.0 * class_size)
+        if self.kind == "share":  # rounded down, in decimal: 29 % of 100 hosts is 29
+            return int(Decimal(self.given[:-1]) * class_size / 100)
         return None
 
 
@@ -113,23 +115,27 @@ def parse_budget(value: Any, field: str = BUDGET_FIELD) -> Budget | None:
                        f"('500000 tokens'), got {value!r}")
 
 
-def host_capacity(snapshot: Mapping[str, Any]) -> int:
-    """The KV-cache tokens a host serves, as its plan records count them: the sum of ``kv_cache_tokens``
-    over its active instances (``vllm_host_snapshot``'s ``instances``); 0 for a host that serves nothing."""
+def host_capacity(snapshot: Mapping[str, Any]) -> int | None:
+    """The KV-cache tokens a host serves, as its plan records count them: the sum of the planned
+    ``kv_cache_tokens`` over its active instances (``vllm_host_snapshot``'s ``instances``, each plan
+    record in any format it was written in); 0 for a host that serves nothing; None when an active
+    instance's plan record gives no figure (an auto_profile plan, a hand-written unit, an unreadable
+    record): what it serves is not known."""
     total = 0
     for inst in snapshot.get("instances") or []:
         if not isinstance(inst, Mapping) or inst.get("active_state") != "active":
             continue
-        plan = inst.get("plan")
-        tokens = plan.get("kv_cache_tokens") if isinstance(plan, Mapping) else None
-        if isinstance(tokens, int) and not isinstance(tokens, bool) and tokens > 0:
-            total += tokens
+        tokens = plan_file_figures(inst.get("plan")).get("kv_cache_tokens")
+        if not isinstance(tokens, int) or isinstance(tokens, bool) or tokens < 0:
+            return None
+        total += tokens
     return total
 
 
-def budget_problems(budget: Budget | None, hosts: Sequence[str], capacity: Mapping[str, int] | None = None) -> list[str]:
+def budget_problems(budget: Budget | None, hosts: Sequence[str], capacity: Mapping[str, int | None] | None = None) -> list[str]:
     """Why ``budget`` cannot roll out the class of ``hosts`` (empty when it can): it lets no host go at
-    once, or a host serves more tokens than a token budget allows away."""
+    once, or a host serves more tokens than a token budget allows away. A host whose capacity is not
+    known (None) is not refused: it goes in a batch of its own (:func:`class_batches`)."""
     if budget is None or not hosts:
         return []
     allowed = budget.hosts(len(hosts))
@@ -139,11 +145,11 @@ def budget_problems(budget: Budget | None, hosts: Sequence[str], capacity: Mappi
                     f"not even the canary host {hosts[0]} can be rolled out (give at least one host)"]
         return []
     capacity = capacity or {}
-    too_big = [h for h in hosts if capacity.get(h, 0) > budget.amount]
+    too_big = [h for h in hosts if (capacity.get(h) or 0) > budget.amount]
     if not too_big:
         return []
     return [f"{BUDGET_FIELD} {budget.given} is less than what "
-            + ", ".join(f"{h} serves ({capacity[h]} KV-cache tokens)" for h in too_big)
+            + ", ".join(f"{h} serves ({capacity.get(h)} KV-cache tokens)" for h in too_big)
             + ": that host can never be taken away within the budget"
             + (" (the canary host)" if hosts[0] in too_big else "")]
 
@@ -207,8 +213,9 @@ def run_settings(names: Iterable[str], given: Mapping[str, Any], inventory: Mapp
     return out
 
 
-# the settings a class gives in its group variables, every host of it alike
-CLASS_SETTINGS = ("gpufleet_rollout_serial", BUDGET_FIELD)
+# the settings a class gives in its group variables, every host of it alike (the serial batches are the
+# run's: an AWX survey always sends its question, as "" when left blank, which would hide a class's own)
+CLASS_SETTINGS = (BUDGET_FIELD,)
 
 
 def class_settings_problems(hosts: Mapping[str, Mapping[str, Any]]) -> list[str]:
@@ -230,18 +237,16 @@ def class_settings_problems(hosts: Mapping[str, Mapping[str, Any]]) -> list[str]
             if first is None or (isinstance(first, str) and not first.strip()):
                 continue
             try:
-                if name == BUDGET_FIELD:
-                    parse_budget(first, name)
-                else:
-                    _serial_list(first, name)
+                parse_budget(first, name)
             except RolloutError as exc:
                 problems.append(f"class {cls}: {exc}")
     return problems
 
 
-def _cut(hosts: Sequence[str], items: Sequence[str], budget: Budget | None, capacity: Mapping[str, int]) -> list[list[str]]:
+def _cut(hosts: Sequence[str], items: Sequence[str], budget: Budget | None, capacity: Mapping[str, int | None]) -> list[list[str]]:
     """One class's batches: each serial entry's size, within the budget (at least one host a batch;
-    :func:`budget_problems` refuses a class where that host would exceed it)."""
+    :func:`budget_problems` refuses a class where that host would exceed it). Under a token budget a
+    host whose capacity is not known (None) goes in a batch of its own."""
     allowed = budget.hosts(len(hosts)) if budget is not None else None
     left = list(hosts)
     batches: list[list[str]] = []
@@ -253,7 +258,11 @@ def _cut(hosts: Sequence[str], items: Sequence[str], budget: Budget | None, capa
         elif budget is not None:  # tokens: the batch's hosts serve no more than the budget, together
             taken = 0
             for count, host in enumerate(left[:size], start=1):
-                taken += capacity.get(host, 0)
+                served = capacity.get(host, 0)
+                if served is None:  # not known: alone
+                    size = max(1, count - 1)
+                    break
+                taken += served
                 if taken > budget.amount and count > 1:
                     size = count - 1
                     break
@@ -267,9 +276,9 @@ def class_batches(classes: Sequence[Any], serial: Any) -> list[dict[str, Any]]:
     """Batches of every class, classes in the given order.
 
     ``classes``: ``[[class, [host, ...]], ...]`` or ``[{class, hosts}, ...]`` (hosts in the
-    order they are rolled out); a mapping may also give the class's own ``serial`` (else
-    ``serial``), its ``max_unavailable`` budget (:func:`parse_budget`) and ``capacity`` (host ->
-    the KV-cache tokens it serves, :func:`host_capacity`). Returns ``[{index, total, class,
+    order they are rolled out); a mapping may also give the class's ``max_unavailable`` budget
+    (:func:`parse_budget`) and ``capacity`` (host -> the KV-cache tokens it serves, None when not
+    known: :func:`host_capacity`). Returns ``[{index, total, class,
     class_index, class_total, class_first, class_last, hosts}]``: ``index``/``total`` count
     every batch of the run, ``class_index``/``class_total`` the batches of that class.
     """
@@ -298,12 +307,11 @@ def class_batches(classes: Sequence[Any], serial: Any) -> list[dict[str, Any]]:
             if host in seen_hosts:
                 raise RolloutError(f"classes[{pos}].hosts: {host} is in class {seen_hosts[host]} and in class {name}")
             seen_hosts[host] = name
-        items = _serial_list(own["serial"], f"classes[{pos}].serial") if own.get("serial") not in (None, "", []) else run_items
         budget = parse_budget(own.get("max_unavailable"), f"classes[{pos}].max_unavailable")
         capacity = own.get("capacity") or {}
         if not isinstance(capacity, Mapping):
             raise RolloutError(f"classes[{pos}].capacity: expected host -> KV-cache tokens, got {capacity!r}")
-        batches = _cut(hosts, items, budget, capacity)
+        batches = _cut(hosts, run_items, budget, capacity)
         for number, group in enumerate(batches, start=1):
             out.append({"class": name, "class_index": number, "class_total": len(batches),
                         "class_first": number == 1, "class_last": number == len(batches), "hosts": group})

@@ -561,7 +561,8 @@ class Harness:
             owner = index_owner.get(int(port[1:]), "?") if port[1:].isdigit() else "?"
             found.append(Leftover("link", owner, f"{FABRIC_NETNS}/{port}"))
         if Path(f"/run/netns/{FABRIC_NETNS}").exists() and not ports:
-            found.append(Leftover("netns", "fabric", FABRIC_NETNS))
+            # no host's: `down --all` removes it (owner "?", never taken for a host name)
+            found.append(Leftover("netns", "?", FABRIC_NETNS))
         return found
 
     # ------------------------------------------------------------------ fabric
@@ -617,8 +618,9 @@ class Harness:
 
     # ------------------------------------------------------------------ up
     def _free_index(self, taken: set[int]) -> int:
+        fabric = set(self._fabric_ports())
         for n in range(1, 255):
-            if n not in taken and not Path(f"/sys/class/net/{VETH_PREFIX}{n}").exists():
+            if n not in taken and not Path(f"/sys/class/net/{VETH_PREFIX}{n}").exists() and f"f{n}" not in fabric:
                 return n
         raise HarnessError("no free test host address left in 10.213.1-254.0/24")
 
@@ -1115,10 +1117,13 @@ class Harness:
             if point.startswith(prefix) or point == str(hdir):
                 if run(["umount", point], check=False).returncode != 0:
                     run(["umount", "-l", point], check=False)
+        # the fabric link first: its index stays taken (the veth) until both are gone
+        netns = f"{NETNS_PREFIX}{name}"
+        if info is None and Path(f"/run/netns/{netns}").exists():  # no record: the guest's end takes its peer along
+            run(["ip", "-n", netns, "link", "del", FABRIC_IFACE], check=False)
+        self._leave_fabric(info.index if info is not None else None)
         if info is not None and Path(f"/sys/class/net/{info.veth}").exists():
             run(["ip", "link", "del", info.veth], check=False)
-        self._leave_fabric(info.index if info is not None else None)
-        netns = f"{NETNS_PREFIX}{name}"
         if Path(f"/run/netns/{netns}").exists():
             run(["ip", "netns", "del", netns])
         remaining = [x for x in self.leftovers() if x.owner == name]

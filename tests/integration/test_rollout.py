@@ -230,7 +230,8 @@ def assert_hosts_unchanged(fleet, before: dict[str, tuple[str, str]], what: str)
 
 def test_a_capacity_budget_caps_every_batch_and_one_that_holds_no_host_refuses_the_class(fleet):
     """gpufleet_max_unavailable 1: the same serial entries ([1, 100%], the two other hosts together) become
-    one host a batch; 10 % of three hosts holds none: the class is refused before any canary or host."""
+    one host a batch; a token budget one token short of what a host serves (its plan record's planned tokens)
+    holds none: the class is refused before any canary or host is touched."""
     before = fleet.units()
     since = len(fleet.reports())
     rc, out = fleet.rollout({"gpufleet_rollout_serial": [1, "100%"], "gpufleet_max_unavailable": 1})
@@ -239,10 +240,12 @@ def test_a_capacity_budget_caps_every_batch_and_one_that_holds_no_host_refuses_t
     assert report is not None and [len(b["hosts"]) for b in report["batches"]] == [1, 1, 1], report["batches"]
     assert fleet.units() == before, "nothing changed: only the batches were cut smaller"
 
-    rc, out = fleet.rollout({"gpufleet_max_unavailable": "10%"})
+    tokens = fleet.plan("sim-ro-1")["kv_cache_tokens"]
+    assert isinstance(tokens, int) and tokens > 0
+    rc, out = fleet.rollout({"gpufleet_max_unavailable": f"{tokens - 1} tokens"})
     assert rc != 0
-    assert ("class ro-l40s is not deployable: gpufleet_max_unavailable 10% of the class's 3 host(s) lets no host be away at once: "
-            "not even the canary host sim-ro-1 can be rolled out (give at least one host)") in out, out[-6000:]
+    assert (f"class ro-l40s is not deployable: gpufleet_max_unavailable {tokens - 1} tokens is less than what sim-ro-1 serves "
+            f"({tokens} KV-cache tokens)") in out, out[-6000:]
     assert "Boot the canary engine" not in out and "Report what changes on this host" not in out, out[-6000:]
     assert fleet.units() == before
     for host in HOSTS:

@@ -465,6 +465,12 @@ def test_a_drain_that_outlasts_its_wait_gives_the_servers_back(fleet):
     assert "session(s) after 1 s" in drain.stderr and "restored vllm-main/sim-rp-a1 to ready" in drain.stderr, drain.stderr
     assert set(server_states(fleet).values()) == {"UP"}, "every server is back as it was"
     assert answers == [200], "the request in flight completed"
+    # a server HAProxy does not know, after one it put in MAINT: that one is given back too
+    unknown = fleet.harness.exec(LB, ["python3", "/tmp/haproxy_server_state.py", "--socket", "/run/haproxy/admin.sock",
+                                      "--state", "maint", "--wait", "5", f"vllm-main/{A_HOSTS[0]}", "vllm-main/no-such-host"])
+    assert unknown.returncode != 0 and "haproxy has no server vllm-main/no-such-host" in unknown.stderr, unknown.stderr
+    assert f"restored vllm-main/{A_HOSTS[0]} to ready" in unknown.stderr, unknown.stderr
+    assert set(server_states(fleet).values()) == {"UP"}
 
 
 def sessions(fleet: SimFleet) -> dict[str, int]:

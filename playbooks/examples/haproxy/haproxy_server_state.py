@@ -10,11 +10,13 @@ talks to HAProxy's runtime API over its admin socket (``stats socket ... level a
     haproxy_server_state.py --socket /run/haproxy/admin.sock --state ready --wait 120 vllm-main/host-a
 
 ``maint`` stops new requests to the server and waits until its current sessions are 0;
-``ready`` puts it back and waits until its health check says UP. Prints one JSON line
-per server ({server, status, sessions, seconds, previous}); exits 1 naming the server when
-the wait runs out. A drain (``maint``) that runs out first gives every server it put in MAINT
-its previous state back (ready, or drain), so that a host that fails its drain keeps serving
-as it did; the JSON line says ``restored``.
+``ready`` puts it back and waits until its health check says UP. Every server is set first,
+then one wait of ``--wait`` seconds covers them all. Prints one JSON line per server
+({server, status, sessions, seconds, previous}); exits 1 naming the server when the wait runs
+out. A drain (``maint``) that does not finish - the wait runs out, HAProxy refuses a server or
+does not know it, the admin socket fails, the script is stopped (SIGTERM, SIGHUP) - gives every
+server it put in MAINT its previous state back (ready, or drain), so that a host that fails its
+drain keeps serving as it did; the JSON lines say ``restored``.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import argparse
 import csv
 import io
 import json
+import signal
 import socket
 import sys
 import time
@@ -51,54 +54,72 @@ def stat(path: str, backend: str, server: str) -> dict[str, str]:
 
 
 def previous_state(row: dict[str, str]) -> str:
-    """The ``set server ... state`` that gives a server back its state (``show stat`` status)."""
-    status = row.get("status", "")
-    if status.startswith("MAINT"):
+    """The ``set server ... state`` that gives a server back its state (``show stat`` status): an
+    operator's MAINT or DRAIN on the server itself stays; MAINT through a tracked server or DNS
+    (``MAINT (via ...)``) is not the server's own: it goes back to ready."""
+    status = row.get("status", "").strip()
+    if status == "MAINT":
         return "maint"
     if status.startswith("DRAIN"):
         return "drain"
     return "ready"
 
 
+def _stop(signum: int, _frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--socket", required=True)
     parser.add_argument("--state", choices=["maint", "ready"], required=True)
-    parser.add_argument("--wait", type=float, default=60.0, help="seconds to wait for idle (maint) or UP (ready)")
+    parser.add_argument("--wait", type=float, default=60.0, help="seconds to wait for idle (maint) or UP (ready), all servers together")
     parser.add_argument("servers", nargs="+", help="backend/server")
     args = parser.parse_args()
-    failed = []
+    # a drain killed by its task's timeout (SIGTERM) restores what it changed, as one that runs out does
+    signal.signal(signal.SIGTERM, _stop)
+    signal.signal(signal.SIGHUP, _stop)
+    names = [(name, *name.partition("/")[::2]) for name in args.servers]
     changed: list[tuple[str, str]] = []  # (server, its previous state) of every server this run put in MAINT
-    for name in args.servers:
-        backend, _sep, server = name.partition("/")
-        before = previous_state(stat(args.socket, backend, server))
-        answer = api(args.socket, f"set server {backend}/{server} state {args.state}").strip()
-        if answer:
-            restore(args.socket, changed)
-            raise SystemExit(f"{name}: haproxy refused 'set server ... state {args.state}': {answer}")
-        if args.state == "maint":
-            changed.append((name, before))
+    finished = False
+    try:
+        # every server first, then one wait for all of them: two instances take one wait, not two
+        for name, backend, server in names:
+            before = previous_state(stat(args.socket, backend, server))
+            answer = api(args.socket, f"set server {backend}/{server} state {args.state}").strip()
+            if answer:
+                raise SystemExit(f"{name}: haproxy refused 'set server ... state {args.state}': {answer}")
+            if args.state == "maint":
+                changed.append((name, before))
         start = time.monotonic()
-        while True:
-            row = stat(args.socket, backend, server)
-            done = (row["status"].startswith("MAINT") and int(row["scur"] or 0) == 0) if args.state == "maint" \
-                else row["status"].startswith("UP")
-            if done or time.monotonic() - start > args.wait:
+        rows: dict[str, dict[str, str]] = {}
+        pending = list(names)
+        while pending:
+            for entry in list(pending):
+                name, backend, server = entry
+                row = rows[name] = stat(args.socket, backend, server)
+                done = (row["status"].startswith("MAINT") and int(row["scur"] or 0) == 0) if args.state == "maint" \
+                    else row["status"].startswith("UP")
+                if done:
+                    pending.remove(entry)
+            if not pending or time.monotonic() - start > args.wait:
                 break
             time.sleep(0.2)
-        print(json.dumps({"server": name, "status": row["status"], "sessions": int(row["scur"] or 0),
-                          "seconds": round(time.monotonic() - start, 2), "previous": before}))
-        if not done:
-            failed.append(f"{name}: still {row['status']} with {row['scur']} session(s) after {args.wait:g} s")
-            if args.state == "maint":
-                break  # the host stays as it was: no later server of it is drained
-    if failed:
-        if args.state == "maint":
+        for name, _backend, _server in names:
+            row = rows[name]
+            print(json.dumps({"server": name, "status": row["status"], "sessions": int(row["scur"] or 0),
+                              "seconds": round(time.monotonic() - start, 2), "previous": dict(changed).get(name)}))
+        failed = [f"{name}: still {rows[name]['status']} with {rows[name]['scur']} session(s) after {args.wait:g} s"
+                  for name, _backend, _server in pending]
+        if failed:
+            print("; ".join(failed), file=sys.stderr)
+            return 1
+        finished = True
+        return 0
+    finally:
+        if changed and not finished:
             restored = restore(args.socket, changed)
-            failed.append("restored " + ", ".join(f"{n} to {s}" for n, s in restored))
-        print("; ".join(failed), file=sys.stderr)
-        return 1
-    return 0
+            print("restored " + ", ".join(f"{n} to {st}" for n, st in restored), file=sys.stderr)
 
 
 def restore(path: str, changed: list[tuple[str, str]]) -> list[tuple[str, str]]:
@@ -106,9 +127,12 @@ def restore(path: str, changed: list[tuple[str, str]]) -> list[tuple[str, str]]:
     done = []
     for name, state in changed:
         backend, _sep, server = name.partition("/")
-        answer = api(path, f"set server {backend}/{server} state {state}").strip()
+        try:
+            answer = api(path, f"set server {backend}/{server} state {state}").strip()
+        except OSError as exc:
+            answer = f"the admin socket failed: {exc}"
         print(json.dumps({"server": name, "restored": state, "answer": answer or None}))
-        done.append((name, state if not answer else f"{state} (refused: {answer})"))
+        done.append((name, state if not answer else f"{state} (not done: {answer})"))
     return done
 
 

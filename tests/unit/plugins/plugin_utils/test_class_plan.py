@@ -161,8 +161,8 @@ def test_a_budget_that_cannot_take_a_host_away_refuses_the_class_before_any_cana
                            "canary host b can be rolled out (give at least one host)"]
     # no canary: nothing of the class runs
     assert (got.canary.profiled, got.canary.plan_now, got.canary.dry_run_stop) == (False, False, "")
-    snapshots = {h: {"gpus": [], "instances": [{"name": "main", "active_state": "active", "plan": {"kv_cache_tokens": 65536}}]}
-                 for h in ("a", "b", "c")}
+    plan = {"format": 3, "instance": "main", "launch": {"manual": True, "expect": {"kv_cache_tokens": 65536}}}
+    snapshots = {h: {"gpus": [], "instances": [{"name": "main", "active_state": "active", "plan": plan}]} for h in ("a", "b", "c")}
     got = _prepare(store, snapshots=snapshots, max_unavailable="50000 tokens")
     assert len(got.refusal) == 1 and "b serves (65536 KV-cache tokens)" in got.refusal[0] and got.canary.plan_now is False
     got = _prepare(store, snapshots=snapshots, max_unavailable="140000 tokens", serial=[1, "100%"])

@@ -160,30 +160,37 @@ def test_a_token_budget_counts_what_each_host_serves():
     assert budget_problems(parse_budget("150000 tokens"), ["l-5", "l-1"], capacity)[0].endswith("(the canary host)")
 
 
-def test_a_class_brings_its_own_serial_entries():
-    batches = class_batches([{"class": "a", "hosts": hosts("a", 4), "serial": [2]}, {"class": "b", "hosts": hosts("b", 4)},
-                             {"class": "c", "hosts": hosts("c", 4), "serial": "1,100%"}], [1, "50%"])
-    assert [(b["class"], len(b["hosts"])) for b in batches] == [("a", 2), ("a", 2), ("b", 1), ("b", 2), ("b", 1), ("c", 1), ("c", 3)]
-    with pytest.raises(RolloutError, match=r"^classes\[0\]\.serial\[0\]: expected a positive int"):
-        class_batches([{"class": "a", "hosts": ["a-1"], "serial": ["0%"]}], [1])
+def test_a_host_whose_capacity_is_not_known_goes_alone_under_a_token_budget():
+    members = hosts("l", 4)
+    capacity = {"l-1": 10, "l-2": None, "l-3": 10, "l-4": 10}
+    batches = class_batches([{"class": "l40s", "hosts": members, "max_unavailable": "100 tokens", "capacity": capacity}], [1, "100%"])
+    assert [b["hosts"] for b in batches] == [["l-1"], ["l-2"], ["l-3", "l-4"]]
+    assert budget_problems(parse_budget("5 tokens"), ["l-2"], capacity) == []
+    # a share rounds down in decimal: 29 % of 100 hosts is 29 (not 28.999...)
+    assert parse_budget("29%").hosts(100) == 29
 
 
 def test_what_a_host_serves_is_its_active_instances_planned_tokens():
-    snapshot = {"instances": [{"name": "a", "active_state": "active", "plan": {"kv_cache_tokens": 100}},
-                              {"name": "b", "active_state": "inactive", "plan": {"kv_cache_tokens": 1000}},
-                              {"name": "c", "active_state": "active", "plan": {}},
-                              {"name": "d", "active_state": "active", "plan": {"kv_cache_tokens": 20}}]}
+    def plan(tokens):  # a plan record as the deploy writes it (format 3: the figures in launch.expect)
+        return {"format": 3, "instance": "main", "launch": {"manual": True, "expect": {"kv_cache_tokens": tokens}}}
+
+    snapshot = {"instances": [{"name": "a", "active_state": "active", "plan": plan(100)},
+                              {"name": "b", "active_state": "inactive", "plan": plan(1000)},
+                              {"name": "d", "active_state": "active", "plan": {"kv_cache_tokens": 20}}]}  # an older flat record
     assert host_capacity(snapshot) == 120 and host_capacity({}) == 0
+    # an active instance whose record gives no figure (auto_profile, a hand-written unit): not known
+    unknown = {"instances": [{"name": "a", "active_state": "active", "plan": {"format": 3, "launch": {"manual": False}}}]}
+    assert host_capacity(unknown) is None
 
 
 def test_a_class_gives_its_settings_once_and_valid():
-    hv = {"a": {"gpufleet_host_class": "l40s", "gpufleet_max_unavailable": 2, "gpufleet_rollout_serial": [1, "50%"]},
-          "b": {"gpufleet_host_class": "l40s", "gpufleet_max_unavailable": 2, "gpufleet_rollout_serial": [1, "50%"]},
-          "c": {"gpufleet_host_class": "h200", "gpufleet_max_unavailable": "0%", "gpufleet_rollout_serial": None},
-          "d": {"gpufleet_host_class": "h100", "gpufleet_max_unavailable": None, "gpufleet_rollout_serial": [1]},
-          "e": {"gpufleet_host_class": "h100", "gpufleet_max_unavailable": None, "gpufleet_rollout_serial": [2]}}
+    hv = {"a": {"gpufleet_host_class": "l40s", "gpufleet_max_unavailable": 2},
+          "b": {"gpufleet_host_class": "l40s", "gpufleet_max_unavailable": 2},
+          "c": {"gpufleet_host_class": "h200", "gpufleet_max_unavailable": "0%"},
+          "d": {"gpufleet_host_class": "h100", "gpufleet_max_unavailable": None},
+          "e": {"gpufleet_host_class": "h100", "gpufleet_max_unavailable": "1"}}
     assert class_settings_problems(hv) == [
-        "class h100: its hosts give different gpufleet_rollout_serial (d: [1]; e: [2]); set it once in the class's group variables",
+        "class h100: its hosts give different gpufleet_max_unavailable (d: None; e: '1'); set it once in the class's group variables",
         "class h200: gpufleet_max_unavailable: expected a number of hosts (2), a share of the class's hosts ('25%') or KV-cache "
         "tokens ('500000 tokens'), got '0%'"]
 
