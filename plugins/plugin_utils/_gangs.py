@@ -211,7 +211,7 @@ def probed_problems(hostvars: t.Mapping[str, t.Any], hosts: t.Sequence[str], sna
                                     f"{gang.leader}) does not resolve on this follower: {entry.get('error') or 'no address'}; "
                                     "set gang.address to an address every member resolves")
         if len(models) > 1:
-            problems.append(f"{gang.leader}: {FIELD} instance {name}: the gang's ranks are on different GPU models ("
+            problems.append(f"{gang.leader}: {FIELD} instance {name}: ranks on different GPU models ("
                             + "; ".join(f"{model}: {', '.join(where)}" for model, where in sorted(models.items()))
-                            + "); one engine runs over all of them at the pace and memory of the smallest")
+                            + "); one engine runs at the pace and memory of the least")
     return problems

@@ -111,8 +111,8 @@ def parse_budget(value: Any, field: str = BUDGET_FIELD) -> Budget | None:
     match = _BUDGET_TOKENS.match(text.lower()) if text is not None else None
     if match:
         return Budget("tokens", int(match.group(1)), text or "")
-    raise RolloutError(f"{field}: expected a number of hosts (2), a share of the class's hosts ('25%') or KV-cache tokens "
-                       f"('500000 tokens'), got {value!r}")
+    raise RolloutError(f"{field}: expected hosts (2), a share of the class's hosts ('25%') or KV-cache tokens ('500000 tokens'), "
+                       f"got {value!r}")
 
 
 def host_capacity(snapshot: Mapping[str, Any]) -> int | None:

@@ -308,7 +308,7 @@ def test_a_gang_is_checked_across_its_members_and_refused_before_any_host_is_tou
     assert rc != 0
     assert ("sim-rp-2: gpufleet_instances instance main: the gang's address rp-leader.invalid (the leader sim-rp-1) does not "
             "resolve on this follower: ") in out, out[-4000:]
-    assert ("sim-rp-1: gpufleet_instances instance main: the gang's ranks are on different GPU models (NVIDIA L40: sim-rp-2 GPU 1; "
+    assert ("sim-rp-1: gpufleet_instances instance main: ranks on different GPU models (NVIDIA L40: sim-rp-2 GPU 1; "
             "NVIDIA L40S: sim-rp-1 GPU 0, sim-rp-1 GPU 1, sim-rp-2 GPU 0)") in out, out[-4000:]
 
     # a gang that passes (the follower resolves the leader's ansible_host): refused with what is still to come,

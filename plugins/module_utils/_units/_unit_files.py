@@ -217,8 +217,7 @@ def _instances_problems(instances: t.Any, problems: list[str], field: str = "vll
         if "gang" in inst and not gangs:
             # a gang's checks and rank arguments exist (_gang), its planning, units and rollout not yet: without
             # this, every member would start a one-host engine of the whole model
-            problems.append(f"{where}.gang: instances that span hosts (docs/multi-host.md) are not rolled out yet; "
-                            "give each host an instance of its own")
+            problems.append(f"{where}.gang: an instance that spans hosts is not rolled out here (docs/multi-host.md)")
         checked[i]["name"] = _check(problems, v.instance_name, inst.get("name"), f"{where}.name")
         checked[i]["port"] = _check(problems, v.port, inst.get("port"), f"{where}.port")
         gpus = inst.get("gpus")

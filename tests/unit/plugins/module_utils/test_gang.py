@@ -116,5 +116,4 @@ def test_until_gangs_roll_out_the_inventory_check_refuses_one_naming_the_field()
 
     problems = FilterModule().filters()["vllm_instances_problems"](
         [{"name": "dsv3", "gpus": [0, 1], "port": 8000, "gang": gang(address="10.0.0.1")}], "gpufleet_instances")
-    assert problems == ["gpufleet_instances[0].gang: instances that span hosts (docs/multi-host.md) are not rolled out yet; "
-                        "give each host an instance of its own"]
+    assert problems == ["gpufleet_instances[0].gang: an instance that spans hosts is not rolled out here (docs/multi-host.md)"]

@@ -101,7 +101,7 @@ def test_ranks_on_two_gpu_models_are_named_with_every_gpu():
     hv = probed(two_hosts(), {"a1": "NVIDIA H100 80GB HBM3", "a2": "NVIDIA H100 PCIe"})
     hv["a2"]["gpufleet_probe_result"]["gpus"][7]["name"] = "NVIDIA H100 80GB HBM3"
     (problem,) = _gangs.probed_problems(hv, ["a1", "a2"])
-    assert problem.startswith("a1: gpufleet_instances instance dsv3: the gang's ranks are on different GPU models (NVIDIA H100 80GB HBM3: "
+    assert problem.startswith("a1: gpufleet_instances instance dsv3: ranks on different GPU models (NVIDIA H100 80GB HBM3: "
                               "a1 GPU 0, a1 GPU 1, a1 GPU 2, a1 GPU 3, a1 GPU 4, a1 GPU 5, a1 GPU 6, a1 GPU 7, a2 GPU 7; "
                               "NVIDIA H100 PCIe: a2 GPU 0, "), problem
 

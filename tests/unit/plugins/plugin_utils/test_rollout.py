@@ -191,8 +191,8 @@ def test_a_class_gives_its_settings_once_and_valid():
           "e": {"gpufleet_host_class": "h100", "gpufleet_max_unavailable": "1"}}
     assert class_settings_problems(hv) == [
         "class h100: its hosts give different gpufleet_max_unavailable (d: None; e: '1'); set it once in the class's group variables",
-        "class h200: gpufleet_max_unavailable: expected a number of hosts (2), a share of the class's hosts ('25%') or KV-cache "
-        "tokens ('500000 tokens'), got '0%'"]
+        "class h200: gpufleet_max_unavailable: expected hosts (2), a share of the class's hosts ('25%') or KV-cache tokens "
+        "('500000 tokens'), got '0%'"]
 
 
 # ---------------------------------------------------------------- plan artifact
