@@ -299,17 +299,22 @@ def haproxy_up(fleet: SimFleet) -> None:
     assert set(server_states(fleet).values()) == {"UP"}, server_states(fleet)
 
 
-def server_states(fleet: SimFleet) -> dict[str, str]:
+def backend_rows(fleet: SimFleet) -> dict[str, list[str]]:
+    """HAProxy's ``show stat`` row of each server of the backend (its CSV columns), by server."""
     proc = fleet.harness.exec(LB, ["python3", "-c", (
         "import socket,sys;s=socket.socket(socket.AF_UNIX);s.connect('/run/haproxy/admin.sock');"
         "s.sendall(b'show stat\\n');d=b''\n"
         "while True:\n c=s.recv(65536)\n if not c: break\n d+=c\nsys.stdout.write(d.decode())")])
-    states = {}
+    rows = {}
     for line in proc.stdout.splitlines():
         cols = line.split(",")
         if len(cols) > 17 and cols[0] == "vllm-main" and cols[1] in A_HOSTS:
-            states[cols[1]] = cols[17].split()[0]
-    return states
+            rows[cols[1]] = cols
+    return rows
+
+
+def server_states(fleet: SimFleet) -> dict[str, str]:
+    return {server: cols[17].split()[0] for server, cols in backend_rows(fleet).items()}
 
 
 def test_apply_the_approved_plan_behind_haproxy(fleet, seen):
@@ -475,13 +480,4 @@ def test_a_drain_that_outlasts_its_wait_gives_the_servers_back(fleet):
 
 def sessions(fleet: SimFleet) -> dict[str, int]:
     """HAProxy's current sessions per server of the backend (show stat's scur)."""
-    proc = fleet.harness.exec(LB, ["python3", "-c", (
-        "import socket,sys;s=socket.socket(socket.AF_UNIX);s.connect('/run/haproxy/admin.sock');"
-        "s.sendall(b'show stat\\n');d=b''\n"
-        "while True:\n c=s.recv(65536)\n if not c: break\n d+=c\nsys.stdout.write(d.decode())")])
-    out = {}
-    for line in proc.stdout.splitlines():
-        cols = line.split(",")
-        if len(cols) > 17 and cols[0] == "vllm-main" and cols[1] in A_HOSTS:
-            out[cols[1]] = int(cols[4] or 0)
-    return out
+    return {server: int(cols[4] or 0) for server, cols in backend_rows(fleet).items()}

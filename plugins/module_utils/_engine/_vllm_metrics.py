@@ -57,6 +57,8 @@ PROMPT_TOKENS = "vllm:prompt_tokens"
 GENERATION_TOKENS = "vllm:generation_tokens"
 TTFT = "vllm:time_to_first_token_seconds"
 E2E = "vllm:e2e_request_latency_seconds"
+# time per output token: its name since vLLM 0.10, and the older one
+ITL = ("vllm:inter_token_latency_seconds", "vllm:time_per_output_token_seconds")
 
 
 class MetricsParseError(ValueError):
@@ -94,6 +96,7 @@ class EngineMetrics:
     generation_tokens_total: float | None = None
     ttft: Histogram | None = None
     e2e: Histogram | None = None
+    itl: Histogram | None = None
     engines: int = 0
     recognised: bool = False
     parser: str = ""
@@ -266,6 +269,10 @@ def parse_metrics(text: str, use_prometheus_client: bool | None = None) -> Engin
     m.generation_tokens_total = _sum(_counter(samples, GENERATION_TOKENS))
     m.ttft = _histogram(samples, TTFT)
     m.e2e = _histogram(samples, E2E)
+    for itl_name in ITL:
+        m.itl = _histogram(samples, itl_name)
+        if m.itl is not None:
+            break
     return m
 
 

