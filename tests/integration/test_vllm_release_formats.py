@@ -827,6 +827,7 @@ METRIC_KINDS: dict[str, str] = {
     _vllm_metrics.GENERATION_TOKENS: "counter",
     _vllm_metrics.TTFT: "histogram",
     _vllm_metrics.E2E: "histogram",
+    **dict.fromkeys(_vllm_metrics.ITL, "histogram"),
 }
 # The labels of vllm:cache_config_info the parser reads: CacheConfig fields (its
 # metrics_info() is the config's __dict__).
