@@ -134,6 +134,12 @@ def _number(value: t.Any, where: str, low: float = 0.0) -> float:
     return float(value)
 
 
+def _known_keys(given: t.Mapping[str, t.Any], known: t.Iterable[str], where: str, what: str, known_as: str) -> None:
+    unknown = sorted(str(k) for k in given if k not in known)
+    if unknown:
+        raise AnalysisError(f"{where}: unknown {what}(s) {', '.join(unknown)}; {known_as} {', '.join(known)}")
+
+
 def check_settings(given: t.Any, field_name: str = "gpufleet_analysis") -> dict[str, dict[str, float | None]]:
     """The checks to run: ``given`` (check -> its settings, a check set to ``false`` is left out) over
     :data:`CHECKS`' defaults. Raises :class:`AnalysisError` naming the field."""
@@ -141,9 +147,7 @@ def check_settings(given: t.Any, field_name: str = "gpufleet_analysis") -> dict[
         given = {}
     if not isinstance(given, t.Mapping):
         raise AnalysisError(f"{field_name}: expected a mapping of checks ({', '.join(CHECKS)}), got {type(given).__name__}")
-    unknown = sorted(str(k) for k in given if k not in CHECKS)
-    if unknown:
-        raise AnalysisError(f"{field_name}: unknown check(s) {', '.join(unknown)}; the checks are {', '.join(CHECKS)}")
+    _known_keys(given, CHECKS, field_name, "check", "the checks are")
     out: dict[str, dict[str, float | None]] = {}
     for name, defaults in CHECKS.items():
         mine = given.get(name, {})
@@ -153,9 +157,7 @@ def check_settings(given: t.Any, field_name: str = "gpufleet_analysis") -> dict[
             mine = {}
         if not isinstance(mine, t.Mapping):
             raise AnalysisError(f"{field_name}.{name}: expected a mapping of {', '.join(defaults)} (or false), got {mine!r}")
-        bad = sorted(str(k) for k in mine if k not in defaults)
-        if bad:
-            raise AnalysisError(f"{field_name}.{name}: unknown setting(s) {', '.join(bad)}; it takes {', '.join(defaults)}")
+        _known_keys(mine, defaults, f"{field_name}.{name}", "setting", "it takes")
         settings: dict[str, float | None] = {}
         for key, default in defaults.items():
             value = mine.get(key, default)
