@@ -84,8 +84,8 @@ options:
     default: true
   serial:
     description:
-      - The run's batches (C(gpufleet_rollout_serial)), a list of sizes and shares V(N%) of the class's hosts (or an AWX
-        survey's text answer, V(1,10%,50%)); V([1, "10%", "50%"]) when omitted.
+      - The run's batches (C(gpufleet_rollout_serial), as the run settings read it), a list of sizes and shares V(N%) of the
+        class's hosts; V([1, "10%", "50%"]) when omitted.
     type: raw
   max_unavailable:
     description:

@@ -22,7 +22,7 @@ import typing as t
 
 from ansible_collections.gpufleet.vllm.plugins.module_utils._units._gang import Gang, GangError, across_hosts, parse
 
-__all__ = ["GangView", "addresses_to_resolve", "described", "gangs", "inventory_problems", "probed_problems"]
+__all__ = ["GangView", "addresses_to_resolve", "described", "inventory_problems", "probed_problems"]
 
 FIELD = "gpufleet_instances"
 SERVE_ARGS = "gpufleet_serve_args"
@@ -135,12 +135,6 @@ def _gangs(cache: _Hosts, hosts: t.Sequence[str]) -> dict[str, Gang]:
                 gang = _parse(cache, view)
                 found.setdefault(f"{view.name}@{gang.leader}", gang)
     return found
-
-
-def gangs(hostvars: t.Mapping[str, t.Any], hosts: t.Sequence[str]) -> dict[str, Gang]:
-    """The checked gangs of ``hosts`` by ``INSTANCE@LEADER``; raises GangError for a gang the inventory gets
-    wrong (call after :func:`inventory_problems` found none)."""
-    return _gangs(_Hosts(hostvars), hosts)
 
 
 def described(hostvars: t.Mapping[str, t.Any], hosts: t.Sequence[str]) -> list[dict[str, t.Any]]:

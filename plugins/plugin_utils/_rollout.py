@@ -155,8 +155,6 @@ def budget_problems(budget: Budget | None, hosts: Sequence[str], capacity: Mappi
 
 
 def _serial_list(serial: Any, field: str = "gpufleet_rollout_serial") -> list[str]:
-    if isinstance(serial, str) and ("," in serial or serial.strip().startswith("[")):
-        serial = _text_list(serial)  # an AWX survey's answer, as run_settings reads it
     items = serial if isinstance(serial, Sequence) and not isinstance(serial, str) else [serial]
     out = []
     for pos, item in enumerate(items):
