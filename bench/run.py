@@ -4,7 +4,7 @@
 # SPDX-License-Identifier: GPL-3.0-or-later
 """Run the benchmarks and write ``docs/benchmarks.md``.
 
-    python bench/run.py --out docs/benchmarks.md [--only planner,probe,gate,canary,rollout,drift,runtime] [--quick | --smoke]
+    python bench/run.py --out docs/benchmarks.md [--only planner,probe,gate,canary,rollout,bake,drift,runtime] [--quick | --smoke]
 
 Each part is a script under ``bench/`` that prints one JSON object; this runner
 starts it, keeps its JSON, and renders the report: the machine, every command,
@@ -33,7 +33,7 @@ from typing import Any, Callable
 REPO = Path(__file__).resolve().parents[1]
 CACHE = Path(os.environ.get("GPUFLEET_CACHE") or REPO / ".cache")
 VENV_BIN = CACHE / "venv" / "bin"
-PARTS = ("planner", "probe", "gate", "canary", "rollout", "drift", "runtime")
+PARTS = ("planner", "probe", "gate", "canary", "rollout", "bake", "drift", "runtime")
 
 
 # ---------------------------------------------------------------- running parts
@@ -107,6 +107,8 @@ ARGS: dict[str, dict[str, list[str]]] = {
                       "smoke": ["--hosts", "1", "--runs", "1"]},
     "boot_gate": {"full": ["--runs", "30"], "quick": ["--runs", "10"], "smoke": ["--runs", "2"]},
     "canary": {"full": ["--runs", "2"], "quick": ["--runs", "1"], "smoke": ["--runs", "1", "--requests", "2", "--concurrency", "1"]},
+    "bake": {"full": ["--engines", "8,64", "--seconds", "2", "--runs", "3"], "quick": ["--engines", "8", "--runs", "2"],
+             "smoke": ["--engines", "2", "--seconds", "1", "--runs", "1"]},
     "rollout": {"full": ["--sizes", "8,32"], "quick": ["--sizes", "4"], "smoke": ["--sizes", "1", "--serial", "[1]"]},
     "drift": {"full": ["--seeds", "1,2,3,4,5"], "quick": ["--seeds", "1,2"], "smoke": ["--seeds", "1", "--hosts", "20"]},
     # smoke: the same venv, install, uninstall and compile steps on a small part of the wheelhouse
@@ -147,6 +149,10 @@ def part_rollout(size: str) -> dict[str, Any]:
                                   3600)}
 
 
+def part_bake(size: str) -> dict[str, Any]:
+    return {"bake": run_script([sys.executable, str(REPO / "bench" / "bake_overhead.py"), *ARGS["bake"][size]], 900)}
+
+
 def part_drift(size: str) -> dict[str, Any]:
     return {"drift": run_script([sys.executable, str(REPO / "bench" / "drift_policies.py"), *ARGS["drift"][size]], 600)}
 
@@ -161,6 +167,7 @@ def part_runtime(size: str) -> dict[str, Any]:
 RUNNERS: dict[str, Callable[[str], dict[str, Any]]] = {
     "gate": part_gate, "runtime": part_runtime,
     "planner": part_planner, "probe": part_probe, "canary": part_canary, "rollout": part_rollout, "drift": part_drift,
+    "bake": part_bake,
 }
 
 
@@ -485,8 +492,30 @@ def render_runtime(res: dict[str, Any]) -> tuple[list[str], list[tuple[str, str,
     return lines, goals
 
 
+def render_bake(res: dict[str, Any]) -> tuple[list[str], list[tuple[str, str, str]]]:
+    lines = ["## A batch's bake", "",
+             "`gpufleet.vllm.rollout_bake` in `ansible-playbook` on localhost, timed from the task before it to the task "
+             "after it, over engines serving vLLM's `/metrics` over HTTP on this machine (half the batch, half the "
+             "baseline): two reads of every engine, the analysis and the task, beyond the bake's own seconds. "
+             "Baseline: the bake's seconds.", ""]
+    entry = res["bake"]
+    lines += status_lines(entry)
+    got = entry.get("result") if not entry.get("error") else None
+    name = "bake: adds under 1 s to a batch beyond its seconds"
+    if not got:
+        return lines, [(name, "no figures", met(None))]
+    lines += ["| engines | bake s | runs | task s (median) | overhead s (median) | overhead s (max) | task / bake |",
+              "|---:|---:|---:|---:|---:|---:|---:|"]
+    goals = []
+    for row in got["sizes"]:
+        lines.append(f"| {row['engines']} | {row['bake_seconds']} | {row['runs']} | {row['median_task_seconds']} | "
+                     f"{row['median_overhead_s']} | {row['max_overhead_s']} | {row['ratio_to_bake']} |")
+        goals.append((f"{name} ({row['engines']} engines)", f"{row['max_overhead_s']} s", met(row["within_goal"])))
+    return lines + [""], goals
+
+
 RENDER = {"planner": render_planner, "probe": render_probe, "gate": render_gate, "canary": render_canary,
-          "rollout": render_rollout, "drift": render_drift, "runtime": render_runtime}
+          "rollout": render_rollout, "bake": render_bake, "drift": render_drift, "runtime": render_runtime}
 
 
 def render_recorded_gpu(measurements: Path = REPO / "docs" / "measurements") -> list[str]:

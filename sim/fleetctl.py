@@ -11,6 +11,7 @@
     fleetctl.py inject HOST noise --gpu N --bytes A,B,... [--clear]
     fleetctl.py inject HOST fail-next-boot [--kind oom|startup|one_request|no_memory|profiling_error|gpu_lost|hang|crash]
     fleetctl.py inject HOST slow-next-boot [--seconds S] [--steps N] [--clear]
+    fleetctl.py inject HOST latency-next-boot [--token-delay S] [--clear]
                                            [--clear]
     fleetctl.py inject HOST unreachable [--clear]
     fleetctl.py status
@@ -479,6 +480,20 @@ class Fleet:
         print(f"{host}: the next engine boot takes {boot_delay_s} s, loading in {load_steps} steps" if boot_delay_s
               else f"{host}: no pending slow boot")
 
+    def inject_latency_next_boot(self, host: str, token_delay_s: float | None) -> None:
+        """Make the next engine boot on ``host`` serve ``token_delay_s`` seconds per output token for its
+        whole life, as a slower new engine or unit would (None: cancel a pending one)."""
+        path = self.sim_file(host)
+        with file_lock(path):
+            data = json.loads(path.read_text(encoding="utf-8")) if path.exists() else {}
+            data["latency_next_boot"] = {"token_delay_s": float(token_delay_s)} if token_delay_s is not None else None
+            st = path.stat() if path.exists() else None
+            atomic_write(path, json.dumps(data, indent=2, sort_keys=True) + "\n", mode=0o664)
+            if st is not None:
+                os.chown(path, st.st_uid, st.st_gid)
+        print(f"{host}: the next engine serves {token_delay_s} s per output token" if token_delay_s is not None
+              else f"{host}: no pending latency")
+
     def inject_unreachable(self, host: str, clear: bool) -> None:
         info = self.info(host)
         proc = subprocess.run(["ip", "link", "set", info.veth, "up" if clear else "down"],
@@ -688,6 +703,9 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--seconds", type=float, default=20.0)
     k.add_argument("--steps", type=int, default=20)
     k.add_argument("--clear", action="store_true")
+    k = kinds.add_parser("latency-next-boot", help="the next engine to boot serves slowly (seconds per output token)")
+    k.add_argument("--token-delay", type=float, default=0.05)
+    k.add_argument("--clear", action="store_true")
     k = kinds.add_parser("unreachable")
     k.add_argument("--clear", action="store_true")
     sub.add_parser("status", help="hosts, GPUs, processes and pending faults as JSON")
@@ -731,6 +749,8 @@ def main(argv: list[str] | None = None) -> int:
                 fleet.inject_fail_next_boot(args.host, None if args.clear else args.kind)
             elif args.fault == "slow-next-boot":
                 fleet.inject_slow_next_boot(args.host, None if args.clear else args.seconds, args.steps)
+            elif args.fault == "latency-next-boot":
+                fleet.inject_latency_next_boot(args.host, None if args.clear else args.token_delay)
             elif args.fault == "unreachable":
                 fleet.inject_unreachable(args.host, args.clear)
     except (FleetError, testhosts.HarnessError, nvml_state.StateError) as exc:

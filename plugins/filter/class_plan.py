@@ -11,6 +11,7 @@ from typing import Any, Callable, Mapping
 
 from ansible.errors import AnsibleFilterError
 
+from ansible_collections.gpufleet.vllm.plugins.plugin_utils._analysis import BAKE_FIELDS, AnalysisError, bake_settings
 from ansible_collections.gpufleet.vllm.plugins.plugin_utils._class_plan import (
     ClassPlanError,
     canary_need,
@@ -44,7 +45,7 @@ def class_state(outcome: Any, host_class: Any, **fields: Any) -> dict[str, Any]:
 
 
 def class_deploy_order(hostvars: Any, hosts: Any, classes: Any) -> list[dict[str, Any]]:
-    """hostvars, the play's hosts and the class order -> ``{class, hosts, max_unavailable, capacity}`` per
+    """hostvars, the play's hosts and the class order -> ``{class, hosts, max_unavailable, capacity, bake}`` per
     deployable class, its canary host first."""
     if not isinstance(hosts, (list, tuple)) or not isinstance(classes, (list, tuple)):
         raise AnsibleFilterError("class_deploy_order: hosts and classes must be lists")
@@ -56,10 +57,19 @@ def class_deploy_order(hostvars: Any, hosts: Any, classes: Any) -> list[dict[str
         states[str(host)] = {"host_class": host_vars.get("gpufleet_host_class"), "ok": state.get("ok") is True,
                              "canary": host_vars.get("gpufleet_canary_of_class"),
                              "max_unavailable": host_vars.get("gpufleet_max_unavailable"),
-                             "capacity": host_capacity(snapshot) if isinstance(snapshot, Mapping) else None}
+                             "capacity": host_capacity(snapshot) if isinstance(snapshot, Mapping) else None,
+                             "bake": _bake(host_vars)}
     try:
         return deploy_order(states, [str(c) for c in classes])
     except ClassPlanError as exc:
+        raise AnsibleFilterError(f"class_deploy_order: {exc}") from None
+
+
+def _bake(host_vars: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The class's bake as this host gives it (validate.yml checked it, and that the class's hosts agree)."""
+    try:
+        return bake_settings(*(host_vars.get(name) for name in BAKE_FIELDS))
+    except AnalysisError as exc:
         raise AnsibleFilterError(f"class_deploy_order: {exc}") from None
 
 

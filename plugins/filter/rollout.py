@@ -1,8 +1,8 @@
 # Copyright (c) gpufleet maintainers
 # GNU General Public License v3.0+ (see LICENSES/GPL-3.0-or-later.txt or https://www.gnu.org/licenses/gpl-3.0.txt)
 # SPDX-License-Identifier: GPL-3.0-or-later
-"""Filters: class_settings_problems, compat_fields, gate_violations, release_history, rollback_summary, rollout_batches,
-rollout_plan, rollout_plan_drift, run_settings, runtime_problems.
+"""Filters: class_settings_problems, compat_fields, gate_violations, metrics_targets, release_history, rollback_summary,
+rollout_batches, rollout_plan, rollout_plan_drift, run_settings, runtime_problems.
 
 The documentation of each is in the YAML file of its name beside this one.
 """
@@ -21,7 +21,7 @@ from ansible_collections.gpufleet.vllm.plugins.module_utils._defaults import def
 from ansible_collections.gpufleet.vllm.plugins.module_utils._plan import _compat
 from ansible_collections.gpufleet.vllm.plugins.module_utils._plan._launch import LaunchError
 from ansible_collections.gpufleet.vllm.plugins.module_utils._units._unit_files import rollback_summary as _rollback_summary
-from ansible_collections.gpufleet.vllm.plugins.plugin_utils import _releases, _rollout
+from ansible_collections.gpufleet.vllm.plugins.plugin_utils import _analysis, _releases, _rollout
 
 
 def rollback_summary(entries: Any) -> str:
@@ -49,6 +49,16 @@ def class_settings_problems(hostvars: Any, hosts: Any) -> list[str]:
         found = hostvars.get(host) or {}
         views[str(host)] = {name: found.get(name) for name in wanted}
     return _rollout.class_settings_problems(views)
+
+
+def metrics_targets(instances: Any, host: Any, listen_host: Any = "0.0.0.0", reach: Any = None, address: Any = None) -> list[dict[str, str]]:
+    """A host's instances -> where the controller reads each engine's /metrics during a bake."""
+    if not isinstance(host, str) or not host:
+        raise AnsibleFilterError("metrics_targets: host must be the inventory host's name")
+    try:
+        return _analysis.metrics_targets(host, instances, listen_host, reach, address)
+    except _analysis.AnalysisError as exc:
+        raise AnsibleFilterError(f"metrics_targets: {exc}") from None
 
 
 def rollout_plan(classes: Mapping[str, Any], hosts: Mapping[str, Any], created: str, serial: Any = None) -> dict[str, Any]:
@@ -180,6 +190,7 @@ class FilterModule:
             "class_settings_problems": class_settings_problems,
             "compat_fields": compat_fields,
             "gate_violations": gate_violations,
+            "metrics_targets": metrics_targets,
             "release_history": release_history,
             "rollback_summary": rollback_summary,
             "rollout_batches": rollout_batches,

@@ -21,20 +21,29 @@ summed over their hosts, then every check compares them:
   above ``max``.
 
 A check with fewer than ``min_requests`` finished requests on the canary (or, where it compares,
-on the baseline) is ``inconclusive``; a check without a baseline to compare with and no absolute
-limit is ``inconclusive`` too. The analysis fails when a check fails, else it is inconclusive
-when a check is, else it passes; ``inconclusive`` then counts as the policy says
+on the baseline) is ``inconclusive``. A latency check with no baseline host at all (every host of the
+class is changed, or a one-host class) and no absolute limit is ``skipped``, saying so: there is
+nothing left on the previous units to compare with, and calling that inconclusive would fail the
+last batch of every class. The analysis fails when a check fails, else it is inconclusive when a
+check is, else it passes; ``inconclusive`` then counts as the policy says
 (:data:`INCONCLUSIVE_POLICIES`: ``fail``, the default, or ``pass``).
+
+:func:`bake_settings` reads a class's bake settings (``gpufleet_bake_seconds``, ``gpufleet_analysis``,
+``gpufleet_analysis_inconclusive``) and :func:`metrics_targets` the ``/metrics`` URLs of a host's
+engines as the controller reaches them; the ``rollout_bake`` action scrapes them.
 """
 from __future__ import annotations
 
+import ipaddress
 import math
+import re
 import typing as t
 from dataclasses import dataclass, field
 
 from ansible_collections.gpufleet.vllm.plugins.module_utils._engine._vllm_metrics import EngineMetrics, Histogram, histogram_quantile
 
-__all__ = ["CHECKS", "INCONCLUSIVE_POLICIES", "AnalysisError", "Window", "analyse", "check_settings", "merge", "window"]
+__all__ = ["BAKE_FIELDS", "CHECKS", "INCONCLUSIVE_POLICIES", "AnalysisError", "Window", "analyse", "bake_settings",
+           "check_settings", "merge", "metrics_targets", "window"]
 
 # check -> its settings and their defaults
 CHECKS: dict[str, dict[str, float | None]] = {
@@ -46,6 +55,10 @@ CHECKS: dict[str, dict[str, float | None]] = {
     "kv_usage": {"max": 0.98},
 }
 INCONCLUSIVE_POLICIES = ("fail", "pass")
+# a class's bake settings, as its group variables name them (each alike on every host of the class)
+BAKE_FIELDS = ("gpufleet_bake_seconds", "gpufleet_analysis", "gpufleet_analysis_inconclusive")
+# the longest bake a batch may take: a day (a longer one is a typo, and holds the run's leases)
+MAX_BAKE_SECONDS = 86400
 FAILED_REASONS = ("abort", "error")
 QUANTILE = 0.9
 
@@ -189,6 +202,9 @@ def _latency(name: str, settings: dict[str, float | None], canary: Window, basel
     theirs = histogram_quantile(getattr(baseline, attr), QUANTILE) if baseline is not None else None
     threshold = {"max_ratio": settings["max_ratio"], "max_seconds": settings["max_seconds"]}
     samples = (canary.requests, baseline.requests if baseline is not None else None)
+    if baseline is None and settings["max_seconds"] is None:
+        return _result(name, "skipped", "no host of the class is left on its previous units to compare with",
+                       mine, theirs, threshold, samples)
     few = _few(settings, canary, baseline, compares=settings["max_seconds"] is None)
     if few or mine is None:
         return _result(name, "inconclusive", few or "the canary's engines give no such histogram", mine, theirs, threshold, samples)
@@ -197,8 +213,7 @@ def _latency(name: str, settings: dict[str, float | None], canary: Window, basel
     if theirs is None or theirs <= 0:
         if settings["max_seconds"] is not None:
             return _result(name, "pass", f"{mine:.4g} s on the canary, within {settings['max_seconds']:g} s", mine, theirs, threshold, samples)
-        return _result(name, "inconclusive", "no baseline to compare with (every host of the class is changed or none was read)",
-                       mine, theirs, threshold, samples)
+        return _result(name, "inconclusive", "the baseline's engines give no such histogram", mine, theirs, threshold, samples)
     ratio = mine / theirs
     verdict = "fail" if ratio > (settings["max_ratio"] or math.inf) else "pass"
     return _result(name, verdict, f"{mine:.4g} s on the canary, {theirs:.4g} s on the baseline: {ratio:.2f} times "
@@ -267,7 +282,96 @@ def analyse(canary: t.Sequence[Window], baseline: t.Sequence[Window], checks: t.
             results.append(_kv_usage(conf, mine))
         else:
             results.append(_latency(name, conf, mine, theirs))
-    verdicts = {r["verdict"] for r in results}
+    verdicts = {r["verdict"] for r in results}  # a skipped check counts for nothing
     verdict = "fail" if "fail" in verdicts else "inconclusive" if "inconclusive" in verdicts else "pass"
     return {"verdict": verdict, "effective": inconclusive if verdict == "inconclusive" else verdict, "checks": results,
             "canary_hosts": mine.hosts, "baseline_hosts": theirs.hosts if theirs is not None else 0}
+
+
+def _blank(value: t.Any) -> bool:
+    """Unset: None or an empty string (an AWX survey sends a question left blank as "")."""
+    return value is None or (isinstance(value, str) and not value.strip())
+
+
+def bake_settings(seconds: t.Any = None, checks: t.Any = None, inconclusive: t.Any = None) -> dict[str, t.Any] | None:
+    """A class's bake: ``{seconds, checks, inconclusive}`` with every check's settings filled in (a
+    check turned off as ``False``), or None when the class does not bake (``gpufleet_bake_seconds`` unset or 0). Raises
+    :class:`AnalysisError` naming the field (:data:`BAKE_FIELDS`)."""
+    field_seconds, field_checks, field_policy = BAKE_FIELDS
+    if _blank(seconds):
+        seconds = 0
+    if isinstance(seconds, str) and seconds.strip().isdigit():
+        seconds = int(seconds.strip())
+    if isinstance(seconds, bool) or not isinstance(seconds, int) or not 0 <= seconds <= MAX_BAKE_SECONDS:
+        raise AnalysisError(f"{field_seconds}: expected whole seconds from 0 (no bake) to {MAX_BAKE_SECONDS}, got {seconds!r}")
+    policy = "fail" if _blank(inconclusive) else inconclusive
+    if policy not in INCONCLUSIVE_POLICIES:
+        raise AnalysisError(f"{field_policy}: expected one of {', '.join(INCONCLUSIVE_POLICIES)}, got {inconclusive!r}")
+    settings = check_settings(None if _blank(checks) else checks, field_checks)
+    if seconds == 0:
+        return None
+    if not settings:
+        raise AnalysisError(f"{field_checks}: every check is turned off, so a bake of {seconds} s would judge nothing; "
+                            f"turn one on, or set {field_seconds} to 0")
+    # every check named, the ones turned off as false: check_settings reads the result as it reads the user's
+    named: dict[str, t.Any] = {name: settings.get(name, False) for name in CHECKS}
+    return {"seconds": seconds, "checks": named, "inconclusive": policy}
+
+
+_HOST_NAME = re.compile(r"^[A-Za-z0-9](?:[A-Za-z0-9.-]{0,252})$")
+
+
+def _url_host(address: str, where: str) -> str:
+    """``address`` as the host part of a URL (an IPv6 address in brackets)."""
+    try:
+        ip = ipaddress.ip_address(address)
+    except ValueError:
+        if not _HOST_NAME.match(address):
+            raise AnalysisError(f"{where}: expected an IP address or a host name, got {address!r}") from None
+        return address
+    return f"[{ip}]" if ip.version == 6 else str(ip)
+
+
+def _loopback(address: str) -> bool:
+    if address == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(address).is_loopback
+    except ValueError:
+        return False
+
+
+def metrics_targets(host: str, instances: t.Any, listen_host: t.Any = "0.0.0.0", reach: t.Any = None,
+                    address: t.Any = None) -> list[dict[str, str]]:
+    """Where the controller reads each engine of ``host`` during a bake: ``[{host, instance, url}]``.
+
+    The address is ``address`` when given (``gpufleet_metrics_address``), else the one the engines
+    listen on (``vllm_service_listen_host``), else, for engines that listen on every address,
+    ``reach`` (the host's ``ansible_host``, else its inventory name). Engines bound to a loopback
+    address cannot be read from the controller without ``address``: an error says so."""
+    if not isinstance(instances, t.Sequence) or isinstance(instances, (str, bytes)):
+        raise AnalysisError(f"{host}: gpufleet_instances: expected a list of instances, got {type(instances).__name__}")
+    if not _blank(address):
+        chosen, where = str(address).strip(), "gpufleet_metrics_address"
+    else:
+        listen = "" if _blank(listen_host) else str(listen_host).strip()
+        if listen in ("", "0.0.0.0", "::"):
+            chosen, where = str(reach or host).strip(), "ansible_host"
+        elif _loopback(listen):
+            raise AnalysisError(f"{host}: the engines listen on {listen} (vllm_service_listen_host), which the controller cannot "
+                                "reach for the bake's metrics: set gpufleet_metrics_address to an address that reaches them "
+                                "(a proxy of their /metrics), or set gpufleet_bake_seconds to 0")
+        else:
+            chosen, where = listen, "vllm_service_listen_host"
+    url_host = _url_host(chosen, f"{host}: {where}")
+    out = []
+    for pos, instance in enumerate(instances):
+        if not isinstance(instance, t.Mapping) or not isinstance(instance.get("name"), str):
+            raise AnalysisError(f"{host}: gpufleet_instances[{pos}]: expected a mapping with a name, got {instance!r}")
+        port = instance.get("port")
+        if isinstance(port, str) and port.isdigit():
+            port = int(port)
+        if isinstance(port, bool) or not isinstance(port, int) or not 1 <= port <= 65535:
+            raise AnalysisError(f"{host}: gpufleet_instances[{pos}].port: expected an integer in 1..65535, got {port!r}")
+        out.append({"host": host, "instance": instance["name"], "url": f"http://{url_host}:{port}/metrics"})
+    return out

@@ -712,7 +712,8 @@ def build_report(data: Mapping[str, Any], kind: str = "rollout", generated: _dt.
     * ``hosts``: ``{host: {class, batch, pending, touched, error, failed_task}}``;
       ``batch`` is the batch number the host ran in, ``pending`` the instances
       that changed, ``error`` the message of the failure that stopped it;
-    * ``batches``: ``[{index, total, hosts, started, finished}]``;
+    * ``batches``: ``[{index, total, hosts, started, finished, analysis}]`` (``analysis``: the bake's
+      verdict on the batch, as ``gpufleet.vllm.rollout_bake`` returns it, when the class bakes);
     * ``check_mode``: whether the run was a dry run (``--check``);
     * ``probe`` (required for ``kind="probe"``): ``{hosts: {host: {class,
       error, driver_version, cuda_driver_version, nvml_version, gpus,
@@ -860,9 +861,36 @@ def _batch_entries(batches_raw: Any, hosts: list[dict[str, Any]], finished: Any)
                 "finished": raw.get("finished"),
                 "seconds": _seconds_between(raw.get("started"), raw.get("finished") or finished),
                 "outcome": "failed" if bad else ("ok" if raw.get("finished") else "stopped"),
+                # the bake's verdict on the batch (rollout_bake), None for a batch that was not baked
+                "analysis": _analysis_entry(raw.get("analysis"), f"data.batches[{pos}].analysis"),
             }
         )
     return batches
+
+
+def _analysis_entry(raw: Any, where: str) -> dict[str, Any] | None:
+    """A batch's analysis as the report keeps it: the verdict, what it counted as, the bake's span and every check."""
+    if raw is None:
+        return None
+    if not isinstance(raw, Mapping) or not isinstance(raw.get("checks"), list):
+        raise ReportError(f"{where}: expected the analysis of gpufleet.vllm.rollout_bake (verdict, effective, checks)")
+    checks = []
+    for pos, check in enumerate(raw["checks"]):
+        if not isinstance(check, Mapping):
+            raise ReportError(f"{where}.checks[{pos}]: expected a mapping")
+        checks.append({key: check.get(key) for key in ("name", "verdict", "why", "canary", "baseline", "threshold", "samples")})
+    return {
+        "verdict": str(raw.get("verdict")),
+        "effective": str(raw.get("effective") or raw.get("verdict")),
+        "seconds": _num(raw.get("seconds")),
+        "started": raw.get("started"),
+        "finished": raw.get("finished"),
+        "canary_hosts": _num(raw.get("canary_hosts")),
+        "baseline_hosts": _num(raw.get("baseline_hosts")),
+        "checks": checks,
+        "unread": [str(u) for u in raw.get("unread") or []],
+        "baseline_unread": {str(h): [str(w) for w in why] for h, why in (raw.get("baseline_unread") or {}).items()},
+    }
 
 
 def _summary(report: Mapping[str, Any]) -> dict[str, Any]:

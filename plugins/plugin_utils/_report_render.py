@@ -226,6 +226,9 @@ def render_markdown(report: Mapping[str, Any]) -> str:
             hosts = ", ".join(f"{h['host']} ({h['outcome'].replace('_', ' ')})" for h in b["hosts"])
             out.append(f"| {_md_cell(_batch_label(b))} | {_md_cell(hosts)} | {cell_text(b['seconds'])} | {b['outcome']} |")
         out.append("")
+        for b in report["batches"]:
+            if b.get("analysis"):
+                out += _analysis_md(b)
     if report["hosts"] and not report.get("probe"):
         out += ["## Hosts", "", "| host | class | batch | outcome | changed instances |", "|---|---|---|---|---|"]
         for h in report["hosts"]:
@@ -494,6 +497,55 @@ def _outcome_html(outcome: str) -> str:
     return f'<span class="{cls}">{html.escape(outcome.replace("_", " "))}</span>'
 
 
+_ANALYSIS_COLUMNS = ["check", "verdict", "canary", "baseline", "threshold", "requests (canary / baseline)", "why"]
+
+
+def _analysis_title(batch: Mapping[str, Any]) -> str:
+    a = batch["analysis"]
+    counted = f" (counted as {a['effective']})" if a["effective"] != a["verdict"] else ""
+    return (f"Bake of batch {_batch_label(batch)}: {a['verdict']}{counted}, {cell_text(a['seconds'])} s, "
+            f"{cell_text(a['canary_hosts'])} changed host(s) against {cell_text(a['baseline_hosts'])} baseline host(s)")
+
+
+def _figure(value: Any) -> str:
+    return f"{value:.4g}" if isinstance(value, (int, float)) and not isinstance(value, bool) else "-"
+
+
+def _analysis_row(check: Mapping[str, Any]) -> list[str]:
+    threshold = ", ".join(f"{k} {v:g}" for k, v in (check.get("threshold") or {}).items() if isinstance(v, (int, float)))
+    samples = check.get("samples") or {}
+    figure = _figure
+    return [str(check.get("name")), str(check.get("verdict")), figure(check.get("canary")), figure(check.get("baseline")),
+            threshold or "-", f"{figure(samples.get('canary'))} / {figure(samples.get('baseline'))}", str(check.get("why") or "")]
+
+
+def _analysis_notes(analysis: Mapping[str, Any]) -> list[str]:
+    notes = [f"could not read {u}" for u in analysis.get("unread") or []]
+    notes += [f"baseline host {h} left out: {'; '.join(why)}" for h, why in (analysis.get("baseline_unread") or {}).items()]
+    return notes
+
+
+def _analysis_md(batch: Mapping[str, Any]) -> list[str]:
+    out = [f"**{_analysis_title(batch)}**", "", "| " + " | ".join(_ANALYSIS_COLUMNS) + " |", "|---" * len(_ANALYSIS_COLUMNS) + "|"]
+    out += ["| " + " | ".join(_md_cell(c) for c in _analysis_row(check)) + " |" for check in batch["analysis"]["checks"]]
+    out += ["", *(f"- {_md_cell(n)}" for n in _analysis_notes(batch["analysis"])), ""]
+    return out
+
+
+def _analysis_html(batch: Mapping[str, Any]) -> list[str]:
+    esc = html.escape
+    rows = []
+    for check in batch["analysis"]["checks"]:
+        cells = [esc(c) for c in _analysis_row(check)]
+        cells[1] = _outcome_html(str(check.get("verdict")))
+        rows.append(cells)
+    out = [f"<h3>{esc(_analysis_title(batch))}</h3>", _html_table(_ANALYSIS_COLUMNS, rows, raw=True)]
+    notes = _analysis_notes(batch["analysis"])
+    if notes:
+        out.append("<ul>" + "".join(f"<li>{esc(n)}</li>" for n in notes) + "</ul>")
+    return out
+
+
 def _probe_html(probe: Mapping[str, Any]) -> list[str]:
     esc = html.escape
     out: list[str] = []
@@ -585,6 +637,9 @@ def render_html(report: Mapping[str, Any]) -> str:
             for b in report["batches"]
         ]
         out.append(_html_table(["batch", "hosts", "seconds", "outcome"], rows, raw=True))
+        for b in report["batches"]:
+            if b.get("analysis"):
+                out += _analysis_html(b)
     if report["hosts"] and not report.get("probe"):
         out.append("<h2>Hosts</h2>")
         rows = [

@@ -37,6 +37,7 @@ from ansible_collections.gpufleet.vllm.plugins.module_utils._gate._floor_check i
 from ansible_collections.gpufleet.vllm.plugins.module_utils._gate._free_memory_gate import gate_violations
 from ansible_collections.gpufleet.vllm.plugins.module_utils._plan._launch import plan_file_figures
 from ansible_collections.gpufleet.vllm.plugins.module_utils._sizes import human_bytes
+from ansible_collections.gpufleet.vllm.plugins.plugin_utils._analysis import BAKE_FIELDS, AnalysisError, bake_settings
 
 __all__ = [
     "PLAN_FORMAT",
@@ -213,7 +214,7 @@ def run_settings(names: Iterable[str], given: Mapping[str, Any], inventory: Mapp
 
 # the settings a class gives in its group variables, every host of it alike (the serial batches are the
 # run's: an AWX survey always sends its question, as "" when left blank, which would hide a class's own)
-CLASS_SETTINGS = (BUDGET_FIELD,)
+CLASS_SETTINGS = (BUDGET_FIELD, *BAKE_FIELDS)
 
 
 def class_settings_problems(hosts: Mapping[str, Mapping[str, Any]]) -> list[str]:
@@ -224,20 +225,23 @@ def class_settings_problems(hosts: Mapping[str, Mapping[str, Any]]) -> list[str]
     for host in sorted(hosts):
         by_class.setdefault(str(hosts[host].get("gpufleet_host_class")), []).append(host)
     for cls, members in sorted(by_class.items()):
+        alike = True
         for name in CLASS_SETTINGS:
             given = {h: hosts[h].get(name) for h in members}
             first = given[members[0]]
             if any(value != first for value in given.values()):
+                alike = False
                 problems.append(f"class {cls}: its hosts give different {name} ("
                                 + "; ".join(f"{h}: {v!r}" for h, v in given.items())
                                 + "); set it once in the class's group variables")
-                continue
-            if first is None or (isinstance(first, str) and not first.strip()):
-                continue
-            try:
-                parse_budget(first, name)
-            except RolloutError as exc:
-                problems.append(f"class {cls}: {exc}")
+        if not alike:
+            continue
+        own = hosts[members[0]]
+        try:
+            parse_budget(own.get(BUDGET_FIELD), BUDGET_FIELD)
+            bake_settings(*(own.get(name) for name in BAKE_FIELDS))
+        except (RolloutError, AnalysisError) as exc:
+            problems.append(f"class {cls}: {exc}")
     return problems
 
 
@@ -275,10 +279,11 @@ def class_batches(classes: Sequence[Any], serial: Any) -> list[dict[str, Any]]:
 
     ``classes``: ``[[class, [host, ...]], ...]`` or ``[{class, hosts}, ...]`` (hosts in the
     order they are rolled out); a mapping may also give the class's ``max_unavailable`` budget
-    (:func:`parse_budget`) and ``capacity`` (host -> the KV-cache tokens it serves, None when not
-    known: :func:`host_capacity`). Returns ``[{index, total, class,
-    class_index, class_total, class_first, class_last, hosts}]``: ``index``/``total`` count
-    every batch of the run, ``class_index``/``class_total`` the batches of that class.
+    (:func:`parse_budget`), ``capacity`` (host -> the KV-cache tokens it serves, None when not
+    known: :func:`host_capacity`) and ``bake`` (the class's bake, :func:`_analysis.bake_settings`'s
+    result, or None). Returns ``[{index, total, class, class_index, class_total, class_first,
+    class_last, hosts, bake}]``: ``index``/``total`` count every batch of the run,
+    ``class_index``/``class_total`` the batches of that class, ``bake`` the class's bake (None: none).
     """
     run_items = _serial_list(serial)
     if not isinstance(classes, Sequence) or isinstance(classes, (str, Mapping)):
@@ -309,10 +314,14 @@ def class_batches(classes: Sequence[Any], serial: Any) -> list[dict[str, Any]]:
         capacity = own.get("capacity") or {}
         if not isinstance(capacity, Mapping):
             raise RolloutError(f"classes[{pos}].capacity: expected host -> KV-cache tokens, got {capacity!r}")
+        bake = own.get("bake")
+        if bake is not None and not (isinstance(bake, Mapping) and isinstance(bake.get("seconds"), int)):
+            raise RolloutError(f"classes[{pos}].bake: expected the class's bake settings (seconds, checks, inconclusive), got {bake!r}")
         batches = _cut(hosts, run_items, budget, capacity)
         for number, group in enumerate(batches, start=1):
             out.append({"class": name, "class_index": number, "class_total": len(batches),
-                        "class_first": number == 1, "class_last": number == len(batches), "hosts": group})
+                        "class_first": number == 1, "class_last": number == len(batches), "hosts": group,
+                        "bake": dict(bake) if bake else None})
     for index, batch in enumerate(out, start=1):
         batch["index"] = index
         batch["total"] = len(out)

@@ -18,6 +18,8 @@ is tested on the real engine (tests/integration/test_real_engine.py):
 2. the same run again, with free memory moved by a few MiB, changes nothing (the budget is kept);
    the read-only playbooks (probe.yml, audit.yml; plan.yml --check in 7.) leave every host's files
    and units as they were;
+   a class that bakes its batches under traffic: a second batch whose new engine serves slower than the
+   host not yet changed fails its analysis and is rolled back; without traffic an analysis is inconclusive;
 3. a co-tenant appears on the second host after planning: its gate stops the rollout
    before its service is touched, the first batch keeps the new unit, the third never runs;
 4. a co-tenant appears on the second host between its two gates: the gate after the stop (read
@@ -47,6 +49,8 @@ import os
 import re
 import threading
 import time
+import urllib.error
+import urllib.request
 from typing import Any, Callable
 
 import procgroup  # noqa: E402  pylint: disable=wrong-import-position,import-error
@@ -264,6 +268,95 @@ def test_read_only_playbooks_change_nothing_on_the_hosts(fleet):
         counters = recap(out)
         assert all(counters[h]["ok"] > 0 and counters[h]["failed"] == counters[h]["unreachable"] == 0 for h in HOSTS), (name, counters)
     assert_hosts_unchanged(fleet, before, "probe.yml or audit.yml")
+
+
+BAKE = {"gpufleet_max_unavailable": 1, "gpufleet_bake_seconds": 4,
+        # time per output token and success only: on a shared two-core machine the other latencies are noise
+        "gpufleet_analysis": {"itl_p90": {"max_ratio": 3, "min_requests": 5}, "success_rate": {"min_requests": 5},
+                              "ttft_p90": False, "e2e_p90": False, "preemptions": False}}
+
+
+def completions(fleet, done: threading.Event, results: dict[str, dict[str, int]], clients: int = 2) -> list[threading.Thread]:
+    """Clients sending short completions straight to every host's engine until ``done``, counting the answers."""
+    def client(host: str) -> None:
+        url = f"http://{fleet.sim.info(host).address}:8000/v1/completions"
+        body = json.dumps({"prompt": "hello", "max_tokens": 8}).encode()
+        for _unused in range(20000):  # bounded
+            if done.is_set():
+                return
+            try:
+                request = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"})
+                with urllib.request.urlopen(request, timeout=10) as resp:
+                    key = str(resp.status)
+            except urllib.error.HTTPError as exc:
+                key = str(exc.code)
+            except OSError:
+                key = "error"
+                time.sleep(0.2)
+            results[host][key] = results[host].get(key, 0) + 1
+
+    threads = [threading.Thread(target=client, args=(h,), daemon=True) for h in HOSTS for _n in range(clients)]
+    for t in threads:
+        t.start()
+    return threads
+
+
+def test_a_batch_that_serves_slower_than_the_class_fails_its_bake_and_is_rolled_back(fleet):
+    """A class that bakes each batch 4 s under real traffic: batch 1's host serves like the hosts not yet changed
+    (its analysis passes); batch 2's new engine serves ten times slower per output token (the simulator's latency
+    knob), so its time-per-output-token p90 fails against the baseline (the third host): that host is rolled back
+    to its previous unit and serves again, the third host is never touched, the run fails, and the report shows
+    both analyses. A second run without traffic puts batch 1's host back on the class's first plan: too few
+    requests make its analysis inconclusive, which the class's policy counts as a pass."""
+    before = fleet.units()
+    since = len(fleet.reports())
+    done = threading.Event()
+    results: dict[str, dict[str, int]] = {h: {} for h in HOSTS}
+    threads = completions(fleet, done, results)
+    fleet.sim.inject_latency_next_boot("sim-ro-2", 0.05)
+    try:
+        rc, out = fleet.rollout({"gpufleet_guard": "0.75GiB", **BAKE})
+    finally:
+        done.set()
+        for t in threads:
+            t.join(timeout=30)
+        fleet.sim.inject_latency_next_boot("sim-ro-2", None)
+    assert rc != 0, out[-6000:]
+    assert all(results[h].get("200", 0) > 10 for h in HOSTS), results
+    report = fleet.last_report(since)
+    assert report is not None and [b["hosts"][0]["host"] for b in report["batches"]] == ["sim-ro-1", "sim-ro-2"], report["batches"]
+    first, second = (b["analysis"] for b in report["batches"])
+    assert first["verdict"] == "pass" and first["canary_hosts"] == 1 and first["baseline_hosts"] == 2, first
+    checks = {c["name"]: c for c in second["checks"]}
+    assert second["verdict"] == "fail" and checks["itl_p90"]["verdict"] == "fail", second
+    assert checks["itl_p90"]["canary"] > 3 * checks["itl_p90"]["baseline"] and checks["itl_p90"]["samples"]["canary"] >= 5, checks
+    assert second["baseline_hosts"] == 1 and set(checks) == {"itl_p90", "success_rate", "kv_usage"}
+    assert re.search(r"sim-ro-2: the bake of batch 2 of class ro-l40s failed: bake of 4 s, 1 changed host\(s\) against 1 baseline "
+                     r"host\(s\): fail: .*itl_p90 fail: [^;]*\(above 3\);.*; rolled back: instance main: put back its unit", out), out[-6000:]
+    assert {h["host"]: h["outcome"] for h in report["hosts"]} == {"sim-ro-1": "deployed", "sim-ro-2": "rolled_back",
+                                                                  "sim-ro-3": "not_reached"}
+    after = fleet.units()
+    assert budget(after["sim-ro-1"]) < budget(before["sim-ro-1"]), "batch 1 passed its bake and keeps the new plan"
+    assert after["sim-ro-2"] == before["sim-ro-2"], "the host of the failed bake has its previous unit back, byte for byte"
+    assert after["sim-ro-3"] == before["sim-ro-3"]
+    for host in HOSTS:
+        assert fleet.active(host) == "active", host
+
+    since = len(fleet.reports())
+    # the class's deployed budget is now the first host's (the smaller one): planned at the group's guard, it would be
+    # kept within the keep step, and the two other hosts moved to it; keep step 0 puts the first host back instead
+    rc, out = fleet.rollout({**BAKE, "gpufleet_bake_seconds": 1, "gpufleet_analysis_inconclusive": "pass",
+                             "gpufleet_budget_keep_step": 0})
+    assert rc == 0, out[-6000:]
+    report = fleet.last_report(since)
+    assert report is not None
+    analyses = [b["analysis"] for b in report["batches"]]
+    assert analyses[0]["verdict"] == "inconclusive" and analyses[0]["effective"] == "pass", analyses[0]
+    assert "0 request(s) finished on the canary during the bake, fewer than 5" in {c["why"] for c in analyses[0]["checks"]}
+    changes = re.findall(r"Report what changes on this host\][^\n]*\n[^\n]*\n[^\n]*\n", out)
+    assert analyses[1:] == [None, None], ("the batches whose hosts did not change are not baked", changes)
+    assert "no host of the batch changed: nothing to bake" in out
+    assert fleet.units() == before
 
 
 def test_cotenant_after_planning_stops_the_rollout(fleet, seen):

@@ -6,7 +6,8 @@ EXAMPLES work as written.
 The examples are taken from ansible-doc's output (what a user reads) and run with
 ansible-playbook: the filters' examples as play variables, each checked against the
 result documented above it (``# => <value>``); the examples of the controller-side
-modules (kv_profile, kv_plan, rollout_lease, rollout_report) on localhost with the inputs they name.
+modules (kv_profile, kv_plan, rollout_bake, rollout_lease, rollout_report) on localhost with the inputs they name
+(rollout_bake's against engines served over HTTP here, in vLLM's exposition format).
 The examples that need a GPU host run in tests/integration/test_doc_examples_hosts.py.
 """
 from __future__ import annotations
@@ -15,6 +16,8 @@ import json
 import shutil
 import sys
 import tempfile
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
@@ -28,7 +31,7 @@ import doc_examples  # noqa: E402  pylint: disable=wrong-import-position,import-
 MODULES = sorted(p.stem for p in (REPO / "plugins" / "modules").glob("*.py") if not p.name.startswith("_"))
 FILTERS = sorted(p.stem for p in (REPO / "plugins" / "filter").glob("*.yml"))
 # Modules whose examples run here (controller side); the others need a GPU host.
-CONTROLLER_MODULES = ["class_plan", "kv_plan", "kv_profile", "rollout_lease", "rollout_report"]
+CONTROLLER_MODULES = ["class_plan", "kv_plan", "kv_profile", "rollout_bake", "rollout_lease", "rollout_report"]
 HOST_MODULES = ["gpu_memory_facts", "gpu_memory_info", "nvml_interpreter", "vllm_account", "vllm_audit", "vllm_boot_check", "vllm_canary",
                 "vllm_host_snapshot", "vllm_host_tools", "vllm_runtime_info", "vllm_unit"]
 MODEL_CONFIG = REPO / "sim" / "models" / "llama-3.1-8b-instruct" / "config.json"
@@ -48,7 +51,8 @@ def test_plugins_found():
     assert FILTERS == ["boot_timeout", "class_canary", "class_deploy_order", "class_settings_problems", "class_state",
                        "class_states", "compat_fields", "cuda_visible_devices", "first_run_outline", "gang_addresses", "gang_problems",
                        "gangs", "gate_violations", "health_url", "host_plan", "human_bytes", "kv_bytes_per_token", "kv_reference",
-                       "launch_contract", "launch_plan_file", "launch_runs", "launch_serve_args", "release_history", "rollback_summary", "rollout_batches",
+                       "launch_contract", "launch_plan_file", "launch_runs", "launch_serve_args", "metrics_targets", "release_history",
+                       "rollback_summary", "rollout_batches",
                        "rollout_plan", "rollout_plan_drift", "run_settings", "runtime_problems", "systemd_environment",
                        "systemd_environment_file", "systemd_exec_start", "systemd_value", "to_bytes", "unit_name",
                        "unknown_variables", "vllm_instances_problems", "vllm_secret_options", "vllm_serve_argv", "vllm_service_problems"]
@@ -240,3 +244,99 @@ def test_rollout_report_examples_write_their_reports(collections_path, tmp_path)
         run = Path(got[kind]["path"])
         assert sorted(p.name for p in run.iterdir()) == ["report.html", "report.json", "report.md"]
         assert json.loads((run / "report.json").read_text(encoding="utf-8"))["kind"] == kind
+
+
+class _Engine(ThreadingHTTPServer):
+    """An engine's /metrics in vLLM's exposition format: each read finds 10 more finished requests, each with
+    ``itl`` seconds per output token (the bake reads every engine twice)."""
+
+    def __init__(self, itl: float) -> None:
+        self.itl, self.reads = itl, 0
+        super().__init__(("127.0.0.1", 0), _MetricsHandler)
+
+    def text(self) -> str:
+        self.reads += 1
+        n, labels = 10.0 * self.reads, 'engine="0",model_name="tiny"'
+        lines = ["# TYPE vllm:request_success_total counter", f'vllm:request_success_total{{{labels},finished_reason="stop"}} {n}',
+                 "# TYPE vllm:kv_cache_usage_perc gauge", f"vllm:kv_cache_usage_perc{{{labels}}} 0.25"]
+        for name, value in (("vllm:inter_token_latency_seconds", self.itl), ("vllm:time_to_first_token_seconds", 0.05)):
+            lines.append(f"# TYPE {name} histogram")
+            for le in (0.01, 0.025, 0.05, 0.1, 0.25, 0.5):
+                lines.append(f'{name}_bucket{{{labels},le="{le}"}} {n if value <= le else 0.0}')
+            lines += [f'{name}_bucket{{{labels},le="+Inf"}} {n}', f"{name}_count{{{labels}}} {n}", f"{name}_sum{{{labels}}} {n * value}"]
+        return "\n".join(lines) + "\n"
+
+
+class _MetricsHandler(BaseHTTPRequestHandler):
+    def do_GET(self) -> None:  # noqa: N802  (the http.server API)
+        assert isinstance(self.server, _Engine)
+        body = self.server.text().encode() if self.path == "/metrics" else b""
+        self.send_response(200 if body else 404)
+        self.send_header("Content-Type", "text/plain; version=0.0.4")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@pytest.mark.parametrize("canary_itl", [0.02, 0.2])
+def test_rollout_bake_examples_judge_the_batch_against_the_baseline(collections_path, tmp_path, canary_itl):
+    """The bake reads a changed host's and an unchanged host's engines over HTTP, twice, and judges: alike, the
+    examples pass; ten times slower per output token, the verdict fails on itl_p90 and the example's check stops."""
+    text = doc_examples.examples(collections_path, "module", ["rollout_bake"])["rollout_bake"]
+    engines = {"gpu-01": _Engine(canary_itl), "gpu-02": _Engine(0.02)}
+    threads = [threading.Thread(target=e.serve_forever, daemon=True) for e in engines.values()]
+    for thread in threads:
+        thread.start()
+    try:
+        hosts = {name: {"ansible_connection": "local", "ansible_python_interpreter": sys.executable,
+                        "gpufleet_metrics_targets": [{"host": name, "instance": "main",
+                                                      "url": f"http://127.0.0.1:{e.server_address[1]}/metrics"}]}
+                 for name, e in engines.items()}
+        inventory = tmp_path / "inventory.yml"
+        inventory.write_text(yaml.safe_dump({"all": {"hosts": hosts}}), encoding="utf-8")
+        out = tmp_path / "bake.json"
+        variables = {"changed_hosts": ["gpu-01"], "unchanged_hosts": ["gpu-02"], "gpufleet_bake_seconds": 1}
+        keep = {"name": "Keep the bake", "run_once": True,
+                "ansible.builtin.copy": {"dest": str(out), "mode": "0644", "content": "{{ bake | to_json }}"}}
+        playbook = doc_examples.module_playbook(text, "all", variables, pre_tasks=[], post_tasks=[keep])
+        # the verdict is kept before the example's check can stop the play
+        playbook[0]["tasks"].insert(1, keep)
+        proc = doc_examples.run_playbook(playbook, tmp_path, collections_path, inventory=inventory)
+    finally:
+        for e in engines.values():
+            e.shutdown()
+            e.server_close()
+    bake = json.loads(out.read_text(encoding="utf-8"))
+    checks = {c["name"]: c for c in bake["analysis"]["checks"]}
+    assert all(e.reads == 2 for e in engines.values()), "every engine is read at the start and the end of the bake"
+    assert bake["canary_hosts"] == ["gpu-01"] and bake["baseline_hosts"] == ["gpu-02"]
+    assert checks["success_rate"]["verdict"] == "pass" and checks["success_rate"]["samples"] == {"canary": 10.0, "baseline": 10.0}
+    assert checks["ttft_p90"]["verdict"] == "pass" and "e2e_p90" not in checks and "preemptions" not in checks
+    if canary_itl < 0.1:
+        doc_examples.assert_examples_ran(proc, text)
+        assert bake["analysis"]["verdict"] == "pass" and checks["itl_p90"]["verdict"] == "pass", bake["msg"]
+    else:
+        assert proc.returncode != 0
+        assert bake["analysis"]["verdict"] == "fail" and checks["itl_p90"]["verdict"] == "fail", bake["msg"]
+        assert "itl_p90 fail:" in bake["msg"] and "(above 1.3)" in bake["msg"]
+        assert "Stop when the batch does worse than the baseline" in proc.stdout and bake["msg"] in proc.stdout
+
+
+def test_rollout_bake_fails_on_an_engine_of_the_batch_it_cannot_read(collections_path, tmp_path):
+    """A changed host whose engine does not answer is a failed analysis naming its URL, without waiting the bake."""
+    playbook = [{"name": "Bake", "hosts": "localhost", "gather_facts": False, "connection": "local", "tasks": [
+        {"name": "Bake a batch whose engine is down", "register": "bake", "gpufleet.vllm.rollout_bake": {
+            "seconds": 600, "timeout": 2, "canary": [{"host": "gpu-01", "instance": "main", "url": "http://127.0.0.1:9/metrics"}]}},
+        {"name": "Show", "ansible.builtin.debug": {"msg": "VERDICT {{ bake.analysis.verdict }} {{ bake.msg }}"}},
+        {"name": "Refuse bad settings", "register": "bad", "ignore_errors": True, "gpufleet.vllm.rollout_bake": {
+            "seconds": 1, "checks": {"itl_p90": {"max_ratio": 0.5}},
+            "canary": [{"host": "gpu-01", "instance": "main", "url": "http://127.0.0.1:9/metrics"}]}},
+        {"name": "Show the refusal", "ansible.builtin.debug": {"msg": "REFUSED {{ bad.msg }}"}},
+    ]}]
+    proc = doc_examples.run_playbook(playbook, tmp_path, collections_path, timeout=120)
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    assert "VERDICT fail the bake could not read the batch's engines: http://127.0.0.1:9/metrics:" in proc.stdout
+    assert "REFUSED rollout_bake checks.itl_p90.max_ratio: expected a number of at least 1, got 0.5" in proc.stdout

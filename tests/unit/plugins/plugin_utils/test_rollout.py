@@ -12,6 +12,7 @@ import pytest
 from hypothesis import given, strategies as st
 
 from ansible_collections.gpufleet.vllm.plugins.module_utils._plan._launch import LaunchError, for_instance, from_plan
+from ansible_collections.gpufleet.vllm.plugins.plugin_utils._analysis import bake_settings
 from ansible_collections.gpufleet.vllm.plugins.plugin_utils._rollout import (
     PLAN_FORMAT,
     Budget,
@@ -193,6 +194,23 @@ def test_a_class_gives_its_settings_once_and_valid():
         "class h100: its hosts give different gpufleet_max_unavailable (d: None; e: '1'); set it once in the class's group variables",
         "class h200: gpufleet_max_unavailable: expected hosts (2), a share of the class's hosts ('25%') or KV-cache tokens "
         "('500000 tokens'), got '0%'"]
+    # the bake settings: the same on every host of a class, and valid
+    bake = {"a": {"gpufleet_host_class": "l40s", "gpufleet_bake_seconds": 300},
+            "b": {"gpufleet_host_class": "l40s", "gpufleet_bake_seconds": 60},
+            "c": {"gpufleet_host_class": "h200", "gpufleet_bake_seconds": 60, "gpufleet_analysis_inconclusive": "ignore"},
+            "d": {"gpufleet_host_class": "h100", "gpufleet_bake_seconds": "", "gpufleet_analysis": {"itl_p90": {"max_ratio": 1.2}}}}
+    assert class_settings_problems(bake) == [
+        "class h200: gpufleet_analysis_inconclusive: expected one of fail, pass, got 'ignore'",
+        "class l40s: its hosts give different gpufleet_bake_seconds (a: 300; b: 60); set it once in the class's group variables"]
+
+
+def test_every_batch_of_a_class_carries_its_bake():
+    bake = bake_settings(120, {"itl_p90": {"max_ratio": 1.3}})
+    batches = class_batches([{"class": "l40s", "hosts": ["l1", "l2", "l3"], "bake": bake}, {"class": "h200", "hosts": ["h1"]}],
+                            [1, "100%"])
+    assert [(b["class"], b["bake"]) for b in batches] == [("l40s", bake), ("l40s", bake), ("h200", None)]
+    with pytest.raises(RolloutError, match=r"classes\[0\].bake: expected the class's bake settings"):
+        class_batches([{"class": "l40s", "hosts": ["l1"], "bake": {"seconds": "2m"}}], 1)
 
 
 # ---------------------------------------------------------------- plan artifact

@@ -1,0 +1,157 @@
+# Copyright (c) gpufleet maintainers
+# GNU General Public License v3.0+ (see https://www.gnu.org/licenses/gpl-3.0.txt)
+# SPDX-License-Identifier: GPL-3.0-or-later
+"""Action plugin for gpufleet.vllm.rollout_bake: bake a batch and judge it from its engines' metrics."""
+
+from __future__ import annotations
+
+import ssl
+import time
+import typing as t
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from datetime import datetime, timezone
+
+from ansible.errors import AnsibleActionFail
+from ansible.module_utils.common.text.converters import to_text
+from ansible.plugins.action import ActionBase
+
+from ansible_collections.gpufleet.vllm.plugins.module_utils._engine._vllm_metrics import EngineMetrics, MetricsParseError, parse_metrics
+from ansible_collections.gpufleet.vllm.plugins.plugin_utils._analysis import (
+    INCONCLUSIVE_POLICIES,
+    MAX_BAKE_SECONDS,
+    AnalysisError,
+    Window,
+    analyse,
+    check_settings,
+    merge,
+    window,
+)
+
+_TARGET_SPEC: dict[str, t.Any] = {
+    "host": {"type": "str", "required": True},
+    "instance": {"type": "str", "required": True},
+    "url": {"type": "str", "required": True},
+}
+ARGUMENT_SPEC: dict[str, t.Any] = {
+    "seconds": {"type": "int", "required": True},
+    "canary": {"type": "list", "elements": "dict", "required": True, "options": _TARGET_SPEC},
+    "baseline": {"type": "list", "elements": "dict", "default": [], "options": _TARGET_SPEC},
+    "checks": {"type": "raw"},
+    "inconclusive": {"type": "str", "default": "fail", "choices": list(INCONCLUSIVE_POLICIES)},
+    "timeout": {"type": "float", "default": 10.0},
+}
+# scrapes in flight at once: a class's hosts are read together, not one after another
+_PARALLEL = 32
+
+
+def _now() -> str:
+    return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%S+00:00")
+
+
+def _scrape(opener: urllib.request.OpenerDirector, url: str, timeout: float) -> EngineMetrics:
+    with opener.open(url, timeout=timeout) as resp:
+        return parse_metrics(to_text(resp.read(), errors="surrogate_or_strict"))
+
+
+def _scrape_all(targets: list[dict[str, str]], timeout: float) -> list[EngineMetrics | str]:
+    """Each target's metrics, or why it could not be read, in the targets' order."""
+    # one opener and one TLS context for every read (open_url builds a context per call, 20 ms each:
+    # more than the reads themselves); the proxy settings of the environment apply, as with open_url
+    opener = urllib.request.build_opener(urllib.request.HTTPSHandler(context=ssl.create_default_context()))
+
+    def one(target: dict[str, str]) -> EngineMetrics | str:
+        try:
+            return _scrape(opener, target["url"], timeout)
+        except MetricsParseError as exc:
+            return f"{target['url']}: not vLLM's metrics: {exc}"
+        except Exception as exc:  # pylint: disable=broad-exception-caught  # every way a read fails is reported, per target
+            return f"{target['url']}: {to_text(exc)}"
+
+    if not targets:
+        return []
+    with ThreadPoolExecutor(max_workers=min(_PARALLEL, len(targets))) as pool:
+        return list(pool.map(one, targets))
+
+
+def _host_windows(targets: list[dict[str, str]], start: list[EngineMetrics | str], end: list[EngineMetrics | str]
+                  ) -> tuple[list[Window], dict[str, list[str]]]:
+    """One window per host (its engines merged), and per host why it was left out."""
+    per_host: dict[str, list[Window]] = {}
+    unread: dict[str, list[str]] = {}
+    for target, first, last in zip(targets, start, end):
+        for scrape in (first, last):
+            if isinstance(scrape, str):
+                unread.setdefault(target["host"], []).append(scrape)
+        if isinstance(first, EngineMetrics) and isinstance(last, EngineMetrics):
+            per_host.setdefault(target["host"], []).append(window(first, last))
+    windows = []
+    for host, parts in per_host.items():
+        if host in unread:
+            continue  # half a host's engines is not the host
+        merged = merge(parts)
+        if merged is not None:
+            merged.hosts = 1
+            windows.append(merged)
+    return windows, unread
+
+
+class ActionModule(ActionBase):  # type: ignore[misc]  # ActionBase is Any: ansible-core ships no type information
+    """Scrape the batch's and the baseline's engines, wait the bake, scrape again, judge."""
+
+    TRANSFERS_FILES = False
+    _VALID_ARGS = frozenset(ARGUMENT_SPEC)
+    _requires_connection = False
+
+    def run(self, tmp: str | None = None, task_vars: dict[str, t.Any] | None = None) -> dict[str, t.Any]:
+        result: dict[str, t.Any] = super().run(tmp, task_vars or {})
+        del tmp
+        _validation, args = self.validate_argument_spec(argument_spec=ARGUMENT_SPEC)
+        seconds, timeout = args["seconds"], args["timeout"]
+        if not 0 <= seconds <= MAX_BAKE_SECONDS:
+            raise AnsibleActionFail(f"rollout_bake seconds: expected 0 to {MAX_BAKE_SECONDS}, got {seconds}")
+        if not 0 < timeout <= 300:
+            raise AnsibleActionFail(f"rollout_bake timeout: expected more than 0 and at most 300 seconds, got {timeout:g}")
+        if not args["canary"]:
+            raise AnsibleActionFail("rollout_bake canary: no engine of a changed host to judge")
+        try:
+            check_settings(args["checks"], "checks")
+        except AnalysisError as exc:
+            raise AnsibleActionFail(f"rollout_bake {exc}") from None
+        canary, baseline = list(args["canary"]), list(args["baseline"])
+        targets = canary + baseline
+        started, started_at = _now(), time.monotonic()
+        first = _scrape_all(targets, timeout)
+        canary_unread = [s for s in first[:len(canary)] if isinstance(s, str)]
+        if not canary_unread:
+            time.sleep(max(0.0, seconds - (time.monotonic() - started_at)))
+            last = _scrape_all(targets, timeout)
+            canary_unread = [s for s in last[:len(canary)] if isinstance(s, str)]
+        result.update(changed=False, started=started, finished=_now(), seconds=seconds,
+                      canary_hosts=sorted({c["host"] for c in canary}), baseline_hosts=sorted({b["host"] for b in baseline}))
+        if canary_unread:
+            # an engine of the batch that cannot be read is not judged to pass
+            result.update(analysis={"verdict": "fail", "effective": "fail", "checks": [], "unread": canary_unread,
+                                    "canary_hosts": len(result["canary_hosts"]), "baseline_hosts": 0},
+                          msg="the bake could not read the batch's engines: " + "; ".join(canary_unread))
+            return result
+        canary_windows = _host_windows(canary, first[:len(canary)], last[:len(canary)])[0]
+        baseline_windows, baseline_unread = _host_windows(baseline, first[len(canary):], last[len(canary):])
+        try:
+            analysis = analyse(canary_windows, baseline_windows or [], args["checks"], args["inconclusive"])
+        except AnalysisError as exc:
+            raise AnsibleActionFail(f"rollout_bake: {exc}") from None
+        analysis["baseline_unread"] = dict(sorted(baseline_unread.items()))
+        result.update(analysis=analysis, msg=_summary(analysis, seconds))
+        return result
+
+
+def _summary(analysis: dict[str, t.Any], seconds: int) -> str:
+    checks = "; ".join(f"{c['name']} {c['verdict']}: {c['why']}" for c in analysis["checks"])
+    left = f"; {len(analysis['baseline_unread'])} baseline host(s) could not be read and were left out" if analysis["baseline_unread"] else ""
+    verdict = analysis["verdict"] + (f" (counted as {analysis['effective']})" if analysis["effective"] != analysis["verdict"] else "")
+    return (f"bake of {seconds} s, {analysis['canary_hosts']} changed host(s) against {analysis['baseline_hosts']} baseline host(s): "
+            f"{verdict}: {checks}{left}")
+
+
+__all__ = ["ARGUMENT_SPEC", "ActionModule"]
