@@ -89,7 +89,7 @@ class TestHosts:
 # 2-core machine; only their order matters. Modules not listed run after these, in name order.
 MODULE_SECONDS = {
     "test_real_engine": 1450,
-    "test_rollout": 510,
+    "test_rollout": 600,
     "test_kv_families": 280,
     "test_rollout_faults": 400,
     "test_rollout_runtime": 400,
