@@ -138,7 +138,8 @@ class ActionModule(ActionBase):  # type: ignore[misc]  # ActionBase is Any: ansi
         canary_windows = _host_windows(canary, first[:len(canary)], last[:len(canary)])[0]
         baseline_windows, baseline_unread = _host_windows(baseline, first[len(canary):], last[len(canary):])
         try:
-            analysis = analyse(canary_windows, baseline_windows or [], args["checks"], args["inconclusive"])
+            analysis = analyse(canary_windows, baseline_windows, args["checks"], args["inconclusive"],
+                               baseline_given=len(result["baseline_hosts"]))
         except AnalysisError as exc:
             raise AnsibleActionFail(f"rollout_bake: {exc}") from None
         analysis["baseline_unread"] = dict(sorted(baseline_unread.items()))

@@ -45,7 +45,7 @@ def class_state(outcome: Any, host_class: Any, **fields: Any) -> dict[str, Any]:
 
 
 def class_deploy_order(hostvars: Any, hosts: Any, classes: Any) -> list[dict[str, Any]]:
-    """hostvars, the play's hosts and the class order -> ``{class, hosts, max_unavailable, capacity, bake}`` per
+    """hostvars, the play's hosts and the class order -> ``{class, hosts, max_unavailable, capacity, bake, on_failure}`` per
     deployable class, its canary host first."""
     if not isinstance(hosts, (list, tuple)) or not isinstance(classes, (list, tuple)):
         raise AnsibleFilterError("class_deploy_order: hosts and classes must be lists")
@@ -58,7 +58,7 @@ def class_deploy_order(hostvars: Any, hosts: Any, classes: Any) -> list[dict[str
                              "canary": host_vars.get("gpufleet_canary_of_class"),
                              "max_unavailable": host_vars.get("gpufleet_max_unavailable"),
                              "capacity": host_capacity(snapshot) if isinstance(snapshot, Mapping) else None,
-                             "bake": _bake(host_vars)}
+                             "bake": _bake(host_vars), "on_failure": host_vars.get("gpufleet_on_failure")}
     try:
         return deploy_order(states, [str(c) for c in classes])
     except ClassPlanError as exc:

@@ -1,7 +1,7 @@
 # Copyright (c) gpufleet maintainers
 # GNU General Public License v3.0+ (see LICENSES/GPL-3.0-or-later.txt or https://www.gnu.org/licenses/gpl-3.0.txt)
 # SPDX-License-Identifier: GPL-3.0-or-later
-"""Filters: class_settings_problems, compat_fields, gate_violations, metrics_targets, release_history, rollback_summary,
+"""Filters: class_rollback_hosts, class_settings_problems, compat_fields, gate_violations, metrics_targets, release_history, rollback_summary,
 rollout_batches, rollout_plan, rollout_plan_drift, run_settings, runtime_problems.
 
 The documentation of each is in the YAML file of its name beside this one.
@@ -37,6 +37,18 @@ def rollout_batches(classes: Any, serial: Any = None) -> list[dict[str, Any]]:
         return _rollout.class_batches(classes, [1, "10%", "50%"] if serial is None else serial)
     except _rollout.RolloutError as exc:
         raise AnsibleFilterError(f"rollout_batches: {exc}") from None
+
+
+def class_rollback_hosts(batches: Any, hostvars: Any) -> list[str]:
+    """The run's batch records and hostvars -> the hosts of the running batch's class that earlier batches
+    changed, in the order a class rollback restores them (the latest batch first)."""
+    if isinstance(batches, (str, Mapping)) or not isinstance(batches, Sequence) or not all(isinstance(b, Mapping) for b in batches):
+        raise AnsibleFilterError("class_rollback_hosts: expected the run's batch records (gpufleet_batches)")
+    if not isinstance(hostvars, Mapping):
+        raise AnsibleFilterError("class_rollback_hosts: expected hostvars")
+    hosts = {h for b in batches for h in b.get("hosts") or []}
+    changed = {h: bool((hostvars.get(h) or {}).get("vllm_service_pending")) for h in hosts}
+    return _rollout.class_rollback_hosts(batches, changed)
 
 
 def class_settings_problems(hostvars: Any, hosts: Any) -> list[str]:
@@ -187,6 +199,7 @@ class FilterModule:
 
     def filters(self) -> dict[str, Callable[..., Any]]:
         return {
+            "class_rollback_hosts": class_rollback_hosts,
             "class_settings_problems": class_settings_problems,
             "compat_fields": compat_fields,
             "gate_violations": gate_violations,

@@ -35,6 +35,7 @@ engines as the controller reaches them; the ``rollout_bake`` action scrapes them
 from __future__ import annotations
 
 import ipaddress
+import json
 import math
 import re
 import typing as t
@@ -158,6 +159,11 @@ def check_settings(given: t.Any, field_name: str = "gpufleet_analysis") -> dict[
     :data:`CHECKS`' defaults. Raises :class:`AnalysisError` naming the field."""
     if given is None:
         given = {}
+    if isinstance(given, str):  # an AWX survey answer: JSON text
+        try:
+            given = json.loads(given) if given.strip() else {}
+        except ValueError as exc:
+            raise AnalysisError(f"{field_name}: expected a mapping of checks, or its JSON text; the text is not JSON: {exc}") from None
     if not isinstance(given, t.Mapping):
         raise AnalysisError(f"{field_name}: expected a mapping of checks ({', '.join(CHECKS)}), got {type(given).__name__}")
     _known_keys(given, CHECKS, field_name, "check", "the checks are")
@@ -196,34 +202,44 @@ def _few(settings: dict[str, float | None], canary: Window, baseline: Window | N
     return ""
 
 
-def _latency(name: str, settings: dict[str, float | None], canary: Window, baseline: Window | None) -> dict[str, t.Any]:
+def _latency(name: str, settings: dict[str, float | None], canary: Window, baseline: Window | None,
+             missing: str = "") -> dict[str, t.Any]:
     attr = name.split("_", 1)[0]
     mine = histogram_quantile(getattr(canary, attr), QUANTILE)
     theirs = histogram_quantile(getattr(baseline, attr), QUANTILE) if baseline is not None else None
-    threshold = {"max_ratio": settings["max_ratio"], "max_seconds": settings["max_seconds"]}
+    absolute = settings["max_seconds"]
+    threshold = {"max_ratio": settings["max_ratio"], "max_seconds": absolute}
     samples = (canary.requests, baseline.requests if baseline is not None else None)
-    if baseline is None and settings["max_seconds"] is None:
+    if baseline is None and absolute is None:
+        if missing:
+            return _result(name, "inconclusive", missing, mine, theirs, threshold, samples)
         return _result(name, "skipped", "no host of the class is left on its previous units to compare with",
                        mine, theirs, threshold, samples)
-    few = _few(settings, canary, baseline, compares=settings["max_seconds"] is None)
+    few = _few(settings, canary, None, compares=False)
     if few or mine is None:
         return _result(name, "inconclusive", few or "the canary's engines give no such histogram", mine, theirs, threshold, samples)
-    if settings["max_seconds"] is not None and mine > settings["max_seconds"]:
-        return _result(name, "fail", f"{mine:.4g} s on the canary, above {settings['max_seconds']:g} s", mine, theirs, threshold, samples)
-    if theirs is None or theirs <= 0:
-        if settings["max_seconds"] is not None:
-            return _result(name, "pass", f"{mine:.4g} s on the canary, within {settings['max_seconds']:g} s", mine, theirs, threshold, samples)
-        return _result(name, "inconclusive", "the baseline's engines give no such histogram", mine, theirs, threshold, samples)
+    if absolute is not None and mine > absolute:
+        return _result(name, "fail", f"{mine:.4g} s on the canary, above {absolute:g} s", mine, theirs, threshold, samples)
+    # the ratio only against a baseline that was read, with enough requests and the histogram
+    why_not = (missing or ("no host of the class is left on its previous units to compare with" if baseline is None else "")
+               or _few(settings, canary, baseline, compares=True)
+               or ("the baseline's engines give no such histogram" if theirs is None or theirs <= 0 else ""))
+    if why_not:
+        if absolute is not None:
+            return _result(name, "pass", f"{mine:.4g} s on the canary, within {absolute:g} s (not compared: {why_not})",
+                           mine, theirs, threshold, samples)
+        return _result(name, "inconclusive", why_not, mine, theirs, threshold, samples)
+    assert theirs is not None  # why_not says so otherwise
     ratio = mine / theirs
     verdict = "fail" if ratio > (settings["max_ratio"] or math.inf) else "pass"
     return _result(name, verdict, f"{mine:.4g} s on the canary, {theirs:.4g} s on the baseline: {ratio:.2f} times "
                    f"({'above' if verdict == 'fail' else 'within'} {settings['max_ratio']:g})", mine, theirs, threshold, samples)
 
 
-def _success(settings: dict[str, float | None], canary: Window, baseline: Window | None) -> dict[str, t.Any]:
+def _success(settings: dict[str, float | None], canary: Window, baseline: Window | None, missing: str = "") -> dict[str, t.Any]:
     threshold = {"max_drop": settings["max_drop"]}
     samples = (canary.requests, baseline.requests if baseline is not None else None)
-    few = _few(settings, canary, baseline, compares=True)
+    few = missing or _few(settings, canary, baseline, compares=True)
     mine = canary.succeeded / canary.requests if canary.requests else None
     theirs = baseline.succeeded / baseline.requests if baseline is not None and baseline.requests else None
     if few or mine is None:
@@ -235,10 +251,10 @@ def _success(settings: dict[str, float | None], canary: Window, baseline: Window
                    mine, theirs, threshold, samples)
 
 
-def _preemptions(settings: dict[str, float | None], canary: Window, baseline: Window | None) -> dict[str, t.Any]:
+def _preemptions(settings: dict[str, float | None], canary: Window, baseline: Window | None, missing: str = "") -> dict[str, t.Any]:
     threshold = {"max_increase": settings["max_increase"]}
     samples = (canary.requests, baseline.requests if baseline is not None else None)
-    few = _few(settings, canary, baseline, compares=True)
+    few = missing or _few(settings, canary, baseline, compares=True)
     mine = canary.preemptions / canary.requests if canary.requests else None
     theirs = baseline.preemptions / baseline.requests if baseline is not None and baseline.requests else 0.0
     if few or mine is None:
@@ -258,8 +274,11 @@ def _kv_usage(settings: dict[str, float | None], canary: Window) -> dict[str, t.
 
 
 def analyse(canary: t.Sequence[Window], baseline: t.Sequence[Window], checks: t.Any = None,
-            inconclusive: str = "fail") -> dict[str, t.Any]:
+            inconclusive: str = "fail", baseline_given: int = 0) -> dict[str, t.Any]:
     """The bake's verdict: ``{verdict, effective, checks: [...], canary_hosts, baseline_hosts}``.
+
+    ``baseline_given``: how many baseline hosts there were to read; when there were some and none could
+    be read (``baseline`` empty), every check that compares is inconclusive, not skipped.
 
     ``verdict`` is ``pass``, ``fail`` or ``inconclusive``; ``effective`` is what the rollout does
     with it (``inconclusive`` counts as the ``inconclusive`` policy says). Each check gives its
@@ -272,16 +291,17 @@ def analyse(canary: t.Sequence[Window], baseline: t.Sequence[Window], checks: t.
     if mine is None:
         raise AnalysisError("canary: no window of a changed host to judge")
     theirs = merge(baseline)
+    missing = f"none of the {baseline_given} baseline host(s) could be read" if theirs is None and baseline_given > 0 else ""
     results = []
     for name, conf in settings.items():
         if name == "success_rate":
-            results.append(_success(conf, mine, theirs))
+            results.append(_success(conf, mine, theirs, missing))
         elif name == "preemptions":
-            results.append(_preemptions(conf, mine, theirs))
+            results.append(_preemptions(conf, mine, theirs, missing))
         elif name == "kv_usage":
             results.append(_kv_usage(conf, mine))
         else:
-            results.append(_latency(name, conf, mine, theirs))
+            results.append(_latency(name, conf, mine, theirs, missing))
     verdicts = {r["verdict"] for r in results}  # a skipped check counts for nothing
     verdict = "fail" if "fail" in verdicts else "inconclusive" if "inconclusive" in verdicts else "pass"
     return {"verdict": verdict, "effective": inconclusive if verdict == "inconclusive" else verdict, "checks": results,
@@ -318,7 +338,8 @@ def bake_settings(seconds: t.Any = None, checks: t.Any = None, inconclusive: t.A
     return {"seconds": seconds, "checks": named, "inconclusive": policy}
 
 
-_HOST_NAME = re.compile(r"^[A-Za-z0-9](?:[A-Za-z0-9.-]{0,252})$")
+# a DNS name, or an inventory name /etc/hosts resolves (underscores allowed)
+_HOST_NAME = re.compile(r"^[A-Za-z0-9_](?:[A-Za-z0-9_.-]{0,252})$")
 
 
 def _url_host(address: str, where: str) -> str:
@@ -330,6 +351,14 @@ def _url_host(address: str, where: str) -> str:
             raise AnalysisError(f"{where}: expected an IP address or a host name, got {address!r}") from None
         return address
     return f"[{ip}]" if ip.version == 6 else str(ip)
+
+
+def _unspecified(address: str) -> bool:
+    """An address that means every address (0.0.0.0, ::, ::0, ...)."""
+    try:
+        return ipaddress.ip_address(address).is_unspecified
+    except ValueError:
+        return False
 
 
 def _loopback(address: str) -> bool:
@@ -355,7 +384,7 @@ def metrics_targets(host: str, instances: t.Any, listen_host: t.Any = "0.0.0.0",
         chosen, where = str(address).strip(), "gpufleet_metrics_address"
     else:
         listen = "" if _blank(listen_host) else str(listen_host).strip()
-        if listen in ("", "0.0.0.0", "::"):
+        if listen == "" or _unspecified(listen):
             chosen, where = str(reach or host).strip(), "ansible_host"
         elif _loopback(listen):
             raise AnalysisError(f"{host}: the engines listen on {listen} (vllm_service_listen_host), which the controller cannot "

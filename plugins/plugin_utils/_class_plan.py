@@ -289,12 +289,12 @@ def prepare_class(store: ProfileStore, host_class: str, compat: Mapping[str, Any
 
 def deploy_order(hosts: Mapping[str, Mapping[str, Any]], classes: Sequence[str]) -> list[dict[str, Any]]:
     """The classes the batches are cut from (``rollout_batches``), each ``{class, hosts,
-    max_unavailable, capacity, bake}``.
+    max_unavailable, capacity, bake, on_failure}``.
 
-    ``hosts``: host -> ``{host_class, ok, canary, max_unavailable, capacity, bake}`` (its class, whether
+    ``hosts``: host -> ``{host_class, ok, canary, max_unavailable, capacity, bake, on_failure}`` (its class, whether
     the class is deployable, the class's canary host, the class's capacity budget as the canary host
     gives it, None when unset, the KV-cache tokens the host serves, None when not known, and the class's
-    bake as the canary host gives it, None when it does not bake).
+    bake as the canary host gives it, None when it does not bake, and its failure policy, None when unset).
     Classes come in the order of ``classes`` (``gpufleet_classes`` as given, else
     sorted by name); a class with no deployable host is left out. Within a class the canary host
     goes first (its production instance already stopped for the canaries), then the others by name.
@@ -311,7 +311,8 @@ def deploy_order(hosts: Mapping[str, Mapping[str, Any]], classes: Sequence[str])
             members = [canary] + [h for h in members if h != canary]
         first = hosts[members[0]]
         order.append({"class": cls, "hosts": members, "max_unavailable": first.get("max_unavailable"),
-                      "capacity": {h: hosts[h].get("capacity") for h in members}, "bake": first.get("bake")})
+                      "capacity": {h: hosts[h].get("capacity") for h in members}, "bake": first.get("bake"),
+                      "on_failure": first.get("on_failure")})
     return order
 
 

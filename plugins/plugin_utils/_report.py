@@ -585,6 +585,8 @@ def _host_outcome(kind: str, host: Mapping[str, Any], class_entry: dict[str, Any
     if class_entry is not None and class_entry["status"] == "failed":
         return "failed"
     if host.get("error") is not None:  # failed in a batch, or in the check of every host's inputs before them
+        if host.get("rollback_failed"):  # its class rollback stopped on it
+            return "failed"
         return "rolled_back" if host.get("touched") and host.get("batch") is not None else "failed"
     if class_entry is None or class_entry["status"] != "deployable":
         return "skipped"
@@ -614,7 +616,9 @@ def run_data(hostvars: Mapping[str, Any], groups: Mapping[str, Any], hosts_from:
     touched, and - for a host that failed in a serial batch or in the input check before them -
     the failure's message (each failed item's too) and task. ``controller``'s vars give the
     run's start (``gpufleet_run.started``) and the batches (``gpufleet_batches``, each with its
-    ``index`` and ``hosts``: the batch of a host).
+    ``index`` and ``hosts``: the batch of a host) and what a class rollback did
+    (``gpufleet_class_rolled_back``: host -> ``{class, after, summary}``; ``gpufleet_class_rollback_error``:
+    ``"<host>: <why>"`` where it stopped).
 
     ``raw_vars(host)`` gives a host's vars untemplated (Ansible's ``hostvars.raw_get``): the
     failed task is read from there, since templating it whole would template its arguments
@@ -623,6 +627,9 @@ def run_data(hostvars: Mapping[str, Any], groups: Mapping[str, Any], hosts_from:
     run = dict((hostvars.get(controller) or {}).get("gpufleet_run") or {})
     batches = list((hostvars.get(controller) or {}).get("gpufleet_batches") or [])
     batch_of = {h: b.get("index") for b in batches if isinstance(b, Mapping) for h in b.get("hosts") or []}
+    # a class rollback (gpufleet_on_failure: rollback_class): the hosts it restored, and why it stopped
+    class_rolled = (hostvars.get(controller) or {}).get("gpufleet_class_rolled_back") or {}
+    rollback_error = (hostvars.get(controller) or {}).get("gpufleet_class_rollback_error")
     classes: dict[str, Any] = {}
     hosts: dict[str, Any] = {}
     host_takeovers: list[str] = []
@@ -656,6 +663,17 @@ def run_data(hostvars: Mapping[str, Any], groups: Mapping[str, Any], hosts_from:
         elif in_batch and hv.get("gpufleet_host_error"):
             # a check that ran once for the run (run_once) failed on one host; the play names each host it concerns
             error = str(hv["gpufleet_host_error"])
+        # a failed bake whose rollback failed in turn (playbooks/tasks/batch_bake.yml): failed, not rolled back
+        rollback_failed = bool(hv.get("gpufleet_rollback_failed")) and in_batch
+        if rollback_failed and hv.get("gpufleet_host_error"):
+            error = str(hv["gpufleet_host_error"])
+        if error is None and host in class_rolled:
+            # rolled back with its class after a host or a bake of a later batch failed (gpufleet_on_failure)
+            entry = class_rolled[host] if isinstance(class_rolled[host], Mapping) else {}
+            error = f"rolled back with its class after {entry.get('after')} failed: {entry.get('summary')}"
+            task = "Roll back the hosts of the class's earlier batches"
+        elif error is None and isinstance(rollback_error, str) and rollback_error.startswith(f"{host}: "):
+            error, task, rollback_failed = f"its class rollback stopped here: {rollback_error}", None, True
         pending = [i.get("name") for i in hv.get("vllm_service_pending") or [] if isinstance(i, Mapping)]
         hosts[host] = {
             "class": cls,
@@ -664,6 +682,7 @@ def run_data(hostvars: Mapping[str, Any], groups: Mapping[str, Any], hosts_from:
             "touched": bool(hv.get("vllm_service_touched")),
             "error": error,
             "failed_task": task,
+            "rollback_failed": rollback_failed,
             # what the deploy wrote: each plan file's checksum (its drop-in on the host records the same) and key
             "plans": plan_records(hv.get("vllm_service_rendered"), pending) if host in batch_of else [],
         }
@@ -709,7 +728,8 @@ def build_report(data: Mapping[str, Any], kind: str = "rollout", generated: _dt.
       rollout keeps (``ok``, ``failed``, ``plan`` as ``kv_plan`` returns it,
       ``key_hash``, ``manual_canary``, ``reasons``) plus optional ``canaries``
       (``{profiled: <vllm_canary result>, manual: <vllm_canary result>}``);
-    * ``hosts``: ``{host: {class, batch, pending, touched, error, failed_task}}``;
+    * ``hosts``: ``{host: {class, batch, pending, touched, error, failed_task, rollback_failed}}``
+      (``rollback_failed``: a class rollback stopped on this host - its outcome is ``failed``);
       ``batch`` is the batch number the host ran in, ``pending`` the instances
       that changed, ``error`` the message of the failure that stopped it;
     * ``batches``: ``[{index, total, hosts, started, finished, analysis}]`` (``analysis``: the bake's

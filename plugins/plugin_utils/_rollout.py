@@ -73,6 +73,10 @@ class RolloutError(ValueError):
 
 
 BUDGET_FIELD = "gpufleet_max_unavailable"
+# what a failed host or a failed bake does to its class: stop there (the hosts of earlier batches keep
+# the new plan), or roll every host of the class this run changed back too
+ON_FAILURE_FIELD = "gpufleet_on_failure"
+ON_FAILURE = ("stop", "rollback_class")
 _BUDGET_SHARE = re.compile(r"^(?:100|[1-9][0-9]?)(?:\.[0-9]+)?%$")
 _BUDGET_TOKENS = re.compile(r"^([1-9][0-9]*)\s*tokens?$")
 
@@ -214,7 +218,16 @@ def run_settings(names: Iterable[str], given: Mapping[str, Any], inventory: Mapp
 
 # the settings a class gives in its group variables, every host of it alike (the serial batches are the
 # run's: an AWX survey always sends its question, as "" when left blank, which would hide a class's own)
-CLASS_SETTINGS = (BUDGET_FIELD, *BAKE_FIELDS)
+CLASS_SETTINGS = (BUDGET_FIELD, ON_FAILURE_FIELD, *BAKE_FIELDS)
+
+
+def parse_on_failure(value: Any, field: str = ON_FAILURE_FIELD) -> str:
+    """A class's failure policy (:data:`ON_FAILURE`); None or an empty text is ``stop``."""
+    if value is None or (isinstance(value, str) and not value.strip()):
+        return ON_FAILURE[0]
+    if value not in ON_FAILURE:
+        raise RolloutError(f"{field}: expected one of {', '.join(ON_FAILURE)}, got {value!r}")
+    return str(value)
 
 
 def class_settings_problems(hosts: Mapping[str, Mapping[str, Any]]) -> list[str]:
@@ -239,6 +252,7 @@ def class_settings_problems(hosts: Mapping[str, Mapping[str, Any]]) -> list[str]
         own = hosts[members[0]]
         try:
             parse_budget(own.get(BUDGET_FIELD), BUDGET_FIELD)
+            parse_on_failure(own.get(ON_FAILURE_FIELD))
             bake_settings(*(own.get(name) for name in BAKE_FIELDS))
         except (RolloutError, AnalysisError) as exc:
             problems.append(f"class {cls}: {exc}")
@@ -280,10 +294,11 @@ def class_batches(classes: Sequence[Any], serial: Any) -> list[dict[str, Any]]:
     ``classes``: ``[[class, [host, ...]], ...]`` or ``[{class, hosts}, ...]`` (hosts in the
     order they are rolled out); a mapping may also give the class's ``max_unavailable`` budget
     (:func:`parse_budget`), ``capacity`` (host -> the KV-cache tokens it serves, None when not
-    known: :func:`host_capacity`) and ``bake`` (the class's bake, :func:`_analysis.bake_settings`'s
-    result, or None). Returns ``[{index, total, class, class_index, class_total, class_first,
-    class_last, hosts, bake}]``: ``index``/``total`` count every batch of the run,
-    ``class_index``/``class_total`` the batches of that class, ``bake`` the class's bake (None: none).
+    known: :func:`host_capacity`), ``bake`` (the class's bake, :func:`_analysis.bake_settings`'s
+    result, or None) and ``on_failure`` (:func:`parse_on_failure`). Returns ``[{index, total, class,
+    class_index, class_total, class_first, class_last, hosts, bake, on_failure}]``: ``index``/``total``
+    count every batch of the run, ``class_index``/``class_total`` the batches of that class, ``bake``
+    the class's bake (None: none), ``on_failure`` its failure policy.
     """
     run_items = _serial_list(serial)
     if not isinstance(classes, Sequence) or isinstance(classes, (str, Mapping)):
@@ -317,14 +332,31 @@ def class_batches(classes: Sequence[Any], serial: Any) -> list[dict[str, Any]]:
         bake = own.get("bake")
         if bake is not None and not (isinstance(bake, Mapping) and isinstance(bake.get("seconds"), int)):
             raise RolloutError(f"classes[{pos}].bake: expected the class's bake settings (seconds, checks, inconclusive), got {bake!r}")
+        on_failure = parse_on_failure(own.get("on_failure"), f"classes[{pos}].on_failure")
         batches = _cut(hosts, run_items, budget, capacity)
         for number, group in enumerate(batches, start=1):
             out.append({"class": name, "class_index": number, "class_total": len(batches),
                         "class_first": number == 1, "class_last": number == len(batches), "hosts": group,
-                        "bake": dict(bake) if bake else None})
+                        "bake": dict(bake) if bake else None, "on_failure": on_failure})
     for index, batch in enumerate(out, start=1):
         batch["index"] = index
         batch["total"] = len(out)
+    return out
+
+
+def class_rollback_hosts(batches: Sequence[Mapping[str, Any]], changed: Mapping[str, bool]) -> list[str]:
+    """The hosts a class rollback restores, in the order it restores them: the hosts of the last
+    batch record's class, from the batches before the last one (``batches``: the run's batch records,
+    the running one last), that this run changed (``changed``: host -> whether its units changed), the
+    latest batch first and each batch's hosts in reverse. The running batch's own hosts are not
+    included: a failed one rolls itself back, and the others may still be deploying."""
+    if not batches:
+        return []
+    running = batches[-1]
+    out: list[str] = []
+    for batch in reversed(batches[:-1]):
+        if batch.get("class") == running.get("class"):
+            out += [h for h in reversed(list(batch.get("hosts") or [])) if changed.get(h)]
     return out
 
 

@@ -18,8 +18,9 @@ is tested on the real engine (tests/integration/test_real_engine.py):
 2. the same run again, with free memory moved by a few MiB, changes nothing (the budget is kept);
    the read-only playbooks (probe.yml, audit.yml; plan.yml --check in 7.) leave every host's files
    and units as they were;
-   a class that bakes its batches under traffic: a second batch whose new engine serves slower than the
-   host not yet changed fails its analysis and is rolled back; without traffic an analysis is inconclusive;
+   a class that bakes its batches under traffic and rolls the class back on a failure: a second batch whose
+   new engine serves slower than the host not yet changed fails its analysis, it and the first batch's host
+   are rolled back; without traffic an analysis is inconclusive, which fails the batch by default;
 3. a co-tenant appears on the second host after planning: its gate stops the rollout
    before its service is touched, the first batch keeps the new unit, the third never runs;
 4. a co-tenant appears on the second host between its two gates: the gate after the stop (read
@@ -301,13 +302,16 @@ def completions(fleet, done: threading.Event, results: dict[str, dict[str, int]]
     return threads
 
 
-def test_a_batch_that_serves_slower_than_the_class_fails_its_bake_and_is_rolled_back(fleet):
-    """A class that bakes each batch 4 s under real traffic: batch 1's host serves like the hosts not yet changed
-    (its analysis passes); batch 2's new engine serves ten times slower per output token (the simulator's latency
-    knob), so its time-per-output-token p90 fails against the baseline (the third host): that host is rolled back
-    to its previous unit and serves again, the third host is never touched, the run fails, and the report shows
-    both analyses. A second run without traffic puts batch 1's host back on the class's first plan: too few
-    requests make its analysis inconclusive, which the class's policy counts as a pass."""
+def test_a_batch_that_serves_slower_than_the_class_fails_its_bake_and_the_class_is_rolled_back(fleet):
+    """A class that bakes each batch 4 s under real traffic and rolls the whole class back on a failure
+    (gpufleet_on_failure: rollback_class): batch 1's host serves like the hosts not yet changed (its analysis
+    passes); batch 2's new engine serves ten times slower per output token (the simulator's latency knob), so
+    its time-per-output-token p90 fails against the baseline (the third host): that host rolls itself back, then
+    the class rollback restores batch 1's host, the third host is never touched, every host serves its previous
+    unit byte for byte, the run fails, and the report shows both analyses and who was rolled back why. A second
+    run without traffic: too few requests make batch 1's analysis inconclusive, which counts as a failure by
+    default, and that host is rolled back too. A third, without a bake: batch 2's host fails its boot, and the
+    class rollback restores batch 1's host the same way."""
     before = fleet.units()
     since = len(fleet.reports())
     done = threading.Event()
@@ -315,7 +319,7 @@ def test_a_batch_that_serves_slower_than_the_class_fails_its_bake_and_is_rolled_
     threads = completions(fleet, done, results)
     fleet.sim.inject_latency_next_boot("sim-ro-2", 0.05)
     try:
-        rc, out = fleet.rollout({"gpufleet_guard": "0.75GiB", **BAKE})
+        rc, out = fleet.rollout({"gpufleet_guard": "0.75GiB", "gpufleet_on_failure": "rollback_class", **BAKE})
     finally:
         done.set()
         for t in threads:
@@ -333,30 +337,46 @@ def test_a_batch_that_serves_slower_than_the_class_fails_its_bake_and_is_rolled_
     assert second["baseline_hosts"] == 1 and set(checks) == {"itl_p90", "success_rate", "kv_usage"}
     assert re.search(r"sim-ro-2: the bake of batch 2 of class ro-l40s failed: bake of 4 s, 1 changed host\(s\) against 1 baseline "
                      r"host\(s\): fail: .*itl_p90 fail: [^;]*\(above 3\);.*; rolled back: instance main: put back its unit", out), out[-6000:]
-    assert {h["host"]: h["outcome"] for h in report["hosts"]} == {"sim-ro-1": "deployed", "sim-ro-2": "rolled_back",
-                                                                  "sim-ro-3": "not_reached"}
-    after = fleet.units()
-    assert budget(after["sim-ro-1"]) < budget(before["sim-ro-1"]), "batch 1 passed its bake and keeps the new plan"
-    assert after["sim-ro-2"] == before["sim-ro-2"], "the host of the failed bake has its previous unit back, byte for byte"
-    assert after["sim-ro-3"] == before["sim-ro-3"]
+    assert "class ro-l40s: rolled back with sim-ro-2: sim-ro-1" in out, out[-6000:]
+    hosts = {h["host"]: h for h in report["hosts"]}
+    assert {h: e["outcome"] for h, e in hosts.items()} == {"sim-ro-1": "rolled_back", "sim-ro-2": "rolled_back", "sim-ro-3": "not_reached"}
+    assert hosts["sim-ro-1"]["error"].startswith("rolled back with its class after sim-ro-2 failed: instance main: put back its unit")
+    assert fleet.units() == before, "every host of the class has its previous unit back, byte for byte"
     for host in HOSTS:
         assert fleet.active(host) == "active", host
 
     since = len(fleet.reports())
-    # the class's deployed budget is now the first host's (the smaller one): planned at the group's guard, it would be
-    # kept within the keep step, and the two other hosts moved to it; keep step 0 puts the first host back instead
-    rc, out = fleet.rollout({**BAKE, "gpufleet_bake_seconds": 1, "gpufleet_analysis_inconclusive": "pass",
-                             "gpufleet_budget_keep_step": 0})
-    assert rc == 0, out[-6000:]
+    rc, out = fleet.rollout({"gpufleet_guard": "0.75GiB", **BAKE, "gpufleet_bake_seconds": 1})
+    assert rc != 0, out[-6000:]
+    report = fleet.last_report(since)
+    assert report is not None and len(report["batches"]) == 1
+    analysis = report["batches"][0]["analysis"]
+    assert analysis["verdict"] == "inconclusive" and analysis["effective"] == "fail", analysis
+    assert "0 request(s) finished on the canary during the bake, fewer than 5" in {c["why"] for c in analysis["checks"]}
+    assert "sim-ro-1: the bake of batch 1 of class ro-l40s failed: bake of 1 s, 1 changed host(s) against 2 baseline host(s): " \
+           "inconclusive (counted as fail)" in out, out[-6000:]
+    assert fleet.units() == before
+    for host in HOSTS:
+        assert fleet.active(host) == "active", host
+
+    # no bake: batch 2's host fails its boot (the engine runs out of memory), rolls itself back, and the class
+    # rollback restores batch 1's host
+    since = len(fleet.reports())
+    fleet.sim.inject_fail_next_boot("sim-ro-2", "oom")
+    try:
+        rc, out = fleet.rollout({"gpufleet_guard": "0.75GiB", "gpufleet_max_unavailable": 1, "gpufleet_on_failure": "rollback_class"})
+    finally:
+        fleet.sim.inject_fail_next_boot("sim-ro-2", None)
+    assert rc != 0, out[-6000:]
+    assert "class ro-l40s: rolled back with sim-ro-2: sim-ro-1" in out, out[-6000:]
     report = fleet.last_report(since)
     assert report is not None
-    analyses = [b["analysis"] for b in report["batches"]]
-    assert analyses[0]["verdict"] == "inconclusive" and analyses[0]["effective"] == "pass", analyses[0]
-    assert "0 request(s) finished on the canary during the bake, fewer than 5" in {c["why"] for c in analyses[0]["checks"]}
-    changes = re.findall(r"Report what changes on this host\][^\n]*\n[^\n]*\n[^\n]*\n", out)
-    assert analyses[1:] == [None, None], ("the batches whose hosts did not change are not baked", changes)
-    assert "no host of the batch changed: nothing to bake" in out
+    hosts = {h["host"]: h for h in report["hosts"]}
+    assert {h: e["outcome"] for h, e in hosts.items()} == {"sim-ro-1": "rolled_back", "sim-ro-2": "rolled_back", "sim-ro-3": "not_reached"}
+    assert "CUDA out of memory" in hosts["sim-ro-2"]["error"] or "out of memory" in hosts["sim-ro-2"]["error"].lower(), hosts["sim-ro-2"]
     assert fleet.units() == before
+    for host in HOSTS:
+        assert fleet.active(host) == "active", host
 
 
 def test_cotenant_after_planning_stops_the_rollout(fleet, seen):

@@ -216,3 +216,34 @@ def test_metrics_targets_are_where_the_controller_reaches_each_engine():
         metrics_targets("gpu-01", [{"name": "a", "port": 70000}])
     with pytest.raises(AnalysisError, match=r"gpufleet_instances\[0\]: expected a mapping with a name"):
         metrics_targets("gpu-01", ["a"])
+
+
+def test_a_baseline_that_could_not_be_read_is_inconclusive_not_skipped():
+    canary = [host(scrape(), scrape(ok=40))]
+    result = analyse(canary, [], {"kv_usage": False}, baseline_given=2)
+    checks = by_name(result)
+    assert {c["verdict"] for c in checks.values()} == {"inconclusive"} and result["verdict"] == "inconclusive"
+    assert checks["ttft_p90"]["why"] == "none of the 2 baseline host(s) could be read"
+    assert checks["success_rate"]["why"] == checks["preemptions"]["why"] == "none of the 2 baseline host(s) could be read"
+
+
+def test_an_absolute_limit_judges_alone_when_the_baseline_has_too_few_requests():
+    """With max_seconds, a baseline below min_requests is not compared (no ratio of a handful of requests), and
+    the canary is judged on the limit alone, saying why."""
+    canary = [host(scrape(), scrape(ok=40, ttft=0.3))]
+    small = [host(scrape(), scrape(ok=2, ttft=0.05))]
+    conf = {"ttft_p90": {"max_ratio": 1.5, "max_seconds": 2.0, "min_requests": 20}, "itl_p90": False, "e2e_p90": False}
+    check = by_name(analyse(canary, small, conf))["ttft_p90"]
+    assert check["verdict"] == "pass" and "within 2 s (not compared: 2 request(s) finished on the baseline" in check["why"], check
+    check = by_name(analyse(canary, small, {**conf, "ttft_p90": {"max_ratio": 1.5, "max_seconds": 0.2}}))["ttft_p90"]
+    assert check["verdict"] == "fail" and "above 0.2 s" in check["why"]
+
+
+def test_more_forms_of_the_settings_and_the_addresses():
+    # an AWX survey answers with JSON text
+    assert bake_settings(60, '{"itl_p90": {"max_ratio": 1.2}}')["checks"]["itl_p90"]["max_ratio"] == 1.2
+    with pytest.raises(AnalysisError, match="gpufleet_analysis: expected a mapping of checks, or its JSON text"):
+        bake_settings(60, "itl_p90=1.2")
+    # every address, however written; an inventory name with an underscore
+    assert metrics_targets("gpu_01", [{"name": "a", "port": 8000}], "::0")[0]["url"] == "http://gpu_01:8000/metrics"
+    assert metrics_targets("gpu-01", [{"name": "a", "port": 8000}], "0:0:0:0:0:0:0:0", "10.0.0.1")[0]["url"] == "http://10.0.0.1:8000/metrics"

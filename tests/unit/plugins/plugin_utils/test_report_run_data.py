@@ -34,7 +34,7 @@ def test_the_run_data_of_a_rollout_with_a_failed_host():
     assert data["batches"] == [{"index": 1, "total": 1, "hosts": ["a", "b"]}]
     assert data["classes"]["l40s"]["canaries"] == {"profiled": {"verdict": "pass", "mode": "profiled"}, "manual": {"verdict": "pass"}}
     assert data["hosts"]["a"] == {"class": "l40s", "batch": 1, "pending": ["main"], "touched": True, "error": None, "failed_task": None,
-                                  "plans": []}
+                                  "rollback_failed": False, "plans": []}
     assert data["hosts"]["b"]["error"] == "One or more items failed: vllm-main.service: boot check failed"
     assert data["hosts"]["b"]["failed_task"] == "Start and check the new units"
     report = build_report(data, "rollout")
@@ -104,3 +104,30 @@ def test_a_check_run_once_for_the_run_names_each_host_it_concerns():
     assert data["hosts"]["c"]["error"] is None
     outcomes = {h["host"]: h["outcome"] for h in build_report(data, "rollout")["hosts"]}
     assert outcomes == {"a": "failed", "b": "failed", "c": "skipped"}
+
+
+def test_a_class_rollback_is_reported_host_by_host():
+    """gpufleet_on_failure: rollback_class: the hosts the class rollback restored are rolled back with the host that
+    failed; a class rollback that stopped on a host leaves that host failed, naming why."""
+    hostvars, groups = fleet()
+    hostvars["c"] = {"gpufleet_host_class": "l40s", "vllm_service_pending": [{"name": "main"}], "vllm_service_touched": True}
+    hostvars["d"] = {"gpufleet_host_class": "l40s", "vllm_service_pending": [{"name": "main"}], "vllm_service_touched": True}
+    groups["gpufleet_rollout"] = [*groups["gpufleet_rollout"], "c", "d"]
+    hostvars["localhost"]["gpufleet_batches"] = [{"index": 1, "total": 3, "hosts": ["c"]}, {"index": 2, "total": 3, "hosts": ["d"]},
+                                                 {"index": 3, "total": 3, "hosts": ["a", "b"]}]
+    hostvars["localhost"]["gpufleet_class_rolled_back"] = {"d": {"class": "l40s", "after": "b", "summary": "instance main: put back"}}
+    hostvars["localhost"]["gpufleet_class_rollback_error"] = "c: Check the boot of each restarted unit failed: timed out"
+    data = run_data(hostvars, groups)
+    assert data["hosts"]["d"]["error"] == "rolled back with its class after b failed: instance main: put back"
+    assert data["hosts"]["c"]["error"] == "its class rollback stopped here: c: Check the boot of each restarted unit failed: timed out"
+    outcomes = {h["host"]: h["outcome"] for h in build_report(data, "rollout")["hosts"]}
+    assert outcomes == {"a": "deployed", "b": "rolled_back", "c": "failed", "d": "rolled_back"}
+
+
+def test_a_failed_bake_whose_rollback_failed_is_a_failed_host_with_both_errors():
+    hostvars, groups = fleet()
+    hostvars["b"].update(gpufleet_rollback_failed=True,
+                         gpufleet_host_error="the bake failed: bake of 4 s ...: fail; its rollback failed: Check the boot failed: timed out")
+    data = run_data(hostvars, groups)
+    assert data["hosts"]["b"]["error"] == "the bake failed: bake of 4 s ...: fail; its rollback failed: Check the boot failed: timed out"
+    assert {h["host"]: h["outcome"] for h in build_report(data, "rollout")["hosts"]}["b"] == "failed"

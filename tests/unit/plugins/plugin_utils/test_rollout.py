@@ -20,6 +20,7 @@ from ansible_collections.gpufleet.vllm.plugins.plugin_utils._rollout import (
     budget_problems,
     check_artifact,
     class_batches,
+    class_rollback_hosts,
     class_settings_problems,
     host_capacity,
     parse_budget,
@@ -202,6 +203,17 @@ def test_a_class_gives_its_settings_once_and_valid():
     assert class_settings_problems(bake) == [
         "class h200: gpufleet_analysis_inconclusive: expected one of fail, pass, got 'ignore'",
         "class l40s: its hosts give different gpufleet_bake_seconds (a: 300; b: 60); set it once in the class's group variables"]
+    assert class_settings_problems({"a": {"gpufleet_host_class": "l40s", "gpufleet_on_failure": "rollback"}}) == [
+        "class l40s: gpufleet_on_failure: expected one of stop, rollback_class, got 'rollback'"]
+
+
+def test_a_class_rollback_restores_the_earlier_batches_latest_first():
+    batches = [{"class": "a", "hosts": ["a1"]}, {"class": "a", "hosts": ["a2", "a3", "a4"]}, {"class": "b", "hosts": ["b1"]},
+               {"class": "a", "hosts": ["a5"]}]
+    changed = {"a1": True, "a2": True, "a3": False, "a4": True, "b1": True, "a5": True}
+    # the running batch (a5) rolls itself back; a3 did not change; b is another class
+    assert class_rollback_hosts(batches, changed) == ["a4", "a2", "a1"]
+    assert class_rollback_hosts(batches[:1], changed) == [] and class_rollback_hosts([], changed) == []
 
 
 def test_every_batch_of_a_class_carries_its_bake():
@@ -209,6 +221,11 @@ def test_every_batch_of_a_class_carries_its_bake():
     batches = class_batches([{"class": "l40s", "hosts": ["l1", "l2", "l3"], "bake": bake}, {"class": "h200", "hosts": ["h1"]}],
                             [1, "100%"])
     assert [(b["class"], b["bake"]) for b in batches] == [("l40s", bake), ("l40s", bake), ("h200", None)]
+    assert {b["on_failure"] for b in batches} == {"stop"}
+    batches = class_batches([{"class": "l40s", "hosts": ["l1"], "on_failure": "rollback_class"}], 1)
+    assert batches[0]["on_failure"] == "rollback_class"
+    with pytest.raises(RolloutError, match=r"classes\[0\].on_failure: expected one of stop, rollback_class, got 'undo'"):
+        class_batches([{"class": "l40s", "hosts": ["l1"], "on_failure": "undo"}], 1)
     with pytest.raises(RolloutError, match=r"classes\[0\].bake: expected the class's bake settings"):
         class_batches([{"class": "l40s", "hosts": ["l1"], "bake": {"seconds": "2m"}}], 1)
 
