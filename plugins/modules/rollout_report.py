@@ -67,10 +67,13 @@ options:
       - C(classes) maps each class name to its class state (C(ok), C(failed), C(plan) as
         M(gpufleet.vllm.kv_plan) returns it, C(key_hash), C(manual_canary), C(reasons)) and optionally
         C(canaries), C({profiled, manual}) results of M(gpufleet.vllm.vllm_canary).
-      - C(hosts) maps each host to C({class, batch, pending, touched, error, failed_task}); C(batch) is the
-        number of the serial batch the host ran in, C(pending) the instances that changed, C(touched) whether
-        its units were stopped, C(error) the message of the failure that stopped it.
-      - C(batches) is a list of C({index, total, hosts, started, finished}).
+      - C(hosts) maps each host to C({class, batch, pending, touched, error, failed_task, rollback_failed}); C(batch) is
+        the number of the serial batch the host ran in, C(pending) the instances that changed, C(touched) whether
+        its units were stopped, C(error) the message of the failure that stopped it, C(rollback_failed) that a
+        rollback of it failed (its outcome is C(failed), not C(rolled_back)).
+      - C(batches) is a list of C({index, total, hosts, started, finished, analysis}), C(analysis) being the bake's
+        verdict on the batch (M(gpufleet.vllm.rollout_bake)'s RV(gpufleet.vllm.rollout_bake#module:analysis), with
+        C(seconds), C(started), C(finished), and C(error) for a bake that failed by itself), when its class bakes.
       - C(check_mode) says whether the run was a dry run (default C(ansible_check_mode)).
       - "C(probe) (required with O(kind=probe)) maps C(hosts) to C({host: {class, error, driver_version,
         cuda_driver_version, nvml_version, runtime, gpus, instances}}) where C(gpus) are the
@@ -91,8 +94,10 @@ options:
       - Without O(data), the inventory group whose hosts the report covers. Per class it reads the canary host's
         C(gpufleet_class_state), C(gpufleet_reference) and C(vllm_canary_result); per host its class, batch
         (C(gpufleet_batch_index)), pending instances (C(vllm_service_pending)), C(vllm_service_touched) and, for a host
-        that failed in a serial batch, C(ansible_failed_result) and C(ansible_failed_task); from C(localhost),
-        C(gpufleet_run.started) and C(gpufleet_batches).
+        that failed in a serial batch, C(ansible_failed_result) and C(ansible_failed_task) (C(gpufleet_own_failure) when a
+        class rollback ran in its name, C(gpufleet_host_error) with C(gpufleet_rollback_failed) when its rollback
+        failed); from C(localhost), C(gpufleet_run.started), C(gpufleet_batches), and what a class rollback did
+        (C(gpufleet_class_rolled_back), C(gpufleet_class_rollback_error)).
     type: str
     default: gpufleet_rollout
     version_added: 2.0.0

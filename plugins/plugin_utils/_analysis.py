@@ -229,8 +229,7 @@ def _latency(name: str, settings: dict[str, float | None], canary: Window, basel
             return _result(name, "pass", f"{mine:.4g} s on the canary, within {absolute:g} s (not compared: {why_not})",
                            mine, theirs, threshold, samples)
         return _result(name, "inconclusive", why_not, mine, theirs, threshold, samples)
-    assert theirs is not None  # why_not says so otherwise
-    ratio = mine / theirs
+    ratio = mine / float(theirs or math.inf)  # theirs is a positive figure here (why_not says so otherwise)
     verdict = "fail" if ratio > (settings["max_ratio"] or math.inf) else "pass"
     return _result(name, verdict, f"{mine:.4g} s on the canary, {theirs:.4g} s on the baseline: {ratio:.2f} times "
                    f"({'above' if verdict == 'fail' else 'within'} {settings['max_ratio']:g})", mine, theirs, threshold, samples)

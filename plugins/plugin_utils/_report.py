@@ -663,6 +663,10 @@ def run_data(hostvars: Mapping[str, Any], groups: Mapping[str, Any], hosts_from:
         elif in_batch and hv.get("gpufleet_host_error"):
             # a check that ran once for the run (run_once) failed on one host; the play names each host it concerns
             error = str(hv["gpufleet_host_error"])
+        # the host's own failure, kept before a class rollback ran tasks in its name (playbooks/tasks/host_failed.yml)
+        own = hv.get("gpufleet_own_failure")
+        if in_batch and isinstance(own, Mapping) and own.get("msg"):
+            error, task = str(own["msg"]), str(own.get("task") or "") or None
         # a failed bake whose rollback failed in turn (playbooks/tasks/batch_bake.yml): failed, not rolled back
         rollback_failed = bool(hv.get("gpufleet_rollback_failed")) and in_batch
         if rollback_failed and hv.get("gpufleet_host_error"):
@@ -909,6 +913,8 @@ def _analysis_entry(raw: Any, where: str) -> dict[str, Any] | None:
         "baseline_hosts": _num(raw.get("baseline_hosts")),
         "checks": checks,
         "unread": [str(u) for u in raw.get("unread") or []],
+        # the bake itself failed (an error, not a verdict)
+        "error": str(raw["error"]) if raw.get("error") else None,
         "baseline_unread": {str(h): [str(w) for w in why] for h, why in (raw.get("baseline_unread") or {}).items()},
     }
 

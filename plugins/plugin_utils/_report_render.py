@@ -520,7 +520,8 @@ def _analysis_row(check: Mapping[str, Any]) -> list[str]:
 
 
 def _analysis_notes(analysis: Mapping[str, Any]) -> list[str]:
-    notes = [f"could not read {u}" for u in analysis.get("unread") or []]
+    notes = [f"the bake itself failed: {analysis['error']}"] if analysis.get("error") else []
+    notes += [f"could not read {u}" for u in analysis.get("unread") or []]
     notes += [f"baseline host {h} left out: {'; '.join(why)}" for h, why in (analysis.get("baseline_unread") or {}).items()]
     return notes
 

@@ -277,6 +277,22 @@ BAKE = {"gpufleet_max_unavailable": 1, "gpufleet_bake_seconds": 4,
                               "ttft_p90": False, "e2e_p90": False, "preemptions": False}}
 
 
+# a drain/undrain hook that records where it runs: its event, gpufleet_hook_host, the host a task without
+# delegate_to ran on, and inventory_hostname
+WHERE_HOOK = """\
+- name: Read where the hook runs
+  ansible.builtin.command: hostname
+  register: where_hook_ran
+  changed_when: false
+
+- name: Record the hook
+  ansible.builtin.shell: >-
+    echo '{{{{ gpufleet_hook_event }}}} {{{{ gpufleet_hook_host }}}} {{{{ where_hook_ran.stdout }}}} {{{{ inventory_hostname }}}}' >> {log}
+  delegate_to: localhost
+  changed_when: false
+"""
+
+
 def completions(fleet, done: threading.Event, results: dict[str, dict[str, int]], clients: int = 2) -> list[threading.Thread]:
     """Clients sending short completions straight to every host's engine until ``done``, counting the answers."""
     def client(host: str) -> None:
@@ -360,15 +376,23 @@ def test_a_batch_that_serves_slower_than_the_class_fails_its_bake_and_the_class_
         assert fleet.active(host) == "active", host
 
     # no bake: batch 2's host fails its boot (the engine runs out of memory), rolls itself back, and the class
-    # rollback restores batch 1's host
+    # rollback restores batch 1's host, through its drain and undrain hooks, run on that host
+    log = fleet.workdir / "class-rollback-hooks.log"
+    hook = fleet.workdir / "where-hook.yml"
+    hook.write_text(WHERE_HOOK.format(log=log), encoding="utf-8")
     since = len(fleet.reports())
     fleet.sim.inject_fail_next_boot("sim-ro-2", "oom")
     try:
-        rc, out = fleet.rollout({"gpufleet_guard": "0.75GiB", "gpufleet_max_unavailable": 1, "gpufleet_on_failure": "rollback_class"})
+        rc, out = fleet.rollout({"gpufleet_guard": "0.75GiB", "gpufleet_max_unavailable": 1, "gpufleet_on_failure": "rollback_class",
+                                 "gpufleet_hooks": {"drain": str(hook), "undrain": str(hook)}})
     finally:
         fleet.sim.inject_fail_next_boot("sim-ro-2", None)
     assert rc != 0, out[-6000:]
     assert "class ro-l40s: rolled back with sim-ro-2: sim-ro-1" in out, out[-6000:]
+    # event, the hook's host, the host its tasks ran on, the host whose path ran it
+    lines = log.read_text(encoding="utf-8").splitlines()
+    assert lines[-2:] == ["drain sim-ro-1 sim-ro-1 sim-ro-2", "undrain sim-ro-1 sim-ro-1 sim-ro-2"], lines
+    assert "drain sim-ro-2 sim-ro-2 sim-ro-2" in lines, lines
     report = fleet.last_report(since)
     assert report is not None
     hosts = {h["host"]: h for h in report["hosts"]}

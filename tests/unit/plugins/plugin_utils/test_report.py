@@ -502,6 +502,10 @@ def test_a_batch_bake_is_reported_with_every_check():
     text, _tags = html_text(render_html(report))
     assert "Bake of batch 2 of 3: fail, 300 s" in text and "max_drop 0.01" in text and "baseline host gpu-c left out" in text
     assert json.loads(json.dumps(report)) == report
+    data["batches"][1]["analysis"] = {"verdict": "fail", "effective": "fail", "checks": [], "error": "Timed out after 900 second(s)"}
+    report = build_report(data, "rollout", generated=WHEN)
+    assert report["batches"][1]["analysis"]["error"] == "Timed out after 900 second(s)"
+    assert "- the bake itself failed: Timed out after 900 second(s)" in render_markdown(report)
     data["batches"][1]["analysis"] = {"verdict": "fail"}
     with pytest.raises(ReportError, match=r"data.batches\[1\].analysis: expected the analysis of gpufleet.vllm.rollout_bake"):
         build_report(data, "rollout", generated=WHEN)

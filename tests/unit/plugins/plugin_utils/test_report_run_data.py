@@ -131,3 +131,14 @@ def test_a_failed_bake_whose_rollback_failed_is_a_failed_host_with_both_errors()
     data = run_data(hostvars, groups)
     assert data["hosts"]["b"]["error"] == "the bake failed: bake of 4 s ...: fail; its rollback failed: Check the boot failed: timed out"
     assert {h["host"]: h["outcome"] for h in build_report(data, "rollout")["hosts"]}["b"] == "failed"
+
+
+def test_the_host_s_own_failure_is_reported_even_when_a_class_rollback_ran_in_its_name():
+    """A class rollback that fails runs its tasks in the failed host's name, which replaces that host's failed task
+    and result: the failure the host kept before (gpufleet_own_failure) is what the report says."""
+    hostvars, groups = fleet()
+    hostvars["b"].update(ansible_failed_result={"msg": "Take the lease of the host again failed: held"},
+                         gpufleet_own_failure={"task": "Start and check the new units", "msg": "vllm-main.service: boot check failed"})
+    data = run_data(hostvars, groups)
+    assert (data["hosts"]["b"]["error"], data["hosts"]["b"]["failed_task"]) == ("vllm-main.service: boot check failed",
+                                                                              "Start and check the new units")
