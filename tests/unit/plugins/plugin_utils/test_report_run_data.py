@@ -140,5 +140,5 @@ def test_the_host_s_own_failure_is_reported_even_when_a_class_rollback_ran_in_it
     hostvars["b"].update(ansible_failed_result={"msg": "Take the lease of the host again failed: held"},
                          gpufleet_own_failure={"task": "Start and check the new units", "msg": "vllm-main.service: boot check failed"})
     data = run_data(hostvars, groups)
-    assert (data["hosts"]["b"]["error"], data["hosts"]["b"]["failed_task"]) == ("vllm-main.service: boot check failed",
-                                                                              "Start and check the new units")
+    own = ("vllm-main.service: boot check failed", "Start and check the new units")
+    assert (data["hosts"]["b"]["error"], data["hosts"]["b"]["failed_task"]) == own
