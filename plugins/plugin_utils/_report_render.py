@@ -514,9 +514,8 @@ def _figure(value: Any) -> str:
 def _analysis_row(check: Mapping[str, Any]) -> list[str]:
     threshold = ", ".join(f"{k} {v:g}" for k, v in (check.get("threshold") or {}).items() if isinstance(v, (int, float)))
     samples = check.get("samples") or {}
-    figure = _figure
-    return [str(check.get("name")), str(check.get("verdict")), figure(check.get("canary")), figure(check.get("baseline")),
-            threshold or "-", f"{figure(samples.get('canary'))} / {figure(samples.get('baseline'))}", str(check.get("why") or "")]
+    return [str(check.get("name")), str(check.get("verdict")), _figure(check.get("canary")), _figure(check.get("baseline")),
+            threshold or "-", f"{_figure(samples.get('canary'))} / {_figure(samples.get('baseline'))}", str(check.get("why") or "")]
 
 
 def _analysis_notes(analysis: Mapping[str, Any]) -> list[str]:
