@@ -16,7 +16,12 @@ from ansible.errors import AnsibleActionFail
 from ansible.module_utils.common.text.converters import to_text
 from ansible.plugins.action import ActionBase
 
-from ansible_collections.gpufleet.vllm.plugins.module_utils._engine._vllm_metrics import EngineMetrics, MetricsParseError, parse_metrics
+from ansible_collections.gpufleet.vllm.plugins.module_utils._engine._vllm_metrics import (
+    EngineMetrics,
+    MetricsParseError,
+    metrics_from_samples,
+    parse_metrics,
+)
 from ansible_collections.gpufleet.vllm.plugins.plugin_utils._analysis import (
     INCONCLUSIVE_POLICIES,
     MAX_BAKE_SECONDS,
@@ -27,6 +32,7 @@ from ansible_collections.gpufleet.vllm.plugins.plugin_utils._analysis import (
     merge,
     window,
 )
+from ansible_collections.gpufleet.vllm.plugins.plugin_utils._prometheus import PrometheusError, check_url, endpoint, host_of, margins, vllm_samples
 
 _TARGET_SPEC: dict[str, t.Any] = {
     "host": {"type": "str", "required": True},
@@ -40,6 +46,7 @@ ARGUMENT_SPEC: dict[str, t.Any] = {
     "checks": {"type": "raw"},
     "inconclusive": {"type": "str", "default": "fail", "choices": list(INCONCLUSIVE_POLICIES)},
     "timeout": {"type": "float", "default": 10.0},
+    "prometheus_url": {"type": "str"},
 }
 # scrapes in flight at once: a class's hosts are read together, not one after another
 _PARALLEL = 32
@@ -54,11 +61,14 @@ def _scrape(opener: urllib.request.OpenerDirector, url: str, timeout: float) -> 
         return parse_metrics(to_text(resp.read(), errors="surrogate_or_strict"))
 
 
-def _scrape_all(targets: list[dict[str, str]], timeout: float) -> list[EngineMetrics | str]:
-    """Each target's metrics, or why it could not be read, in the targets' order."""
+def _opener() -> urllib.request.OpenerDirector:
     # one opener and one TLS context for every read (open_url builds a context per call, 20 ms each:
     # more than the reads themselves); the proxy settings of the environment apply, as with open_url
-    opener = urllib.request.build_opener(urllib.request.HTTPSHandler(context=ssl.create_default_context()))
+    return urllib.request.build_opener(urllib.request.HTTPSHandler(context=ssl.create_default_context()))
+
+
+def _scrape_all(opener: urllib.request.OpenerDirector, targets: list[dict[str, str]], timeout: float) -> list[EngineMetrics | str]:
+    """Each target's metrics, or why it could not be read, in the targets' order."""
 
     def one(target: dict[str, str]) -> EngineMetrics | str:
         try:
@@ -74,9 +84,40 @@ def _scrape_all(targets: list[dict[str, str]], timeout: float) -> list[EngineMet
         return list(pool.map(one, targets))
 
 
-def _host_windows(targets: list[dict[str, str]], start: list[EngineMetrics | str], end: list[EngineMetrics | str]
-                  ) -> tuple[list[Window], dict[str, list[str]]]:
-    """One window per host (its engines merged), and per host why it was left out."""
+def _ask_prometheus(opener: urllib.request.OpenerDirector, url: str, targets: list[dict[str, str]], timeout: float,
+                    first: bool) -> list[EngineMetrics | str]:
+    """Each target's metrics as the Prometheus server at ``url`` has them now, in the targets' order.
+    At the first reading, an engine the server has no series of yet counts from zero (a freshly
+    started engine it has not scraped yet); at the last, it is unread."""
+    instances = [endpoint(target["url"]) for target in targets]
+    try:
+        found = vllm_samples(opener, url, instances, None, timeout)
+    except PrometheusError as exc:
+        return [f"Prometheus {exc}"] * len(targets)
+    out: list[EngineMetrics | str] = []
+    for instance in instances:
+        if instance in found:
+            out.append(metrics_from_samples(found[instance], "prometheus"))
+        elif first:
+            out.append(EngineMetrics(parser="prometheus"))
+        else:
+            out.append(f"Prometheus at {url} has no vllm: series of the instance {instance} (does it scrape it there?)")
+    return out
+
+
+def _read(opener: urllib.request.OpenerDirector, prometheus_url: str | None, targets: list[dict[str, str]], timeout: float,
+          first: bool) -> list[EngineMetrics | str]:
+    if not targets:
+        return []
+    if prometheus_url:
+        return _ask_prometheus(opener, prometheus_url, targets, timeout, first)
+    return _scrape_all(opener, targets, timeout)
+
+
+def _host_windows(targets: list[dict[str, str]], start: list[EngineMetrics | str], end: list[EngineMetrics | str],
+                  host_margins: dict[str, float] | None = None) -> tuple[list[Window], dict[str, list[str]]]:
+    """One window per host (its engines merged, with its GPU memory margin where known), and per host
+    why it was left out."""
     per_host: dict[str, list[Window]] = {}
     unread: dict[str, list[str]] = {}
     for target, first, last in zip(targets, start, end):
@@ -92,6 +133,7 @@ def _host_windows(targets: list[dict[str, str]], start: list[EngineMetrics | str
         merged = merge(parts)
         if merged is not None:
             merged.hosts = 1
+            merged.margin_bytes = (host_margins or {}).get(host)
             windows.append(merged)
     return windows, unread
 
@@ -118,16 +160,22 @@ class ActionModule(ActionBase):  # type: ignore[misc]  # ActionBase is Any: ansi
             check_settings(args["checks"], "checks")
         except AnalysisError as exc:
             raise AnsibleActionFail(f"rollout_bake {exc}") from None
+        try:
+            prometheus_url = check_url(args["prometheus_url"], "prometheus_url") if args["prometheus_url"] else None
+        except PrometheusError as exc:
+            raise AnsibleActionFail(f"rollout_bake {exc}") from None
         canary, baseline = list(args["canary"]), list(args["baseline"])
         targets = canary + baseline
+        opener = _opener()
         started, started_at = _now(), time.monotonic()
-        first = _scrape_all(targets, timeout)
+        first = _read(opener, prometheus_url, targets, timeout, first=True)
         canary_unread = [s for s in first[:len(canary)] if isinstance(s, str)]
         if not canary_unread:
             time.sleep(max(0.0, seconds - (time.monotonic() - started_at)))
-            last = _scrape_all(targets, timeout)
+            last = _read(opener, prometheus_url, targets, timeout, first=False)
             canary_unread = [s for s in last[:len(canary)] if isinstance(s, str)]
         result.update(changed=False, started=started, finished=_now(), seconds=seconds,
+                      source=f"Prometheus {prometheus_url}" if prometheus_url else "each engine's /metrics",
                       canary_hosts=sorted({c["host"] for c in canary}), baseline_hosts=sorted({b["host"] for b in baseline}))
         if canary_unread:
             # an engine of the batch that cannot be read is not judged to pass
@@ -135,7 +183,8 @@ class ActionModule(ActionBase):  # type: ignore[misc]  # ActionBase is Any: ansi
                                     "canary_hosts": len(result["canary_hosts"]), "baseline_hosts": 0},
                           msg="the bake could not read the batch's engines: " + "; ".join(canary_unread))
             return result
-        canary_windows = _host_windows(canary, first[:len(canary)], last[:len(canary)])[0]
+        host_margins = _margins(opener, prometheus_url, canary, timeout) if prometheus_url else {}
+        canary_windows = _host_windows(canary, first[:len(canary)], last[:len(canary)], host_margins)[0]
         baseline_windows, baseline_unread = _host_windows(baseline, first[len(canary):], last[len(canary):])
         try:
             analysis = analyse(canary_windows, baseline_windows, args["checks"], args["inconclusive"],
@@ -143,8 +192,27 @@ class ActionModule(ActionBase):  # type: ignore[misc]  # ActionBase is Any: ansi
         except AnalysisError as exc:
             raise AnsibleActionFail(f"rollout_bake: {exc}") from None
         analysis["baseline_unread"] = dict(sorted(baseline_unread.items()))
+        analysis["source"] = result["source"]
         result.update(analysis=analysis, msg=_summary(analysis, seconds))
         return result
+
+
+def _margins(opener: urllib.request.OpenerDirector, url: str, canary: list[dict[str, str]], timeout: float) -> dict[str, float]:
+    """Each canary host's smallest GPU memory margin now, from the textfile metrics Prometheus scrapes
+    off the addresses of its engines; a host with none is absent (the check says so)."""
+    addresses: dict[str, set[str]] = {}
+    for target in canary:
+        addresses.setdefault(target["host"], set()).add(host_of(endpoint(target["url"])))
+    try:
+        found = margins(opener, url, sorted(set().union(*addresses.values())), None, timeout)
+    except PrometheusError:
+        return {}  # the engines' series were read; the margins alone missing leaves the check skipped, saying why
+    out = {}
+    for host, mine in addresses.items():
+        seen = [found[a] for a in mine if a in found]
+        if seen:
+            out[host] = min(seen)
+    return out
 
 
 def _summary(analysis: dict[str, t.Any], seconds: int) -> str:

@@ -16,7 +16,13 @@ description:
     hosts not yet changed (the baseline), all at once, waits O(seconds), reads them again, and compares
     what happened in between, in the manner of Kayenta - request success rate, the 90th percentile of time
     to first token, of time per output token and of the whole request (vLLM's histograms), preemptions
-    per request, and KV-cache usage at the end.
+    per request, KV-cache usage at the end, and (from Prometheus) the tightest GPU memory margin.
+  - With O(prometheus_url), the readings come from that Prometheus server's HTTP query API instead, one instant
+    query per reading for every engine - the series whose C(instance) label is the engine's C(host:port) as in its
+    URL (Prometheus's label for a target it scrapes at that address). An engine it has no series of at the start
+    counts from zero (started since its last scrape); one it has none of at the end is unread. The GPU memory
+    margins come from the C(gpufleet_vllm_margin_bytes) series the metrics exporter writes for node_exporter's
+    textfile collector, matched by the address of the host's engines.
   - Each check has thresholds and a minimum number of finished requests; the verdict is C(pass), C(fail) or
     C(inconclusive) (too few requests), and O(inconclusive) says what an inconclusive verdict counts as.
     A latency check with no baseline host and no absolute limit is C(skipped). The checks and their defaults
@@ -65,7 +71,7 @@ options:
   checks:
     description:
       - Check name to its settings over the defaults (C(success_rate), C(ttft_p90), C(itl_p90), C(e2e_p90),
-        C(preemptions), C(kv_usage)); C(false) turns a check off. Unknown checks or settings are an error naming them.
+        C(preemptions), C(kv_usage), C(memory_margin)); C(false) turns a check off. Unknown checks or settings are an error naming them.
     type: raw
   inconclusive:
     description: What an inconclusive verdict counts as.
@@ -73,9 +79,14 @@ options:
     default: fail
     choices: [fail, pass]
   timeout:
-    description: Seconds each reading of one engine may take.
+    description: Seconds each reading of one engine (or each query of O(prometheus_url)) may take.
     type: float
     default: 10.0
+  prometheus_url:
+    description:
+      - The base URL of a Prometheus server that scrapes the engines (C(http://prometheus:9090)), to read the
+        metrics from its query API rather than from each engine. Credentials in the URL are refused.
+    type: str
 seealso:
   - plugin: gpufleet.vllm.metrics_targets
     plugin_type: filter
@@ -128,6 +139,7 @@ analysis:
         threshold: {max_ratio: 3.0, max_seconds: null}
         samples: {canary: 12.0, baseline: 96.0}
     baseline_unread: {}
+    source: each engine's /metrics
 started:
   description: When the first reading started (UTC).
   returned: always
@@ -140,6 +152,10 @@ seconds:
   description: The bake's length as asked.
   returned: always
   type: int
+source:
+  description: Where the readings came from (C(each engine's /metrics), or C(Prometheus URL)).
+  returned: always
+  type: str
 canary_hosts:
   description: The batch's changed hosts judged.
   returned: always

@@ -18,7 +18,11 @@ summed over their hosts, then every check compares them:
 - ``preemptions``: preemptions per finished request (``vllm:num_preemptions_total``); fails when
   the canary's is more than ``max_increase`` above the baseline's;
 - ``kv_usage``: the canary's KV-cache usage at the end of the bake (the fullest engine); fails
-  above ``max``.
+  above ``max``;
+- ``memory_margin``: the canary's smallest GPU memory margin at the end of the bake (NVML free memory
+  less the plan's floor, per rank, as the metrics exporter writes it for node_exporter's textfile
+  collector); fails below ``min_bytes``. Read from Prometheus only (``gpufleet_prometheus_url``); with
+  no such series it is ``skipped``, saying so.
 
 A check with fewer than ``min_requests`` finished requests on the canary (or, where it compares,
 on the baseline) is ``inconclusive``. A latency check with no baseline host at all (every host of the
@@ -29,8 +33,9 @@ check is, else it passes; ``inconclusive`` then counts as the policy says
 (:data:`INCONCLUSIVE_POLICIES`: ``fail``, the default, or ``pass``).
 
 :func:`bake_settings` reads a class's bake settings (``gpufleet_bake_seconds``, ``gpufleet_analysis``,
-``gpufleet_analysis_inconclusive``) and :func:`metrics_targets` the ``/metrics`` URLs of a host's
-engines as the controller reaches them; the ``rollout_bake`` action scrapes them.
+``gpufleet_analysis_inconclusive``, ``gpufleet_prometheus_url``) and :func:`metrics_targets` the
+``/metrics`` URLs of a host's engines as the controller reaches them; the ``rollout_bake`` action
+scrapes them, or asks the Prometheus server that scrapes them (:mod:`._prometheus`).
 """
 from __future__ import annotations
 
@@ -42,8 +47,10 @@ import typing as t
 from dataclasses import dataclass, field
 
 from ansible_collections.gpufleet.vllm.plugins.module_utils._engine._vllm_metrics import EngineMetrics, Histogram, histogram_quantile
+from ansible_collections.gpufleet.vllm.plugins.module_utils._sizes import SizeError, parse_size
+from ansible_collections.gpufleet.vllm.plugins.plugin_utils._prometheus import MARGIN_METRIC, PrometheusError, check_url
 
-__all__ = ["BAKE_FIELDS", "CHECKS", "INCONCLUSIVE_POLICIES", "AnalysisError", "Window", "analyse", "bake_settings",
+__all__ = ["BAKE_FIELDS", "CHECKS", "INCONCLUSIVE_POLICIES", "LOWER_LIMITS", "AnalysisError", "Window", "analyse", "bake_settings",
            "check_settings", "merge", "metrics_targets", "window"]
 
 # check -> its settings and their defaults
@@ -54,10 +61,11 @@ CHECKS: dict[str, dict[str, float | None]] = {
     "e2e_p90": {"max_ratio": 1.5, "max_seconds": None, "min_requests": 20},
     "preemptions": {"max_increase": 0.05, "min_requests": 20},
     "kv_usage": {"max": 0.98},
+    "memory_margin": {"min_bytes": 0},
 }
 INCONCLUSIVE_POLICIES = ("fail", "pass")
 # a class's bake settings, as its group variables name them (each alike on every host of the class)
-BAKE_FIELDS = ("gpufleet_bake_seconds", "gpufleet_analysis", "gpufleet_analysis_inconclusive")
+BAKE_FIELDS = ("gpufleet_bake_seconds", "gpufleet_analysis", "gpufleet_analysis_inconclusive", "gpufleet_prometheus_url")
 # the longest bake a batch may take: a day (a longer one is a typo, and holds the run's leases)
 MAX_BAKE_SECONDS = 86400
 FAILED_REASONS = ("abort", "error")
@@ -78,6 +86,8 @@ class Window:
     itl: Histogram | None = None
     e2e: Histogram | None = None
     kv_usage: float | None = None
+    # the smallest GPU memory margin of the host's ranks at the end (bytes; None: not read)
+    margin_bytes: float | None = None
     hosts: int = 1
 
     @property
@@ -136,10 +146,11 @@ def merge(windows: t.Sequence[Window]) -> Window | None:
         for reason, count in w.finished.items():
             finished[reason] = finished.get(reason, 0.0) + count
     usage = [w.kv_usage for w in windows if w.kv_usage is not None]
+    margin = [w.margin_bytes for w in windows if w.margin_bytes is not None]
     return Window(finished=finished, preemptions=float(sum(w.preemptions for w in windows)),
                   ttft=_merge_histograms([w.ttft for w in windows]), itl=_merge_histograms([w.itl for w in windows]),
                   e2e=_merge_histograms([w.e2e for w in windows]), kv_usage=max(usage) if usage else None,
-                  hosts=sum(w.hosts for w in windows))
+                  margin_bytes=min(margin) if margin else None, hosts=sum(w.hosts for w in windows))
 
 
 def _number(value: t.Any, where: str, low: float = 0.0) -> float:
@@ -180,16 +191,39 @@ def check_settings(given: t.Any, field_name: str = "gpufleet_analysis") -> dict[
         settings: dict[str, float | None] = {}
         for key, default in defaults.items():
             value = mine.get(key, default)
+            if key.endswith("_bytes") and isinstance(value, str):
+                try:
+                    value = parse_size(value, f"{field_name}.{name}.{key}")
+                except SizeError as exc:
+                    raise AnalysisError(str(exc)) from None
             settings[key] = None if value is None else _number(value, f"{field_name}.{name}.{key}",
                                                                low=1.0 if key in ("max_ratio", "min_requests") else 0.0)
         out[name] = settings
     return out
 
 
+# checks that fail when the canary's figure is below their limit (the others fail above it)
+LOWER_LIMITS = ("success_rate", "memory_margin")
+
+
+def _limit(name: str, baseline: float | None, threshold: dict[str, t.Any]) -> float | None:
+    """The canary's figure past which the check fails, as the thresholds and the baseline make it (None: no limit)."""
+    if name == "success_rate":
+        return (baseline if baseline is not None else 1.0) - float(threshold["max_drop"] or 0.0)
+    if name == "preemptions":
+        return (baseline or 0.0) + float(threshold["max_increase"] or 0.0)
+    if name in ("kv_usage", "memory_margin"):
+        value = threshold["max" if name == "kv_usage" else "min_bytes"]
+        return None if value is None else float(value)
+    ratio = threshold.get("max_ratio")
+    limits = [v for v in (threshold.get("max_seconds"), baseline * ratio if baseline and ratio else None) if v is not None]
+    return min(limits) if limits else None
+
+
 def _result(name: str, verdict: str, why: str, canary: float | None, baseline: float | None, threshold: dict[str, t.Any],
             samples: tuple[float, float | None]) -> dict[str, t.Any]:
     return {"name": name, "verdict": verdict, "why": why, "canary": canary, "baseline": baseline, "threshold": threshold,
-            "samples": {"canary": samples[0], "baseline": samples[1]}}
+            "limit": _limit(name, baseline, threshold), "samples": {"canary": samples[0], "baseline": samples[1]}}
 
 
 def _few(settings: dict[str, float | None], canary: Window, baseline: Window | None, compares: bool) -> str:
@@ -272,6 +306,19 @@ def _kv_usage(settings: dict[str, float | None], canary: Window) -> dict[str, t.
                    canary.kv_usage, None, threshold, (canary.requests, None))
 
 
+def _memory_margin(settings: dict[str, float | None], canary: Window) -> dict[str, t.Any]:
+    least = settings["min_bytes"] or 0.0
+    threshold = {"min_bytes": least}
+    if canary.margin_bytes is None:
+        return _result("memory_margin", "skipped", f"no {MARGIN_METRIC} series of the canary's hosts (read from Prometheus, "
+                       "gpufleet_prometheus_url, where node_exporter serves the metrics exporter's textfile)",
+                       None, None, threshold, (canary.requests, None))
+    verdict = "fail" if canary.margin_bytes < least else "pass"
+    return _result("memory_margin", verdict, f"{canary.margin_bytes:.0f} bytes of GPU memory above the floor on the canary's "
+                   f"tightest rank ({'below' if verdict == 'fail' else 'at least'} {least:.0f})",
+                   canary.margin_bytes, None, threshold, (canary.requests, None))
+
+
 def analyse(canary: t.Sequence[Window], baseline: t.Sequence[Window], checks: t.Any = None,
             inconclusive: str = "fail", baseline_given: int = 0) -> dict[str, t.Any]:
     """The bake's verdict: ``{verdict, effective, checks: [...], canary_hosts, baseline_hosts}``.
@@ -299,6 +346,8 @@ def analyse(canary: t.Sequence[Window], baseline: t.Sequence[Window], checks: t.
             results.append(_preemptions(conf, mine, theirs, missing))
         elif name == "kv_usage":
             results.append(_kv_usage(conf, mine))
+        elif name == "memory_margin":
+            results.append(_memory_margin(conf, mine))
         else:
             results.append(_latency(name, conf, mine, theirs, missing))
     verdicts = {r["verdict"] for r in results}  # a skipped check counts for nothing
@@ -312,11 +361,13 @@ def _blank(value: t.Any) -> bool:
     return value is None or (isinstance(value, str) and not value.strip())
 
 
-def bake_settings(seconds: t.Any = None, checks: t.Any = None, inconclusive: t.Any = None) -> dict[str, t.Any] | None:
-    """A class's bake: ``{seconds, checks, inconclusive}`` with every check's settings filled in (a
-    check turned off as ``False``), or None when the class does not bake (``gpufleet_bake_seconds`` unset or 0). Raises
+def bake_settings(seconds: t.Any = None, checks: t.Any = None, inconclusive: t.Any = None,
+                  prometheus_url: t.Any = None) -> dict[str, t.Any] | None:
+    """A class's bake: ``{seconds, checks, inconclusive, prometheus_url}`` with every check's settings
+    filled in (a check turned off as ``False``; ``prometheus_url`` None: each engine's ``/metrics`` is
+    read), or None when the class does not bake (``gpufleet_bake_seconds`` unset or 0). Raises
     :class:`AnalysisError` naming the field (:data:`BAKE_FIELDS`)."""
-    field_seconds, field_checks, field_policy = BAKE_FIELDS
+    field_seconds, field_checks, field_policy, field_prometheus = BAKE_FIELDS
     if _blank(seconds):
         seconds = 0
     if isinstance(seconds, str) and seconds.strip().isdigit():
@@ -327,14 +378,20 @@ def bake_settings(seconds: t.Any = None, checks: t.Any = None, inconclusive: t.A
     if policy not in INCONCLUSIVE_POLICIES:
         raise AnalysisError(f"{field_policy}: expected one of {', '.join(INCONCLUSIVE_POLICIES)}, got {inconclusive!r}")
     settings = check_settings(None if _blank(checks) else checks, field_checks)
+    try:
+        source = None if _blank(prometheus_url) else check_url(prometheus_url, field_prometheus)
+    except PrometheusError as exc:
+        raise AnalysisError(str(exc)) from None
     if seconds == 0:
         return None
-    if not settings:
+    # memory_margin reads Prometheus only: alone, without it, it would judge nothing
+    if not [name for name in settings if source or name != "memory_margin"]:
         raise AnalysisError(f"{field_checks}: every check is turned off, so a bake of {seconds} s would judge nothing; "
-                            f"turn one on, or set {field_seconds} to 0")
+                            f"turn one on, or set {field_seconds} to 0"
+                            + ("" if not settings else f" (memory_margin is read from Prometheus only: {field_prometheus})"))
     # every check named, the ones turned off as false: check_settings reads the result as it reads the user's
     named: dict[str, t.Any] = {name: settings.get(name, False) for name in CHECKS}
-    return {"seconds": seconds, "checks": named, "inconclusive": policy}
+    return {"seconds": seconds, "checks": named, "inconclusive": policy, "prometheus_url": source}
 
 
 # a DNS name, or an inventory name /etc/hosts resolves (underscores allowed)

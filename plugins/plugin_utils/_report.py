@@ -902,7 +902,7 @@ def _analysis_entry(raw: Any, where: str) -> dict[str, Any] | None:
     for pos, check in enumerate(raw["checks"]):
         if not isinstance(check, Mapping):
             raise ReportError(f"{where}.checks[{pos}]: expected a mapping")
-        checks.append({key: check.get(key) for key in ("name", "verdict", "why", "canary", "baseline", "threshold", "samples")})
+        checks.append({key: check.get(key) for key in ("name", "verdict", "why", "canary", "baseline", "threshold", "limit", "samples")})
     return {
         "verdict": str(raw.get("verdict")),
         "effective": str(raw.get("effective") or raw.get("verdict")),
@@ -911,6 +911,8 @@ def _analysis_entry(raw: Any, where: str) -> dict[str, Any] | None:
         "finished": raw.get("finished"),
         "canary_hosts": _num(raw.get("canary_hosts")),
         "baseline_hosts": _num(raw.get("baseline_hosts")),
+        # each engine's /metrics, or the Prometheus server asked (None: a bake that did not read)
+        "source": str(raw["source"]) if raw.get("source") else None,
         "checks": checks,
         "unread": [str(u) for u in raw.get("unread") or []],
         # the bake itself failed (an error, not a verdict)

@@ -15,6 +15,7 @@ Plain Python, no Ansible import.
 from __future__ import annotations
 
 import datetime as _dt
+import functools
 import html
 import json
 import os
@@ -35,6 +36,7 @@ from ansible_collections.gpufleet.vllm.plugins.plugin_utils._report import (
 )
 
 __all__ = [
+    "render_analysis_svg",
     "render_gpu_svg",
     "render_html",
     "render_markdown",
@@ -497,14 +499,15 @@ def _outcome_html(outcome: str) -> str:
     return f'<span class="{cls}">{html.escape(outcome.replace("_", " "))}</span>'
 
 
-_ANALYSIS_COLUMNS = ["check", "verdict", "canary", "baseline", "threshold", "requests (canary / baseline)", "why"]
+_ANALYSIS_COLUMNS = ["check", "verdict", "canary", "baseline", "limit", "threshold", "requests (canary / baseline)", "why"]
 
 
 def _analysis_title(batch: Mapping[str, Any]) -> str:
     a = batch["analysis"]
     counted = f" (counted as {a['effective']})" if a["effective"] != a["verdict"] else ""
+    source = f", read from {a['source']}" if a.get("source") else ""
     return (f"Bake of batch {_batch_label(batch)}: {a['verdict']}{counted}, {cell_text(a['seconds'])} s, "
-            f"{cell_text(a['canary_hosts'])} changed host(s) against {cell_text(a['baseline_hosts'])} baseline host(s)")
+            f"{cell_text(a['canary_hosts'])} changed host(s) against {cell_text(a['baseline_hosts'])} baseline host(s){source}")
 
 
 def _figure(value: Any) -> str:
@@ -515,7 +518,8 @@ def _analysis_row(check: Mapping[str, Any]) -> list[str]:
     threshold = ", ".join(f"{k} {v:g}" for k, v in (check.get("threshold") or {}).items() if isinstance(v, (int, float)))
     samples = check.get("samples") or {}
     return [str(check.get("name")), str(check.get("verdict")), _figure(check.get("canary")), _figure(check.get("baseline")),
-            threshold or "-", f"{_figure(samples.get('canary'))} / {_figure(samples.get('baseline'))}", str(check.get("why") or "")]
+            _figure(check.get("limit")), threshold or "-", f"{_figure(samples.get('canary'))} / {_figure(samples.get('baseline'))}",
+            str(check.get("why") or "")]
 
 
 def _analysis_notes(analysis: Mapping[str, Any]) -> list[str]:
@@ -532,6 +536,51 @@ def _analysis_md(batch: Mapping[str, Any]) -> list[str]:
     return out
 
 
+def _bar_length(value: float, top: float) -> float:
+    return round(_BAR_W * max(0.0, float(value)) / top, 1)
+
+
+def render_analysis_svg(batch: Mapping[str, Any]) -> str:
+    """Inline SVG: per check of a batch's bake with figures, the canary's (coloured by the check's verdict) and
+    the baseline's (grey) as bars, and the limit past which the check fails as a black tick; each row has its
+    own scale (the checks' units differ)."""
+    checks = [c for c in (batch.get("analysis") or {}).get("checks") or [] if isinstance(c.get("canary"), (int, float))]
+    if not checks:
+        return ""
+    row_h = 2 * _ROW_H
+    width = _LABEL_W + _BAR_W + _NOTE_W
+    height = row_h * len(checks) + 30
+    esc = html.escape
+    colors = {"pass": "#2e7d32", "fail": "#c62828"}
+    parts = [
+        f'<svg xmlns="http://www.w3.org/2000/svg" role="img" width="{width}" height="{height}" viewBox="0 0 {width} {height}">',
+        f"<title>{esc(_analysis_title(batch))}</title>",
+    ]
+    for i, check in enumerate(checks):
+        y = 10 + i * row_h
+        figures = {"canary": check.get("canary"), "baseline": check.get("baseline"), "limit": check.get("limit")}
+        top = max([abs(float(v)) for v in figures.values() if isinstance(v, (int, float))] + [1e-12]) * 1.1
+        length = functools.partial(_bar_length, top=top)
+
+        parts.append(f'<text x="{_LABEL_W - 8}" y="{y + 20}" text-anchor="end" font-size="12">{esc(str(check.get("name")))}</text>')
+        color = colors.get(str(check.get("verdict")), "#f9a825")
+        parts.append(f'<rect class="bake-canary" x="{_LABEL_W}" y="{y + 3}" width="{length(figures["canary"])}" height="{_ROW_H - 10}" '
+                     f'fill="{color}" fill-opacity="0.8"/>')
+        if isinstance(figures["baseline"], (int, float)):
+            parts.append(f'<rect class="bake-baseline" x="{_LABEL_W}" y="{y + _ROW_H - 3}" width="{length(figures["baseline"])}" '
+                         f'height="{_ROW_H - 10}" fill="#9e9e9e" fill-opacity="0.8"/>')
+        if isinstance(figures["limit"], (int, float)):
+            lx = _LABEL_W + length(figures["limit"])
+            parts.append(f'<line class="bake-limit" x1="{lx}" x2="{lx}" y1="{y}" y2="{y + row_h - 6}" stroke="#000" stroke-width="3"/>')
+        note = ", ".join(f"{k} {_figure(v)}" for k, v in figures.items() if isinstance(v, (int, float)))
+        verdict = esc(str(check.get("verdict")))
+        parts.append(f'<text x="{_LABEL_W + _BAR_W + 8}" y="{y + 20}" font-size="11">{esc(note)} ({verdict})</text>')
+    parts.append(f'<text x="{_LABEL_W}" y="{height - 4}" font-size="11">upper bar: the canary (green pass, red fail, amber '
+                 "otherwise); lower bar: the baseline; black tick: the limit past which the check fails</text>")
+    parts.append("</svg>")
+    return "\n".join(parts)
+
+
 def _analysis_html(batch: Mapping[str, Any]) -> list[str]:
     esc = html.escape
     rows = []
@@ -539,7 +588,7 @@ def _analysis_html(batch: Mapping[str, Any]) -> list[str]:
         cells = [esc(c) for c in _analysis_row(check)]
         cells[1] = _outcome_html(str(check.get("verdict")))
         rows.append(cells)
-    out = [f"<h3>{esc(_analysis_title(batch))}</h3>", _html_table(_ANALYSIS_COLUMNS, rows, raw=True)]
+    out = [f"<h3>{esc(_analysis_title(batch))}</h3>", render_analysis_svg(batch), _html_table(_ANALYSIS_COLUMNS, rows, raw=True)]
     notes = _analysis_notes(batch["analysis"])
     if notes:
         out.append("<ul>" + "".join(f"<li>{esc(n)}</li>" for n in notes) + "</ul>")

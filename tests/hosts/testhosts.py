@@ -64,14 +64,15 @@ ROOTFS_PACKAGES = (
     "python3",
     "iproute2",
     "procps",
-    # Services that tests start on demand (load balancer and metrics tests) and the venv
+    # Services that tests start on demand (load balancer, metrics and bake tests) and the venv
     # module the runtime role builds its virtual environments with.
     "haproxy",
+    "prometheus",
     "prometheus-node-exporter",
     "python3-venv",
 )
 # Installed above but started only by the tests that need them.
-ROOTFS_DISABLED_UNITS = ("haproxy.service", "prometheus-node-exporter.service")
+ROOTFS_DISABLED_UNITS = ("haproxy.service", "prometheus.service", "prometheus-node-exporter.service")
 # Bump when the guest configuration written by prepare() changes: the rootfs is rebuilt.
 ROOTFS_CONFIG_VERSION = 3
 NVML_GUEST_PATH = "/usr/lib/x86_64-linux-gnu/libnvidia-ml.so.1"

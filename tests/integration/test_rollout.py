@@ -293,6 +293,13 @@ WHERE_HOOK = """\
 """
 
 
+FAILING_BAKE_HOOK = """\
+- name: Refuse the canary weight
+  ansible.builtin.fail:
+    msg: the load balancer refused the canary weight of {{ gpufleet_hook_host }}
+"""
+
+
 def completions(fleet, done: threading.Event, results: dict[str, dict[str, int]], clients: int = 2) -> list[threading.Thread]:
     """Clients sending short completions straight to every host's engine until ``done``, counting the answers."""
     def client(host: str) -> None:
@@ -326,8 +333,9 @@ def test_a_batch_that_serves_slower_than_the_class_fails_its_bake_and_the_class_
     the class rollback restores batch 1's host, the third host is never touched, every host serves its previous
     unit byte for byte, the run fails, and the report shows both analyses and who was rolled back why. A second
     run without traffic: too few requests make batch 1's analysis inconclusive, which counts as a failure by
-    default, and that host is rolled back too. A third, without a bake: batch 2's host fails its boot, and the
-    class rollback restores batch 1's host the same way."""
+    default, and that host is rolled back too. A third: a bake_start hook that fails counts as a failed bake. A
+    fourth, without a bake: batch 2's host fails its boot, and the class rollback restores batch 1's host the same
+    way."""
     before = fleet.units()
     since = len(fleet.reports())
     done = threading.Event()
@@ -350,7 +358,9 @@ def test_a_batch_that_serves_slower_than_the_class_fails_its_bake_and_the_class_
     checks = {c["name"]: c for c in second["checks"]}
     assert second["verdict"] == "fail" and checks["itl_p90"]["verdict"] == "fail", second
     assert checks["itl_p90"]["canary"] > 3 * checks["itl_p90"]["baseline"] and checks["itl_p90"]["samples"]["canary"] >= 5, checks
-    assert second["baseline_hosts"] == 1 and set(checks) == {"itl_p90", "success_rate", "kv_usage"}
+    assert second["baseline_hosts"] == 1 and set(checks) == {"itl_p90", "success_rate", "kv_usage", "memory_margin"}
+    # the margins come from Prometheus only (test_rollout_ramps.py reads them there)
+    assert checks["memory_margin"]["verdict"] == "skipped" and second["source"] == "each engine's /metrics", checks
     assert re.search(r"sim-ro-2: the bake of batch 2 of class ro-l40s failed: bake of 4 s, 1 changed host\(s\) against 1 baseline "
                      r"host\(s\): fail: .*itl_p90 fail: [^;]*\(above 3\);.*; rolled back: instance main: put back its unit", out), out[-6000:]
     assert "class ro-l40s: rolled back with sim-ro-2: sim-ro-1" in out, out[-6000:]
@@ -371,6 +381,21 @@ def test_a_batch_that_serves_slower_than_the_class_fails_its_bake_and_the_class_
     assert "0 request(s) finished on the canary during the bake, fewer than 5" in {c["why"] for c in analysis["checks"]}
     assert "sim-ro-1: the bake of batch 1 of class ro-l40s failed: bake of 1 s, 1 changed host(s) against 2 baseline host(s): " \
            "inconclusive (counted as fail)" in out, out[-6000:]
+    assert fleet.units() == before
+    for host in HOSTS:
+        assert fleet.active(host) == "active", host
+
+    # a bake_start hook that fails counts as a failed bake, naming the host and the hook's words
+    failing = fleet.workdir / "failing-bake-hook.yml"
+    failing.write_text(FAILING_BAKE_HOOK, encoding="utf-8")
+    since = len(fleet.reports())
+    rc, out = fleet.rollout({"gpufleet_guard": "0.75GiB", **BAKE, "gpufleet_hooks": {"bake_start": str(failing)}})
+    assert rc != 0, out[-6000:]
+    report = fleet.last_report(since)
+    assert report is not None and len(report["batches"]) == 1
+    analysis = report["batches"][0]["analysis"]
+    assert analysis["verdict"] == "fail" and analysis["checks"] == [], analysis
+    assert analysis["error"] == "sim-ro-1: the bake_start hook failed: the load balancer refused the canary weight of sim-ro-1", analysis
     assert fleet.units() == before
     for host in HOSTS:
         assert fleet.active(host) == "active", host

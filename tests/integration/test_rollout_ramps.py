@@ -26,7 +26,13 @@ started here. The tests run in file order and build on each other's end state:
 6. a manual canary that fails on the canary host: the class stops, and the host drained for
    the canaries goes back into HAProxy once its production instance answers again;
 7. the example drain with a request in flight longer than its wait fails and gives every
-   server its previous state back (the host keeps serving), the request completes.
+   server its previous state back (the host keeps serving), the request completes;
+8. progressive delivery behind HAProxy: class rp-a bakes each batch, judged from a real
+   Prometheus server (the Debian package, on the load-balancer host) that scrapes the engines
+   and node_exporter's textfile metrics; each canary takes a quarter of its weight during its
+   bake; batch 2's new engine serves slowly, fails its bake, and the whole class is rolled
+   back, with completions sent through HAProxy the whole time all answered and never more
+   than one of the class's servers out of HAProxy at once.
 """
 
 from __future__ import annotations
@@ -99,7 +105,7 @@ frontend vllm
     default_backend vllm-main
 backend vllm-main
     option httpchk GET /health
-    default-server inter 500ms fall 2 rise 1
+    default-server inter 500ms fall 2 rise 1 weight 100
 {servers}
 """
 
@@ -481,3 +487,132 @@ def test_a_drain_that_outlasts_its_wait_gives_the_servers_back(fleet):
 def sessions(fleet: SimFleet) -> dict[str, int]:
     """HAProxy's current sessions per server of the backend (show stat's scur)."""
     return {server: int(cols[4] or 0) for server, cols in backend_rows(fleet).items()}
+
+
+PROMETHEUS_PORT = 9090
+PROMETHEUS_CFG = """\
+global:
+  scrape_interval: 1s
+scrape_configs:
+  - job_name: vllm
+    static_configs:
+      - targets: [{engines}]
+  - job_name: node
+    static_configs:
+      - targets: [{nodes}]
+"""
+
+
+def prometheus_up(fleet: SimFleet) -> str:
+    """Prometheus (the Debian package) on the load-balancer host, scraping rp-a's engines and node_exporters
+    every second; the textfile metrics written once by the metrics exporter (what its timer runs). Returns its URL."""
+    engines = ", ".join(f"'{fleet.sim.info(h).address}:8000'" for h in A_HOSTS)
+    nodes = ", ".join(f"'{fleet.sim.info(h).address}:9100'" for h in A_HOSTS)
+    cfg = PROMETHEUS_CFG.format(engines=engines, nodes=nodes)
+    for host in A_HOSTS:
+        fleet.harness.exec(host, ["systemctl", "start", "gpufleet-vllm-metrics.service", "prometheus-node-exporter.service"], check=True)
+    fleet.harness.exec(LB, ["sh", "-c", f"cat > /etc/prometheus/prometheus.yml <<'EOF'\n{cfg}EOF"], check=True)
+    fleet.harness.exec(LB, ["systemctl", "restart", "prometheus"], check=True)
+    url = f"http://{fleet.sim.info(LB).address}:{PROMETHEUS_PORT}"
+    deadline = time.monotonic() + 120
+    up: list[Any] = []
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(f"{url}/api/v1/query?query=up%3D%3D1", timeout=5) as resp:
+                up = json.loads(resp.read())["data"]["result"]
+            if len(up) == 2 * len(A_HOSTS):
+                return url
+        except (OSError, ValueError, KeyError):
+            pass
+        time.sleep(0.5)
+    raise AssertionError(f"Prometheus did not scrape every engine and node_exporter: {up}")
+
+
+def test_a_bake_judged_through_prometheus_rolls_the_class_back_behind_haproxy(fleet):
+    """Class rp-a bakes each batch 6 s, judged from Prometheus's query API (gpufleet_prometheus_url), with the
+    HAProxy example's hooks (drain, undrain, and the canary weight during the bake), a capacity budget of one host
+    under a serial of two, and gpufleet_on_failure: rollback_class. Completions go through HAProxy the whole run.
+    Batch 1's host passes its bake against the host not yet changed (its GPU memory margin read from the textfile
+    metrics); batch 2's new engine serves 0.05 s per output token (the simulator's latency knob), above the class's
+    0.03 s limit: it fails its bake, rolls itself back, and the class rollback restores batch 1's host. Every unit
+    is as before, every request answered, HAProxy never had more than one server of the class out at once, and each
+    canary had a quarter of its weight during its bake and its full weight afterwards."""
+    haproxy_up(fleet)
+    # Prometheus on the load balancer reaches the engines over the routes haproxy_up set
+    prometheus = prometheus_up(fleet)
+    hooks = dict(haproxy_hooks(), bake_start=str(HAPROXY_DIR / "bake_start.yml"), bake_end=str(HAPROXY_DIR / "bake_end.yml"))
+    inv = inventory(fleet, "bake", {"rp_a": hooks}, gpufleet_bake_seconds=6, gpufleet_prometheus_url=prometheus,
+                    gpufleet_analysis={"itl_p90": {"max_seconds": 0.03, "min_requests": 5}, "ttft_p90": {"min_requests": 5},
+                                       "e2e_p90": False, "success_rate": {"min_requests": 5}, "preemptions": {"min_requests": 5}},
+                    gpufleet_on_failure="rollback_class", gpufleet_max_unavailable=1, gpufleet_haproxy_canary_weight="25%")
+    before = fleet.units(A_HOSTS)
+    since = len(fleet.reports())
+    url = f"http://{fleet.sim.info(LB).address}:{FRONT_PORT}/v1/completions"
+    body = json.dumps({"prompt": "hello", "max_tokens": 8}).encode()
+    done = threading.Event()
+    results: dict[str, int] = {}
+    observed: list[dict[str, tuple[str, str]]] = []  # per look: server -> (status, weight)
+
+    def client() -> None:
+        for _unused in range(20000):  # bounded
+            if done.is_set():
+                return
+            request = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"})
+            try:
+                with urllib.request.urlopen(request, timeout=30) as resp:
+                    key = str(resp.status)
+            except urllib.error.HTTPError as exc:
+                key = str(exc.code)
+            except urllib.error.URLError as exc:
+                key = "refused" if isinstance(exc.reason, ConnectionRefusedError) else f"error: {exc.reason}"
+            except OSError as exc:
+                key = f"error: {exc}"
+            results[key] = results.get(key, 0) + 1
+
+    def watch() -> None:
+        while not done.is_set():
+            rows = backend_rows(fleet)
+            observed.append({server: (cols[17].split()[0], cols[18]) for server, cols in rows.items()})
+            time.sleep(0.2)
+
+    threads = [threading.Thread(target=client, daemon=True) for _n in range(3)] + [threading.Thread(target=watch, daemon=True)]
+    fleet.sim.inject_latency_next_boot("sim-rp-a2", 0.05)
+    for t in threads:
+        t.start()
+    try:
+        # a new guard: a new budget for the class (the canary host is drained for its canaries)
+        rc, out = fleet.rollout({"gpufleet_target": "rp_a", "gpufleet_guard": "1.25GiB", "gpufleet_rollout_serial": 2}, inventory=inv)
+    finally:
+        done.set()
+        for t in threads:
+            t.join(timeout=60)
+        fleet.sim.inject_latency_next_boot("sim-rp-a2", None)
+    assert rc != 0, out[-6000:]
+    report = fleet.last_report(since)
+    assert report is not None
+    # the budget of one host under a serial of two: one host per batch
+    assert [[h["host"] for h in b["hosts"]] for b in report["batches"]] == [["sim-rp-a1"], ["sim-rp-a2"]], report["batches"]
+    first, second = (b["analysis"] for b in report["batches"])
+    assert first["source"] == second["source"] == f"Prometheus {prometheus}", first
+    checks = {c["name"]: c for c in first["checks"]}
+    assert first["verdict"] == "pass" and first["baseline_hosts"] == 1, first
+    assert checks["itl_p90"]["verdict"] == "pass" and checks["itl_p90"]["samples"]["canary"] >= 5, checks
+    assert checks["memory_margin"]["verdict"] == "pass" and checks["memory_margin"]["canary"] > 0, checks["memory_margin"]
+    checks = {c["name"]: c for c in second["checks"]}
+    assert second["verdict"] == "fail" and checks["itl_p90"]["verdict"] == "fail" and checks["itl_p90"]["canary"] > 0.03, second
+    assert "class rp-a: rolled back with sim-rp-a2: sim-rp-a1" in out, out[-6000:]
+    assert {h["host"]: h["outcome"] for h in report["hosts"]} == {"sim-rp-a1": "rolled_back", "sim-rp-a2": "rolled_back"}
+    assert fleet.units(A_HOSTS) == before, "every host of the class has its previous unit back, byte for byte"
+    for host in A_HOSTS:
+        assert fleet.active(host) == "active", host
+    # through HAProxy the whole run: every request answered, none refused
+    assert results.get("200", 0) > 50 and set(results) == {"200"}, results
+    # the capacity budget: never more than one server of the class out of HAProxy (MAINT, DRAIN, DOWN) at once
+    out_at_once = [sorted(s for s, (status, _w) in look.items() if status != "UP") for look in observed]
+    assert max(len(o) for o in out_at_once) == 1, [o for o in out_at_once if len(o) > 1][:5]
+    assert {s for o in out_at_once for s in o} == set(A_HOSTS), "both hosts were taken out in turn"
+    # each canary took a quarter of its weight during its bake, its full weight otherwise
+    for host in A_HOSTS:
+        weights = [look[host][1] for look in observed if host in look]
+        assert "25" in weights and weights[-1] == "100", (host, sorted(set(weights)))
+    assert set(server_states(fleet).values()) == {"UP"}

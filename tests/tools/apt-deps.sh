@@ -14,7 +14,7 @@ PACKAGES=(
     make
     rsync
     python3-venv        # the development and engine virtual environments
-    prometheus          # promtool: checks and tests the example alert rules (the server is never started)
+    prometheus          # promtool (the example alert rules) and the server test_prometheus.py starts on loopback (never the service)
     faketime            # libfaketime: a controller whose clock is off the hosts' (the audit's clock-skew test)
 )
 
@@ -38,7 +38,8 @@ fi
 
 echo "apt-deps: installing ${missing[*]}"
 export DEBIAN_FRONTEND=noninteractive
-# The prometheus package would start (and enable) a Prometheus server: only promtool is
+# The prometheus package would start (and enable) a Prometheus server: only promtool and the binary
+# (test_prometheus.py starts its own server on loopback) are
 # wanted, so no service is started while these packages are installed.
 policy=/usr/sbin/policy-rc.d
 if [ ! -e "$policy" ]; then

@@ -1,13 +1,14 @@
 # Copyright (c) gpufleet maintainers
 # GNU General Public License v3.0+ (see LICENSES/GPL-3.0-or-later.txt or https://www.gnu.org/licenses/gpl-3.0.txt)
 # SPDX-License-Identifier: GPL-3.0-or-later
-"""Set HAProxy servers to maint (after their connections end) or ready (until HAProxy says UP).
+"""Set HAProxy servers to maint (after their connections end) or ready (until HAProxy says UP), or set their weight.
 
 Runs on the load-balancer host (ansible.builtin.script, python3, standard library only) and
 talks to HAProxy's runtime API over its admin socket (``stats socket ... level admin``):
 
     haproxy_server_state.py --socket /run/haproxy/admin.sock --state maint --wait 60 vllm-main/host-a
     haproxy_server_state.py --socket /run/haproxy/admin.sock --state ready --wait 120 vllm-main/host-a
+    haproxy_server_state.py --socket /run/haproxy/admin.sock --weight 25% vllm-main/host-a
 
 ``maint`` stops new requests to the server and waits until its current sessions are 0;
 ``ready`` puts it back and waits until its health check says UP. Every server is set first,
@@ -17,6 +18,10 @@ out. A drain (``maint``) that does not finish - the wait runs out, HAProxy refus
 does not know it, the admin socket fails, the script is stopped (SIGTERM, SIGHUP) - gives every
 server it put in MAINT its previous state back (ready, or drain), so that a host that fails its
 drain keeps serving as it did; the JSON lines say ``restored``.
+
+``--weight`` sets each server's weight (``set weight``): a number (0-256), or a share of the
+weight its configuration gives it (``25%``; ``100%`` gives that weight back); a bake's canary
+takes less of the traffic this way. Prints one JSON line per server ({server, weight, previous}).
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import argparse
 import csv
 import io
 import json
+import re
 import signal
 import socket
 import sys
@@ -65,6 +71,18 @@ def previous_state(row: dict[str, str]) -> str:
     return "ready"
 
 
+def set_weights(path: str, names: list[tuple[str, str, str]], weight: str) -> int:
+    if not re.fullmatch(r"(?:[0-9]{1,3}|(?:100|[0-9]{1,2})%)", weight) or (not weight.endswith("%") and int(weight) > 256):
+        raise SystemExit(f"--weight: expected 0 to 256, or 0% to 100% of the configured weight, got {weight!r}")
+    for name, backend, server in names:
+        before = stat(path, backend, server).get("weight")
+        answer = api(path, f"set weight {backend}/{server} {weight}").strip()
+        if answer:
+            raise SystemExit(f"{name}: haproxy refused 'set weight ... {weight}': {answer}")
+        print(json.dumps({"server": name, "weight": stat(path, backend, server).get("weight"), "previous": before}))
+    return 0
+
+
 def _stop(signum: int, _frame: object) -> None:
     raise SystemExit(128 + signum)
 
@@ -72,7 +90,9 @@ def _stop(signum: int, _frame: object) -> None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--socket", required=True)
-    parser.add_argument("--state", choices=["maint", "ready"], required=True)
+    action = parser.add_mutually_exclusive_group(required=True)
+    action.add_argument("--state", choices=["maint", "ready"])
+    action.add_argument("--weight", help="0-256, or a share of the configured weight such as 25%%")
     parser.add_argument("--wait", type=float, default=60.0, help="seconds to wait for idle (maint) or UP (ready), all servers together")
     parser.add_argument("servers", nargs="+", help="backend/server")
     args = parser.parse_args()
@@ -80,6 +100,8 @@ def main() -> int:
     signal.signal(signal.SIGTERM, _stop)
     signal.signal(signal.SIGHUP, _stop)
     names = [(name, *name.partition("/")[::2]) for name in args.servers]
+    if args.weight is not None:
+        return set_weights(args.socket, names, args.weight)
     changed: list[tuple[str, str]] = []  # (server, its previous state) of every server this run put in MAINT
     finished = False
     try:

@@ -39,6 +39,7 @@ __all__ = [
     "MetricsParseError",
     "Sample",
     "histogram_quantile",
+    "metrics_from_samples",
     "parse_metrics",
     "parse_samples",
 ]
@@ -228,6 +229,12 @@ def parse_metrics(text: str, use_prometheus_client: bool | None = None) -> Engin
     Raises :class:`MetricsParseError` when the text is not Prometheus text.
     """
     samples, parser = parse_samples(text, use_prometheus_client)
+    return metrics_from_samples(samples, parser)
+
+
+def metrics_from_samples(samples: list[Sample], parser: str = "") -> EngineMetrics:
+    """The figures of one engine's samples, however they were read: a ``/metrics`` scrape
+    (:func:`parse_metrics`) or a Prometheus server's instant query of the same series."""
     m = EngineMetrics(parser=parser)
     vllm = [s for s in samples if s[0].startswith("vllm:")]
     m.recognised = bool(vllm)

@@ -185,7 +185,14 @@ def test_bake_settings_fill_in_the_checks_and_name_every_bad_field():
         ((60, None, "maybe"), "gpufleet_analysis_inconclusive: expected one of fail, pass, got 'maybe'"),
         ((60, {"ttft": {}}), "gpufleet_analysis: unknown check(s) ttft"),
         ((60, {k: False for k in ("success_rate", "ttft_p90", "itl_p90", "e2e_p90", "preemptions", "kv_usage")}),
-         "gpufleet_analysis: every check is turned off, so a bake of 60 s would judge nothing"),
+         "gpufleet_analysis: every check is turned off, so a bake of 60 s would judge nothing; turn one on, or set "
+         "gpufleet_bake_seconds to 0 (memory_margin is read from Prometheus only: gpufleet_prometheus_url)"),
+        ((60, None, None, "prom:9090"), "gpufleet_prometheus_url: expected an http:// or https:// URL with a host, got 'prom:9090'"),
+        ((60, None, None, "http://admin:s3cret@prom:9090"), "gpufleet_prometheus_url: the URL carries credentials"),
+        ((60, None, None, "http://prom:9090/?x=1"), "gpufleet_prometheus_url: expected the server's base URL without a query"),
+        ((60, None, None, "http://prom:99999"), "gpufleet_prometheus_url: Port out of range"),
+        ((60, None, None, "http://prom:9090/\napi"), "gpufleet_prometheus_url: the URL holds a space or a control character"),
+        ((60, {"memory_margin": {"min_bytes": "1 furlong"}}), "gpufleet_analysis.memory_margin.min_bytes"),
     ):
         with pytest.raises(AnalysisError) as err:
             bake_settings(*args)
@@ -220,7 +227,7 @@ def test_metrics_targets_are_where_the_controller_reaches_each_engine():
 
 def test_a_baseline_that_could_not_be_read_is_inconclusive_not_skipped():
     canary = [host(scrape(), scrape(ok=40))]
-    result = analyse(canary, [], {"kv_usage": False}, baseline_given=2)
+    result = analyse(canary, [], {"kv_usage": False, "memory_margin": False}, baseline_given=2)
     checks = by_name(result)
     assert {c["verdict"] for c in checks.values()} == {"inconclusive"} and result["verdict"] == "inconclusive"
     assert checks["ttft_p90"]["why"] == "none of the 2 baseline host(s) could be read"
@@ -247,3 +254,22 @@ def test_more_forms_of_the_settings_and_the_addresses():
     # every address, however written; an inventory name with an underscore
     assert metrics_targets("gpu_01", [{"name": "a", "port": 8000}], "::0")[0]["url"] == "http://gpu_01:8000/metrics"
     assert metrics_targets("gpu-01", [{"name": "a", "port": 8000}], "0:0:0:0:0:0:0:0", "10.0.0.1")[0]["url"] == "http://10.0.0.1:8000/metrics"
+
+
+def test_each_check_gives_the_limit_it_fails_past_and_the_margin_check_reads_the_canarys_tightest_host():
+    canary = [host(scrape(), scrape(ok=40, itl=0.08)), host(scrape(), scrape(ok=40))]
+    canary[0].margin_bytes, canary[1].margin_bytes = 3e9, -2e8
+    baseline = [host(scrape(), scrape(ok=40))]
+    checks = by_name(analyse(canary, baseline, {"ttft_p90": {"max_seconds": 0.5}, "memory_margin": {"min_bytes": "100MiB"}}))
+    assert checks["itl_p90"]["limit"] == pytest.approx(1.5 * checks["itl_p90"]["baseline"])
+    # the tighter of the absolute limit and the ratio
+    assert checks["ttft_p90"]["limit"] == pytest.approx(min(0.5, 1.5 * checks["ttft_p90"]["baseline"]))
+    assert checks["success_rate"]["limit"] == pytest.approx(0.99) and checks["preemptions"]["limit"] == pytest.approx(0.05)
+    assert checks["kv_usage"]["limit"] == 0.98
+    margin = checks["memory_margin"]
+    assert (margin["verdict"], margin["canary"], margin["limit"]) == ("fail", -2e8, float(100 << 20)), margin
+    assert "(below 104857600)" in margin["why"]
+    # no margins read (each engine's /metrics): skipped, saying where they come from
+    canary[0].margin_bytes = canary[1].margin_bytes = None
+    margin = by_name(analyse(canary, baseline))["memory_margin"]
+    assert margin["verdict"] == "skipped" and "gpufleet_prometheus_url" in margin["why"]

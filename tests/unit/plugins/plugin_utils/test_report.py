@@ -14,7 +14,13 @@ import pytest
 from ansible_collections.gpufleet.vllm.plugins.plugin_utils import _report, _report_render
 from ansible_collections.gpufleet.vllm.plugins.plugin_utils._plan import plan_class
 from ansible_collections.gpufleet.vllm.plugins.plugin_utils._report import SCHEMA_VERSION, ReportError, build_report, load_report
-from ansible_collections.gpufleet.vllm.plugins.plugin_utils._report_render import render_html, render_markdown, summary_line, write_run_dir
+from ansible_collections.gpufleet.vllm.plugins.plugin_utils._report_render import (
+    render_analysis_svg,
+    render_html,
+    render_markdown,
+    summary_line,
+    write_run_dir,
+)
 
 GIB = 1024**3
 FIXTURES = Path(__file__).resolve().parents[2] / "fixtures" / "report"
@@ -481,13 +487,14 @@ def test_a_batch_bake_is_reported_with_every_check():
     data["hosts"]["gpu-b"]["error"] = "the bake judged the batch's changed hosts worse than the class's others: ..."
     data["batches"][1]["analysis"] = {
         "verdict": "fail", "effective": "fail", "seconds": 300, "canary_hosts": 1, "baseline_hosts": 1,
+        "source": "Prometheus http://prometheus.example:9090",
         "started": "2026-11-29T10:06:40+00:00", "finished": "2026-11-29T10:11:40+00:00",
         "checks": [
             {"name": "itl_p90", "verdict": "fail", "why": "0.0475 s on the canary, 0.009 s on the baseline: 5.28 times (above 3)",
-             "canary": 0.0475, "baseline": 0.009, "threshold": {"max_ratio": 3.0, "max_seconds": None},
+             "canary": 0.0475, "baseline": 0.009, "threshold": {"max_ratio": 3.0, "max_seconds": None}, "limit": 0.027,
              "samples": {"canary": 12.0, "baseline": 96.0}},
             {"name": "success_rate", "verdict": "pass", "why": "1.0000 on the canary", "canary": 1.0, "baseline": 1.0,
-             "threshold": {"max_drop": 0.01}, "samples": {"canary": 12.0, "baseline": 96.0}},
+             "threshold": {"max_drop": 0.01}, "limit": 0.99, "samples": {"canary": 12.0, "baseline": 96.0}},
         ],
         "baseline_unread": {"gpu-c": ["http://gpu-c:8000/metrics: <urlopen error timed out>"]},
     }
@@ -496,11 +503,20 @@ def test_a_batch_bake_is_reported_with_every_check():
     assert report["batches"][0]["analysis"] is None
     assert analysis["verdict"] == "fail" and analysis["seconds"] == 300 and analysis["checks"][0]["canary"] == 0.0475
     md = render_markdown(report)
-    assert "**Bake of batch 2 of 3: fail, 300 s, 1 changed host(s) against 1 baseline host(s)**" in md
-    assert "| itl_p90 | fail | 0.0475 | 0.009 | max_ratio 3 | 12 / 96 | 0.0475 s on the canary" in md
+    assert "**Bake of batch 2 of 3: fail, 300 s, 1 changed host(s) against 1 baseline host(s), read from Prometheus " \
+           "http://prometheus.example:9090**" in md
+    assert "| itl_p90 | fail | 0.0475 | 0.009 | 0.027 | max_ratio 3 | 12 / 96 | 0.0475 s on the canary" in md
     assert "- baseline host gpu-c left out: http://gpu-c:8000/metrics: <urlopen error timed out>" in md
     text, _tags = html_text(render_html(report))
     assert "Bake of batch 2 of 3: fail, 300 s" in text and "max_drop 0.01" in text and "baseline host gpu-c left out" in text
+    # the drawing: per check the canary's bar (red: failed, green: passed), the baseline's and the limit's tick, to scale
+    svg = render_analysis_svg(report["batches"][1])
+    bars = re.findall(r'<rect class="bake-(canary|baseline)" x="\d+" y="[\d.]+" width="([\d.]+)" height="\d+" fill="(#\w+)"', svg)
+    expected = [("canary", "#c62828"), ("baseline", "#9e9e9e"), ("canary", "#2e7d32"), ("baseline", "#9e9e9e")]
+    assert [(kind, fill) for kind, _w, fill in bars] == expected, bars
+    itl_canary, itl_baseline = float(bars[0][1]), float(bars[1][1])
+    assert abs(itl_canary / itl_baseline - 0.0475 / 0.009) < 0.05, "the bars are to scale"
+    assert svg.count('class="bake-limit"') == 2 and svg in render_html(report)
     assert json.loads(json.dumps(report)) == report
     data["batches"][1]["analysis"] = {"verdict": "fail", "effective": "fail", "checks": [], "error": "Timed out after 900 second(s)"}
     report = build_report(data, "rollout", generated=WHEN)
