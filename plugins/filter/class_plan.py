@@ -19,7 +19,7 @@ from ansible_collections.gpufleet.vllm.plugins.plugin_utils._class_plan import (
     class_states as _class_states,
     deploy_order,
 )
-from ansible_collections.gpufleet.vllm.plugins.plugin_utils._rollout import host_capacity
+from ansible_collections.gpufleet.vllm.plugins.plugin_utils._rollout import NEW_PLAN_ON_FAILURE, RolloutError, class_on_failure, host_capacity
 
 
 def class_canary(query: Any, host_class: Any, force_profile: Any = False, run_canaries: Any = True) -> dict[str, Any]:
@@ -44,9 +44,10 @@ def class_state(outcome: Any, host_class: Any, **fields: Any) -> dict[str, Any]:
         raise AnsibleFilterError(f"class_state: {exc}") from None
 
 
-def class_deploy_order(hostvars: Any, hosts: Any, classes: Any) -> list[dict[str, Any]]:
+def class_deploy_order(hostvars: Any, hosts: Any, classes: Any, approved_plan: Any = None) -> list[dict[str, Any]]:
     """hostvars, the play's hosts and the class order -> ``{class, hosts, max_unavailable, capacity, bake, on_failure}`` per
-    deployable class, its canary host first."""
+    deployable class, its canary host first (``approved_plan``: the plan artifact the run applies, whose classes'
+    recorded failure policy applies where the inventory sets none)."""
     if not isinstance(hosts, (list, tuple)) or not isinstance(classes, (list, tuple)):
         raise AnsibleFilterError("class_deploy_order: hosts and classes must be lists")
     states = {}
@@ -58,10 +59,18 @@ def class_deploy_order(hostvars: Any, hosts: Any, classes: Any) -> list[dict[str
                              "canary": host_vars.get("gpufleet_canary_of_class"),
                              "max_unavailable": host_vars.get("gpufleet_max_unavailable"),
                              "capacity": host_capacity(snapshot) if isinstance(snapshot, Mapping) else None,
-                             "bake": _bake(host_vars), "on_failure": host_vars.get("gpufleet_on_failure")}
+                             "bake": _bake(host_vars), "on_failure": _on_failure(host_vars, approved_plan)}
     try:
         return deploy_order(states, [str(c) for c in classes])
     except ClassPlanError as exc:
+        raise AnsibleFilterError(f"class_deploy_order: {exc}") from None
+
+
+def _on_failure(host_vars: Mapping[str, Any], approved_plan: Any) -> str:
+    """The class's failure policy as this host gives it (validate.yml checked the value and that the class's hosts agree)."""
+    try:
+        return class_on_failure(host_vars.get("gpufleet_on_failure"), str(host_vars.get("gpufleet_host_class")), approved_plan)
+    except RolloutError as exc:
         raise AnsibleFilterError(f"class_deploy_order: {exc}") from None
 
 
@@ -78,10 +87,14 @@ def class_states(hostvars: Any, hosts: Any) -> dict[str, dict[str, Any]]:
     if not isinstance(hosts, (list, tuple)):
         raise AnsibleFilterError("class_states: hosts must be a list")
     rows = []
+    policies: dict[str, str] = {}
     for host in hosts:
         host_vars = hostvars[host]
         rows.append((str(host), host_vars.get("gpufleet_host_class"), host_vars.get("gpufleet_class_state")))
-    return _class_states(rows)
+        policies.setdefault(str(host_vars.get("gpufleet_host_class")), _on_failure(host_vars, None))
+    states = _class_states(rows)
+    # the failure policy the plan is made with, recorded for the run that applies it
+    return {name: dict(state, on_failure=policies.get(name, NEW_PLAN_ON_FAILURE)) for name, state in states.items()}
 
 
 class FilterModule:

@@ -40,6 +40,7 @@ from ansible_collections.gpufleet.vllm.plugins.module_utils._sizes import human_
 from ansible_collections.gpufleet.vllm.plugins.plugin_utils._analysis import BAKE_FIELDS, AnalysisError, bake_settings
 
 __all__ = [
+    "NEW_PLAN_ON_FAILURE",
     "PLAN_FORMAT",
     "Budget",
     "RolloutError",
@@ -47,6 +48,7 @@ __all__ = [
     "check_artifact",
     "check_serial",
     "class_batches",
+    "class_on_failure",
     "class_settings_problems",
     "gate_violations",
     "host_capacity",
@@ -77,6 +79,11 @@ BUDGET_FIELD = "gpufleet_max_unavailable"
 # the new plan), or roll every host of the class this run changed back too
 ON_FAILURE_FIELD = "gpufleet_on_failure"
 ON_FAILURE = ("stop", "rollback_class")
+# a class whose group variables do not say: a plan made now rolls the class back (as Argo Rollouts
+# aborts to the stable version); an approved plan that does not record it was made before plans
+# recorded it, and keeps what it was approved with: stop (class_on_failure)
+NEW_PLAN_ON_FAILURE = "rollback_class"
+OLD_PLAN_ON_FAILURE = "stop"
 _BUDGET_SHARE = re.compile(r"^(?:100|[1-9][0-9]?)(?:\.[0-9]+)?%$")
 _BUDGET_TOKENS = re.compile(r"^([1-9][0-9]*)\s*tokens?$")
 
@@ -221,13 +228,26 @@ def run_settings(names: Iterable[str], given: Mapping[str, Any], inventory: Mapp
 CLASS_SETTINGS = (BUDGET_FIELD, ON_FAILURE_FIELD, *BAKE_FIELDS)
 
 
-def parse_on_failure(value: Any, field: str = ON_FAILURE_FIELD) -> str:
-    """A class's failure policy (:data:`ON_FAILURE`); None or an empty text is ``stop``."""
+def parse_on_failure(value: Any, field: str = ON_FAILURE_FIELD, unset: str = NEW_PLAN_ON_FAILURE) -> str:
+    """A class's failure policy (:data:`ON_FAILURE`); None or an empty text (a blank AWX answer) is ``unset``."""
     if value is None or (isinstance(value, str) and not value.strip()):
-        return ON_FAILURE[0]
+        return unset
     if value not in ON_FAILURE:
         raise RolloutError(f"{field}: expected one of {', '.join(ON_FAILURE)}, got {value!r}")
     return str(value)
+
+
+def class_on_failure(given: Any, host_class: str, approved_plan: Any = None) -> str:
+    """The failure policy of ``host_class`` in this run: ``given`` (its ``gpufleet_on_failure``) when set;
+    else, applying an approved plan, what that plan recorded for the class (:func:`plan_artifact`), and
+    ``stop`` for a plan that records none (made before plans recorded it: it was approved with stop);
+    else, a plan made in this run, :data:`NEW_PLAN_ON_FAILURE`."""
+    if not (given is None or (isinstance(given, str) and not given.strip())):
+        return parse_on_failure(given)
+    if isinstance(approved_plan, Mapping):
+        recorded = ((approved_plan.get("classes") or {}).get(host_class) or {}).get("on_failure")
+        return parse_on_failure(recorded, f"gpufleet_plan.classes.{host_class}.on_failure", unset=OLD_PLAN_ON_FAILURE)
+    return NEW_PLAN_ON_FAILURE
 
 
 def class_settings_problems(hosts: Mapping[str, Mapping[str, Any]]) -> list[str]:
@@ -370,7 +390,7 @@ def plan_artifact(classes: Mapping[str, Mapping[str, Any]], hosts: Mapping[str, 
                   created: str, serial: Any = None) -> dict[str, Any]:
     """The document plan.yml writes and rollout.yml applies.
 
-    ``classes``: ``{class: {decision, ok, reasons, plan, key_hash, compat, reference_id}}``
+    ``classes``: ``{class: {decision, ok, reasons, plan, key_hash, compat, reference_id, on_failure}}``
     (``plan`` is the class's plan from the planner, its launch record under ``launch``;
     ``class_states`` builds them from the hosts' class states); ``hosts``: ``{host: {class,
     instances: [{name, gpus, unit_checksum?}], gpus: [{index, boot_free_bytes}], units?: [{name, unit_checksum}]}}``
@@ -399,6 +419,8 @@ def plan_artifact(classes: Mapping[str, Mapping[str, Any]], hosts: Mapping[str, 
             "reference_id": cls.get("reference_id") or None,
             "key_hash": cls.get("key_hash") or None,
             "compat": dict(cls.get("compat") or {}),
+            # what a failed host or bake does to the class when the apply run's inventory does not say (class_on_failure)
+            "on_failure": parse_on_failure(cls.get("on_failure"), f"classes.{name}.on_failure"),
             "plan": plan,
             "hosts": sorted(h for h, hv in hosts.items() if hv.get("class") == name),
         }

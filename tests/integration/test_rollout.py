@@ -83,6 +83,9 @@ FLEET = {
 }
 
 GROUP_VARS = {
+    # stop: these tests check that a failed host leaves the class's earlier batches on the new plan (the default,
+    # rollback_class, is tested by test_rollout.py's bake test and test_rollout_ramps.py)
+    "gpufleet_on_failure": "stop",
     "gpufleet_model": "/srv/models/llama-3.1-8b-instruct",
     "gpufleet_model_config": str(REPO / "sim" / "models" / "llama-3.1-8b-instruct" / "config.json"),
     "gpufleet_serve_args": {
@@ -408,7 +411,8 @@ def test_a_batch_that_serves_slower_than_the_class_fails_its_bake_and_the_class_
     since = len(fleet.reports())
     fleet.sim.inject_fail_next_boot("sim-ro-2", "oom")
     try:
-        rc, out = fleet.rollout({"gpufleet_guard": "0.75GiB", "gpufleet_max_unavailable": 1, "gpufleet_on_failure": "rollback_class",
+        # a blank answer (as an AWX survey sends it) over the module's stop: unset, so the default, rollback_class
+        rc, out = fleet.rollout({"gpufleet_guard": "0.75GiB", "gpufleet_max_unavailable": 1, "gpufleet_on_failure": "",
                                  "gpufleet_hooks": {"drain": str(hook), "undrain": str(hook)}})
     finally:
         fleet.sim.inject_fail_next_boot("sim-ro-2", None)

@@ -91,6 +91,9 @@ FLEET = {
 }
 
 GROUP_VARS = {
+    # stop: these tests check that a failed host leaves the class's earlier batches on the new plan (the default,
+    # rollback_class, is tested by test_rollout.py's bake test and test_rollout_ramps.py)
+    "gpufleet_on_failure": "stop",
     "gpufleet_model": "/srv/models/llama-3.1-8b-instruct",
     "gpufleet_model_config": str(REPO / "sim" / "models" / "llama-3.1-8b-instruct" / "config.json"),
     "gpufleet_serve_args": {

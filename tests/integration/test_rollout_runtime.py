@@ -59,6 +59,9 @@ FLEET = {
 
 def group_vars(hooks: Path) -> dict[str, Any]:
     return {
+        # stop: a failed host leaves the earlier batch on its new runtime (the default, rollback_class, is
+        # tested by test_rollout.py and test_rollout_ramps.py)
+        "gpufleet_on_failure": "stop",
         "gpufleet_model": "/srv/models/llama-3.1-8b-instruct",
         "gpufleet_model_config": str(REPO / "sim" / "models" / "llama-3.1-8b-instruct" / "config.json"),
         "gpufleet_serve_args": {"max_model_len": 8192, "tensor_parallel_size": 2, "max_num_seqs": 32,

@@ -20,6 +20,7 @@ from ansible_collections.gpufleet.vllm.plugins.plugin_utils._rollout import (
     budget_problems,
     check_artifact,
     class_batches,
+    class_on_failure,
     class_rollback_hosts,
     class_settings_problems,
     host_capacity,
@@ -221,7 +222,8 @@ def test_every_batch_of_a_class_carries_its_bake():
     batches = class_batches([{"class": "l40s", "hosts": ["l1", "l2", "l3"], "bake": bake}, {"class": "h200", "hosts": ["h1"]}],
                             [1, "100%"])
     assert [(b["class"], b["bake"]) for b in batches] == [("l40s", bake), ("l40s", bake), ("h200", None)]
-    assert {b["on_failure"] for b in batches} == {"stop"}
+    # unset: a plan made now rolls the class back (class_on_failure resolves it before, from the inventory or the plan)
+    assert {b["on_failure"] for b in batches} == {"rollback_class"}
     batches = class_batches([{"class": "l40s", "hosts": ["l1"], "on_failure": "rollback_class"}], 1)
     assert batches[0]["on_failure"] == "rollback_class"
     with pytest.raises(RolloutError, match=r"classes\[0\].on_failure: expected one of stop, rollback_class, got 'undo'"):
@@ -429,3 +431,21 @@ def test_run_settings_take_extra_vars_first_then_the_first_host_and_treat_a_blan
     # blank in both: left out, so that the default applies; a list given as a list stays as it is
     assert run_settings(RUN_NAMES, {"gpufleet_report_dir": ""}, {"gpufleet_report_dir": ""}) == {}
     assert run_settings(["gpufleet_rollout_serial"], {"gpufleet_rollout_serial": ["1", 5]}, {}) == {"gpufleet_rollout_serial": ["1", 5]}
+
+
+def test_a_class_without_a_failure_policy_rolls_back_unless_an_older_approved_plan_says_otherwise():
+    # the inventory's policy wins; a blank AWX answer is unset
+    assert class_on_failure("stop", "c") == "stop" and class_on_failure("stop", "c", {"classes": {"c": {"on_failure": "rollback_class"}}}) == "stop"
+    assert class_on_failure(None, "c") == class_on_failure("", "c") == "rollback_class"
+    # applying a plan: what it recorded; a plan that records none was approved with stop
+    assert class_on_failure(None, "c", {"classes": {"c": {"on_failure": "rollback_class"}}}) == "rollback_class"
+    assert class_on_failure(None, "c", {"classes": {"c": {"on_failure": "stop"}}}) == "stop"
+    assert class_on_failure(" ", "c", {"classes": {"c": {}}}) == "stop"
+    with pytest.raises(RolloutError, match=r"gpufleet_plan.classes.c.on_failure: expected one of stop, rollback_class, got 'undo'"):
+        class_on_failure(None, "c", {"classes": {"c": {"on_failure": "undo"}}})
+    # the artifact records each class's policy, rollback_class when the class state carries none
+    plan = {"launch": {"decision": "fixed_budget", "kv_cache_memory_bytes": 1 << 30}}
+    doc = plan_artifact({"c": {"ok": True, "plan": plan, "on_failure": "stop"}, "d": {"ok": True, "plan": plan}}, {},
+                        "2026-12-01T10:00:00+00:00")
+    assert (doc["classes"]["c"]["on_failure"], doc["classes"]["d"]["on_failure"]) == ("stop", "rollback_class")
+    assert class_on_failure(None, "d", doc) == "rollback_class"
