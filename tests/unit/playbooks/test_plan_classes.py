@@ -69,9 +69,9 @@ def classes_in_rollout_order(variables: dict[str, t.Any]) -> t.Any:
     through the filter the playbook calls with the play's hostvars."""
     plays = yaml.safe_load((ROOT / "playbooks" / "plays" / "plan_classes.yml").read_text(encoding="utf-8"))
     expression = setting(plays_tasks(plays), "gpufleet_batch_plan")["ansible.builtin.set_fact"]["gpufleet_batch_plan"]
-    assert "gpufleet.vllm.class_deploy_order(ansible_play_hosts, gpufleet_run.classes)" in expression
+    assert "gpufleet.vllm.class_deploy_order(ansible_play_hosts, gpufleet_run.classes, gpufleet_run.plan)" in expression
     run = variables["gpufleet_run"]
-    return class_deploy_order(variables["hostvars"], variables["ansible_play_hosts"], run["classes"])
+    return class_deploy_order(variables["hostvars"], variables["ansible_play_hosts"], run["classes"], run.get("plan"))
 
 
 def test_classes_follow_the_stated_order_and_leave_out_classes_that_do_not_deploy() -> None:
