@@ -40,15 +40,17 @@ def rollout_batches(classes: Any, serial: Any = None) -> list[dict[str, Any]]:
 
 
 def class_rollback_hosts(batches: Any, hostvars: Any) -> list[str]:
-    """The run's batch records and hostvars -> the hosts of the running batch's class that earlier batches
-    changed, in the order a class rollback restores them (the latest batch first)."""
+    """The run's batch records and hostvars -> the hosts of the running batch's class that this run changed, but the
+    running batch's failing ones, in the order a class rollback restores them (the latest batch first)."""
     if isinstance(batches, (str, Mapping)) or not isinstance(batches, Sequence) or not all(isinstance(b, Mapping) for b in batches):
         raise AnsibleFilterError("class_rollback_hosts: expected the run's batch records (gpufleet_batches)")
     if not isinstance(hostvars, Mapping):
         raise AnsibleFilterError("class_rollback_hosts: expected hostvars")
     hosts = {h for b in batches for h in b.get("hosts") or []}
     changed = {h: bool((hostvars.get(h) or {}).get("vllm_service_pending")) for h in hosts}
-    return _rollout.class_rollback_hosts(batches, changed)
+    # the hosts of the running batch on their own failure path (playbooks/tasks/host_failed.yml): each rolls itself back
+    failing = {h for h in hosts if (hostvars.get(h) or {}).get("gpufleet_failing_in_batch")}
+    return _rollout.class_rollback_hosts(batches, changed, failing)
 
 
 def class_settings_problems(hostvars: Any, hosts: Any) -> list[str]:

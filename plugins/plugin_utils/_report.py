@@ -671,11 +671,13 @@ def run_data(hostvars: Mapping[str, Any], groups: Mapping[str, Any], hosts_from:
         rollback_failed = bool(hv.get("gpufleet_rollback_failed")) and in_batch
         if rollback_failed and hv.get("gpufleet_host_error"):
             error = str(hv["gpufleet_host_error"])
+        rolled_back_with = None
         if error is None and host in class_rolled:
             # rolled back with its class after a host or a bake of a later batch failed (gpufleet_on_failure)
             entry = class_rolled[host] if isinstance(class_rolled[host], Mapping) else {}
             error = f"rolled back with its class after {entry.get('after')} failed: {entry.get('summary')}"
             task = "Roll back the hosts of the class's earlier batches"
+            rolled_back_with = str(entry.get("after") or "") or None
         elif error is None and isinstance(rollback_error, str) and rollback_error.startswith(f"{host}: "):
             error, task, rollback_failed = f"its class rollback stopped here: {rollback_error}", None, True
         pending = [i.get("name") for i in hv.get("vllm_service_pending") or [] if isinstance(i, Mapping)]
@@ -687,6 +689,7 @@ def run_data(hostvars: Mapping[str, Any], groups: Mapping[str, Any], hosts_from:
             "error": error,
             "failed_task": task,
             "rollback_failed": rollback_failed,
+            "rolled_back_with": rolled_back_with,
             # what the deploy wrote: each plan file's checksum (its drop-in on the host records the same) and key
             "plans": plan_records(hv.get("vllm_service_rendered"), pending) if host in batch_of else [],
         }
@@ -755,10 +758,16 @@ def build_report(data: Mapping[str, Any], kind: str = "rollout", generated: _dt.
     finished = data.get("finished") or (generated or utc_now()).isoformat()
     batches = _batch_entries(data.get("batches") or [], hosts, finished)
     rolled_back = [
-        {"host": h["host"], "class": h["class"], "batch": h["batch"], "failed_task": h["failed_task"], "error": h["error"]}
+        {"host": h["host"], "class": h["class"], "batch": h["batch"], "failed_task": h["failed_task"], "error": h["error"],
+         "with_class_after": h["rolled_back_with"]}
         for h in hosts
         if h["outcome"] == "rolled_back"
     ]
+    if kind == "rollout":
+        policies = {str(b.get("class")): b.get("on_failure") for b in data.get("batches") or [] if isinstance(b, Mapping)}
+        for cls in classes:
+            cls["on_failure"] = str(policies[cls["name"]]) if policies.get(cls["name"]) else None
+            cls["final"] = _class_final([h for h in hosts if h["class"] == cls["name"]])
     stamp = generated or utc_now()
     report = {
         "schema_version": SCHEMA_VERSION,
@@ -770,7 +779,8 @@ def build_report(data: Mapping[str, Any], kind: str = "rollout", generated: _dt.
         "hosts": hosts,
         "batches": batches,
         "rolled_back": rolled_back,
-        "failed_hosts": [h["host"] for h in hosts if h["outcome"] in ("rolled_back", "failed")],
+        # the hosts that failed themselves (a host rolled back with its class did not)
+        "failed_hosts": [h["host"] for h in hosts if h["outcome"] in ("rolled_back", "failed") and not h["rolled_back_with"]],
         "check_mode": bool(data.get("check_mode")),
         "probe": sources.probe,
         "audit": sources.audit,
@@ -779,6 +789,17 @@ def build_report(data: Mapping[str, Any], kind: str = "rollout", generated: _dt.
     }
     report["summary"] = _summary(report)
     return report
+
+
+def _class_final(hosts: list[dict[str, Any]]) -> dict[str, Any]:
+    """Where a class's hosts ended: ``{state, new_plan, previous, failed}`` (host names; ``state``: ``new_plan``,
+    ``previous_plan``, ``mixed`` or ``failed``). On the new plan: deployed or already on it; on the previous one: rolled
+    back, or not reached; failed: a host whose rollback failed, or that failed before anything on it changed."""
+    new = sorted(h["host"] for h in hosts if h["outcome"] in ("deployed", "unchanged"))
+    previous = sorted(h["host"] for h in hosts if h["outcome"] in ("rolled_back", "not_reached", "skipped"))
+    failed = sorted(h["host"] for h in hosts if h["outcome"] == "failed")
+    state = "failed" if failed else "mixed" if new and previous else "new_plan" if new else "previous_plan"
+    return {"state": state, "new_plan": new, "previous": previous, "failed": failed}
 
 
 @dataclass
@@ -854,6 +875,10 @@ def _host_entries(kind: str, hosts_raw: Mapping[str, Any], by_name: Mapping[str,
                 "outcome": outcome,
                 "failed_task": str(facts["failed_task"]) if facts.get("failed_task") else None,
                 "error": str(error) if error is not None else None,
+                # the host whose failure rolled this one back with its class (gpufleet_on_failure: rollback_class);
+                # it did not fail itself
+                "rolled_back_with": (str(facts["rolled_back_with"]) if facts.get("rolled_back_with") and outcome == "rolled_back"
+                                     else None),
                 "plans": [{"instance": str(p.get("instance")), "checksum": str(p.get("checksum")),
                            "compat_key_hash": p.get("compat_key_hash")}
                           for p in facts.get("plans") or [] if isinstance(p, Mapping)],
@@ -871,7 +896,9 @@ def _batch_entries(batches_raw: Any, hosts: list[dict[str, Any]], finished: Any)
         index = int(raw.get("index", pos + 1))
         names = _str_list(raw.get("hosts"))
         outcomes = {h["host"]: h["outcome"] for h in hosts if h["batch"] == index}
-        bad = [n for n in names if outcomes.get(n) in ("rolled_back", "failed")]
+        with_class = {h["host"] for h in hosts if h["batch"] == index and h.get("rolled_back_with")}
+        # a host rolled back with its class passed its batch: the batch is rolled back, not failed
+        bad = [n for n in names if outcomes.get(n) in ("rolled_back", "failed") and n not in with_class]
         batches.append(
             {
                 "index": index,
@@ -884,7 +911,8 @@ def _batch_entries(batches_raw: Any, hosts: list[dict[str, Any]], finished: Any)
                 "started": raw.get("started"),
                 "finished": raw.get("finished"),
                 "seconds": _seconds_between(raw.get("started"), raw.get("finished") or finished),
-                "outcome": "failed" if bad else ("ok" if raw.get("finished") else "stopped"),
+                "outcome": ("failed" if bad else "rolled_back" if with_class & set(names)
+                            else "ok" if raw.get("finished") else "stopped"),
                 # the bake's verdict on the batch (rollout_bake), None for a batch that was not baked
                 "analysis": _analysis_entry(raw.get("analysis"), f"data.batches[{pos}].analysis"),
             }
@@ -1006,6 +1034,13 @@ def load_report(obj: Any) -> dict[str, Any]:
         report.setdefault("probe", None)
         report.setdefault("audit", None)
         report.setdefault("check_mode", False)
+        # written before class rollbacks were told apart and classes said where their hosts ended: derived
+        hosts = [dict(h, rolled_back_with=h.get("rolled_back_with")) for h in report["hosts"] if isinstance(h, Mapping)]
+        report["hosts"] = hosts
+        if report.get("kind") == "rollout":
+            report["classes"] = [dict(c, on_failure=c.get("on_failure"),
+                                      final=c.get("final") or _class_final([h for h in hosts if h.get("class") == c.get("name")]))
+                                 for c in report["classes"] if isinstance(c, Mapping)]
         return report
     if version == 0:
         kind = obj.get("kind") or "rollout"

@@ -82,9 +82,35 @@ def summary_line(report: Mapping[str, Any]) -> str:
         parts.append(", ".join(f"{summ['outcomes'][k]} {k.replace('_', ' ')}" for k in order))
     if report["failed_hosts"]:
         parts.append("failed hosts " + ", ".join(report["failed_hosts"]))
+    parts += [line for line in (_final_summary(report, cls) for cls in report["classes"]) if line]
     if report.get("check_mode"):
         parts.append("check mode: nothing was changed on the hosts")
     return "; ".join(parts)
+
+
+def _final_summary(report: Mapping[str, Any], cls: Mapping[str, Any]) -> str:
+    """Where a class that did not simply end on its new plan ended ('' otherwise)."""
+    final = cls.get("final") or {}
+    if final.get("state") == "mixed":
+        return (f"class {cls['name']} split: {len(final['new_plan'])} host(s) on the new plan, "
+                f"{len(final['previous'])} on the previous")
+    rolled = any(h["outcome"] == "rolled_back" and h["class"] == cls["name"] for h in report["hosts"])
+    if final.get("state") == "previous_plan" and rolled:
+        return f"class {cls['name']} is back on its previous plan"
+    return ""
+
+
+_FINAL_STATES = {"new_plan": "on the new plan", "previous_plan": "on its previous plan", "mixed": "split between the plans",
+                 "failed": "a host failed"}
+
+
+def _final_text(cls: Mapping[str, Any]) -> str:
+    final = cls.get("final")
+    if not final:
+        return "-"
+    sides = [f"{label}: {', '.join(final[key])}" for key, label in (("new_plan", "new plan"), ("previous", "previous plan"),
+                                                                      ("failed", "failed")) if final.get(key)]
+    return f"{_FINAL_STATES.get(final['state'], final['state'])} ({'; '.join(sides) or 'no host'})"
 
 
 def _class_budget_line(cls: Mapping[str, Any]) -> list[tuple[str, str]]:
@@ -92,6 +118,8 @@ def _class_budget_line(cls: Mapping[str, Any]) -> list[tuple[str, str]]:
     rows = [
         ("decision", cell_text(cls["decision"])),
         ("status", cls["status"]),
+        ("where its hosts ended", _final_text(cls)),
+        ("on a failed host or bake", cell_text(cls.get("on_failure"))),
         ("KV cache bytes (launch)", f"{bytes_text(plan['kv_cache_memory_bytes'])} ({cell_text(plan['kv_cache_memory_bytes'])} bytes)"),
         ("max safe bytes", bytes_text(plan.get("max_safe_bytes"))),
         ("blocks / tokens", f"{cell_text(plan['num_blocks'])} / {cell_text(plan['kv_cache_tokens'])}"),

@@ -29,7 +29,7 @@ Plain Python, no Ansible import.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from decimal import Decimal
 from typing import Any, NamedTuple
 
@@ -364,16 +364,18 @@ def class_batches(classes: Sequence[Any], serial: Any) -> list[dict[str, Any]]:
     return out
 
 
-def class_rollback_hosts(batches: Sequence[Mapping[str, Any]], changed: Mapping[str, bool]) -> list[str]:
+def class_rollback_hosts(batches: Sequence[Mapping[str, Any]], changed: Mapping[str, bool],
+                         failing: Collection[str] = ()) -> list[str]:
     """The hosts a class rollback restores, in the order it restores them: the hosts of the last
-    batch record's class, from the batches before the last one (``batches``: the run's batch records,
-    the running one last), that this run changed (``changed``: host -> whether its units changed), the
-    latest batch first and each batch's hosts in reverse. The running batch's own hosts are not
-    included: a failed one rolls itself back, and the others may still be deploying."""
+    batch record's class that this run changed (``changed``: host -> whether its units changed), the
+    latest batch first and each batch's hosts in reverse (``batches``: the run's batch records, the
+    running one last). Of the running batch, the hosts that are not ``failing`` (a failing host rolls
+    itself back): the class rollback runs in a failed host's rescue, which Ansible's linear strategy
+    starts once the batch's other hosts finished their deploy."""
     if not batches:
         return []
     running = batches[-1]
-    out: list[str] = []
+    out = [h for h in reversed(list(running.get("hosts") or [])) if changed.get(h) and h not in failing]
     for batch in reversed(batches[:-1]):
         if batch.get("class") == running.get("class"):
             out += [h for h in reversed(list(batch.get("hosts") or [])) if changed.get(h)]

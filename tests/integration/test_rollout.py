@@ -403,8 +403,9 @@ def test_a_batch_that_serves_slower_than_the_class_fails_its_bake_and_the_class_
     for host in HOSTS:
         assert fleet.active(host) == "active", host
 
-    # no bake: batch 2's host fails its boot (the engine runs out of memory), rolls itself back, and the class
-    # rollback restores batch 1's host, through its drain and undrain hooks, run on that host
+    # no bake, batches of one host then two: sim-ro-2 fails its boot (the engine runs out of memory) and rolls itself
+    # back; the class rollback restores sim-ro-3 (its batch, which passed) and then batch 1's host, through their drain
+    # and undrain hooks, run on each of them
     log = fleet.workdir / "class-rollback-hooks.log"
     hook = fleet.workdir / "where-hook.yml"
     hook.write_text(WHERE_HOOK.format(log=log), encoding="utf-8")
@@ -412,20 +413,23 @@ def test_a_batch_that_serves_slower_than_the_class_fails_its_bake_and_the_class_
     fleet.sim.inject_fail_next_boot("sim-ro-2", "oom")
     try:
         # a blank answer (as an AWX survey sends it) over the module's stop: unset, so the default, rollback_class
-        rc, out = fleet.rollout({"gpufleet_guard": "0.75GiB", "gpufleet_max_unavailable": 1, "gpufleet_on_failure": "",
-                                 "gpufleet_hooks": {"drain": str(hook), "undrain": str(hook)}})
+        rc, out = fleet.rollout({"gpufleet_guard": "0.75GiB", "gpufleet_max_unavailable": 2, "gpufleet_rollout_serial": [1, 2],
+                                 "gpufleet_on_failure": "", "gpufleet_hooks": {"drain": str(hook), "undrain": str(hook)}})
     finally:
         fleet.sim.inject_fail_next_boot("sim-ro-2", None)
     assert rc != 0, out[-6000:]
-    assert "class ro-l40s: rolled back with sim-ro-2: sim-ro-1" in out, out[-6000:]
+    assert "class ro-l40s: rolled back with sim-ro-2: sim-ro-3, sim-ro-1" in out, out[-6000:]
     # event, the hook's host, the host its tasks ran on, the host whose path ran it
     lines = log.read_text(encoding="utf-8").splitlines()
-    assert lines[-2:] == ["drain sim-ro-1 sim-ro-1 sim-ro-2", "undrain sim-ro-1 sim-ro-1 sim-ro-2"], lines
+    assert lines[-4:] == ["drain sim-ro-3 sim-ro-3 sim-ro-2", "undrain sim-ro-3 sim-ro-3 sim-ro-2",
+                          "drain sim-ro-1 sim-ro-1 sim-ro-2", "undrain sim-ro-1 sim-ro-1 sim-ro-2"], lines
     assert "drain sim-ro-2 sim-ro-2 sim-ro-2" in lines, lines
     report = fleet.last_report(since)
     assert report is not None
     hosts = {h["host"]: h for h in report["hosts"]}
-    assert {h: e["outcome"] for h, e in hosts.items()} == {"sim-ro-1": "rolled_back", "sim-ro-2": "rolled_back", "sim-ro-3": "not_reached"}
+    assert {h: e["outcome"] for h, e in hosts.items()} == {"sim-ro-1": "rolled_back", "sim-ro-2": "rolled_back", "sim-ro-3": "rolled_back"}
+    assert [hosts[h]["rolled_back_with"] for h in HOSTS] == ["sim-ro-2", None, "sim-ro-2"] and report["failed_hosts"] == ["sim-ro-2"]
+    assert report["classes"][0]["final"]["state"] == "previous_plan" and report["classes"][0]["on_failure"] == "rollback_class"
     assert "CUDA out of memory" in hosts["sim-ro-2"]["error"] or "out of memory" in hosts["sim-ro-2"]["error"].lower(), hosts["sim-ro-2"]
     assert fleet.units() == before
     for host in HOSTS:

@@ -482,6 +482,24 @@ def test_a_drain_that_outlasts_its_wait_gives_the_servers_back(fleet):
     assert unknown.returncode != 0 and "haproxy has no server vllm-main/no-such-host" in unknown.stderr, unknown.stderr
     assert f"restored vllm-main/{A_HOSTS[0]} to ready" in unknown.stderr, unknown.stderr
     assert set(server_states(fleet).values()) == {"UP"}
+    # an operator put one server in MAINT before the run: the drain records it, and the undrain (as undrain.yml
+    # runs it, with the drain's lines) leaves it in MAINT and puts the other back
+    base = ["python3", "/tmp/haproxy_server_state.py", "--socket", "/run/haproxy/admin.sock"]
+    servers = [f"vllm-main/{h}" for h in A_HOSTS]
+    fleet.harness.exec(LB, ["python3", "-c", SOCKET_SEND.format(command=f"set server {servers[0]} state maint")], check=True)
+    drained = fleet.harness.exec(LB, [*base, "--state", "maint", "--wait", "10", *servers], check=True)
+    assert [json.loads(line)["previous"] for line in drained.stdout.splitlines()] == ["maint", "ready"], drained.stdout
+    undrained = fleet.harness.exec(LB, [*base, "--state", "ready", "--wait", "30", "--previous",
+                                        json.dumps(drained.stdout.splitlines()), *servers], check=True)
+    assert json.loads(undrained.stdout.splitlines()[0]) == {"server": servers[0], "status": "MAINT", "kept": "maint"}, undrained.stdout
+    assert server_states(fleet) == {A_HOSTS[0]: "MAINT", A_HOSTS[1]: "UP"}
+    fleet.harness.exec(LB, [*base, "--state", "ready", "--wait", "30", servers[0]], check=True)  # the operator's turn
+    assert set(server_states(fleet).values()) == {"UP"}
+
+
+# a runtime API command sent to the admin socket (an operator's command)
+SOCKET_SEND = ("import socket;s=socket.socket(socket.AF_UNIX);s.connect('/run/haproxy/admin.sock');"
+               "s.sendall(b'{command}\\n');print(s.recv(4096).decode())")
 
 
 def sessions(fleet: SimFleet) -> dict[str, int]:

@@ -19,6 +19,11 @@ does not know it, the admin socket fails, the script is stopped (SIGTERM, SIGHUP
 server it put in MAINT its previous state back (ready, or drain), so that a host that fails its
 drain keeps serving as it did; the JSON lines say ``restored``.
 
+``ready`` with ``--previous`` (the JSON lines the drain printed, as one JSON list of those lines) gives
+each server the state the drain found it in: an operator's MAINT stays, a DRAIN goes back to drain
+(and is waited for until its health check passes), the others become ready. A server the drain found
+in MAINT is never made ready by the rollout.
+
 ``--weight`` sets each server's weight (``set weight``): a number (0-256), or a share of the
 weight its configuration gives it (``25%``; ``100%`` gives that weight back); a bake's canary
 takes less of the traffic this way. Prints one JSON line per server ({server, weight, previous}).
@@ -93,6 +98,8 @@ def main() -> int:
     action = parser.add_mutually_exclusive_group(required=True)
     action.add_argument("--state", choices=["maint", "ready"])
     action.add_argument("--weight", help="0-256, or a share of the configured weight such as 25%%")
+    parser.add_argument("--previous", default="[]",
+                        help="with --state ready: the drain's JSON lines (a JSON list of them): each server goes back to the state the drain found")
     parser.add_argument("--wait", type=float, default=60.0, help="seconds to wait for idle (maint) or UP (ready), all servers together")
     parser.add_argument("servers", nargs="+", help="backend/server")
     args = parser.parse_args()
@@ -102,15 +109,21 @@ def main() -> int:
     names = [(name, *name.partition("/")[::2]) for name in args.servers]
     if args.weight is not None:
         return set_weights(args.socket, names, args.weight)
+    found = drained_states(args.previous) if args.state == "ready" else {}
+    # an operator's MAINT stays as the drain found it: the rollout never puts such a server back
+    for name in [n for n, _b, _s in names if found.get(n) == "maint"]:
+        print(json.dumps({"server": name, "status": "MAINT", "kept": "maint"}))
+    names = [entry for entry in names if found.get(entry[0]) != "maint"]
+    target = {name: found.get(name) if found.get(name) == "drain" else args.state for name, _b, _s in names}
     changed: list[tuple[str, str]] = []  # (server, its previous state) of every server this run put in MAINT
     finished = False
     try:
         # every server first, then one wait for all of them: two instances take one wait, not two
         for name, backend, server in names:
             before = previous_state(stat(args.socket, backend, server))
-            answer = api(args.socket, f"set server {backend}/{server} state {args.state}").strip()
+            answer = api(args.socket, f"set server {backend}/{server} state {target[name]}").strip()
             if answer:
-                raise SystemExit(f"{name}: haproxy refused 'set server ... state {args.state}': {answer}")
+                raise SystemExit(f"{name}: haproxy refused 'set server ... state {target[name]}': {answer}")
             if args.state == "maint":
                 changed.append((name, before))
         start = time.monotonic()
@@ -120,8 +133,9 @@ def main() -> int:
             for entry in list(pending):
                 name, backend, server = entry
                 row = rows[name] = stat(args.socket, backend, server)
-                done = (row["status"].startswith("MAINT") and int(row["scur"] or 0) == 0) if args.state == "maint" \
-                    else row["status"].startswith("UP")
+                wanted = target[name]
+                done = (row["status"].startswith("MAINT") and int(row["scur"] or 0) == 0) if wanted == "maint" \
+                    else row["status"].startswith("DRAIN" if wanted == "drain" else "UP")
                 if done:
                     pending.remove(entry)
             if not pending or time.monotonic() - start > args.wait:
@@ -142,6 +156,23 @@ def main() -> int:
         if changed and not finished:
             restored = restore(args.socket, changed)
             print("restored " + ", ".join(f"{n} to {st}" for n, st in restored), file=sys.stderr)
+
+
+def drained_states(text: str) -> dict[str, str]:
+    """server -> the state the drain found it in, from the drain's JSON lines (``previous``)."""
+    try:
+        lines = json.loads(text or "[]")
+    except ValueError as exc:
+        raise SystemExit(f"--previous: expected a JSON list of the drain's JSON lines: {exc}") from None
+    found = {}
+    for line in lines if isinstance(lines, list) else []:
+        try:
+            entry = json.loads(line) if isinstance(line, str) else line
+        except ValueError:
+            continue  # a line of the drain that is not one of its server lines
+        if isinstance(entry, dict) and entry.get("server") and entry.get("previous") in ("maint", "drain", "ready"):
+            found[str(entry["server"])] = str(entry["previous"])
+    return found
 
 
 def restore(path: str, changed: list[tuple[str, str]]) -> list[tuple[str, str]]:

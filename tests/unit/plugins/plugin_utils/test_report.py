@@ -146,7 +146,10 @@ def test_outcomes_batches_and_rolled_back_hosts():
     assert report["rolled_back"][0]["error"].endswith("No available memory for the cache blocks.")
     assert [(b["index"], b["outcome"], b["seconds"]) for b in report["batches"]] == [(1, "ok", 90.0), (2, "failed", 149.0)]
     assert report["summary"]["ok"] is False
-    assert summary_line(report) == "rollout: 1 class(es), 1 deployable; 1 rolled back, 1 not reached, 1 deployed; failed hosts gpu-b"
+    # the class ended split between the plans (a rollout that stops: gpufleet_on_failure stop)
+    assert summary_line(report) == ("rollout: 1 class(es), 1 deployable; 1 rolled back, 1 not reached, 1 deployed; failed hosts gpu-b; "
+                                    "class h200 split: 1 host(s) on the new plan, 2 on the previous")
+    assert report["classes"][0]["final"] == {"state": "mixed", "new_plan": ["gpu-a"], "previous": ["gpu-b", "gpu-c"], "failed": []}
     md = render_markdown(report)
     assert "## Rolled back" in md and "**gpu-b** (class h200, batch 2): vllm-vllm.service: boot check failed" in md
     assert "| 2 of 3 | gpu-b (rolled back) | 149 | failed |" in md

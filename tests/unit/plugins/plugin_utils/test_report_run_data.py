@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from ansible_collections.gpufleet.vllm.plugins.module_utils._plan._launch import plan_checksum
 from ansible_collections.gpufleet.vllm.plugins.plugin_utils._report import build_report, run_data
+from ansible_collections.gpufleet.vllm.plugins.plugin_utils._report_render import render_markdown, summary_line
 
 STATE = {"ok": True, "failed": False, "needs_profile": False, "plan": {}, "key_hash": "k1", "manual_canary": "pass", "reasons": []}
 
@@ -34,7 +35,7 @@ def test_the_run_data_of_a_rollout_with_a_failed_host():
     assert data["batches"] == [{"index": 1, "total": 1, "hosts": ["a", "b"]}]
     assert data["classes"]["l40s"]["canaries"] == {"profiled": {"verdict": "pass", "mode": "profiled"}, "manual": {"verdict": "pass"}}
     assert data["hosts"]["a"] == {"class": "l40s", "batch": 1, "pending": ["main"], "touched": True, "error": None, "failed_task": None,
-                                  "rollback_failed": False, "plans": []}
+                                  "rollback_failed": False, "rolled_back_with": None, "plans": []}
     assert data["hosts"]["b"]["error"] == "One or more items failed: vllm-main.service: boot check failed"
     assert data["hosts"]["b"]["failed_task"] == "Start and check the new units"
     report = build_report(data, "rollout")
@@ -120,8 +121,35 @@ def test_a_class_rollback_is_reported_host_by_host():
     data = run_data(hostvars, groups)
     assert data["hosts"]["d"]["error"] == "rolled back with its class after b failed: instance main: put back"
     assert data["hosts"]["c"]["error"] == "its class rollback stopped here: c: Check the boot of each restarted unit failed: timed out"
-    outcomes = {h["host"]: h["outcome"] for h in build_report(data, "rollout")["hosts"]}
+    report = build_report(data, "rollout")
+    outcomes = {h["host"]: h["outcome"] for h in report["hosts"]}
     assert outcomes == {"a": "deployed", "b": "rolled_back", "c": "failed", "d": "rolled_back"}
+    # d did not fail itself: it is rolled back with b, not a failed host, and its batch is rolled back, not failed
+    assert [h["rolled_back_with"] for h in report["hosts"]] == [None, None, None, "b"]
+    assert report["failed_hosts"] == ["b", "c"]
+    assert [b["outcome"] for b in report["batches"]] == ["failed", "rolled_back", "failed"]
+    assert report["rolled_back"][-1]["with_class_after"] == "b"
+    assert report["classes"][0]["final"] == {"state": "failed", "new_plan": ["a"], "previous": ["b", "d"], "failed": ["c"]}
+
+
+def test_a_class_rolled_back_entirely_is_back_on_its_previous_plan():
+    """The class's policy comes from its batches; a class whose every changed host was rolled back ends on its
+    previous plan, and the summary says so."""
+    hostvars, groups = fleet()
+    hostvars["c"] = {"gpufleet_host_class": "l40s", "vllm_service_pending": [{"name": "main"}], "vllm_service_touched": True}
+    groups["gpufleet_rollout"] = ["a", "b", "c"]
+    hostvars["a"] = dict(hostvars["a"], vllm_service_touched=False)  # not reached: its batch never ran
+    hostvars["localhost"]["gpufleet_batches"] = [
+        {"index": 1, "total": 2, "class": "l40s", "hosts": ["c"], "on_failure": "rollback_class", "finished": "2026-12-02T10:01:00+00:00"},
+        {"index": 2, "total": 2, "class": "l40s", "hosts": ["b"], "on_failure": "rollback_class"}]
+    hostvars["localhost"]["gpufleet_class_rolled_back"] = {"c": {"class": "l40s", "after": "b", "summary": "instance main: put back"}}
+    report = build_report(run_data(hostvars, groups), "rollout")
+    cls = report["classes"][0]
+    assert cls["on_failure"] == "rollback_class"
+    assert cls["final"] == {"state": "previous_plan", "new_plan": [], "previous": ["a", "b", "c"], "failed": []}, cls["final"]
+    assert summary_line(report).endswith("failed hosts b; class l40s is back on its previous plan"), summary_line(report)
+    assert "| where its hosts ended | on its previous plan (previous plan: a, b, c) |" in render_markdown(report)
+    assert "| on a failed host or bake | rollback_class |" in render_markdown(report)
 
 
 def test_a_failed_bake_whose_rollback_failed_is_a_failed_host_with_both_errors():

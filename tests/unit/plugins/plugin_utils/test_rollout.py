@@ -212,9 +212,12 @@ def test_a_class_rollback_restores_the_earlier_batches_latest_first():
     batches = [{"class": "a", "hosts": ["a1"]}, {"class": "a", "hosts": ["a2", "a3", "a4"]}, {"class": "b", "hosts": ["b1"]},
                {"class": "a", "hosts": ["a5"]}]
     changed = {"a1": True, "a2": True, "a3": False, "a4": True, "b1": True, "a5": True}
-    # the running batch (a5) rolls itself back; a3 did not change; b is another class
-    assert class_rollback_hosts(batches, changed) == ["a4", "a2", "a1"]
-    assert class_rollback_hosts(batches[:1], changed) == [] and class_rollback_hosts([], changed) == []
+    # the running batch's failing host (a5) rolls itself back; a3 did not change; b is another class
+    assert class_rollback_hosts(batches, changed, {"a5"}) == ["a4", "a2", "a1"]
+    assert class_rollback_hosts(batches[:1], changed, {"a1"}) == [] and class_rollback_hosts([], changed) == []
+    # a running batch of several hosts: the ones that passed come first, latest first
+    assert class_rollback_hosts(batches[:2], changed, {"a2"}) == ["a4", "a1"]
+    assert class_rollback_hosts(batches[:2], changed, {"a2", "a4"}) == ["a1"]
 
 
 def test_every_batch_of_a_class_carries_its_bake():
