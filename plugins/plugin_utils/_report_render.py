@@ -108,8 +108,8 @@ def _final_text(cls: Mapping[str, Any]) -> str:
     final = cls.get("final")
     if not final:
         return "-"
-    sides = [f"{label}: {', '.join(final[key])}" for key, label in (("new_plan", "new plan"), ("previous", "previous plan"),
-                                                                      ("failed", "failed")) if final.get(key)]
+    labels = (("new_plan", "new plan"), ("previous", "previous plan"), ("failed", "failed"))
+    sides = [f"{label}: {', '.join(final[key])}" for key, label in labels if final.get(key)]
     return f"{_FINAL_STATES.get(final['state'], final['state'])} ({'; '.join(sides) or 'no host'})"
 
 
