@@ -20,9 +20,12 @@ is tested on the real engine (tests/integration/test_real_engine.py):
    and units as they were;
    a class that bakes its batches under traffic and rolls the class back on a failure: a second batch whose
    new engine serves slower than the host not yet changed fails its analysis, it and the first batch's host
-   are rolled back; without traffic an analysis is inconclusive, which fails the batch by default;
+   are rolled back; without traffic an analysis is inconclusive, which fails the batch by default; a
+   failing bake_start hook fails the bake; with no policy set (rollback_class), a host that fails its
+   boot in a batch of two has the other host of its batch and the first batch's host rolled back;
 3. a co-tenant appears on the second host after planning: its gate stops the rollout
-   before its service is touched, the first batch keeps the new unit, the third never runs;
+   before its service is touched, the first batch keeps the new unit (the module's
+   gpufleet_on_failure: stop), the third never runs;
 4. a co-tenant appears on the second host between its two gates: the gate after the stop (read
    in the call that stopped the instance) fails, the host is rolled back and restarted;
 5. an admission plan the class cannot hold stops the class before any host is touched;

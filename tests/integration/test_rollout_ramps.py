@@ -323,6 +323,19 @@ def server_states(fleet: SimFleet) -> dict[str, str]:
     return {server: cols[17].split()[0] for server, cols in backend_rows(fleet).items()}
 
 
+def answer(request: str | urllib.request.Request, timeout: float) -> str:
+    """One request through HAProxy: its HTTP status, ``refused`` when the connection was refused, or the error."""
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as resp:
+            return str(resp.status)
+    except urllib.error.HTTPError as exc:
+        return str(exc.code)
+    except urllib.error.URLError as exc:
+        return "refused" if isinstance(exc.reason, ConnectionRefusedError) else f"error: {exc.reason}"
+    except OSError as exc:
+        return f"error: {exc}"
+
+
 def test_apply_the_approved_plan_behind_haproxy(fleet, seen):
     haproxy_up(fleet)
     failing = fleet.workdir / "failing-drain.yml"
@@ -337,15 +350,7 @@ def test_apply_the_approved_plan_behind_haproxy(fleet, seen):
         for _unused in range(6000):  # bounded: at most 6000 requests
             if done.is_set():
                 return
-            try:
-                with urllib.request.urlopen(url, timeout=10) as resp:
-                    key = str(resp.status)
-            except urllib.error.HTTPError as exc:
-                key = str(exc.code)
-            except urllib.error.URLError as exc:
-                key = "refused" if isinstance(exc.reason, ConnectionRefusedError) else f"error: {exc.reason}"
-            except OSError as exc:
-                key = f"error: {exc}"
+            key = answer(url, timeout=10)
             results[key] = results.get(key, 0) + 1
             time.sleep(0.05)
 
@@ -575,16 +580,7 @@ def test_a_bake_judged_through_prometheus_rolls_the_class_back_behind_haproxy(fl
         for _unused in range(20000):  # bounded
             if done.is_set():
                 return
-            request = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"})
-            try:
-                with urllib.request.urlopen(request, timeout=30) as resp:
-                    key = str(resp.status)
-            except urllib.error.HTTPError as exc:
-                key = str(exc.code)
-            except urllib.error.URLError as exc:
-                key = "refused" if isinstance(exc.reason, ConnectionRefusedError) else f"error: {exc.reason}"
-            except OSError as exc:
-                key = f"error: {exc}"
+            key = answer(urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"}), timeout=30)
             results[key] = results.get(key, 0) + 1
 
     def watch() -> None:
