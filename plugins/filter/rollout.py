@@ -21,7 +21,14 @@ from ansible_collections.gpufleet.vllm.plugins.module_utils._defaults import def
 from ansible_collections.gpufleet.vllm.plugins.module_utils._plan import _compat
 from ansible_collections.gpufleet.vllm.plugins.module_utils._plan._launch import LaunchError
 from ansible_collections.gpufleet.vllm.plugins.module_utils._units._unit_files import rollback_summary as _rollback_summary
-from ansible_collections.gpufleet.vllm.plugins.plugin_utils import _analysis, _releases, _rollout
+from ansible_collections.gpufleet.vllm.plugins.plugin_utils import _analysis, _releases, _report, _rollout
+
+
+def failure_message(result: Any, default: str = "no message") -> str:
+    """A failed task's result (ansible_failed_result) -> what it said: each failed item's message, else its msg."""
+    if not isinstance(default, str):
+        raise AnsibleFilterError("failure_message: default must be a text")
+    return _report.failure_message(result, default)
 
 
 def rollback_summary(entries: Any) -> str:
@@ -202,6 +209,7 @@ class FilterModule:
     def filters(self) -> dict[str, Callable[..., Any]]:
         return {
             "class_rollback_hosts": class_rollback_hosts,
+            "failure_message": failure_message,
             "class_settings_problems": class_settings_problems,
             "compat_fields": compat_fields,
             "gate_violations": gate_violations,

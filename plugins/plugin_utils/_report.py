@@ -39,6 +39,8 @@ __all__ = [
     "bytes_text",
     "cell_text",
     "class_artifacts",
+    "failed_items",
+    "failure_message",
     "instance_state",
     "load_report",
     "signed_bytes_text",
@@ -605,6 +607,22 @@ def _class_group(host_class: str) -> str:
     return "gpufleet_class_" + "".join(c if c.isascii() and (c.isalnum() or c == "_") else "_" for c in host_class)
 
 
+def failed_items(result: Any) -> list[str]:
+    """The message of each failed item of a looped task's result (``results``), in order."""
+    items = result.get("results") if isinstance(result, Mapping) else None
+    if not isinstance(items, list):
+        return []
+    return [str(r.get("msg") or "no message") for r in items if isinstance(r, Mapping) and r.get("failed")]
+
+
+def failure_message(result: Any, default: str = "no message") -> str:
+    """What a failed task said (``ansible_failed_result``): each failed item's message, since a looped task
+    fails with "One or more items failed", else its own ``msg``, else ``default``."""
+    if not isinstance(result, Mapping):
+        return default
+    return "; ".join(failed_items(result)) or str(result.get("msg") or default)
+
+
 def run_data(hostvars: Mapping[str, Any], groups: Mapping[str, Any], hosts_from: str = "gpufleet_rollout",
              controller: str = "localhost", raw_vars: Callable[[str], Mapping[str, Any]] | None = None) -> dict[str, Any]:
     """What :func:`build_report` takes, read from a rollout's hostvars.
@@ -654,10 +672,10 @@ def run_data(hostvars: Mapping[str, Any], groups: Mapping[str, Any], hosts_from:
         error = task = None
         if isinstance(failure, Mapping):
             # a looped task (one item per instance) fails with "One or more items failed": add each item's message
-            items = [r for r in failure.get("results") or [] if isinstance(r, Mapping) and r.get("failed")]
+            items = failed_items(failure)
             error = str(failure.get("msg") or "failed without a message")
             if items:
-                error += ": " + "; ".join(str(r.get("msg") or "no message") for r in items)
+                error += ": " + "; ".join(items)
             failed_task = (raw_vars(host) if raw_vars else hv).get("ansible_failed_task")
             task = failed_task.get("name") if isinstance(failed_task, Mapping) else None
         elif in_batch and hv.get("gpufleet_host_error"):
