@@ -9,7 +9,7 @@ DOCUMENTATION = r"""
 ---
 module: class_plan
 short_description: What a host class's planning decides before any host is touched
-version_added: 2.1.0
+version_added: 3.0.0
 description:
   - Runs on the controller, once per host class, in one call. From the class's compatibility key, the profile
     store, the host snapshots (M(gpufleet.vllm.vllm_host_snapshot)), an approved plan (if any) and the run's

@@ -9,7 +9,7 @@ DOCUMENTATION = r"""
 ---
 module: nvml_interpreter
 short_description: Find the Python interpreter on a host that runs the NVML probe (one that imports pynvml)
-version_added: 2.1.0
+version_added: 3.0.0
 description:
   - Tries the candidate interpreters in order, in one shell command on the host (no module is copied), and
     returns the first whose C(import pynvml) works, with the reason each earlier one was passed over. Every line

@@ -9,7 +9,7 @@ DOCUMENTATION = r"""
 ---
 module: rollout_bake
 short_description: Bake a rollout batch and judge its changed hosts from their engines' live metrics
-version_added: 2.1.0
+version_added: 3.0.0
 description:
   - Runs on the controller, after a batch's hosts passed their boot checks and took traffic again.
     Reads the C(/metrics) of every engine of the batch's changed hosts (the canary) and of the class's

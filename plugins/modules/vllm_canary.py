@@ -194,7 +194,7 @@ options:
       - A hold found at the start (a cut-off canary's) counts as serving; its units are stopped and started with this one's.
       - Omitted, the canary stops nothing (the GPUs must be free).
     type: dict
-    version_added: 2.1.0
+    version_added: 3.0.0
     suboptions:
       instance:
         description: The instance whose unit (C(vllm-<instance>.service)) the canary stops and starts again.
@@ -221,7 +221,7 @@ options:
         as M(gpufleet.vllm.gpu_memory_info) reads it; returned as RV(gpu_probe). The reference profile records it.
       - Needs C(pynvml) importable by the interpreter the module runs with (the probe's, C(gpu_probe_interpreter)).
     type: dict
-    version_added: 2.1.0
+    version_added: 3.0.0
     suboptions:
       devices:
         description: GPU indices or UUIDs to read (default all).
@@ -252,7 +252,7 @@ options:
         before the canary.
     type: bool
     default: false
-    version_added: 2.1.0
+    version_added: 3.0.0
 notes:
   - The load test uses only the Python standard library on the target.
 seealso:

@@ -8,7 +8,7 @@ DOCUMENTATION = r"""
 ---
 module: vllm_host_snapshot
 short_description: What planning needs from one host, in one call - GPUs, instance units, plan records, install record, probe interpreter
-version_added: 2.1.0
+version_added: 3.0.0
 description:
   - Reads in one module run what the planning plays (C(probe.yml), C(plan.yml), C(rollout.yml)) need from a host, so
     that no later task reads it again.
