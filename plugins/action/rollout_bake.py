@@ -32,7 +32,15 @@ from ansible_collections.gpufleet.vllm.plugins.plugin_utils._analysis import (
     merge,
     window,
 )
-from ansible_collections.gpufleet.vllm.plugins.plugin_utils._prometheus import PrometheusError, check_url, endpoint, host_of, margins, vllm_samples
+from ansible_collections.gpufleet.vllm.plugins.plugin_utils._prometheus import (
+    MARGIN_METRIC,
+    PrometheusError,
+    check_url,
+    endpoint,
+    host_of,
+    margins,
+    vllm_samples,
+)
 
 _TARGET_SPEC: dict[str, t.Any] = {
     "host": {"type": "str", "required": True},
@@ -47,6 +55,7 @@ ARGUMENT_SPEC: dict[str, t.Any] = {
     "inconclusive": {"type": "str", "default": "fail", "choices": list(INCONCLUSIVE_POLICIES)},
     "timeout": {"type": "float", "default": 10.0},
     "prometheus_url": {"type": "str"},
+    "since": {"type": "float"},
 }
 # scrapes in flight at once: a class's hosts are read together, not one after another
 _PARALLEL = 32
@@ -85,37 +94,50 @@ def _scrape_all(opener: urllib.request.OpenerDirector, targets: list[dict[str, s
 
 
 def _ask_prometheus(opener: urllib.request.OpenerDirector, url: str, targets: list[dict[str, str]], timeout: float,
-                    first: bool) -> list[EngineMetrics | str]:
+                    first: bool, restarted: int = 0) -> list[EngineMetrics | str]:
     """Each target's metrics as the Prometheus server at ``url`` has them now, in the targets' order.
-    At the first reading, an engine the server has no series of yet counts from zero (a freshly
-    started engine it has not scraped yet); at the last, it is unread."""
-    instances = [endpoint(target["url"]) for target in targets]
+    At the first reading, an engine of the first ``restarted`` targets (the batch's engines, which its
+    deploy started moments ago) that the server has no series of yet counts from zero; any other engine
+    it has none of is unread (its series may be stale after a failed scrape, and its next scrape would
+    count everything it ever served)."""
+    instances: list[str | None] = []
+    bad: dict[int, str] = {}
+    for i, target in enumerate(targets):
+        try:
+            instances.append(endpoint(target["url"]))
+        except PrometheusError as exc:
+            instances.append(None)
+            bad[i] = f"{target['host']} {target['instance']}: {exc}"
     try:
-        found = vllm_samples(opener, url, instances, None, timeout)
+        found = vllm_samples(opener, url, sorted({i for i in instances if i}), None, timeout)
     except PrometheusError as exc:
-        return [f"Prometheus {exc}"] * len(targets)
+        return [bad.get(i, f"Prometheus {exc}") for i in range(len(targets))]
     out: list[EngineMetrics | str] = []
-    for instance in instances:
-        if instance in found:
+    for i, instance in enumerate(instances):
+        if instance is None:
+            out.append(bad[i])
+        elif instance in found:
             out.append(metrics_from_samples(found[instance], "prometheus"))
-        elif first:
+        elif first and i < restarted:
             out.append(EngineMetrics(parser="prometheus"))
         else:
-            out.append(f"Prometheus at {url} has no vllm: series of the instance {instance} (does it scrape it there?)")
+            out.append(f"Prometheus at {url} has no vllm: series of the instance {instance}"
+                       + (" at the start of the bake (does it scrape it there? a scrape that failed just before leaves none)"
+                          if first else " (does it scrape it there?)"))
     return out
 
 
 def _read(opener: urllib.request.OpenerDirector, prometheus_url: str | None, targets: list[dict[str, str]], timeout: float,
-          first: bool) -> list[EngineMetrics | str]:
+          first: bool, restarted: int = 0) -> list[EngineMetrics | str]:
     if not targets:
         return []
     if prometheus_url:
-        return _ask_prometheus(opener, prometheus_url, targets, timeout, first)
+        return _ask_prometheus(opener, prometheus_url, targets, timeout, first, restarted)
     return _scrape_all(opener, targets, timeout)
 
 
 def _host_windows(targets: list[dict[str, str]], start: list[EngineMetrics | str], end: list[EngineMetrics | str],
-                  host_margins: dict[str, float] | None = None) -> tuple[list[Window], dict[str, list[str]]]:
+                  host_margins: dict[str, float] | None = None, margin_note: str = "") -> tuple[list[Window], dict[str, list[str]]]:
     """One window per host (its engines merged, with its GPU memory margin where known), and per host
     why it was left out."""
     per_host: dict[str, list[Window]] = {}
@@ -134,6 +156,7 @@ def _host_windows(targets: list[dict[str, str]], start: list[EngineMetrics | str
         if merged is not None:
             merged.hosts = 1
             merged.margin_bytes = (host_margins or {}).get(host)
+            merged.margin_note = margin_note if merged.margin_bytes is None else ""
             windows.append(merged)
     return windows, unread
 
@@ -168,7 +191,7 @@ class ActionModule(ActionBase):  # type: ignore[misc]  # ActionBase is Any: ansi
         targets = canary + baseline
         opener = _opener()
         started, started_at = _now(), time.monotonic()
-        first = _read(opener, prometheus_url, targets, timeout, first=True)
+        first = _read(opener, prometheus_url, targets, timeout, first=True, restarted=len(canary))
         canary_unread = [s for s in first[:len(canary)] if isinstance(s, str)]
         if not canary_unread:
             time.sleep(max(0.0, seconds - (time.monotonic() - started_at)))
@@ -179,12 +202,13 @@ class ActionModule(ActionBase):  # type: ignore[misc]  # ActionBase is Any: ansi
                       canary_hosts=sorted({c["host"] for c in canary}), baseline_hosts=sorted({b["host"] for b in baseline}))
         if canary_unread:
             # an engine of the batch that cannot be read is not judged to pass
-            result.update(analysis={"verdict": "fail", "effective": "fail", "checks": [], "unread": canary_unread,
-                                    "canary_hosts": len(result["canary_hosts"]), "baseline_hosts": 0},
-                          msg="the bake could not read the batch's engines: " + "; ".join(canary_unread))
+            unread = list(dict.fromkeys(canary_unread))  # one server that failed fails every engine alike: once
+            result.update(analysis={"verdict": "fail", "effective": "fail", "checks": [], "unread": unread,
+                                    "canary_hosts": len(result["canary_hosts"]), "baseline_hosts": 0, "source": result["source"]},
+                          msg="the bake could not read the batch's engines: " + "; ".join(unread))
             return result
-        host_margins = _margins(opener, prometheus_url, canary, timeout) if prometheus_url else {}
-        canary_windows = _host_windows(canary, first[:len(canary)], last[:len(canary)], host_margins)[0]
+        host_margins, margin_note = _margins(opener, prometheus_url, canary, timeout, args["since"]) if prometheus_url else ({}, "")
+        canary_windows = _host_windows(canary, first[:len(canary)], last[:len(canary)], host_margins, margin_note)[0]
         baseline_windows, baseline_unread = _host_windows(baseline, first[len(canary):], last[len(canary):])
         try:
             analysis = analyse(canary_windows, baseline_windows, args["checks"], args["inconclusive"],
@@ -197,22 +221,34 @@ class ActionModule(ActionBase):  # type: ignore[misc]  # ActionBase is Any: ansi
         return result
 
 
-def _margins(opener: urllib.request.OpenerDirector, url: str, canary: list[dict[str, str]], timeout: float) -> dict[str, float]:
+def _margins(opener: urllib.request.OpenerDirector, url: str, canary: list[dict[str, str]], timeout: float,
+             since: float | None) -> tuple[dict[str, float], str]:
     """Each canary host's smallest GPU memory margin now, from the textfile metrics Prometheus scrapes
-    off the addresses of its engines; a host with none is absent (the check says so)."""
+    off the addresses of its engines (with ``since``, only an export that saw the instance's start at or
+    after it); a host with none is absent, and the text says why when it is not plain."""
     addresses: dict[str, set[str]] = {}
     for target in canary:
-        addresses.setdefault(target["host"], set()).add(host_of(endpoint(target["url"])))
+        try:
+            addresses.setdefault(target["host"], set()).add(host_of(endpoint(target["url"])))
+        except PrometheusError:
+            continue  # its engines were unread already, and the bake failed on them
+    every = sorted(set().union(*addresses.values())) if addresses else []
     try:
-        found = margins(opener, url, sorted(set().union(*addresses.values())), None, timeout)
-    except PrometheusError:
-        return {}  # the engines' series were read; the margins alone missing leaves the check skipped, saying why
+        found = margins(opener, url, every, None, timeout, since)
+        older = margins(opener, url, every, None, timeout) if since is not None and len(found) < len(addresses) else {}
+    except PrometheusError as exc:
+        return {}, f"the margins could not be read: Prometheus {exc}"
     out = {}
     for host, mine in addresses.items():
         seen = [found[a] for a in mine if a in found]
         if seen:
             out[host] = min(seen)
-    return out
+    why = ""
+    if any(a in older for host, mine in addresses.items() if host not in out for a in mine):
+        why = (f"the metrics exporter has not written {MARGIN_METRIC} since the batch's units started (it writes every "
+               "vllm_service_metrics_interval_sec, and Prometheus scrapes it after that): bake longer than that interval "
+               "for the margin to be judged")
+    return out, why
 
 
 def _summary(analysis: dict[str, t.Any], seconds: int) -> str:

@@ -46,9 +46,10 @@ def rollout_batches(classes: Any, serial: Any = None) -> list[dict[str, Any]]:
         raise AnsibleFilterError(f"rollout_batches: {exc}") from None
 
 
-def class_rollback_hosts(batches: Any, hostvars: Any) -> list[str]:
+def class_rollback_hosts(batches: Any, hostvars: Any, active: Any = None) -> list[str]:
     """The run's batch records and hostvars -> the hosts of the running batch's class that this run changed, but the
-    running batch's failing ones, in the order a class rollback restores them (the latest batch first)."""
+    running batch's failing ones (and, given ``active``, its hosts no longer in the batch), in the order a class
+    rollback restores them (the latest batch first)."""
     if isinstance(batches, (str, Mapping)) or not isinstance(batches, Sequence) or not all(isinstance(b, Mapping) for b in batches):
         raise AnsibleFilterError("class_rollback_hosts: expected the run's batch records (gpufleet_batches)")
     if not isinstance(hostvars, Mapping):
@@ -57,7 +58,9 @@ def class_rollback_hosts(batches: Any, hostvars: Any) -> list[str]:
     changed = {h: bool((hostvars.get(h) or {}).get("vllm_service_pending")) for h in hosts}
     # the hosts of the running batch on their own failure path (playbooks/tasks/host_failed.yml): each rolls itself back
     failing = {h for h in hosts if (hostvars.get(h) or {}).get("gpufleet_failing_in_batch")}
-    return _rollout.class_rollback_hosts(batches, changed, failing)
+    if active is not None and (isinstance(active, (str, Mapping)) or not isinstance(active, Sequence)):
+        raise AnsibleFilterError("class_rollback_hosts: active must be the batch's hosts still in the play (ansible_play_batch)")
+    return _rollout.class_rollback_hosts(batches, changed, failing, None if active is None else set(active))
 
 
 def class_settings_problems(hostvars: Any, hosts: Any) -> list[str]:

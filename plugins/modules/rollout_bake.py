@@ -87,6 +87,15 @@ options:
       - The base URL of a Prometheus server that scrapes the engines (C(http://prometheus:9090)), to read the
         metrics from its query API rather than from each engine. Credentials in the URL are refused.
     type: str
+  since:
+    description:
+      - When the batch started (seconds since the epoch, the controller's clock). With O(prometheus_url), the
+        C(memory_margin) check reads only a margin the metrics exporter wrote after it saw the instance start at or
+        after this moment (C(gpufleet_vllm_last_start_timestamp_seconds)); an export from before the deploy, which
+        judges the previous units against the previous floor, leaves the check skipped, saying so.
+      - The hosts' clocks must agree with the controller's to within the time between the batch's start and the
+        units' start (NTP).
+    type: float
 seealso:
   - plugin: gpufleet.vllm.metrics_targets
     plugin_type: filter

@@ -50,7 +50,7 @@ from ansible_collections.gpufleet.vllm.plugins.module_utils._engine._vllm_metric
 from ansible_collections.gpufleet.vllm.plugins.module_utils._sizes import SizeError, parse_size
 from ansible_collections.gpufleet.vllm.plugins.plugin_utils._prometheus import MARGIN_METRIC, PrometheusError, check_url
 
-__all__ = ["BAKE_FIELDS", "CHECKS", "INCONCLUSIVE_POLICIES", "LOWER_LIMITS", "AnalysisError", "Window", "analyse", "bake_settings",
+__all__ = ["BAKE_FIELDS", "CHECKS", "INCONCLUSIVE_POLICIES", "AnalysisError", "Window", "analyse", "bake_settings",
            "check_settings", "merge", "metrics_targets", "window"]
 
 # check -> its settings and their defaults
@@ -86,9 +86,10 @@ class Window:
     itl: Histogram | None = None
     e2e: Histogram | None = None
     kv_usage: float | None = None
-    # the smallest GPU memory margin of the host's ranks at the end (bytes; None: not read)
+    # the smallest GPU memory margin of the host's ranks at the end (bytes; None: not read, margin_note says why)
     margin_bytes: float | None = None
     hosts: int = 1
+    margin_note: str = ""
 
     @property
     def requests(self) -> float:
@@ -150,7 +151,8 @@ def merge(windows: t.Sequence[Window]) -> Window | None:
     return Window(finished=finished, preemptions=float(sum(w.preemptions for w in windows)),
                   ttft=_merge_histograms([w.ttft for w in windows]), itl=_merge_histograms([w.itl for w in windows]),
                   e2e=_merge_histograms([w.e2e for w in windows]), kv_usage=max(usage) if usage else None,
-                  margin_bytes=min(margin) if margin else None, hosts=sum(w.hosts for w in windows))
+                  margin_bytes=min(margin) if margin else None, hosts=sum(w.hosts for w in windows),
+                  margin_note="; ".join(dict.fromkeys(w.margin_note for w in windows if w.margin_note)))
 
 
 def _number(value: t.Any, where: str, low: float = 0.0) -> float:
@@ -202,10 +204,6 @@ def check_settings(given: t.Any, field_name: str = "gpufleet_analysis") -> dict[
     return out
 
 
-# checks that fail when the canary's figure is below their limit (the others fail above it)
-LOWER_LIMITS = ("success_rate", "memory_margin")
-
-
 def _limit(name: str, baseline: float | None, threshold: dict[str, t.Any]) -> float | None:
     """The canary's figure past which the check fails, as the thresholds and the baseline make it (None: no limit)."""
     if name == "success_rate":
@@ -221,9 +219,12 @@ def _limit(name: str, baseline: float | None, threshold: dict[str, t.Any]) -> fl
 
 
 def _result(name: str, verdict: str, why: str, canary: float | None, baseline: float | None, threshold: dict[str, t.Any],
-            samples: tuple[float, float | None]) -> dict[str, t.Any]:
+            samples: tuple[float, float | None], compared: bool = True) -> dict[str, t.Any]:
+    """One check's record. ``compared``: whether the baseline's figure took part in the verdict (a latency
+    check that judged on its absolute limit alone draws that limit, not the ratio's)."""
+    limit = _limit(name, baseline if compared else None, threshold)
     return {"name": name, "verdict": verdict, "why": why, "canary": canary, "baseline": baseline, "threshold": threshold,
-            "limit": _limit(name, baseline, threshold), "samples": {"canary": samples[0], "baseline": samples[1]}}
+            "limit": limit, "samples": {"canary": samples[0], "baseline": samples[1]}}
 
 
 def _few(settings: dict[str, float | None], canary: Window, baseline: Window | None, compares: bool) -> str:
@@ -246,14 +247,16 @@ def _latency(name: str, settings: dict[str, float | None], canary: Window, basel
     samples = (canary.requests, baseline.requests if baseline is not None else None)
     if baseline is None and absolute is None:
         if missing:
-            return _result(name, "inconclusive", missing, mine, theirs, threshold, samples)
+            return _result(name, "inconclusive", missing, mine, theirs, threshold, samples, compared=False)
         return _result(name, "skipped", "no host of the class is left on its previous units to compare with",
-                       mine, theirs, threshold, samples)
+                       mine, theirs, threshold, samples, compared=False)
     few = _few(settings, canary, None, compares=False)
     if few or mine is None:
-        return _result(name, "inconclusive", few or "the canary's engines give no such histogram", mine, theirs, threshold, samples)
+        return _result(name, "inconclusive", few or "the canary's engines give no such histogram", mine, theirs, threshold, samples,
+                       compared=False)
     if absolute is not None and mine > absolute:
-        return _result(name, "fail", f"{mine:.4g} s on the canary, above {absolute:g} s", mine, theirs, threshold, samples)
+        return _result(name, "fail", f"{mine:.4g} s on the canary, above {absolute:g} s", mine, theirs, threshold, samples,
+                       compared=False)
     # the ratio only against a baseline that was read, with enough requests and the histogram
     why_not = (missing or ("no host of the class is left on its previous units to compare with" if baseline is None else "")
                or _few(settings, canary, baseline, compares=True)
@@ -261,8 +264,8 @@ def _latency(name: str, settings: dict[str, float | None], canary: Window, basel
     if why_not:
         if absolute is not None:
             return _result(name, "pass", f"{mine:.4g} s on the canary, within {absolute:g} s (not compared: {why_not})",
-                           mine, theirs, threshold, samples)
-        return _result(name, "inconclusive", why_not, mine, theirs, threshold, samples)
+                           mine, theirs, threshold, samples, compared=False)
+        return _result(name, "inconclusive", why_not, mine, theirs, threshold, samples, compared=False)
     ratio = mine / float(theirs or math.inf)  # theirs is a positive figure here (why_not says so otherwise)
     verdict = "fail" if ratio > (settings["max_ratio"] or math.inf) else "pass"
     return _result(name, verdict, f"{mine:.4g} s on the canary, {theirs:.4g} s on the baseline: {ratio:.2f} times "
@@ -310,8 +313,9 @@ def _memory_margin(settings: dict[str, float | None], canary: Window) -> dict[st
     least = settings["min_bytes"] or 0.0
     threshold = {"min_bytes": least}
     if canary.margin_bytes is None:
-        return _result("memory_margin", "skipped", f"no {MARGIN_METRIC} series of the canary's hosts (read from Prometheus, "
-                       "gpufleet_prometheus_url, where node_exporter serves the metrics exporter's textfile)",
+        return _result("memory_margin", "skipped", canary.margin_note or (
+                       f"no {MARGIN_METRIC} series of the canary's hosts (read from Prometheus, "
+                       "gpufleet_prometheus_url, where node_exporter serves the metrics exporter's textfile)"),
                        None, None, threshold, (canary.requests, None))
     verdict = "fail" if canary.margin_bytes < least else "pass"
     return _result("memory_margin", verdict, f"{canary.margin_bytes:.0f} bytes of GPU memory above the floor on the canary's "

@@ -26,9 +26,11 @@ import urllib.request
 
 from ansible_collections.gpufleet.vllm.plugins.module_utils._engine._vllm_metrics import Sample
 
-__all__ = ["MARGIN_METRIC", "PrometheusError", "check_url", "endpoint", "host_of", "margins", "query", "vllm_samples"]
+__all__ = ["MARGIN_METRIC", "START_METRIC", "PrometheusError", "check_url", "endpoint", "host_of", "margins", "query", "vllm_samples"]
 
 MARGIN_METRIC = "gpufleet_vllm_margin_bytes"
+# when the boot gate checked the instance's last start, as the metrics exporter last read it
+START_METRIC = "gpufleet_vllm_last_start_timestamp_seconds"
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 
 
@@ -36,27 +38,41 @@ class PrometheusError(ValueError):
     """The server could not be asked, or said no; the message names the URL and what it said."""
 
 
+def _redacted(url: str) -> str:
+    """``url`` as a message may show it: no user information, no query (either may carry a secret)."""
+    head, sep, rest = url.partition("://")
+    if not sep:
+        return url.split("?", 1)[0].split("#", 1)[0]
+    netloc, slash, path = rest.partition("/")
+    if "@" in netloc:
+        netloc = "<credentials>@" + netloc.rsplit("@", 1)[1]
+    tail = (slash + path).split("?", 1)[0].split("#", 1)[0]
+    return f"{head}{sep}{netloc}{tail}" + ("?<query>" if "?" in rest else "")
+
+
 def check_url(url: t.Any, field_name: str = "gpufleet_prometheus_url") -> str:
     """The server's base URL (``http(s)://host[:port][/path]``, no trailing slash). Raises
     :class:`PrometheusError` naming the field. Credentials in the URL are refused: the URL is shown
-    in the task's output and the report."""
+    in the task's output and the report, and no message shows them (nor a query)."""
     if not isinstance(url, str) or not url.strip():
-        raise PrometheusError(f"{field_name}: expected the Prometheus server's URL (http://host:9090), got {url!r}")
+        shown = "a blank text" if isinstance(url, str) else type(url).__name__
+        raise PrometheusError(f"{field_name}: expected the Prometheus server's URL (http://host:9090), got {shown}")
     url = url.strip()
-    if _CONTROL.search(url) or " " in url:
-        raise PrometheusError(f"{field_name}: the URL holds a space or a control character: {url!r}")
+    shown = repr(_redacted(url))
     parts = urllib.parse.urlsplit(url)
-    if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise PrometheusError(f"{field_name}: expected an http:// or https:// URL with a host, got {url!r}")
-    if parts.username is not None or parts.password is not None:
+    if "@" in parts.netloc or parts.username is not None or parts.password is not None:
         raise PrometheusError(f"{field_name}: the URL carries credentials, which would show in the task's output and the "
-                              "report; put the server behind a proxy that adds them, or use a URL without them")
+                              f"report ({shown}); put the server behind a proxy that adds them, or use a URL without them")
+    if _CONTROL.search(url) or " " in url:
+        raise PrometheusError(f"{field_name}: the URL holds a space or a control character: {shown}")
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise PrometheusError(f"{field_name}: expected an http:// or https:// URL with a host, got {shown}")
     if parts.query or parts.fragment:
-        raise PrometheusError(f"{field_name}: expected the server's base URL without a query or fragment, got {url!r}")
+        raise PrometheusError(f"{field_name}: expected the server's base URL without a query or fragment, got {shown}")
     try:
         parts.port  # noqa: B018  # raises on a port out of range
     except ValueError as exc:
-        raise PrometheusError(f"{field_name}: {exc}: {url!r}") from None
+        raise PrometheusError(f"{field_name}: {exc}: {shown}") from None
     return str(url).rstrip("/")
 
 
@@ -138,14 +154,27 @@ def vllm_samples(opener: urllib.request.OpenerDirector, base_url: str, instances
 
 
 def margins(opener: urllib.request.OpenerDirector, base_url: str, hosts: t.Sequence[str], at: float | None,
-            timeout: float) -> dict[str, float]:
+            timeout: float, since: float | None = None) -> dict[str, float]:
     """The smallest GPU memory margin (:data:`MARGIN_METRIC`: free memory less the plan's floor) of each
     host address, from any target of that address (node_exporter's textfile collector). A host with no
-    such series is absent."""
+    such series is absent. With ``since`` (epoch seconds), only the margins of instances whose export
+    saw a start at or after it (:data:`START_METRIC`): an export from before a deploy judges the old units."""
     wanted = set(hosts)
     out: dict[str, float] = {}
     if not wanted:
         return out
+    series = MARGIN_METRIC
+    if since is not None:
+        series = f"{MARGIN_METRIC} and on (instance, job, class, vllm_instance) ({START_METRIC} >= {since:.3f})"
+    for row in query(opener, base_url, f"min by (instance) ({series})", at, timeout):
+        host = host_of(str((row.get("metric") or {}).get("instance", "")))
+        if host in wanted:
+            try:
+                value = float(row["value"][1])
+            except (KeyError, IndexError, TypeError, ValueError):
+                continue
+            out[host] = min(value, out.get(host, value))
+    return out
     for row in query(opener, base_url, f"min by (instance) ({MARGIN_METRIC})", at, timeout):
         host = host_of(str((row.get("metric") or {}).get("instance", "")))
         if host in wanted:

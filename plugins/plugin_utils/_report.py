@@ -607,20 +607,39 @@ def _class_group(host_class: str) -> str:
     return "gpufleet_class_" + "".join(c if c.isascii() and (c.isalnum() or c == "_") else "_" for c in host_class)
 
 
+# the message of ansible.builtin.command and shell when the command exits non-zero: its own words are in stderr
+_NONZERO = "non-zero return code"
+# the most of a command's stderr a message carries (its end: where a program says why it stopped)
+_STDERR_CHARS = 400
+
+
+def _one_message(result: Mapping[str, Any], default: str) -> str:
+    msg = str(result.get("msg") or default)
+    stderr = result.get("stderr")
+    if msg == _NONZERO and isinstance(stderr, str) and stderr.strip():
+        tail = " ".join(stderr.strip().split())
+        tail = tail if len(tail) <= _STDERR_CHARS else "..." + tail[-_STDERR_CHARS:]
+        rc = result.get("rc")
+        return f"{msg}{'' if rc is None else f' {rc}'}: {tail}"
+    return msg
+
+
 def failed_items(result: Any) -> list[str]:
-    """The message of each failed item of a looped task's result (``results``), in order."""
+    """The message of each failed item of a looped task's result (``results``), in order (a command's
+    stderr with it where its message only says it exited non-zero)."""
     items = result.get("results") if isinstance(result, Mapping) else None
     if not isinstance(items, list):
         return []
-    return [str(r.get("msg") or "no message") for r in items if isinstance(r, Mapping) and r.get("failed")]
+    return [_one_message(r, "no message") for r in items if isinstance(r, Mapping) and r.get("failed")]
 
 
 def failure_message(result: Any, default: str = "no message") -> str:
     """What a failed task said (``ansible_failed_result``): each failed item's message, since a looped task
-    fails with "One or more items failed", else its own ``msg``, else ``default``."""
+    fails with "One or more items failed", else its own ``msg``, else ``default``. A command that exited
+    non-zero says only that: the end of its stderr follows, where a program says why."""
     if not isinstance(result, Mapping):
         return default
-    return "; ".join(failed_items(result)) or str(result.get("msg") or default)
+    return "; ".join(failed_items(result)) or _one_message(result, default)
 
 
 def run_data(hostvars: Mapping[str, Any], groups: Mapping[str, Any], hosts_from: str = "gpufleet_rollout",
@@ -694,7 +713,7 @@ def run_data(hostvars: Mapping[str, Any], groups: Mapping[str, Any], hosts_from:
             # rolled back with its class after a host or a bake of a later batch failed (gpufleet_on_failure)
             entry = class_rolled[host] if isinstance(class_rolled[host], Mapping) else {}
             error = f"rolled back with its class after {entry.get('after')} failed: {entry.get('summary')}"
-            task = "Roll back the hosts of the class's earlier batches"
+            task = "Roll back the class's other hosts this run changed"
             rolled_back_with = str(entry.get("after") or "") or None
         elif error is None and isinstance(rollback_error, str) and rollback_error.startswith(f"{host}: "):
             error, task, rollback_failed = f"its class rollback stopped here: {rollback_error}", None, True
@@ -785,7 +804,7 @@ def build_report(data: Mapping[str, Any], kind: str = "rollout", generated: _dt.
         policies = {str(b.get("class")): b.get("on_failure") for b in data.get("batches") or [] if isinstance(b, Mapping)}
         for cls in classes:
             cls["on_failure"] = str(policies[cls["name"]]) if policies.get(cls["name"]) else None
-            cls["final"] = _class_final([h for h in hosts if h["class"] == cls["name"]])
+            cls["final"] = _class_final([h for h in hosts if h["class"] == cls["name"]], bool(data.get("check_mode")))
     stamp = generated or utc_now()
     report = {
         "schema_version": SCHEMA_VERSION,
@@ -809,12 +828,15 @@ def build_report(data: Mapping[str, Any], kind: str = "rollout", generated: _dt.
     return report
 
 
-def _class_final(hosts: list[dict[str, Any]]) -> dict[str, Any]:
+def _class_final(hosts: list[dict[str, Any]], check_mode: bool = False) -> dict[str, Any]:
     """Where a class's hosts ended: ``{state, new_plan, previous, failed}`` (host names; ``state``: ``new_plan``,
     ``previous_plan``, ``mixed`` or ``failed``). On the new plan: deployed or already on it; on the previous one: rolled
-    back, or not reached; failed: a host whose rollback failed, or that failed before anything on it changed."""
-    new = sorted(h["host"] for h in hosts if h["outcome"] in ("deployed", "unchanged"))
-    previous = sorted(h["host"] for h in hosts if h["outcome"] in ("rolled_back", "not_reached", "skipped"))
+    back, or not reached; failed: a host whose rollback failed, or that failed before anything on it changed. In check
+    mode nothing changed: a host the run would deploy is still on its previous plan."""
+    deployed = ("unchanged",) if check_mode else ("deployed", "unchanged")
+    new = sorted(h["host"] for h in hosts if h["outcome"] in deployed)
+    previous = sorted(h["host"] for h in hosts if h["outcome"] in ("rolled_back", "not_reached", "skipped")
+                      or (check_mode and h["outcome"] == "deployed"))
     failed = sorted(h["host"] for h in hosts if h["outcome"] == "failed")
     state = "failed" if failed else "mixed" if new and previous else "new_plan" if new else "previous_plan"
     return {"state": state, "new_plan": new, "previous": previous, "failed": failed}
@@ -1057,7 +1079,8 @@ def load_report(obj: Any) -> dict[str, Any]:
         report["hosts"] = hosts
         if report.get("kind") == "rollout":
             report["classes"] = [dict(c, on_failure=c.get("on_failure"),
-                                      final=c.get("final") or _class_final([h for h in hosts if h.get("class") == c.get("name")]))
+                                      final=c.get("final") or _class_final([h for h in hosts if h.get("class") == c.get("name")],
+                                                                                bool(report["check_mode"])))
                                  for c in report["classes"] if isinstance(c, Mapping)]
         return report
     if version == 0:

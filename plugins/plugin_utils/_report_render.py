@@ -604,7 +604,8 @@ def render_analysis_svg(batch: Mapping[str, Any]) -> str:
         verdict = esc(str(check.get("verdict")))
         parts.append(f'<text x="{_LABEL_W + _BAR_W + 8}" y="{y + 20}" font-size="11">{esc(note)} ({verdict})</text>')
     parts.append(f'<text x="{_LABEL_W}" y="{height - 4}" font-size="11">upper bar: the canary (green pass, red fail, amber '
-                 "otherwise); lower bar: the baseline; black tick: the limit past which the check fails</text>")
+                 "otherwise); lower bar: the baseline; black tick: the limit (success rate and memory margin fail below it, "
+                 "the others above it)</text>")
     parts.append("</svg>")
     return "\n".join(parts)
 

@@ -365,17 +365,20 @@ def class_batches(classes: Sequence[Any], serial: Any) -> list[dict[str, Any]]:
 
 
 def class_rollback_hosts(batches: Sequence[Mapping[str, Any]], changed: Mapping[str, bool],
-                         failing: Collection[str] = ()) -> list[str]:
+                         failing: Collection[str] = (), active: Collection[str] | None = None) -> list[str]:
     """The hosts a class rollback restores, in the order it restores them: the hosts of the last
     batch record's class that this run changed (``changed``: host -> whether its units changed), the
     latest batch first and each batch's hosts in reverse (``batches``: the run's batch records, the
     running one last). Of the running batch, the hosts that are not ``failing`` (a failing host rolls
-    itself back): the class rollback runs in a failed host's rescue, which Ansible's linear strategy
-    starts once the batch's other hosts finished their deploy."""
+    itself back) and, given ``active`` (Ansible's ``ansible_play_batch``), are still in it: the class
+    rollback runs in a failed host's rescue, which the serial play's linear strategy starts once the
+    batch's other hosts finished their deploy; a host that dropped out (unreachable) cannot be restored,
+    and trying first would leave the earlier batches unrestored."""
     if not batches:
         return []
     running = batches[-1]
-    out = [h for h in reversed(list(running.get("hosts") or [])) if changed.get(h) and h not in failing]
+    out = [h for h in reversed(list(running.get("hosts") or []))
+           if changed.get(h) and h not in failing and (active is None or h in active)]
     for batch in reversed(batches[:-1]):
         if batch.get("class") == running.get("class"):
             out += [h for h in reversed(list(batch.get("hosts") or [])) if changed.get(h)]

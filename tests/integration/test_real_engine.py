@@ -13,7 +13,7 @@ the NUMA node's memory). Nothing of the unit is relaxed: it runs as rendered for
 production, through the boot gate.
 
 The tests run in file order on one fleet. A real engine boot costs 20-90 s here, so each
-is there for an assertion (7 in all, and the four engines of step 8):
+is there for an assertion (7 in all, and the four engines of step 9):
 
 1. rollout with the second host's model file readable only by root (as the generator
    writes it): the check of every host before the canaries finds the file the service user
@@ -30,20 +30,24 @@ is there for an assertion (7 in all, and the four engines of step 8):
    ``/metrics``: blocks and tokens equal the planner's prediction; the free-memory floor is
    reported as not applicable on the CPU build, with why;
 4. the production units serve, and the collection's parsers read their journals and scrapes;
-5. the simulator (``sim/engine/vllm``) boots on the controller with the argument vector of
+5. Prometheus (the Debian package) in the canary host scrapes its unit and the textfile metrics: what
+   the bake reads back through its query API equals a scrape of the engine, and ``rollout_bake`` with
+   ``prometheus_url`` judges the real engine under a client's completions (counts, latency histograms, GPU
+   memory margin);
+6. the simulator (``sim/engine/vllm``) boots on the controller with the argument vector of
    the canary host's unit (only the executable, the model's path and the port differ) on
    the same fake GPU, and what the collection parses from it (log summary, capacity,
    ``/metrics``, the boot check's verdict with the plan's expectations) equals what it
    parsed from the real unit: the fault tests on the simulator keep meaning something;
-6. the same rollout again changes nothing and boots nothing (its wall time is the
+7. the same rollout again changes nothing and boots nothing (its wall time is the
    rollout's own overhead);
-7. a rollout whose batches deploy a budget below one request (the plan the batches take,
+8. a rollout whose batches deploy a budget below one request (the plan the batches take,
    replaced with extra vars: the planner never plans one): the engine refuses it at boot on
    the first batch's host (boot 6), the run fails with the engine's own words, in the report
    too, the previous real unit comes back byte for byte and is active again (boot 7), and
    no later batch runs.
 
-8. an instance over both hosts, started by hand with the rank arguments the collection renders for
+9. an instance over both hosts, started by hand with the rank arguments the collection renders for
    a gang (``_gang.member_args``) over the test hosts' fabric (gloo on TCP, ``VLLM_HOST_IP`` and
    ``GLOO_SOCKET_IFNAME`` per host): tensor parallel 2 with one rank per host, and data parallel 2
    with one engine per host (two engines each); the head serves a completion, its capacity line is what
@@ -66,6 +70,7 @@ import struct
 import sys
 import time
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -75,11 +80,12 @@ import yaml
 from ansible_collections.gpufleet.vllm.plugins.module_utils._engine import _engine_process, _serve_argv
 from ansible_collections.gpufleet.vllm.plugins.module_utils._engine._boot_check import capacity_figures, evaluate_boot, summarise_log
 from ansible_collections.gpufleet.vllm.plugins.module_utils._engine._vllm_log import GIB_ROUNDING_BYTES, parse_engine_log
-from ansible_collections.gpufleet.vllm.plugins.module_utils._engine._vllm_metrics import histogram_quantile, parse_metrics
+from ansible_collections.gpufleet.vllm.plugins.module_utils._engine._vllm_metrics import histogram_quantile, metrics_from_samples, parse_metrics
 from ansible_collections.gpufleet.vllm.plugins.module_utils._plan._geometry import geometry_from_config
 from ansible_collections.gpufleet.vllm.plugins.module_utils._plan._launch import plan_checksum
 from ansible_collections.gpufleet.vllm.plugins.module_utils._units import _gang
 from ansible_collections.gpufleet.vllm.plugins.plugin_utils._plan import plan_class
+from ansible_collections.gpufleet.vllm.plugins.plugin_utils._prometheus import PrometheusError, query, vllm_samples
 
 REPO = Path(__file__).resolve().parents[2]
 CACHE = Path(os.environ.get("GPUFLEET_CACHE", REPO / ".cache"))
@@ -577,6 +583,98 @@ def test_the_production_unit_serves_and_the_parsers_read_it(fleet, seen):
     assert (builtin.parser, prom.parser) == ("builtin", "prometheus_client")
     assert dataclasses.replace(prom, parser="builtin") == builtin
 
+
+
+PROMETHEUS_PORT = 9090
+# Prometheus (the Debian package, its unit disabled in the test hosts) on the canary host: its real engine on
+# loopback, and node_exporter with the metrics exporter's textfile metrics, every 2 s (a scrape may take up to
+# that on a loaded two-core machine; one that failed would leave no series at the bake's start)
+PROMETHEUS_CFG = """\
+global:
+  scrape_interval: 2s
+scrape_configs:
+  - job_name: vllm
+    static_configs:
+      - targets: ['127.0.0.1:8000']
+  - job_name: node
+    static_configs:
+      - targets: ['127.0.0.1:9100']
+"""
+# the bake's checks for one host with no baseline: absolute limits only (a share of the work of a two-core
+# test machine is not a latency figure), a sample or more each
+LANE_CHECKS = {"success_rate": {"min_requests": 1}, "preemptions": {"min_requests": 1},
+               "ttft_p90": {"max_seconds": 300, "min_requests": 1}, "itl_p90": {"max_seconds": 300, "min_requests": 1},
+               "e2e_p90": {"max_seconds": 600, "min_requests": 1}, "kv_usage": {"max": 0.98}, "memory_margin": {"min_bytes": 0}}
+LANE_BAKE_SECONDS = 12
+
+
+def _prometheus_up(fleet: Fleet, url: str) -> None:
+    fleet.h.exec(CANARY, ["systemctl", "start", "gpufleet-vllm-metrics.service", "prometheus-node-exporter.service"], check=True)
+    fleet.h.exec(CANARY, ["sh", "-c", f"cat > /etc/prometheus/prometheus.yml <<'EOF'\n{PROMETHEUS_CFG}EOF"], check=True)
+    fleet.h.exec(CANARY, ["systemctl", "restart", "prometheus"], check=True)
+    deadline, up = time.monotonic() + 120, []
+    while time.monotonic() < deadline:
+        try:
+            up = query(urllib.request.build_opener(), url, "up == 1", None, 5)
+            if len(up) == 2:
+                return
+        except PrometheusError:
+            pass
+        time.sleep(0.5)
+    journal = fleet.h.exec(CANARY, ["journalctl", "-u", "prometheus", "--no-pager", "-n", "30"]).stdout
+    raise AssertionError(f"Prometheus did not scrape the engine and node_exporter: {up}\n{journal}")
+
+
+def test_a_bake_reads_the_real_engine_through_prometheus(fleet, seen):
+    """The bake's Prometheus source on the real engine: Prometheus in the canary host scrapes its unit's
+    ``/metrics`` and the metrics exporter's textfile series. At rest, the figures read back through the query API
+    equal those of a scrape of the engine itself; then ``gpufleet.vllm.rollout_bake`` with ``prometheus_url``
+    judges the engine while a client on the host sends completions: the requests it counts all succeeded, its
+    latency figures come from the real histograms, and the host's GPU memory margin is the exporter's. No boot;
+    Prometheus is stopped after, and the engine keeps serving."""
+    url = f"http://{fleet.h.get(CANARY).address}:{PROMETHEUS_PORT}"
+    instance = "127.0.0.1:8000"
+    opener = urllib.request.build_opener()
+    try:
+        _prometheus_up(fleet, url)
+        time.sleep(4.5)  # two scrapes after the last request (none in flight): the engine at rest
+        direct = parse_metrics(fleet.metrics(CANARY))
+        through = metrics_from_samples(vllm_samples(opener, url, [instance], None, 10)[instance], "prometheus")
+        assert direct.recognised and through.recognised and direct.requests_succeeded >= 1
+        for figure in ("request_success", "preemptions_total", "kv_cache_usage", "ttft", "itl", "e2e", "num_gpu_blocks",
+                       "kv_cache_size_tokens", "engines", "generation_tokens_total"):
+            assert getattr(through, figure) == getattr(direct, figure), figure
+        textfile = fleet.h.exec(CANARY, ["sh", "-c", "cat /var/lib/prometheus/node-exporter/*.prom"], check=True).stdout
+        exported = [float(line.rsplit(" ", 1)[1]) for line in textfile.splitlines() if line.startswith("gpufleet_vllm_margin_bytes{")]
+        assert exported, textfile
+
+        args = {"seconds": LANE_BAKE_SECONDS, "prometheus_url": url, "checks": LANE_CHECKS, "inconclusive": "fail",
+                "canary": [{"host": CANARY, "instance": "main", "url": f"http://{instance}/metrics"}]}
+        before = parse_metrics(fleet.metrics(CANARY)).requests_succeeded
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            bake = pool.submit(fleet.hosts.ansible, CANARY, "gpufleet.vllm.rollout_bake", json.dumps(args))
+            sent = 0
+            while not bake.done():
+                assert len(fleet.complete(CANARY)["choices"]) == 1
+                sent += 1
+            result = bake.result()[CANARY]
+        after = parse_metrics(fleet.metrics(CANARY)).requests_succeeded
+        assert after - before == sent, (before, after, sent)
+        analysis = result["analysis"]
+        checks = {c["name"]: c for c in analysis["checks"]}
+        assert result["source"] == analysis["source"] == f"Prometheus {url}", result
+        assert analysis["verdict"] == "pass" and analysis["baseline_hosts"] == 0, analysis
+        # the bake's window is the scrapes before its two readings: some of the requests sent, none that was not
+        counted = checks["success_rate"]["samples"]["canary"]
+        assert 1 <= counted <= sent and checks["success_rate"]["canary"] == 1.0, (checks["success_rate"], sent)
+        for name in ("ttft_p90", "itl_p90", "e2e_p90"):
+            assert checks[name]["verdict"] == "pass" and checks[name]["canary"] > 0, checks[name]
+        assert checks["preemptions"]["canary"] == 0 and checks["kv_usage"]["verdict"] == "pass", checks
+        assert checks["memory_margin"]["canary"] == min(exported), (checks["memory_margin"], exported)
+        seen["prometheus_bake"] = {"sent": sent, "counted": counted, "ttft_p90": checks["ttft_p90"]["canary"]}
+    finally:
+        fleet.h.exec(CANARY, ["systemctl", "stop", "prometheus", "prometheus-node-exporter"])
+    assert fleet.health(CANARY) == "200"
 
 def _engine_argv(unit: str) -> list[str]:
     """The engine's argument vector in the unit: what the boot gate execs after its ``--``."""

@@ -339,7 +339,8 @@ def test_a_batch_that_serves_slower_than_the_class_fails_its_bake_and_the_class_
     the class rollback restores batch 1's host, the third host is never touched, every host serves its previous
     unit byte for byte, the run fails, and the report shows both analyses and who was rolled back why. A second
     run without traffic: too few requests make batch 1's analysis inconclusive, which counts as a failure by
-    default, and that host is rolled back too. A third: a bake_start hook that fails counts as a failed bake. A
+    default, and that host is rolled back too; its failing bake_end hook is recorded beside the analysis, which
+    keeps its figures. A third: a bake_start hook that fails counts as a failed bake. A
     fourth, without a bake: batch 2's host fails its boot, and the class rollback restores batch 1's host the same
     way."""
     before = fleet.units()
@@ -377,14 +378,18 @@ def test_a_batch_that_serves_slower_than_the_class_fails_its_bake_and_the_class_
     for host in HOSTS:
         assert fleet.active(host) == "active", host
 
+    # no traffic: inconclusive, counted as fail; its bake_end hook fails too, and the analysis keeps its figures
+    failing = fleet.workdir / "failing-bake-hook.yml"
+    failing.write_text(FAILING_BAKE_HOOK, encoding="utf-8")
     since = len(fleet.reports())
-    rc, out = fleet.rollout({"gpufleet_guard": "0.75GiB", **BAKE, "gpufleet_bake_seconds": 1})
+    rc, out = fleet.rollout({"gpufleet_guard": "0.75GiB", **BAKE, "gpufleet_bake_seconds": 1, "gpufleet_hooks": {"bake_end": str(failing)}})
     assert rc != 0, out[-6000:]
     report = fleet.last_report(since)
     assert report is not None and len(report["batches"]) == 1
     analysis = report["batches"][0]["analysis"]
     assert analysis["verdict"] == "inconclusive" and analysis["effective"] == "fail", analysis
     assert "0 request(s) finished on the canary during the bake, fewer than 5" in {c["why"] for c in analysis["checks"]}
+    assert analysis["error"] == "sim-ro-1: the bake_end hook failed: the load balancer refused the canary weight of sim-ro-1", analysis
     assert "sim-ro-1: the bake of batch 1 of class ro-l40s failed: bake of 1 s, 1 changed host(s) against 2 baseline host(s): " \
            "inconclusive (counted as fail)" in out, out[-6000:]
     assert fleet.units() == before
@@ -392,8 +397,6 @@ def test_a_batch_that_serves_slower_than_the_class_fails_its_bake_and_the_class_
         assert fleet.active(host) == "active", host
 
     # a bake_start hook that fails counts as a failed bake, naming the host and the hook's words
-    failing = fleet.workdir / "failing-bake-hook.yml"
-    failing.write_text(FAILING_BAKE_HOOK, encoding="utf-8")
     since = len(fleet.reports())
     rc, out = fleet.rollout({"gpufleet_guard": "0.75GiB", **BAKE, "gpufleet_hooks": {"bake_start": str(failing)}})
     assert rc != 0, out[-6000:]

@@ -565,6 +565,8 @@ def test_a_bake_judged_through_prometheus_rolls_the_class_back_behind_haproxy(fl
     prometheus = prometheus_up(fleet)
     hooks = dict(haproxy_hooks(), bake_start=str(HAPROXY_DIR / "bake_start.yml"), bake_end=str(HAPROXY_DIR / "bake_end.yml"))
     inv = inventory(fleet, "bake", {"rp_a": hooks}, gpufleet_bake_seconds=6, gpufleet_prometheus_url=prometheus,
+                    # the exporter writes each new unit's margin within the bake (the check reads no export from before it)
+                    vllm_service_metrics_interval_sec=2,
                     gpufleet_analysis={"itl_p90": {"max_seconds": 0.03, "min_requests": 5}, "ttft_p90": {"min_requests": 5},
                                        "e2e_p90": False, "success_rate": {"min_requests": 5}, "preemptions": {"min_requests": 5}},
                     gpufleet_on_failure="rollback_class", gpufleet_max_unavailable=1, gpufleet_haproxy_canary_weight="25%")

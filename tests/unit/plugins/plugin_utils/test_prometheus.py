@@ -18,7 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from ansible_collections.gpufleet.vllm.plugins.module_utils._engine._vllm_metrics import metrics_from_samples, parse_metrics
+from ansible_collections.gpufleet.vllm.plugins.action import rollout_bake
+from ansible_collections.gpufleet.vllm.plugins.module_utils._engine._vllm_metrics import EngineMetrics, metrics_from_samples, parse_metrics
 from ansible_collections.gpufleet.vllm.plugins.plugin_utils._prometheus import (
     PrometheusError,
     check_url,
@@ -37,6 +38,9 @@ MARGIN_TEXT = """\
 # TYPE gpufleet_vllm_margin_bytes gauge
 gpufleet_vllm_margin_bytes{class="c",gpu="0",rank="0",vllm_instance="main"} 2.5e+09
 gpufleet_vllm_margin_bytes{class="c",gpu="1",rank="1",vllm_instance="main"} 1.5e+09
+# HELP gpufleet_vllm_last_start_timestamp_seconds when the boot gate checked the unit's last start
+# TYPE gpufleet_vllm_last_start_timestamp_seconds gauge
+gpufleet_vllm_last_start_timestamp_seconds{class="c",vllm_instance="main"} 1.7e+09
 """
 
 
@@ -130,6 +134,25 @@ def test_the_figures_read_through_prometheus_equal_the_scrapes(served, prometheu
             assert getattr(through, figure) == getattr(direct, figure), (name, figure)
     # the margins by the address of the host: the smallest of its ranks
     assert margins(opener, prometheus, ["127.0.0.1", "10.9.9.9"], None, 10) == {"127.0.0.1": 1.5e9}
+    # only an export that saw a start at or after the batch's: one from before judges the previous units
+    assert margins(opener, prometheus, ["127.0.0.1"], None, 10, since=1.7e9) == {"127.0.0.1": 1.5e9}
+    assert margins(opener, prometheus, ["127.0.0.1"], None, 10, since=1.7e9 + 1) == {}
+
+
+def test_an_engine_without_series_at_the_start_counts_from_zero_only_if_the_batch_restarted_it(served, prometheus):
+    opener = urllib.request.build_opener()
+    targets = [{"host": "a", "instance": "main", "url": f"http://{served['one']}/metrics"},
+               {"host": "b", "instance": "main", "url": "http://10.9.9.9:8000/metrics"},
+               {"host": "c", "instance": "main", "url": "http://10.9.9.8:8000/metrics"}]
+    first = rollout_bake._ask_prometheus(opener, prometheus, targets, 10, first=True, restarted=2)
+    assert first[0].recognised and first[1] == EngineMetrics(parser="prometheus"), first[:2]
+    # a baseline engine Prometheus has no series of (a failed scrape just before): unread, not its lifetime counted
+    assert isinstance(first[2], str) and "10.9.9.8:8000 at the start of the bake" in first[2], first[2]
+    last = rollout_bake._ask_prometheus(opener, prometheus, targets, 10, first=False)
+    assert isinstance(last[1], str) and "no vllm: series of the instance 10.9.9.9:8000" in last[1]
+    # a server that is not there: every engine unread, with its words
+    gone = rollout_bake._ask_prometheus(opener, f"http://127.0.0.1:{_free_port()}", targets, 5, first=True, restarted=3)
+    assert all(isinstance(g, str) and "onnection refused" in g for g in gone), gone
 
 
 def test_prometheus_errors_name_the_server_and_what_it_said(served, prometheus):
@@ -155,3 +178,12 @@ def test_urls_and_instances():
     assert host_of("gpu-01:9100") == "gpu-01" and host_of("fd00::1") == "fd00::1"
     with pytest.raises(PrometheusError, match="the URL carries credentials"):
         check_url("https://user:pw@prom:9090")
+    # no message shows a secret: credentials are refused before any other check, and a query is not echoed
+    for bad in ("https://user:s3cret@prom :9090", "ftp://user:s3cret@prom", "http://prom:9090/?token=s3cret", "http://user@prom\x01"):
+        with pytest.raises(PrometheusError) as caught:
+            check_url(bad)
+        assert "s3cret" not in str(caught.value) and "user" not in str(caught.value), caught.value
+    with pytest.raises(PrometheusError, match=r"without a query or fragment, got 'http://prom:9090/\?<query>'"):
+        check_url("http://prom:9090/?token=s3cret")
+    with pytest.raises(PrometheusError, match=r"got 'ftp://prom'"):
+        check_url("ftp://prom")

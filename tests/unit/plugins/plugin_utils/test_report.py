@@ -150,6 +150,13 @@ def test_outcomes_batches_and_rolled_back_hosts():
     assert summary_line(report) == ("rollout: 1 class(es), 1 deployable; 1 rolled back, 1 not reached, 1 deployed; failed hosts gpu-b; "
                                     "class h200 split: 1 host(s) on the new plan, 2 on the previous")
     assert report["classes"][0]["final"] == {"state": "mixed", "new_plan": ["gpu-a"], "previous": ["gpu-b", "gpu-c"], "failed": []}
+    # a dry run changed nothing: the host it would deploy is still on its previous plan
+    dry = build_report(dict(rollout_data(), check_mode=True), "rollout", generated=WHEN)
+    deployed = [h["host"] for h in dry["hosts"] if h["outcome"] == "deployed"]
+    assert deployed and set(deployed) <= set(dry["classes"][0]["final"]["previous"]), (deployed, dry["classes"][0]["final"])
+    assert not set(deployed) & set(dry["classes"][0]["final"]["new_plan"])
+    assert load_report(dict(dry, classes=[{k: v for k, v in c.items() if k != "final"} for c in dry["classes"]]))["classes"][0]["final"] \
+        == dry["classes"][0]["final"]
     md = render_markdown(report)
     assert "## Rolled back" in md and "**gpu-b** (class h200, batch 2): vllm-vllm.service: boot check failed" in md
     assert "| 2 of 3 | gpu-b (rolled back) | 149 | failed |" in md

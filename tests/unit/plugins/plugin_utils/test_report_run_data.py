@@ -5,7 +5,7 @@ contributes, and that a failed looped task names each failed item."""
 from __future__ import annotations
 
 from ansible_collections.gpufleet.vllm.plugins.module_utils._plan._launch import plan_checksum
-from ansible_collections.gpufleet.vllm.plugins.plugin_utils._report import build_report, run_data
+from ansible_collections.gpufleet.vllm.plugins.plugin_utils._report import build_report, failure_message, run_data
 from ansible_collections.gpufleet.vllm.plugins.plugin_utils._report_render import render_markdown, summary_line
 
 STATE = {"ok": True, "failed": False, "needs_profile": False, "plan": {}, "key_hash": "k1", "manual_canary": "pass", "reasons": []}
@@ -170,3 +170,14 @@ def test_the_host_s_own_failure_is_reported_even_when_a_class_rollback_ran_in_it
     data = run_data(hostvars, groups)
     own = ("vllm-main.service: boot check failed", "Start and check the new units")
     assert (data["hosts"]["b"]["error"], data["hosts"]["b"]["failed_task"]) == own
+
+
+def test_a_failed_command_is_named_by_its_own_words():
+    # ansible.builtin.command says only that it exited non-zero: the end of its stderr, on one line, follows
+    result = {"msg": "non-zero return code", "rc": 2, "stderr": "usage: x\nhaproxy refused: no such server\n"}
+    assert failure_message(result) == "non-zero return code 2: usage: x haproxy refused: no such server"
+    assert failure_message(dict(result, stderr="e" * 1000)) == "non-zero return code 2: ..." + "e" * 400
+    assert failure_message({"msg": "non-zero return code", "stderr": "  "}) == "non-zero return code"
+    looped = {"msg": "One or more items failed", "results": [{"failed": True, **result}, {"failed": True, "msg": "other"}]}
+    assert failure_message(looped) == "non-zero return code 2: usage: x haproxy refused: no such server; other"
+    assert failure_message({"msg": "the lease is held"}) == "the lease is held" and failure_message(None) == "no message"

@@ -218,6 +218,9 @@ def test_a_class_rollback_restores_the_earlier_batches_latest_first():
     # a running batch of several hosts: the ones that passed come first, latest first
     assert class_rollback_hosts(batches[:2], changed, {"a2"}) == ["a4", "a1"]
     assert class_rollback_hosts(batches[:2], changed, {"a2", "a4"}) == ["a1"]
+    # a host of the running batch no longer in it (unreachable) is left out: the earlier batches are still restored
+    assert class_rollback_hosts(batches[:2], changed, {"a2"}, active={"a2", "a3"}) == ["a1"]
+    assert class_rollback_hosts(batches[:2], changed, {"a2"}, active={"a2", "a3", "a4"}) == ["a4", "a1"]
 
 
 def test_every_batch_of_a_class_carries_its_bake():
