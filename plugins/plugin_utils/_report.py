@@ -1078,9 +1078,9 @@ def load_report(obj: Any) -> dict[str, Any]:
         hosts = [dict(h, rolled_back_with=h.get("rolled_back_with")) for h in report["hosts"] if isinstance(h, Mapping)]
         report["hosts"] = hosts
         if report.get("kind") == "rollout":
+            dry = bool(report["check_mode"])
             report["classes"] = [dict(c, on_failure=c.get("on_failure"),
-                                      final=c.get("final") or _class_final([h for h in hosts if h.get("class") == c.get("name")],
-                                                                                bool(report["check_mode"])))
+                                      final=c.get("final") or _class_final([h for h in hosts if h.get("class") == c.get("name")], dry))
                                  for c in report["classes"] if isinstance(c, Mapping)]
         return report
     if version == 0:

@@ -584,7 +584,6 @@ def test_the_production_unit_serves_and_the_parsers_read_it(fleet, seen):
     assert dataclasses.replace(prom, parser="builtin") == builtin
 
 
-
 PROMETHEUS_PORT = 9090
 # Prometheus (the Debian package, its unit disabled in the test hosts) on the canary host: its real engine on
 # loopback, and node_exporter with the metrics exporter's textfile metrics, every 2 s (a scrape may take up to
@@ -675,6 +674,7 @@ def test_a_bake_reads_the_real_engine_through_prometheus(fleet, seen):
     finally:
         fleet.h.exec(CANARY, ["systemctl", "stop", "prometheus", "prometheus-node-exporter"])
     assert fleet.health(CANARY) == "200"
+
 
 def _engine_argv(unit: str) -> list[str]:
     """The engine's argument vector in the unit: what the boot gate execs after its ``--``."""
