@@ -175,12 +175,3 @@ def margins(opener: urllib.request.OpenerDirector, base_url: str, hosts: t.Seque
                 continue
             out[host] = min(value, out.get(host, value))
     return out
-    for row in query(opener, base_url, f"min by (instance) ({MARGIN_METRIC})", at, timeout):
-        host = host_of(str((row.get("metric") or {}).get("instance", "")))
-        if host in wanted:
-            try:
-                value = float(row["value"][1])
-            except (KeyError, IndexError, TypeError, ValueError):
-                continue
-            out[host] = min(value, out.get(host, value))
-    return out
