@@ -336,9 +336,15 @@ def exporter_main(argv: t.Sequence[str], nvml: t.Any = None, prometheus: t.Any =
         _say(sys.stderr, f"gpufleet-vllm-metrics: --out {opts['out']}: node_exporter reads only *.prom files")
         return 2
     if nvml is None:
-        import pynvml  # pylint: disable=import-outside-toplevel
+        # as the boot gate finds it: nvidia-ml-py, else the copy vLLM ships (a vLLM venv often has only that one,
+        # and the exporter runs with the gate's interpreter)
+        from ._gate._boot_gate import load_pynvml  # pylint: disable=import-outside-toplevel
 
-        nvml = pynvml
+        try:
+            nvml = load_pynvml()
+        except ImportError as exc:
+            _say(sys.stderr, f"gpufleet-vllm-metrics: no NVML binding: {exc}")
+            return 1
     if prometheus is None:
         import prometheus_client  # pylint: disable=import-outside-toplevel
 

@@ -608,7 +608,10 @@ LANE_BAKE_SECONDS = 12
 
 
 def _prometheus_up(fleet: Fleet, url: str) -> None:
-    fleet.h.exec(CANARY, ["systemctl", "start", "gpufleet-vllm-metrics.service", "prometheus-node-exporter.service"], check=True)
+    # the metrics exporter once (its timer's run), with the gate's interpreter: the vLLM venv, whose NVML binding
+    # is the copy vLLM ships (the CPU build has no nvidia-ml-py)
+    started = fleet.h.exec(CANARY, ["systemctl", "start", "gpufleet-vllm-metrics.service", "prometheus-node-exporter.service"])
+    assert started.returncode == 0, fleet.h.exec(CANARY, ["journalctl", "-u", "gpufleet-vllm-metrics", "--no-pager", "-n", "30"]).stdout
     fleet.h.exec(CANARY, ["sh", "-c", f"cat > /etc/prometheus/prometheus.yml <<'EOF'\n{PROMETHEUS_CFG}EOF"], check=True)
     fleet.h.exec(CANARY, ["systemctl", "restart", "prometheus"], check=True)
     deadline, up = time.monotonic() + 120, []

@@ -150,8 +150,9 @@ def test_textfile_metrics_carry_the_margin_and_the_degraded_flag(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["gpufleet_vllm.prom"], "no temporary file is left"
 
 
-def run_exporter(tmp_path: Path, plans: Path) -> tuple[subprocess.CompletedProcess[str], Path]:
-    """The exporter program in a fresh interpreter, real pynvml on the fake library (state in ``tmp_path/state``)."""
+def run_exporter(tmp_path: Path, plans: Path, pythonpath_first: str = "") -> tuple[subprocess.CompletedProcess[str], Path]:
+    """The exporter program in a fresh interpreter, real pynvml on the fake library (state in ``tmp_path/state``);
+    ``pythonpath_first`` goes before the interpreter's own PYTHONPATH."""
     out = tmp_path / "textfile" / "gpufleet_vllm.prom"
     out.parent.mkdir()
     # this machine may run no systemd: a systemctl that knows the unit but no process of it
@@ -163,7 +164,8 @@ def run_exporter(tmp_path: Path, plans: Path) -> tuple[subprocess.CompletedProce
             "sys.exit(exporter_main(sys.argv[1:]))")
     done = subprocess.run([sys.executable, "-c", code, "--state-dir", str(plans), "--out", str(out)],
                           env=dict(os.environ, LD_LIBRARY_PATH=str(LIB.parent), FAKE_NVML_STATE=str(tmp_path / "state"),
-                                   PATH=f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}"),
+                                   PATH=f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}",
+                                   PYTHONPATH=os.pathsep.join(p for p in (pythonpath_first, os.environ.get("PYTHONPATH", "")) if p)),
                           capture_output=True, text=True, timeout=60, check=False)
     assert done.returncode == 0, done.stderr
     return done, out
@@ -188,6 +190,28 @@ def test_exporter_end_to_end_on_the_fake_nvml(tmp_path):
     assert samples[("gpufleet_vllm_margin_bytes", "main")] == -GIB, samples
     assert samples[("gpufleet_vllm_plan_file_errors", None)] == 1
     assert samples[("gpufleet_vllm_would_refuse", "main")] == 1
+
+
+@pytest.mark.skipif(not LIB.exists(), reason=f"fake NVML library not built ({LIB}); run `make fake-nvml`")
+def test_the_exporter_finds_the_pynvml_vllm_ships_as_the_boot_gate_does(tmp_path):
+    """The exporter runs with the boot gate's interpreter, a vLLM venv that may lack nvidia-ml-py (the CPU build
+    does) but has vllm/third_party/pynvml.py: it loads that copy (here, the real binding's source), as the gate does."""
+    import pynvml  # pylint: disable=import-outside-toplevel
+    shadow = tmp_path / "path"
+    (shadow / "pynvml").mkdir(parents=True)
+    (shadow / "pynvml" / "__init__.py").write_text("raise ImportError('No module named pynvml (nvidia-ml-py is not installed)')\n")
+    (shadow / "vllm" / "third_party").mkdir(parents=True)
+    (shadow / "vllm" / "__init__.py").write_text("raise RuntimeError('the vllm package must not be imported')\n")
+    (shadow / "vllm" / "third_party" / "pynvml.py").write_text(Path(pynvml.__file__).read_text(encoding="utf-8"))
+    state = nvml_state.new_state()
+    state["gpus"] = [nvml_state.make_gpu(0, TOTAL, reserved=RESERVED, name="NVIDIA L40S", cc="8.9")]
+    nvml_state.save(tmp_path / "state", state)
+    plans = tmp_path / "etc"
+    plans.mkdir()
+    (plans / "main.plan.json").write_text(json.dumps(plan_doc("refuse")))
+    done, out = run_exporter(tmp_path, plans, pythonpath_first=str(shadow))
+    assert "1 instance(s)" in done.stdout, done.stderr
+    assert "gpufleet_vllm_margin_bytes{" in out.read_text()
 
 
 @pytest.mark.skipif(not LIB.exists(), reason=f"fake NVML library not built ({LIB}); run `make fake-nvml`")
