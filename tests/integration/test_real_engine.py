@@ -775,7 +775,7 @@ def test_the_simulator_under_the_same_unit_and_budget_parses_alike(fleet, seen, 
 
 
 def test_second_run_changes_nothing(fleet, seen):
-    rc, out = fleet.playbook(ROLLOUT, label="6 second run: no change, no boot")
+    rc, out = fleet.playbook(ROLLOUT, label="7 second run: no change, no boot")
     assert rc == 0, out[-6000:]
     counters = _recap(out)
     for host in HOSTS:
@@ -806,7 +806,7 @@ def test_a_budget_below_one_request_is_refused_by_the_engine_and_rolled_back(fle
     # takes from the class state) is given instead, as a fault injection at the deploy step.
     small = geometry.bytes_per_block * 3 // 2
     rc, out = fleet.playbook(ROLLOUT, {"vllm_service_plan": _plan_with_budget(fleet, CANARY, geometry, small)},
-                             label="7 budget below one request: refused at boot, rolled back")
+                             label="8 budget below one request: refused at boot, rolled back")
     assert rc != 0, out[-6000:]
     words = f"To serve at least one request with the model's max seq len ({MAX_MODEL_LEN})"
     failure = [line for line in out.splitlines() if "the previous units were restored and restarted" in line]
