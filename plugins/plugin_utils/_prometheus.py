@@ -38,16 +38,23 @@ class PrometheusError(ValueError):
     """The server could not be asked, or said no; the message names the URL and what it said."""
 
 
-def _redacted(url: str) -> str:
-    """``url`` as a message may show it: no user information, no query (either may carry a secret)."""
+def _split_authority(url: str) -> tuple[str, str, str]:
+    """``(scheme://, authority, rest)`` of ``url`` as written, the authority being what comes before the first
+    ``/`` after the scheme (or from the start, for a URL written without one: ``user:pw@host`` too)."""
     head, sep, rest = url.partition("://")
     if not sep:
-        return url.split("?", 1)[0].split("#", 1)[0]
-    netloc, slash, path = rest.partition("/")
-    if "@" in netloc:
-        netloc = "<credentials>@" + netloc.rsplit("@", 1)[1]
-    tail = (slash + path).split("?", 1)[0].split("#", 1)[0]
-    return f"{head}{sep}{netloc}{tail}" + ("?<query>" if "?" in rest else "")
+        head, rest = "", url
+    authority, slash, path = rest.partition("/")
+    return head + sep, authority, slash + path
+
+
+def _redacted(url: str) -> str:
+    """``url`` as a message may show it: no user information, no query (either may carry a secret)."""
+    scheme, authority, rest = _split_authority(url)
+    if "@" in authority:
+        authority = "<credentials>@" + authority.rsplit("@", 1)[1]
+    shown = f"{scheme}{authority}{rest}"
+    return shown.split("?", 1)[0].split("#", 1)[0] + ("?<query>" if "?" in shown else "")
 
 
 def check_url(url: t.Any, field_name: str = "gpufleet_prometheus_url") -> str:
@@ -60,7 +67,7 @@ def check_url(url: t.Any, field_name: str = "gpufleet_prometheus_url") -> str:
     url = url.strip()
     shown = repr(_redacted(url))
     parts = urllib.parse.urlsplit(url)
-    if "@" in parts.netloc or parts.username is not None or parts.password is not None:
+    if "@" in _split_authority(url)[1]:
         raise PrometheusError(f"{field_name}: the URL carries credentials, which would show in the task's output and the "
                               f"report ({shown}); put the server behind a proxy that adds them, or use a URL without them")
     if _CONTROL.search(url) or " " in url:

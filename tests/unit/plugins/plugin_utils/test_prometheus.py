@@ -179,7 +179,8 @@ def test_urls_and_instances():
     with pytest.raises(PrometheusError, match="the URL carries credentials"):
         check_url("https://user:pw@prom:9090")
     # no message shows a secret: credentials are refused before any other check, and a query is not echoed
-    for bad in ("https://user:s3cret@prom :9090", "ftp://user:s3cret@prom", "http://prom:9090/?token=s3cret", "http://user@prom\x01"):
+    for bad in ("https://user:s3cret@prom :9090", "ftp://user:s3cret@prom", "http://prom:9090/?token=s3cret", "http://user@prom\x01",
+                "user:s3cret@prom:9090"):
         with pytest.raises(PrometheusError) as caught:
             check_url(bad)
         assert "s3cret" not in str(caught.value) and "user" not in str(caught.value), caught.value
