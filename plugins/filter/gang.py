@@ -1,7 +1,7 @@
 # Copyright (c) gpufleet maintainers
 # GNU General Public License v3.0+ (see https://www.gnu.org/licenses/gpl-3.0.txt)
 # SPDX-License-Identifier: GPL-3.0-or-later
-"""Filters: gang_problems, gang_addresses, gangs (documentation in the YAML files beside this one).
+"""Filters: gang_problems, gang_addresses, gangs, gang_member_launch (documentation in the YAML files beside this one).
 
 Calls into ``plugin_utils/_gangs``, the run's view of its instances that span hosts."""
 
@@ -51,8 +51,21 @@ def gangs(hostvars: Any, hosts: Any) -> list[dict[str, Any]]:
     return _gangs.described(given, names)
 
 
+def gang_member_launch(hostvars: Any, host: Any) -> dict[str, dict[str, Any]]:
+    """hostvars, a host -> {instance name: what its unit adds for its rank of the gang} (gang_problems first
+    names what is wrong)."""
+    given, names = _checked("gang_member_launch", hostvars, [host] if isinstance(host, str) else [])
+    if len(names) != 1:
+        raise AnsibleFilterError(f"gang_member_launch: expected one host name, got {host!r}")
+    try:
+        return _gangs.member_launches(given, names[0])
+    except ValueError as exc:  # GangError
+        raise AnsibleFilterError(f"gang_member_launch: {exc}") from None
+
+
 class FilterModule:
     """gpufleet.vllm filters for instances that span hosts."""
 
     def filters(self) -> dict[str, Callable[..., Any]]:
-        return {"gang_problems": gang_problems, "gang_addresses": gang_addresses, "gangs": gangs}
+        return {"gang_problems": gang_problems, "gang_addresses": gang_addresses, "gangs": gangs,
+                "gang_member_launch": gang_member_launch}

@@ -143,7 +143,19 @@ def snapshot(params: t.Mapping[str, t.Any], binding: t.Any, host: str, run_comma
     if params.get("model"):
         result["model_access"] = model_access(run_command, params["model_user"], params["model"])
     result["resolved"] = [resolve(name) for name in params.get("resolve") or []]
+    result["infiniband"] = infiniband_devices()
     return result
+
+
+def infiniband_devices(directory: str = "/dev/infiniband") -> list[str]:
+    """The InfiniBand/RoCE device nodes of this host (``uverbs0``, ``rdma_cm``), sorted; empty without any.
+
+    A member of an instance that spans hosts opens them for NCCL: its unit allows them only where
+    they are (``_gang.member_launch``)."""
+    try:
+        return sorted(entry for entry in os.listdir(directory) if not entry.startswith("."))
+    except OSError:
+        return []
 
 
 def resolve(name: str) -> dict[str, t.Any]:

@@ -223,6 +223,14 @@ resolved:
     addresses: {description: The addresses it resolves to (empty when it does not)., type: list, elements: str, returned: always,
                 sample: [10.20.0.11]}
     error: {description: Why it does not resolve; V(null) when it does., type: str, returned: always}
+infiniband:
+  description:
+    - The InfiniBand/RoCE device nodes under C(/dev/infiniband) (C(uverbs0), C(rdma_cm)), sorted; empty on a host without any.
+    - The unit of a member of an instance that spans hosts allows NCCL these devices only where they are (C(docs/multi-host.md)).
+  returned: success
+  type: list
+  elements: str
+  sample: [rdma_cm, uverbs0, uverbs1]
 interpreter:
   description: The Python interpreter the module ran with (it imports C(pynvml)).
   returned: success

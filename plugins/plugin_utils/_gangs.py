@@ -13,16 +13,17 @@ snapshot. The gang's own rules (mode, members, sizes, rank arguments) live in
 - :func:`addresses_to_resolve`: what a follower must resolve (the gang's address), asked of the
   host snapshot (``vllm_host_snapshot`` ``resolve``);
 - :func:`probed_problems`, after the probe: every member probed, one GPU model over every rank
-  of the gang, and the gang's address resolved on every follower.
+  of the gang, and the gang's address resolved on every follower;
+- :func:`member_launches`: what a member's units add for its rank (arguments, environment, sandbox).
 """
 from __future__ import annotations
 
 import json
 import typing as t
 
-from ansible_collections.gpufleet.vllm.plugins.module_utils._units._gang import Gang, GangError, across_hosts, parse
+from ansible_collections.gpufleet.vllm.plugins.module_utils._units._gang import Gang, GangError, across_hosts, member_launch, parse
 
-__all__ = ["GangView", "addresses_to_resolve", "described", "inventory_problems", "probed_problems"]
+__all__ = ["GangView", "addresses_to_resolve", "described", "inventory_problems", "member_launches", "probed_problems"]
 
 FIELD = "gpufleet_instances"
 SERVE_ARGS = "gpufleet_serve_args"
@@ -87,10 +88,13 @@ def _parse(hosts: _Hosts, view: GangView) -> Gang:
     listed = members if isinstance(members, (list, tuple)) else []
     leader = gang.get("leader", listed[0] if listed else None) if isinstance(gang, t.Mapping) else None
     leader_vars = hosts.vars(str(leader)) if isinstance(leader, (str, int)) and not isinstance(leader, bool) else {}
+    # each member's own address, where the gang's addresses give none: its ansible_host
+    own = {str(m): str(hosts.vars(str(m)).get("ansible_host")) for m in listed
+           if isinstance(m, (str, int)) and not isinstance(m, bool) and hosts.vars(str(m)).get("ansible_host")}
     return parse(gang, field=view.field, serve_args=hosts.vars(view.host).get(SERVE_ARGS),
                  gpus=_gpu_counts(hosts, listed, view.name),
                  leader_address=leader_vars.get("ansible_host") or (str(leader) if leader_vars else None),
-                 serve_args_field=SERVE_ARGS)
+                 serve_args_field=SERVE_ARGS, member_addresses=own)
 
 
 def _alike(values: t.Iterable[t.Any]) -> bool:
@@ -209,3 +213,18 @@ def probed_problems(hostvars: t.Mapping[str, t.Any], hosts: t.Sequence[str], sna
                             + "; ".join(f"{model}: {', '.join(where)}" for model, where in sorted(models.items()))
                             + "); one engine runs at the pace and memory of the least")
     return problems
+
+
+def member_launches(hostvars: t.Mapping[str, t.Any], host: str, snapshot_var: str = "gpufleet_probe_result") -> dict[str, dict[str, t.Any]]:
+    """``{instance name: launch}`` for each gang ``host`` is a member of (:func:`._gang.member_launch`): its rank
+    arguments, environment and sandbox. The InfiniBand devices are allowed where the host's snapshot found them.
+    Raises GangError for a gang the inventory gets wrong (:func:`inventory_problems` first)."""
+    cache = _Hosts(hostvars)
+    snap = cache.vars(host).get(snapshot_var)
+    infiniband = bool(snap.get("infiniband")) if isinstance(snap, t.Mapping) else False
+    launches: dict[str, dict[str, t.Any]] = {}
+    for view in cache.views(host):
+        gang = _parse(cache, view)
+        if host in gang.members:
+            launches[view.name] = member_launch(gang, host, infiniband=infiniband)
+    return launches

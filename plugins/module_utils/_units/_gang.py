@@ -31,20 +31,26 @@ every member::
       leader: gpu-a1               # default: the first member
       address: 10.0.0.11           # the leader's address the followers reach (default: its ansible_host)
       port: 29501                  # mp: --master-port (default 29501); dp: --data-parallel-rpc-port (default 29550)
+      addresses:                   # each member's own address the others reach (VLLM_HOST_IP); default: its ansible_host
+        gpu-a2: 10.0.0.12
+      interface: ib0               # the interface NCCL and gloo bind their sockets to (NCCL_SOCKET_IFNAME, GLOO_SOCKET_IFNAME)
 
 and the parallel sizes in the serve options (``tensor_parallel_size``, ``pipeline_parallel_size``,
 ``data_parallel_size``, each 1 when unset). Each member's GPUs are the instance's ``gpus`` on that
-host. Plain Python, no Ansible import: :func:`parse` checks one host's view and
-:func:`member_args` renders a member's arguments; :func:`across_hosts` checks what the members
-must agree on.
+host. Plain Python, no Ansible import: :func:`parse` checks one host's view,
+:func:`member_args` renders a member's arguments and :func:`member_launch` everything its unit
+adds to a one-host instance's (arguments, environment, sandbox); :func:`across_hosts` checks what
+the members must agree on.
 """
 from __future__ import annotations
 
+import re
 import typing as t
 
 from .. import _validate as v
 
-__all__ = ["DEFAULT_PORTS", "MODES", "RANK_OPTIONS", "Gang", "GangError", "across_hosts", "member_args", "parse"]
+__all__ = ["DEFAULT_PORTS", "INFINIBAND_DEVICE_ALLOW", "MODES", "RANK_OPTIONS", "Gang", "GangError", "across_hosts", "member_args",
+           "member_launch", "parse"]
 
 MODES = ("mp", "dp", "dp-hybrid")
 # vLLM's own defaults: --master-port 29501, --data-parallel-rpc-port 29550
@@ -56,7 +62,13 @@ RANK_OPTIONS = ("nnodes", "node_rank", "master_addr", "master_port", "headless",
                 "data_parallel_start_rank", "data_parallel_rank", "data_parallel_address", "data_parallel_rpc_port",
                 "data_parallel_hybrid_lb", "data_parallel_external_lb", "data_parallel_multi_port_external_lb",
                 "data_parallel_backend", "distributed_executor_backend", "api_server_count", "config")
-_KEYS = ("mode", "members", "leader", "address", "port")
+_KEYS = ("mode", "members", "leader", "address", "port", "addresses", "interface")
+# NCCL over InfiniBand/RoCE opens the verbs devices (/dev/infiniband/uverbsN, char major "infiniband_verbs"),
+# the connection manager (/dev/infiniband/rdma_cm, a misc device: by path, not the whole misc class) and
+# registers (pins) its buffers, which the default 8 MiB RLIMIT_MEMLOCK refuses
+INFINIBAND_DEVICE_ALLOW = ("char-infiniband_verbs rw", "/dev/infiniband/rdma_cm rw")
+# one network interface name (Linux: at most 15 bytes): gloo takes a name, not NCCL's lists and prefixes
+_INTERFACE = re.compile(r"^[A-Za-z0-9_.:@-]{1,15}$")
 _SIZES = ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size")
 _MAX_MEMBERS = 1024
 
@@ -66,7 +78,9 @@ class GangError(ValueError):
 
 
 class Gang(t.NamedTuple):
-    """A checked gang: ``members`` in node-rank order (the leader first), ``gpus`` per member."""
+    """A checked gang: ``members`` in node-rank order (the leader first), ``gpus`` per member,
+    ``host_addresses`` each member's own address (``VLLM_HOST_IP``), ``interface`` the socket
+    interface of NCCL and gloo (None: their own choice)."""
 
     mode: str
     members: tuple[str, ...]
@@ -76,6 +90,8 @@ class Gang(t.NamedTuple):
     pipeline_parallel_size: int
     data_parallel_size: int
     gpus: t.Mapping[str, int]
+    host_addresses: t.Mapping[str, str] = {}
+    interface: str | None = None
 
     @property
     def leader(self) -> str:
@@ -113,14 +129,41 @@ def _size(serve_args: t.Mapping[str, t.Any], key: str, field: str) -> int:
         raise GangError(str(exc)) from None
 
 
+def _address(value: t.Any, field: str) -> str:
+    """A host name or IP address as a member is given it: text without whitespace."""
+    address = v.text(value, field, max_len=255)
+    if any(ch.isspace() for ch in address):
+        raise v.ValidationError(f"{field}: must not contain whitespace, got {address!r}")
+    return address
+
+
+def _host_addresses(given: t.Any, members: t.Sequence[str], defaults: t.Mapping[str, str], field: str) -> dict[str, str]:
+    """Each member's own address: ``addresses`` where the gang gives one, else the member's default."""
+    if given is None:
+        given = {}
+    if not isinstance(given, t.Mapping):
+        raise GangError(f"{field}.addresses: expected a mapping of member -> its own address, got {type(given).__name__}")
+    strangers = sorted(str(k) for k in given if k not in members)
+    if strangers:
+        raise GangError(f"{field}.addresses: {', '.join(strangers)} is/are not member(s) of the gang ({', '.join(members)})")
+    try:
+        return {m: _address(given[m], f"{field}.addresses.{m}") if m in given else defaults[m] for m in members}
+    except v.ValidationError as exc:
+        raise GangError(str(exc)) from None
+
+
 def parse(gang: t.Any, *, field: str, serve_args: t.Mapping[str, t.Any] | None, gpus: t.Mapping[str, int],
-          leader_address: str | None = None, serve_args_field: str = "gpufleet_serve_args") -> Gang:
+          leader_address: str | None = None, serve_args_field: str = "gpufleet_serve_args",
+          member_addresses: t.Mapping[str, str] | None = None) -> Gang:
     """The checked gang of one instance; raises GangError naming the field.
 
     ``field``: where the gang was written (``gpufleet_instances[0].gang``); ``serve_args``: the
     instance's serve options (the parallel sizes; ``serve_args_field`` names them); ``gpus``: how
     many GPUs each member gives the instance (a member missing here fails, naming it);
-    ``leader_address``: the leader's address when the gang names none (its ``ansible_host``).
+    ``leader_address``: the leader's address when the gang names none (its ``ansible_host``);
+    ``member_addresses``: each follower's own address where ``addresses`` gives none (its
+    ``ansible_host``; else its name); the leader's is the gang's ``address`` unless ``addresses``
+    gives it.
     """
     if not isinstance(gang, t.Mapping):
         raise GangError(f"{field}: expected a mapping with mode and members, got {type(gang).__name__}")
@@ -152,12 +195,18 @@ def parse(gang: t.Any, *, field: str, serve_args: t.Mapping[str, t.Any] | None, 
         raise GangError(f"{field}.address: the leader {leader} has no address to give the followers (set address, or the "
                         "leader's ansible_host)")
     try:
-        address = v.text(address, f"{field}.address", max_len=255)
-        if any(ch.isspace() for ch in address):
-            raise v.ValidationError(f"{field}.address: must not contain whitespace, got {address!r}")
+        address = _address(address, f"{field}.address")
         port = v.port(gang.get("port", DEFAULT_PORTS[mode]), f"{field}.port")
+        interface = gang.get("interface")
+        if interface is not None and (not isinstance(interface, str) or not _INTERFACE.match(interface)):
+            raise v.ValidationError(f"{field}.interface: expected one network interface name (eth0, ib0, bond0.100), "
+                                    f"got {interface!r}")
     except v.ValidationError as exc:
         raise GangError(str(exc)) from None
+    # the leader's own address is the one the followers reach it at; a follower's, its ansible_host (its name)
+    defaults = {m: (member_addresses or {}).get(m) or m for m in members}
+    defaults[leader] = address
+    host_addresses = _host_addresses(gang.get("addresses"), members, defaults, field)
     serve_args = serve_args or {}
     set_here = sorted(k for k in serve_args if str(k).replace("-", "_") in RANK_OPTIONS)
     if set_here:
@@ -184,11 +233,12 @@ def parse(gang: t.Any, *, field: str, serve_args: t.Mapping[str, t.Any] | None, 
         if uneven:
             raise GangError(f"{field}: mode {mode} runs whole engines of tensor_parallel_size x pipeline_parallel_size = "
                             f"{tp * pp} GPUs on each member; {', '.join(f'{m} holds {counts[m]}' for m in uneven)}")
-    return Gang(mode, members, address, port, tp, pp, dp, counts)
+    return Gang(mode, members, address, port, tp, pp, dp, counts, host_addresses, interface)
 
 
 def member_args(gang: Gang, host: str) -> list[str]:
-    """The ``vllm serve`` arguments that make ``host`` its rank of the gang (after the serve options)."""
+    """The ``vllm serve`` arguments that make ``host`` its rank of the gang (beside the serve options; the
+    data-parallel size is the serve options' own, given again)."""
     if host not in gang.members:
         raise GangError(f"{host} is not a member of the gang ({', '.join(gang.members)})")
     rank = gang.node_rank(host)
@@ -202,6 +252,23 @@ def member_args(gang: Gang, host: str) -> list[str]:
     if gang.mode == "dp-hybrid":
         return [*args, "--data-parallel-start-rank", str(gang.start_rank(host)), "--data-parallel-hybrid-lb"]
     return args + (["--data-parallel-start-rank", str(gang.start_rank(host)), "--headless"] if rank > 0 else [])
+
+
+def member_launch(gang: Gang, host: str, infiniband: bool = False) -> dict[str, t.Any]:
+    """What ``host``'s unit adds to a one-host instance's to run its rank of the gang.
+
+    ``args``: :func:`member_args`; ``environment``: ``VLLM_HOST_IP`` (the member's own address, where
+    vLLM advertises its message queues) and, with an ``interface``, ``NCCL_SOCKET_IFNAME`` and
+    ``GLOO_SOCKET_IFNAME``; ``limit_memlock``: ``infinity`` (NCCL pins its buffers);
+    ``device_allow``: the InfiniBand devices NCCL opens, when the host has them (``infiniband``,
+    from the host snapshot); the sandbox stays closed to everything else.
+    """
+    environment = {"VLLM_HOST_IP": gang.host_addresses.get(host, host)}
+    if gang.interface:
+        environment.update(NCCL_SOCKET_IFNAME=gang.interface, GLOO_SOCKET_IFNAME=gang.interface)
+    return {"args": member_args(gang, host), "environment": environment, "limit_memlock": "infinity",
+            "device_allow": list(INFINIBAND_DEVICE_ALLOW) if infiniband else [],
+            "node_rank": gang.node_rank(host), "leader": gang.leader, "serves_api": gang.serves_api(host)}
 
 
 def across_hosts(views: t.Mapping[str, t.Mapping[str, t.Any]], field: str = "gpufleet_instances") -> list[str]:

@@ -202,7 +202,8 @@ def instances_problems(instances: t.Any, field: str = "vllm_service_instances", 
     return problems
 
 
-def _instances_problems(instances: t.Any, problems: list[str], field: str = "vllm_service_instances", gangs: bool = False) -> None:
+def _instances_problems(instances: t.Any, problems: list[str], field: str = "vllm_service_instances",
+                        gangs: bool | t.Collection[str] = False) -> None:
     if not isinstance(instances, (list, tuple)) or not instances:
         problems.append(f"{field}: expected a non-empty list of {{name, gpus, port}}")
         return
@@ -214,10 +215,10 @@ def _instances_problems(instances: t.Any, problems: list[str], field: str = "vll
         if not isinstance(inst, t.Mapping):
             problems.append(f"{where}: expected a mapping with name, gpus and port")
             continue
-        if "gang" in inst and not gangs:
-            # a gang's checks and rank arguments exist (_gang), its planning, units and rollout not yet: without
-            # this, every member would start a one-host engine of the whole model
-            problems.append(f"{where}.gang: an instance that spans hosts is not rolled out here (docs/multi-host.md)")
+        if "gang" in inst and not (gangs is True or (not isinstance(gangs, bool) and inst.get("name") in gangs)):
+            # without its rank (vllm_service_gang_launch), every member would start a one-host engine of the whole model
+            problems.append(f"{where}.gang: an instance that spans hosts needs its member's rank: vllm_service_gang_launch."
+                            f"{inst.get('name')} (docs/multi-host.md)")
         checked[i]["name"] = _check(problems, v.instance_name, inst.get("name"), f"{where}.name")
         checked[i]["port"] = _check(problems, v.port, inst.get("port"), f"{where}.port")
         gpus = inst.get("gpus")
@@ -238,6 +239,44 @@ def _instances_problems(instances: t.Any, problems: list[str], field: str = "vll
         twice = list(dict.fromkeys(str(c.value) for c in found if c.rule == rule))
         if twice:
             problems.append(f"{field} {what}: {', '.join(twice)} appear(s) more than once")
+
+
+_GANG_LAUNCH_KEYS = ("args", "environment", "limit_memlock", "device_allow", "node_rank", "leader", "serves_api")
+
+
+def _gang_launch_problems(launches: t.Any, instances: t.Any, problems: list[str], field: str = "vllm_service_gang_launch") -> None:
+    """Each entry: an instance of the host, rank arguments and environment that systemd takes as given."""
+    if launches is None or launches == {}:
+        return
+    if not isinstance(launches, t.Mapping):
+        problems.append(f"{field}: expected a mapping of instance name -> launch (gpufleet.vllm.gang_member_launch)")
+        return
+    names = {str(i.get("name")) for i in instances if isinstance(i, t.Mapping)} if isinstance(instances, (list, tuple)) else set()
+    for name, launch in launches.items():
+        where = f"{field}.{name}"
+        if str(name) not in names:
+            problems.append(f"{where}: no instance of this name in vllm_service_instances")
+        if not isinstance(launch, t.Mapping):
+            problems.append(f"{where}: expected a mapping with args and environment")
+            continue
+        unknown = sorted(str(k) for k in launch if k not in _GANG_LAUNCH_KEYS)
+        if unknown:
+            problems.append(f"{where}: unknown key(s) {', '.join(unknown)}; a launch takes {', '.join(_GANG_LAUNCH_KEYS)}")
+        args = launch.get("args")
+        if not isinstance(args, (list, tuple)) or not args:
+            problems.append(f"{where}.args: expected the member's rank arguments, a non-empty list")
+        else:
+            for i, arg in enumerate(args):
+                _check(problems, v.text, arg, f"{where}.args[{i}]")
+        _env_problems(launch.get("environment"), f"{where}.environment", problems)
+        if launch.get("limit_memlock") not in (None, "infinity"):
+            _check(problems, v.integer, launch.get("limit_memlock"), f"{where}.limit_memlock", low=0, high=2**62)
+        devices = launch.get("device_allow") or []
+        if not isinstance(devices, (list, tuple)):
+            problems.append(f"{where}.device_allow: expected a list")
+        else:
+            for i, entry in enumerate(devices):
+                _check(problems, v.text, entry, f"{where}.device_allow[{i}]")
 
 
 def _plan_problems(plan: t.Any, default_utilization: t.Any, problems: list[str]) -> None:
@@ -277,7 +316,10 @@ def service_input_problems(inputs: t.Mapping[str, t.Any]) -> list[str]:
     def get(key: str) -> t.Any:
         return inputs.get("vllm_service_" + key)
 
-    _instances_problems(get("instances"), problems)
+    launches = get("gang_launch")
+    _instances_problems(get("instances"), problems,
+                        gangs=[str(k) for k in launches] if isinstance(launches, t.Mapping) else False)
+    _gang_launch_problems(launches, get("instances"), problems)
     _plan_problems(get("plan"), inputs.get("vllm_service_auto_gpu_memory_utilization", 0.9), problems)
     if _check(problems, v.text, get("model"), "vllm_service_model") and str(get("model")).startswith("-"):
         problems.append("vllm_service_model: must not start with '-' (vLLM would read it as an option)")

@@ -20,6 +20,8 @@ import sys
 
 import pytest
 
+from ansible_collections.gpufleet.vllm.plugins.module_utils._units._gang import member_launch, parse
+
 ROOT = pathlib.Path(__file__).resolve().parents[3]
 ROLE = ROOT / "roles" / "vllm_service"
 BIN = pathlib.Path(sys.executable).parent
@@ -32,6 +34,7 @@ PLAN_MANUAL = {
     "kv_cache_tokens": 231424,
     "num_blocks": 14464,
 }
+GANG = {"mode": "mp", "members": ["a1", "a2"], "address": "10.20.0.11", "interface": "ib0"}
 PLAN_AUTO = {"decision": "auto_profile", "kv_cache_memory_bytes": None, "gpu_memory_utilization": None, "reasons": ["moves"]}
 
 CASES = {
@@ -62,6 +65,16 @@ CASES = {
         "vllm_service_instance": {"name": "b", "gpus": [2, 3], "port": 8001},
         "vllm_service_plan": PLAN_MANUAL,
         "vllm_service_serve_args": {"tensor_parallel_size": 2},
+    },
+    # the follower of a tensor x pipeline parallel instance over two hosts, on a host with InfiniBand devices; its
+    # launch stays set for the cases after it, whose instances have other names
+    "gang_follower": {
+        "vllm_service_instance": {"name": "dsv3", "gpus": [0, 1], "port": 8000, "gang": GANG},
+        "vllm_service_plan": PLAN_MANUAL,
+        "vllm_service_serve_args": {"tensor_parallel_size": 2, "pipeline_parallel_size": 2},
+        "vllm_service_gang_launch": {"dsv3": member_launch(
+            parse(GANG, field="gang", serve_args={"tensor_parallel_size": 2, "pipeline_parallel_size": 2},
+                  gpus={"a1": 2, "a2": 2}, member_addresses={"a2": "10.20.0.12"}), "a2", infiniband=True)},
     },
     # last: its probe facts (gpufleet_gpus) stay set for the cases after it
     "probed": {
@@ -199,6 +212,24 @@ def test_multi_instance_units_differ_in_gpus_and_port(rendered):
     assert f"Environment=CUDA_VISIBLE_DEVICES={uuids}" in units["probed"]
     assert "EnvironmentFile=/etc/gpufleet/vllm-b.env" in units["multi_b"]
     assert option(a, "--kv-cache-memory-bytes") == option(b, "--kv-cache-memory-bytes") == "30333206528"
+
+
+def test_a_gang_member_runs_its_rank_at_its_address_with_the_devices_nccl_needs(rendered):
+    """The follower's unit: its rank arguments, headless; its own address and the socket
+    interface; locked memory for NCCL and the InfiniBand devices next to the GPUs; the rest of the sandbox as closed
+    as a one-host instance's. The one-host units get none of it."""
+    text = rendered[0]["gang_follower"]
+    words = exec_start(text)
+    rank = ["--nnodes", "2", "--node-rank", "1", "--master-addr", "10.20.0.11", "--master-port", "29501", "--headless"]
+    assert [words[i:i + len(rank)] for i in range(len(words)) if words[i] == "--nnodes"] == [rank], words
+    assert option(words, "--tensor-parallel-size") == "2" and option(words, "--pipeline-parallel-size") == "2"
+    lines = text.splitlines()
+    for line in ("Environment=VLLM_HOST_IP=10.20.0.12", "Environment=NCCL_SOCKET_IFNAME=ib0", "Environment=GLOO_SOCKET_IFNAME=ib0",
+                 "LimitMEMLOCK=infinity", "DeviceAllow=char-nvidia* rw", "DeviceAllow=char-infiniband_verbs rw",
+                 "DeviceAllow=/dev/infiniband/rdma_cm rw", "DevicePolicy=closed", "RestrictAddressFamilies=AF_UNIX AF_INET AF_INET6 AF_NETLINK"):
+        assert line in lines, line
+    for case in ("manual", "multi_a", "probed"):
+        assert not [l for l in rendered[0][case].splitlines() if "VLLM_HOST_IP" in l or "MEMLOCK" in l or "infiniband" in l], case
 
 
 @pytest.mark.parametrize("case", sorted(CASES))

@@ -8,7 +8,8 @@ import typing as t
 
 import pytest
 
-from ansible_collections.gpufleet.vllm.plugins.module_utils._units._gang import GangError, across_hosts, member_args, parse
+from ansible_collections.gpufleet.vllm.plugins.module_utils._units._gang import (
+    INFINIBAND_DEVICE_ALLOW, GangError, across_hosts, member_args, member_launch, parse)
 
 FIELD = "gpufleet_instances[0].gang"
 
@@ -65,7 +66,7 @@ def test_hybrid_data_parallel_gives_every_member_its_api_and_start_rank():
     (gang(members=["gpu-a1", "gpu-a1"]), {}, {}, f"{FIELD}.members"),
     (gang(members=["gpu-a1", "bad\nhost"]), {}, {}, f"{FIELD}.members[1]"),
     (gang(leader="gpu-b9"), {}, {}, f"{FIELD}.leader: 'gpu-b9' is not one of the members (gpu-a1, gpu-a2)"),
-    (gang(rank=1), {}, {}, f"{FIELD}: unknown key(s) rank; a gang takes mode, members, leader, address, port"),
+    (gang(rank=1), {}, {}, f"{FIELD}: unknown key(s) rank; a gang takes mode, members, leader, address, port, addresses, interface"),
     (gang(), {}, {}, f"{FIELD}.address: the leader gpu-a1 has no address"),
     (gang(address="10.0.0.1 10.0.0.2"), {}, {}, f"{FIELD}.address: must not contain whitespace"),
     (gang(address="10.0.0.1", port=70000), {}, {}, f"{FIELD}.port"),
@@ -111,9 +112,37 @@ def test_every_member_must_give_the_same_gang_and_a_host_joins_one_gang():
     assert across_hosts(views) == ["gpu-a1: a member of two gangs, big (members gpu-a1, gpu-a2) and side (members gpu-a1, gpu-a3)"]
 
 
-def test_until_gangs_roll_out_the_inventory_check_refuses_one_naming_the_field():
+def test_an_instance_check_without_the_gang_checks_refuses_a_gang_naming_the_field():
     from ansible_collections.gpufleet.vllm.plugins.filter.serve import FilterModule
 
     problems = FilterModule().filters()["vllm_instances_problems"](
         [{"name": "dsv3", "gpus": [0, 1], "port": 8000, "gang": gang(address="10.0.0.1")}], "gpufleet_instances")
-    assert problems == ["gpufleet_instances[0].gang: an instance that spans hosts is not rolled out here (docs/multi-host.md)"]
+    assert problems == ["gpufleet_instances[0].gang: an instance that spans hosts needs its member's rank: "
+                        "vllm_service_gang_launch.dsv3 (docs/multi-host.md)"]
+
+
+@pytest.mark.parametrize(("given", "message"), [
+    (gang(address="10.0.0.1", addresses=["10.0.0.2"]), f"{FIELD}.addresses: expected a mapping of member -> its own address, got list"),
+    (gang(address="10.0.0.1", addresses={"gpu-a2": "10.0.0.2 x"}), f"{FIELD}.addresses.gpu-a2: must not contain whitespace"),
+    (gang(address="10.0.0.1", addresses={"gpu-a2": ""}), f"{FIELD}.addresses.gpu-a2"),
+    (gang(address="10.0.0.1", interface="eth0,eth1"), f"{FIELD}.interface: expected one network interface name"),
+    (gang(address="10.0.0.1", interface="a-name-longer-than-15"), f"{FIELD}.interface: expected one network interface name"),
+    (gang(address="10.0.0.1", interface=3), f"{FIELD}.interface"),
+])
+def test_member_addresses_and_the_interface_are_checked_naming_the_field(given, message):
+    with pytest.raises(GangError) as exc:
+        parse(given, field=FIELD, serve_args={"tensor_parallel_size": 2}, gpus={"gpu-a1": 1, "gpu-a2": 1})
+    assert str(exc.value).startswith(message), str(exc.value)
+
+
+def test_a_members_launch_adds_its_rank_address_and_sandbox():
+    checked = parse(gang(address="10.0.0.11", interface="bond0.100"), field=FIELD, serve_args={"tensor_parallel_size": 2},
+                    gpus={"gpu-a1": 1, "gpu-a2": 1}, member_addresses={"gpu-a2": "10.0.0.12"})
+    follower = member_launch(checked, "gpu-a2", infiniband=True)
+    assert follower["args"] == member_args(checked, "gpu-a2")
+    assert follower["environment"] == {"VLLM_HOST_IP": "10.0.0.12", "NCCL_SOCKET_IFNAME": "bond0.100", "GLOO_SOCKET_IFNAME": "bond0.100"}
+    assert follower["device_allow"] == list(INFINIBAND_DEVICE_ALLOW) and follower["limit_memlock"] == "infinity"
+    # without member addresses a follower is reached at its name, the leader at the gang's address
+    bare = parse(gang(address="10.0.0.11"), field=FIELD, serve_args={"tensor_parallel_size": 2}, gpus={"gpu-a1": 1, "gpu-a2": 1})
+    assert member_launch(bare, "gpu-a1")["environment"] == {"VLLM_HOST_IP": "10.0.0.11"}
+    assert member_launch(bare, "gpu-a2")["environment"] == {"VLLM_HOST_IP": "gpu-a2"} and member_launch(bare, "gpu-a2")["device_allow"] == []

@@ -521,6 +521,31 @@ def test_the_role_refuses_a_bad_unit_to_take_over_naming_the_variable():
                         "not one to take over"]
 
 
+GANG_INSTANCE = {"name": "dsv3", "gpus": [0, 1], "port": 8000, "gang": {"mode": "mp", "members": ["a1", "a2"]}}
+GANG_LAUNCH = {"args": ["--nnodes", "2", "--node-rank", "1", "--master-addr", "10.0.0.1", "--master-port", "29501", "--headless"],
+               "environment": {"VLLM_HOST_IP": "10.0.0.2"}, "limit_memlock": "infinity", "device_allow": []}
+
+
+@pytest.mark.parametrize(("launch", "expected"), [
+    ({}, ["vllm_service_instances[0].gang: an instance that spans hosts needs its member's rank: vllm_service_gang_launch.dsv3 "
+          "(docs/multi-host.md)"]),
+    ({"dsv3": GANG_LAUNCH}, []),
+    ({"dsv3": GANG_LAUNCH, "other": GANG_LAUNCH}, ["vllm_service_gang_launch.other: no instance of this name in vllm_service_instances"]),
+    ({"dsv3": dict(GANG_LAUNCH, args=[])}, ["vllm_service_gang_launch.dsv3.args: expected the member's rank arguments, a non-empty list"]),
+    ({"dsv3": dict(GANG_LAUNCH, args=["--node-rank", "1\n"])}, ["vllm_service_gang_launch.dsv3.args[1]"]),
+    ({"dsv3": dict(GANG_LAUNCH, environment={"BAD NAME": "x"})}, ["vllm_service_gang_launch.dsv3.environment name"]),
+    ({"dsv3": dict(GANG_LAUNCH, limit_memlock="lots")}, ["vllm_service_gang_launch.dsv3.limit_memlock"]),
+    ({"dsv3": dict(GANG_LAUNCH, device_allow="char-x rw")}, ["vllm_service_gang_launch.dsv3.device_allow: expected a list"]),
+    ({"dsv3": dict(GANG_LAUNCH, rank=1)}, ["vllm_service_gang_launch.dsv3: unknown key(s) rank"]),
+    (["dsv3"], ["vllm_service_instances[0].gang: an instance that spans hosts needs its member's rank",
+                "vllm_service_gang_launch: expected a mapping of instance name -> launch"]),
+])
+def test_the_role_takes_a_gang_member_only_with_its_launch_and_names_a_bad_one(launch, expected):
+    problems = service_input_problems({"vllm_service_instances": [GANG_INSTANCE], "vllm_service_gang_launch": launch})
+    problems = [p for p in problems if "gang" in p]
+    assert len(problems) == len(expected) and all(p.startswith(e) for p, e in zip(problems, expected)), problems
+
+
 # ------------------------------------------------------------------ snapshots that cannot go stale
 def test_a_snapshot_that_cannot_be_written_leaves_the_last_one_and_its_rollback_restores_nothing(layout, monkeypatch):
     """The read-only snapshot directory of an SRE's report: the first deploy's snapshot (files absent)

@@ -304,3 +304,16 @@ def test_resolve_asks_the_system_resolver_and_names_what_does_not_resolve(monkey
 def test_nothing_to_resolve_is_an_empty_list(monkeypatch, capsys, tmp_path):
     rc, out = run(monkeypatch, capsys, vllm_host_snapshot, {"instances": ["main"], "state_dir": str(tmp_path)}, FakeSystemctl(UNITS))
     assert rc == 0 and out["resolved"] == []
+
+
+def test_the_infiniband_devices_are_read_where_they_are(monkeypatch, capsys, tmp_path):
+    """A host with /dev/infiniband lists its device nodes (a gang member's unit allows them); one without lists none."""
+    devices = tmp_path / "infiniband"
+    devices.mkdir()
+    for name in ("uverbs1", "rdma_cm", "uverbs0"):
+        (devices / name).touch()
+    assert _host_snapshot.infiniband_devices(str(devices)) == ["rdma_cm", "uverbs0", "uverbs1"]
+    assert _host_snapshot.infiniband_devices(str(tmp_path / "absent")) == []
+    monkeypatch.setattr(_host_snapshot, "infiniband_devices", lambda: ["rdma_cm", "uverbs0"])
+    rc, out = run(monkeypatch, capsys, vllm_host_snapshot, {"instances": ["main"], "state_dir": str(tmp_path)}, FakeSystemctl(UNITS))
+    assert rc == 0 and out["infiniband"] == ["rdma_cm", "uverbs0"], out

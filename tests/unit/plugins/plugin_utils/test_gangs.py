@@ -196,3 +196,29 @@ def test_the_host_variables_are_read_once_per_call():
                                           "resolved": [{"name": "h0", "addresses": ["10.0.0.1"], "error": None}]}
     assert _gangs.inventory_problems(hv, names) == [] and _gangs.probed_problems(hv, names) == []
     assert Counting.reads == 2 * len(names), "each host's variables once per call"
+
+
+def test_each_member_launches_its_rank_at_its_own_address():
+    """VLLM_HOST_IP is the member's own address (its ansible_host), the leader's the gang's address; the InfiniBand
+    devices are allowed only on the member whose snapshot found them; a host outside every gang launches nothing."""
+    hv = probed(two_hosts(dict(GANG, interface="ib0")), {"a1": "H100", "a2": "H100"})
+    hv["a2"]["gpufleet_probe_result"]["infiniband"] = ["rdma_cm", "uverbs0"]
+    leader, follower = _gangs.member_launches(hv, "a1")["dsv3"], _gangs.member_launches(hv, "a2")["dsv3"]
+    assert leader["environment"] == {"VLLM_HOST_IP": "10.20.0.11", "NCCL_SOCKET_IFNAME": "ib0", "GLOO_SOCKET_IFNAME": "ib0"}
+    assert follower["environment"]["VLLM_HOST_IP"] == "10.20.0.12"
+    assert leader["args"][-2:] == ["--master-port", "29501"] and follower["args"][-1] == "--headless"
+    assert leader["device_allow"] == [] and follower["device_allow"] == ["char-infiniband_verbs rw", "/dev/infiniband/rdma_cm rw"]
+    assert leader["limit_memlock"] == follower["limit_memlock"] == "infinity"
+    assert (leader["node_rank"], follower["node_rank"], follower["leader"], follower["serves_api"]) == (0, 1, "a1", False)
+    assert _gangs.member_launches(hv, "solo") == {}
+
+
+def test_the_gangs_addresses_override_each_members_own():
+    hv = two_hosts(dict(GANG, address="10.30.0.11", addresses={"a2": "10.30.0.12"}))
+    assert _gangs.member_launches(hv, "a1")["dsv3"]["environment"] == {"VLLM_HOST_IP": "10.30.0.11"}
+    assert _gangs.member_launches(hv, "a2")["dsv3"]["environment"] == {"VLLM_HOST_IP": "10.30.0.12"}
+    hv = two_hosts(dict(GANG, addresses={"a3": "10.30.0.13"}))
+    assert _gangs.inventory_problems(hv, ["a1", "a2"]) == [
+        "a1: gpufleet_instances[0].gang.addresses: a3 is/are not member(s) of the gang (a1, a2)"]
+    with pytest.raises(ValueError, match=r"gang\.addresses: a3"):
+        _gangs.member_launches(hv, "a2")
