@@ -101,12 +101,14 @@ stage-report:
 # stage fails.
 #
 # Then the harness's own tests run alone: they make stray namespaces on purpose, and the
-# harness refuses to boot any host while one exists. Then the README's own commands (the
-# `readme` stage: `make demo`, and the first dry run on inventories/example), alone too: a
-# change that breaks them is the first thing to know. After them molecule and the integration
-# stage run in the background, side by side (their hosts have different names), while sanity,
-# lint and the benchmarks' smoke run (`bench-smoke`, a few small hosts of its own) run in the
-# foreground: the guests, SSH and engine boots leave the CPU idle at times, and these fill it.
+# harness refuses to boot any host while one exists. After them molecule and the integration
+# stage run in the background, side by side (their hosts have different names), while the
+# README's own commands (the `readme` stage: `make demo`, and the first dry run on
+# inventories/example; the first stage in the foreground, so a change that breaks them is the
+# first thing to know; its hosts have names of their own too), then sanity, lint and the
+# benchmarks' smoke (`bench-smoke`, a few small hosts of its own) run in the foreground: the
+# guests, SSH and engine boots leave the CPU idle at times, and these fill it. The integration
+# stage is the longest: nothing runs before it that it does not need.
 # The background stages' output is printed when they end (also in
 # .cache/stage-{integration,molecule}.out), so that no two stages' lines interleave.
 # Every stage ends by checking that it left no process running (tests/tools/leftovers.py).
@@ -118,12 +120,12 @@ test: stage-reset
 	$(MAKE) --no-print-directory units || rc=$$?; \
 	wait $$rootfs || echo "make test: background set-up of the test-host rootfs failed; harness retries it"; \
 	$(MAKE) --no-print-directory harness || rc=$$?; \
-	$(MAKE) --no-print-directory readme || rc=$$?; \
 	wait $$wheelhouse || echo "make test: background set-up of the wheelhouse failed; molecule and integration retry it"; \
 	wait $$engine || echo "make test: background set-up of the vLLM CPU engine failed; integration retries it"; \
-	echo "==== make test: molecule and integration run in the background; their output follows lint's"; \
+	echo "==== make test: molecule and integration run in the background; their output follows the readme, sanity, lint and bench stages'"; \
 	$(MAKE) --no-print-directory molecule > $(CACHE)/stage-molecule.out 2>&1 & molecule=$$!; \
 	GPUFLEET_HARNESS_TESTED=1 $(MAKE) --no-print-directory integration > $(CACHE)/stage-integration.out 2>&1 & integration=$$!; \
+	$(MAKE) --no-print-directory readme || rc=$$?; \
 	$(MAKE) --no-print-directory -k sanity lint bench-smoke || rc=$$?; \
 	wait $$integration || rc=$$?; cat $(CACHE)/stage-integration.out; \
 	wait $$molecule || rc=$$?; cat $(CACHE)/stage-molecule.out; \

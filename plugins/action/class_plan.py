@@ -34,6 +34,7 @@ ARGUMENT_SPEC: dict[str, Any] = {
     "boot_timeout": {"type": "raw", "default": 0},
     "enforce_eager": {"type": "raw", "default": False},
     "drain": {"type": "bool", "default": False},
+    "gangs": {"type": "list", "elements": "list", "default": []},
 }
 
 _ERRORS = (ClassPlanError, CompatError, EngineSpecError, PlanError, ProfileStoreError, RolloutError)
@@ -58,7 +59,7 @@ class ActionModule(ActionBase):  # type: ignore[misc]  # ActionBase is Any: ansi
                 canary_host=args["canary_host"], canary_instance=args["canary_instance"], canary_chosen=args["canary_chosen"],
                 approved_plan=args["approved_plan"], force_profile=args["force_profile"], run_canaries=args["run_canaries"],
                 serial=args["serial"], max_unavailable=args["max_unavailable"], boot_timeout=args["boot_timeout"],
-                enforce_eager=args["enforce_eager"], drain=args["drain"])
+                enforce_eager=args["enforce_eager"], drain=args["drain"], gangs=args["gangs"])
         except _ERRORS as exc:
             result.update(failed=True, msg=f"class_plan ({host_class}): {exc}")
             return result

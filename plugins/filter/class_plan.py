@@ -11,6 +11,8 @@ from typing import Any, Callable, Mapping
 
 from ansible.errors import AnsibleFilterError
 
+from ansible_collections.gpufleet.vllm.plugins.module_utils._units._gang import GangError
+from ansible_collections.gpufleet.vllm.plugins.plugin_utils import _gangs
 from ansible_collections.gpufleet.vllm.plugins.plugin_utils._analysis import BAKE_FIELDS, AnalysisError, bake_settings
 from ansible_collections.gpufleet.vllm.plugins.plugin_utils._class_plan import (
     ClassPlanError,
@@ -61,8 +63,10 @@ def class_deploy_order(hostvars: Any, hosts: Any, classes: Any, approved_plan: A
                              "capacity": host_capacity(snapshot) if isinstance(snapshot, Mapping) else None,
                              "bake": _bake(host_vars), "on_failure": _on_failure(host_vars, approved_plan)}
     try:
-        return deploy_order(states, [str(c) for c in classes])
-    except ClassPlanError as exc:
+        # the instances over several hosts: each is rolled out whole (rollout_batches)
+        gangs = [(g["host_class"], g["members"]) for g in _gangs.described(hostvars, [str(h) for h in hosts])]
+        return deploy_order(states, [str(c) for c in classes], gangs)
+    except (ClassPlanError, GangError) as exc:
         raise AnsibleFilterError(f"class_deploy_order: {exc}") from None
 
 

@@ -113,6 +113,15 @@ options:
     description: A drain hook is set (the outline says the canary host is drained first).
     type: bool
     default: false
+  gangs:
+    description:
+      - The members of each instance over several of the class's hosts (a gang, C(docs/multi-host.md)), leader first.
+      - A gang is away whole during its batch - a capacity budget O(max_unavailable) that cannot take all its members (or what
+        they serve together) at once refuses the class, naming the gang.
+    type: list
+    elements: list
+    default: []
+    version_added: 3.0.0
 notes:
   - Unreadable profile files are skipped and named in warnings, as M(gpufleet.vllm.kv_profile) does.
 seealso:

@@ -114,6 +114,23 @@ options:
     type: bool
     default: false
     version_added: 2.0.0
+  headless:
+    description:
+      - The unit is a member of an instance over several hosts that runs no API server (C(--headless), C(docs/multi-host.md)).
+        Instead of C(/health), the check reads the unit's journal until each of its O(local_ranks) ranks logged its KV cache
+        line (they do once every rank of the instance joined), failing at once if the unit fails, then judges those ranks.
+      - There is no C(/metrics) to cross-check. When the log holds no capacity line (tensor and pipeline parallel over
+        nodes, where the engine core runs on the leader), the tokens are not checked here but by the member that serves the API.
+        Both are listed in RV(not_applicable).
+      - Needs O(unit) and O(journal).
+    type: bool
+    default: false
+    version_added: 3.0.0
+  local_ranks:
+    description: With O(headless), the ranks this member runs (its GPUs of the instance).
+    type: int
+    default: 1
+    version_added: 3.0.0
   record:
     description:
       - After a boot that passed every check and that the boot gate did not shrink (RV(degraded) empty), write the
@@ -195,7 +212,9 @@ checks:
   type: list
   elements: dict
 health:
-  description: V(healthy), V(timeout) or V(failed_state) (the unit failed or restarted while booting).
+  description:
+    - V(healthy), V(timeout) or V(failed_state) (the unit failed or restarted while booting).
+    - With O(headless), V(healthy) means each of its ranks logged its KV cache line.
   returned: when not in check mode
   type: str
 ranks:
@@ -301,6 +320,9 @@ def build_spec(params: Mapping[str, Any]) -> BootCheckSpec:
     if params["unit"] is not None:
         text(params["unit"], "unit")
     integer(params["timeout"], "timeout", low=1)
+    integer(params["local_ranks"], "local_ranks", low=1, high=4096)
+    if params["headless"] and not params["journal"]:
+        raise EngineSpecError("headless: a member without an API server is read from its unit's journal (journal=true)")
     if params["min_tokens"] is not None:
         integer(params["min_tokens"], "min_tokens", low=0)
     expected = None
@@ -324,6 +346,8 @@ def build_spec(params: Mapping[str, Any]) -> BootCheckSpec:
         timeout=float(params["timeout"]),
         journal=params["journal"],
         log_path=params["log_path"],
+        headless=params["headless"],
+        local_ranks=params["local_ranks"],
     )
 
 
@@ -337,7 +361,9 @@ def record_layout(params: Mapping[str, Any], unit: str | None) -> Layout:
 
 
 def planned_checks(spec: BootCheckSpec) -> list[dict[str, Any]]:
-    checks: list[dict[str, Any]] = [{"check": "health", "url": f"{base_url(spec.host, spec.port)}/health", "timeout": spec.timeout}]
+    checks: list[dict[str, Any]] = [
+        {"check": "ranks_logged", "unit": spec.unit, "ranks": spec.local_ranks, "timeout": spec.timeout} if spec.headless
+        else {"check": "health", "url": f"{base_url(spec.host, spec.port)}/health", "timeout": spec.timeout}]
     checks.append({"check": "engine_error", "log": f"journal of {spec.unit}" if spec.journal else spec.log_path})
     if spec.expected_kv_cache_memory_bytes is not None:
         checks.append({"check": "reserved_kv_bytes", "expected": spec.expected_kv_cache_memory_bytes})
@@ -365,6 +391,8 @@ def main() -> None:
             log_path=dict(type="path"),
             boot_gate_state=dict(type="path"),
             fail_degraded=dict(type="bool", default=False),
+            headless=dict(type="bool", default=False),
+            local_ranks=dict(type="int", default=1),
             record=dict(type="dict", options=dict(
                 name=dict(type="str", required=True),
                 plan=dict(type="dict", required=True),
@@ -373,7 +401,8 @@ def main() -> None:
                 plan_group=dict(type="str", default="root"),
             )),
         ),
-        required_if=[("journal", True, ("unit",)), ("journal", False, ("log_path",)), ("fail_degraded", True, ("boot_gate_state",))],
+        required_if=[("journal", True, ("unit",)), ("journal", False, ("log_path",)), ("fail_degraded", True, ("boot_gate_state",)),
+                     ("headless", True, ("unit",))],
         mutually_exclusive=[("launch", "expected_kv_cache_memory_bytes"), ("launch", "free_floor_bytes")],
         supports_check_mode=True,
     )

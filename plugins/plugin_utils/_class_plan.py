@@ -228,7 +228,7 @@ def prepare_class(store: ProfileStore, host_class: str, compat: Mapping[str, Any
                   snapshots: Mapping[str, Any], canary_host: str, canary_instance: str, canary_chosen: bool = False,
                   approved_plan: Any = None, force_profile: bool = False, run_canaries: bool = True, serial: Any = None,
                   max_unavailable: Any = None, boot_timeout: Any = 0, enforce_eager: Any = False,
-                  drain: bool = False) -> ClassPreparation:
+                  drain: bool = False, gangs: Sequence[Sequence[str]] = ()) -> ClassPreparation:
     """What one class's planning decides before any host is touched.
 
     ``hosts``: the class's hosts in their order (the canary host among them); ``snapshots``: host
@@ -236,7 +236,8 @@ def prepare_class(store: ProfileStore, host_class: str, compat: Mapping[str, Any
     an approved plan's floors). ``approved_plan``: the plan artifact being applied, or None.
     ``serial`` and ``max_unavailable``: the run's batches and the class's capacity budget
     (``gpufleet_rollout_serial``, ``gpufleet_max_unavailable``); a budget that holds none of the
-    class's hosts refuses the class (``refusal``: no canary runs). ``boot_timeout`` and
+    class's hosts refuses the class (``refusal``: no canary runs), as does one that cannot take a whole gang
+    (``gangs``: the members of each instance over several of the class's hosts, leader first). ``boot_timeout`` and
     ``enforce_eager`` (the service's serve option): the outline's upper bound when no boot was
     measured. Raises :class:`ClassPlanError`, and the store's, the key's, the plan's and the
     batches' own errors (each names its field).
@@ -250,12 +251,13 @@ def prepare_class(store: ProfileStore, host_class: str, compat: Mapping[str, Any
     order = [canary_host] + [h for h in hosts if h != canary_host]
     budget = parse_budget(max_unavailable)
     capacity = {h: host_capacity(s) for h, s in by_host.items()}
-    refusal = budget_problems(budget, order, capacity)
+    members = [[str(h) for h in gang] for gang in gangs]
+    refusal = budget_problems(budget, order, capacity, members)
     if refusal:  # nothing of the class runs: no canary stops its canary host's instance
         need = CanaryNeed(reference_found=need.reference_found, profiled=False, why="", plan_now=False, dry_run_stop="")
     batches = [b["hosts"] for b in class_batches(
-        [{"class": host_class, "hosts": order, "max_unavailable": None if refusal else max_unavailable, "capacity": capacity}],
-        [1, "10%", "50%"] if serial is None else serial)]
+        [{"class": host_class, "hosts": order, "max_unavailable": None if refusal else max_unavailable, "capacity": capacity,
+          "gangs": members}], [1, "10%", "50%"] if serial is None else serial)]
     found = answer["status"] == "found"
     moved: list[str] = []
     if isinstance(approved_plan, Mapping):
@@ -287,9 +289,11 @@ def prepare_class(store: ProfileStore, host_class: str, compat: Mapping[str, Any
                             plan_moved=moved, first_run_spec=spec, refusal=refusal, batches=batches)
 
 
-def deploy_order(hosts: Mapping[str, Mapping[str, Any]], classes: Sequence[str]) -> list[dict[str, Any]]:
+def deploy_order(hosts: Mapping[str, Mapping[str, Any]], classes: Sequence[str],
+                 gangs: Sequence[tuple[Any, Sequence[str]]] = ()) -> list[dict[str, Any]]:
     """The classes the batches are cut from (``rollout_batches``), each ``{class, hosts,
-    max_unavailable, capacity, bake, on_failure}``.
+    max_unavailable, capacity, bake, on_failure}``, and ``gangs`` in a class with instances over
+    several hosts (``gangs``: ``(class, members)`` pairs, leader first; each rolled out whole).
 
     ``hosts``: host -> ``{host_class, ok, canary, max_unavailable, capacity, bake, on_failure}`` (its class, whether
     the class is deployable, the class's canary host, the class's capacity budget as the canary host
@@ -313,6 +317,9 @@ def deploy_order(hosts: Mapping[str, Mapping[str, Any]], classes: Sequence[str])
         order.append({"class": cls, "hosts": members, "max_unavailable": first.get("max_unavailable"),
                       "capacity": {h: hosts[h].get("capacity") for h in members}, "bake": first.get("bake"),
                       "on_failure": first.get("on_failure")})
+        own = [list(m) for c, m in gangs if c == cls]
+        if own:
+            order[-1]["gangs"] = own
     return order
 
 

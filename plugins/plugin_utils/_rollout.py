@@ -144,26 +144,33 @@ def host_capacity(snapshot: Mapping[str, Any]) -> int | None:
     return total
 
 
-def budget_problems(budget: Budget | None, hosts: Sequence[str], capacity: Mapping[str, int | None] | None = None) -> list[str]:
+def budget_problems(budget: Budget | None, hosts: Sequence[str], capacity: Mapping[str, int | None] | None = None,
+                    gangs: Sequence[Sequence[str]] = ()) -> list[str]:
     """Why ``budget`` cannot roll out the class of ``hosts`` (empty when it can): it lets no host go at
-    once, or a host serves more tokens than a token budget allows away. A host whose capacity is not
-    known (None) is not refused: it goes in a batch of its own (:func:`class_batches`)."""
+    once, a gang has more members than it lets go, or a host (a gang, all its members) serves more
+    tokens than a token budget allows away. A unit whose capacity is not known (None) is not refused:
+    it goes in a batch of its own (:func:`class_batches`)."""
     if budget is None or not hosts:
         return []
     allowed = budget.hosts(len(hosts))
+    units = _units(hosts, gangs)
     if allowed is not None:
         if allowed < 1:
             return [f"{BUDGET_FIELD} {budget.given} of the class's {len(hosts)} host(s) lets no host be away at once: "
                     f"not even the canary host {hosts[0]} can be rolled out (give at least one host)"]
-        return []
+        wide = [u for u in units if len(u) > allowed]
+        return [f"{BUDGET_FIELD} {budget.given} lets {allowed} host(s) be away at once, but the instance over "
+                + ", ".join(unit) + f" stops all {len(unit)} of its members together (a gang runs whole or not at all)"
+                for unit in wide]
     capacity = capacity or {}
-    too_big = [h for h in hosts if (capacity.get(h) or 0) > budget.amount]
+    too_big = [u for u in units if sum(capacity.get(h) or 0 for h in u) > budget.amount]
     if not too_big:
         return []
     return [f"{BUDGET_FIELD} {budget.given} is less than what "
-            + ", ".join(f"{h} serves ({capacity.get(h)} KV-cache tokens)" for h in too_big)
+            + ", ".join(f"{u[0] if len(u) == 1 else 'the gang ' + ' + '.join(u)} serves ({sum(capacity.get(h) or 0 for h in u)} "
+                        "KV-cache tokens)" for u in too_big)
             + ": that host can never be taken away within the budget"
-            + (" (the canary host)" if hosts[0] in too_big else "")]
+            + (" (the canary host)" if any(hosts[0] in u for u in too_big) else "")]
 
 
 def _serial_list(serial: Any, field: str = "gpufleet_rollout_serial") -> list[str]:
@@ -279,33 +286,82 @@ def class_settings_problems(hosts: Mapping[str, Mapping[str, Any]]) -> list[str]
     return problems
 
 
-def _cut(hosts: Sequence[str], items: Sequence[str], budget: Budget | None, capacity: Mapping[str, int | None]) -> list[list[str]]:
-    """One class's batches: each serial entry's size, within the budget (at least one host a batch;
-    :func:`budget_problems` refuses a class where that host would exceed it). Under a token budget a
-    host whose capacity is not known (None) goes in a batch of its own."""
+def _units(hosts: Sequence[str], gangs: Sequence[Sequence[str]]) -> list[list[str]]:
+    """``hosts`` as the units a batch takes whole: each gang's members together (leader first, where its
+    first member comes in ``hosts``), every other host alone."""
+    gang_of = {member: list(gang) for gang in gangs for member in gang}
+    units: list[list[str]] = []
+    placed: set[str] = set()
+    for host in hosts:
+        if host in placed:
+            continue
+        unit = gang_of.get(host, [host])
+        placed.update(unit)
+        units.append(unit)
+    return units
+
+
+def _cut(hosts: Sequence[str], items: Sequence[str], budget: Budget | None, capacity: Mapping[str, int | None],
+         gangs: Sequence[Sequence[str]] = ()) -> list[list[str]]:
+    """One class's batches: each serial entry's size, within the budget (at least one unit a batch;
+    :func:`budget_problems` refuses a class where that unit would exceed it). A gang (an instance over
+    several hosts) is one unit: never split across batches, counted once by the serial sizes, all its
+    members away at once under a budget. Under a token budget a unit whose capacity is not known (None)
+    goes in a batch of its own."""
+    units = _units(hosts, gangs)
     allowed = budget.hosts(len(hosts)) if budget is not None else None
-    left = list(hosts)
+    left = units
     batches: list[list[str]] = []
     step = 0
     while left:
-        size = min(_size(items[step], len(hosts)), len(left))
+        size = min(_size(items[step], len(units)), len(left))
         if allowed is not None:
-            size = max(1, min(size, allowed))
+            hosts_in = 0
+            for count, unit in enumerate(left[:size], start=1):
+                hosts_in += len(unit)
+                if hosts_in > allowed and count > 1:
+                    size = count - 1
+                    break
         elif budget is not None:  # tokens: the batch's hosts serve no more than the budget, together
             taken = 0
-            for count, host in enumerate(left[:size], start=1):
-                served = capacity.get(host, 0)
-                if served is None:  # not known: alone
+            for count, unit in enumerate(left[:size], start=1):
+                served = [capacity.get(host, 0) for host in unit]
+                if any(c is None for c in served):  # not known: alone
                     size = max(1, count - 1)
                     break
-                taken += served
+                taken += sum(c for c in served if c is not None)
                 if taken > budget.amount and count > 1:
                     size = count - 1
                     break
-        batches.append(left[:size])
+        batches.append([host for unit in left[:size] for host in unit])
         left = left[size:]
         step = min(step + 1, len(items) - 1)
     return batches
+
+
+def _class_gangs(given: Any, hosts: Sequence[str], field: str) -> list[list[str]]:
+    """A class's gangs as ``class_batches`` takes them: lists of two or more of its hosts (the leader first),
+    a host in one gang at most; a gang with a member the class does not roll out cannot run whole."""
+    if given is None:
+        return []
+    if not isinstance(given, Sequence) or isinstance(given, (str, Mapping)):
+        raise RolloutError(f"{field}: expected a list of gangs, each a list of member hosts, got {given!r}")
+    gangs: list[list[str]] = []
+    seen: dict[str, int] = {}
+    for i, gang in enumerate(given):
+        if not isinstance(gang, Sequence) or isinstance(gang, (str, Mapping)) or len(gang) < 2 \
+                or not all(isinstance(h, str) and h for h in gang) or len(set(gang)) != len(gang):
+            raise RolloutError(f"{field}[{i}]: expected two or more distinct member hosts, leader first, got {gang!r}")
+        outside = [h for h in gang if h not in hosts]
+        if outside:
+            raise RolloutError(f"{field}[{i}]: {', '.join(outside)} of the gang {', '.join(gang)} is/are not rolled out with the "
+                               "class; a gang runs on all of its members or not at all")
+        for host in gang:
+            if host in seen:
+                raise RolloutError(f"{field}[{i}]: {host} is also a member of {field}[{seen[host]}]")
+            seen[host] = i
+        gangs.append(list(gang))
+    return gangs
 
 
 def class_batches(classes: Sequence[Any], serial: Any) -> list[dict[str, Any]]:
@@ -315,8 +371,10 @@ def class_batches(classes: Sequence[Any], serial: Any) -> list[dict[str, Any]]:
     order they are rolled out); a mapping may also give the class's ``max_unavailable`` budget
     (:func:`parse_budget`), ``capacity`` (host -> the KV-cache tokens it serves, None when not
     known: :func:`host_capacity`), ``bake`` (the class's bake, :func:`_analysis.bake_settings`'s
-    result, or None) and ``on_failure`` (:func:`parse_on_failure`). Returns ``[{index, total, class,
-    class_index, class_total, class_first, class_last, hosts, bake, on_failure}]``: ``index``/``total``
+    result, or None), ``on_failure`` (:func:`parse_on_failure`) and ``gangs`` (the members of each
+    instance over several hosts, leader first: each is rolled out whole, in one batch, and counts once in
+    the serial sizes). Returns ``[{index, total, class, class_index, class_total, class_first, class_last,
+    hosts, bake, on_failure}]`` (and ``gangs``, the batch's, in a class with gangs): ``index``/``total``
     count every batch of the run, ``class_index``/``class_total`` the batches of that class, ``bake``
     the class's bake (None: none), ``on_failure`` its failure policy.
     """
@@ -353,11 +411,14 @@ def class_batches(classes: Sequence[Any], serial: Any) -> list[dict[str, Any]]:
         if bake is not None and not (isinstance(bake, Mapping) and isinstance(bake.get("seconds"), int)):
             raise RolloutError(f"classes[{pos}].bake: expected the class's bake settings (seconds, checks, inconclusive), got {bake!r}")
         on_failure = parse_on_failure(own.get("on_failure"), f"classes[{pos}].on_failure")
-        batches = _cut(hosts, run_items, budget, capacity)
+        gangs = _class_gangs(own.get("gangs"), hosts, f"classes[{pos}].gangs")
+        batches = _cut(hosts, run_items, budget, capacity, gangs)
         for number, group in enumerate(batches, start=1):
             out.append({"class": name, "class_index": number, "class_total": len(batches),
                         "class_first": number == 1, "class_last": number == len(batches), "hosts": group,
                         "bake": dict(bake) if bake else None, "on_failure": on_failure})
+            if gangs:
+                out[-1]["gangs"] = [list(gang) for gang in gangs if gang[0] in group]
     for index, batch in enumerate(out, start=1):
         batch["index"] = index
         batch["total"] = len(out)

@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import math
 import subprocess
+import time
 import typing as t
 from dataclasses import dataclass, field
 
 from .._gate._floor_check import rank_floor
-from ._engine_process import base_url, scrape_metrics, wait_healthy
+from ._engine_process import HealthResult, base_url, scrape_metrics, wait_healthy
 from ._serve_argv import LOOPBACK, EngineSpecError
 from ._vllm_log import GIB_ROUNDING_BYTES, EngineLog, parse_engine_log
 from ._vllm_metrics import EngineMetrics
@@ -215,8 +216,13 @@ def evaluate_boot(
     free_floor_bytes: int | t.Mapping[t.Any, t.Any] | None = None,
     min_tokens: int | None = None,
     metrics_error: str = "",
+    serves_metrics: bool = True,
 ) -> dict[str, t.Any]:
     """Judge one boot from its parsed log (``summarise_log``) and ``/metrics``.
+
+    ``serves_metrics``: false for a member of an instance over several hosts that runs no API server
+    (``--headless``): there is no ``/metrics`` to cross-check, and its log may hold no capacity line
+    (the API member's engine counts the tokens); both are noted as not applicable.
 
     Logged GiB figures carry two decimals, so log comparisons allow half a unit
     (``GIB_ROUNDING_BYTES``); ``/metrics`` figures are exact and compared exactly.
@@ -232,16 +238,21 @@ def evaluate_boot(
     if not log.get("recognised"):
         found.check("log_recognised", False, "no vLLM startup line was recognised in this boot's log")
     if expected_kv_cache_memory_bytes is not None:
-        _check_reserved_kv(found, ranks, int(expected_kv_cache_memory_bytes), metrics, metrics_error)
+        _check_reserved_kv(found, ranks, int(expected_kv_cache_memory_bytes), metrics, metrics_error, serves_metrics)
     if free_floor_bytes is not None:
         _check_free_floors(found, log, ranks, free_floor_bytes)
+    if not serves_metrics and log.get("kv_cache_tokens") is None:
+        if min_tokens is not None:
+            found.not_applicable.append(f"KV cache tokens (at least {min_tokens}): this member runs no engine core of its own; "
+                                        "the member that serves the API counts them")
+        min_tokens = None
     tokens = _check_tokens(found, log, metrics, min_tokens)
     return {"ok": not found.reasons, "reasons": found.reasons, "checks": found.checks, "kv_cache_tokens": tokens,
             "not_applicable": found.not_applicable}
 
 
 def _check_reserved_kv(found: _BootChecks, ranks: list[t.Any], expected: int, metrics: EngineMetrics | None,
-                       metrics_error: str) -> None:
+                       metrics_error: str, serves_metrics: bool = True) -> None:
     """Each rank's logged KV reservation (GiB-rounded), then ``/metrics``' exact figure, against ``expected``."""
     if not ranks:
         found.check("reserved_kv_bytes", False,
@@ -256,7 +267,9 @@ def _check_reserved_kv(found: _BootChecks, ranks: list[t.Any], expected: int, me
             found.check("reserved_kv_bytes", ok,
                         f"rank {num}: reserved {got} bytes for KV cache (log, +/- {GIB_ROUNDING_BYTES}), "
                         f"expected {expected}", rank=num, expected=expected, actual=got)
-    if metrics is not None and metrics.cache_config:
+    if not serves_metrics:
+        found.not_applicable.append("kv_cache_memory_bytes in /metrics: this member runs no API server (headless)")
+    elif metrics is not None and metrics.cache_config:
         got = metrics.kv_cache_memory_bytes
         found.check("metrics_kv_cache_memory_bytes", got == expected,
                     f"/metrics cache_config_info kv_cache_memory_bytes={got}, expected {expected}",
@@ -312,11 +325,20 @@ def _check_rank_floor(found: _BootChecks, log: t.Mapping[str, t.Any], rank: t.Ma
 
 def _check_tokens(found: _BootChecks, log: t.Mapping[str, t.Any], metrics: EngineMetrics | None,
                   min_tokens: int | None) -> t.Any:
-    """The log's and /metrics' KV cache tokens agree, and hold ``min_tokens``; returns the tokens (/metrics first)."""
+    """The log's and /metrics' KV cache tokens agree, and hold ``min_tokens``; returns the tokens (/metrics first).
+
+    With several engines (data parallel) the figures are per engine: the log holds the first engine's line
+    and a data-parallel head's /metrics every engine's, over every host of the instance (each engine of it
+    takes the same budget); every engine must report the log's figure, and the least of them counts."""
     log_tokens = log.get("kv_cache_tokens")
-    metric_tokens = metrics.kv_cache_size_tokens if metrics is not None else None
+    per_engine = list(metrics.engine_kv_cache_tokens) if metrics is not None and len(metrics.engine_kv_cache_tokens) > 1 else []
+    metric_tokens = min(per_engine) if per_engine else metrics.kv_cache_size_tokens if metrics is not None else None
     tokens = metric_tokens if metric_tokens is not None else log_tokens
-    if log_tokens is not None and metric_tokens is not None:
+    if per_engine and log_tokens is not None:
+        found.check("tokens_consistent", all(t == log_tokens for t in per_engine),
+                    f"the log reports {log_tokens} KV cache tokens per engine, /metrics {per_engine} for its {len(per_engine)} engines",
+                    log=log_tokens, metrics=per_engine)
+    elif log_tokens is not None and metric_tokens is not None:
         found.check("tokens_consistent", log_tokens == metric_tokens,
                     f"the log reports {log_tokens} KV cache tokens, /metrics {metric_tokens}",
                     log=log_tokens, metrics=metric_tokens)
@@ -433,6 +455,47 @@ class BootCheckSpec:
     # seconds between two /health polls (each also reads the unit's state): a short one keeps
     # the wait after the engine is up, which every host of a rollout pays, small
     interval: float = 0.25
+    # a member of an instance over several hosts that runs no API server (--headless): it is up once each of
+    # its ``local_ranks`` ranks logged its KV cache line (after every rank of the instance joined), not at /health
+    headless: bool = False
+    local_ranks: int = 1
+
+
+def _logged_ranks(log: t.Mapping[str, t.Any]) -> int:
+    """How many ranks of this boot's log reported their KV cache (a budget or a profiled figure)."""
+    return len({r.get("rank") for r in log.get("ranks") or []
+                if r.get("reserved_kv_bytes") is not None or r.get("current_kv_bytes") is not None
+                or r.get("auto_kv_bytes") is not None})
+
+
+def _local_ranks(log: dict[str, t.Any]) -> dict[str, t.Any]:
+    """A follower's ranks as the plan keys them: its log names each rank by its place in the whole instance
+    (node rank x ranks per node + local rank: 8-15 on the second host of two with 8 GPUs each), the plan file
+    and its floors by its place among this member's GPUs (0-7). A member's ranks are contiguous; each keeps
+    its instance-wide number as ``global_rank``."""
+    ranks = sorted(log.get("ranks") or [], key=lambda r: r.get("rank") if isinstance(r.get("rank"), int) else 0)
+    return dict(log, ranks=[dict(r, rank=i, global_rank=r.get("rank")) for i, r in enumerate(ranks)])
+
+
+def wait_ranks_logged(systemd: Systemd, unit: str, ranks: int, *, timeout: float, interval: float = 1.0,
+                      clock: t.Callable[[], float] = time.monotonic,
+                      sleep: t.Callable[[float], None] = time.sleep) -> tuple[HealthResult, str, str]:
+    """Poll a headless member's journal until ``ranks`` ranks logged their KV cache line, the deadline, or the
+    unit failing; returns (the outcome as ``wait_healthy`` gives it, the journal text, which entries were read)."""
+    start = clock()
+    deadline = start + float(timeout)
+    while True:
+        state = systemd.failed_state(unit)
+        text, selected = systemd.journal(unit)
+        if state:
+            return HealthResult("failed_state", round(clock() - start, 3), None, state), text, selected
+        logged = _logged_ranks(summarise_log(parse_engine_log(text)))
+        if logged >= ranks:
+            return HealthResult("healthy", round(clock() - start, 3)), text, selected
+        if clock() >= deadline:
+            return (HealthResult("timeout", round(clock() - start, 3), None,
+                                 f"{logged} of its {ranks} rank(s) logged their KV cache (it runs no API server)"), text, selected)
+        sleep(interval)
 
 
 def run_boot_check(spec: BootCheckSpec, systemd: Systemd | None = None) -> dict[str, t.Any]:
@@ -445,13 +508,21 @@ def run_boot_check(spec: BootCheckSpec, systemd: Systemd | None = None) -> dict[
         raise EngineSpecError("journal=false needs a log_path")
     systemd = systemd or Systemd()
     unit = spec.unit
+    if spec.headless and not (unit and spec.journal):
+        raise EngineSpecError("headless needs a unit and its journal: a member without an API server is read from its log")
     failed_state = (lambda: systemd.failed_state(unit)) if unit else None
-    health = wait_healthy(spec.host, spec.port, timeout=spec.timeout, failed_state=failed_state, interval=spec.interval)
+    if spec.headless:
+        health, text, selected = wait_ranks_logged(systemd, unit or "", spec.local_ranks, timeout=spec.timeout,
+                                                   interval=max(spec.interval, 1.0))
+    else:
+        health = wait_healthy(spec.host, spec.port, timeout=spec.timeout, failed_state=failed_state, interval=spec.interval)
     result: dict[str, t.Any] = {"health": health.status, "startup_wait_seconds": health.seconds,
-                                "url": base_url(spec.host, spec.port)}
+                                "url": None if spec.headless else base_url(spec.host, spec.port)}
     if health.detail:
         result["health_detail"] = health.detail
-    if spec.journal:
+    if spec.headless:
+        result["log_source"] = f"journal of {spec.unit}, {selected}"
+    elif spec.journal:
         text, selected = systemd.journal(spec.unit or "")
         result["log_source"] = f"journal of {spec.unit}, {selected}"
     else:
@@ -462,6 +533,8 @@ def run_boot_check(spec: BootCheckSpec, systemd: Systemd | None = None) -> dict[
             raise EngineSpecError(f"log_path {spec.log_path}: {exc.strerror or exc}") from exc
         result["log_source"] = f"{spec.log_path} (latest boot)"
     log = summarise_log(parse_engine_log(text))
+    if spec.headless:
+        log = _local_ranks(log)
     result["engine_errors"] = log["errors"]
     result["ranks"] = log["ranks"]
     if health.status != "healthy":
@@ -473,10 +546,11 @@ def run_boot_check(spec: BootCheckSpec, systemd: Systemd | None = None) -> dict[
         result.update(ok=False, reasons=[what + (f": {root}" if root else "")], checks=[],
                       log_tail=log_tail(text))
         return result
-    metrics, why = scrape_metrics(spec.host, spec.port)
+    metrics, why = scrape_metrics(spec.host, spec.port) if not spec.headless else (None, "")
     verdict = evaluate_boot(
         log, metrics, expected_kv_cache_memory_bytes=spec.expected_kv_cache_memory_bytes,
         free_floor_bytes=spec.free_floor_bytes, min_tokens=spec.min_tokens, metrics_error=why,
+        serves_metrics=not spec.headless,
     )
     result.update(verdict)
     result["kv_cache_memory_bytes"] = metrics.kv_cache_memory_bytes if metrics else None

@@ -99,6 +99,8 @@ class EngineMetrics:
     e2e: Histogram | None = None
     itl: Histogram | None = None
     engines: int = 0
+    # each engine's KV cache tokens, when several engines report (data parallel): a plan's figure is per engine
+    engine_kv_cache_tokens: list[int] = field(default_factory=list)
     recognised: bool = False
     parser: str = ""
 
@@ -260,6 +262,7 @@ def metrics_from_samples(samples: list[Sample], parser: str = "") -> EngineMetri
                 m.num_gpu_blocks = sum(b for b in blocks if b is not None)
             if all(t is not None for t in tokens):
                 m.kv_cache_size_tokens = sum(t for t in tokens if t is not None)
+                m.engine_kv_cache_tokens = [t for t in tokens if t is not None]
 
     m.preemptions_total = _sum(_counter(samples, PREEMPTIONS))
     for _name, labels, value in _counter(samples, REQUEST_SUCCESS):

@@ -22,6 +22,7 @@ from task_lookup import including, only, plays_tasks, running, setting, tasks_in
 
 from ansible_collections.gpufleet.vllm.plugins.filter.class_plan import class_deploy_order
 from ansible_collections.gpufleet.vllm.plugins.plugin_utils._class_plan import class_state, deploy_order
+from ansible_collections.gpufleet.vllm.plugins.plugin_utils._rollout import class_batches
 
 ROOT = pathlib.Path(__file__).resolve().parents[3]
 
@@ -90,6 +91,24 @@ def test_classes_follow_the_stated_order_and_leave_out_classes_that_do_not_deplo
     # no class of these hosts gives a budget, and no host has a snapshot here: what it serves is not known
     assert all(c["max_unavailable"] is None and set(c["capacity"].values()) == {None} for c in classes)
     assert deploy_order({"a": {"host_class": "c", "ok": False}}, ["c"]) == []
+
+
+def test_a_gang_of_a_class_is_handed_to_the_batches_leader_first() -> None:
+    """The instance over two hosts of a class (given alike by both, as validate.yml checks) comes with its
+    class's order, its members leader first, so rollout_batches keeps it in one batch."""
+    gang = {"mode": "mp", "members": ["h-2", "h-3"], "leader": "h-3"}
+
+    def host(name: str, member: bool) -> dict[str, t.Any]:
+        instances = [{"name": "big", "gpus": [0], "port": 8000, "gang": gang}] if member else [{"name": "main", "gpus": [0], "port": 8000}]
+        return {"inventory_hostname": name, "gpufleet_host_class": "h100", "gpufleet_class_state": {"ok": True},
+                "gpufleet_serve_args": {"tensor_parallel_size": 2}, "gpufleet_instances": instances}
+
+    hosts = [host("h-1", False), host("h-2", True), host("h-3", True)]
+    classes = classes_in_rollout_order({
+        "ansible_play_hosts": [h["inventory_hostname"] for h in hosts], "hostvars": {h["inventory_hostname"]: h for h in hosts},
+        "gpufleet_run": {"classes": ["h100"], "serial": [1, "50%"]}})
+    assert [(c["class"], c["hosts"], c["gangs"]) for c in classes] == [("h100", ["h-1", "h-2", "h-3"], [["h-3", "h-2"]])]
+    assert [b["hosts"] for b in class_batches(classes, [1, 1])] == [["h-1"], ["h-3", "h-2"]]
 
 
 def canary_host_note(task_name: str, variables: dict[str, t.Any]) -> str:

@@ -12,6 +12,7 @@ integration tests run the real one.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import sys
@@ -27,6 +28,7 @@ from ansible_collections.gpufleet.vllm.plugins.module_utils._engine._load_test i
     build_prompt,
     percentile,
 )
+from ansible_collections.gpufleet.vllm.plugins.module_utils._engine._serve_argv import EngineSpecError
 from ansible_collections.gpufleet.vllm.plugins.module_utils._engine._vllm_log import parse_engine_log
 from ansible_collections.gpufleet.vllm.plugins.module_utils._engine._vllm_metrics import parse_metrics
 
@@ -466,6 +468,30 @@ def test_evaluate_boot_pass_and_rank_named_failures():
     assert any("kv_cache_memory_bytes=100000000, expected 200000000" in r for r in wrong["reasons"])
 
 
+def test_a_data_parallel_head_is_judged_per_engine():
+    """A data-parallel head's /metrics reports every engine of the instance (over every host of a gang), its log
+    the first engine's line: the figures are compared per engine (the real CPU build's two-host data parallel,
+    tests/integration/test_real_engine.py step 9, reports 195200 tokens per engine in the log, 390400 summed)."""
+    two = parse_metrics(
+        'vllm:cache_config_info{block_size="128",engine="0",kv_cache_memory_bytes="100000000",kv_cache_size_tokens="195200",'
+        'num_gpu_blocks="1525"} 1.0\n'
+        'vllm:cache_config_info{block_size="128",engine="1",kv_cache_memory_bytes="100000000",kv_cache_size_tokens="195200",'
+        'num_gpu_blocks="1525"} 1.0\n')
+    assert two.kv_cache_size_tokens == 390400 and two.engine_kv_cache_tokens == [195200, 195200]
+    ok = _boot_check.evaluate_boot(_log(ranks=[_log()["ranks"][0]]), two, expected_kv_cache_memory_bytes=100_000_000,
+                                   min_tokens=195200)
+    assert ok["ok"], ok["reasons"]
+    short = parse_metrics(
+        'vllm:cache_config_info{block_size="128",engine="0",kv_cache_memory_bytes="100000000",kv_cache_size_tokens="195200",'
+        'num_gpu_blocks="1525"} 1.0\n'
+        'vllm:cache_config_info{block_size="128",engine="1",kv_cache_memory_bytes="100000000",kv_cache_size_tokens="97600",'
+        'num_gpu_blocks="762"} 1.0\n')
+    bad = _boot_check.evaluate_boot(_log(ranks=[_log()["ranks"][0]]), short, min_tokens=195200)
+    assert not bad["ok"]
+    assert "the log reports 195200 KV cache tokens per engine, /metrics [195200, 97600] for its 2 engines" in bad["reasons"]
+    assert any("97600 tokens, fewer than the 195200" in r for r in bad["reasons"])
+
+
 def test_evaluate_boot_missing_figures_fail_closed():
     res = _boot_check.evaluate_boot(_log(ranks=[{"rank": 0, "initial_free_bytes": None, "reserved_kv_bytes": None}]),
                                     None, expected_kv_cache_memory_bytes=1, free_floor_bytes=1, min_tokens=1,
@@ -630,3 +656,59 @@ def test_exceptions_alone_are_not_engine_errors():
     log = _boot_check.summarise_log(_vllm_log.parse_engine_log(text))
     assert log["errors"] == [] and [e["message"][:45] for e in log["exceptions"]] == [
         "vllm.v1.engine.exceptions.EngineDeadError: En"]
+
+
+class _FakeJournal:
+    """A headless member's unit: its journal grows by one chunk per read; ``fail_after`` reads it fails."""
+
+    def __init__(self, chunks: list[str], fail_after: int | None = None) -> None:
+        self.chunks, self.reads, self.fail_after = chunks, 0, fail_after
+
+    def failed_state(self, unit: str) -> str | None:
+        return f"unit {unit} is failed (failed), result exit-code, restarts 0" if self.fail_after is not None \
+            and self.reads >= self.fail_after else None
+
+    def journal(self, unit: str) -> tuple[str, str]:
+        self.reads += 1
+        return "".join(self.chunks[:self.reads]), "invocation abc"
+
+
+FOLLOWER_LOG = [
+    "(APIServer pid=1) INFO 12-06 16:04:00 [utils.py:1] non-default args: {'headless': True, 'nnodes': 2, 'node_rank': 1}\n",
+    "(Worker_TP1 pid=55) INFO 12-06 16:04:25 [cpu_worker.py:260] Explicitly set (0.09/23.54) GiB for KV cache on node 0.\n",
+]
+
+
+def test_a_headless_member_is_up_once_its_ranks_logged_their_kv_cache():
+    """The follower of tensor parallelism over two hosts (the real CPU build's line): no /health, no /metrics, no
+    capacity line of its own; its rank's reservation is judged, the tokens are the leader's."""
+    journal = _FakeJournal(FOLLOWER_LOG + [""] * 3)
+    spec = _boot_check.BootCheckSpec(unit="vllm-big.service", expected_kv_cache_memory_bytes=96636764, min_tokens=1000,
+                                     timeout=60, interval=0.01, headless=True, local_ranks=1)
+    waited, _text, _selected = _boot_check.wait_ranks_logged(journal, "vllm-big.service", 1, timeout=60, sleep=lambda s: None)
+    assert waited.status == "healthy" and journal.reads == 2
+    result = _boot_check.run_boot_check(spec, _FakeJournal(FOLLOWER_LOG))
+    assert result["ok"], result["reasons"]
+    assert result["health"] == "healthy" and result["url"] is None
+    assert any("headless" in n for n in result["not_applicable"]) and any("the member that serves the API" in n
+                                                                          for n in result["not_applicable"])
+    # its rank is the instance's rank 1, its own GPU's rank 0 (the plan's floors are keyed by the member's GPUs)
+    assert [(r["rank"], r["global_rank"]) for r in result["ranks"]] == [(0, 1)]
+    floored = _boot_check.run_boot_check(dataclasses.replace(spec, free_floor_bytes={"0": 2**30}), _FakeJournal(FOLLOWER_LOG))
+    assert floored["ok"], floored["reasons"]
+    assert any("rank 0: free-memory floor" in n and "not applicable" in n for n in floored["not_applicable"]), floored
+    wrong = _boot_check.run_boot_check(dataclasses.replace(spec, expected_kv_cache_memory_bytes=4 * 2**30), _FakeJournal(FOLLOWER_LOG))
+    assert not wrong["ok"] and wrong["reasons"][0].startswith("rank 0: reserved")
+
+
+def test_a_headless_member_that_fails_or_never_logs_its_ranks_fails_naming_why():
+    failed = _boot_check.run_boot_check(
+        _boot_check.BootCheckSpec(unit="vllm-big.service", timeout=60, headless=True, local_ranks=2),
+        _FakeJournal(FOLLOWER_LOG[:1] + ["(APIServer pid=1) ERROR boot gate: refused: rank 0 below its floor\n"], fail_after=1))
+    assert not failed["ok"] and failed["health"] == "failed_state" and "unit vllm-big.service is failed" in failed["reasons"][0]
+    ticks = iter(range(0, 1000, 10))
+    waited, _text, _selected = _boot_check.wait_ranks_logged(_FakeJournal(FOLLOWER_LOG), "vllm-big.service", 2, timeout=25,
+                                                             clock=lambda: next(ticks), sleep=lambda s: None)
+    assert waited.status == "timeout" and waited.detail == "1 of its 2 rank(s) logged their KV cache (it runs no API server)"
+    with pytest.raises(EngineSpecError, match="headless needs a unit and its journal"):
+        _boot_check.run_boot_check(_boot_check.BootCheckSpec(log_path="/x", journal=False, headless=True))

@@ -169,6 +169,15 @@ def test_a_budget_that_cannot_take_a_host_away_refuses_the_class_before_any_cana
     assert got.refusal == [] and got.batches == [["b"], ["a", "c"]]
 
 
+def test_a_gang_of_the_class_is_batched_whole_and_a_budget_that_cannot_take_it_refuses_the_class(store):
+    got = _prepare(store, serial=[1, "100%"], gangs=[["a", "c"]])
+    assert got.refusal == [] and got.batches == [["b"], ["a", "c"]]
+    got = _prepare(store, serial=[1], max_unavailable=1, gangs=[["c", "a"]])
+    assert got.refusal == ["gpufleet_max_unavailable 1 lets 1 host(s) be away at once, but the instance over c, a stops all 2 of "
+                           "its members together (a gang runs whole or not at all)"]
+    assert got.canary.plan_now is False
+
+
 def test_a_class_without_a_reference_runs_a_profiled_canary_and_knows_no_boot(store):
     got = _prepare(store, boot_timeout=600)
     assert got.reference["status"] == "missing" and got.canary.profiled and got.canary.why == "no reference profile in the store yet"

@@ -163,6 +163,45 @@ def test_a_token_budget_counts_what_each_host_serves():
     assert budget_problems(parse_budget("150000 tokens"), ["l-5", "l-1"], capacity)[0].endswith("(the canary host)")
 
 
+def test_a_gang_is_one_unit_of_a_batch_never_split_and_counted_once():
+    """An instance over several hosts rolls out whole: its members in one batch, leader first, where its first
+    member comes in the class's order; the serial sizes count it once, a host budget counts its members."""
+    members = hosts("h", 7)
+    gangs = [["h-3", "h-2"], ["h-5", "h-6", "h-7"]]
+    batches = class_batches([{"class": "h100", "hosts": members, "gangs": gangs}], [1, 2, "100%"])
+    assert [b["hosts"] for b in batches] == [["h-1"], ["h-3", "h-2", "h-4"], ["h-5", "h-6", "h-7"]]
+    assert [b["gangs"] for b in batches] == [[], [["h-3", "h-2"]], [["h-5", "h-6", "h-7"]]]
+    # a budget of 3 hosts takes the 3-member gang alone; one of 2 can never take it: refused, naming it
+    batches = class_batches([{"class": "h100", "hosts": members, "gangs": gangs, "max_unavailable": 3}], ["100%"])
+    assert [b["hosts"] for b in batches] == [["h-1", "h-3", "h-2"], ["h-4"], ["h-5", "h-6", "h-7"]]
+    assert budget_problems(parse_budget(3), members, gangs=gangs) == []
+    assert budget_problems(parse_budget(2), members, gangs=gangs) == [
+        "gpufleet_max_unavailable 2 lets 2 host(s) be away at once, but the instance over h-5, h-6, h-7 stops all 3 of its "
+        "members together (a gang runs whole or not at all)"]
+    # a token budget counts what every member serves
+    capacity = dict.fromkeys(members, 100)
+    batches = class_batches([{"class": "h100", "hosts": members, "gangs": gangs, "max_unavailable": "300 tokens",
+                              "capacity": capacity}], ["100%"])
+    assert [b["hosts"] for b in batches] == [["h-1", "h-3", "h-2"], ["h-4"], ["h-5", "h-6", "h-7"]]
+    assert budget_problems(parse_budget("250 tokens"), members, capacity, gangs)[0].startswith(
+        "gpufleet_max_unavailable 250 tokens is less than what the gang h-5 + h-6 + h-7 serves (300 KV-cache tokens)")
+    # without gangs nothing changes: no gangs key on the batches
+    assert all("gangs" not in b for b in class_batches([{"class": "h100", "hosts": members}], [1, "100%"]))
+
+
+@pytest.mark.parametrize(("gangs", "message"), [
+    ("h-1", "classes[0].gangs: expected a list of gangs"),
+    ([["h-1"]], "classes[0].gangs[0]: expected two or more distinct member hosts"),
+    ([["h-1", "h-1"]], "classes[0].gangs[0]: expected two or more distinct member hosts"),
+    ([["h-1", "x-9"]], "classes[0].gangs[0]: x-9 of the gang h-1, x-9 is/are not rolled out with the class"),
+    ([["h-1", "h-2"], ["h-2", "h-3"]], "classes[0].gangs[1]: h-2 is also a member of classes[0].gangs[0]"),
+])
+def test_a_bad_gang_of_a_class_names_the_field(gangs, message):
+    with pytest.raises(RolloutError) as exc:
+        class_batches([{"class": "h100", "hosts": hosts("h", 3), "gangs": gangs}], [1])
+    assert str(exc.value).startswith(message), str(exc.value)
+
+
 def test_a_host_whose_capacity_is_not_known_goes_alone_under_a_token_budget():
     members = hosts("l", 4)
     capacity = {"l-1": 10, "l-2": None, "l-3": 10, "l-4": 10}
