@@ -320,8 +320,8 @@ def build_spec(params: Mapping[str, Any]) -> BootCheckSpec:
     if params["unit"] is not None:
         text(params["unit"], "unit")
     integer(params["timeout"], "timeout", low=1)
-    integer(params["local_ranks"], "local_ranks", low=1, high=4096)
-    if params["headless"] and not params["journal"]:
+    integer(params.get("local_ranks", 1), "local_ranks", low=1, high=4096)
+    if params.get("headless") and not params["journal"]:
         raise EngineSpecError("headless: a member without an API server is read from its unit's journal (journal=true)")
     if params["min_tokens"] is not None:
         integer(params["min_tokens"], "min_tokens", low=0)
@@ -346,8 +346,8 @@ def build_spec(params: Mapping[str, Any]) -> BootCheckSpec:
         timeout=float(params["timeout"]),
         journal=params["journal"],
         log_path=params["log_path"],
-        headless=params["headless"],
-        local_ranks=params["local_ranks"],
+        headless=bool(params.get("headless")),
+        local_ranks=int(params.get("local_ranks", 1)),
     )
 
 

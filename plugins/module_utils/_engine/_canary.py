@@ -462,6 +462,10 @@ def _boot(
         result["health_detail"] = health.detail
 
 
+# how long a canary whose load-test requests failed waits for its engine's exit to show
+_EXIT_SETTLE_SECONDS = 2.0
+
+
 def _load(run: _CanaryRun, during_load: t.Callable[[EngineProcess], None] | None) -> None:
     """Warm-up and measured load, /metrics scraped between the two and after; the preemptions in between."""
     spec, engine, port, result = run.spec, run.engine, run.launch.port, run.result
@@ -480,6 +484,12 @@ def _load(run: _CanaryRun, during_load: t.Callable[[EngineProcess], None] | None
     load = run_load_test(spec.host, port, spec.model, spec.load, on_start=start_hook, headers=run.launch.headers)
     run.load_seconds = time.monotonic() - load_start
     result["load"] = load.as_dict()
+    if result["load"].get("failed") and engine.alive():
+        # a killed engine's requests fail at once, before the process is gone: give its exit a moment
+        # to show, so that the verdict says it died rather than only that requests failed
+        settled = time.monotonic() + _EXIT_SETTLE_SECONDS
+        while engine.alive() and time.monotonic() < settled:
+            time.sleep(0.05)
     result["died_during_load"] = not engine.alive()
     run.metrics_after, why = scrape_metrics(spec.host, port)
     if why:
