@@ -89,8 +89,8 @@ def _parse(hosts: _Hosts, view: GangView) -> Gang:
     leader = gang.get("leader", listed[0] if listed else None) if isinstance(gang, t.Mapping) else None
     leader_vars = hosts.vars(str(leader)) if isinstance(leader, (str, int)) and not isinstance(leader, bool) else {}
     # each member's own address, where the gang's addresses give none: its ansible_host
-    own = {str(m): str(hosts.vars(str(m)).get("ansible_host")) for m in listed
-           if isinstance(m, (str, int)) and not isinstance(m, bool) and hosts.vars(str(m)).get("ansible_host")}
+    reach = {str(m): hosts.vars(str(m)).get("ansible_host") for m in listed if isinstance(m, (str, int)) and not isinstance(m, bool)}
+    own = {m: str(a) for m, a in reach.items() if a}
     return parse(gang, field=view.field, serve_args=hosts.vars(view.host).get(SERVE_ARGS),
                  gpus=_gpu_counts(hosts, listed, view.name),
                  leader_address=leader_vars.get("ansible_host") or (str(leader) if leader_vars else None),

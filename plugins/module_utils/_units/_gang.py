@@ -49,7 +49,7 @@ import typing as t
 
 from .. import _validate as v
 
-__all__ = ["DEFAULT_PORTS", "INFINIBAND_DEVICE_ALLOW", "MODES", "RANK_OPTIONS", "Gang", "GangError", "across_hosts", "member_args",
+__all__ = ["DEFAULT_PORTS", "INFINIBAND_DEVICE_ALLOW", "LAUNCH_KEYS", "MODES", "RANK_OPTIONS", "Gang", "GangError", "across_hosts", "member_args",
            "member_launch", "parse"]
 
 MODES = ("mp", "dp", "dp-hybrid")
@@ -67,6 +67,8 @@ _KEYS = ("mode", "members", "leader", "address", "port", "addresses", "interface
 # the connection manager (/dev/infiniband/rdma_cm, a misc device: by path, not the whole misc class) and
 # registers (pins) its buffers, which the default 8 MiB RLIMIT_MEMLOCK refuses
 INFINIBAND_DEVICE_ALLOW = ("char-infiniband_verbs rw", "/dev/infiniband/rdma_cm rw")
+# what member_launch returns, and all that the vllm_service role takes as a member's launch
+LAUNCH_KEYS = ("args", "environment", "limit_memlock", "device_allow", "node_rank", "leader", "serves_api")
 # one network interface name (Linux: at most 15 bytes): gloo takes a name, not NCCL's lists and prefixes
 _INTERFACE = re.compile(r"^[A-Za-z0-9_.:@-]{1,15}$")
 _SIZES = ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size")
@@ -266,9 +268,10 @@ def member_launch(gang: Gang, host: str, infiniband: bool = False) -> dict[str, 
     environment = {"VLLM_HOST_IP": gang.host_addresses.get(host, host)}
     if gang.interface:
         environment.update(NCCL_SOCKET_IFNAME=gang.interface, GLOO_SOCKET_IFNAME=gang.interface)
-    return {"args": member_args(gang, host), "environment": environment, "limit_memlock": "infinity",
-            "device_allow": list(INFINIBAND_DEVICE_ALLOW) if infiniband else [],
-            "node_rank": gang.node_rank(host), "leader": gang.leader, "serves_api": gang.serves_api(host)}
+    launch = {"args": member_args(gang, host), "environment": environment, "limit_memlock": "infinity",
+              "device_allow": list(INFINIBAND_DEVICE_ALLOW) if infiniband else [],
+              "node_rank": gang.node_rank(host), "leader": gang.leader, "serves_api": gang.serves_api(host)}
+    return {key: launch[key] for key in LAUNCH_KEYS}
 
 
 def across_hosts(views: t.Mapping[str, t.Mapping[str, t.Any]], field: str = "gpufleet_instances") -> list[str]:

@@ -67,6 +67,7 @@ from dataclasses import dataclass
 from .. import _validate as v
 from .._engine._serve_argv import CONTROLLED_OPTIONS, EngineSpecError, option_name, render_serve_args
 from .._plan._launch import PLAN_CHECKSUM_DROPIN, PLAN_CHECKSUM_VARIABLE, LaunchError, for_instance, plan_checksum, plan_file_bytes
+from ._gang import LAUNCH_KEYS
 from ._instance import clashes, env_file_name, plan_file_name, unit_name, unit_names
 
 KINDS = ("unit", "plan", "env", "dropin")
@@ -241,9 +242,6 @@ def _instances_problems(instances: t.Any, problems: list[str], field: str = "vll
             problems.append(f"{field} {what}: {', '.join(twice)} appear(s) more than once")
 
 
-_GANG_LAUNCH_KEYS = ("args", "environment", "limit_memlock", "device_allow", "node_rank", "leader", "serves_api")
-
-
 def _gang_launch_problems(launches: t.Any, instances: t.Any, problems: list[str], field: str = "vllm_service_gang_launch") -> None:
     """Each entry: an instance of the host, rank arguments and environment that systemd takes as given."""
     if launches is None or launches == {}:
@@ -259,9 +257,9 @@ def _gang_launch_problems(launches: t.Any, instances: t.Any, problems: list[str]
         if not isinstance(launch, t.Mapping):
             problems.append(f"{where}: expected a mapping with args and environment")
             continue
-        unknown = sorted(str(k) for k in launch if k not in _GANG_LAUNCH_KEYS)
+        unknown = sorted(str(k) for k in launch if k not in LAUNCH_KEYS)
         if unknown:
-            problems.append(f"{where}: unknown key(s) {', '.join(unknown)}; a launch takes {', '.join(_GANG_LAUNCH_KEYS)}")
+            problems.append(f"{where}: unknown key(s) {', '.join(unknown)}; a launch takes {', '.join(LAUNCH_KEYS)}")
         args = launch.get("args")
         if not isinstance(args, (list, tuple)) or not args:
             problems.append(f"{where}.args: expected the member's rank arguments, a non-empty list")
