@@ -1,17 +1,26 @@
 # Copyright (c) gpufleet maintainers
 # GNU General Public License v3.0+ (see https://www.gnu.org/licenses/gpl-3.0.txt)
-"""Time the class planner on synthetic fleets of 100, 1,000 and 10,000 hosts x 8 GPUs.
+"""Time the class planner on synthetic fleets of 100, 1,000 and 10,000 hosts x 8 GPUs, and the
+planning of instances that span hosts (gangs) of 16 hosts x 8 GPUs.
 
 Prints one JSON object: per fleet size, the best wall time of ``--repeat``
 runs (time.perf_counter), the best CPU time (time.process_time, less
 sensitive to other load on the machine), the load average when measured, and
 the peak Python memory of one run (tracemalloc, measured in a separate run
 because tracing slows Python down).
+
+``gang_runs``: per number of gangs (``--gang-sizes``, each of ``--gang-hosts`` hosts), the CPU time of
+planning their class as a run does, against the same hosts as one-host instances in the same run:
+the gangs' inventory and probe checks (``_gangs.inventory_problems``, ``probed_problems``,
+``described``), the class plan over every rank of every member (``plan_class``) and the batches
+that keep each gang whole (``class_batches`` with ``gangs``); the baseline runs the class plan and
+the batches alone.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import platform
@@ -26,6 +35,8 @@ try:
 except ImportError:  # run from a checkout without the collection on the path
     sys.path.insert(0, os.path.join(HERE, "..", ".cache", "collections"))
     from ansible_collections.gpufleet.vllm.plugins.plugin_utils._plan import plan_class
+from ansible_collections.gpufleet.vllm.plugins.plugin_utils import _gangs
+from ansible_collections.gpufleet.vllm.plugins.plugin_utils._rollout import class_batches
 
 GIB = 1024**3
 # An H200 as NVML reports it (sim/fleet.yml): 150,754,820,096 bytes in all, 644,939,776 of them
@@ -73,11 +84,77 @@ def fleet(hosts: int, gpus: int, seed: int) -> dict:
     }
 
 
+def gang_fleet(gangs: int, members: int, gpus: int, seed: int) -> tuple[dict, dict, list[str]]:
+    """A class of ``gangs`` instances of TP ``gpus`` x PP ``members``, each over ``members`` hosts: the class
+    plan's input (:func:`fleet`, one entry per host), the run's hostvars (inventory and snapshots) and the hosts."""
+    spec = fleet(gangs * members, gpus, seed)
+    hosts = [key.split("/", 1)[0] for key in spec["hosts"]]
+    serve_args = {"tensor_parallel_size": gpus, "pipeline_parallel_size": members, "max_model_len": 8192}
+    hostvars: dict = {}
+    for g in range(gangs):
+        group = hosts[g * members:(g + 1) * members]
+        gang = {"mode": "mp", "members": group, "interface": "ib0"}
+        for i, host in enumerate(group):
+            hostvars[host] = {
+                "ansible_host": f"10.{g // 250}.{g % 250}.{i + 1}", "gpufleet_host_class": spec["host_class"],
+                "gpufleet_model": "/srv/models/dsv3", "gpufleet_serve_args": dict(serve_args),
+                "gpufleet_instances": [{"name": "dsv3", "port": 8000, "gpus": list(range(gpus)), "gang": dict(gang)}],
+                "gpufleet_probe_result": {
+                    "gpus": [{"index": r, "name": "NVIDIA H200", "total_bytes": H200_TOTAL} for r in range(gpus)],
+                    # every follower resolved the leader's address (its ansible_host)
+                    "resolved": [] if i == 0 else [{"name": f"10.{g // 250}.{g % 250}.1",
+                                                    "addresses": [f"10.{g // 250}.{g % 250}.1"], "error": None}],
+                    "infiniband": ["rdma_cm", "uverbs0"]}}
+    return spec, hostvars, hosts
+
+
+def plan_gangs(spec: dict, hostvars: dict, hosts: list[str]) -> tuple[dict, list]:
+    """The Python a run spends planning a class of gangs: checks, class plan, whole-gang batches."""
+    problems = _gangs.inventory_problems(hostvars, hosts) + _gangs.probed_problems(hostvars, hosts)
+    if problems:
+        raise AssertionError(f"the synthetic gangs are wrong: {problems[:3]}")
+    members = [g["members"] for g in _gangs.described(hostvars, hosts)]
+    plan = plan_class(spec)
+    return plan, class_batches([{"class": spec["host_class"], "hosts": hosts, "gangs": members}], [1, "10%", "50%"])
+
+
+def plan_one_host(spec: dict, hosts: list[str]) -> tuple[dict, list]:
+    return plan_class(spec), class_batches([{"class": spec["host_class"], "hosts": hosts}], [1, "10%", "50%"])
+
+
+def best_cpu(call, repeat: int) -> float:
+    best = None
+    for _run in range(repeat):
+        start = time.process_time()
+        call()
+        took = time.process_time() - start
+        best = took if best is None else min(best, took)
+    return best or 0.0
+
+
+def gang_runs(sizes: list[int], members: int, gpus: int, repeat: int) -> list[dict]:
+    out = []
+    for gangs in sizes:
+        spec, hostvars, hosts = gang_fleet(gangs, members, gpus, seed=gangs)
+        plan, batches = plan_gangs(spec, hostvars, hosts)
+        # a gang is never split: every batch holds whole gangs
+        assert all(len(b["hosts"]) % members == 0 for b in batches), batches
+        gang_cpu = best_cpu(functools.partial(plan_gangs, spec, hostvars, hosts), repeat)
+        base_cpu = best_cpu(functools.partial(plan_one_host, spec, hosts), repeat)
+        out.append({"gangs": gangs, "hosts": len(hosts), "ranks": len(hosts) * gpus, "batches": len(batches),
+                    "gang_cpu_seconds": round(gang_cpu, 4), "one_host_cpu_seconds": round(base_cpu, 4),
+                    "added_cpu_ms_per_host": round((gang_cpu - base_cpu) * 1000 / len(hosts), 3),
+                    "decision": plan["decision"]})
+    return out
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--sizes", default="100,1000,10000")
     parser.add_argument("--gpus", type=int, default=8)
     parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--gang-sizes", default="1,10,100", help="numbers of gangs to plan ('' for none)")
+    parser.add_argument("--gang-hosts", type=int, default=16, help="hosts per gang")
     args = parser.parse_args()
     out = {
         "python": platform.python_version(),
@@ -114,6 +191,8 @@ def main() -> int:
                 "kv_cache_memory_bytes": plan["kv_cache_memory_bytes"],
             }
         )
+    out["gang_hosts"] = args.gang_hosts
+    out["gang_runs"] = gang_runs([int(g) for g in args.gang_sizes.split(",") if g.strip()], args.gang_hosts, args.gpus, args.repeat)
     print(json.dumps(out, indent=2))
     return 0
 

@@ -101,7 +101,7 @@ def can_boot_hosts() -> str | None:
 # the figures, so that no benchmark can rot unnoticed).
 SIZES = ("full", "quick", "smoke")
 ARGS: dict[str, dict[str, list[str]]] = {
-    "planner": {"full": ["--repeat", "5"], "quick": ["--repeat", "2"], "smoke": ["--sizes", "100", "--repeat", "1"]},
+    "planner": {"full": ["--repeat", "5"], "quick": ["--repeat", "2"], "smoke": ["--sizes", "100", "--repeat", "1", "--gang-sizes", "1,10"]},
     "probe_inprocess": {"full": ["--runs", "200"], "quick": ["--runs", "50"], "smoke": ["--runs", "3"]},
     "probe_vs_ping": {"full": ["--hosts", "3", "--runs", "10"], "quick": ["--hosts", "3", "--runs", "4"],
                       "smoke": ["--hosts", "1", "--runs", "1"]},
@@ -266,7 +266,39 @@ def render_planner(res: dict[str, Any]) -> tuple[list[str], list[tuple[str, str,
     if growth:
         worst = max(growth)
         goals.append(("planner: linear (growth per 10x hosts <= 12x)", f"worst {worst:.1f}x", met(worst <= 12.0)))
-    return lines, goals
+    lines_gang, goals_gang = render_gang_planning(result)
+    return lines + lines_gang, goals + goals_gang
+
+
+def render_gang_planning(result: dict[str, Any]) -> tuple[list[str], list[tuple[str, str, str]]]:
+    """Planning instances that span hosts (gangs) against the same hosts as one-host instances, same run."""
+    runs = result.get("gang_runs") or []
+    goal = f"planner: gangs of {result.get('gang_hosts', 16)} hosts x 8 GPUs add linear cost (growth per 10x gangs <= 12x)"
+    if not runs:
+        return [], [(goal, "no figures", met(None))]
+    lines = ["### Gangs", "",
+             f"A class of gangs of {result.get('gang_hosts')} hosts x {result.get('gpus_per_host')} GPUs (TP x PP over the "
+             "members): best CPU time of the gangs' inventory and probe checks, the class plan over every rank of every "
+             "member and the batches that keep each gang whole. Baseline: the same hosts planned as one-host instances "
+             "(class plan and batches), same run.", "",
+             "| gangs | hosts | ranks | batches | gangs CPU s | one-host CPU s | gangs / one-host | added ms per host | growth per 10x |",
+             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    growth: list[float] = []
+    prev = None
+    for run in runs:
+        g = run["gang_cpu_seconds"] / prev["gang_cpu_seconds"] if prev and prev["gang_cpu_seconds"] else None
+        if g is not None:
+            growth.append(g * prev["gangs"] * 10 / run["gangs"])
+        lines.append(f"| {run['gangs']:,} | {run['hosts']:,} | {run['ranks']:,} | {run['batches']} | {run['gang_cpu_seconds']} | "
+                     f"{run['one_host_cpu_seconds']} | {ratio(run['gang_cpu_seconds'], run['one_host_cpu_seconds'])} | "
+                     f"{run['added_cpu_ms_per_host']} | {fmt(g) + 'x' if g else 'baseline'} |")
+        prev = run
+    lines.append("")
+    if not growth:
+        return lines, [(goal, "one size only", met(None))]
+    worst = max(growth)
+    return lines, [(goal, f"worst {worst:.1f}x; {runs[-1]['added_cpu_ms_per_host']} ms added per host at {runs[-1]['gangs']} gangs",
+                    met(worst <= 12.0))]
 
 
 def render_probe(res: dict[str, Any]) -> tuple[list[str], list[tuple[str, str, str]]]:

@@ -170,12 +170,22 @@ def compat_fields(host: Any) -> dict[str, Any]:
         return _compat.host_fields(
             str(host["model"]), host.get("serve_args"), host.get("env"), version_output=host.get("version_output"),
             gpu=host.get("gpu"), driver_version=host.get("driver_version"), rank_count=int(host.get("rank_count") or 0),
-            runtime=host.get("runtime"))
+            runtime=host.get("runtime"), gang=_gang_fields(host.get("gang"), host.get("nccl_version")))
     except (TypeError, ValueError, AttributeError) as exc:
         raise AnsibleFilterError(f"compat_fields: {exc}") from None
 
 
-_COMPAT_INPUTS = frozenset({"model", "serve_args", "env", "version_output", "gpu", "driver_version", "rank_count", "runtime"})
+_COMPAT_INPUTS = frozenset({"model", "serve_args", "env", "version_output", "gpu", "driver_version", "rank_count", "runtime", "gang",
+                            "nccl_version"})
+
+
+def _gang_fields(gang: Any, nccl_version: Any) -> dict[str, Any] | None:
+    """A gang's key fields with the runtime's NCCL version; None for a one-host instance (its key has neither)."""
+    if not gang:
+        return None
+    if not isinstance(gang, Mapping):
+        raise AnsibleFilterError(f"compat_fields: gang must be a mapping (gang_key_fields), got {type(gang).__name__}")
+    return {**gang, "nccl_version": nccl_version or None}
 
 
 def runtime_problems(reference: Any, host: Any, reference_host: str = "the class reference") -> list[str]:

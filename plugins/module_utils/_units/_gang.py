@@ -49,8 +49,8 @@ import typing as t
 
 from .. import _validate as v
 
-__all__ = ["DEFAULT_PORTS", "INFINIBAND_DEVICE_ALLOW", "LAUNCH_KEYS", "MODES", "RANK_OPTIONS", "Gang", "GangError", "across_hosts", "member_args",
-           "member_launch", "parse"]
+__all__ = ["DEFAULT_PORTS", "INFINIBAND_DEVICE_ALLOW", "LAUNCH_KEYS", "MODES", "RANK_OPTIONS", "Gang", "GangError", "across_hosts", "key_fields",
+           "member_args", "member_launch", "parse"]
 
 MODES = ("mp", "dp", "dp-hybrid")
 # vLLM's own defaults: --master-port 29501, --data-parallel-rpc-port 29550
@@ -272,6 +272,13 @@ def member_launch(gang: Gang, host: str, infiniband: bool = False) -> dict[str, 
               "device_allow": list(INFINIBAND_DEVICE_ALLOW) if infiniband else [],
               "node_rank": gang.node_rank(host), "leader": gang.leader, "serves_api": gang.serves_api(host)}
     return {key: launch[key] for key in LAUNCH_KEYS}
+
+
+def key_fields(gang: Gang) -> dict[str, t.Any]:
+    """How the gang's ranks lie over its hosts, as fields of its compatibility key: ``gang_mode``, ``nnodes``
+    (its members) and ``gang_layout`` (each member's GPU count, in node-rank order). A reference profiled
+    on another layout (TP8 x PP2 over two hosts against TP4 x PP2 over four) does not plan this one."""
+    return {"gang_mode": gang.mode, "nnodes": len(gang.members), "gang_layout": [gang.gpus[m] for m in gang.members]}
 
 
 def across_hosts(views: t.Mapping[str, t.Mapping[str, t.Any]], field: str = "gpufleet_instances") -> list[str]:

@@ -36,6 +36,22 @@ def test_planner_ratios_and_goals() -> None:
     assert ("planner: linear (growth per 10x hosts <= 12x)", "worst 20.0x", "**not met**") in goals
 
 
+def test_gang_planning_compares_with_the_same_hosts_as_one_host_instances() -> None:
+    entry = planner_entry([0.01, 0.1, 0.5])
+    gang = [{"gangs": g, "hosts": g * 16, "ranks": g * 128, "batches": 4, "gang_cpu_seconds": c, "one_host_cpu_seconds": round(c / 3, 4),
+             "added_cpu_ms_per_host": 0.08, "decision": "deploy"} for g, c in ((1, 0.002), (10, 0.02), (100, 0.3))]
+    entry["planner"]["result"].update(gang_runs=gang, gang_hosts=16, gpus_per_host=8)
+    lines, goals = bench_run.render_planner(entry)
+    assert "| 100 | 1,600 | 12,800 | 4 | 0.3 | 0.1 | 3.00x | 0.08 | 15x |" in "\n".join(lines)
+    goal = "planner: gangs of 16 hosts x 8 GPUs add linear cost (growth per 10x gangs <= 12x)"
+    assert (goal, "worst 15.0x; 0.08 ms added per host at 100 gangs", "**not met**") in goals
+    gang[2]["gang_cpu_seconds"] = 0.2
+    assert (goal, "worst 10.0x; 0.08 ms added per host at 100 gangs", "**met**") in bench_run.render_planner(entry)[1]
+    # a run that measured no gangs says so, and claims nothing
+    del entry["planner"]["result"]["gang_runs"]
+    assert (goal, "no figures", "n/a") in bench_run.render_planner(entry)[1]
+
+
 def test_skipped_and_failed_parts_report_no_figures() -> None:
     results = {
         "probe": {"probe_inprocess": {"command": "python bench/probe_inprocess.py", "rc": 2, "seconds": 0.1,

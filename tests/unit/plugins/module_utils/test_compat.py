@@ -173,3 +173,23 @@ def test_host_fields_take_each_field_from_where_it_lives():
 def test_host_fields_without_a_version_or_a_gpu_leave_them_out_of_the_key():
     fields = host_fields("/srv/m", None, None, version_output="", gpu=None, driver_version=None, rank_count=1)
     assert compat_key(fields).fields == {"model": "/srv/m", "rank_count": 1}
+
+
+def test_a_gang_adds_its_layout_and_interconnect_and_a_one_host_key_stays_as_it_was():
+    from ansible_collections.gpufleet.vllm.plugins.module_utils._plan._compat import CompatError, compat_key, host_fields
+
+    common = dict(version_output="0.33.0", gpu={"name": "NVIDIA H100 80GB HBM3", "total_bytes": 85520809984,
+                                                   "compute_capability": "9.0"}, driver_version="570.86.15", rank_count=8)
+    one_host = host_fields("/srv/m", {"tensor_parallel_size": 8}, {}, **common)
+    assert host_fields("/srv/m", {"tensor_parallel_size": 8}, {}, gang={}, **common) == one_host
+    assert not set(one_host) & {"gang_mode", "nnodes", "gang_layout", "nccl_version", "infiniband"}
+    gang = {"gang_mode": "mp", "nnodes": "2", "gang_layout": [8, 8], "infiniband": ["uverbs0", "rdma_cm"], "nccl_version": "2.27.3"}
+    key = compat_key(host_fields("/srv/m", {"tensor_parallel_size": 8}, {}, gang=gang, **common))
+    assert key.fields["nnodes"] == 2 and key.fields["infiniband"] == ["rdma_cm", "uverbs0"]
+    assert key.hash != compat_key(one_host).hash
+    # the same gang on another layout, or without InfiniBand, is another key
+    other = compat_key(host_fields("/srv/m", {"tensor_parallel_size": 8}, {}, gang=dict(gang, gang_layout=[4, 4, 4, 4], nnodes=4), **common))
+    no_ib = compat_key(host_fields("/srv/m", {"tensor_parallel_size": 8}, {}, gang=dict(gang, infiniband=[]), **common))
+    assert len({key.hash, other.hash, no_ib.hash}) == 3
+    with pytest.raises(CompatError, match="gang: unknown field.*world"):
+        host_fields("/srv/m", {}, {}, gang={"world": 2}, **common)

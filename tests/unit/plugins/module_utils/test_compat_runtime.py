@@ -200,3 +200,23 @@ def test_fields_missing_on_either_side_are_not_compared():
     assert runtime_problems(REFERENCE, {"cuda_driver_version": "12.2", "cuda_version": None}) == []
     with pytest.raises(CompatError, match="must be mappings"):
         runtime_problems(REFERENCE, ["550"])  # type: ignore[arg-type]
+
+
+def test_the_nccl_wheel_torch_loads_is_read_as_metadata_by_a_real_interpreter(tmp_path):
+    # a distribution as pip installs it: only its metadata, found on the interpreter's path
+    site = tmp_path / "nccl-site"
+    info = site / "nvidia_nccl_cu12-2.27.3.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: nvidia-nccl-cu12\nVersion: 2.27.3\n")
+    env = dict(os.environ, PYTHONPATH=str(site))
+    proc = subprocess.run([sys.executable, "-c", RUNTIME_PROBE], capture_output=True, text=True, check=True, env=env)
+    runtime = parse_runtime_probe(proc.stdout)
+    assert runtime["distributions"]["nvidia-nccl-cu12"] == "2.27.3"
+    assert runtime["nccl_version"] == "2.27.3"
+
+
+def test_a_cpu_build_has_no_nccl_and_a_cuda13_build_reads_its_own_wheel(tmp_path):
+    site = _site(tmp_path, TORCH_VERSION_PY, VLLM_VERSION_PY)
+    assert parse_runtime_probe(_probe_output(site, {"vllm": "0.33.0", "torch": "2.13.0+cpu"}))["nccl_version"] is None
+    both = {"vllm": "0.33.0", "torch": "2.10.0+cu130", "nvidia-nccl-cu13": "2.28.3", "nvidia-nccl-cu12": "2.27.3"}
+    assert parse_runtime_probe(_probe_output(site, both))["nccl_version"] == "2.28.3"

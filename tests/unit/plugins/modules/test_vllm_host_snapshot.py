@@ -145,7 +145,7 @@ def test_unit_names_have_one_home():
 
 
 RUNTIME_JSON = json.dumps({"python": "/opt/vllm/venv/bin/python", "base_python": "/usr/bin/python3.12", "purelib": "/x",
-                           "distributions": {"vllm": "0.33.0", "torch": "2.9.0"},
+                           "distributions": {"vllm": "0.33.0", "torch": "2.9.0", "nvidia-nccl-cu12": "2.27.3"},
                            "files": {"torch/version.py": "__version__ = '2.9.0+cu128'\ncuda = '12.8'\n"}, "extensions": [], "library_dirs": []})
 
 
@@ -174,8 +174,9 @@ def test_the_engine_runtime_is_the_runtime_info_modules_key_fields(tmp_path):
     (tmp_path / "runtime.json").write_text(RUNTIME_JSON)
     exe = fake_engine(tmp_path, f"#!/bin/sh\ncat {tmp_path}/runtime.json\n")
     engine = _host_snapshot.engine_runtime(exe, shell_runner)
+    # the NCCL is beside compat: a key field of an instance that spans hosts only
     assert engine == {"executable": exe, "python": str(tmp_path / "venv" / "bin" / "python"), "error": None,
-                      "compat": {"vllm_version": "0.33.0", "torch_version": "2.9.0", "cuda_version": "12.8"}}
+                      "compat": {"vllm_version": "0.33.0", "torch_version": "2.9.0", "cuda_version": "12.8"}, "nccl_version": "2.27.3"}
 
 
 def test_an_engine_without_an_interpreter_has_nothing_to_read(tmp_path):

@@ -222,3 +222,24 @@ def test_the_gangs_addresses_override_each_members_own():
         "a1: gpufleet_instances[0].gang.addresses: a3 is/are not member(s) of the gang (a1, a2)"]
     with pytest.raises(ValueError, match=r"gang\.addresses: a3"):
         _gangs.member_launches(hv, "a2")
+
+
+def test_a_gang_keys_its_reference_by_its_layout_and_the_canarys_infiniband():
+    hv = probed(two_hosts(), {"a1": "H100", "a2": "H100"})
+    hv["a1"]["gpufleet_probe_result"]["infiniband"] = ["uverbs0", "rdma_cm"]
+    assert _gangs.key_fields(hv, "a1", "dsv3") == {"gang_mode": "mp", "nnodes": 2, "gang_layout": [8, 8],
+                                                   "infiniband": ["uverbs0", "rdma_cm"]}
+    # the follower's view of the same gang: its own devices (none found)
+    assert _gangs.key_fields(hv, "a2", "dsv3")["infiniband"] == []
+    # a one-host instance, or a name the host does not run, adds nothing to its key
+    assert _gangs.key_fields(hv, "solo", "main") == {} and _gangs.key_fields(hv, "a1", "other") == {}
+
+
+def test_a_data_parallel_gang_over_uneven_members_keys_each_members_gpus():
+    gang = {"mode": "dp", "members": ["a1", "a2"]}
+    hv = two_hosts(gang)
+    hv["a1"]["gpufleet_serve_args"] = hv["a2"]["gpufleet_serve_args"] = {"tensor_parallel_size": 2, "data_parallel_size": 3}
+    hv["a1"]["gpufleet_instances"][0]["gpus"] = [0, 1, 2, 3]
+    hv["a2"]["gpufleet_instances"][0]["gpus"] = [0, 1]
+    assert _gangs.inventory_problems(hv, ["a1", "a2"]) == []
+    assert _gangs.key_fields(hv, "a2", "dsv3") == {"gang_mode": "dp", "nnodes": 2, "gang_layout": [4, 2], "infiniband": []}
