@@ -26,6 +26,9 @@ description:
     instance, stops it and the units it names, and starts them again afterwards (see the option). O(gpu_probe) reads
     NVML free memory just before the boot, and O(read_model_config) reads the model's C(config.json), so that a canary
     is one call to the host.
+  - With O(gang), the canary runs its rank of an instance that spans hosts (a canary gang, C(docs/multi-host.md)) - the
+    leader as above with its rank arguments; a member that serves no API waits until each of its ranks logged its KV
+    cache and holds its engine until O(gang.stop_file) appears (a member does not stop when its leader does).
 author:
   - gpufleet maintainers (@gpufleet)
 extends_documentation_fragment:
@@ -81,13 +84,21 @@ options:
     default: {}
   env:
     description:
-      - Extra environment variables for the engine. Their values are never logged nor returned.
-      - As for any C(no_log) option, Ansible masks every occurrence of these values in the result, so avoid short,
-        common values here (put them in the engine's environment by other means).
+      - Extra environment variables for the engine, none of them secret (they show in the task's invocation); secrets
+        go in O(secret_env).
       - C(VLLM_CPU_KVCACHE_SPACE) silently overrides a manual budget; it is refused with O(mode=manual) and not
         inherited from the module's environment in that mode.
+      - Before 3.0.0 this option was C(no_log), and Ansible masked every occurrence of its values in the result, a
+        C(1) or a C(0) there (C(VLLM_ALLOW_LONG_MAX_MODEL_LEN=1)) hiding rank 1 or 0 of the reference profile.
     type: dict
     default: {}
+  secret_env:
+    description:
+      - Secret environment variables for the engine (C(HF_TOKEN)...), over O(env). Their values are never logged nor
+        returned; as for any C(no_log) option, Ansible masks every occurrence of them in the result.
+    type: dict
+    default: {}
+    version_added: 3.0.0
   port:
     description: Loopback port for the engine. Default is a port that is free when the module starts.
     type: int
@@ -163,6 +174,57 @@ options:
   cuda_visible_devices:
     description: Value of C(CUDA_VISIBLE_DEVICES) for the engine (which GPUs, in rank order).
     type: str
+  gang:
+    description:
+      - This host's rank of an instance that spans hosts (a gang), as M(gpufleet.vllm.vllm_service) would launch it
+        (P(gpufleet.vllm.gang_member_launch#filter)); unset for an instance on this host alone.
+      - Every member of the canary gang runs this module at the same time (the rendezvous joins them); the member
+        that serves the API (the leader) is judged as any canary, on the capacity and load of the whole gang.
+      - A member that serves no API (V(serves_api=false), C(--headless)) passes when each of its O(gang.ranks) ranks
+        logged its KV cache line within O(startup_timeout) and its engine ran until O(gang.stop_file) appeared; its
+        result carries its ranks' figures (numbered in the whole instance). A stop file left from an earlier run is
+        removed before the engine starts, and the one that stopped it afterwards.
+    type: dict
+    version_added: 3.0.0
+    suboptions:
+      args:
+        description: The member's rank arguments of C(vllm serve) (C(--nnodes), C(--node-rank), C(--headless) ...).
+        type: list
+        elements: str
+        required: true
+      environment:
+        description: The member's environment (C(VLLM_HOST_IP), C(NCCL_SOCKET_IFNAME), C(GLOO_SOCKET_IFNAME)), over O(env).
+        type: dict
+        default: {}
+      serves_api:
+        description: Whether this member runs the API server (the leader; every member of C(dp-hybrid)).
+        type: bool
+        default: true
+      ranks:
+        description: A member that serves no API - its ranks (the GPUs it gives the instance), each of which must log its KV cache.
+        type: int
+      stop_file:
+        description: A member that serves no API - the absolute path whose appearance stops its engine (the caller creates
+          it once the leader's canary is done).
+        type: path
+      hold_timeout:
+        description: A member that serves no API - the most seconds it holds its engine after joining, waiting for O(gang.stop_file).
+        type: int
+        default: 3600
+      limit_memlock:
+        description: Accepted as P(gpufleet.vllm.gang_member_launch#filter) gives it, not applied (the canary runs with the
+          limits of the task).
+        type: str
+      device_allow:
+        description: Accepted as P(gpufleet.vllm.gang_member_launch#filter) gives it, not applied (no systemd sandbox here).
+        type: list
+        elements: str
+      node_rank:
+        description: Accepted as P(gpufleet.vllm.gang_member_launch#filter) gives it (the arguments carry the rank).
+        type: int
+      leader:
+        description: Accepted as P(gpufleet.vllm.gang_member_launch#filter) gives it.
+        type: str
   vllm_version:
     description:
       - The engine's vLLM version (the compatibility key's C(vllm_version)), so that the canary follows that release's
@@ -337,9 +399,25 @@ startup_seconds:
   returned: when not in check mode
   type: float
 health:
-  description: V(healthy), V(exited) (died while booting) or V(timeout).
+  description:
+    - V(healthy), V(exited) (died while booting) or V(timeout).
+    - A gang member that serves no API - V(joined) (each of its ranks logged its KV cache), V(died) or V(timeout).
   returned: when not in check mode
   type: str
+engines:
+  description:
+    - A data-parallel instance - how many engines C(/metrics) reported; RV(kv_cache_tokens) and RV(num_blocks) are then
+      the least engine's (each engine takes the budget; a plan and a reference count one engine).
+  returned: when C(/metrics) reported several engines
+  type: int
+held:
+  description: A gang member that serves no API - what ended its hold, V(stop_file), V(died) or V(timeout).
+  returned: when a gang member that serves no API joined
+  type: str
+held_seconds:
+  description: A gang member that serves no API - seconds it held its engine after joining.
+  returned: when a gang member that serves no API joined
+  type: float
 ranks:
   description: Per rank figures from the engine log (bytes; GiB figures of the log are exact to 0.005 GiB).
   returned: when not in check mode
@@ -506,6 +584,7 @@ from ansible.module_utils.common.text.converters import to_native
 from ansible_collections.gpufleet.vllm.plugins.module_utils._engine._boot_check import primary_error
 from ansible_collections.gpufleet.vllm.plugins.module_utils._engine._canary import (
     CanarySpec,
+    GangMember,
     Terminated,
     Tolerances,
     canary_argv,
@@ -560,7 +639,7 @@ def build_spec(params: Mapping[str, Any]) -> CanarySpec:
         kv_cache_memory_bytes=kv_bytes,
         gpu_memory_utilization=params["gpu_memory_utilization"],
         serve_args=dict(params["serve_args"] or {}),
-        env=dict(params["env"] or {}),
+        env={**(params["env"] or {}), **(params.get("secret_env") or {})},
         port=params["port"],
         startup_timeout=float(params["startup_timeout"]),
         stop_timeout=float(params["stop_timeout"]),
@@ -579,6 +658,7 @@ def build_spec(params: Mapping[str, Any]) -> CanarySpec:
         user=params["user"],
         group=params["group"],
         vllm_version=params.get("vllm_version"),
+        gang=GangMember.from_dict(params["gang"]) if params.get("gang") else None,
     )
 
 
@@ -657,7 +737,8 @@ def main() -> None:
             kv_cache_memory_bytes=dict(type="raw"),
             gpu_memory_utilization=dict(type="float"),
             serve_args=dict(type="dict", default={}),
-            env=dict(type="dict", default={}, no_log=True),
+            env=dict(type="dict", default={}),
+            secret_env=dict(type="dict", default={}, no_log=True),
             port=dict(type="int"),
             startup_timeout=dict(type="int", default=900),
             stop_timeout=dict(type="int", default=30),
@@ -686,6 +767,19 @@ def main() -> None:
             fail_on=dict(type="list", elements="str", choices=["fail", "inconclusive"], default=["fail"]),
             log_path=dict(type="path"),
             cuda_visible_devices=dict(type="str"),
+            gang=dict(type="dict", options=dict(
+                args=dict(type="list", elements="str", required=True),
+                environment=dict(type="dict", default={}),
+                serves_api=dict(type="bool", default=True),
+                ranks=dict(type="int"),
+                stop_file=dict(type="path"),
+                hold_timeout=dict(type="int", default=3600),
+                # what gang_member_launch gives besides, for the unit: taken as it comes, not applied here
+                limit_memlock=dict(type="str"),
+                device_allow=dict(type="list", elements="str"),
+                node_rank=dict(type="int"),
+                leader=dict(type="str"),
+            )),
             vllm_version=dict(type="str"),
             user=dict(type="str"),
             group=dict(type="str"),
@@ -738,7 +832,8 @@ def main() -> None:
         return
     result.update(extra)
     verdict = result["verdict"]
-    if result.get("health") != "healthy":
+    # a gang member that serves no API is up once its ranks joined its gang
+    if result.get("health") not in ("healthy", "joined"):
         root = primary_error(result.get("engine_errors") or [])
         module.fail_json(
             msg=(f"vLLM canary ({spec.mode}) did not boot: " + "; ".join(result["reasons"]) if result["reasons"]

@@ -855,6 +855,37 @@ GANG_PLAYBOOK = [{
                         "vllm_service_env": {"HF_HUB_OFFLINE": "TRUE", "TRANSFORMERS_OFFLINE": "TRUE", "TORCHDYNAMO_DISABLE": "1"}}}]}]
 
 
+# A canary gang as the rollout will run one: each member runs vllm_canary with its rank (gang_member_launch);
+# a member that serves no API is started without waiting (async) and holds its engine until the leader's
+# canary is done and its stop file is written (a member does not stop when its leader does).
+CANARY_STOP_FILE = "/run/gpufleet-canary-gang.stop"
+_CANARY_ARGS = {"executable": "/opt/vllm/venv/bin/vllm", "model": "{{ gpufleet_model }}", "mode": "manual",
+                "kv_cache_memory_bytes": "{{ gang_plan.kv_cache_memory_bytes }}",
+                "gpu_memory_utilization": "{{ gang_plan.gpu_memory_utilization }}", "serve_args": "{{ gpufleet_serve_args }}",
+                "env": {"HOME": "/var/lib/vllm", "HF_HUB_OFFLINE": "TRUE", "TRANSFORMERS_OFFLINE": "TRUE", "TORCHDYNAMO_DISABLE": "1"},
+                "user": "vllm", "startup_timeout": 600,
+                "load": {"requests": 4, "concurrency": 2, "prompt_tokens": 8, "max_tokens": 4, "warmup": 1}}
+CANARY_GANG_PLAYBOOK = [{
+    "name": "Run a canary gang", "hosts": ":".join(HOSTS), "gather_facts": False,
+    "vars": {"launch": "{{ (hostvars | gpufleet.vllm.gang_member_launch(inventory_hostname))[gang_name] }}"},
+    "tasks": [
+        {"name": "Start each member that serves no API", "gpufleet.vllm.vllm_canary": {
+            **_CANARY_ARGS, "gang": "{{ launch | combine({'ranks': 1, 'stop_file': '" + CANARY_STOP_FILE + "'}) }}"},
+         "async": 900, "poll": 0, "register": "member_job", "when": "not launch.serves_api"},
+        {"name": "Run the leader's canary", "gpufleet.vllm.vllm_canary": {**_CANARY_ARGS, "gang": "{{ launch }}"},
+         "register": "leader_canary", "when": "launch.serves_api", "ignore_errors": True},
+        {"name": "Tell the members the leader is done",
+         "ansible.builtin.file": {"path": CANARY_STOP_FILE, "state": "touch", "mode": "0600"},
+         "when": "not launch.serves_api"},
+        {"name": "Wait for each member", "ansible.builtin.async_status": {"jid": "{{ member_job.ansible_job_id }}"},
+         "register": "member_canary", "until": "member_canary.finished", "retries": 120, "delay": 1,
+         "when": "not launch.serves_api", "ignore_errors": True},
+        {"name": "Keep each member's result", "ansible.builtin.copy": {
+            "content": "{{ (leader_canary if launch.serves_api else member_canary) | to_json }}",
+            "dest": "{{ result_dir }}/{{ inventory_hostname }}.json", "mode": "0644"}, "delegate_to": "localhost"},
+    ]}]
+
+
 def _gang_plan(geometry, budget: int) -> dict[str, Any]:
     """The manual plan of every member: the per-rank budget, the figures of the gang's engine (``geometry``)."""
     blocks = geometry.num_blocks(budget)
@@ -923,6 +954,31 @@ def test_an_instance_over_both_hosts_serves_from_the_units_the_role_renders(flee
     plan = _gang_plan(engine, GANG_KV_BYTES)
     started = time.monotonic()
     try:
+        # the canary gang first: both members' canaries, joined by the rendezvous, nothing left running after
+        results = fleet.workdir / f"canary-gang-{mode}"
+        results.mkdir(exist_ok=True)
+        playbook = fleet.workdir / "canary-gang.yml"
+        playbook.write_text(yaml.safe_dump(CANARY_GANG_PLAYBOOK), encoding="utf-8")
+        gang_vars = {"gpufleet_instances": [{"name": name, "gpus": [0], "port": GANG_PORT, "gang": spec}],
+                     "gpufleet_serve_args": {**SERVE_ARGS, **serve}, "gang_plan": plan, "gang_name": name, "result_dir": str(results)}
+        rc, out = fleet.playbook(playbook, gang_vars, label=f"9 canary gang {mode}")
+        fleet.times["boots"].append({"host": f"{leader}+{follower}", "step": f"9 canary gang {mode}",
+                                     "seconds": round(time.monotonic() - started, 1)})
+        assert rc == 0, out[-6000:]
+        head_run, member_run = (json.loads((results / f"{h}.json").read_text(encoding="utf-8")) for h in HOSTS)
+        assert head_run.get("verdict") == "pass" and member_run.get("verdict") == "pass", \
+            f"{json.dumps(head_run)[-3000:]}\n--- member\n{json.dumps(member_run)[-3000:]}"
+        # the leader's canary measured the gang's engine (one engine of the two under data parallelism): the planned capacity
+        assert head_run["kv_cache_tokens"] == plan["kv_cache_tokens"], (head_run["kv_cache_tokens"], plan)
+        assert head_run.get("engines") == (2 if mode == "dp" else None), head_run
+        # the member joined, held until told, and reports its rank with the budget it reserved
+        assert member_run["health"] == "joined" and member_run["held"] == "stop_file", member_run
+        assert [r["reserved_kv_bytes"] is not None for r in member_run["ranks"]] == [True], member_run["ranks"]
+        if mode == "mp":
+            assert [r["rank"] for r in member_run["ranks"]] == [1], member_run["ranks"]
+        for host in HOSTS:
+            assert fleet.h.exec(host, ["pgrep", "-u", "vllm"]).returncode == 1, f"{host}: an engine of the canary gang is left"
+        started = time.monotonic()
         playbook = fleet.workdir / "gang.yml"
         playbook.write_text(yaml.safe_dump(GANG_PLAYBOOK), encoding="utf-8")
         rc, out = fleet.playbook(playbook, {"gpufleet_instances": [{"name": name, "gpus": [0], "port": GANG_PORT, "gang": spec}],

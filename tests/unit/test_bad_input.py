@@ -360,6 +360,15 @@ CANARY_BAD = st.one_of(
     st.tuples(st.just("model"), st.one_of(with_control(), st.just("--api-key"))),
     st.tuples(st.just("tolerances"), st.sampled_from([{"token_ratio": math.nan}, {"latency_ratio": math.inf},
                                                       {"latency_ratio": 0}, {"preemptions": -1}])),
+    # a member of a canary gang: its rank arguments and environment, and what a member without API needs
+    st.tuples(st.just("gang"), st.one_of(
+        st.builds(lambda v: {"args": ["--node-rank", v]}, with_control()),
+        st.builds(lambda n: {"args": ["--headless"], "environment": {n: "x"}},
+                  BAD_NAME.filter(lambda n: n is not None and not isinstance(n, list))),
+        st.sampled_from([{"args": []}, {"args": ["--headless"], "serves_api": False, "ranks": 1},
+                         {"args": ["--headless"], "serves_api": False, "ranks": 0, "stop_file": "/run/s"},
+                         {"args": ["--headless"], "serves_api": False, "ranks": 1, "stop_file": "run/s"},
+                         {"args": ["--headless"], "serves_api": False, "ranks": 1, "stop_file": "/run/s", "hold_timeout": 0}]))),
 )
 
 
@@ -367,7 +376,7 @@ CANARY_BAD = st.one_of(
 @given(CANARY_BAD)
 def test_vllm_canary_spec(bad):
     key, value = bad
-    field = {"serve_args": "chat_template", "tolerances": "tolerances."}.get(key, key)
+    field = {"serve_args": "chat_template", "tolerances": "tolerances.", "gang": "gang."}.get(key, key)
 
     def call():
         spec = vllm_canary.build_spec(dict(CANARY_OK, **{key: value}))

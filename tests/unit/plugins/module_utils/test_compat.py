@@ -178,8 +178,8 @@ def test_host_fields_without_a_version_or_a_gpu_leave_them_out_of_the_key():
 def test_a_gang_adds_its_layout_and_interconnect_and_a_one_host_key_stays_as_it_was():
     from ansible_collections.gpufleet.vllm.plugins.module_utils._plan._compat import CompatError, compat_key, host_fields
 
-    common = dict(version_output="0.33.0", gpu={"name": "NVIDIA H100 80GB HBM3", "total_bytes": 85520809984,
-                                                   "compute_capability": "9.0"}, driver_version="570.86.15", rank_count=8)
+    gpu = {"name": "NVIDIA H100 80GB HBM3", "total_bytes": 85520809984, "compute_capability": "9.0"}
+    common = dict(version_output="0.33.0", gpu=gpu, driver_version="570.86.15", rank_count=8)
     one_host = host_fields("/srv/m", {"tensor_parallel_size": 8}, {}, **common)
     assert host_fields("/srv/m", {"tensor_parallel_size": 8}, {}, gang={}, **common) == one_host
     assert not set(one_host) & {"gang_mode", "nnodes", "gang_layout", "nccl_version", "infiniband"}

@@ -65,6 +65,17 @@ FAKE_ENGINE = textwrap.dedent(
                 "import signal,time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(300)"])
         time.sleep(300)
         sys.exit(0)
+    if os.environ.get("VLLM_HOST_IP"):
+        log("APIServer", "gang member at %s" % os.environ["VLLM_HOST_IP"])
+    if "--headless" in args:
+        # a member of a gang that serves no API: its rank's line once the gang joined, then silence
+        time.sleep(float(os.environ.get("FAKE_BOOT_DELAY", "0.2")))
+        log("Worker_TP1", "Explicitly set (%.2f/9.59) GiB for KV cache on node 0." % (int(kv or 2**28) / 2**30))
+        if behaviour == "headless_dies":
+            time.sleep(0.3)
+            sys.exit(3)
+        time.sleep(300)
+        sys.exit(0)
     if kv:
         log("Worker", "Explicitly set (%.2f/9.59) GiB for KV cache on node 0." % (int(kv) / 2**30))
     else:
@@ -490,6 +501,14 @@ def test_a_data_parallel_head_is_judged_per_engine():
     assert not bad["ok"]
     assert "the log reports 195200 KV cache tokens per engine, /metrics [195200, 97600] for its 2 engines" in bad["reasons"]
     assert any("97600 tokens, fewer than the 195200" in r for r in bad["reasons"])
+    # a canary of a data-parallel instance reports one engine's capacity, as the plan and the reference count it
+    # (the real CPU build's two-host data-parallel canary gang reported the sum before: step 9)
+    per_engine = {"num_blocks": 1525, "block_size": 128, "kv_cache_tokens": 195200, "max_concurrency": None,
+                  "kv_cache_memory_bytes": 100_000_000, "source": "metrics", "engines": 2}
+    assert _boot_check.capacity_figures({}, two) == per_engine
+    assert _boot_check.capacity_figures({}, short)["kv_cache_tokens"] == 97600
+    assert "engines" not in _boot_check.capacity_figures({}, parse_metrics(
+        'vllm:cache_config_info{block_size="128",engine="0",kv_cache_size_tokens="195200",num_gpu_blocks="1525"} 1.0\n'))
 
 
 def test_evaluate_boot_missing_figures_fail_closed():

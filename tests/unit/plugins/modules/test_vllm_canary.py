@@ -66,7 +66,7 @@ def test_pass_through_double_hides_env(capsys, fake_vllm, tmp_path):
     log = tmp_path / "engine.log"
     rc, out = run(capsys, {
         "executable": fake_vllm, "model": "m", "mode": "manual", "kv_cache_memory_bytes": "100000000",
-        "env": {"HF_TOKEN": "tok-should-not-leak"}, "load": SMALL_LOAD,
+        "secret_env": {"HF_TOKEN": "tok-should-not-leak"}, "load": SMALL_LOAD,
         "startup_timeout": 20, "stop_timeout": 3, "log_path": str(log),
     })
     assert rc == 0, out.get("msg")
@@ -75,6 +75,17 @@ def test_pass_through_double_hides_env(capsys, fake_vllm, tmp_path):
     assert out["load"]["completed"] == 4
     assert out["log_path"] == str(log) and log.exists()
     assert "tok-should-not-leak" not in json.dumps(out)
+
+
+def test_a_plain_environment_value_masks_nothing_in_the_result(capsys, fake_vllm):
+    """A common value in the engine's plain environment (a 0 or a 1) is not masked wherever it appears in the
+    result: rank 0, the preemptions and the exit code stay figures the reference profile reads."""
+    rc, out = run(capsys, {"executable": fake_vllm, "model": "m", "mode": "manual", "kv_cache_memory_bytes": 100_000_000,
+                           "env": {"VLLM_ALLOW_LONG_MAX_MODEL_LEN": "0", "OMP_NUM_THREADS": "1"}, "load": SMALL_LOAD,
+                           "startup_timeout": 20, "stop_timeout": 3})
+    assert rc == 0, out.get("msg")
+    assert out["ranks"][0]["rank"] == 0 and out["preemptions"] == 0 and out["load"]["warmup"] == 1, out
+    assert "VALUE_SPECIFIED_IN_NO_LOG_PARAMETER" not in json.dumps(out)
 
 
 def test_refused_boot_fails_task_with_engine_error(capsys, fake_vllm):
@@ -146,3 +157,20 @@ def test_check_mode_reads_what_the_canary_would_stop_and_stops_nothing(capsys, m
     assert rc == 0 and out["changed"] is False
     assert out["takeover"]["stopped_units"] == ["old.service"] and out["takeover"]["instance_serving"] is True
     assert systemd.verbs() == [] and not (tmp_path / "gpufleet").exists()
+
+
+def test_a_gang_member_takes_its_launch_as_gang_member_launch_gives_it(capsys, tmp_path, fake_vllm):
+    launch = {"args": ["--nnodes", "2", "--node-rank", "1", "--master-addr", "10.0.0.1", "--master-port", "29501", "--headless"],
+              "environment": {"VLLM_HOST_IP": "10.0.0.2"}, "limit_memlock": "infinity", "device_allow": [], "node_rank": 1,
+              "leader": "gpu-a1", "serves_api": False}
+    rc, out = run(capsys, {"_ansible_check_mode": True, "executable": fake_vllm, "model": "/m", "port": 18124,
+                           "gang": dict(launch, ranks=1, stop_file=str(tmp_path / "stop"))})
+    assert rc == 0 and out["argv"][-9:] == launch["args"]
+    # told to stop only after its hold: the task fails, saying why, and nothing is left running
+    rc, out = run(capsys, {"executable": fake_vllm, "model": "/m", "mode": "manual", "kv_cache_memory_bytes": 100_000_000,
+                           "gang": dict(launch, ranks=1, stop_file=str(tmp_path / "stop"), hold_timeout=1)})
+    assert rc == 1 and out["health"] == "joined" and out["held"] == "timeout", out
+    assert out["msg"].startswith("vLLM canary (manual) verdict fail: no stop file within hold_timeout (1 s)"), out["msg"]
+    assert out["stop"]["leftover_pids"] == []
+    rc, out = run(capsys, {"executable": fake_vllm, "model": "/m", "gang": {"args": ["--headless"], "serves_api": False, "ranks": 1}})
+    assert rc == 1 and out["msg"].startswith("gang.stop_file: a member that serves no API needs"), out["msg"]

@@ -1,0 +1,101 @@
+# Copyright (c) gpufleet maintainers
+# GNU General Public License v3.0+ (see LICENSES/GPL-3.0-or-later.txt or https://www.gnu.org/licenses/gpl-3.0.txt)
+# SPDX-License-Identifier: GPL-3.0-or-later
+"""A canary's rank of a gang (an instance over several hosts): the leader runs as any canary with its rank
+arguments; a member that serves no API joins, then holds its engine until it is told to stop.
+
+Boots use the unit-test double of `vllm serve` (test_vllm_engine); the real engine's members are run by the
+real-engine lane (tests/integration/test_real_engine.py, step 9)."""
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import pytest
+
+from ansible_collections.gpufleet.vllm.plugins.module_utils._engine import _canary
+from ansible_collections.gpufleet.vllm.plugins.module_utils._engine._serve_argv import EngineSpecError
+from ansible_collections.gpufleet.vllm.tests.unit.plugins.module_utils.test_vllm_engine import spec_for, write_fake_vllm
+
+FOLLOWER_ARGS = ["--nnodes", "2", "--node-rank", "1", "--master-addr", "10.0.0.1", "--master-port", "29501", "--headless"]
+
+
+@pytest.fixture
+def fake_vllm(tmp_path) -> str:
+    return write_fake_vllm(tmp_path)
+
+
+def member(tmp_path, **over) -> _canary.GangMember:
+    return _canary.GangMember.from_dict({"args": FOLLOWER_ARGS, "environment": {"VLLM_HOST_IP": "10.0.0.2"}, "serves_api": False,
+                                         "ranks": 1, "stop_file": str(tmp_path / "stop"), "hold_timeout": 20, **over})
+
+
+def stop_later(path: str, seconds: float) -> threading.Thread:
+    def write() -> None:
+        time.sleep(seconds)
+        with open(path, "w", encoding="utf-8"):
+            pass
+    thread = threading.Thread(target=write, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_a_member_without_api_joins_holds_until_told_and_reports_its_rank(tmp_path, fake_vllm):
+    gang = member(tmp_path)
+    # a stop file an earlier run left must not stop this member as soon as it joins
+    (tmp_path / "stop").write_text("")
+    stop_later(gang.stop_file, 1.0)
+    log = tmp_path / "member.log"
+    result = _canary.run_canary(spec_for(fake_vllm, gang=gang, log_path=str(log)))
+    assert result["health"] == "joined" and result["held"] == "stop_file" and result["verdict"] == "pass", result
+    assert result["held_seconds"] >= 0.5, "the stale stop file was removed before the engine started"
+    assert not os.path.exists(gang.stop_file), "the stop file that stopped it is removed"
+    assert result["argv"][-len(FOLLOWER_ARGS):] == FOLLOWER_ARGS
+    # its rank as the instance numbers it, with the budget the gang runs
+    assert [r["rank"] for r in result["ranks"]] == [1] and result["ranks"][0]["reserved_kv_bytes"] is not None
+    assert "gang member at 10.0.0.2" in log.read_text(), "the member's environment reaches the engine"
+    assert result["load"]["completed"] == 0 and result["stop"]["leftover_pids"] == []
+
+
+def test_a_member_whose_engine_dies_after_joining_fails_with_that(tmp_path, fake_vllm, monkeypatch):
+    monkeypatch.setenv("FAKE_ENGINE", "headless_dies")
+    result = _canary.run_canary(spec_for(fake_vllm, gang=member(tmp_path)))
+    assert result["health"] == "joined" and result["held"] == "died" and result["verdict"] == "fail", result
+    assert "while the gang's leader ran its canary" in result["reasons"][0] and result["log_tail"]
+
+
+def test_a_member_whose_ranks_never_join_times_out(tmp_path, fake_vllm, monkeypatch):
+    monkeypatch.setenv("FAKE_ENGINE", "never_healthy")
+    result = _canary.run_canary(spec_for(fake_vllm, gang=member(tmp_path), startup_timeout=1))
+    assert result["health"] == "timeout" and result["verdict"] == "fail" and "held" not in result, result
+    assert result["reasons"] == ["0 of its 1 rank(s) logged their KV cache within 1 s (it runs no API server)"]
+
+
+def test_a_member_never_told_to_stop_gives_up_after_its_hold(tmp_path, fake_vllm):
+    result = _canary.run_canary(spec_for(fake_vllm, gang=member(tmp_path, hold_timeout=1)))
+    assert result["held"] == "timeout" and result["verdict"] == "fail", result
+    assert "no stop file within hold_timeout (1 s)" in result["reasons"][0]
+
+
+def test_the_leader_is_a_canary_with_its_rank_arguments(tmp_path, fake_vllm):
+    args = ["--nnodes", "2", "--node-rank", "0", "--master-addr", "10.0.0.1", "--master-port", "29501"]
+    leader = _canary.GangMember.from_dict({"args": args, "environment": {"VLLM_HOST_IP": "10.0.0.1"}})
+    result = _canary.run_canary(spec_for(fake_vllm, gang=leader))
+    assert result["health"] == "healthy" and result["verdict"] == "pass" and result["load"]["completed"] == 6, result
+    assert result["argv"][-len(args):] == args
+    assert _canary.canary_env(spec_for(fake_vllm, gang=leader, env={"VLLM_HOST_IP": "x", "A": "1"}), base={})["VLLM_HOST_IP"] == "10.0.0.1"
+
+
+@pytest.mark.parametrize("data, message", [
+    ({}, "gang.args: the member's rank arguments"),
+    ({"args": ["--headless"], "serves_api": False, "ranks": 1}, "gang.stop_file: a member that serves no API needs"),
+    ({"args": ["--headless"], "serves_api": False, "ranks": 1, "stop_file": "relative"}, "gang.stop_file"),
+    ({"args": ["--headless"], "serves_api": False, "stop_file": "/s"}, "gang.ranks"),
+    ({"args": ["--node-rank\n1"]}, "gang.args[0]"),
+    ({"args": ["-x"], "environment": {"BAD NAME": "1"}}, "gang.environment key"),
+    ({"args": ["-x"], "serves_api": "no"}, "gang.serves_api: expected true or false"),
+])
+def test_a_bad_member_is_named_by_its_field(data, message):
+    with pytest.raises(EngineSpecError, match=message.replace("[", r"\[").replace("]", r"\]").replace(".", r"\.")):
+        _canary.GangMember.from_dict(data)
