@@ -849,10 +849,18 @@ GANG_PLAYBOOK = [{
                "vars": {"vllm_service_instances": "{{ gpufleet_instances }}", "vllm_service_model": "{{ gpufleet_model }}",
                         "vllm_service_serve_args": "{{ gpufleet_serve_args }}", "vllm_service_plan": "{{ gang_plan }}",
                         "vllm_service_gang_launch": "{{ hostvars | gpufleet.vllm.gang_member_launch(inventory_hostname) }}",
+                        # each hook records the instances it got (GANG_HOOK): a load balancer drains the API member only
+                        "vllm_service_hooks": {"drain": "{{ gang_hook }}", "undrain": "{{ gang_hook }}"},
                         # under tensor parallelism the CPU build compiles a helper of the vocabulary-parallel embedding
                         # with torch's inductor at the first request, which needs a C++ compiler the test hosts lack
                         # (torch reads exactly "1")
                         "vllm_service_env": {"HF_HUB_OFFLINE": "TRUE", "TRANSFORMERS_OFFLINE": "TRUE", "TORCHDYNAMO_DISABLE": "1"}}}]}]
+
+
+GANG_HOOK = [{"name": "Record the instances the hook got", "delegate_to": "localhost",
+              "ansible.builtin.copy": {"content": "{{ vllm_service_hook_instances | map(attribute='name') | list | to_json }}",
+                                       "dest": "{{ hook_dir }}/{{ inventory_hostname }}-{{ vllm_service_hook_event }}.json",
+                                       "mode": "0644"}}]
 
 
 # A canary gang as the rollout will run one: each member runs vllm_canary with its rank (gang_member_launch);
@@ -981,8 +989,12 @@ def test_an_instance_over_both_hosts_serves_from_the_units_the_role_renders(flee
         started = time.monotonic()
         playbook = fleet.workdir / "gang.yml"
         playbook.write_text(yaml.safe_dump(GANG_PLAYBOOK), encoding="utf-8")
+        hook, hooks = fleet.workdir / "gang-hook.yml", fleet.workdir / f"gang-hooks-{mode}"
+        hook.write_text(yaml.safe_dump(GANG_HOOK), encoding="utf-8")
+        hooks.mkdir(exist_ok=True)
         rc, out = fleet.playbook(playbook, {"gpufleet_instances": [{"name": name, "gpus": [0], "port": GANG_PORT, "gang": spec}],
-                                            "gpufleet_serve_args": {**SERVE_ARGS, **serve}, "gang_plan": plan},
+                                            "gpufleet_serve_args": {**SERVE_ARGS, **serve}, "gang_plan": plan,
+                                            "gang_hook": str(hook), "hook_dir": str(hooks)},
                                  label=f"9 gang {mode}: both members deployed by the role")
         seconds = round(time.monotonic() - started, 1)
         fleet.times["boots"].append({"host": f"{leader}+{follower}", "step": f"9 gang {mode}", "seconds": seconds})
@@ -993,6 +1005,10 @@ def test_an_instance_over_both_hosts_serves_from_the_units_the_role_renders(flee
         checked = re.findall(r"TASK \[gpufleet\.vllm\.vllm_service : Check each boot against the plan[^\n]*\n((?:(?:changed|ok): [^\n]*\n)+)",
                              out)
         assert checked and all(f"[{h}] => (item={unit})" in checked[0] for h in HOSTS), out[-6000:]
+        # the load balancer's hooks ran on the member that serves the API, with the gang's instance; the headless follower
+        # has nothing to drain
+        assert sorted(p.name for p in hooks.iterdir()) == [f"{leader}-drain.json", f"{leader}-undrain.json"], list(hooks.iterdir())
+        assert json.loads((hooks / f"{leader}-drain.json").read_text(encoding="utf-8")) == [name]
         # each member's unit: the role's, with its rank, its own address and the interface; run through the boot gate
         for host in HOSTS:
             text = fleet.read(host, f"/etc/systemd/system/{unit}") or ""
