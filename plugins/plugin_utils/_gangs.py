@@ -223,13 +223,18 @@ def probed_problems(hostvars: t.Mapping[str, t.Any], hosts: t.Sequence[str], sna
     return problems
 
 
+def _infiniband(cache: _Hosts, host: str, snapshot_var: str) -> list[str]:
+    """The InfiniBand devices ``host``'s snapshot found (``vllm_host_snapshot``'s ``infiniband``)."""
+    snap = cache.vars(host).get(snapshot_var)
+    return [str(d) for d in (snap.get("infiniband") if isinstance(snap, t.Mapping) else None) or []]
+
+
 def member_launches(hostvars: t.Mapping[str, t.Any], host: str, snapshot_var: str = "gpufleet_probe_result") -> dict[str, dict[str, t.Any]]:
     """``{instance name: launch}`` for each gang ``host`` is a member of (:func:`._gang.member_launch`): its rank
     arguments, environment and sandbox. The InfiniBand devices are allowed where the host's snapshot found them.
     Raises GangError for a gang the inventory gets wrong (:func:`inventory_problems` first)."""
     cache = _Hosts(hostvars)
-    snap = cache.vars(host).get(snapshot_var)
-    infiniband = bool(snap.get("infiniband")) if isinstance(snap, t.Mapping) else False
+    infiniband = bool(_infiniband(cache, host, snapshot_var))
     launches: dict[str, dict[str, t.Any]] = {}
     for view in cache.views(host):
         gang = _parse(cache, view)
@@ -250,7 +255,5 @@ def key_fields(hostvars: t.Mapping[str, t.Any], host: str, instance: str, snapsh
             continue
         gang = _parse(cache, view)
         if host in gang.members:
-            snap = cache.vars(host).get(snapshot_var)
-            devices = snap.get("infiniband") if isinstance(snap, t.Mapping) else None
-            return {**gang_key_fields(gang), "infiniband": [str(d) for d in devices or []]}
+            return {**gang_key_fields(gang), "infiniband": _infiniband(cache, host, snapshot_var)}
     return {}

@@ -27,7 +27,8 @@ import time
 import typing as t
 from dataclasses import dataclass, field
 
-from .._validate import ValidationError, env_name, integer, number, text
+from .._units._gang import launch_problems
+from .._validate import ValidationError, integer, number, text
 from ._boot_check import capacity_figures, log_tail, logged_ranks, primary_error, reserved_kv_by_rank, summarise_log
 from ._engine_process import Account, EngineProcess, StopResult, free_port, port_in_use, scrape_metrics, wait_healthy
 from ._load_test import LoadSpec, run_load_test
@@ -209,6 +210,10 @@ def judge_canary(
     return "pass", [], comparison
 
 
+# what a canary member takes besides the unit's launch (_gang.LAUNCH_KEYS)
+_MEMBER_KEYS = ("ranks", "stop_file", "hold_timeout")
+
+
 @dataclass
 class GangMember:
     """A canary's rank of a gang: what its unit would add (``_gang.member_launch``: the rank arguments,
@@ -224,21 +229,16 @@ class GangMember:
 
     @classmethod
     def from_dict(cls, data: t.Mapping[str, t.Any], where: str = "gang") -> GangMember:
-        """Checked, naming the field: the arguments and environment are text without control characters."""
+        """Checked, naming the field: the launch as the unit's is checked (``_gang.launch_problems``), then what a
+        member without API needs besides."""
+        launch = {k: val for k, val in data.items() if k not in _MEMBER_KEYS and val is not None}
+        problems = launch_problems(launch, where)
+        if problems:
+            raise EngineSpecError("; ".join(problems))
+        serves_api = bool(data.get("serves_api", True))
+        member = cls([str(a) for a in data["args"]], {str(k): str(val) for k, val in (data.get("environment") or {}).items()},
+                     serves_api)
         try:
-            args = data.get("args")
-            if not isinstance(args, (list, tuple)) or not args:
-                raise ValidationError(f"{where}.args: the member's rank arguments (gang_member_launch), got {args!r}")
-            checked_args = [text(a, f"{where}.args[{i}]") for i, a in enumerate(args)]
-            env = data.get("environment") or {}
-            if not isinstance(env, t.Mapping):
-                raise ValidationError(f"{where}.environment: expected a mapping, got {type(env).__name__}")
-            checked_env = {env_name(k, f"{where}.environment key"): text(v, f"{where}.environment.{k}", allow_empty=True)
-                           for k, v in env.items()}
-            serves_api = data.get("serves_api", True)
-            if not isinstance(serves_api, bool):
-                raise ValidationError(f"{where}.serves_api: expected true or false, got {serves_api!r}")
-            member = cls(checked_args, checked_env, serves_api)
             if not serves_api:
                 member.ranks = integer(data.get("ranks"), f"{where}.ranks", low=1)
                 stop_file = data.get("stop_file")
@@ -529,8 +529,11 @@ def _hold_member(run: _CanaryRun) -> None:
     engine.start()
     result["pid"] = engine.pid
     start = time.monotonic()
+    seen, logged = -1, 0
     while True:
-        logged = logged_ranks(summarise_log(parse_engine_log(engine.read_log())))
+        log_text = engine.read_log()
+        if len(log_text) != seen:  # parse the log again only when the engine wrote to it
+            seen, logged = len(log_text), logged_ranks(summarise_log(parse_engine_log(log_text)))
         if logged >= gang.ranks:
             result.update(health="joined", startup_seconds=round(time.monotonic() - start, 3))
             break

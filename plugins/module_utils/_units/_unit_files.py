@@ -67,7 +67,7 @@ from dataclasses import dataclass
 from .. import _validate as v
 from .._engine._serve_argv import CONTROLLED_OPTIONS, EngineSpecError, option_name, render_serve_args
 from .._plan._launch import PLAN_CHECKSUM_DROPIN, PLAN_CHECKSUM_VARIABLE, LaunchError, for_instance, plan_checksum, plan_file_bytes
-from ._gang import LAUNCH_KEYS
+from ._gang import launch_problems
 from ._instance import clashes, env_file_name, plan_file_name, unit_name, unit_names
 
 KINDS = ("unit", "plan", "env", "dropin")
@@ -254,27 +254,7 @@ def _gang_launch_problems(launches: t.Any, instances: t.Any, problems: list[str]
         where = f"{field}.{name}"
         if str(name) not in names:
             problems.append(f"{where}: no instance of this name in vllm_service_instances")
-        if not isinstance(launch, t.Mapping):
-            problems.append(f"{where}: expected a mapping with args and environment")
-            continue
-        unknown = sorted(str(k) for k in launch if k not in LAUNCH_KEYS)
-        if unknown:
-            problems.append(f"{where}: unknown key(s) {', '.join(unknown)}; a launch takes {', '.join(LAUNCH_KEYS)}")
-        args = launch.get("args")
-        if not isinstance(args, (list, tuple)) or not args:
-            problems.append(f"{where}.args: expected the member's rank arguments, a non-empty list")
-        else:
-            for i, arg in enumerate(args):
-                _check(problems, v.text, arg, f"{where}.args[{i}]")
-        _env_problems(launch.get("environment"), f"{where}.environment", problems)
-        if launch.get("limit_memlock") not in (None, "infinity"):
-            _check(problems, v.integer, launch.get("limit_memlock"), f"{where}.limit_memlock", low=0, high=2**62)
-        devices = launch.get("device_allow") or []
-        if not isinstance(devices, (list, tuple)):
-            problems.append(f"{where}.device_allow: expected a list")
-        else:
-            for i, entry in enumerate(devices):
-                _check(problems, v.text, entry, f"{where}.device_allow[{i}]")
+        problems.extend(launch_problems(launch, where))
 
 
 def _plan_problems(plan: t.Any, default_utilization: t.Any, problems: list[str]) -> None:

@@ -88,12 +88,12 @@ def test_the_leader_is_a_canary_with_its_rank_arguments(tmp_path, fake_vllm):
 
 
 @pytest.mark.parametrize("data, message", [
-    ({}, "gang.args: the member's rank arguments"),
+    ({}, "gang.args: expected the member's rank arguments"),
     ({"args": ["--headless"], "serves_api": False, "ranks": 1}, "gang.stop_file: a member that serves no API needs"),
     ({"args": ["--headless"], "serves_api": False, "ranks": 1, "stop_file": "relative"}, "gang.stop_file"),
     ({"args": ["--headless"], "serves_api": False, "stop_file": "/s"}, "gang.ranks"),
     ({"args": ["--node-rank\n1"]}, "gang.args[0]"),
-    ({"args": ["-x"], "environment": {"BAD NAME": "1"}}, "gang.environment key"),
+    ({"args": ["-x"], "environment": {"BAD NAME": "1"}}, "gang.environment name"),
     ({"args": ["-x"], "serves_api": "no"}, "gang.serves_api: expected true or false"),
 ])
 def test_a_bad_member_is_named_by_its_field(data, message):
