@@ -32,6 +32,7 @@ __all__ = [
     "boolean",
     "check_environment_file",
     "class_name",
+    "collect",
     "env_name",
     "environment_file",
     "instance_name",
@@ -99,6 +100,16 @@ def no_control(value: str, field: str) -> str:
     except UnicodeEncodeError:
         raise ValidationError(f"{field}: is not valid Unicode text (a lone surrogate)") from None
     return value
+
+
+def collect(problems: list[str], check: t.Callable[..., t.Any], *args: t.Any, **kwargs: t.Any) -> t.Any:
+    """``check(*args, **kwargs)``, its message appended to ``problems`` instead of raised (then None): for a
+    caller that names every problem of an input at once."""
+    try:
+        return check(*args, **kwargs)
+    except ValidationError as exc:
+        problems.append(str(exc))
+        return None
 
 
 def text(value: object, field: str, *, allow_empty: bool = False, max_len: int = 4096) -> str:

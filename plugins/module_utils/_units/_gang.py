@@ -274,14 +274,6 @@ def member_launch(gang: Gang, host: str, infiniband: bool = False) -> dict[str, 
     return {key: launch[key] for key in LAUNCH_KEYS}
 
 
-def _problem(problems: list[str], check: t.Callable[..., t.Any], *args: t.Any, **kwargs: t.Any) -> t.Any:
-    try:
-        return check(*args, **kwargs)
-    except v.ValidationError as exc:
-        problems.append(str(exc))
-        return None
-
-
 def launch_problems(launch: t.Any, where: str) -> list[str]:
     """What is wrong with one member's launch (:func:`member_launch`'s shape) as a caller gives it, each named
     from ``where``: the keys, the rank arguments and environment (text that systemd and the engine take as
@@ -298,22 +290,22 @@ def launch_problems(launch: t.Any, where: str) -> list[str]:
         problems.append(f"{where}.args: expected the member's rank arguments, a non-empty list")
     else:
         for i, arg in enumerate(args):
-            _problem(problems, v.text, arg, f"{where}.args[{i}]")
+            v.collect(problems, v.text, arg, f"{where}.args[{i}]")
     env = launch.get("environment")
     if env is not None and not isinstance(env, t.Mapping):
         problems.append(f"{where}.environment: expected a mapping NAME -> value")
     for name, value in (env or {}).items() if isinstance(env, t.Mapping) else ():
-        key = _problem(problems, v.env_name, name, f"{where}.environment name")
+        key = v.collect(problems, v.env_name, name, f"{where}.environment name")
         if key is not None:
-            _problem(problems, v.text, value, f"{where}.environment.{key}", allow_empty=True)
+            v.collect(problems, v.text, value, f"{where}.environment.{key}", allow_empty=True)
     if launch.get("limit_memlock") not in (None, "infinity"):
-        _problem(problems, v.integer, launch.get("limit_memlock"), f"{where}.limit_memlock", low=0, high=2**62)
+        v.collect(problems, v.integer, launch.get("limit_memlock"), f"{where}.limit_memlock", low=0, high=2**62)
     devices = launch.get("device_allow") or []
     if not isinstance(devices, (list, tuple)):
         problems.append(f"{where}.device_allow: expected a list")
     else:
         for i, entry in enumerate(devices):
-            _problem(problems, v.text, entry, f"{where}.device_allow[{i}]")
+            v.collect(problems, v.text, entry, f"{where}.device_allow[{i}]")
     if not isinstance(launch.get("serves_api", True), bool):
         problems.append(f"{where}.serves_api: expected true or false, got {launch.get('serves_api')!r}")
     return problems

@@ -185,12 +185,7 @@ _DEFAULTED = ("metrics", "metrics_interval_sec", "boot_gate_xid_wait_ms")
 _MAX_GPUS = 1024
 
 
-def _check(problems: list[str], fn: t.Callable[..., t.Any], *args: t.Any, **kwargs: t.Any) -> t.Any:
-    try:
-        return fn(*args, **kwargs)
-    except v.ValidationError as exc:
-        problems.append(str(exc))
-        return None
+_check = v.collect
 
 
 def instances_problems(instances: t.Any, field: str = "vllm_service_instances", gangs: bool = False) -> list[str]:
