@@ -28,7 +28,9 @@ if [ "${GPUFLEET_HARNESS_TESTED:-0}" != 1 ]; then
 else
     : > "$logs/alone.log"
 fi
-"$py" -m pytest -q -n "$workers" --dist loadfile --no-loadscope-reorder --durations=25 "$@" --ignore="$alone" tests/integration 2>&1 \
+# Each test's time also goes to a JUnit file, so that a run's per-module times can be added up.
+"$py" -m pytest -q -n "$workers" --dist loadfile --no-loadscope-reorder --durations=25 \
+    --junitxml="${GPUFLEET_CACHE:-.cache}/integration-junit.xml" "$@" --ignore="$alone" tests/integration 2>&1 \
     | tee "$logs/rest.log"
 rc_rest=${PIPESTATUS[0]}
 secs=$(( $(date +%s) - start ))

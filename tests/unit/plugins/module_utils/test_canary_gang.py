@@ -31,9 +31,14 @@ def member(tmp_path, **over) -> _canary.GangMember:
                                          "ranks": 1, "stop_file": str(tmp_path / "stop"), "hold_timeout": 20, **over})
 
 
-def stop_later(path: str, seconds: float) -> threading.Thread:
+def stop_once_removed(path: str, seen: dict[str, bool]) -> threading.Thread:
+    """Write the stop file once the member removed the stale one it found (or after 30 s, noting that it did not):
+    ordered by what the member does, not by how long its engine takes to start."""
     def write() -> None:
-        time.sleep(seconds)
+        deadline = time.monotonic() + 30
+        while os.path.exists(path) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        seen["removed"] = not os.path.exists(path)
         with open(path, "w", encoding="utf-8"):
             pass
     thread = threading.Thread(target=write, daemon=True)
@@ -45,11 +50,13 @@ def test_a_member_without_api_joins_holds_until_told_and_reports_its_rank(tmp_pa
     gang = member(tmp_path)
     # a stop file an earlier run left must not stop this member as soon as it joins
     (tmp_path / "stop").write_text("")
-    stop_later(gang.stop_file, 1.0)
+    seen: dict[str, bool] = {}
+    stopper = stop_once_removed(gang.stop_file, seen)
     log = tmp_path / "member.log"
     result = _canary.run_canary(spec_for(fake_vllm, gang=gang, log_path=str(log)))
+    stopper.join(timeout=5)
     assert result["health"] == "joined" and result["held"] == "stop_file" and result["verdict"] == "pass", result
-    assert result["held_seconds"] >= 0.5, "the stale stop file was removed before the engine started"
+    assert seen == {"removed": True}, "the member did not remove the stale stop file before it held"
     assert not os.path.exists(gang.stop_file), "the stop file that stopped it is removed"
     assert result["argv"][-len(FOLLOWER_ARGS):] == FOLLOWER_ARGS
     # its rank as the instance numbers it, with the budget the gang runs
