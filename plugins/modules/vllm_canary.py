@@ -212,8 +212,9 @@ options:
         type: int
         default: 3600
       limit_memlock:
-        description: Accepted as P(gpufleet.vllm.gang_member_launch#filter) gives it, not applied (the canary runs with the
-          limits of the task).
+        description:
+          - The engine's locked-memory limit (C(RLIMIT_MEMLOCK)), V(infinity) or bytes, as the member's unit sets
+            C(LimitMEMLOCK=) (NCCL pins its buffers); unset, the engine keeps the limit of the task. Raising it needs root.
         type: str
       device_allow:
         description: Accepted as P(gpufleet.vllm.gang_member_launch#filter) gives it, not applied (no systemd sandbox here).
@@ -418,6 +419,13 @@ held_seconds:
   description: A gang member that serves no API - seconds it held its engine after joining.
   returned: when a gang member that serves no API joined
   type: float
+locked_memory_limit:
+  description:
+    - A gang member given O(gang.limit_memlock) - the locked-memory limit its engine started with, V(infinity) or bytes;
+      below the one asked for where this host lets no process raise its hard limit (as systemd then starts the unit).
+  returned: when O(gang.limit_memlock) was given and the engine started
+  type: str
+  sample: infinity
 ranks:
   description: Per rank figures from the engine log (bytes; GiB figures of the log are exact to 0.005 GiB).
   returned: when not in check mode
@@ -774,8 +782,8 @@ def main() -> None:
                 ranks=dict(type="int"),
                 stop_file=dict(type="path"),
                 hold_timeout=dict(type="int", default=3600),
-                # what gang_member_launch gives besides, for the unit: taken as it comes, not applied here
                 limit_memlock=dict(type="str"),
+                # what gang_member_launch gives besides, for the unit: taken as it comes, not applied here
                 device_allow=dict(type="list", elements="str"),
                 node_rank=dict(type="int"),
                 leader=dict(type="str"),

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from .._units._gang import launch_problems
 from .._validate import ValidationError, integer, number, text
 from ._boot_check import capacity_figures, log_tail, logged_ranks, primary_error, reserved_kv_by_rank, summarise_log
-from ._engine_process import Account, EngineProcess, StopResult, free_port, port_in_use, scrape_metrics, wait_healthy
+from ._engine_process import Account, EngineProcess, StopResult, free_port, limit_text, memlock_limit, port_in_use, scrape_metrics, wait_healthy
 from ._load_test import LoadSpec, run_load_test
 from ._serve_argv import LOOPBACK, EngineSpecError, api_key_of, build_argv, engine_env, redact_argv, without_api_key
 from ._vllm_log import parse_engine_log
@@ -226,6 +226,8 @@ class GangMember:
     ranks: int = 0
     stop_file: str | None = None
     hold_timeout: float = 3600.0
+    # the engine's locked-memory limit (RLIMIT_MEMLOCK), as the member's unit sets LimitMEMLOCK= (NCCL pins its buffers)
+    memlock: int | None = None
 
     @classmethod
     def from_dict(cls, data: t.Mapping[str, t.Any], where: str = "gang") -> GangMember:
@@ -237,7 +239,7 @@ class GangMember:
             raise EngineSpecError("; ".join(problems))
         serves_api = bool(data.get("serves_api", True))
         member = cls([str(a) for a in data["args"]], {str(k): str(val) for k, val in (data.get("environment") or {}).items()},
-                     serves_api)
+                     serves_api, memlock=memlock_limit(data.get("limit_memlock"), f"{where}.limit_memlock"))
         try:
             if not serves_api:
                 member.ranks = integer(data.get("ranks"), f"{where}.ranks", low=1)
@@ -717,7 +719,8 @@ def run_canary(
     wall_start = time.monotonic()
     launch = _prepare_launch(spec)
     result = _initial_result(spec, launch)
-    run = _CanaryRun(spec, launch, EngineProcess(launch.argv, launch.env, launch.partial_log, account), result)
+    memlock = spec.gang.memlock if spec.gang is not None else None
+    run = _CanaryRun(spec, launch, EngineProcess(launch.argv, launch.env, launch.partial_log, account, memlock), result)
     restore_signals = raise_on_termination()
     try:
         if spec.gang is not None and not spec.gang.serves_api:
@@ -726,6 +729,8 @@ def run_canary(
             _boot(run, after_healthy, during_load)
     finally:
         stop, text = _stop(run, restore_signals)
+    if run.engine.memlock_applied is not None:
+        result["locked_memory_limit"] = limit_text(run.engine.memlock_applied)
     _read_findings(run, text, stop)
     _judge(run, text, wall_start)
     return result

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import http.client
 import os
+import resource
 import signal
 import socket
 import subprocess
@@ -127,14 +128,56 @@ class Account:
         return cls(user=user, uid=entry.pw_uid, gid=gid, groups=groups, home=entry.pw_dir)
 
 
-class EngineProcess:
-    """One ``vllm serve`` process started in its own session/process group, as ``account`` when given."""
+def memlock_limit(value: str | int | None, field: str) -> int | None:
+    """A locked-memory limit as a unit's ``LimitMEMLOCK=`` takes it (``infinity`` or bytes) -> the
+    ``RLIMIT_MEMLOCK`` value (``resource.RLIM_INFINITY`` for infinity); ``None`` leaves the limit alone."""
+    if value is None or value == "":
+        return None
+    if str(value).strip() == "infinity":
+        return resource.RLIM_INFINITY
+    try:
+        limit = int(str(value).strip())
+    except ValueError:
+        raise EngineSpecError(f"{field}: expected infinity or a number of bytes, got {value!r}") from None
+    if limit < 0:
+        raise EngineSpecError(f"{field}: expected infinity or a number of bytes, got {value!r}")
+    return limit
 
-    def __init__(self, argv: list[str], env: dict[str, str], log_file: str, account: Account | None = None) -> None:
+
+def _set_memlock_closest(limit: int, hard: int) -> int:
+    """Set this process's RLIMIT_MEMLOCK for a child to inherit, as systemd sets a unit's ``LimitMEMLOCK=``
+    and returns the soft limit set: above the hard limit, both raised to ``limit``, else as close as this
+    process may (the hard limit, where raising it is not allowed: no CAP_SYS_RESOURCE, as in a container);
+    at or below it, the soft limit alone, so that the caller can put its own back without privileges."""
+    if limit == resource.RLIM_INFINITY or (hard != resource.RLIM_INFINITY and limit > hard):
+        try:
+            resource.setrlimit(resource.RLIMIT_MEMLOCK, (limit, limit))
+            return limit
+        except (ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_MEMLOCK, (hard, hard))
+            return hard
+    resource.setrlimit(resource.RLIMIT_MEMLOCK, (limit, hard))
+    return limit
+
+
+def limit_text(limit: int) -> str:
+    """``infinity`` or the bytes of a resource limit."""
+    return "infinity" if limit == resource.RLIM_INFINITY else str(limit)
+
+
+class EngineProcess:
+    """One ``vllm serve`` process started in its own session/process group, as ``account`` when given,
+    with ``memlock`` as its locked-memory limit when given (:func:`memlock_limit`)."""
+
+    def __init__(self, argv: list[str], env: dict[str, str], log_file: str, account: Account | None = None,
+                 memlock: int | None = None) -> None:
         self.argv = list(argv)
         self.env = env
         self.log_file = log_file
         self.account = account
+        self.memlock = memlock
+        # the locked-memory limit the engine got (memlock, or the closest this process could set)
+        self.memlock_applied: int | None = None
         self.proc: subprocess.Popen[bytes] | None = None
         self.started_at: float | None = None
         self.stopped: StopResult | None = None
@@ -154,7 +197,12 @@ class EngineProcess:
         if self.account is not None:
             as_account = {"user": self.account.uid, "group": self.account.gid, "extra_groups": list(self.account.groups),
                           "cwd": self.account.home if os.path.isdir(self.account.home) else "/"}
+        # The child inherits the limit: set here just around its start (subprocess drops to the account
+        # before any hook could raise a hard limit) and put back at once.
+        kept = resource.getrlimit(resource.RLIMIT_MEMLOCK) if self.memlock is not None else None
         try:
+            if self.memlock is not None and kept is not None:
+                self.memlock_applied = _set_memlock_closest(self.memlock, kept[1])
             self.proc = subprocess.Popen(  # pylint: disable=consider-using-with
                 self.argv,
                 stdin=subprocess.DEVNULL,
@@ -169,6 +217,8 @@ class EngineProcess:
             raise EngineSpecError(f"cannot start {self.argv[0]}: {exc.strerror or exc}") from exc
         finally:
             os.close(fd)
+            if kept is not None:
+                resource.setrlimit(resource.RLIMIT_MEMLOCK, kept)
         self.started_at = time.monotonic()
 
     def poll(self) -> int | None:

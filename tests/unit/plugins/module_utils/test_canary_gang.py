@@ -9,6 +9,9 @@ real-engine lane (tests/integration/test_real_engine.py, step 9)."""
 from __future__ import annotations
 
 import os
+import resource
+import subprocess
+import sys
 import threading
 import time
 
@@ -62,7 +65,33 @@ def test_a_member_without_api_joins_holds_until_told_and_reports_its_rank(tmp_pa
     # its rank as the instance numbers it, with the budget the gang runs
     assert [r["rank"] for r in result["ranks"]] == [1] and result["ranks"][0]["reserved_kv_bytes"] is not None
     assert "gang member at 10.0.0.2" in log.read_text(), "the member's environment reaches the engine"
+    assert f"locked-memory limit {resource.getrlimit(resource.RLIMIT_MEMLOCK)!r}" in log.read_text(), "no limit given, the task's"
     assert result["load"]["completed"] == 0 and result["stop"]["leftover_pids"] == []
+
+
+def _may_raise_memlock() -> bool:
+    """Whether this process may raise its hard locked-memory limit (root with CAP_SYS_RESOURCE; not in every container)."""
+    code = "import resource as r; r.setrlimit(r.RLIMIT_MEMLOCK, (r.RLIM_INFINITY, r.RLIM_INFINITY))"
+    return subprocess.run([sys.executable, "-c", code], check=False, capture_output=True).returncode == 0
+
+
+def test_a_member_runs_with_the_locked_memory_limit_of_its_unit(tmp_path, fake_vllm):
+    """NCCL pins its buffers: the member's unit sets LimitMEMLOCK=infinity, and its canary engine starts with the limit
+    systemd would give that unit - infinity, or the hard limit where this process may not raise it (systemd's closest) -
+    while the module's own limit is put back at once. A limit below the hard one sets the soft limit."""
+    kept = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    infinity = resource.RLIM_INFINITY
+    log = tmp_path / "member.log"
+    result = _canary.run_canary(spec_for(fake_vllm, gang=member(tmp_path, limit_memlock="infinity", hold_timeout=1), log_path=str(log)))
+    got = (infinity, infinity) if _may_raise_memlock() or kept[1] == infinity else (kept[1], kept[1])
+    assert f"locked-memory limit {got!r}" in log.read_text(), log.read_text()[-2000:]
+    assert result["locked_memory_limit"] == ("infinity" if got[0] == infinity else str(got[0])), result.get("locked_memory_limit")
+    assert resource.getrlimit(resource.RLIMIT_MEMLOCK) == kept, "the module's own limit is back"
+
+    log = tmp_path / "member-bytes.log"
+    result = _canary.run_canary(spec_for(fake_vllm, gang=member(tmp_path, limit_memlock="65536", hold_timeout=1), log_path=str(log)))
+    assert f"locked-memory limit {(65536, kept[1])!r}" in log.read_text(), log.read_text()[-2000:]
+    assert result["locked_memory_limit"] == "65536" and resource.getrlimit(resource.RLIMIT_MEMLOCK) == kept
 
 
 def test_a_member_whose_engine_dies_after_joining_fails_with_that(tmp_path, fake_vllm, monkeypatch):

@@ -66,7 +66,9 @@ FAKE_ENGINE = textwrap.dedent(
         time.sleep(300)
         sys.exit(0)
     if os.environ.get("VLLM_HOST_IP"):
-        log("APIServer", "gang member at %s" % os.environ["VLLM_HOST_IP"])
+        import resource
+        log("APIServer", "gang member at %s, locked-memory limit %r" % (os.environ["VLLM_HOST_IP"],
+                                                                         resource.getrlimit(resource.RLIMIT_MEMLOCK)))
     if "--headless" in args:
         # a member of a gang that serves no API: its rank's line once the gang joined, then silence
         time.sleep(float(os.environ.get("FAKE_BOOT_DELAY", "0.2")))
