@@ -35,6 +35,16 @@ ARGUMENT_SPEC: dict[str, Any] = {
             "model_config_file": {"type": "dict"},
             "serve_args": {"type": "dict"},
             "facts": {"type": "dict"},
+            "members": {
+                "type": "list",
+                "elements": "dict",
+                "options": {
+                    "host": {"type": "str", "required": True},
+                    "result": {"type": "dict", "required": True},
+                    "preboot_gpus": {"type": "list", "elements": "dict", "required": True},
+                    "gpus": {"type": "list", "elements": "int", "required": True},
+                },
+            },
         },
     },
 }
@@ -140,7 +150,7 @@ class ActionModule(ActionBase):  # type: ignore[misc]  # ActionBase is Any: ansi
             raise ReferenceError(f"canary.{exc}") from None
         try:
             return reference_from_canary(canary["result"], canary["preboot_gpus"], canary["gpus"], config=config,
-                                         serve_args=canary["serve_args"], canary=canary["facts"])
+                                         serve_args=canary["serve_args"], canary=canary["facts"], members=canary["members"])
         except (KeyError, TypeError, ValueError) as exc:  # ReferenceError is a ValueError
             raise ReferenceError(f"canary: {exc}") from None
 

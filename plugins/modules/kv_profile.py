@@ -128,6 +128,33 @@ options:
       facts:
         description: Facts about the canary run kept under the profile's C(canary) (host, instance, GPUs, utilization...).
         type: dict
+      members:
+        description:
+          - A canary gang (an instance over several hosts, C(docs/multi-host.md)) - the other members' runs. Their ranks
+            join the reference's, each rank then naming its C(host) (the leader's is O(canary.facts)'s C(host)); the
+            profile's C(members) lists the gang's hosts, the leader first. The engine's figures are the leader's.
+        type: list
+        elements: dict
+        version_added: 3.0.0
+        suboptions:
+          host:
+            description: The member's inventory name.
+            type: str
+            required: true
+          result:
+            description: The member's M(gpufleet.vllm.vllm_canary) result (its O(gpufleet.vllm.vllm_canary#module:gang) run).
+            type: dict
+            required: true
+          preboot_gpus:
+            description: The C(gpus) the member read just before its boot (its result's C(gpu_probe.gpus)).
+            type: list
+            elements: dict
+            required: true
+          gpus:
+            description: The member's GPU indices of the instance, in rank order.
+            type: list
+            elements: int
+            required: true
 seealso:
   - module: gpufleet.vllm.kv_plan
   - module: gpufleet.vllm.vllm_canary

@@ -35,10 +35,11 @@ class ReferenceError(ValueError):
     """The canary result or the pre-boot probe cannot make a reference (message names the field)."""
 
 
-def _rank_gpu(preboot: Sequence[Mapping[str, Any]], gpus: Sequence[Any], rank: int) -> Mapping[str, Any]:
-    if rank >= len(gpus):
+def _rank_gpu(preboot: Sequence[Mapping[str, Any]], gpus: Sequence[Any], place: int, rank: int) -> Mapping[str, Any]:
+    """The pre-boot figures of the GPU of ``rank``, the ``place``-th of ``gpus``."""
+    if place >= len(gpus):
         raise ReferenceError(f"canary rank {rank} has no GPU in the instance's gpus {list(gpus)}")
-    index = int(gpus[rank])
+    index = int(gpus[place])
     for gpu in preboot:
         if int(gpu.get("index", -1)) == index:
             if gpu.get("free_bytes") is None:
@@ -87,26 +88,25 @@ def model_config_from(
     return _config_mapping(raw, f"model_config_file ({host_file.get('source') or 'config.json'})")
 
 
-def reference_from_canary(
-    run: Mapping[str, Any],
-    preboot: Sequence[Mapping[str, Any]],
-    gpus: Sequence[Any],
-    *,
-    config: Mapping[str, Any] | None = None,
-    serve_args: Mapping[str, Any] | None = None,
-    canary: Mapping[str, Any] | None = None,
-) -> dict[str, Any]:
-    """The reference profile of one profiled canary run (``vllm_canary``'s result)."""
+def _ranks(
+    run: Mapping[str, Any], preboot: Sequence[Mapping[str, Any]], gpus: Sequence[Any], host: str | None, where: str | None = None,
+) -> tuple[list[dict[str, Any]], dict[int, int]]:
+    """One host's ranks of a canary run and vLLM's initial free memory per rank. A rank's GPU is the
+    host's ``gpus`` at the rank's place among the host's ranks: the instance's ranks on one host, a
+    member's global ranks of a gang (``host`` set, and kept on each rank). ``where`` names a member in errors."""
+    prefix = f"{where}: " if where else ""
     if not isinstance(run, Mapping) or not isinstance(run.get("ranks"), list) or not run["ranks"]:
-        raise ReferenceError("canary result: ranks missing (was the canary run in profiled mode and did it boot?)")
+        raise ReferenceError(f"{prefix}canary result: ranks missing (was the canary run in profiled mode and did it boot?)")
     if not preboot:
-        raise ReferenceError("pre-boot probe: no GPUs (gpu_memory_info's gpus)")
-    serve_args = dict(serve_args or {})
+        raise ReferenceError(f"{prefix}pre-boot probe: no GPUs (gpu_memory_info's gpus)")
     ranks: list[dict[str, Any]] = []
     vllm_free: dict[int, int] = {}
     for pos, entry in enumerate(run["ranks"]):
         rank = int(entry.get("rank", pos))
-        gpu = _rank_gpu(preboot, gpus, rank)
+        try:
+            gpu = _rank_gpu(preboot, gpus, pos if host is not None else rank, rank)
+        except ReferenceError as exc:
+            raise ReferenceError(f"{prefix}{exc}") from None
         in_use = entry.get("current_kv_bytes")
         if in_use is None:
             in_use = entry.get("auto_kv_bytes")
@@ -116,11 +116,52 @@ def reference_from_canary(
             "kv_bytes": entry.get("suggested_kv_bytes_fit"),
             "kv_bytes_full": entry.get("suggested_kv_bytes_full"),
         }
+        if host is not None:
+            item["host"] = host
         if in_use is not None:
             item["kv_bytes_in_use"] = int(in_use)
         ranks.append(item)
         if entry.get("initial_free_bytes") is not None:
             vllm_free[rank] = int(entry["initial_free_bytes"])
+    return ranks, vllm_free
+
+
+def reference_from_canary(
+    run: Mapping[str, Any],
+    preboot: Sequence[Mapping[str, Any]],
+    gpus: Sequence[Any],
+    *,
+    config: Mapping[str, Any] | None = None,
+    serve_args: Mapping[str, Any] | None = None,
+    canary: Mapping[str, Any] | None = None,
+    members: Sequence[Mapping[str, Any]] | None = None,
+) -> dict[str, Any]:
+    """The reference profile of one profiled canary run (``vllm_canary``'s result).
+
+    ``members``: the other members of a canary gang (an instance over several hosts), each ``host``,
+    ``result``, ``preboot_gpus`` and ``gpus`` as the run's own: their ranks join the reference's, every
+    rank then naming its host (the run's own is ``canary['host']``), and ``members`` lists the gang's
+    hosts, the run's (its leader) first. The engine's figures are the leader's: its canary measured the
+    gang's engine."""
+    serve_args = dict(serve_args or {})
+    leader = str((canary or {}).get("host") or "") or None if members else None
+    if members and leader is None:
+        raise ReferenceError("canary.facts.host: a canary gang's reference names the host of each rank; the leader's is missing")
+    ranks, vllm_free = _ranks(run, preboot, gpus, leader)
+    hosts = [leader] if leader else []
+    for i, member in enumerate(members or ()):
+        host = str(member.get("host") or "")
+        if not host or host in hosts:
+            raise ReferenceError(f"members[{i}].host: expected a host of the gang other than {', '.join(hosts)}, got {host!r}")
+        more, free = _ranks(member.get("result") or {}, member.get("preboot_gpus") or [], member.get("gpus") or [], host,
+                            f"members[{i}] ({host})")
+        clash = sorted({r["rank"] for r in more} & {r["rank"] for r in ranks})
+        if clash:
+            raise ReferenceError(f"members[{i}] ({host}): rank(s) {', '.join(map(str, clash))} also reported by another member")
+        ranks.extend(more)
+        vllm_free.update(free)
+        hosts.append(host)
+    ranks.sort(key=lambda r: r["rank"])
     max_model_len = run.get("max_model_len") or serve_args.get("max_model_len")
     info = dict(canary or {})
     info.update(
@@ -130,7 +171,7 @@ def reference_from_canary(
         preemptions=run.get("preemptions"),
         verdict=run.get("verdict"),
     )
-    return {
+    reference: dict[str, Any] = {
         "ranks": ranks,
         "vllm_free_bytes": vllm_free,
         "total_bytes": preboot[0].get("total_bytes"),
@@ -145,3 +186,6 @@ def reference_from_canary(
         "canary": info,
         "canary_result": {k: v for k, v in run.items() if k not in _DROPPED},
     }
+    if members:
+        reference["members"] = hosts
+    return reference

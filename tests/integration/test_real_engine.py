@@ -863,35 +863,46 @@ GANG_HOOK = [{"name": "Record the instances the hook got", "delegate_to": "local
                                        "mode": "0644"}}]
 
 
-# A canary gang as the rollout will run one: each member runs vllm_canary with its rank (gang_member_launch);
-# a member that serves no API is started without waiting (async) and holds its engine until the leader's
-# canary is done and its stop file is written (a member does not stop when its leader does).
-CANARY_STOP_FILE = "/run/gpufleet-canary-gang.stop"
-_CANARY_ARGS = {"executable": "/opt/vllm/venv/bin/vllm", "model": "{{ gpufleet_model }}", "mode": "manual",
-                "kv_cache_memory_bytes": "{{ gang_plan.kv_cache_memory_bytes }}",
-                "gpu_memory_utilization": "{{ gang_plan.gpu_memory_utilization }}", "serve_args": "{{ gpufleet_serve_args }}",
-                "env": {"HOME": "/var/lib/vllm", "HF_HUB_OFFLINE": "TRUE", "TRANSFORMERS_OFFLINE": "TRUE", "TORCHDYNAMO_DISABLE": "1"},
-                "user": "vllm", "startup_timeout": 600,
-                "load": {"requests": 4, "concurrency": 2, "prompt_tokens": 8, "max_tokens": 4, "warmup": 1}}
+# A canary gang in manual mode, as the rollout's manual canary will run one: every member runs the role vllm_canary
+# in the same play with its rank (gang_member_launch) and the gang's members; a member that serves no API starts in the
+# background and holds its engine until the leader's canary is done (a member does not stop when its leader does).
+# (The profiled canary gang is profile.yml's, run in mode mp.)
 CANARY_GANG_PLAYBOOK = [{
     "name": "Run a canary gang", "hosts": ":".join(HOSTS), "gather_facts": False,
-    "vars": {"launch": "{{ (hostvars | gpufleet.vllm.gang_member_launch(inventory_hostname))[gang_name] }}"},
     "tasks": [
-        {"name": "Start each member that serves no API", "gpufleet.vllm.vllm_canary": {
-            **_CANARY_ARGS, "gang": "{{ launch | combine({'ranks': 1, 'stop_file': '" + CANARY_STOP_FILE + "'}) }}"},
-         "async": 900, "poll": 0, "register": "member_job", "when": "not launch.serves_api"},
-        {"name": "Run the leader's canary", "gpufleet.vllm.vllm_canary": {**_CANARY_ARGS, "gang": "{{ launch }}"},
-         "register": "leader_canary", "when": "launch.serves_api", "ignore_errors": True},
-        {"name": "Tell the members the leader is done",
-         "ansible.builtin.file": {"path": CANARY_STOP_FILE, "state": "touch", "mode": "0600"},
-         "when": "not launch.serves_api"},
-        {"name": "Wait for each member", "ansible.builtin.async_status": {"jid": "{{ member_job.ansible_job_id }}"},
-         "register": "member_canary", "until": "member_canary.finished", "retries": 120, "delay": 1,
-         "when": "not launch.serves_api", "ignore_errors": True},
+        {"name": "Run each member's canary", "ansible.builtin.include_role": {"name": "gpufleet.vllm.vllm_canary"},
+         "vars": {"vllm_canary_mode": "manual", "vllm_canary_record": False, "vllm_canary_model": "{{ gpufleet_model }}",
+                  "vllm_canary_serve_args": "{{ gpufleet_serve_args }}", "vllm_canary_env": "{{ gpufleet_env }}",
+                  "vllm_canary_instance": "{{ gpufleet_instances | first }}", "vllm_canary_user": "vllm",
+                  "vllm_canary_group": "vllm", "vllm_canary_home": "/var/lib/vllm", "vllm_canary_startup_timeout": 600,
+                  "vllm_canary_kv_cache_memory_bytes": "{{ gang_plan.kv_cache_memory_bytes }}",
+                  "vllm_canary_gpu_memory_utilization": "{{ gang_plan.gpu_memory_utilization }}",
+                  "vllm_canary_load": {"requests": 4, "concurrency": 2, "prompt_tokens": 8, "max_tokens": 4, "warmup": 1},
+                  "vllm_canary_gang_launch": "{{ (hostvars | gpufleet.vllm.gang_member_launch(inventory_hostname))[gang_name] }}",
+                  "vllm_canary_gang_members": HOSTS}},
         {"name": "Keep each member's result", "ansible.builtin.copy": {
-            "content": "{{ (leader_canary if launch.serves_api else member_canary) | to_json }}",
-            "dest": "{{ result_dir }}/{{ inventory_hostname }}.json", "mode": "0644"}, "delegate_to": "localhost"},
+            "content": "{{ vllm_canary_result | to_json }}", "dest": "{{ result_dir }}/{{ inventory_hostname }}.json", "mode": "0644"},
+         "delegate_to": "localhost"},
     ]}]
+# what the CPU build needs under tensor parallelism (GANG_PLAYBOOK says why)
+GANG_ENV = {"HF_HUB_OFFLINE": "TRUE", "TRANSFORMERS_OFFLINE": "TRUE", "TORCHDYNAMO_DISABLE": "1"}
+
+
+def _profiled_canary_gang(fleet: Fleet, name: str, instances: list[dict[str, Any]], serve: dict[str, Any]) -> Path:
+    """profile.yml on the gang: every member's profiled canary at once, the leader recording the reference with
+    both members' ranks; returns the recorded profile."""
+    leader, follower = HOSTS
+    before = set(fleet.profiles())
+    rc, out = fleet.playbook(PROFILE, {"gpufleet_class": CLASS, "gpufleet_instances": instances,
+                                       "gpufleet_serve_args": {**SERVE_ARGS, **serve}, "gpufleet_env": GANG_ENV},
+                             label=f"9 profiled canary gang ({name})")
+    assert rc == 0, out[-8000:]
+    assert f"a canary gang on {leader}, {follower} (the leader first records the reference)" in out, out[-6000:]
+    # the follower started in the background, the leader booted and measured the gang, then the follower was told to stop
+    started = out.split("vllm_canary : Start this member's rank of the canary gang", 1)[-1].split("TASK [", 1)[0]
+    assert f"skipping: [{leader}]" in started and re.search(rf"(changed|ok): \[{follower}\]", started), out[-6000:]
+    (profile_path,) = set(fleet.profiles()) - before
+    return profile_path
 
 
 def _gang_plan(geometry, budget: int) -> dict[str, Any]:
@@ -962,28 +973,42 @@ def test_an_instance_over_both_hosts_serves_from_the_units_the_role_renders(flee
     plan = _gang_plan(engine, GANG_KV_BYTES)
     started = time.monotonic()
     try:
-        # the canary gang first: both members' canaries, joined by the rendezvous, nothing left running after
-        results = fleet.workdir / f"canary-gang-{mode}"
-        results.mkdir(exist_ok=True)
-        playbook = fleet.workdir / "canary-gang.yml"
-        playbook.write_text(yaml.safe_dump(CANARY_GANG_PLAYBOOK), encoding="utf-8")
-        gang_vars = {"gpufleet_instances": [{"name": name, "gpus": [0], "port": GANG_PORT, "gang": spec}],
-                     "gpufleet_serve_args": {**SERVE_ARGS, **serve}, "gang_plan": plan, "gang_name": name, "result_dir": str(results)}
-        rc, out = fleet.playbook(playbook, gang_vars, label=f"9 canary gang {mode}")
+        # the canary gang first: both members' canaries, joined by the rendezvous, nothing left running after.
+        # mp: profiled, by profile.yml (the reference holds both members' ranks); dp: manual, with the gang's plan
+        instances = [{"name": name, "gpus": [0], "port": GANG_PORT, "gang": spec}]
+        if mode == "mp":
+            recorded = yaml.safe_load(_profiled_canary_gang(fleet, name, instances, serve).read_text(encoding="utf-8"))
+            assert {k: recorded["compat"].get(k) for k in ("gang_mode", "nnodes", "gang_layout")} == {
+                "gang_mode": "mp", "nnodes": 2, "gang_layout": [1, 1]}, recorded["compat"]
+            profile = recorded["profile"]
+            assert profile["members"] == HOSTS and profile["canary"]["verdict"] == "pass", profile["canary"]
+            assert [(r["rank"], r["host"]) for r in profile["ranks"]] == [(0, leader), (1, follower)], profile["ranks"]
+            assert all(r["free_bytes"] > 0 and r["kv_bytes_in_use"] > 0 for r in profile["ranks"]), profile["ranks"]
+            # the engine's figures are the leader's: its canary measured the gang's engine
+            assert profile["kv_cache_tokens"] == profile["num_blocks"] * BLOCK_SIZE > 0, profile
+        else:
+            results = fleet.workdir / f"canary-gang-{mode}"
+            results.mkdir(exist_ok=True)
+            playbook = fleet.workdir / "canary-gang.yml"
+            playbook.write_text(yaml.safe_dump(CANARY_GANG_PLAYBOOK), encoding="utf-8")
+            gang_vars = {"gpufleet_instances": instances, "gpufleet_serve_args": {**SERVE_ARGS, **serve}, "gpufleet_env": GANG_ENV,
+                         "gang_plan": plan, "gang_name": name, "result_dir": str(results)}
+            rc, out = fleet.playbook(playbook, gang_vars, label=f"9 canary gang {mode}")
+            assert rc == 0, out[-6000:]
+            head_run, member_run = (json.loads((results / f"{h}.json").read_text(encoding="utf-8")) for h in HOSTS)
+            assert head_run.get("verdict") == "pass" and member_run.get("verdict") == "pass", \
+                f"{json.dumps(head_run)[-3000:]}\n--- member\n{json.dumps(member_run)[-3000:]}"
+            assert f"Manual canary on {leader} passed" in out and f"Manual canary on {follower} passed" in out, out[-6000:]
+            # the leader's canary measured the gang's engine (one engine of the two under data parallelism): the planned capacity
+            assert head_run["kv_cache_tokens"] == plan["kv_cache_tokens"], (head_run["kv_cache_tokens"], plan)
+            assert head_run.get("engines") == 2, head_run
+            # the member joined, held until told, and reports its rank with the budget it reserved, with its unit's
+            # locked-memory limit (or the closest the test host allows)
+            assert member_run["health"] == "joined" and member_run["held"] == "stop_file", member_run
+            assert [r["reserved_kv_bytes"] is not None for r in member_run["ranks"]] == [True], member_run["ranks"]
+            assert member_run.get("locked_memory_limit"), member_run
         fleet.times["boots"].append({"host": f"{leader}+{follower}", "step": f"9 canary gang {mode}",
                                      "seconds": round(time.monotonic() - started, 1)})
-        assert rc == 0, out[-6000:]
-        head_run, member_run = (json.loads((results / f"{h}.json").read_text(encoding="utf-8")) for h in HOSTS)
-        assert head_run.get("verdict") == "pass" and member_run.get("verdict") == "pass", \
-            f"{json.dumps(head_run)[-3000:]}\n--- member\n{json.dumps(member_run)[-3000:]}"
-        # the leader's canary measured the gang's engine (one engine of the two under data parallelism): the planned capacity
-        assert head_run["kv_cache_tokens"] == plan["kv_cache_tokens"], (head_run["kv_cache_tokens"], plan)
-        assert head_run.get("engines") == (2 if mode == "dp" else None), head_run
-        # the member joined, held until told, and reports its rank with the budget it reserved
-        assert member_run["health"] == "joined" and member_run["held"] == "stop_file", member_run
-        assert [r["reserved_kv_bytes"] is not None for r in member_run["ranks"]] == [True], member_run["ranks"]
-        if mode == "mp":
-            assert [r["rank"] for r in member_run["ranks"]] == [1], member_run["ranks"]
         for host in HOSTS:
             assert fleet.h.exec(host, ["pgrep", "-u", "vllm"]).returncode == 1, f"{host}: an engine of the canary gang is left"
         started = time.monotonic()
@@ -992,7 +1017,7 @@ def test_an_instance_over_both_hosts_serves_from_the_units_the_role_renders(flee
         hook, hooks = fleet.workdir / "gang-hook.yml", fleet.workdir / f"gang-hooks-{mode}"
         hook.write_text(yaml.safe_dump(GANG_HOOK), encoding="utf-8")
         hooks.mkdir(exist_ok=True)
-        rc, out = fleet.playbook(playbook, {"gpufleet_instances": [{"name": name, "gpus": [0], "port": GANG_PORT, "gang": spec}],
+        rc, out = fleet.playbook(playbook, {"gpufleet_instances": instances,
                                             "gpufleet_serve_args": {**SERVE_ARGS, **serve}, "gang_plan": plan,
                                             "gang_hook": str(hook), "hook_dir": str(hooks)},
                                  label=f"9 gang {mode}: both members deployed by the role")

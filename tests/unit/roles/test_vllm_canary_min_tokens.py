@@ -18,7 +18,7 @@ import yaml
 from ansible.errors import AnsibleValueOmittedError
 from ansible.parsing.dataloader import DataLoader
 from ansible.template import Templar, trust_as_template
-from task_lookup import only, plays_tasks, running  # pylint: disable=import-error
+from task_lookup import only, plays_tasks  # pylint: disable=import-error
 
 from ansible_collections.gpufleet.vllm.plugins.module_utils._engine._canary import Tolerances, judge_canary
 from ansible_collections.gpufleet.vllm.plugins.module_utils._plan._launch import from_plan
@@ -41,7 +41,9 @@ def render(expr: str, variables: dict[str, t.Any]) -> t.Any:
 
 def module_args(min_tokens: int, tolerances: dict[str, t.Any] | None = None) -> tuple[t.Any, t.Any]:
     tasks = yaml.safe_load((ROOT / "roles" / "vllm_canary" / "tasks" / "main.yml").read_text())
-    args = running(tasks, "gpufleet.vllm.vllm_canary")["gpufleet.vllm.vllm_canary"]
+    # the boot (the background start of a gang's member without API takes the same options)
+    args = only(tasks, "boots the canary engine", lambda task: "gpufleet.vllm.vllm_canary" in task and "async" not in task)[
+        "gpufleet.vllm.vllm_canary"]
     variables = {"vllm_canary_mode": "manual", "vllm_canary_reference": REFERENCE,
                  "vllm_canary_min_tokens": min_tokens, "vllm_canary_tolerances": tolerances or {}}
     return render(args["reference"], variables), render(args["tolerances"], variables)

@@ -60,14 +60,16 @@ def role_vars(**over: t.Any) -> dict[str, t.Any]:
         "vllm_canary_instance": {"name": "left", "gpus": ["5", 2], "port": 8000}, "vllm_canary_gpu_memory_utilization": "0.85",
         "vllm_canary_model_config": "", "vllm_canary_serve_args": {"tensor_parallel_size": 2},
         # the module's result carries the pre-boot probe (gpu_probe) and, when asked, the model's config (model_config_file)
-        "__vllm_canary_run": dict(RUN, gpu_probe={"gpus": PREBOOT}, takeover={"instance_serving": False}),
+        "__vllm_canary_outcome": dict(RUN, gpu_probe={"gpus": PREBOOT}, takeover={"instance_serving": False}),
+        # an instance on this host alone (a canary gang: test_the_leader_of_a_canary_gang_records_every_members_ranks)
+        "vllm_canary_gang_launch": {}, "vllm_canary_gang_members": [],
     }, **over)
 
 
 def run_role_task(variables: dict[str, t.Any], check_mode: bool = False) -> tuple[dict[str, t.Any], t.Any]:
     """kv_profile's result with the role's arguments, and the reference profile fact the role keeps."""
     build = task("Build the reference profile and record it in the store")
-    assert render("{{ " + build["when"] + " }}", variables) is True
+    assert all(render("{{ " + condition + " }}", variables) is True for condition in build["when"])
     plugin_task = MagicMock()
     plugin_task.args = render(build["gpufleet.vllm.kv_profile"], variables)
     plugin_task.async_val = 0
@@ -104,7 +106,7 @@ def test_recorded_the_fact_is_the_profile_recorded(tmp_path, check_mode):
 def test_the_host_config_json_gives_the_geometry():
     slurped = {"content": base64.b64encode(json.dumps(CONFIG).encode()).decode(), "source": "/models/tiny/config.json"}
     run = dict(RUN, gpu_probe={"gpus": PREBOOT}, model_config_file=slurped)
-    _result, fact = run_role_task(role_vars(vllm_canary_record=False, __vllm_canary_run=run))
+    _result, fact = run_role_task(role_vars(vllm_canary_record=False, __vllm_canary_outcome=run))
     assert fact["geometry"] == {"config": CONFIG, "serve_args": {"tensor_parallel_size": 2}}
 
 
@@ -120,3 +122,21 @@ def test_a_controller_config_file_gives_the_geometry(tmp_path):
 def test_manual_mode_keeps_no_reference_profile():
     keep = task("Keep the reference profile")["ansible.builtin.set_fact"]["vllm_canary_reference_profile"]
     assert render(keep, role_vars(vllm_canary_mode="manual", vllm_canary_recorded={"skipped": True})) == {}
+
+
+def test_the_leader_of_a_canary_gang_records_every_members_ranks():
+    """TP=2 x PP=2 over two hosts: the leader's kv_profile gets the follower's run (the fact each member keeps) and the
+    reference holds the four ranks, each with its host; the follower records nothing itself."""
+    follower_run = {"host": "gpu-a2", "gpus": [0, 1],
+                    "result": {"ranks": [{"rank": 2, "auto_kv_bytes": 5 * 1024**3}, {"rank": 3, "auto_kv_bytes": 5 * 1024**3}]},
+                    "preboot_gpus": [{"index": 0, "free_bytes": 12 * 1024**3}, {"index": 1, "free_bytes": 13 * 1024**3}]}
+    gang = {"vllm_canary_gang_launch": {"leader": "gpu-a1", "serves_api": True, "args": ["--nnodes", "2"]},
+            "vllm_canary_gang_members": ["gpu-a1", "gpu-a2"], "hostvars": {"gpu-a2": {"vllm_canary_gang_run": follower_run}}}
+    result, fact = run_role_task(role_vars(vllm_canary_record=False, **gang))
+    assert not result.get("failed"), result
+    assert fact["members"] == ["gpu-a1", "gpu-a2"]
+    assert [(r["rank"], r["host"], r["free_bytes"] >> 30) for r in fact["ranks"]] == [
+        (0, "gpu-a1", 11), (1, "gpu-a1", 10), (2, "gpu-a2", 12), (3, "gpu-a2", 13)]
+    build = task("Build the reference profile and record it in the store")
+    follower = role_vars(inventory_hostname="gpu-a2", **gang)
+    assert not all(render("{{ " + condition + " }}", follower) is True for condition in build["when"]), "a follower records nothing"
