@@ -86,19 +86,23 @@ class TestHosts:
 # The integration stage runs the modules on two pytest-xdist workers, a module per worker
 # at a time (tests/tools/run-integration.sh, --dist loadfile --no-loadscope-reorder): the
 # longest start first so that both workers finish at about the same time. Seconds on a
-# 2-core machine; only their order matters. Modules not listed run after these, in name order.
+# 2-core machine (the sum of a module's test times in .cache/integration-junit.xml, which the
+# stage writes); only their order matters. Modules not listed run after these, in name order.
 MODULE_SECONDS = {
-    "test_real_engine": 1450,
-    "test_rollout": 600,
-    "test_kv_families": 280,
-    "test_rollout_faults": 400,
-    "test_rollout_runtime": 400,
-    "test_vllm_canary": 250,
-    "test_rollout_ramps": 185,
-    "test_boot_gate": 135,
-    "test_unit_quoting": 120,
-    "test_sim_fidelity": 110,
-    "test_probe_interpreter": 60,
+    "test_real_engine": 2170,
+    "test_rollout": 1880,
+    "test_rollout_faults": 840,
+    "test_rollout_ramps": 450,
+    "test_rollout_runtime": 290,
+    "test_kv_families": 210,
+    "test_vllm_canary": 160,
+    "test_boot_gate": 150,
+    "test_playbook_reports": 120,
+    "test_doc_examples_hosts": 80,
+    "test_kv_oracle_matrix": 70,
+    "test_report_render": 65,
+    "test_gpu_memory_info": 60,
+    "test_probe_interpreter": 55,
 }
 
 
