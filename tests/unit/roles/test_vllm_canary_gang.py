@@ -51,8 +51,8 @@ def test_the_canary_inputs_give_each_member_its_rank_and_the_gang(ansible):
     tasks = [{"name": "Keep the gang inputs", "delegate_to": "localhost", "ansible.builtin.copy": {
         "content": "{{ {'launch': vllm_canary_gang_launch, 'members': vllm_canary_gang_members} | to_json }}",
         "dest": str(out) + "/{{ inventory_hostname }}.json", "mode": "0644"}}]
-    proc = run([{"hosts": "gpufleet_rollout", "gather_facts": False, "vars_files": [str(ROOT / "playbooks" / "vars" / name) for name in ("common.yml", "canary.yml")],
-                 "tasks": tasks}])
+    vars_files = [str(ROOT / "playbooks" / "vars" / name) for name in ("common.yml", "canary.yml")]
+    proc = run([{"hosts": "gpufleet_rollout", "gather_facts": False, "vars_files": vars_files, "tasks": tasks}])
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
     got = {h: json.loads((out / f"{h}.json").read_text()) for h in ("a1", "a2", "solo")}
     assert got["a1"]["members"] == got["a2"]["members"] == ["a1", "a2"]
