@@ -22,6 +22,7 @@ import time
 import typing as t
 from dataclasses import dataclass
 
+from .._validate import ValidationError, integer
 from ._serve_argv import LOOPBACK, EngineSpecError
 from ._vllm_metrics import EngineMetrics, MetricsParseError, parse_metrics
 
@@ -129,19 +130,16 @@ class Account:
 
 
 def memlock_limit(value: str | int | None, field: str) -> int | None:
-    """A locked-memory limit as a unit's ``LimitMEMLOCK=`` takes it (``infinity`` or bytes) -> the
-    ``RLIMIT_MEMLOCK`` value (``resource.RLIM_INFINITY`` for infinity); ``None`` leaves the limit alone."""
+    """A locked-memory limit as a unit's ``LimitMEMLOCK=`` takes it (``infinity`` or bytes, as
+    ``_gang.launch_problems`` checks it) -> the ``RLIMIT_MEMLOCK`` value; ``None`` leaves the limit alone."""
     if value is None or value == "":
         return None
     if str(value).strip() == "infinity":
         return resource.RLIM_INFINITY
     try:
-        limit = int(str(value).strip())
-    except ValueError:
-        raise EngineSpecError(f"{field}: expected infinity or a number of bytes, got {value!r}") from None
-    if limit < 0:
-        raise EngineSpecError(f"{field}: expected infinity or a number of bytes, got {value!r}")
-    return limit
+        return integer(value, field, low=0, high=2**62)
+    except ValidationError as exc:
+        raise EngineSpecError(str(exc)) from None
 
 
 def _set_memlock_closest(limit: int, hard: int) -> int:
