@@ -12,9 +12,11 @@ from ansible.errors import AnsibleActionFail
 from ansible.plugins.action import ActionBase
 
 from ansible_collections.gpufleet.vllm.plugins.module_utils._defaults import default
+from ansible_collections.gpufleet.vllm.plugins.module_utils._units._gang import GangError
 from ansible_collections.gpufleet.vllm.plugins.module_utils._units._instance import clashes
 from ansible_collections.gpufleet.vllm.plugins.module_utils._validate import ValidationError, boolean, instance_name, integer
 from ansible_collections.gpufleet.vllm.plugins.plugin_utils import _probe_history
+from ansible_collections.gpufleet.vllm.plugins.plugin_utils._gangs import rank_places
 from ansible_collections.gpufleet.vllm.plugins.plugin_utils._plan import SPLIT_POLICIES, UNSTABLE_SCOPES, PlanError, plan_class, plan_deployable
 
 ARGUMENT_SPEC: dict[str, Any] = {
@@ -69,6 +71,10 @@ def members_from_group(group: str, task_vars: Mapping[str, Any],
     whose inventory sets ``gpufleet_unstable`` gives ``{ranks, unstable: true}``
     members; with ``history`` (host -> probes) each rank carries how far its GPU's
     boot-free memory moved across the last ``window`` probes.
+
+    An instance that spans hosts (a gang) is one member ``<leader>/<instance>``: one engine, whose ranks are
+    every member's, numbered in the whole instance and each naming its ``member`` host; it is unstable when
+    any member is flagged. Every member must be a host of the group with its facts.
     """
     groups = task_vars.get("groups") or {}
     if group not in groups:
@@ -76,6 +82,12 @@ def members_from_group(group: str, task_vars: Mapping[str, Any],
     hostvars = task_vars.get("hostvars") or {}
     members: dict[str, list[dict[str, Any]] | dict[str, Any]] = {}
     no_facts: list[str] = []
+    try:
+        places = rank_places(hostvars, [str(h) for h in groups[group]])
+    except GangError as exc:
+        raise AnsibleActionFail(f"hosts_from {group}: {exc}") from None
+    # a gang's planning member -> its ranks so far, whether a member is flagged unstable, the members seen
+    gangs: dict[str, tuple[list[dict[str, Any]], list[bool], set[str]]] = {}
     for host in groups[group]:
         hv = hostvars.get(host) or {}
         gpus = _facts_gpus(hv)
@@ -147,10 +159,25 @@ def members_from_group(group: str, task_vars: Mapping[str, Any],
                 flagged = boolean(hv.get("gpufleet_unstable", False), f"host {host} gpufleet_unstable")
             except ValidationError as exc:
                 raise AnsibleActionFail(str(exc)) from None
-            members[f"{host}/{inst['name']}"] = {"ranks": ranks, "unstable": True} if flagged else ranks
+            place = places.get((str(host), str(inst["name"])))
+            if place is None:
+                members[f"{host}/{inst['name']}"] = {"ranks": ranks, "unstable": True} if flagged else ranks
+                continue
+            gang_ranks, gang_flagged, seen = gangs.setdefault(place.member, ([], [], set()))
+            gang_ranks.extend(dict(r, rank=place.first_rank + r["rank"], member=str(host)) for r in ranks)
+            gang_flagged.append(flagged)
+            seen.add(str(host))
     if no_facts:
         shown = ", ".join(no_facts[:10]) + (f" and {len(no_facts) - 10} more" if len(no_facts) > 10 else "")
         raise AnsibleActionFail(f"hosts_from {group}: no gpufleet_gpus facts for {shown}; run gpufleet.vllm.gpu_memory_facts on them first")
+    for member, (gang_ranks, gang_flagged, seen) in gangs.items():
+        hosts_of_gang = next(p.members for p in places.values() if p.member == member)
+        missing = [h for h in hosts_of_gang if h not in seen]
+        if missing:
+            raise AnsibleActionFail(f"hosts_from {group}: instance {member.split('/', 1)[1]} spans hosts {', '.join(hosts_of_gang)}: "
+                                    f"{', '.join(missing)} not in the group; a gang is planned on every rank of every member")
+        gang_ranks.sort(key=lambda r: r["rank"])
+        members[member] = {"ranks": gang_ranks, "unstable": True} if any(gang_flagged) else gang_ranks
     return members
 
 

@@ -88,6 +88,10 @@ options:
         C(<host>/<instance>) whose ranks are the instance's GPUs in order.
       - A host of the group without those facts is an error.
       - A host whose inventory sets C(gpufleet_unstable) is planned as flagged unstable (decision V(auto_profile)).
+      - An instance that spans hosts (a C(gang), C(docs/multi-host.md)) is one member C(<leader>/<instance>) whose ranks are
+        every rank of every member host, numbered in the whole instance (a member's first rank is the GPUs of the members
+        before it), each naming the C(member) host it runs on; the weakest of them sets the gang's budget. Every member must
+        be a host of the group with its facts.
     type: str
   guard_bytes:
     description: Guard C(G) subtracted from every rank's budget (integer or size string).
@@ -407,6 +411,10 @@ per_rank:
     gpu: {description: "The rank's NVML index (from O(hosts_from), or a rank entry's C(gpu)).", type: int}
     uuid: {description: "The card's NVML UUID where the probe read it (a rank entry's C(uuid)).", type: str}
     pci_bus_id: {description: "The card's PCI bus id where the probe read it (a rank entry's C(pci_bus_id)).", type: str}
+    member:
+      description: "On an instance that spans hosts, the member host the rank runs on (a rank entry's C(member))."
+      type: str
+      version_added: 3.0.0
     boot_free_bytes: {description: Free memory at boot (NVML)., type: int}
     drift_bytes: {description: C(F_ref - F_boot) (negative when more is free)., type: int}
     adjusted_bytes: {description: C(B_adj) of this rank., type: int}
@@ -417,7 +425,7 @@ per_rank:
     unstable: {description: Whether this rank's free memory moves too much., type: bool}
     spread_bytes: {description: C(free_max_bytes - free_min_bytes) when sampled., type: int}
 weakest:
-  description: The rank that sets the budget (C(host), C(rank), C(adjusted_bytes)).
+  description: The rank that sets the budget (C(host), C(rank), C(adjusted_bytes); C(member), the host it runs on, for a rank of an instance that spans hosts).
   returned: always
   type: dict
 split:

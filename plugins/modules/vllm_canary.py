@@ -226,6 +226,9 @@ options:
       leader:
         description: Accepted as P(gpufleet.vllm.gang_member_launch#filter) gives it.
         type: str
+      first_rank:
+        description: Accepted as P(gpufleet.vllm.gang_member_launch#filter) gives it (the member's first rank in the instance).
+        type: int
   vllm_version:
     description:
       - The engine's vLLM version (the compatibility key's C(vllm_version)), so that the canary follows that release's
@@ -787,6 +790,7 @@ def main() -> None:
                 device_allow=dict(type="list", elements="str"),
                 node_rank=dict(type="int"),
                 leader=dict(type="str"),
+                first_rank=dict(type="int"),
             )),
             vllm_version=dict(type="str"),
             user=dict(type="str"),

@@ -15,6 +15,7 @@ snapshot. The gang's own rules (mode, members, sizes, rank arguments) live in
 - :func:`probed_problems`, after the probe: every member probed, one GPU model over every rank
   of the gang, and the gang's address resolved on every follower;
 - :func:`member_launches`: what a member's units add for its rank (arguments, environment, sandbox);
+- :func:`rank_places`: where each member's ranks lie in its gang, for planning the gang as one engine;
 - :func:`key_fields`: what a gang adds to the compatibility key of its canary (layout, interconnect).
 """
 from __future__ import annotations
@@ -31,7 +32,8 @@ from ansible_collections.gpufleet.vllm.plugins.module_utils._units._gang import 
     parse,
 )
 
-__all__ = ["GangView", "addresses_to_resolve", "described", "inventory_problems", "key_fields", "member_launches", "probed_problems"]
+__all__ = ["GangView", "RankPlace", "addresses_to_resolve", "described", "inventory_problems", "key_fields", "member_launches",
+           "probed_problems", "rank_places"]
 
 FIELD = "gpufleet_instances"
 SERVE_ARGS = "gpufleet_serve_args"
@@ -71,6 +73,15 @@ class _Hosts:
                 GangView(host, str(inst.get("name")), f"{FIELD}[{i}].gang", inst["gang"], inst.get("gpus") or [])
                 for i, inst in enumerate(instances) if isinstance(inst, t.Mapping) and "gang" in inst]
         return self._views[host]
+
+
+class RankPlace(t.NamedTuple):
+    """Where one member's instance lies in its gang: ``member`` the gang's planning member (``<leader>/<instance>``),
+    ``first_rank`` the instance-wide number of the host's first rank, ``members`` the gang's hosts in node-rank order."""
+
+    member: str
+    first_rank: int
+    members: tuple[str, ...]
 
 
 def _key(view: GangView) -> tuple[str, str]:
@@ -257,3 +268,16 @@ def key_fields(hostvars: t.Mapping[str, t.Any], host: str, instance: str, snapsh
         if host in gang.members:
             return {**gang_key_fields(gang), "infiniband": _infiniband(cache, host, snapshot_var)}
     return {}
+
+
+def rank_places(hostvars: t.Mapping[str, t.Any], hosts: t.Sequence[str]) -> dict[tuple[str, str], RankPlace]:
+    """``{(host, instance): RankPlace}`` for every instance of ``hosts`` that spans hosts: the planner plans a gang
+    as one member whose ranks are all of its members' (one engine), numbered as vLLM numbers them.
+    Raises GangError for a gang the inventory gets wrong (:func:`inventory_problems` first)."""
+    cache = _Hosts(hostvars)
+    places: dict[tuple[str, str], RankPlace] = {}
+    for label, gang in _gangs(cache, hosts).items():
+        name = label.split("@", 1)[0]
+        for host in gang.members:
+            places[(host, name)] = RankPlace(f"{gang.leader}/{name}", gang.first_rank(host), gang.members)
+    return places

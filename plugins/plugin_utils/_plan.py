@@ -359,6 +359,13 @@ class _Planning:
     reprofile: bool = False
     split_groups: list[dict[str, Any]] = field(default_factory=list)
     unstable_reason: str = ""
+    # (member, rank) -> the card a rank entry names: its GPU and, on an instance over several hosts, its host
+    cards: dict[tuple[str, int], dict[str, Any]] = field(default_factory=dict)
+
+    def rank_label(self, name: str, rank: int) -> str:
+        """``host NAME rank R``, and the host the rank runs on where that is another (a gang's rank on a follower)."""
+        on = self.cards.get((name, rank), {}).get("member")
+        return f"host {name} rank {rank}" + (f" (on {on})" if on and not name.startswith(f"{on}/") else "")
 
     @property
     def reasons(self) -> list[str]:
@@ -706,7 +713,7 @@ def _blocks_and_tokens(p: _Planning, drift: _Drift) -> None:
             p.refuse.append(
                 f"the budget {have} ({num_blocks} blocks) cannot hold one request of max_model_len {max_model_len} "
                 f"({per_req} blocks{groups} + the null block): vLLM would refuse to start; lower max_model_len or free memory on "
-                f"host {drift.weakest[0]} rank {drift.weakest[1]}"
+                + p.rank_label(*drift.weakest)
             )
     elif num_blocks is not None:
         reasons.append("max_model_len not given: max concurrency and the one-request check were skipped")
@@ -817,13 +824,14 @@ def _instability(p: _Planning, drift: _Drift) -> None:
 
 
 def _rank_cards(raw_hosts: Any) -> dict[tuple[str, int], dict[str, Any]]:
-    """(member, rank) -> the card a rank entry of the input names (``gpu`` index, ``uuid``, ``pci_bus_id``), where it names one."""
+    """(member, rank) -> the card a rank entry of the input names (``gpu`` index, ``uuid``, ``pci_bus_id``, and on an
+    instance over several hosts the ``member`` host the rank runs on), where it names one."""
     cards: dict[tuple[str, int], dict[str, Any]] = {}
     for name, value in (raw_hosts.items() if isinstance(raw_hosts, Mapping) else ()):
         entries = value.get("ranks") if isinstance(value, Mapping) else value
         for i, entry in enumerate(entries if isinstance(entries, list) else ()):
             if isinstance(entry, Mapping) and isinstance(entry.get("rank", i), int):
-                card = {k: entry[k] for k in ("gpu", "uuid", "pci_bus_id") if entry.get(k) is not None}
+                card = {k: entry[k] for k in ("gpu", "uuid", "pci_bus_id", "member") if entry.get(k) is not None}
                 if card:
                     cards[(str(name), entry.get("rank", i))] = card
     return cards
@@ -832,7 +840,7 @@ def _rank_cards(raw_hosts: Any) -> dict[tuple[str, int], dict[str, Any]]:
 def _per_rank_table(p: _Planning, drift: _Drift) -> None:
     per_rank = []
     # the card of each rank, where the probe named it: a plan read later says which GPU it was made for
-    cards = _rank_cards(p.inputs.spec.get("hosts"))
+    cards = p.cards
     for name, rank, free, drift_bytes, adjusted, is_unstable, spread in drift.rows:
         floor = p.floors[rank]
         per_rank.append(
@@ -873,7 +881,7 @@ def _decide(p: _Planning, drift: _Drift) -> None:
         reasons.insert(
             0,
             f"deploy {human_bytes(budget)} ({budget} bytes) on every GPU of class {inp.host_class}: the weakest rank is "
-            f"host {weakest[0]} rank {weakest[1]}; every boot needs NVML free memory >= the floor "
+            f"{p.rank_label(*weakest)}; every boot needs NVML free memory >= the floor "
             + ", ".join(f"rank {r}: {human_bytes(v)}" for r, v in sorted(p.floors.items())[:8]),
         )
     result["decision"] = decision
@@ -1033,7 +1041,7 @@ def _analyse_class(spec: Mapping[str, Any]) -> dict[str, Any]:
         result["reasons"] = refuse + result["reasons"]
         return result
 
-    p = _Planning(inputs, inputs.ref, result)
+    p = _Planning(inputs, inputs.ref, result, cards=_rank_cards(inputs.spec.get("hosts")))
     # the reference canary's boot: what a unit's start is given to answer /health (boot_timeout 0)
     result["boot_seconds"] = inputs.ref["boot_seconds"]
     result["rank_count"] = sum(len(h["ranks"]) for h in inputs.hosts.values())
@@ -1047,10 +1055,11 @@ def _analyse_class(spec: Mapping[str, Any]) -> dict[str, Any]:
         result["reasons"] = p.refuse + result["reasons"]
         return result
     result["max_safe_bytes"] = drift.launch
-    result["weakest"] = {"host": drift.weakest[0], "rank": drift.weakest[1], "adjusted_bytes": drift.launch}
+    result["weakest"] = {"host": drift.weakest[0], "rank": drift.weakest[1], "adjusted_bytes": drift.launch,
+                         **{k: v for k, v in p.cards.get(drift.weakest, {}).items() if k == "member"}}
     if drift.launch <= 0:
         p.refuse.append(
-            f"the weakest rank (host {drift.weakest[0]} rank {drift.weakest[1]}) leaves no KV memory ({drift.launch} bytes) "
+            f"the weakest rank ({p.rank_label(*drift.weakest)}) leaves no KV memory ({drift.launch} bytes) "
             f"after drift and guard {human_bytes(inputs.guard)}: free memory there is far below the reference; find the "
             "co-tenant or re-profile"
         )

@@ -837,8 +837,10 @@ def test_a_budget_below_one_request_is_refused_by_the_engine_and_rolled_back(fle
 GANG_PORT = 8411
 # a small budget per rank: two engines share a two-core machine with nothing else running
 GANG_KV_BYTES = 100_000_000
-# the free-memory floor of each member's GPU (the fake one has 4.5 GiB free): the gates pass
+# the free-memory floor of each rank's GPU (the fake one has 4.5 GiB free): the gates pass; the follower's rank
+# (rank 1 of the gang) has a floor of its own, which its plan file must hold as its GPU 0's
 GANG_FLOOR = GIB
+GANG_FOLLOWER_FLOOR = GIB + 4096
 # Each member's unit, as the role renders and deploys it for production (through the boot gate, in its
 # sandbox); the rank arguments, VLLM_HOST_IP and the socket interface from the gang in the inventory
 # (gpufleet.vllm.gang_member_launch over the hosts' variables). The boot check runs on every member: the
@@ -906,11 +908,13 @@ def _profiled_canary_gang(fleet: Fleet, name: str, instances: list[dict[str, Any
 
 
 def _gang_plan(geometry, budget: int) -> dict[str, Any]:
-    """The manual plan of every member: the per-rank budget, the figures of the gang's engine (``geometry``)."""
+    """The gang's manual plan, given to every member: the per-rank budget, the figures of the gang's engine
+    (``geometry``), the floors keyed by the rank in the whole instance (each member's role picks its own)."""
     blocks = geometry.num_blocks(budget)
+    floors = {"0": GANG_FLOOR, "1": GANG_FOLLOWER_FLOOR}
     return {"decision": "deploy", "kv_cache_memory_bytes": budget,
             "gpu_memory_utilization": canary_utilization(node_memory_bytes()),
-            "free_floor_bytes": {"0": GANG_FLOOR}, "vllm_floor_bytes": {"0": GANG_FLOOR},
+            "free_floor_bytes": floors, "vllm_floor_bytes": floors,
             "kv_cache_tokens": geometry.tokens(blocks), "num_blocks": blocks, "reasons": ["the gang step's own budget"]}
 
 
@@ -1043,6 +1047,10 @@ def test_an_instance_over_both_hosts_serves_from_the_units_the_role_renders(flee
             for line in (*HARDENING, f"Environment=VLLM_HOST_IP={address[host]}", f"Environment=GLOO_SOCKET_IFNAME={testhosts.FABRIC_IFACE}",
                          "LimitMEMLOCK=infinity"):
                 assert f"\n{line}\n" in text, (host, line)
+            # its plan file holds its own rank's floors (the gang's rank 0 or 1), as its GPU 0's: what its gates judged
+            floors = json.loads(fleet.read(host, f"/etc/gpufleet/{name}.plan.json") or "{}").get("launch", {})
+            assert {k: floors.get(k) for k in ("free_floor_bytes", "vllm_floor_bytes")} == dict.fromkeys(
+                ("free_floor_bytes", "vllm_floor_bytes"), {"0": GANG_FLOOR if host == leader else GANG_FOLLOWER_FLOOR}), (host, floors)
         # the leader's boot check passed in the run (every rank joined, its capacity is the plan's); again here
         assert _gang_health(fleet, leader) == "200"
         code, body = _gang_complete(fleet, leader)

@@ -70,7 +70,7 @@ FIELDS = ("schema", "decision", "reasons", "manual", "kv_cache_memory_bytes", "g
           "expect", "admission", "capacity")
 
 __all__ = ["DECISIONS", "EXPECT_FIELDS", "FIELDS", "PLAN_FILE_FORMAT", "SCHEMA", "LaunchError", "check_launch",
-           "deployed", "figures", "for_instance", "from_plan", "plan_file", "plan_file_figures", "rank_bytes", "runs"]
+           "deployed", "figures", "for_instance", "for_member", "from_plan", "plan_file", "plan_file_figures", "rank_bytes", "runs"]
 
 
 class LaunchError(ValueError):
@@ -252,6 +252,33 @@ def for_instance(plan: t.Mapping[str, t.Any], default_utilization: float, where:
                               f"which must be a number in (0, 1], got {default_utilization!r}") from None
         record["utilization_source"] = "default"
     return record
+
+
+def for_member(record: t.Mapping[str, t.Any], first_rank: int, ranks: int, where: str = "launch") -> dict[str, t.Any]:
+    """The launch record of one member of an instance that spans hosts (a gang): the gang's record, whose
+    per-rank floors are keyed by the rank in the whole instance, with the member's ``ranks`` ranks from
+    ``first_rank`` renumbered by their place among the member's GPUs (0, 1, ...), as its plan file, its gates
+    and its boot check key them. The budget and the engine's figures are the gang's own: one engine.
+
+    A manual record without a floor for one of the member's ranks was not planned for this member (a plan of
+    another layout, or a member's plan given to another): refused, naming the rank."""
+    if isinstance(first_rank, bool) or not isinstance(first_rank, int) or first_rank < 0:
+        raise LaunchError(f"{where}: the member's first rank must be a non-negative integer, got {first_rank!r}")
+    if isinstance(ranks, bool) or not isinstance(ranks, int) or ranks < 1:
+        raise LaunchError(f"{where}: the member's rank count must be a positive integer, got {ranks!r}")
+    member = dict(record)
+    for key in ("free_floor_bytes", "vllm_floor_bytes"):
+        floors = record.get(key) or {}
+        if not floors:
+            continue  # vLLM profiles (auto_profile), or a record without vLLM's floors: nothing per rank to pick
+        wanted = range(first_rank, first_rank + ranks)
+        missing = [r for r in wanted if r not in floors]
+        if missing:
+            raise LaunchError(f"{where}.{key}: no floor for rank(s) {', '.join(map(str, missing))} of this member (its ranks "
+                              f"{first_rank}-{first_rank + ranks - 1} of the instance; the plan has rank(s) "
+                              f"{', '.join(map(str, sorted(floors)))}): plan the gang across all of its members")
+        member[key] = {r - first_rank: floors[r] for r in wanted}
+    return member
 
 
 def _instance_gpu_field(gpus: t.Sequence[t.Any], host_gpus: t.Any, key: str, prefix: str = "") -> list[str] | None:

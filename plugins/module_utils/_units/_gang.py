@@ -68,7 +68,7 @@ _KEYS = ("mode", "members", "leader", "address", "port", "addresses", "interface
 # registers (pins) its buffers, which the default 8 MiB RLIMIT_MEMLOCK refuses
 INFINIBAND_DEVICE_ALLOW = ("char-infiniband_verbs rw", "/dev/infiniband/rdma_cm rw")
 # what member_launch returns, and all that the vllm_service role takes as a member's launch
-LAUNCH_KEYS = ("args", "environment", "limit_memlock", "device_allow", "node_rank", "leader", "serves_api")
+LAUNCH_KEYS = ("args", "environment", "limit_memlock", "device_allow", "node_rank", "leader", "serves_api", "first_rank", "ranks")
 # one network interface name (Linux: at most 15 bytes): gloo takes a name, not NCCL's lists and prefixes
 _INTERFACE = re.compile(r"^[A-Za-z0-9_.:@-]{1,15}$")
 _SIZES = ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size")
@@ -116,6 +116,12 @@ class Gang(t.NamedTuple):
         if self.mode == "mp":
             return self.node_rank(host)
         return sum(self.local_engines(m) for m in self.members[:self.node_rank(host)])
+
+    def first_rank(self, host: str) -> int:
+        """The instance-wide number of ``host``'s first rank: the GPUs of the members before it. vLLM numbers
+        a node's ranks from node rank x GPUs per node (mode mp) and an engine's from its data-parallel rank x
+        TP x PP (dp), which both come to this; the plan's per-rank figures are keyed by it."""
+        return sum(self.gpus[m] for m in self.members[:self.node_rank(host)])
 
     def serves_api(self, host: str) -> bool:
         """Whether ``host`` runs an API server: the leader, and every member in dp-hybrid."""
@@ -263,14 +269,17 @@ def member_launch(gang: Gang, host: str, infiniband: bool = False) -> dict[str, 
     vLLM advertises its message queues) and, with an ``interface``, ``NCCL_SOCKET_IFNAME`` and
     ``GLOO_SOCKET_IFNAME``; ``limit_memlock``: ``infinity`` (NCCL pins its buffers);
     ``device_allow``: the InfiniBand devices NCCL opens, when the host has them (``infiniband``,
-    from the host snapshot); the sandbox stays closed to everything else.
+    from the host snapshot); the sandbox stays closed to everything else. ``first_rank`` and ``ranks``:
+    where the member's ranks lie among the instance's (:meth:`Gang.first_rank`, its GPU count), which
+    picks its floors out of the gang's plan (``_launch.for_member``).
     """
     environment = {"VLLM_HOST_IP": gang.host_addresses.get(host, host)}
     if gang.interface:
         environment.update(NCCL_SOCKET_IFNAME=gang.interface, GLOO_SOCKET_IFNAME=gang.interface)
     launch = {"args": member_args(gang, host), "environment": environment, "limit_memlock": "infinity",
               "device_allow": list(INFINIBAND_DEVICE_ALLOW) if infiniband else [],
-              "node_rank": gang.node_rank(host), "leader": gang.leader, "serves_api": gang.serves_api(host)}
+              "node_rank": gang.node_rank(host), "leader": gang.leader, "serves_api": gang.serves_api(host),
+              "first_rank": gang.first_rank(host), "ranks": gang.gpus[host]}
     return {key: launch[key] for key in LAUNCH_KEYS}
 
 
@@ -306,6 +315,9 @@ def launch_problems(launch: t.Any, where: str) -> list[str]:
     else:
         for i, entry in enumerate(devices):
             v.collect(problems, v.text, entry, f"{where}.device_allow[{i}]")
+    for key, low in (("first_rank", 0), ("ranks", 1)):
+        if launch.get(key) is not None:
+            v.collect(problems, v.integer, launch.get(key), f"{where}.{key}", low=low)
     if not isinstance(launch.get("serves_api", True), bool):
         problems.append(f"{where}.serves_api: expected true or false, got {launch.get('serves_api')!r}")
     return problems

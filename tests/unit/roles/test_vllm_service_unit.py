@@ -35,6 +35,8 @@ PLAN_MANUAL = {
     "num_blocks": 14464,
 }
 GANG = {"mode": "mp", "members": ["a1", "a2"], "address": "10.20.0.11", "interface": "ib0"}
+# the gang's plan: one engine of four ranks, its floors keyed by the rank in the whole instance (the follower's are 2 and 3)
+PLAN_GANG = dict(PLAN_MANUAL, free_floor_bytes={str(r): 43754979328 + r for r in range(4)})
 PLAN_AUTO = {"decision": "auto_profile", "kv_cache_memory_bytes": None, "gpu_memory_utilization": None, "reasons": ["moves"]}
 
 CASES = {
@@ -70,16 +72,17 @@ CASES = {
     # launch stays set for the cases after it, whose instances have other names
     "gang_follower": {
         "vllm_service_instance": {"name": "dsv3", "gpus": [0, 1], "port": 8000, "gang": GANG},
-        "vllm_service_plan": PLAN_MANUAL,
+        "vllm_service_plan": PLAN_GANG,
         "vllm_service_serve_args": {"tensor_parallel_size": 2, "pipeline_parallel_size": 2},
         "vllm_service_gang_launch": {"dsv3": member_launch(
             parse(GANG, field="gang", serve_args={"tensor_parallel_size": 2, "pipeline_parallel_size": 2},
                   gpus={"a1": 2, "a2": 2}, member_addresses={"a2": "10.20.0.12"}), "a2", infiniband=True)},
     },
-    # last: its probe facts (gpufleet_gpus) stay set for the cases after it
+    # last: its probe facts (gpufleet_gpus) stay set for the cases after it; the follower's launch is still set (its
+    # floors come out of the gang's plan), and an instance of another name gets none of its rank arguments
     "probed": {
         "vllm_service_instance": {"name": "b", "gpus": [2, 3], "port": 8001},
-        "vllm_service_plan": PLAN_MANUAL,
+        "vllm_service_plan": PLAN_GANG,
         "vllm_service_serve_args": {"tensor_parallel_size": 2},
         "gpufleet_gpus": [{"index": i, "uuid": f"GPU-{i}a5b0c1d-2e3f-4a5b-8c7d-9e0f1a2b3c4d"} for i in range(4)],
     },
@@ -112,6 +115,9 @@ def rendered(tmp_path_factory):
         tasks.append({"name": f"Write {case}",
                       "ansible.builtin.copy": {"content": "{{ vllm_service_rendered[0].unit }}",
                                                "dest": str(out / f"{case}.service"), "mode": "0644"}})
+        tasks.append({"name": f"Write {case}'s plan file",
+                      "ansible.builtin.copy": {"content": "{{ vllm_service_rendered[0].plan | to_json }}",
+                                               "dest": str(out / f"{case}.plan.json"), "mode": "0644"}})
         # as the template module renders it (units written by earlier releases)
         tasks.append({"name": f"Render {case} with the template module",
                       "ansible.builtin.template": {"src": str(ROLE / "templates" / "vllm.service.j2"),
@@ -230,6 +236,9 @@ def test_a_gang_member_runs_its_rank_at_its_address_with_the_devices_nccl_needs(
         assert line in lines, line
     for case in ("manual", "multi_a", "probed"):
         assert not [l for l in rendered[0][case].splitlines() if "VLLM_HOST_IP" in l or "MEMLOCK" in l or "infiniband" in l], case
+    # its plan file holds the floors of its own ranks (2 and 3 of the gang's plan), keyed by its GPUs as its gates read them
+    plan = json.loads((rendered[1] / "gang_follower.plan.json").read_text())
+    assert plan["launch"]["free_floor_bytes"] == {"0": 43754979330, "1": 43754979331} and plan["gpus"] == [0, 1], plan["launch"]
 
 
 @pytest.mark.parametrize("case", sorted(CASES))

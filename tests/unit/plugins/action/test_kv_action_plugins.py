@@ -13,6 +13,7 @@ from ansible.errors import AnsibleActionFail
 
 from ansible_collections.gpufleet.vllm.plugins.action.kv_plan import ActionModule as KvPlan, members_from_group
 from ansible_collections.gpufleet.vllm.plugins.action.kv_profile import ActionModule as KvProfile
+from ansible_collections.gpufleet.vllm.plugins.module_utils._plan import _launch
 from ansible_collections.gpufleet.vllm.plugins.plugin_utils._plan import plan_class
 
 GIB = 1024**3
@@ -72,6 +73,59 @@ def test_members_from_group_instances_take_their_gpus_in_order():
     assert [r["boot_free_bytes"] for r in members["a/left"]] == [2, 1]
     assert [r["rank"] for r in members["a/right"]] == [0, 1]
     assert [r["boot_free_bytes"] for r in members["a/right"]] == [4, 3]
+
+
+def gang_host(address, gpus, **extra):
+    """A member of instance main, tensor parallel 4 over hosts a and b (two GPUs each)."""
+    return {"ansible_host": address, "gpufleet_serve_args": {"tensor_parallel_size": 4}, "gpufleet_gpus": gpus,
+            "gpufleet_instances": [{"name": "main", "gpus": [0, 1], "port": 8000, "gang": {"mode": "mp", "members": ["a", "b"]}}], **extra}
+
+
+GANG_REFERENCE = dict(REFERENCE, ranks=[{"rank": r, "free_bytes": "42GiB", "kv_bytes": "30GiB", "host": "ab"[r // 2]} for r in range(4)])
+
+
+def test_a_gang_is_planned_as_one_engine_over_every_rank_of_every_member():
+    hv = {"a": gang_host("10.0.0.1", [gpu(0, 42 * GIB), gpu(1, 42 * GIB)]),
+          "b": gang_host("10.0.0.2", [gpu(0, 42 * GIB), gpu(1, int(40.75 * GIB), uuid="GPU-b1")])}
+    members = members_from_group("h200", task_vars(hv))
+    # one planning member, named after the leader; the follower's ranks are 2 and 3, as vLLM numbers them
+    assert list(members) == ["a/main"]
+    assert [(r["rank"], r["member"], r["gpu"]) for r in members["a/main"]] == [(0, "a", 0), (1, "a", 1), (2, "b", 0), (3, "b", 1)]
+    plan = plan_class({"host_class": "h200", "reference": GANG_REFERENCE, "hosts": members, "guard_bytes": "0.5GiB", "max_model_len": 8192})
+    assert plan["decision"] == "deploy", plan["reasons"]
+    # the weakest rank is on the follower and sets the budget of every rank of the gang
+    assert plan["weakest"] == {"host": "a/main", "rank": 3, "member": "b", "adjusted_bytes": int(28.25 * GIB)}
+    assert "the weakest rank is host a/main rank 3 (on b)" in plan["reasons"][0], plan["reasons"]
+    row = next(r for r in plan["per_rank"] if r["rank"] == 3)
+    assert (row["member"], row["gpu"], row["uuid"], row["weakest"]) == ("b", 1, "GPU-b1", True)
+    assert sorted(plan["launch"]["free_floor_bytes"]) == [0, 1, 2, 3]
+    # each member's record keeps its own ranks' floors, numbered by its GPUs
+    follower = _launch.for_member(plan["launch"], 2, 2)
+    assert follower["free_floor_bytes"] == {0: plan["launch"]["free_floor_bytes"][2], 1: plan["launch"]["free_floor_bytes"][3]}
+    assert follower["kv_cache_memory_bytes"] == plan["launch"]["kv_cache_memory_bytes"] and follower["expect"] == plan["launch"]["expect"]
+    # a member flagged unstable makes the gang's plan auto_profile, as a host of its own would
+    hv["b"]["gpufleet_unstable"] = True
+    assert members_from_group("h200", task_vars(hv))["a/main"]["unstable"] is True
+
+
+def test_a_gang_whose_member_is_not_in_the_group_is_not_planned():
+    hv = {"a": gang_host("10.0.0.1", [gpu(0, 42 * GIB), gpu(1, 42 * GIB)]), "b": gang_host("10.0.0.2", [gpu(0, 42 * GIB), gpu(1, 42 * GIB)])}
+    with pytest.raises(AnsibleActionFail, match=r"hosts_from h200: instance main spans hosts a, b: b not in the group; a gang is planned "
+                                                r"on every rank of every member"):
+        members_from_group("h200", {"groups": {"h200": ["a"]}, "hostvars": hv})
+    # a gang the inventory gets wrong names its field
+    hv["b"]["gpufleet_instances"][0]["gang"]["members"] = ["a", "b", "c"]
+    hv["a"]["gpufleet_instances"][0]["gang"]["members"] = ["a", "b", "c"]
+    with pytest.raises(AnsibleActionFail, match=r"hosts_from h200: gpufleet_instances\[0\]\.gang"):
+        members_from_group("h200", task_vars(hv))
+
+
+def test_a_plan_for_another_layout_gives_a_member_no_floors():
+    one_host = {"a/vllm": [{"rank": 0, "boot_free_bytes": 42 * GIB}, {"rank": 1, "boot_free_bytes": 42 * GIB}]}
+    launch = plan_class({"host_class": "h200", "reference": REFERENCE, "hosts": one_host, "max_model_len": 8192})["launch"]
+    with pytest.raises(_launch.LaunchError, match=r"launch.free_floor_bytes: no floor for rank\(s\) 2, 3 of this member \(its ranks 2-3 of the "
+                                                  r"instance; the plan has rank\(s\) 0, 1\): plan the gang across all of its members"):
+        _launch.for_member(launch, 2, 2)
 
 
 @pytest.mark.parametrize(

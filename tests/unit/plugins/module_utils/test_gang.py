@@ -9,7 +9,7 @@ import typing as t
 import pytest
 
 from ansible_collections.gpufleet.vllm.plugins.module_utils._units._gang import (
-    INFINIBAND_DEVICE_ALLOW, GangError, across_hosts, member_args, member_launch, parse)
+    INFINIBAND_DEVICE_ALLOW, GangError, across_hosts, launch_problems, member_args, member_launch, parse)
 
 FIELD = "gpufleet_instances[0].gang"
 
@@ -27,6 +27,9 @@ def test_tp8_pp2_over_two_hosts_gives_each_node_its_rank_and_headless_follower()
     assert member_args(checked, "gpu-a2") == ["--nnodes", "2", "--node-rank", "1", "--master-addr", "10.0.0.11",
                                               "--master-port", "29501", "--headless"]
     assert checked.serves_api("gpu-a1") and not checked.serves_api("gpu-a2")
+    # vLLM numbers node 1's ranks 8-15 (node rank x ranks per node); the plan keys its floors so
+    assert [checked.first_rank(h) for h in checked.members] == [0, 8]
+    assert {k: member_launch(checked, "gpu-a2")[k] for k in ("first_rank", "ranks", "node_rank")} == {"first_rank": 8, "ranks": 8, "node_rank": 1}
 
 
 def test_the_leader_is_node_rank_0_and_the_others_follow_in_their_order():
@@ -46,6 +49,9 @@ def test_data_parallel_over_four_hosts_one_api_on_the_leader():
     assert member_args(checked, "d3") == ["--data-parallel-size", "16", "--data-parallel-size-local", "4",
                                           "--data-parallel-address", "10.0.1.1", "--data-parallel-rpc-port", "29550",
                                           "--data-parallel-start-rank", "8", "--headless"]
+    # an engine's ranks are numbered from its data-parallel rank x TP x PP: d3's first engine is DP rank 8, its first rank 16
+    assert [checked.first_rank(m) for m in members] == [0, 8, 16, 24]
+    assert checked.first_rank("d3") == checked.start_rank("d3") * checked.gpus_per_engine
 
 
 def test_hybrid_data_parallel_gives_every_member_its_api_and_start_rank():
@@ -146,3 +152,16 @@ def test_a_members_launch_adds_its_rank_address_and_sandbox():
     bare = parse(gang(address="10.0.0.11"), field=FIELD, serve_args={"tensor_parallel_size": 2}, gpus={"gpu-a1": 1, "gpu-a2": 1})
     assert member_launch(bare, "gpu-a1")["environment"] == {"VLLM_HOST_IP": "10.0.0.11"}
     assert member_launch(bare, "gpu-a2")["environment"] == {"VLLM_HOST_IP": "gpu-a2"} and member_launch(bare, "gpu-a2")["device_allow"] == []
+
+
+@pytest.mark.parametrize("key, value, message", [
+    ("first_rank", -1, "launch.first_rank: must be an integer in >= 0, got -1"),
+    ("ranks", 0, "launch.ranks: must be an integer in >= 1, got 0"),
+    ("first_rank", "x", "launch.first_rank: expected an integer"),
+])
+def test_a_launchs_rank_place_is_checked_naming_the_field(key, value, message):
+    checked = parse(gang(address="10.0.0.11"), field=FIELD, serve_args={"tensor_parallel_size": 2}, gpus={"gpu-a1": 1, "gpu-a2": 1})
+    launch = dict(member_launch(checked, "gpu-a2"), **{key: value})
+    problems = launch_problems(launch, "launch")
+    assert any(p.startswith(message) for p in problems), problems
+    assert launch_problems(member_launch(checked, "gpu-a2"), "launch") == []
