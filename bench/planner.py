@@ -12,9 +12,11 @@ because tracing slows Python down).
 ``gang_runs``: per number of gangs (``--gang-sizes``, each of ``--gang-hosts`` hosts), the CPU time of
 planning their class as a run does, against the same hosts as one-host instances in the same run:
 the gangs' inventory and probe checks (``_gangs.inventory_problems``, ``probed_problems``,
-``described``), the class plan over every rank of every member (``plan_class``) and the batches
-that keep each gang whole (``class_batches`` with ``gangs``); the baseline runs the class plan and
-the batches alone.
+``described``), the planner's input as ``kv_plan`` builds it from the probe facts (``members_from_group``:
+one member per gang, whose ranks are every rank of every member host), the class plan over them against
+a reference of the gang's ranks (``plan_class``) and the batches that keep each gang whole
+(``class_batches`` with ``gangs``); the baseline plans the same hosts as one-host instances of their own
+GPUs (``members_from_group`` and ``plan_class``) and their batches.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ try:
 except ImportError:  # run from a checkout without the collection on the path
     sys.path.insert(0, os.path.join(HERE, "..", ".cache", "collections"))
     from ansible_collections.gpufleet.vllm.plugins.plugin_utils._plan import plan_class
+from ansible_collections.gpufleet.vllm.plugins.action.kv_plan import members_from_group
 from ansible_collections.gpufleet.vllm.plugins.plugin_utils import _gangs
 from ansible_collections.gpufleet.vllm.plugins.plugin_utils._rollout import class_batches
 
@@ -84,20 +87,24 @@ def fleet(hosts: int, gpus: int, seed: int) -> dict:
     }
 
 
-def gang_fleet(gangs: int, members: int, gpus: int, seed: int) -> tuple[dict, dict, list[str]]:
-    """A class of ``gangs`` instances of TP ``gpus`` x PP ``members``, each over ``members`` hosts: the class
-    plan's input (:func:`fleet`, one entry per host), the run's hostvars (inventory and snapshots) and the hosts."""
-    spec = fleet(gangs * members, gpus, seed)
-    hosts = [key.split("/", 1)[0] for key in spec["hosts"]]
+def gang_fleet(gangs: int, members: int, gpus: int, seed: int) -> tuple[dict, dict, dict, list[str]]:
+    """A class of ``gangs`` instances of TP ``gpus`` x PP ``members``, each over ``members`` hosts: the class plan's
+    settings and reference for the gangs (one reference rank per rank of a gang) and for the same hosts as one-host
+    instances, the run's hostvars (inventory, probe facts and snapshots) and the hosts."""
+    one_host = fleet(gangs * members, gpus, seed)
+    hosts = [key.split("/", 1)[0] for key in one_host["hosts"]]
     serve_args = {"tensor_parallel_size": gpus, "pipeline_parallel_size": members, "max_model_len": 8192}
     hostvars: dict = {}
     for g in range(gangs):
         group = hosts[g * members:(g + 1) * members]
         gang = {"mode": "mp", "members": group, "interface": "ib0"}
         for i, host in enumerate(group):
+            facts = [{"index": r["rank"], "name": "NVIDIA H200", "total_bytes": H200_TOTAL, "free_bytes": r["boot_free_bytes"],
+                      "boot_free_bytes": r["boot_free_bytes"], "free_min_bytes": r["free_min_bytes"],
+                      "free_max_bytes": r["free_max_bytes"]} for r in one_host["hosts"][f"{host}/vllm"]]
             hostvars[host] = {
-                "ansible_host": f"10.{g // 250}.{g % 250}.{i + 1}", "gpufleet_host_class": spec["host_class"],
-                "gpufleet_model": "/srv/models/dsv3", "gpufleet_serve_args": dict(serve_args),
+                "ansible_host": f"10.{g // 250}.{g % 250}.{i + 1}", "gpufleet_host_class": one_host["host_class"],
+                "gpufleet_model": "/srv/models/dsv3", "gpufleet_serve_args": dict(serve_args), "gpufleet_gpus": facts,
                 "gpufleet_instances": [{"name": "dsv3", "port": 8000, "gpus": list(range(gpus)), "gang": dict(gang)}],
                 "gpufleet_probe_result": {
                     "gpus": [{"index": r, "name": "NVIDIA H200", "total_bytes": H200_TOTAL} for r in range(gpus)],
@@ -105,21 +112,32 @@ def gang_fleet(gangs: int, members: int, gpus: int, seed: int) -> tuple[dict, di
                     "resolved": [] if i == 0 else [{"name": f"10.{g // 250}.{g % 250}.1",
                                                     "addresses": [f"10.{g // 250}.{g % 250}.1"], "error": None}],
                     "infiniband": ["rdma_cm", "uverbs0"]}}
-    return spec, hostvars, hosts
+    # the reference of a gang holds every rank of its canary gang: the one-host reference's ranks, once per member
+    ranks = [dict(r, rank=m * gpus + r["rank"]) for m in range(members) for r in one_host["reference"]["ranks"]]
+    reference = dict(one_host["reference"], ranks=ranks, vllm_free_bytes={r["rank"]: r["free_bytes"] - 600 * 1024**2 for r in ranks})
+    settings = {k: v for k, v in one_host.items() if k not in ("hosts", "reference")}
+    return {**settings, "reference": reference}, {**settings, "reference": one_host["reference"]}, hostvars, hosts
 
 
-def plan_gangs(spec: dict, hostvars: dict, hosts: list[str]) -> tuple[dict, list]:
-    """The Python a run spends planning a class of gangs: checks, class plan, whole-gang batches."""
+def _task_vars(hostvars: dict, hosts: list[str], group: str) -> dict:
+    return {"groups": {group: hosts}, "hostvars": hostvars}
+
+
+def plan_gangs(settings: dict, hostvars: dict, hosts: list[str]) -> tuple[dict, list]:
+    """The Python a run spends planning a class of gangs: checks, the planner's input, class plan, whole-gang batches."""
     problems = _gangs.inventory_problems(hostvars, hosts) + _gangs.probed_problems(hostvars, hosts)
     if problems:
         raise AssertionError(f"the synthetic gangs are wrong: {problems[:3]}")
     members = [g["members"] for g in _gangs.described(hostvars, hosts)]
-    plan = plan_class(spec)
-    return plan, class_batches([{"class": spec["host_class"], "hosts": hosts, "gangs": members}], [1, "10%", "50%"])
+    plan = plan_class({**settings, "hosts": members_from_group(settings["host_class"], _task_vars(hostvars, hosts, settings["host_class"]))})
+    return plan, class_batches([{"class": settings["host_class"], "hosts": hosts, "gangs": members}], [1, "10%", "50%"])
 
 
-def plan_one_host(spec: dict, hosts: list[str]) -> tuple[dict, list]:
-    return plan_class(spec), class_batches([{"class": spec["host_class"], "hosts": hosts}], [1, "10%", "50%"])
+def plan_one_host(settings: dict, hostvars: dict, hosts: list[str]) -> tuple[dict, list]:
+    """The same hosts, each its own instance on its own GPUs: the planner's input and the class plan, the batches."""
+    alone = {h: {k: v for k, v in hostvars[h].items() if k != "gpufleet_instances"} for h in hosts}
+    plan = plan_class({**settings, "hosts": members_from_group(settings["host_class"], _task_vars(alone, hosts, settings["host_class"]))})
+    return plan, class_batches([{"class": settings["host_class"], "hosts": hosts}], [1, "10%", "50%"])
 
 
 def best_cpu(call, repeat: int) -> float:
@@ -135,12 +153,15 @@ def best_cpu(call, repeat: int) -> float:
 def gang_runs(sizes: list[int], members: int, gpus: int, repeat: int) -> list[dict]:
     out = []
     for gangs in sizes:
-        spec, hostvars, hosts = gang_fleet(gangs, members, gpus, seed=gangs)
-        plan, batches = plan_gangs(spec, hostvars, hosts)
-        # a gang is never split: every batch holds whole gangs
+        gang_settings, one_host_settings, hostvars, hosts = gang_fleet(gangs, members, gpus, seed=gangs)
+        plan, batches = plan_gangs(gang_settings, hostvars, hosts)
+        # a gang is never split: every batch holds whole gangs; the gang is planned over every rank of every member
         assert all(len(b["hosts"]) % members == 0 for b in batches), batches
-        gang_cpu = best_cpu(functools.partial(plan_gangs, spec, hostvars, hosts), repeat)
-        base_cpu = best_cpu(functools.partial(plan_one_host, spec, hosts), repeat)
+        assert len(plan["per_rank"]) == len(hosts) * gpus and {r["member"] for r in plan["per_rank"]} == set(hosts), plan["reasons"]
+        base_plan, _base_batches = plan_one_host(one_host_settings, hostvars, hosts)
+        assert len(base_plan["per_rank"]) == len(hosts) * gpus, base_plan["reasons"]
+        gang_cpu = best_cpu(functools.partial(plan_gangs, gang_settings, hostvars, hosts), repeat)
+        base_cpu = best_cpu(functools.partial(plan_one_host, one_host_settings, hostvars, hosts), repeat)
         out.append({"gangs": gangs, "hosts": len(hosts), "ranks": len(hosts) * gpus, "batches": len(batches),
                     "gang_cpu_seconds": round(gang_cpu, 4), "one_host_cpu_seconds": round(base_cpu, 4),
                     "added_cpu_ms_per_host": round((gang_cpu - base_cpu) * 1000 / len(hosts), 3),

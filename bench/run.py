@@ -278,9 +278,10 @@ def render_gang_planning(result: dict[str, Any]) -> tuple[list[str], list[tuple[
         return [], [(goal, "no figures", met(None))]
     lines = ["### Gangs", "",
              f"A class of gangs of {result.get('gang_hosts')} hosts x {result.get('gpus_per_host')} GPUs (TP x PP over the "
-             "members): best CPU time of the gangs' inventory and probe checks, the class plan over every rank of every "
-             "member and the batches that keep each gang whole. Baseline: the same hosts planned as one-host instances "
-             "(class plan and batches), same run.", "",
+             "members): best CPU time of the gangs' inventory and probe checks, the planner's input as kv_plan builds it "
+             "from the probe facts (one member per gang over every rank of every member host), the class plan over it and "
+             "the batches that keep each gang whole. Baseline: the same hosts planned as one-host instances (planner's "
+             "input, class plan and batches), same run.", "",
              "| gangs | hosts | ranks | batches | gangs CPU s | one-host CPU s | gangs / one-host | added ms per host | growth per 10x |",
              "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     growth: list[float] = []

@@ -1,7 +1,7 @@
 # Copyright (c) gpufleet maintainers
 # GNU General Public License v3.0+ (see https://www.gnu.org/licenses/gpl-3.0.txt)
 # SPDX-License-Identifier: GPL-3.0-or-later
-"""Filters: gang_problems, gang_addresses, gangs, gang_member_launch, gang_key_fields (documentation in the YAML files beside this one).
+"""Filters: gang_problems, gang_addresses, gangs, gang_members, gang_member_launch, gang_key_fields (documentation in the YAML files beside this one).
 
 Calls into ``plugin_utils/_gangs``, the run's view of its instances that span hosts."""
 
@@ -63,6 +63,20 @@ def gang_member_launch(hostvars: Any, host: Any) -> dict[str, dict[str, Any]]:
         raise AnsibleFilterError(f"gang_member_launch: {exc}") from None
 
 
+def gang_members(hostvars: Any, host: Any, instance: Any) -> list[str]:
+    """hostvars, a host, an instance name -> the members of that instance's gang, the leader first (empty for a
+    one-host instance)."""
+    given, names = _checked("gang_members", hostvars, [host] if isinstance(host, str) else [])
+    if len(names) != 1:
+        raise AnsibleFilterError(f"gang_members: expected one host name, got {host!r}")
+    if not isinstance(instance, str) or not instance:
+        raise AnsibleFilterError(f"gang_members: expected the instance's name, got {instance!r}")
+    try:
+        return _gangs.members_of(given, names[0], instance)
+    except ValueError as exc:  # GangError
+        raise AnsibleFilterError(f"gang_members: {exc}") from None
+
+
 def gang_key_fields(hostvars: Any, host: Any, instance: Any) -> dict[str, Any]:
     """hostvars, a host, an instance name -> what the instance's gang adds to its compatibility key on that
     host (empty for a one-host instance)."""
@@ -81,5 +95,5 @@ class FilterModule:
     """gpufleet.vllm filters for instances that span hosts."""
 
     def filters(self) -> dict[str, Callable[..., Any]]:
-        return {"gang_problems": gang_problems, "gang_addresses": gang_addresses, "gangs": gangs,
+        return {"gang_problems": gang_problems, "gang_addresses": gang_addresses, "gangs": gangs, "gang_members": gang_members,
                 "gang_member_launch": gang_member_launch, "gang_key_fields": gang_key_fields}

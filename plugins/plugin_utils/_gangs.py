@@ -16,6 +16,7 @@ snapshot. The gang's own rules (mode, members, sizes, rank arguments) live in
   of the gang, and the gang's address resolved on every follower;
 - :func:`member_launches`: what a member's units add for its rank (arguments, environment, sandbox);
 - :func:`rank_places`: where each member's ranks lie in its gang, for planning the gang as one engine;
+- :func:`members_of`: the members of a host's gang, for what runs on all of them at once (a canary gang);
 - :func:`key_fields`: what a gang adds to the compatibility key of its canary (layout, interconnect).
 """
 from __future__ import annotations
@@ -33,7 +34,7 @@ from ansible_collections.gpufleet.vllm.plugins.module_utils._units._gang import 
 )
 
 __all__ = ["GangView", "RankPlace", "addresses_to_resolve", "described", "inventory_problems", "key_fields", "member_launches",
-           "probed_problems", "rank_places"]
+           "members_of", "probed_problems", "rank_places"]
 
 FIELD = "gpufleet_instances"
 SERVE_ARGS = "gpufleet_serve_args"
@@ -281,3 +282,14 @@ def rank_places(hostvars: t.Mapping[str, t.Any], hosts: t.Sequence[str]) -> dict
         for host in gang.members:
             places[(host, name)] = RankPlace(f"{gang.leader}/{name}", gang.first_rank(host), gang.members)
     return places
+
+
+def members_of(hostvars: t.Mapping[str, t.Any], host: str, instance: str) -> list[str]:
+    """The members of the gang of ``host``'s instance ``instance``, in node-rank order (the leader first); empty when
+    that instance is on ``host`` alone. Raises GangError for a gang the inventory gets wrong."""
+    cache = _Hosts(hostvars)
+    for view in cache.views(host):
+        if view.name == instance:
+            gang = _parse(cache, view)
+            return list(gang.members) if host in gang.members else []
+    return []

@@ -318,7 +318,8 @@ def test_a_gang_is_checked_across_its_members_and_refused_before_any_host_is_tou
     rc, out = playbook(fine, "rollout.yml", extra_vars={"gpufleet_target": "rp_l40s"})
     assert rc != 0
     refusal = ("gpufleet_instances main span(s) hosts (sim-rp-1, sim-rp-2): the gangs passed their checks (members, sizes, GPU "
-               "models, the leader address), but gangs are not planned or rolled out yet; profile.yml profiles one (docs/multi-host.md)")
+               "models, the leader address), but gangs are not rolled out yet; profile.yml profiles one and plan.yml plans one "
+               "(docs/multi-host.md)")
     assert f"{refusal}; no host was touched" in out, out[-4000:]
     assert "TASK [Boot the canary" not in out and "PLAY [Stage the vLLM runtime" not in out, out[-4000:]
     assert not (fleet.store / ".leases" / f"{CLASS}.json").exists(), "the class lease is released"

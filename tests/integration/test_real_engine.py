@@ -112,6 +112,7 @@ UNIT = f"/etc/systemd/system/{SERVICE}"
 PLAN = "/etc/gpufleet/main.plan.json"
 ROLLOUT = REPO / "playbooks" / "rollout.yml"
 PROFILE = REPO / "playbooks" / "profile.yml"
+PLAN_PLAYBOOK = REPO / "playbooks" / "plan.yml"
 SIM_ENGINE = REPO / "sim" / "engine" / "vllm"
 GATE = "/usr/local/libexec/gpufleet-vllm-boot-gate"
 TIMES_FILE = CACHE / "integration" / "real-engine-times.json"
@@ -907,6 +908,25 @@ def _profiled_canary_gang(fleet: Fleet, name: str, instances: list[dict[str, Any
     return profile_path
 
 
+def _planned_gang(fleet: Fleet, instances: list[dict[str, Any]], serve: dict[str, Any]) -> dict[str, Any]:
+    """plan.yml on the gang after profile.yml: its class planned as one engine over both members' ranks (rank 0 on
+    the leader, rank 1 on the follower, each held against its own reference rank); returns the class's plan from
+    the plan artifact."""
+    leader, follower = HOSTS
+    plan_file = fleet.workdir / "gang-plan.json"
+    rc, out = fleet.playbook(PLAN_PLAYBOOK, {"gpufleet_instances": instances, "gpufleet_serve_args": {**SERVE_ARGS, **serve},
+                                             "gpufleet_env": GANG_ENV, "gpufleet_plan_file": str(plan_file)},
+                             label="9 plan.yml on the gang (mp)")
+    assert rc == 0, out[-8000:]
+    entry = json.loads(plan_file.read_text(encoding="utf-8"))["classes"][CLASS]
+    plan = entry["plan"]
+    assert entry["deployable"] and plan["decision"] in ("deploy", "reprofile"), plan["reasons"]
+    assert [(r["host"], r["rank"], r["member"]) for r in plan["per_rank"]] == [
+        (f"{leader}/gang-mp", 0, leader), (f"{leader}/gang-mp", 1, follower)], plan["per_rank"]
+    assert plan["weakest"]["member"] in HOSTS and sorted(plan["launch"]["free_floor_bytes"]) == ["0", "1"], plan
+    return dict(plan)
+
+
 def _gang_plan(geometry, budget: int) -> dict[str, Any]:
     """The gang's manual plan, given to every member: the per-rank budget, the figures of the gang's engine
     (``geometry``), the floors keyed by the rank in the whole instance (each member's role picks its own)."""
@@ -974,6 +994,7 @@ def test_an_instance_over_both_hosts_serves_from_the_units_the_role_renders(flee
     engine = geometry_from_config(str(MODEL_SRC / "config.json"), {**SERVE_ARGS, **serve}) if mode == "mp" else geometry
     if mode == "mp":
         assert engine.bytes_per_block * 2 == geometry.bytes_per_block
+    # dp: the gang's plan by hand (its canary gang runs in manual mode); mp: plan.yml's, after profile.yml
     plan = _gang_plan(engine, GANG_KV_BYTES)
     started = time.monotonic()
     try:
@@ -990,6 +1011,8 @@ def test_an_instance_over_both_hosts_serves_from_the_units_the_role_renders(flee
             assert all(r["free_bytes"] > 0 and r["kv_bytes_in_use"] > 0 for r in profile["ranks"]), profile["ranks"]
             # the engine's figures are the leader's: its canary measured the gang's engine
             assert profile["kv_cache_tokens"] == profile["num_blocks"] * BLOCK_SIZE > 0, profile
+            # plan.yml plans the gang from that reference and every rank of both members; the units deploy that plan
+            plan = _planned_gang(fleet, instances, serve)
         else:
             results = fleet.workdir / f"canary-gang-{mode}"
             results.mkdir(exist_ok=True)
@@ -1049,8 +1072,10 @@ def test_an_instance_over_both_hosts_serves_from_the_units_the_role_renders(flee
                 assert f"\n{line}\n" in text, (host, line)
             # its plan file holds its own rank's floors (the gang's rank 0 or 1), as its GPU 0's: what its gates judged
             floors = json.loads(fleet.read(host, f"/etc/gpufleet/{name}.plan.json") or "{}").get("launch", {})
-            assert {k: floors.get(k) for k in ("free_floor_bytes", "vllm_floor_bytes")} == dict.fromkeys(
-                ("free_floor_bytes", "vllm_floor_bytes"), {"0": GANG_FLOOR if host == leader else GANG_FOLLOWER_FLOOR}), (host, floors)
+            gang_rank, planned = str(HOSTS.index(host)), plan.get("launch", plan)
+            assert {k: floors.get(k) for k in ("free_floor_bytes", "vllm_floor_bytes")} == {
+                k: {"0": planned[k][gang_rank]} if planned.get(k) else {} for k in ("free_floor_bytes", "vllm_floor_bytes")}, \
+                (host, floors, planned)
         # the leader's boot check passed in the run (every rank joined, its capacity is the plan's); again here
         assert _gang_health(fleet, leader) == "200"
         code, body = _gang_complete(fleet, leader)

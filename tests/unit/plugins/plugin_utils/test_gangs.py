@@ -243,3 +243,13 @@ def test_a_data_parallel_gang_over_uneven_members_keys_each_members_gpus():
     hv["a2"]["gpufleet_instances"][0]["gpus"] = [0, 1]
     assert _gangs.inventory_problems(hv, ["a1", "a2"]) == []
     assert _gangs.key_fields(hv, "a2", "dsv3") == {"gang_mode": "dp", "nnodes": 2, "gang_layout": [4, 2], "infiniband": []}
+
+
+def test_each_member_knows_its_gang_and_where_its_ranks_lie():
+    """TP8 x PP2 over two hosts: the members leader first; the follower's ranks are 8-15 of one planning member."""
+    hv = two_hosts({"mode": "mp", "members": ["a2", "a1"], "leader": "a2"})
+    assert _gangs.members_of(hv, "a1", "dsv3") == ["a2", "a1"] == _gangs.members_of(hv, "a2", "dsv3")
+    assert _gangs.members_of(hv, "solo", "main") == [] and _gangs.members_of(hv, "a1", "other") == []
+    places = _gangs.rank_places(hv, ["a1", "a2", "solo"])
+    assert places == {("a2", "dsv3"): _gangs.RankPlace("a2/dsv3", 0, ("a2", "a1")),
+                      ("a1", "dsv3"): _gangs.RankPlace("a2/dsv3", 8, ("a2", "a1"))}
