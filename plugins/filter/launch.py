@@ -44,8 +44,13 @@ def _member_place(gang: Any, gang_field: str) -> tuple[int, int] | None:
         raise AnsibleFilterError(f"launch_contract: {gang_field}: expected a mapping instance -> the member's launch")
     places = {}
     for name, launch in gang.items():
-        if isinstance(launch, Mapping) and launch.get("first_rank") is not None and launch.get("ranks") is not None:
-            places[str(name)] = (launch["first_rank"], launch["ranks"])
+        if not isinstance(launch, Mapping):
+            raise AnsibleFilterError(f"launch_contract: {gang_field}.{name}: expected the member's launch (gang_member_launch's)")
+        for key in ("first_rank", "ranks"):
+            if isinstance(launch.get(key), bool) or not isinstance(launch.get(key), int):
+                raise AnsibleFilterError(f"launch_contract: {gang_field}.{name}.{key}: expected an integer (gang_member_launch gives "
+                                         f"where the member's ranks lie in the gang), got {launch.get(key)!r}")
+        places[str(name)] = (launch["first_rank"], launch["ranks"])
     if len(set(places.values())) > 1:
         raise AnsibleFilterError(f"launch_contract: {gang_field}: the host is a member of several gangs ({', '.join(sorted(places))}), "
                                  "whose ranks differ; one class plan cannot give each its floors")
@@ -60,7 +65,8 @@ def launch_contract(plan: Any, default_utilization: Any = 0.9, field: Any = "vll
     place = _member_place(gang, gang_field if isinstance(gang_field, str) and gang_field else "gang")
     try:
         record = for_instance(plan, default_utilization, where)
-        return record if place is None else for_member(record, place[0], place[1], f"{where}.launch")
+        return record if place is None else for_member(record, place[0], place[1],
+                                                       f"{where}.launch" if isinstance(plan, Mapping) and "launch" in plan else where)
     except LaunchError as exc:
         raise AnsibleFilterError(f"launch_contract: {exc}") from None
 

@@ -131,6 +131,15 @@ options:
     type: int
     default: 1
     version_added: 3.0.0
+  first_rank:
+    description:
+      - A member of an instance over several hosts - the number of its first rank in the whole instance (its C(first_rank) of
+        P(gpufleet.vllm.gang_member_launch#filter)). Its log numbers its ranks in the whole instance and the launch record's
+        floors by its GPUs; the ranks are renumbered from this one (rank O(first_rank) is its GPU 0), each keeping its
+        instance-wide number as C(global_rank) in RV(ranks).
+      - Unset, a member with O(headless) numbers its ranks by their order in the log.
+    type: int
+    version_added: 3.0.0
   record:
     description:
       - After a boot that passed every check and that the boot gate did not shrink (RV(degraded) empty), write the
@@ -348,6 +357,7 @@ def build_spec(params: Mapping[str, Any]) -> BootCheckSpec:
         log_path=params["log_path"],
         headless=bool(params.get("headless")),
         local_ranks=int(params.get("local_ranks", 1)),
+        first_rank=None if params.get("first_rank") is None else integer(params["first_rank"], "first_rank", low=0),
     )
 
 
@@ -393,6 +403,7 @@ def main() -> None:
             fail_degraded=dict(type="bool", default=False),
             headless=dict(type="bool", default=False),
             local_ranks=dict(type="int", default=1),
+            first_rank=dict(type="int"),
             record=dict(type="dict", options=dict(
                 name=dict(type="str", required=True),
                 plan=dict(type="dict", required=True),

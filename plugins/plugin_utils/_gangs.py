@@ -131,6 +131,12 @@ def inventory_problems(hostvars: t.Mapping[str, t.Any], hosts: t.Sequence[str]) 
     run_hosts = [str(h) for h in hosts]
     views = {h: {v.name: v.gang for v in cache.views(h)} for h in run_hosts}
     for host in run_hosts:
+        instances = cache.vars(host).get(FIELD)
+        if cache.views(host) and isinstance(instances, (list, tuple)) and len(instances) > 1:
+            # the class's plan is the gang's, its floors keyed by the gang's ranks: another instance has no plan here
+            problems.append(f"{host}: {FIELD}: a member of an instance that spans hosts runs no other instance (got "
+                            f"{len(instances)}: {', '.join(str(i.get('name')) if isinstance(i, t.Mapping) else '?' for i in instances)}); "
+                            "its class is planned as the gang's engine")
         for view in cache.views(host):
             if _key(view) in checked:
                 continue  # the same gang as another member gives it: checked once

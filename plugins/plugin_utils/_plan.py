@@ -37,7 +37,7 @@ The input types and their parsing live in ``_plan_inputs``, the KV capacity mode
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -235,7 +235,8 @@ def keep_deployed(
 
 # ---------------------------------------------------------------- the planner
 def _auto_profile_utilization(result: dict[str, Any], reasons: list[str], lowest_seen: tuple[int, str, int] | None,
-                              total: int | None, guard: int, cuda_ctx: int) -> None:
+                              total: int | None, guard: int, cuda_ctx: int,
+                              label: Callable[[str, int], str] = lambda host, rank: f"host {host} rank {rank}") -> None:
     """The utilization an ``auto_profile`` class runs with: vLLM's startup check must pass at the
     lowest free memory seen on any rank (this probe's samples and the recent probes), less the
     guard and the CUDA-context allowance (vLLM measures after its context is up)."""
@@ -250,11 +251,11 @@ def _auto_profile_utilization(result: dict[str, Any], reasons: list[str], lowest
     result["utilization_source"] = "lowest_free" if util > 0 else None
     if util > 0:
         reasons.append(
-            f"auto_profile: --gpu-memory-utilization {util} from the lowest free memory seen, {human_bytes(low)} on host "
-            f"{host} rank {rank}, minus the guard {human_bytes(guard)} and a {human_bytes(cuda_ctx)} CUDA-context allowance"
+            f"auto_profile: --gpu-memory-utilization {util} from the lowest free memory seen, {human_bytes(low)} on "
+            f"{label(host, rank)}, minus the guard {human_bytes(guard)} and a {human_bytes(cuda_ctx)} CUDA-context allowance"
         )
     else:
-        reasons.append(f"auto_profile: the lowest free memory seen ({human_bytes(low)} on host {host} rank {rank}) leaves no "
+        reasons.append(f"auto_profile: the lowest free memory seen ({human_bytes(low)} on {label(host, rank)}) leaves no "
                        "utilization after the guard and the CUDA-context allowance; the unit's default utilization applies")
 
 
@@ -809,8 +810,7 @@ def _instability(p: _Planning, drift: _Drift) -> None:
     if not unstable:
         return
     shown = [
-        u["host"]
-        + (f" rank {u['rank']}" if u["rank"] is not None else "")
+        (p.rank_label(u["host"], u["rank"]).removeprefix("host ") if u["rank"] is not None else u["host"])
         + (f" (moves {human_bytes(u['spread_bytes'])})" if u["spread_bytes"] is not None and u["spread_bytes"] > share_limit
            else f" (moved {human_bytes(u['moved_bytes'])} across recent probes)" if u.get("moved_bytes") is not None
            else " (flagged unstable)")
@@ -871,7 +871,7 @@ def _decide(p: _Planning, drift: _Drift) -> None:
     elif drift.unstable:
         decision = "auto_profile"
         reasons.insert(0, p.unstable_reason)
-        _auto_profile_utilization(result, reasons, drift.lowest_seen, p.total, inp.guard, inp.cuda_ctx)
+        _auto_profile_utilization(result, reasons, drift.lowest_seen, p.total, inp.guard, inp.cuda_ctx, p.rank_label)
     elif p.split_groups:
         decision = "split"
     elif p.reprofile:
@@ -953,16 +953,27 @@ def _choice(spec: Mapping[str, Any], key: str, choices: Sequence[str], fallback:
     return str(value)
 
 
-def _inventory_host(member: Any) -> str:
-    """The inventory host of a planned member (``hosts_from`` names members ``<host>/<instance>``)."""
-    return str(member).split("/", 1)[0]
+def _inventory_hosts(spec: Mapping[str, Any], member: Any) -> set[str]:
+    """The inventory hosts of a planned member: ``<host>/<instance>`` (``hosts_from``) runs on its host; an instance over
+    several hosts (a gang, named after its leader) on the ``member`` host of each of its ranks. A host group takes
+    all of them or none: one engine runs one plan."""
+    raw = (spec.get("hosts") or {}).get(member)
+    entries = raw.get("ranks") if isinstance(raw, Mapping) else raw
+    hosts = {str(e["member"]) for e in entries or () if isinstance(e, Mapping) and e.get("member") is not None} \
+        if isinstance(entries, list) else set()
+    return hosts or {str(member).split("/", 1)[0]}
+
+
+def _hosts_of(spec: Mapping[str, Any], members: Any) -> set[str]:
+    return {host for member in members for host in _inventory_hosts(spec, member)}
 
 
 def _sub_plan(spec: Mapping[str, Any], hosts: Sequence[str]) -> dict[str, Any]:
     """The plan of some of the class's inventory hosts alone (all their members), as the class would be planned with only them."""
     raw = spec.get("hosts") or {}
     wanted = set(hosts)
-    sub = dict(spec, hosts={m: v for m, v in raw.items() if _inventory_host(m) in wanted}, unstable_scope="class", split_policy="warn")
+    sub = dict(spec, hosts={m: v for m, v in raw.items() if _inventory_hosts(spec, m) & wanted}, unstable_scope="class",
+               split_policy="warn")
     plan = _analyse_class(sub)
     plan["launch"] = launch_from_plan(plan)
     plan["host_groups"] = []
@@ -973,9 +984,9 @@ def _unsteady_hosts_apart(spec: Mapping[str, Any], result: dict[str, Any]) -> di
     """unstable_scope host: the hosts whose free memory is not steady run vLLM's own profiling
     (auto_profile), and the class is planned from its steady hosts; with none steady, the class is
     auto_profile as a whole. The unsteady hosts' group is that plan of them alone."""
-    # a host's instances share its plan: one unsteady member sends the whole host
-    unsteady = sorted({_inventory_host(u["host"]) for u in result["unstable"]})
-    steady = sorted({_inventory_host(m) for m in (spec.get("hosts") or {})} - set(unsteady))
+    # a host's instances share its plan: one unsteady member sends the whole host (and a gang's, every member host)
+    unsteady = sorted(_hosts_of(spec, {u["host"] for u in result["unstable"]}))
+    steady = sorted(_hosts_of(spec, spec.get("hosts") or {}) - set(unsteady))
     if not steady or not unsteady:
         return result
     main = _sub_plan(spec, steady)
@@ -1001,9 +1012,9 @@ def _split_groups_apart(spec: Mapping[str, Any], result: dict[str, Any]) -> None
     low_group = next((g for g in result["split"] if g["name"].endswith("-low")), None)
     if not main_group or not low_group:
         return
-    # a host's instances share its plan: a host with one outlier member runs the class's budget
-    low_hosts = {_inventory_host(m) for m in low_group["hosts"]}
-    hosts = sorted({_inventory_host(m) for m in main_group["hosts"]} - low_hosts)
+    # a host's instances share its plan: a host with one outlier member runs the class's budget (a gang: all its hosts)
+    low_hosts = _hosts_of(spec, low_group["hosts"])
+    hosts = sorted(_hosts_of(spec, main_group["hosts"]) - low_hosts)
     if not hosts:
         return
     main = _sub_plan(spec, hosts)

@@ -230,6 +230,8 @@ def _per_rank(rows: Any) -> list[dict[str, Any]]:
                 "margin_bytes": margin,
                 "weakest": bool(row.get("weakest")),
                 "unstable": bool(row.get("unstable")),
+                # a rank of an instance over several hosts: the member host it runs on
+                **({"member": str(row["member"])} if row.get("member") is not None else {}),
             }
         )
     return out
@@ -326,7 +328,8 @@ def _class_entry(name: str, state: Mapping[str, Any], hosts: list[str]) -> dict[
         "free_floor_bytes": _rank_map(started.get("free_floor_bytes"), f"class {name}: free_floor_bytes"),
         "vllm_floor_bytes": _rank_map(started.get("vllm_floor_bytes"), f"class {name}: vllm_floor_bytes"),
         "weakest": (
-            {"host": str(weakest.get("host")), "rank": weakest.get("rank"), "adjusted_bytes": _int(weakest.get("adjusted_bytes"), "weakest")}
+            {"host": str(weakest.get("host")), "rank": weakest.get("rank"), "adjusted_bytes": _int(weakest.get("adjusted_bytes"), "weakest"),
+             **({"member": str(weakest["member"])} if weakest.get("member") is not None else {})}
             if weakest
             else None
         ),

@@ -126,7 +126,7 @@ def _class_budget_line(cls: Mapping[str, Any]) -> list[tuple[str, str]]:
         ("max concurrency", cell_text(plan.get("max_concurrency"))),
         ("startup --gpu-memory-utilization", cell_text(plan["gpu_memory_utilization"])),
         ("free floor (NVML) per rank", ", ".join(f"rank {r}: {bytes_text(v)}" for r, v in cls["free_floor_bytes"].items()) or "-"),
-        ("weakest", f"{cls['weakest']['host']} rank {cls['weakest']['rank']}" if cls["weakest"] else "-"),
+        ("weakest", f"{rank_where(cls['weakest'])} rank {cls['weakest']['rank']}" if cls["weakest"] else "-"),
         ("compatibility key", cls["key_hash"] or "-"),
     ]
     fp8 = cls.get("what_if_fp8")
@@ -185,6 +185,12 @@ def _canaries_in_order(cls: Mapping[str, Any]) -> list[tuple[str, Mapping[str, A
     return [(n, found[n]) for n in names if found[n]]
 
 
+def rank_where(row: Mapping[str, Any]) -> str:
+    """Where a rank of the plan runs: its planned member, and the host for a rank of a gang on a follower."""
+    host, member = str(row.get("host", "?")), row.get("member")
+    return f"{host} (on {member})" if member and not host.startswith(f"{member}/") else host
+
+
 def _md_cell(value: Any) -> str:
     return cell_text(value).replace("|", "\\|").replace("\n", " ")
 
@@ -237,7 +243,7 @@ def render_markdown(report: Mapping[str, Any]) -> str:
             ]
             for row in cls["per_rank"]:
                 out.append(
-                    f"| {_md_cell(row['host'])}{' (weakest)' if row['weakest'] else ''} | {row['rank']} | {bytes_text(row['boot_free_bytes'])} | "
+                    f"| {_md_cell(rank_where(row))}{' (weakest)' if row['weakest'] else ''} | {row['rank']} | {bytes_text(row['boot_free_bytes'])} | "
                     f"{bytes_text(row['floor_bytes'])} | {signed_bytes_text(row['drift_bytes'])} | "
                     f"{bytes_text(row['adjusted_bytes'])} | {signed_bytes_text(row['margin_bytes'])} |"
                 )
@@ -687,7 +693,7 @@ def render_html(report: Mapping[str, Any]) -> str:
             out.append(render_svg(cls))
             rows = [
                 [
-                    esc(r["host"]) + (" <b>(weakest)</b>" if r["weakest"] else ""),
+                    esc(rank_where(r)) + (" <b>(weakest)</b>" if r["weakest"] else ""),
                     esc(cell_text(r["rank"])),
                     esc(bytes_text(r["boot_free_bytes"])),
                     esc(bytes_text(r["floor_bytes"])),

@@ -563,6 +563,10 @@ def plan_drift(doc: Any, host_class: str, current: Mapping[str, Any]) -> list[st
         moved.append(f"class {host_class}: planned hosts missing from this run: {', '.join(gone)}")
     launch = cls["plan"].get("launch") or {}
     floors = launch.get("free_floor_bytes") or {}
+    # an instance over several hosts (a gang) keys its floors by the rank in the whole instance: the plan's per-rank
+    # table names the member host and GPU of each such rank
+    gang_ranks = {(str(r["member"]), int(r["gpu"])): int(r["rank"]) for r in cls["plan"].get("per_rank") or []
+                  if isinstance(r, Mapping) and r.get("member") is not None and r.get("gpu") is not None}
     if launch.get("kv_cache_memory_bytes") and floors:
         for host in planned_hosts:
             if host not in hosts_now:
@@ -571,7 +575,7 @@ def plan_drift(doc: Any, host_class: str, current: Mapping[str, Any]) -> list[st
             planned_free = (plan["hosts"].get(host) or {}).get("boot_free_bytes") or {}
             for inst in (plan["hosts"].get(host) or {}).get("instances") or []:
                 for rank, index in enumerate(inst.get("gpus") or []):
-                    floor = rank_floor(floors, rank)
+                    floor = rank_floor(floors, gang_ranks.get((host, int(index)), rank))
                     if floor is None:
                         continue
                     gpu = gpus.get(int(index))

@@ -468,6 +468,9 @@ class BootCheckSpec:
     # its ``local_ranks`` ranks logged its KV cache line (after every rank of the instance joined), not at /health
     headless: bool = False
     local_ranks: int = 1
+    # a member of an instance over several hosts: its first rank in the whole instance (None: a member without
+    # an API numbers its ranks by their order in the log; a one-host instance's ranks are its own)
+    first_rank: int | None = None
 
 
 def logged_ranks(log: t.Mapping[str, t.Any]) -> int:
@@ -477,12 +480,16 @@ def logged_ranks(log: t.Mapping[str, t.Any]) -> int:
                 or r.get("auto_kv_bytes") is not None})
 
 
-def _local_ranks(log: dict[str, t.Any]) -> dict[str, t.Any]:
-    """A follower's ranks as the plan keys them: its log names each rank by its place in the whole instance
-    (node rank x ranks per node + local rank: 8-15 on the second host of two with 8 GPUs each), the plan file
-    and its floors by its place among this member's GPUs (0-7). A member's ranks are contiguous; each keeps
-    its instance-wide number as ``global_rank``."""
+def _local_ranks(log: dict[str, t.Any], first_rank: int | None = None) -> dict[str, t.Any]:
+    """A gang member's ranks as its plan keys them: its log names each rank by its place in the whole instance
+    (node rank x ranks per node + local rank: 8-15 on the second host of two with 8 GPUs each; a data-parallel
+    engine's from its start rank), the plan file and its floors by its place among this member's GPUs (0-7).
+    With ``first_rank`` a rank is renumbered from it, so a rank missing from the log stays missing; without,
+    by its order in the log (a member's ranks are contiguous). Each keeps its instance-wide number as ``global_rank``."""
     ranks = sorted(log.get("ranks") or [], key=lambda r: r.get("rank") if isinstance(r.get("rank"), int) else 0)
+    if first_rank is not None:
+        return dict(log, ranks=[dict(r, rank=r["rank"] - first_rank if isinstance(r.get("rank"), int) else r.get("rank"),
+                                     global_rank=r.get("rank")) for r in ranks])
     return dict(log, ranks=[dict(r, rank=i, global_rank=r.get("rank")) for i, r in enumerate(ranks)])
 
 
@@ -542,8 +549,8 @@ def run_boot_check(spec: BootCheckSpec, systemd: Systemd | None = None) -> dict[
             raise EngineSpecError(f"log_path {spec.log_path}: {exc.strerror or exc}") from exc
         result["log_source"] = f"{spec.log_path} (latest boot)"
     log = summarise_log(parse_engine_log(text))
-    if spec.headless:
-        log = _local_ranks(log)
+    if spec.headless or spec.first_rank:
+        log = _local_ranks(log, spec.first_rank)
     result["engine_errors"] = log["errors"]
     result["ranks"] = log["ranks"]
     if health.status != "healthy":

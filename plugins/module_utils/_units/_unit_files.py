@@ -66,7 +66,7 @@ from dataclasses import dataclass
 
 from .. import _validate as v
 from .._engine._serve_argv import CONTROLLED_OPTIONS, EngineSpecError, option_name, render_serve_args
-from .._plan._launch import PLAN_CHECKSUM_DROPIN, PLAN_CHECKSUM_VARIABLE, LaunchError, for_instance, plan_checksum, plan_file_bytes
+from .._plan._launch import PLAN_CHECKSUM_DROPIN, PLAN_CHECKSUM_VARIABLE, LaunchError, for_instance, for_member, plan_checksum, plan_file_bytes
 from ._gang import launch_problems
 from ._instance import clashes, env_file_name, plan_file_name, unit_name, unit_names
 
@@ -244,18 +244,34 @@ def _gang_launch_problems(launches: t.Any, instances: t.Any, problems: list[str]
     if not isinstance(launches, t.Mapping):
         problems.append(f"{field}: expected a mapping of instance name -> launch (gpufleet.vllm.gang_member_launch)")
         return
-    names = {str(i.get("name")) for i in instances if isinstance(i, t.Mapping)} if isinstance(instances, (list, tuple)) else set()
+    by_name = {str(i.get("name")): i for i in instances if isinstance(i, t.Mapping)} if isinstance(instances, (list, tuple)) else {}
     for name, launch in launches.items():
         where = f"{field}.{name}"
-        if str(name) not in names:
+        if str(name) not in by_name:
             problems.append(f"{where}: no instance of this name in vllm_service_instances")
         problems.extend(launch_problems(launch, where))
+        if not isinstance(launch, t.Mapping):
+            continue
+        # where the member's ranks lie in the gang: its floors come out of the gang's plan by them
+        missing = [key for key in ("first_rank", "ranks") if launch.get(key) is None]
+        if missing:
+            problems.append(f"{where}: {' and '.join(missing)} missing (gpufleet.vllm.gang_member_launch gives where the member's "
+                            "ranks lie in the gang)")
+        gpus = by_name.get(str(name), {}).get("gpus")
+        if isinstance(launch.get("ranks"), int) and isinstance(gpus, (list, tuple)) and launch["ranks"] != len(gpus):
+            problems.append(f"{where}.ranks: {launch['ranks']} ranks, but the instance has {len(gpus)} GPU(s)")
 
 
-def _plan_problems(plan: t.Any, default_utilization: t.Any, problems: list[str]) -> None:
-    """The plan must give a launch record an instance can start with (``_launch.for_instance``)."""
+def _plan_problems(plan: t.Any, default_utilization: t.Any, problems: list[str], launches: t.Any = None) -> None:
+    """The plan must give a launch record an instance can start with (``_launch.for_instance``), and a gang's member
+    the floors of its own ranks (``_launch.for_member``)."""
     try:
-        for_instance(plan, default_utilization, "vllm_service_plan")
+        record = for_instance(plan, default_utilization, "vllm_service_plan")
+        where = "vllm_service_plan.launch" if isinstance(plan, t.Mapping) and "launch" in plan else "vllm_service_plan"
+        for launch in launches.values() if isinstance(launches, t.Mapping) else ():
+            if isinstance(launch, t.Mapping) and all(isinstance(launch.get(k), int) and not isinstance(launch.get(k), bool)
+                                                     for k in ("first_rank", "ranks")):
+                for_member(record, launch["first_rank"], launch["ranks"], where)
     except LaunchError as exc:
         problems.append(str(exc))
 
@@ -293,7 +309,7 @@ def service_input_problems(inputs: t.Mapping[str, t.Any]) -> list[str]:
     _instances_problems(get("instances"), problems,
                         gangs=[str(k) for k in launches] if isinstance(launches, t.Mapping) else False)
     _gang_launch_problems(launches, get("instances"), problems)
-    _plan_problems(get("plan"), inputs.get("vllm_service_auto_gpu_memory_utilization", 0.9), problems)
+    _plan_problems(get("plan"), inputs.get("vllm_service_auto_gpu_memory_utilization", 0.9), problems, launches)
     if _check(problems, v.text, get("model"), "vllm_service_model") and str(get("model")).startswith("-"):
         problems.append("vllm_service_model: must not start with '-' (vLLM would read it as an option)")
     for key in _SERVICE_PATHS:

@@ -14,7 +14,7 @@ from ansible.errors import AnsibleActionFail
 from ansible_collections.gpufleet.vllm.plugins.action.kv_plan import ActionModule as KvPlan, members_from_group
 from ansible_collections.gpufleet.vllm.plugins.action.kv_profile import ActionModule as KvProfile
 from ansible_collections.gpufleet.vllm.plugins.module_utils._plan import _launch
-from ansible_collections.gpufleet.vllm.plugins.plugin_utils._plan import plan_class
+from ansible_collections.gpufleet.vllm.plugins.plugin_utils._plan import host_plan, plan_class
 
 GIB = 1024**3
 REFERENCE = {
@@ -106,6 +106,24 @@ def test_a_gang_is_planned_as_one_engine_over_every_rank_of_every_member():
     # a member flagged unstable makes the gang's plan auto_profile, as a host of its own would
     hv["b"]["gpufleet_unstable"] = True
     assert members_from_group("h200", task_vars(hv))["a/main"]["unstable"] is True
+
+
+def test_a_gang_runs_one_plan_on_every_member_when_its_follower_is_unsteady():
+    """Two gangs, (a, b) and (c, d); d is flagged unsteady: c and d run the unsteady group's plan together, a and b the
+    class's (one engine runs one plan: a host group takes a gang's hosts all or none)."""
+    def member(members, address):
+        host = gang_host(address, [gpu(0, 42 * GIB), gpu(1, 42 * GIB)])
+        host["gpufleet_instances"][0]["gang"]["members"] = members
+        return host
+    hv = {"a": member(["a", "b"], "10.0.0.1"), "b": member(["a", "b"], "10.0.0.2"),
+          "c": member(["c", "d"], "10.0.0.3"), "d": dict(member(["c", "d"], "10.0.0.4"), gpufleet_unstable=True)}
+    members = members_from_group("h200", task_vars(hv))
+    assert sorted(members) == ["a/main", "c/main"]
+    plan = plan_class({"host_class": "h200", "reference": GANG_REFERENCE, "hosts": members, "guard_bytes": "0.5GiB",
+                       "max_model_len": 8192, "unstable_scope": "host"})
+    assert [(g["hosts"], g["why"]) for g in plan["host_groups"]] == [(["c", "d"], "unstable")], plan["host_groups"]
+    assert plan["decision"] == "deploy" and plan["host_groups"][0]["plan"]["decision"] == "auto_profile", plan["reasons"]
+    assert host_plan(plan, "d") is host_plan(plan, "c") is not host_plan(plan, "b")
 
 
 def test_a_gang_whose_member_is_not_in_the_group_is_not_planned():

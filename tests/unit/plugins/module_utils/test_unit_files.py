@@ -523,7 +523,7 @@ def test_the_role_refuses_a_bad_unit_to_take_over_naming_the_variable():
 
 GANG_INSTANCE = {"name": "dsv3", "gpus": [0, 1], "port": 8000, "gang": {"mode": "mp", "members": ["a1", "a2"]}}
 GANG_LAUNCH = {"args": ["--nnodes", "2", "--node-rank", "1", "--master-addr", "10.0.0.1", "--master-port", "29501", "--headless"],
-               "environment": {"VLLM_HOST_IP": "10.0.0.2"}, "limit_memlock": "infinity", "device_allow": []}
+               "environment": {"VLLM_HOST_IP": "10.0.0.2"}, "limit_memlock": "infinity", "device_allow": [], "first_rank": 2, "ranks": 2}
 
 
 @pytest.mark.parametrize(("launch", "expected"), [
@@ -537,6 +537,9 @@ GANG_LAUNCH = {"args": ["--nnodes", "2", "--node-rank", "1", "--master-addr", "1
     ({"dsv3": dict(GANG_LAUNCH, limit_memlock="lots")}, ["vllm_service_gang_launch.dsv3.limit_memlock"]),
     ({"dsv3": dict(GANG_LAUNCH, device_allow="char-x rw")}, ["vllm_service_gang_launch.dsv3.device_allow: expected a list"]),
     ({"dsv3": dict(GANG_LAUNCH, rank=1)}, ["vllm_service_gang_launch.dsv3: unknown key(s) rank"]),
+    ({"dsv3": {k: v for k, v in GANG_LAUNCH.items() if k != "first_rank"}},
+     ["vllm_service_gang_launch.dsv3: first_rank missing (gpufleet.vllm.gang_member_launch gives where the member's ranks lie in the gang)"]),
+    ({"dsv3": dict(GANG_LAUNCH, ranks=3)}, ["vllm_service_gang_launch.dsv3.ranks: 3 ranks, but the instance has 2 GPU(s)"]),
     (["dsv3"], ["vllm_service_instances[0].gang: an instance that spans hosts needs its member's rank",
                 "vllm_service_gang_launch: expected a mapping of instance name -> launch"]),
 ])
@@ -544,6 +547,18 @@ def test_the_role_takes_a_gang_member_only_with_its_launch_and_names_a_bad_one(l
     problems = service_input_problems({"vllm_service_instances": [GANG_INSTANCE], "vllm_service_gang_launch": launch})
     problems = [p for p in problems if "gang" in p]
     assert len(problems) == len(expected) and all(p.startswith(e) for p, e in zip(problems, expected)), problems
+
+
+def test_a_gang_members_plan_must_hold_the_floors_of_its_ranks():
+    """The follower's ranks are 2 and 3 of the gang: a plan keyed by its own GPUs (0, 1) gives it no floors."""
+    plan = {"decision": "deploy", "kv_cache_memory_bytes": 2 << 30, "gpu_memory_utilization": 0.5,
+            "free_floor_bytes": {"0": 6 << 30, "1": 6 << 30}}
+    inputs = {"vllm_service_instances": [GANG_INSTANCE], "vllm_service_gang_launch": {"dsv3": GANG_LAUNCH}, "vllm_service_plan": plan}
+    assert [p for p in service_input_problems(inputs) if "floor" in p] == [
+        "vllm_service_plan.free_floor_bytes: no floor for rank(s) 2, 3 of this member (its ranks 2-3 of the instance; the plan has "
+        "rank(s) 0, 1): plan the gang across all of its members"]
+    gang_plan = dict(plan, free_floor_bytes={str(r): 6 << 30 for r in range(4)})
+    assert not [p for p in service_input_problems(dict(inputs, vllm_service_plan=gang_plan)) if "floor" in p]
 
 
 # ------------------------------------------------------------------ snapshots that cannot go stale

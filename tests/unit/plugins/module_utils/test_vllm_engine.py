@@ -722,6 +722,18 @@ def test_a_headless_member_is_up_once_its_ranks_logged_their_kv_cache():
     assert not wrong["ok"] and wrong["reasons"][0].startswith("rank 0: reserved")
 
 
+def test_a_members_ranks_are_renumbered_from_its_first_rank_so_a_missing_rank_stays_missing():
+    """The second host of two with 8 GPUs each (ranks 8-15) whose log holds ranks 8, 9 and 11: with its first rank
+    they are its GPUs 0, 1 and 3 (GPU 2 printed nothing, and its floor finds no figures); by order alone, 0, 1, 2."""
+    log = {"ranks": [{"rank": 11, "reserved_kv_bytes": 3}, {"rank": 8, "reserved_kv_bytes": 1}, {"rank": 9, "reserved_kv_bytes": 2}]}
+    assert [(r["rank"], r["global_rank"]) for r in _boot_check._local_ranks(log, 8)["ranks"]] == [(0, 8), (1, 9), (3, 11)]
+    assert [(r["rank"], r["global_rank"]) for r in _boot_check._local_ranks(log)["ranks"]] == [(0, 8), (1, 9), (2, 11)]
+    # a headless member given its first rank: the journal's rank 1 is its GPU 0
+    result = _boot_check.run_boot_check(_boot_check.BootCheckSpec(unit="vllm-big.service", timeout=60, interval=0.01, headless=True,
+                                                                  local_ranks=1, first_rank=1), _FakeJournal(FOLLOWER_LOG))
+    assert result["ok"] and [(r["rank"], r["global_rank"]) for r in result["ranks"]] == [(0, 1)], result
+
+
 def test_a_headless_member_that_fails_or_never_logs_its_ranks_fails_naming_why():
     failed = _boot_check.run_boot_check(
         _boot_check.BootCheckSpec(unit="vllm-big.service", timeout=60, headless=True, local_ranks=2),

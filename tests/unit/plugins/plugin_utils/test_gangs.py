@@ -65,6 +65,10 @@ def test_a_follower_resolves_the_given_address_the_leader_nothing():
     (two_hosts(), ["a1"], "a1: gpufleet_instances instance dsv3: member a2 is not a host of this run"),
     (two_hosts(solo={"gpufleet_instances": [{"name": "dsv3", "port": 8000, "gpus": [0], "gang": GANG}]}), ["a1", "a2", "solo"],
      "solo: gpufleet_instances instance dsv3: this host is not one of the gang's members (a1, a2)"),
+    (two_hosts(a2={"gpufleet_instances": [{"name": "dsv3", "port": 8000, "gpus": list(range(8)), "gang": GANG},
+                                          {"name": "small", "port": 8001, "gpus": [8]}]}), ["a1", "a2"],
+     "a2: gpufleet_instances: a member of an instance that spans hosts runs no other instance (got 2: dsv3, small); its class is "
+     "planned as the gang's engine"),
 ])
 def test_inventory_problems_name_the_host_and_field(hv, hosts, expected):
     problems = _gangs.inventory_problems(hv, hosts)

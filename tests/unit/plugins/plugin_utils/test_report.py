@@ -116,6 +116,21 @@ def html_text(page):
     return " ".join(" ".join(parser.chunks).split()), parser.tags
 
 
+def test_a_gangs_ranks_name_the_member_host_they_run_on():
+    """One instance over a and b: rank 1 runs on b (the weakest); the report keeps the member and says so."""
+    plan = seed_plan(reference={"ranks": [{"rank": r, "free_bytes": "42GiB", "kv_bytes": "30GiB", "host": "ab"[r]} for r in range(2)],
+                                "total_bytes": "141GiB", "bytes_per_block": 16 * 131072, "block_size": 16, "kv_dtype_bytes": 2},
+                     hosts={"a/main": [{"rank": 0, "boot_free_bytes": "41.5GiB", "member": "a"},
+                                       {"rank": 1, "boot_free_bytes": "40.75GiB", "member": "b"}]})
+    report = build_report(rollout_data(plan), "rollout", generated=WHEN)
+    cls = report["classes"][0]
+    assert cls["weakest"] == {"host": "a/main", "rank": 1, "member": "b", "adjusted_bytes": int(28.25 * GIB)}
+    assert [r.get("member") for r in cls["per_rank"]] == ["a", "b"]
+    md = render_markdown(report)
+    assert "| a/main (on b) (weakest) | 1 | 40.75GiB |" in md and "| a/main | 0 | 41.5GiB |" in md, md
+    assert "a/main (on b) rank 1" in md
+
+
 def test_seed_example_figures_reach_every_renderer():
     plan = seed_plan()
     assert plan["kv_cache_memory_bytes"] == int(28.25 * GIB)

@@ -90,7 +90,7 @@ def test_the_report_records_the_checksum_and_key_of_each_plan_file_the_deploy_wr
 
 def test_a_check_run_once_for_the_run_names_each_host_it_concerns():
     """plays/probe.yml's gang check fails once for the run; the hosts it concerns carry the message."""
-    stop = "gpufleet_instances dsv3 span(s) hosts (a, b): ... not planned or rolled out yet"
+    stop = "gpufleet_instances dsv3 span(s) hosts (a, b): ... not rolled out yet"
     hostvars = {"localhost": {"gpufleet_run": {"started": "2026-12-02T10:00:00"}},
                 # a ran the check (run_once): its own failed result
                 "a": {"gpufleet_host_class": "h100", "gpufleet_inputs_failed": True, "gpufleet_host_error": stop,

@@ -340,6 +340,17 @@ def test_free_memory_below_the_planned_floor_is_named():
     assert plan_drift(artifact(), "l40s", now) == []
 
 
+def test_a_gang_members_free_memory_is_held_against_the_floors_of_its_own_ranks():
+    """Hosts a and b run one instance over both (ranks 0-1 on a, 2-3 on b): b's GPU 1 is the gang's rank 3."""
+    doc = artifact()
+    plan = doc["classes"]["l40s"]["plan"]
+    plan["launch"]["free_floor_bytes"] = {"0": 40 * GIB, "1": 40 * GIB, "2": 40 * GIB, "3": 42 * GIB + 1}
+    plan["per_rank"] = [{"host": "a/main", "rank": r, "member": "ab"[r // 2], "gpu": r % 2} for r in range(4)]
+    assert plan_drift(doc, "l40s", current()) == [
+        f"b main rank 1 (GPU 1): free memory 42GiB ({42 * GIB}) is below the planned floor 42GiB ({42 * GIB + 1}); "
+        f"it was 42GiB ({42 * GIB}) when planned"]
+
+
 def test_key_reference_and_hosts_that_moved_are_named():
     moved = plan_drift(artifact(), "l40s", current(key_hash="k2", compat={"model": "m", "dtype": "float16"},
                                                    reference_id="l40s/20261202T100000Z.yml",
