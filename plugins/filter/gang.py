@@ -63,32 +63,31 @@ def gang_member_launch(hostvars: Any, host: Any) -> dict[str, dict[str, Any]]:
         raise AnsibleFilterError(f"gang_member_launch: {exc}") from None
 
 
+def _host_instance_call(name: str, hostvars: Any, host: Any, instance: Any, call: Callable[[Mapping[str, Any], str, str], Any]) -> Any:
+    """One host's one instance: the inputs checked, ``call(hostvars, host, instance)``, a GangError as the filter's error."""
+    given, names = _checked(name, hostvars, [host] if isinstance(host, str) else [])
+    if len(names) != 1:
+        raise AnsibleFilterError(f"{name}: expected one host name, got {host!r}")
+    if not isinstance(instance, str) or not instance:
+        raise AnsibleFilterError(f"{name}: expected the instance's name, got {instance!r}")
+    try:
+        return call(given, names[0], instance)
+    except ValueError as exc:  # GangError
+        raise AnsibleFilterError(f"{name}: {exc}") from None
+
+
 def gang_members(hostvars: Any, host: Any, instance: Any) -> list[str]:
     """hostvars, a host, an instance name -> the members of that instance's gang, the leader first (empty for a
     one-host instance)."""
-    given, names = _checked("gang_members", hostvars, [host] if isinstance(host, str) else [])
-    if len(names) != 1:
-        raise AnsibleFilterError(f"gang_members: expected one host name, got {host!r}")
-    if not isinstance(instance, str) or not instance:
-        raise AnsibleFilterError(f"gang_members: expected the instance's name, got {instance!r}")
-    try:
-        return _gangs.members_of(given, names[0], instance)
-    except ValueError as exc:  # GangError
-        raise AnsibleFilterError(f"gang_members: {exc}") from None
+    members: list[str] = _host_instance_call("gang_members", hostvars, host, instance, _gangs.members_of)
+    return members
 
 
 def gang_key_fields(hostvars: Any, host: Any, instance: Any) -> dict[str, Any]:
     """hostvars, a host, an instance name -> what the instance's gang adds to its compatibility key on that
     host (empty for a one-host instance)."""
-    given, names = _checked("gang_key_fields", hostvars, [host] if isinstance(host, str) else [])
-    if len(names) != 1:
-        raise AnsibleFilterError(f"gang_key_fields: expected one host name, got {host!r}")
-    if not isinstance(instance, str) or not instance:
-        raise AnsibleFilterError(f"gang_key_fields: expected the instance's name, got {instance!r}")
-    try:
-        return _gangs.key_fields(given, names[0], instance)
-    except ValueError as exc:  # GangError
-        raise AnsibleFilterError(f"gang_key_fields: {exc}") from None
+    fields: dict[str, Any] = _host_instance_call("gang_key_fields", hostvars, host, instance, _gangs.key_fields)
+    return fields
 
 
 class FilterModule:
