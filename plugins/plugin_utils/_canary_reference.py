@@ -24,6 +24,8 @@ import binascii
 import json
 from typing import Any, Callable, Mapping, Sequence
 
+from ansible_collections.gpufleet.vllm.plugins.module_utils._engine._vllm_log import member_rank_offset
+
 __all__ = ["ReferenceError", "model_config_from", "reference_from_canary"]
 
 # what the run result carries beside the canary's own figures: the pre-boot probe and the model's config
@@ -155,6 +157,12 @@ def reference_from_canary(
             raise ReferenceError(f"members[{i}].host: expected a host of the gang other than {', '.join(hosts)}, got {host!r}")
         more, free = _ranks(member.get("result") or {}, member.get("preboot_gpus") or [], member.get("gpus") or [], host,
                             f"members[{i}] ({host})")
+        # the members come in node-rank order, each giving the ranks after the ones before it; a log that numbers a
+        # member's ranks within the member (the CPU build's data-parallel worker) is numbered in the instance here
+        offset = member_rank_offset([r["rank"] for r in more], len(ranks), len(member.get("gpus") or []))
+        if offset:
+            more = [dict(r, rank=r["rank"] + offset) for r in more]
+            free = {rank + offset: value for rank, value in free.items()}
         clash = sorted({r["rank"] for r in more} & {r["rank"] for r in ranks})
         if clash:
             raise ReferenceError(f"members[{i}] ({host}): rank(s) {', '.join(map(str, clash))} also reported by another member")

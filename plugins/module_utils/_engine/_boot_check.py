@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from .._gate._floor_check import rank_floor
 from ._engine_process import HealthResult, base_url, scrape_metrics, wait_healthy
 from ._serve_argv import LOOPBACK, EngineSpecError
-from ._vllm_log import GIB_ROUNDING_BYTES, EngineLog, parse_engine_log
+from ._vllm_log import GIB_ROUNDING_BYTES, EngineLog, member_rank_offset, parse_engine_log
 from ._vllm_metrics import EngineMetrics
 
 # How long a start may take to answer /health when the inventory does not say (timeout 0): the
@@ -480,16 +480,19 @@ def logged_ranks(log: t.Mapping[str, t.Any]) -> int:
                 or r.get("auto_kv_bytes") is not None})
 
 
-def _local_ranks(log: dict[str, t.Any], first_rank: int | None = None) -> dict[str, t.Any]:
+def _local_ranks(log: dict[str, t.Any], first_rank: int | None = None, local_ranks: int = 1) -> dict[str, t.Any]:
     """A gang member's ranks as its plan keys them: its log names each rank by its place in the whole instance
     (node rank x ranks per node + local rank: 8-15 on the second host of two with 8 GPUs each; a data-parallel
     engine's from its start rank), the plan file and its floors by its place among this member's GPUs (0-7).
-    With ``first_rank`` a rank is renumbered from it, so a rank missing from the log stays missing; without,
-    by its order in the log (a member's ranks are contiguous). Each keeps its instance-wide number as ``global_rank``."""
+    With ``first_rank`` a rank is renumbered from it, so a rank missing from the log stays missing (a log that
+    numbers them within the member already, as the CPU build's data-parallel worker does, is taken as it is:
+    ``member_rank_offset``); without, by its order in the log (a member's ranks are contiguous). Each keeps its
+    instance-wide number as ``global_rank``."""
     ranks = sorted(log.get("ranks") or [], key=lambda r: r.get("rank") if isinstance(r.get("rank"), int) else 0)
     if first_rank is not None:
-        return dict(log, ranks=[dict(r, rank=r["rank"] - first_rank if isinstance(r.get("rank"), int) else r.get("rank"),
-                                     global_rank=r.get("rank")) for r in ranks])
+        offset = member_rank_offset((r.get("rank") for r in ranks), first_rank, local_ranks)
+        return dict(log, ranks=[dict(r, rank=r["rank"] + offset - first_rank, global_rank=r["rank"] + offset)
+                                if isinstance(r.get("rank"), int) else dict(r, global_rank=None) for r in ranks])
     return dict(log, ranks=[dict(r, rank=i, global_rank=r.get("rank")) for i, r in enumerate(ranks)])
 
 
@@ -550,7 +553,7 @@ def run_boot_check(spec: BootCheckSpec, systemd: Systemd | None = None) -> dict[
         result["log_source"] = f"{spec.log_path} (latest boot)"
     log = summarise_log(parse_engine_log(text))
     if spec.headless or spec.first_rank:
-        log = _local_ranks(log, spec.first_rank)
+        log = _local_ranks(log, spec.first_rank, spec.local_ranks)
     result["engine_errors"] = log["errors"]
     result["ranks"] = log["ranks"]
     if health.status != "healthy":

@@ -32,7 +32,7 @@ import copy
 import dataclasses
 import re
 from dataclasses import dataclass, field
-from typing import Callable, TypeVar
+from typing import Any, Callable, Iterable, TypeVar
 
 GIB = 1 << 30
 #: Half a unit of the last printed digit of a GiB figure (0.005 GiB), rounded up to a whole
@@ -51,6 +51,7 @@ __all__ = [
     "SuggestionProblem",
     "Timings",
     "gib_to_bytes",
+    "member_rank_offset",
     "parse_engine_log",
 ]
 
@@ -66,6 +67,18 @@ ERROR_KINDS = (
 # Not a failure by itself (a shutdown after SIGTERM prints EngineDeadError): the other
 # exceptions tracebacks end with, kept as EngineLog.exceptions for a failed boot's root cause.
 EXCEPTION_KIND = "exception"
+
+
+def member_rank_offset(logged: Iterable[Any], first_rank: int, ranks: int) -> int:
+    """What to add to the rank numbers a gang member's log gives to number them in the whole instance.
+
+    Tensor and pipeline parallelism over nodes name a worker by its rank in the instance (``Worker_TP9`` on the
+    second of two hosts with 8 GPUs: rank 9); so do data-parallel workers named with their engine
+    (``Worker_DP1_TP0``). The CPU build's data-parallel engine names its one worker ``Worker`` on every member
+    (rank 0 there): when every rank the log gives lies within the member's ``ranks`` (its GPUs) and the member's
+    ``first_rank`` is above 0, the log numbers them within the member, and ``first_rank`` is added."""
+    numbers = [r for r in logged if isinstance(r, int) and not isinstance(r, bool)]
+    return first_rank if first_rank > 0 and numbers and min(numbers) >= 0 and max(numbers) < ranks else 0
 
 
 def gib_to_bytes(value: str | float) -> int:

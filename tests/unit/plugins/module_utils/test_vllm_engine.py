@@ -728,6 +728,9 @@ def test_a_members_ranks_are_renumbered_from_its_first_rank_so_a_missing_rank_st
     log = {"ranks": [{"rank": 11, "reserved_kv_bytes": 3}, {"rank": 8, "reserved_kv_bytes": 1}, {"rank": 9, "reserved_kv_bytes": 2}]}
     assert [(r["rank"], r["global_rank"]) for r in _boot_check._local_ranks(log, 8)["ranks"]] == [(0, 8), (1, 9), (3, 11)]
     assert [(r["rank"], r["global_rank"]) for r in _boot_check._local_ranks(log)["ranks"]] == [(0, 8), (1, 9), (2, 11)]
+    # the CPU build's data-parallel follower names its worker "Worker" (rank 0 within the member): taken as its own
+    worker = {"ranks": [{"rank": 0, "reserved_kv_bytes": 1}]}
+    assert [(r["rank"], r["global_rank"]) for r in _boot_check._local_ranks(worker, 1, 1)["ranks"]] == [(0, 1)]
     # a headless member given its first rank: the journal's rank 1 is its GPU 0
     result = _boot_check.run_boot_check(_boot_check.BootCheckSpec(unit="vllm-big.service", timeout=60, interval=0.01, headless=True,
                                                                   local_ranks=1, first_rank=1), _FakeJournal(FOLLOWER_LOG))

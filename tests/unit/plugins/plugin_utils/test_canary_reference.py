@@ -37,6 +37,14 @@ def test_a_gang_reference_holds_every_members_ranks_each_with_its_host_and_gpu()
     assert (ref["num_blocks"], ref["kv_cache_tokens"], ref["total_bytes"]) == (1000, 16000, 80 * GIB)
 
 
+def test_a_member_whose_log_numbers_its_ranks_within_the_member_gets_the_instances_numbers():
+    """The CPU build's data-parallel follower logs its worker as rank 0 (``Worker``): its ranks follow the leader's."""
+    follower = {**FOLLOWER, "result": {"ranks": [rank(0, 41), rank(1, 39)], "health": "joined", "held": "stop_file"}}
+    ref = reference_from_canary(LEADER_RUN, [gpu(2, 79), gpu(3, 76)], [2, 3], canary={"host": "h1"}, members=[follower])
+    assert [(r["rank"], r["host"], r["free_bytes"] // GIB) for r in ref["ranks"]] == [(0, "h1", 79), (1, "h1", 76), (2, "h2", 78), (3, "h2", 77)]
+    assert sorted(ref["vllm_free_bytes"]) == [0, 1, 2, 3]
+
+
 def test_a_one_host_reference_is_unchanged():
     ref = reference_from_canary(LEADER_RUN, [gpu(2, 79), gpu(3, 76)], [2, 3], canary={"host": "h1"})
     assert "members" not in ref and all("host" not in r for r in ref["ranks"])
