@@ -182,8 +182,9 @@ options:
         that serves the API (the leader) is judged as any canary, on the capacity and load of the whole gang.
       - A member that serves no API (V(serves_api=false), C(--headless)) passes when each of its O(gang.ranks) ranks
         logged its KV cache line within O(startup_timeout) and its engine ran until O(gang.stop_file) appeared; its
-        result carries its ranks' figures (numbered in the whole instance). A stop file left from an earlier run is
-        removed before the engine starts, and the one that stopped it afterwards.
+        result carries its ranks' figures (numbered in the whole instance, or within the member where its log numbers
+        them so). A stop file left from an earlier run is removed before the engine starts; the one that stopped it is
+        left to the caller that wrote it (the role removes it).
     type: dict
     version_added: 3.0.0
     suboptions:

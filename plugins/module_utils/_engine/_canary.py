@@ -521,7 +521,8 @@ def _hold_member(run: _CanaryRun) -> None:
     """A member that serves no API: start its engine, wait until each of its ranks logged its KV cache
     (every rank of the gang joined by then), then hold it until the stop file appears, the engine exits
     or ``hold_timeout`` passes. ``health``: ``joined``, ``died`` or ``timeout``; ``held``: ``stop_file``,
-    ``died`` or ``timeout``."""
+    ``died`` or ``timeout``. The stop file that stopped it is left to its caller, which wrote it (removing it
+    here raced with the caller's own write: ``ansible.builtin.file`` ``touch`` sets its times after creating it)."""
     spec, engine, result = run.spec, run.engine, run.result
     gang = t.cast(GangMember, spec.gang)
     stop_file = t.cast(str, gang.stop_file)
@@ -553,8 +554,6 @@ def _hold_member(run: _CanaryRun) -> None:
     while True:
         if os.path.exists(stop_file):
             result["held"] = "stop_file"
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(stop_file)
             break
         if not engine.alive():
             result["held"] = "died"
