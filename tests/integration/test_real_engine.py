@@ -1034,6 +1034,8 @@ def test_an_instance_over_both_hosts_serves_from_the_units_the_role_renders(flee
             assert member_run["health"] == "joined" and member_run["held"] == "stop_file", member_run
             assert [r["reserved_kv_bytes"] is not None for r in member_run["ranks"]] == [True], member_run["ranks"]
             assert member_run.get("locked_memory_limit"), member_run
+            # the stop file that stopped it is gone: the role removed it once it had the member's result
+            assert fleet.h.exec(follower, ["test", "-e", "/run/gpufleet-canary-gang.stop"]).returncode == 1
         fleet.times["boots"].append({"host": f"{leader}+{follower}", "step": f"9 canary gang {mode}",
                                      "seconds": round(time.monotonic() - started, 1)})
         for host in HOSTS:
