@@ -86,8 +86,8 @@ def members_from_group(group: str, task_vars: Mapping[str, Any],
         places = rank_places(hostvars, [str(h) for h in groups[group]])
     except GangError as exc:
         raise AnsibleActionFail(f"hosts_from {group}: {exc}") from None
-    # a gang's planning member -> its ranks so far, whether a member is flagged unstable, the members seen
-    gangs: dict[str, tuple[list[dict[str, Any]], list[bool], set[str]]] = {}
+    # a gang's planning member -> its hosts, its ranks so far, whether a member is flagged unstable, the members seen
+    gangs: dict[str, tuple[tuple[str, ...], list[dict[str, Any]], list[bool], set[str]]] = {}
     for host in groups[group]:
         hv = hostvars.get(host) or {}
         gpus = _facts_gpus(hv)
@@ -163,15 +163,14 @@ def members_from_group(group: str, task_vars: Mapping[str, Any],
             if place is None:
                 members[f"{host}/{inst['name']}"] = {"ranks": ranks, "unstable": True} if flagged else ranks
                 continue
-            gang_ranks, gang_flagged, seen = gangs.setdefault(place.member, ([], [], set()))
+            _hosts, gang_ranks, gang_flagged, seen = gangs.setdefault(place.member, (place.members, [], [], set()))
             gang_ranks.extend(dict(r, rank=place.first_rank + r["rank"], member=str(host)) for r in ranks)
             gang_flagged.append(flagged)
             seen.add(str(host))
     if no_facts:
         shown = ", ".join(no_facts[:10]) + (f" and {len(no_facts) - 10} more" if len(no_facts) > 10 else "")
         raise AnsibleActionFail(f"hosts_from {group}: no gpufleet_gpus facts for {shown}; run gpufleet.vllm.gpu_memory_facts on them first")
-    for member, (gang_ranks, gang_flagged, seen) in gangs.items():
-        hosts_of_gang = next(p.members for p in places.values() if p.member == member)
+    for member, (hosts_of_gang, gang_ranks, gang_flagged, seen) in gangs.items():
         missing = [h for h in hosts_of_gang if h not in seen]
         if missing:
             raise AnsibleActionFail(f"hosts_from {group}: instance {member.split('/', 1)[1]} spans hosts {', '.join(hosts_of_gang)}: "

@@ -17,8 +17,7 @@ from ansible_collections.gpufleet.vllm.plugins.module_utils._plan._launch import
     LaunchError,
     check_launch,
     cuda_visible_devices as _cuda_visible_devices,
-    for_instance,
-    for_member,
+    for_host,
     plan_file,
     runs,
 )
@@ -35,38 +34,13 @@ def cuda_visible_devices(gpus: Any, host_gpus: Any = None, field: Any = "gpus") 
         raise AnsibleFilterError(f"cuda_visible_devices: {name}: GPU indices must be integers, got {list(gpus)!r}") from None
 
 
-def _member_place(gang: Any, gang_field: str) -> tuple[int, int] | None:
-    """Where a host's ranks lie in its gang (first rank, count), from its members' launches (instance -> launch,
-    gang_member_launch's); None for a host that is no gang's member. A host is a member of one gang at most."""
-    if not gang:
-        return None
-    if not isinstance(gang, Mapping):
-        raise AnsibleFilterError(f"launch_contract: {gang_field}: expected a mapping instance -> the member's launch")
-    places = {}
-    for name, launch in gang.items():
-        if not isinstance(launch, Mapping):
-            raise AnsibleFilterError(f"launch_contract: {gang_field}.{name}: expected the member's launch (gang_member_launch's)")
-        for key in ("first_rank", "ranks"):
-            if isinstance(launch.get(key), bool) or not isinstance(launch.get(key), int):
-                raise AnsibleFilterError(f"launch_contract: {gang_field}.{name}.{key}: expected an integer (gang_member_launch gives "
-                                         f"where the member's ranks lie in the gang), got {launch.get(key)!r}")
-        places[str(name)] = (launch["first_rank"], launch["ranks"])
-    if len(set(places.values())) > 1:
-        raise AnsibleFilterError(f"launch_contract: {gang_field}: the host is a member of several gangs ({', '.join(sorted(places))}), "
-                                 "whose ranks differ; one class plan cannot give each its floors")
-    return next(iter(places.values()), None)
-
-
 def launch_contract(plan: Any, default_utilization: Any = 0.9, field: Any = "vllm_service_plan", gang: Any = None,
                     gang_field: Any = "vllm_service_gang_launch") -> dict[str, Any]:
     """kv_plan's result (or a plan written by hand) -> the checked launch record an instance starts with; on a
     member of a gang (``gang``: its launches), with the floors of its own ranks."""
-    where = field if isinstance(field, str) and field else "plan"
-    place = _member_place(gang, gang_field if isinstance(gang_field, str) and gang_field else "gang")
     try:
-        record = for_instance(plan, default_utilization, where)
-        return record if place is None else for_member(record, place[0], place[1],
-                                                       f"{where}.launch" if isinstance(plan, Mapping) and "launch" in plan else where)
+        return for_host(plan, default_utilization, field if isinstance(field, str) and field else "plan", gang,
+                        gang_field if isinstance(gang_field, str) and gang_field else "gang")
     except LaunchError as exc:
         raise AnsibleFilterError(f"launch_contract: {exc}") from None
 

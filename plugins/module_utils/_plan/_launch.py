@@ -70,7 +70,7 @@ FIELDS = ("schema", "decision", "reasons", "manual", "kv_cache_memory_bytes", "g
           "expect", "admission", "capacity")
 
 __all__ = ["DECISIONS", "EXPECT_FIELDS", "FIELDS", "PLAN_FILE_FORMAT", "SCHEMA", "LaunchError", "check_launch",
-           "deployed", "figures", "for_instance", "for_member", "from_plan", "plan_file", "plan_file_figures", "rank_bytes", "runs"]
+           "deployed", "figures", "for_host", "for_instance", "for_member", "from_plan", "plan_file", "plan_file_figures", "rank_bytes", "runs"]
 
 
 class LaunchError(ValueError):
@@ -279,6 +279,32 @@ def for_member(record: t.Mapping[str, t.Any], first_rank: int, ranks: int, where
                               f"{', '.join(map(str, sorted(floors)))}): plan the gang across all of its members")
         member[key] = {r - first_rank: floors[r] for r in wanted}
     return member
+
+
+def for_host(plan: t.Any, default_utilization: float, where: str = "plan", gang: t.Any = None,
+             gang_field: str = "gang") -> dict[str, t.Any]:
+    """The launch record the instances of a host start with: :func:`for_instance`, and on a member of a gang
+    (``gang``: its launches, instance name -> ``gang_member_launch``'s launch) :func:`for_member` at the place
+    its ``first_rank`` and ``ranks`` give. A host is a member of one gang at most."""
+    record = for_instance(plan, default_utilization, where)
+    if not gang:
+        return record
+    if not isinstance(gang, t.Mapping):
+        raise LaunchError(f"{gang_field}: expected a mapping instance -> the member's launch")
+    places = set()
+    for name, launch in gang.items():
+        if not isinstance(launch, t.Mapping):
+            raise LaunchError(f"{gang_field}.{name}: expected the member's launch (gang_member_launch's)")
+        for key in ("first_rank", "ranks"):
+            if isinstance(launch.get(key), bool) or not isinstance(launch.get(key), int):
+                raise LaunchError(f"{gang_field}.{name}.{key}: expected an integer (gang_member_launch gives where the member's "
+                                  f"ranks lie in the gang), got {launch.get(key)!r}")
+        places.add((launch["first_rank"], launch["ranks"]))
+    if len(places) > 1:
+        raise LaunchError(f"{gang_field}: the host is a member of several gangs ({', '.join(sorted(map(str, gang)))}), whose ranks "
+                          "differ; one class plan cannot give each its floors")
+    first_rank, ranks = places.pop()
+    return for_member(record, first_rank, ranks, f"{where}.launch" if isinstance(plan, t.Mapping) and "launch" in plan else where)
 
 
 def _instance_gpu_field(gpus: t.Sequence[t.Any], host_gpus: t.Any, key: str, prefix: str = "") -> list[str] | None:

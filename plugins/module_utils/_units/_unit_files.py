@@ -66,7 +66,7 @@ from dataclasses import dataclass
 
 from .. import _validate as v
 from .._engine._serve_argv import CONTROLLED_OPTIONS, EngineSpecError, option_name, render_serve_args
-from .._plan._launch import PLAN_CHECKSUM_DROPIN, PLAN_CHECKSUM_VARIABLE, LaunchError, for_instance, for_member, plan_checksum, plan_file_bytes
+from .._plan._launch import PLAN_CHECKSUM_DROPIN, PLAN_CHECKSUM_VARIABLE, LaunchError, for_host, plan_checksum, plan_file_bytes
 from ._gang import launch_problems
 from ._instance import clashes, env_file_name, plan_file_name, unit_name, unit_names
 
@@ -266,12 +266,7 @@ def _plan_problems(plan: t.Any, default_utilization: t.Any, problems: list[str],
     """The plan must give a launch record an instance can start with (``_launch.for_instance``), and a gang's member
     the floors of its own ranks (``_launch.for_member``)."""
     try:
-        record = for_instance(plan, default_utilization, "vllm_service_plan")
-        where = "vllm_service_plan.launch" if isinstance(plan, t.Mapping) and "launch" in plan else "vllm_service_plan"
-        for launch in launches.values() if isinstance(launches, t.Mapping) else ():
-            if isinstance(launch, t.Mapping) and all(isinstance(launch.get(k), int) and not isinstance(launch.get(k), bool)
-                                                     for k in ("first_rank", "ranks")):
-                for_member(record, launch["first_rank"], launch["ranks"], where)
+        for_host(plan, default_utilization, "vllm_service_plan", launches, "vllm_service_gang_launch")
     except LaunchError as exc:
         problems.append(str(exc))
 
@@ -308,8 +303,11 @@ def service_input_problems(inputs: t.Mapping[str, t.Any]) -> list[str]:
     launches = get("gang_launch")
     _instances_problems(get("instances"), problems,
                         gangs=[str(k) for k in launches] if isinstance(launches, t.Mapping) else False)
+    found = len(problems)
     _gang_launch_problems(launches, get("instances"), problems)
-    _plan_problems(get("plan"), inputs.get("vllm_service_auto_gpu_memory_utilization", 0.9), problems, launches)
+    # launches named wrong above are not read again for the member's floors
+    _plan_problems(get("plan"), inputs.get("vllm_service_auto_gpu_memory_utilization", 0.9), problems,
+                   launches if len(problems) == found else None)
     if _check(problems, v.text, get("model"), "vllm_service_model") and str(get("model")).startswith("-"):
         problems.append("vllm_service_model: must not start with '-' (vLLM would read it as an option)")
     for key in _SERVICE_PATHS:
