@@ -1,7 +1,8 @@
 # Copyright (c) gpufleet maintainers
 # GNU General Public License v3.0+ (see https://www.gnu.org/licenses/gpl-3.0.txt)
 # SPDX-License-Identifier: GPL-3.0-or-later
-"""Filters: gang_problems, gang_addresses, gangs, gang_members, gang_member_launch, gang_key_fields (documentation in the YAML files beside this one).
+"""Filters: gang_problems, gang_addresses, gangs, gang_members, gang_member_launch, gang_key_fields, gang_stragglers
+(documentation in the YAML files beside this one).
 
 Calls into ``plugin_utils/_gangs``, the run's view of its instances that span hosts."""
 
@@ -90,9 +91,23 @@ def gang_key_fields(hostvars: Any, host: Any, instance: Any) -> dict[str, Any]:
     return fields
 
 
+def gang_stragglers(hostvars: Any, mates: Any, step: Any, reached_var: Any = "__vllm_service_gang_reached",
+                    result_var: Any = "") -> list[str]:
+    """hostvars, the other members of a gang -> those that did not reach ``step`` of its deploy, each with what
+    stopped it (the vllm_service role's gang steps)."""
+    given, names = _checked("gang_stragglers", hostvars, mates)
+    for label, value in (("step", step), ("reached_var", reached_var)):
+        if not isinstance(value, str) or not value:
+            raise AnsibleFilterError(f"gang_stragglers: {label} must be a non-empty text, got {value!r}")
+    if not isinstance(result_var, str):
+        raise AnsibleFilterError(f"gang_stragglers: result_var must be a variable name, got {result_var!r}")
+    return _gangs.stragglers(given, names, step, reached_var, result_var)
+
+
 class FilterModule:
     """gpufleet.vllm filters for instances that span hosts."""
 
     def filters(self) -> dict[str, Callable[..., Any]]:
         return {"gang_problems": gang_problems, "gang_addresses": gang_addresses, "gangs": gangs, "gang_members": gang_members,
-                "gang_member_launch": gang_member_launch, "gang_key_fields": gang_key_fields}
+                "gang_member_launch": gang_member_launch, "gang_key_fields": gang_key_fields,
+                "gang_stragglers": gang_stragglers}

@@ -230,6 +230,10 @@ options:
       first_rank:
         description: Accepted as P(gpufleet.vllm.gang_member_launch#filter) gives it (the member's first rank in the instance).
         type: int
+      members:
+        description: Accepted as P(gpufleet.vllm.gang_member_launch#filter) gives it (every member, the leader first).
+        type: list
+        elements: str
   vllm_version:
     description:
       - The engine's vLLM version (the compatibility key's C(vllm_version)), so that the canary follows that release's
@@ -792,6 +796,7 @@ def main() -> None:
                 node_rank=dict(type="int"),
                 leader=dict(type="str"),
                 first_rank=dict(type="int"),
+                members=dict(type="list", elements="str"),
             )),
             vllm_version=dict(type="str"),
             user=dict(type="str"),

@@ -17,7 +17,8 @@ snapshot. The gang's own rules (mode, members, sizes, rank arguments) live in
 - :func:`member_launches`: what a member's units add for its rank (arguments, environment, sandbox);
 - :func:`rank_places`: where each member's ranks lie in its gang, for planning the gang as one engine;
 - :func:`members_of`: the members of a host's gang, for what runs on all of them at once (a canary gang);
-- :func:`key_fields`: what a gang adds to the compatibility key of its canary (layout, interconnect).
+- :func:`key_fields`: what a gang adds to the compatibility key of its canary (layout, interconnect);
+- :func:`stragglers`: the members of a gang that did not reach a step of its deploy, with what stopped them.
 """
 from __future__ import annotations
 
@@ -32,9 +33,10 @@ from ansible_collections.gpufleet.vllm.plugins.module_utils._units._gang import 
     member_launch,
     parse,
 )
+from ansible_collections.gpufleet.vllm.plugins.plugin_utils._report import failure_message
 
 __all__ = ["GangView", "RankPlace", "addresses_to_resolve", "described", "inventory_problems", "key_fields", "member_launches",
-           "members_of", "probed_problems", "rank_places"]
+           "members_of", "probed_problems", "rank_places", "stragglers"]
 
 FIELD = "gpufleet_instances"
 SERVE_ARGS = "gpufleet_serve_args"
@@ -299,3 +301,23 @@ def members_of(hostvars: t.Mapping[str, t.Any], host: str, instance: str) -> lis
             gang = _parse(cache, view)
             return list(gang.members) if host in gang.members else []
     return []
+
+
+def stragglers(hostvars: t.Mapping[str, t.Any], mates: t.Sequence[str], step: str, reached_var: str,
+               result_var: str = "") -> list[str]:
+    """The members of ``mates`` that did not reach ``step`` of a gang's deploy, each as ``"<host>: <why>"``.
+
+    Every member runs the deploy in the same play, task by task; at each step a member records the step it
+    reached (``reached_var``). A member whose deploy failed before the step went to its rescue and recorded
+    nothing since: its ``reached_var`` names an earlier step. ``why`` is what its ``result_var`` (the result
+    registered by the step's task that can fail) said when that failed, else that it stopped before the step."""
+    out: list[str] = []
+    for mate in mates:
+        seen = hostvars.get(mate) or {}
+        if seen.get(reached_var) == step:
+            continue
+        result = seen.get(result_var) if result_var else None
+        failed = isinstance(result, t.Mapping) and bool(result.get("failed") or result.get("unreachable"))
+        why = failure_message(result) if failed else f"its deploy stopped before {step} (its own failure names why)"
+        out.append(f"{mate}: {why}")
+    return out

@@ -63,6 +63,7 @@ unit's start to the engine's "Application startup complete") is written to
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import os
@@ -973,6 +974,64 @@ def _restarts(fleet: Fleet, host: str, unit: str) -> int:
     return int(fleet.h.exec(host, ["systemctl", "show", unit, "-p", "NRestarts", "--value"]).stdout.strip() or 0)
 
 
+def _main_pid(fleet: Fleet, host: str, unit: str) -> int:
+    return int(fleet.h.exec(host, ["systemctl", "show", unit, "-p", "MainPID", "--value"]).stdout.strip() or 0)
+
+
+def _gang_plan_changed(plan: dict[str, Any], follower_floor: int) -> dict[str, Any]:
+    """``plan`` with a budget 1 MiB smaller (every member's unit changes) and the follower's rank (1) held to
+    ``follower_floor``."""
+    changed = copy.deepcopy(plan)
+    for record in (changed, changed.get("launch") or {}):
+        if record.get("kv_cache_memory_bytes"):
+            record["kv_cache_memory_bytes"] -= 1 << 20
+        if record.get("free_floor_bytes"):
+            record["free_floor_bytes"]["1"] = follower_floor
+    return changed
+
+
+def _gang_refusals(fleet: Fleet, playbook: Path, gang_vars: dict[str, Any], plan: dict[str, Any], unit: str, name: str) -> None:
+    """A member's refusal stops the whole gang, or rolls every member back (the role's gang steps,
+    roles/vllm_service/tasks/gang.yml): the gang that served before serves again, its files byte for byte."""
+    leader, follower = HOSTS
+    files = {h: (fleet.read(h, f"/etc/systemd/system/{unit}"), fleet.read(h, f"/etc/gpufleet/{name}.plan.json")) for h in HOSTS}
+    pids = {h: _main_pid(fleet, h, unit) for h in HOSTS}
+    floor = plan["launch"]["free_floor_bytes"]["1"]
+    # 1. the follower's gate refuses before the stop (a rank 1 floor above its free memory): no member is touched
+    rc, out = fleet.playbook(playbook, dict(gang_vars, gang_plan=_gang_plan_changed(plan, GPU_FREE + (1 << 20))),
+                             label="9 gang mp: the follower's gate refuses")
+    assert rc != 0 and f"Free-memory gate (before stop) failed on {follower}" in out, out[-6000:]
+    assert f"the whole gang stops: its member {follower}: Free-memory gate (before stop) failed on {follower}" in out, out[-6000:]
+    assert out.count("the host was not touched") == 2, out[-6000:]
+    assert {h: (fleet.read(h, f"/etc/systemd/system/{unit}"), fleet.read(h, f"/etc/gpufleet/{name}.plan.json")) for h in HOSTS} == files
+    assert {h: _main_pid(fleet, h, unit) for h in HOSTS} == pids
+    # 2. the follower's gate refuses after the stop: its engine's memory stays held once it stopped (an NVML record
+    # of another pid namespace with the engine's pid; before the stop it counts as the instance's own). The leader
+    # stopped, wrote and started its new unit; every member rolls back to the gang that served, which serves again
+    # while the record still holds its memory (the old floor is below what is left).
+    assert GPU_FREE - floor > 1 << 20, (GPU_FREE, floor)
+    held = (GPU_FREE - floor) // 2
+    state = _fake_gpu_state()
+    nvml_state.add_process(state, 0, pids[follower], held, name="vllm", pidns="other")
+    nvml_state.save(fleet.h.fake_nvml_state(follower), state)
+    started = time.monotonic()
+    try:
+        rc, out = fleet.playbook(playbook, dict(gang_vars, gang_plan=_gang_plan_changed(plan, GPU_FREE - held // 2)),
+                                 label="9 gang mp: the follower refuses after the stop")
+    finally:
+        nvml_state.save(fleet.h.fake_nvml_state(follower), _fake_gpu_state())
+    fleet.times["boots"].append({"host": f"{leader}+{follower}", "step": "9 gang mp rolled back", "seconds": round(time.monotonic() - started, 1)})
+    journals = f"--- leader\n{_gang_journal(fleet, leader, unit)[-3000:]}\n--- follower\n{_gang_journal(fleet, follower, unit)[-3000:]}"
+    assert rc != 0 and f"Free-memory gate (after stop) failed on {follower}" in out, f"{out[-8000:]}\n{journals}"
+    assert f"the whole gang stops: its member {follower}: Free-memory gate (after stop) failed on {follower}" in out, out[-8000:]
+    assert out.count("the previous units were restored and restarted") == 2, f"{out[-8000:]}\n{journals}"
+    assert {h: (fleet.read(h, f"/etc/systemd/system/{unit}"), fleet.read(h, f"/etc/gpufleet/{name}.plan.json")) for h in HOSTS} == files
+    assert all(_main_pid(fleet, h, unit) not in (0, pids[h]) for h in HOSTS), "every member restarted the previous gang"
+    assert _gang_health(fleet, leader) == "200", journals
+    code, body = _gang_complete(fleet, leader)
+    assert code == 200 and json.loads(body)["choices"], f"{body}\n{journals}"
+
+
 @pytest.mark.parametrize("mode", ["mp", "dp"])
 def test_an_instance_over_both_hosts_serves_from_the_units_the_role_renders(fleet, geometry, mode):
     leader, follower = HOSTS
@@ -1088,6 +1147,9 @@ def test_an_instance_over_both_hosts_serves_from_the_units_the_role_renders(flee
         if mode == "mp":
             # the follower runs headless: no API server, its rank's memory line only
             assert "Application startup complete" not in tail and "Explicitly set" in tail, tail[-3000:]
+            # a member's refusal stops the whole gang (before the stop) or rolls every member back (after it)
+            _gang_refusals(fleet, playbook, {"gpufleet_instances": instances, "gpufleet_serve_args": {**SERVE_ARGS, **serve},
+                                             "gang_plan": plan, "gang_hook": str(hook), "hook_dir": str(hooks)}, plan, unit, name)
         else:
             assert parse_engine_log(tail).capacity is not None and parse_engine_log(tail).capacity.tokens == plan["kv_cache_tokens"], \
                 tail[-3000:]

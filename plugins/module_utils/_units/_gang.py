@@ -68,7 +68,8 @@ _KEYS = ("mode", "members", "leader", "address", "port", "addresses", "interface
 # registers (pins) its buffers, which the default 8 MiB RLIMIT_MEMLOCK refuses
 INFINIBAND_DEVICE_ALLOW = ("char-infiniband_verbs rw", "/dev/infiniband/rdma_cm rw")
 # what member_launch returns, and all that the vllm_service role takes as a member's launch
-LAUNCH_KEYS = ("args", "environment", "limit_memlock", "device_allow", "node_rank", "leader", "serves_api", "first_rank", "ranks")
+LAUNCH_KEYS = ("args", "environment", "limit_memlock", "device_allow", "node_rank", "leader", "members", "serves_api", "first_rank",
+               "ranks")
 # one network interface name (Linux: at most 15 bytes): gloo takes a name, not NCCL's lists and prefixes
 _INTERFACE = re.compile(r"^[A-Za-z0-9_.:@-]{1,15}$")
 _SIZES = ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size")
@@ -271,14 +272,16 @@ def member_launch(gang: Gang, host: str, infiniband: bool = False) -> dict[str, 
     ``device_allow``: the InfiniBand devices NCCL opens, when the host has them (``infiniband``,
     from the host snapshot); the sandbox stays closed to everything else. ``first_rank`` and ``ranks``:
     where the member's ranks lie among the instance's (:meth:`Gang.first_rank`, its GPU count), which
-    picks its floors out of the gang's plan (``_launch.for_member``).
+    picks its floors out of the gang's plan (``_launch.for_member``). ``members``: every member, in node-rank
+    order (the leader first): a deploy goes on only while all of them do (the vllm_service role's gang steps).
     """
     environment = {"VLLM_HOST_IP": gang.host_addresses.get(host, host)}
     if gang.interface:
         environment.update(NCCL_SOCKET_IFNAME=gang.interface, GLOO_SOCKET_IFNAME=gang.interface)
     launch = {"args": member_args(gang, host), "environment": environment, "limit_memlock": "infinity",
               "device_allow": list(INFINIBAND_DEVICE_ALLOW) if infiniband else [],
-              "node_rank": gang.node_rank(host), "leader": gang.leader, "serves_api": gang.serves_api(host),
+              "node_rank": gang.node_rank(host), "leader": gang.leader, "members": list(gang.members),
+              "serves_api": gang.serves_api(host),
               "first_rank": gang.first_rank(host), "ranks": gang.gpus[host]}
     return {key: launch[key] for key in LAUNCH_KEYS}
 
@@ -318,6 +321,13 @@ def launch_problems(launch: t.Any, where: str) -> list[str]:
     for key, low in (("first_rank", 0), ("ranks", 1)):
         if launch.get(key) is not None:
             v.collect(problems, v.integer, launch.get(key), f"{where}.{key}", low=low)
+    members = launch.get("members")
+    if members is not None:
+        if not isinstance(members, (list, tuple)) or not members:
+            problems.append(f"{where}.members: expected the gang's member hosts, a non-empty list")
+        else:
+            for i, member in enumerate(members):
+                v.collect(problems, v.text, member, f"{where}.members[{i}]")
     if not isinstance(launch.get("serves_api", True), bool):
         problems.append(f"{where}.serves_api: expected true or false, got {launch.get('serves_api')!r}")
     return problems

@@ -158,6 +158,8 @@ def test_a_members_launch_adds_its_rank_address_and_sandbox():
     ("first_rank", -1, "launch.first_rank: must be an integer in >= 0, got -1"),
     ("ranks", 0, "launch.ranks: must be an integer in >= 1, got 0"),
     ("first_rank", "x", "launch.first_rank: expected an integer"),
+    ("members", [], "launch.members: expected the gang's member hosts, a non-empty list"),
+    ("members", ["gpu-a1", "gpu\na2"], "launch.members[1]:"),
 ])
 def test_a_launchs_rank_place_is_checked_naming_the_field(key, value, message):
     checked = parse(gang(address="10.0.0.11"), field=FIELD, serve_args={"tensor_parallel_size": 2}, gpus={"gpu-a1": 1, "gpu-a2": 1})

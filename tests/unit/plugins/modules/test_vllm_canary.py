@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 from ansible.module_utils.testing import patch_module_args
 
+from ansible_collections.gpufleet.vllm.plugins.module_utils._units import _gang
 from ansible_collections.gpufleet.vllm.plugins.modules import vllm_canary
 from ansible_collections.gpufleet.vllm.tests.unit.plugins.module_utils.test_canary_takeover import FakeSystemd
 from ansible_collections.gpufleet.vllm.tests.unit.plugins.module_utils.test_vllm_engine import write_fake_vllm
@@ -160,9 +161,11 @@ def test_check_mode_reads_what_the_canary_would_stop_and_stops_nothing(capsys, m
 
 
 def test_a_gang_member_takes_its_launch_as_gang_member_launch_gives_it(capsys, tmp_path, fake_vllm):
-    launch = {"args": ["--nnodes", "2", "--node-rank", "1", "--master-addr", "10.0.0.1", "--master-port", "29501", "--headless"],
-              "environment": {"VLLM_HOST_IP": "10.0.0.2"}, "limit_memlock": "infinity", "device_allow": [], "node_rank": 1,
-              "leader": "gpu-a1", "serves_api": False}
+    gang = _gang.parse({"mode": "mp", "members": ["gpu-a1", "gpu-a2"], "address": "10.0.0.1", "port": 29501}, field="gang",
+                       serve_args={"tensor_parallel_size": 2}, gpus={"gpu-a1": 1, "gpu-a2": 1}, member_addresses={"gpu-a2": "10.0.0.2"})
+    # every key the filter gives (the module's argument spec takes each of them)
+    launch = _gang.member_launch(gang, "gpu-a2")
+    assert set(launch) == set(_gang.LAUNCH_KEYS) and launch["args"][-1] == "--headless"
     rc, out = run(capsys, {"_ansible_check_mode": True, "executable": fake_vllm, "model": "/m", "port": 18124,
                            "gang": dict(launch, ranks=1, stop_file=str(tmp_path / "stop"))})
     assert rc == 0 and out["argv"][-9:] == launch["args"]

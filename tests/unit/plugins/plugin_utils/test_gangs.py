@@ -214,6 +214,8 @@ def test_each_member_launches_its_rank_at_its_own_address():
     assert leader["device_allow"] == [] and follower["device_allow"] == ["char-infiniband_verbs rw", "/dev/infiniband/rdma_cm rw"]
     assert leader["limit_memlock"] == follower["limit_memlock"] == "infinity"
     assert (leader["node_rank"], follower["node_rank"], follower["leader"], follower["serves_api"]) == (0, 1, "a1", False)
+    # every member knows the whole gang, leader first: its deploy goes on only with all of them
+    assert leader["members"] == follower["members"] == ["a1", "a2"]
     assert _gangs.member_launches(hv, "solo") == {}
 
 
@@ -257,3 +259,23 @@ def test_each_member_knows_its_gang_and_where_its_ranks_lie():
     places = _gangs.rank_places(hv, ["a1", "a2", "solo"])
     assert places == {("a2", "dsv3"): _gangs.RankPlace("a2/dsv3", 0, ("a2", "a1")),
                       ("a1", "dsv3"): _gangs.RankPlace("a2/dsv3", 8, ("a2", "a1"))}
+
+
+def test_a_gang_member_that_did_not_reach_a_step_is_named_with_what_stopped_it():
+    """A member whose deploy failed recorded no later step: the others quote its registered result when that failed
+    (a looped result names each failed item), else say it stopped before the step; members at the step are not named."""
+    hv = {"a1": {"reached": "the stop"},
+          "a2": {"reached": "its units read", "gate": {"failed": True, "msg": "Free-memory gate (before stop) failed on a2: rank 1 below"}},
+          "a3": {"reached": "its units read", "gate": {"skipped": True}},
+          "a4": {"reached": "the stop", "gate": {"failed": True, "msg": "stale"}},
+          "a5": {"gate": {"failed": True, "msg": "One or more items failed",
+                          "results": [{"failed": True, "msg": "unit vllm-x did not boot", "item": {"name": "x"}}]}},
+          "a6": {"reached": "its units read", "gate": {"unreachable": True, "msg": "ssh: connection refused"}}}
+    assert _gangs.stragglers(hv, ["a1", "a2", "a3", "a4", "a5", "a6"], "the stop", "reached", "gate") == [
+        "a2: Free-memory gate (before stop) failed on a2: rank 1 below",
+        "a3: its deploy stopped before the stop (its own failure names why)",
+        "a5: unit vllm-x did not boot",
+        "a6: ssh: connection refused"]
+    # a host that never ran the deploy has no step at all; without a result to quote, the generic words
+    assert _gangs.stragglers({}, ["b"], "the boot check", "reached") == ["b: its deploy stopped before the boot check (its own failure names why)"]
+    assert _gangs.stragglers(hv, [], "the stop", "reached") == []
