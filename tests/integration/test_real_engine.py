@@ -985,6 +985,8 @@ def _gang_plan_changed(plan: dict[str, Any], follower_floor: int) -> dict[str, A
     for record in (changed, changed.get("launch") or {}):
         if record.get("kv_cache_memory_bytes"):
             record["kv_cache_memory_bytes"] -= 1 << 20
+            if (record.get("expect") or {}).get("reserved_bytes"):
+                record["expect"]["reserved_bytes"] = record["kv_cache_memory_bytes"]
         if record.get("free_floor_bytes"):
             record["free_floor_bytes"]["1"] = follower_floor
     return changed
