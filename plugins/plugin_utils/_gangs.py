@@ -318,6 +318,6 @@ def stragglers(hostvars: t.Mapping[str, t.Any], mates: t.Sequence[str], step: st
             continue
         result = seen.get(result_var) if result_var else None
         failed = isinstance(result, t.Mapping) and bool(result.get("failed") or result.get("unreachable"))
-        why = failure_message(result) if failed else f"its deploy stopped before {step} (its own failure names why)"
+        why = failure_message(result) if failed else f"it stopped before {step} (its own failure names why)"
         out.append(f"{mate}: {why}")
     return out

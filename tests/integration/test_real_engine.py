@@ -861,9 +861,12 @@ GANG_PLAYBOOK = [{
                         "vllm_service_env": {"HF_HUB_OFFLINE": "TRUE", "TRANSFORMERS_OFFLINE": "TRUE", "TORCHDYNAMO_DISABLE": "1"}}}]}]
 
 
+# (the role's hook variables, or rollout.yml's, which also runs it around the manual canary)
 GANG_HOOK = [{"name": "Record the instances the hook got", "delegate_to": "localhost",
-              "ansible.builtin.copy": {"content": "{{ vllm_service_hook_instances | map(attribute='name') | list | to_json }}",
-                                       "dest": "{{ hook_dir }}/{{ inventory_hostname }}-{{ vllm_service_hook_event }}.json",
+              "ansible.builtin.copy": {"content": "{{ gpufleet_hook_instances | default(vllm_service_hook_instances) | map(attribute='name')"
+                                                  " | list | to_json }}",
+                                       "dest": "{{ hook_dir }}/{{ inventory_hostname }}-"
+                                               "{{ gpufleet_hook_event | default(vllm_service_hook_event) }}.json",
                                        "mode": "0644"}}]
 
 
@@ -1107,10 +1110,21 @@ def test_an_instance_over_both_hosts_serves_from_the_units_the_role_renders(flee
         hook, hooks = fleet.workdir / "gang-hook.yml", fleet.workdir / f"gang-hooks-{mode}"
         hook.write_text(yaml.safe_dump(GANG_HOOK), encoding="utf-8")
         hooks.mkdir(exist_ok=True)
-        rc, out = fleet.playbook(playbook, {"gpufleet_instances": instances,
-                                            "gpufleet_serve_args": {**SERVE_ARGS, **serve}, "gang_plan": plan,
-                                            "gang_hook": str(hook), "hook_dir": str(hooks)},
-                                 label=f"9 gang {mode}: both members deployed by the role")
+        if mode == "mp":
+            # the rollout as one unit: rollout.yml applies plan.yml's plan; its manual canary runs as a canary gang on
+            # both members (the leader is the class's canary host), then one batch changes both (the role's gang steps)
+            rc, out = fleet.playbook(ROLLOUT, {"gpufleet_instances": instances, "gpufleet_serve_args": {**SERVE_ARGS, **serve},
+                                               "gpufleet_env": GANG_ENV, "gpufleet_plan_file": str(fleet.workdir / "gang-plan.json"),
+                                               "gpufleet_hooks": {"drain": str(hook), "undrain": str(hook)}, "hook_dir": str(hooks)},
+                                     label="9 gang mp: rollout.yml applies plan.yml's plan")
+            assert f"Manual canary on {leader} passed" in out and f"Manual canary on {follower} passed" in out, out[-8000:]
+            # one batch holds the whole gang
+            assert f"batch 1 of 1 of class {CLASS} (run batch 1 of 1): {leader}, {follower} (2 host(s))" in out, out[-8000:]
+        else:
+            rc, out = fleet.playbook(playbook, {"gpufleet_instances": instances,
+                                                "gpufleet_serve_args": {**SERVE_ARGS, **serve}, "gang_plan": plan,
+                                                "gang_hook": str(hook), "hook_dir": str(hooks)},
+                                     label=f"9 gang {mode}: both members deployed by the role")
         seconds = round(time.monotonic() - started, 1)
         fleet.times["boots"].append({"host": f"{leader}+{follower}", "step": f"9 gang {mode}", "seconds": seconds})
         fleet.save_times()

@@ -273,9 +273,9 @@ def test_a_gang_member_that_did_not_reach_a_step_is_named_with_what_stopped_it()
           "a6": {"reached": "its units read", "gate": {"unreachable": True, "msg": "ssh: connection refused"}}}
     assert _gangs.stragglers(hv, ["a1", "a2", "a3", "a4", "a5", "a6"], "the stop", "reached", "gate") == [
         "a2: Free-memory gate (before stop) failed on a2: rank 1 below",
-        "a3: its deploy stopped before the stop (its own failure names why)",
+        "a3: it stopped before the stop (its own failure names why)",
         "a5: unit vllm-x did not boot",
         "a6: ssh: connection refused"]
     # a host that never ran the deploy has no step at all; without a result to quote, the generic words
-    assert _gangs.stragglers({}, ["b"], "the boot check", "reached") == ["b: its deploy stopped before the boot check (its own failure names why)"]
+    assert _gangs.stragglers({}, ["b"], "the boot check", "reached") == ["b: it stopped before the boot check (its own failure names why)"]
     assert _gangs.stragglers(hv, [], "the stop", "reached") == []
