@@ -1,8 +1,8 @@
 # Copyright (c) gpufleet maintainers
 # GNU General Public License v3.0+ (see https://www.gnu.org/licenses/gpl-3.0.txt)
 # SPDX-License-Identifier: GPL-3.0-or-later
-"""Filters: gang_problems, gang_addresses, gangs, gang_members, gang_member_launch, gang_key_fields, gang_stragglers
-(documentation in the YAML files beside this one).
+"""Filters: gang_problems, gang_addresses, gangs, gang_members, gang_member_launch, gang_key_fields, gang_stragglers,
+gang_batches (documentation in the YAML files beside this one).
 
 Calls into ``plugin_utils/_gangs``, the run's view of its instances that span hosts."""
 
@@ -104,10 +104,20 @@ def gang_stragglers(hostvars: Any, mates: Any, step: Any, reached_var: Any = "__
     return _gangs.stragglers(given, names, step, reached_var, result_var)
 
 
+def gang_batches(hostvars: Any, hosts: Any) -> list[list[str]]:
+    """hostvars, hosts -> the hosts one at a time, but each gang's members in one batch (the leader first); a gang
+    with members outside ``hosts`` fails, naming them."""
+    given, names = _checked("gang_batches", hostvars, hosts)
+    try:
+        return _gangs.one_at_a_time(given, names)
+    except ValueError as exc:  # GangError
+        raise AnsibleFilterError(f"gang_batches: {exc}") from None
+
+
 class FilterModule:
     """gpufleet.vllm filters for instances that span hosts."""
 
     def filters(self) -> dict[str, Callable[..., Any]]:
         return {"gang_problems": gang_problems, "gang_addresses": gang_addresses, "gangs": gangs, "gang_members": gang_members,
                 "gang_member_launch": gang_member_launch, "gang_key_fields": gang_key_fields,
-                "gang_stragglers": gang_stragglers}
+                "gang_stragglers": gang_stragglers, "gang_batches": gang_batches}

@@ -18,7 +18,8 @@ snapshot. The gang's own rules (mode, members, sizes, rank arguments) live in
 - :func:`rank_places`: where each member's ranks lie in its gang, for planning the gang as one engine;
 - :func:`members_of`: the members of a host's gang, for what runs on all of them at once (a canary gang);
 - :func:`key_fields`: what a gang adds to the compatibility key of its canary (layout, interconnect);
-- :func:`stragglers`: the members of a gang that did not reach a step of its deploy, with what stopped them.
+- :func:`stragglers`: the members of a gang that did not reach a step of its deploy, with what stopped them;
+- :func:`one_at_a_time`: hosts one at a time, but a gang's members together (``rollback.yml``).
 """
 from __future__ import annotations
 
@@ -36,7 +37,7 @@ from ansible_collections.gpufleet.vllm.plugins.module_utils._units._gang import 
 from ansible_collections.gpufleet.vllm.plugins.plugin_utils._report import failure_message
 
 __all__ = ["GangView", "RankPlace", "addresses_to_resolve", "described", "inventory_problems", "key_fields", "member_launches",
-           "members_of", "probed_problems", "rank_places", "stragglers"]
+           "members_of", "one_at_a_time", "probed_problems", "rank_places", "stragglers"]
 
 FIELD = "gpufleet_instances"
 SERVE_ARGS = "gpufleet_serve_args"
@@ -321,3 +322,34 @@ def stragglers(hostvars: t.Mapping[str, t.Any], mates: t.Sequence[str], step: st
         why = failure_message(result) if failed else f"it stopped before {step} (its own failure names why)"
         out.append(f"{mate}: {why}")
     return out
+
+
+def one_at_a_time(hostvars: t.Mapping[str, t.Any], hosts: t.Sequence[str]) -> list[list[str]]:
+    """``hosts`` in batches of one host, but the members of a gang, which make one batch (the leader first) where
+    its first member comes in ``hosts``: what must change one at a time (a rollback host by host) still takes a
+    gang whole, since its members restart together or not at all. Raises GangError naming a gang that has members
+    outside ``hosts``, and for a gang the inventory gets wrong."""
+    chosen = [str(h) for h in hosts]
+    wanted = set(chosen)
+    cache = _Hosts(hostvars)
+    gang_of: dict[str, tuple[str, ...]] = {}
+    problems: list[str] = []
+    for label, gang in sorted(_gangs(cache, chosen).items()):
+        missing = [m for m in gang.members if m not in wanted]
+        if missing:
+            problems.append(f"instance {label.split('@', 1)[0]} spans {', '.join(gang.members)}: {', '.join(missing)} "
+                            "must be chosen with the others (a gang changes with all of its members or not at all)")
+            continue
+        for member in gang.members:
+            gang_of[member] = gang.members
+    if problems:
+        raise GangError("; ".join(problems))
+    batches: list[list[str]] = []
+    placed: set[str] = set()
+    for host in chosen:
+        if host in placed:
+            continue
+        batch = list(gang_of.get(host, (host,)))
+        placed.update(batch)
+        batches.append(batch)
+    return batches

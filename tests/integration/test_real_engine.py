@@ -1001,34 +1001,28 @@ def _gang_refusals(fleet: Fleet, playbook: Path, gang_vars: dict[str, Any], plan
     leader, follower = HOSTS
     files = {h: (fleet.read(h, f"/etc/systemd/system/{unit}"), fleet.read(h, f"/etc/gpufleet/{name}.plan.json")) for h in HOSTS}
     pids = {h: _main_pid(fleet, h, unit) for h in HOSTS}
-    floor = plan["launch"]["free_floor_bytes"]["1"]
-    # 1. the follower's gate refuses before the stop (a rank 1 floor above its free memory): no member is touched
-    rc, out = fleet.playbook(playbook, dict(gang_vars, gang_plan=_gang_plan_changed(plan, GPU_FREE + (1 << 20))),
+    above = _gang_plan_changed(plan, GPU_FREE + (1 << 20))
+    # 1. the follower's free-memory gate refuses before the stop (a rank 1 floor above its free memory): the leader
+    # stops with it at the next gang step, before its drain; no member is touched
+    rc, out = fleet.playbook(playbook, dict(gang_vars, gang_plan=above, vllm_service_gate=True),
                              label="9 gang mp: the follower's gate refuses")
     assert rc != 0 and f"Free-memory gate (before stop) failed on {follower}" in out, out[-6000:]
     assert f"the whole gang stops: its member {follower}: Free-memory gate (before stop) failed on {follower}" in out, out[-6000:]
-    assert out.count("the host was not touched") == 2, out[-6000:]
+    assert out.count("the host was not touched") == 2 and "left drained" not in out, out[-6000:]
     assert {h: (fleet.read(h, f"/etc/systemd/system/{unit}"), fleet.read(h, f"/etc/gpufleet/{name}.plan.json")) for h in HOSTS} == files
     assert {h: _main_pid(fleet, h, unit) for h in HOSTS} == pids
-    # 2. the follower's gate refuses after the stop: its engine's memory stays held once it stopped (an NVML record
-    # of another pid namespace with the engine's pid; before the stop it counts as the instance's own). The leader
-    # stopped, wrote and started its new unit; every member rolls back to the gang that served, which serves again
-    # while the record still holds its memory (the old floor is below what is left).
-    assert GPU_FREE - floor > 1 << 20, (GPU_FREE, floor)
-    held = (GPU_FREE - floor) // 2
-    state = _fake_gpu_state()
-    nvml_state.add_process(state, 0, pids[follower], held, name="vllm", pidns="other")
-    nvml_state.save(fleet.h.fake_nvml_state(follower), state)
+    # 2. one member below its floor at its start (no rollout gate before it): the follower's boot gate starts it
+    # shrunk (1 MiB less), so the gang's blocks, the minimum over its ranks, fall below the plan: the follower's boot
+    # check fails (started degraded) and so does the leader's (fewer tokens); every member rolls back together and the
+    # gang that served before serves again
     started = time.monotonic()
-    try:
-        rc, out = fleet.playbook(playbook, dict(gang_vars, gang_plan=_gang_plan_changed(plan, GPU_FREE - held // 2)),
-                                 label="9 gang mp: the follower refuses after the stop")
-    finally:
-        nvml_state.save(fleet.h.fake_nvml_state(follower), _fake_gpu_state())
+    rc, out = fleet.playbook(playbook, dict(gang_vars, gang_plan=above), label="9 gang mp: the follower starts below its floor")
     fleet.times["boots"].append({"host": f"{leader}+{follower}", "step": "9 gang mp rolled back", "seconds": round(time.monotonic() - started, 1)})
     journals = f"--- leader\n{_gang_journal(fleet, leader, unit)[-3000:]}\n--- follower\n{_gang_journal(fleet, follower, unit)[-3000:]}"
-    assert rc != 0 and f"Free-memory gate (after stop) failed on {follower}" in out, f"{out[-8000:]}\n{journals}"
-    assert f"the whole gang stops: its member {follower}: Free-memory gate (after stop) failed on {follower}" in out, out[-8000:]
+    assert rc != 0 and f"{follower}: Check each boot against the plan, and record the plan it passed with failed: {unit}: the boot gate " \
+        "started it degraded instead of the plan" in out, f"{out[-8000:]}\n{journals}"
+    assert re.search(rf"{leader}: Check each boot [^\n]*failed: vLLM boot check of {unit} failed: KV cache holds \d+ tokens, fewer than", out), \
+        out[-8000:]
     assert out.count("the previous units were restored and restarted") == 2, f"{out[-8000:]}\n{journals}"
     assert {h: (fleet.read(h, f"/etc/systemd/system/{unit}"), fleet.read(h, f"/etc/gpufleet/{name}.plan.json")) for h in HOSTS} == files
     assert all(_main_pid(fleet, h, unit) not in (0, pids[h]) for h in HOSTS), "every member restarted the previous gang"

@@ -30,9 +30,7 @@ SETTING_KEYS = {"register", "loop_var", "index_var", "key"}
 PLUGIN_READ = re.compile(r"""(?:\.get\(|\[)\s*["'](gpufleet_[A-Za-z0-9_]+)["']""")
 FACT_KEY = re.compile(r"""["'](gpufleet_[A-Za-z0-9_]+)["']\s*:""")
 # read, but not a variable anybody sets
-NOT_KNOBS = {
-    "gpufleet_rollback_hosts_not_given": "rollback.yml's host pattern when none is given: a group that does not exist",
-}
+NOT_KNOBS: dict[str, str] = {}
 ROLLOUT_DOC = REPO / "docs" / "rollout.md"
 
 

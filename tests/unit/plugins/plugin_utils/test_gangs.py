@@ -279,3 +279,14 @@ def test_a_gang_member_that_did_not_reach_a_step_is_named_with_what_stopped_it()
     # a host that never ran the deploy has no step at all; without a result to quote, the generic words
     assert _gangs.stragglers({}, ["b"], "the boot check", "reached") == ["b: it stopped before the boot check (its own failure names why)"]
     assert _gangs.stragglers(hv, [], "the stop", "reached") == []
+
+
+def test_hosts_go_one_at_a_time_but_a_gang_goes_whole():
+    """rollback.yml's batches: each host alone, each gang's members together (the leader first) where its first
+    member comes; a gang chosen without all of its members is refused, naming the missing ones."""
+    hv = two_hosts()
+    hv["solo2"] = dict(hv["solo"])
+    assert _gangs.one_at_a_time(hv, ["solo", "a2", "solo2", "a1"]) == [["solo"], ["a1", "a2"], ["solo2"]]
+    assert _gangs.one_at_a_time(hv, ["solo"]) == [["solo"]] and _gangs.one_at_a_time(hv, []) == []
+    with pytest.raises(ValueError, match=r"instance dsv3 spans a1, a2: a2 must be chosen with the others"):
+        _gangs.one_at_a_time(hv, ["solo", "a1"])
