@@ -1019,6 +1019,7 @@ def _gang_refusals(fleet: Fleet, playbook: Path, gang_vars: dict[str, Any], plan
     started = time.monotonic()
     rc, out = fleet.playbook(playbook, dict(gang_vars, gang_plan=above), label="9 gang mp: the follower starts below its floor")
     fleet.times["boots"].append({"host": f"{leader}+{follower}", "step": "9 gang mp rolled back", "seconds": round(time.monotonic() - started, 1)})
+    fleet.save_times()
     journals = f"--- leader\n{_gang_journal(fleet, leader, unit)[-3000:]}\n--- follower\n{_gang_journal(fleet, follower, unit)[-3000:]}"
     assert rc != 0 and f"{follower}: Check each boot against the plan, and record the plan it passed with failed: {unit}: the boot gate " \
         "started it degraded instead of the plan" in out, f"{out[-8000:]}\n{journals}"
