@@ -10,6 +10,7 @@ from typing import Any
 from ansible.errors import AnsibleActionFail
 from ansible.plugins.action import ActionBase
 
+from ansible_collections.gpufleet.vllm.plugins.plugin_utils import _gangs
 from ansible_collections.gpufleet.vllm.plugins.plugin_utils._report import KINDS, ReportError, build_report, class_artifacts, run_data
 from ansible_collections.gpufleet.vllm.plugins.plugin_utils._report_render import summary_line, write_run_dir
 
@@ -19,6 +20,15 @@ ARGUMENT_SPEC: dict[str, Any] = {
     "data": {"type": "dict"},
     "hosts_from": {"type": "str", "default": "gpufleet_rollout"},
 }
+
+
+def _gangs_of(hostvars: Any, hosts: list[str]) -> list[dict[str, Any]]:
+    """The instances over several of ``hosts`` (gangs), for the report's gang entries. A run stopped by a gang the
+    inventory gets wrong named it already (plays/validate.yml): its report lists no gang rather than failing too."""
+    try:
+        return _gangs.described(hostvars, hosts)
+    except ValueError:  # GangError
+        return []
 
 
 class ActionModule(ActionBase):  # type: ignore[misc]  # ActionBase is Any: ansible-core ships no type information
@@ -40,6 +50,7 @@ class ActionModule(ActionBase):  # type: ignore[misc]  # ActionBase is Any: ansi
             hostvars = task_vars.get("hostvars") or {}
             raw = getattr(hostvars, "raw_get", None)
             data = run_data(hostvars, task_vars.get("groups") or {}, args["hosts_from"], raw_vars=raw)
+            data["gangs"] = _gangs_of(hostvars, list(data["hosts"]))
         # A dry run is recorded as one: ansible_check_mode stays true under a task's check_mode: false.
         data.setdefault("check_mode", bool(task_vars.get("ansible_check_mode", False)))
         try:

@@ -797,6 +797,7 @@ def build_report(data: Mapping[str, Any], kind: str = "rollout", generated: _dt.
     hosts = _host_entries(kind, sources.hosts, {c["name"]: c for c in classes})
     finished = data.get("finished") or (generated or utc_now()).isoformat()
     batches = _batch_entries(data.get("batches") or [], hosts, finished)
+    gangs = _gang_entries(data.get("gangs"), hosts)
     rolled_back = [
         {"host": h["host"], "class": h["class"], "batch": h["batch"], "failed_task": h["failed_task"], "error": h["error"],
          "with_class_after": h["rolled_back_with"]}
@@ -819,6 +820,7 @@ def build_report(data: Mapping[str, Any], kind: str = "rollout", generated: _dt.
         "hosts": hosts,
         "batches": batches,
         "rolled_back": rolled_back,
+        "gangs": gangs,
         # the hosts that failed themselves (a host rolled back with its class did not)
         "failed_hosts": [h["host"] for h in hosts if h["outcome"] in ("rolled_back", "failed") and not h["rolled_back_with"]],
         "check_mode": bool(data.get("check_mode")),
@@ -928,6 +930,29 @@ def _host_entries(kind: str, hosts_raw: Mapping[str, Any], by_name: Mapping[str,
             }
         )
     return hosts
+
+
+# a gang's outcome is its worst member's, in this order (the first is the worst)
+GANG_OUTCOME_ORDER = ("failed", "rolled_back", "not_reached", "skipped", "deployed", "unchanged", "planned", "probed", "audited")
+
+
+def _gang_entries(gangs_raw: Any, hosts: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One entry per instance that spans hosts (a gang, ``{name, leader, members, host_class}`` as
+    ``_gangs.described`` gives it): its members' outcomes, and the gang's, its worst member's (a member not in the
+    report counts as ``not_reached``)."""
+    outcomes = {h["host"]: h["outcome"] for h in hosts}
+    entries = []
+    for i, gang in enumerate(_sequence(gangs_raw or [], "data.gangs")):
+        where = f"data.gangs[{i}]"
+        gang = _mapping(gang, where)
+        members = _str_list(gang.get("members"))
+        if len(members) < 2 or not isinstance(gang.get("name"), str) or not gang["name"]:
+            raise ReportError(f"{where}: expected a gang with its name and two or more members, got {dict(gang)!r}")
+        of_members = {m: outcomes.get(m, "not_reached") for m in members}
+        worst = min(of_members.values(), key=lambda o: GANG_OUTCOME_ORDER.index(o) if o in GANG_OUTCOME_ORDER else 0)
+        entries.append({"name": gang["name"], "leader": str(gang.get("leader") or members[0]), "members": members,
+                        "class": str(gang.get("host_class") or ""), "members_outcomes": of_members, "outcome": worst})
+    return entries
 
 
 def _batch_entries(batches_raw: Any, hosts: list[dict[str, Any]], finished: Any) -> list[dict[str, Any]]:

@@ -273,6 +273,13 @@ def render_markdown(report: Mapping[str, Any]) -> str:
                 f"{_md_cell(', '.join(h['pending']) or '-')} |"
             )
         out.append("")
+    if report.get("gangs"):
+        out += ["## Gangs", "", "| instance | class | members | outcome |", "|---|---|---|---|"]
+        for g in report["gangs"]:
+            members = ", ".join(f"{m} ({o.replace('_', ' ')})" for m, o in g["members_outcomes"].items())
+            out.append(f"| {_md_cell(g['name'] + ' (leader ' + g['leader'] + ')')} | {_md_cell(g['class'])} | {_md_cell(members)} | "
+                       f"{g['outcome'].replace('_', ' ')} |")
+        out.append("")
     if report["rolled_back"]:
         out += ["## Rolled back", ""]
         for rb in report["rolled_back"]:
@@ -731,6 +738,14 @@ def render_html(report: Mapping[str, Any]) -> str:
             for h in report["hosts"]
         ]
         out.append(_html_table(["host", "class", "batch", "outcome", "changed instances"], rows, raw=True))
+    if report.get("gangs"):
+        out.append("<h2>Gangs</h2>")
+        rows = [
+            [esc(f"{g['name']} (leader {g['leader']})"), esc(g["class"]),
+             esc(", ".join(f"{m} ({o.replace('_', ' ')})" for m, o in g["members_outcomes"].items())), _outcome_html(g["outcome"])]
+            for g in report["gangs"]
+        ]
+        out.append(_html_table(["instance", "class", "members", "outcome"], rows, raw=True))
     if report["rolled_back"]:
         out.append("<h2>Rolled back</h2><ul>")
         out += [

@@ -1115,8 +1115,12 @@ def test_an_instance_over_both_hosts_serves_from_the_units_the_role_renders(flee
                                                "gpufleet_hooks": {"drain": str(hook), "undrain": str(hook)}, "hook_dir": str(hooks)},
                                      label="9 gang mp: rollout.yml applies plan.yml's plan")
             assert f"Manual canary on {leader} passed" in out and f"Manual canary on {follower} passed" in out, out[-8000:]
-            # one batch holds the whole gang
+            # one batch holds the whole gang; the run report shows the gang with its members' outcomes
             assert f"batch 1 of 1 of class {CLASS} (run batch 1 of 1): {leader}, {follower} (2 host(s))" in out, out[-8000:]
+            if rc == 0:
+                assert fleet.last_report()["gangs"] == [{
+                    "name": name, "leader": leader, "members": HOSTS, "class": CLASS,
+                    "members_outcomes": {leader: "deployed", follower: "deployed"}, "outcome": "deployed"}]
         else:
             rc, out = fleet.playbook(playbook, {"gpufleet_instances": instances,
                                                 "gpufleet_serve_args": {**SERVE_ARGS, **serve}, "gang_plan": plan,

@@ -550,3 +550,24 @@ def test_a_batch_bake_is_reported_with_every_check():
     data["batches"][1]["analysis"] = {"verdict": "fail"}
     with pytest.raises(ReportError, match=r"data.batches\[1\].analysis: expected the analysis of gpufleet.vllm.rollout_bake"):
         build_report(data, "rollout", generated=WHEN)
+
+
+def test_a_gangs_outcome_is_its_worst_members():
+    """gpu-a and gpu-b run one instance (a gang): gpu-b was rolled back, so the gang was; gpu-c is alone. Every
+    renderer shows the gang with each member's outcome; a gang without members is refused, naming the field."""
+    data = dict(rollout_data(failed_b=True), gangs=[{"name": "main", "leader": "gpu-a", "members": ["gpu-a", "gpu-b"], "host_class": "h200"}])
+    report = build_report(data, "rollout", generated=WHEN)
+    assert report["gangs"] == [{"name": "main", "leader": "gpu-a", "members": ["gpu-a", "gpu-b"], "class": "h200",
+                                "members_outcomes": {"gpu-a": "deployed", "gpu-b": "rolled_back"}, "outcome": "rolled_back"}]
+    md = render_markdown(report)
+    assert "## Gangs" in md and "| main (leader gpu-a) | h200 | gpu-a (deployed), gpu-b (rolled back) | rolled back |" in md, md
+    text, _tags = html_text(render_html(report))
+    assert "main (leader gpu-a)" in text and "gpu-b (rolled back)" in text
+    # a member the report does not know (not reached) and one that passed: the gang is not reached
+    gang = build_report(dict(rollout_data(), gangs=[{"name": "m", "members": ["gpu-a", "gpu-z"]}]), "rollout", generated=WHEN)["gangs"][0]
+    assert (gang["leader"], gang["outcome"], gang["members_outcomes"]["gpu-z"]) == ("gpu-a", "not_reached", "not_reached")
+    # no gang: an empty list, and no section
+    plain = build_report(rollout_data(), "rollout", generated=WHEN)
+    assert plain["gangs"] == [] and "## Gangs" not in render_markdown(plain)
+    with pytest.raises(ReportError, match=r"data\.gangs\[0\]: expected a gang with its name and two or more members"):
+        build_report(dict(rollout_data(), gangs=[{"name": "m", "members": ["gpu-a"]}]), "rollout", generated=WHEN)
