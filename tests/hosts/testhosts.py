@@ -313,6 +313,11 @@ class Harness:
         for path in sorted(self.hosts_dir.glob("*/host.json")):
             try:
                 info = HostInfo.load(path)
+            except FileNotFoundError:
+                # the host went down between the listing and the read (another stage's test tore it down: the
+                # molecule, readme and integration stages run at once); records are written atomically, so a
+                # record that is there reads whole
+                continue
             except (OSError, ValueError, TypeError) as exc:
                 raise HarnessError(f"unreadable host record {path}: {exc}") from exc
             out[info.name] = info
