@@ -22,11 +22,14 @@ ARGUMENT_SPEC: dict[str, Any] = {
 }
 
 
-def _gangs_of(hostvars: Any, hosts: list[str]) -> list[dict[str, Any]]:
+def _gangs_of(hostvars: Any, inventory: list[str], hosts: list[str]) -> list[dict[str, Any]]:
     """The instances over several of ``hosts`` (gangs), for the report's gang entries. A run stopped by a gang the
-    inventory gets wrong named it already (plays/validate.yml): its report lists no gang rather than failing too."""
+    inventory gets wrong named it already (plays/validate.yml): its report lists no gang rather than failing too.
+    The inventory's hosts are read as a plain mapping: outside a template, Ansible's hostvars cannot answer for a
+    host it does not know (a gang that names one)."""
+    known = {str(h): hostvars[h] for h in inventory if h in hostvars}
     try:
-        return _gangs.described(hostvars, hosts)
+        return _gangs.described(known, hosts)
     except ValueError:  # GangError
         return []
 
@@ -50,7 +53,7 @@ class ActionModule(ActionBase):  # type: ignore[misc]  # ActionBase is Any: ansi
             hostvars = task_vars.get("hostvars") or {}
             raw = getattr(hostvars, "raw_get", None)
             data = run_data(hostvars, task_vars.get("groups") or {}, args["hosts_from"], raw_vars=raw)
-            data["gangs"] = _gangs_of(hostvars, list(data["hosts"]))
+            data["gangs"] = _gangs_of(hostvars, list((task_vars.get("groups") or {}).get("all") or []), list(data["hosts"]))
         # A dry run is recorded as one: ansible_check_mode stays true under a task's check_mode: false.
         data.setdefault("check_mode", bool(task_vars.get("ansible_check_mode", False)))
         try:

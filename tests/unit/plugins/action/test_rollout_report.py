@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 from unittest.mock import MagicMock
 
@@ -90,3 +93,52 @@ def test_probe_report(tmp_path):
     assert result["summary"].startswith("probe: 1 of 2 host(s) probed, 1 GPU(s), 0 of 1 instance(s) active; lowest boot free")
     with pytest.raises(AnsibleActionFail, match=r"rollout_report \(probe\): data.probe"):
         action({"kind": "probe", "data": {"classes": {}}}).run(task_vars={})
+
+
+GANG_INVENTORY = """
+all:
+  children:
+    gpufleet_rollout:
+      hosts:
+        ga: {{gpufleet_host_class: c1, gpufleet_serve_args: {{tensor_parallel_size: 2}}, gpufleet_instances: [{{name: m, gpus: [0], port: 8000, gang: {gang}}}]}}
+        gb: {{gpufleet_host_class: c1, gpufleet_serve_args: {{tensor_parallel_size: 2}}, gpufleet_instances: [{{name: m, gpus: [0], port: 8000, gang: {gang}}}]}}
+        solo: {{gpufleet_host_class: c2, gpufleet_instances: "{{{{ [{{'name': 'x', 'gpus': [0], 'port': 8001}}] }}}}"}}
+  vars:
+    ansible_connection: local
+"""
+GANG_PLAY = """
+- hosts: localhost
+  gather_facts: false
+  tasks:
+    - gpufleet.vllm.rollout_report:
+        kind: rollout
+      register: report
+    - ansible.builtin.copy:
+        content: "{{ report.report.gangs | to_json }}"
+        dest: "{{ out }}"
+        mode: "0600"
+"""
+
+
+@pytest.mark.parametrize(("gang", "expected"), [
+    ("{mode: mp, members: [ga, gb]}", [{"name": "m", "leader": "ga", "members": ["ga", "gb"], "class": "c1",
+                                         "members_outcomes": {"ga": "skipped", "gb": "skipped"}, "outcome": "skipped"}]),
+    # a gang the inventory gets wrong (a leader the inventory does not know): no gang entry, and still a report
+    ("{mode: mp, members: [ga, gb], leader: nowhere}", []),
+])
+def test_a_runs_report_reads_its_gangs_from_hostvars(tmp_path, gang, expected):
+    """Through ansible-playbook, with Ansible's own hostvars: outside a template they cannot answer for a host the
+    inventory does not know, which once failed the report of a run whose gang named one."""
+    (tmp_path / "inventory.yml").write_text(GANG_INVENTORY.format(gang=gang), encoding="utf-8")
+    (tmp_path / "play.yml").write_text(GANG_PLAY, encoding="utf-8")
+    collections = tmp_path / "collections"
+    (collections / "ansible_collections" / "gpufleet").mkdir(parents=True)
+    os.symlink(Path(__file__).resolve().parents[4], collections / "ansible_collections" / "gpufleet" / "vllm")
+    playbook = Path(sys.executable).parent / "ansible-playbook"
+    env = dict(os.environ, ANSIBLE_COLLECTIONS_PATH=str(collections), ANSIBLE_NOCOLOR="1", ANSIBLE_LOCALHOST_WARNING="0")
+    out = tmp_path / "gangs.json"
+    done = subprocess.run([str(playbook if playbook.exists() else shutil.which("ansible-playbook")), "-i", str(tmp_path / "inventory.yml"),
+                           str(tmp_path / "play.yml"), "-e", f"out={out}", "-e", f"ansible_python_interpreter={sys.executable}"],
+                          capture_output=True, text=True, env=env, timeout=120, check=False)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert json.loads(out.read_text(encoding="utf-8")) == expected
