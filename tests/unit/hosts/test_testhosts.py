@@ -107,8 +107,8 @@ def test_registry_reads_records_and_owners(tmp_path: Path) -> None:
         h.registry()
 
 
-def test_a_record_that_goes_away_while_the_registry_is_read_is_a_host_that_went_down(tmp_path: Path,
-                                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_record_that_goes_away_while_the_registry_is_read_is_a_host_that_went_down(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The molecule, readme and integration stages run at once: a host another stage tears down between the listing
     of the records and the read of its own is left out, not an error (a CI run's readme stage failed on it)."""
     h = testhosts.Harness(tmp_path)

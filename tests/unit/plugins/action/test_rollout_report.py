@@ -100,8 +100,10 @@ all:
   children:
     gpufleet_rollout:
       hosts:
-        ga: {{gpufleet_host_class: c1, gpufleet_serve_args: {{tensor_parallel_size: 2}}, gpufleet_instances: [{{name: m, gpus: [0], port: 8000, gang: {gang}}}]}}
-        gb: {{gpufleet_host_class: c1, gpufleet_serve_args: {{tensor_parallel_size: 2}}, gpufleet_instances: [{{name: m, gpus: [0], port: 8000, gang: {gang}}}]}}
+        ga: {{gpufleet_host_class: c1, gpufleet_serve_args: {{tensor_parallel_size: 2}},
+             gpufleet_instances: [{{name: m, gpus: [0], port: 8000, gang: {gang}}}]}}
+        gb: {{gpufleet_host_class: c1, gpufleet_serve_args: {{tensor_parallel_size: 2}},
+             gpufleet_instances: [{{name: m, gpus: [0], port: 8000, gang: {gang}}}]}}
         solo: {{gpufleet_host_class: c2, gpufleet_instances: "{{{{ [{{'name': 'x', 'gpus': [0], 'port': 8001}}] }}}}"}}
   vars:
     ansible_connection: local
@@ -121,8 +123,9 @@ GANG_PLAY = """
 
 
 @pytest.mark.parametrize(("gang", "expected"), [
-    ("{mode: mp, members: [ga, gb]}", [{"name": "m", "leader": "ga", "members": ["ga", "gb"], "class": "c1",
-                                         "members_outcomes": {"ga": "skipped", "gb": "skipped"}, "outcome": "skipped"}]),
+    ("{mode: mp, members: [ga, gb]}",
+     [{"name": "m", "leader": "ga", "members": ["ga", "gb"], "class": "c1", "members_outcomes": {"ga": "skipped", "gb": "skipped"},
+       "outcome": "skipped"}]),
     # a gang the inventory gets wrong (a leader the inventory does not know): no gang entry, and still a report
     ("{mode: mp, members: [ga, gb], leader: nowhere}", []),
 ])
