@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from ansible.errors import AnsibleActionFail
@@ -48,6 +49,11 @@ class ActionModule(ActionBase):  # type: ignore[misc]  # ActionBase is Any: ansi
         _validation, args = self.validate_argument_spec(argument_spec=ARGUMENT_SPEC)
         if args["data"] is not None:
             data = dict(args["data"])
+            audited = data.get("audit", {}).get("hosts") if isinstance(data.get("audit"), Mapping) else None
+            if "gangs" not in data and isinstance(audited, Mapping):
+                # an audit judges each member's ranks; the report judges its gangs from them
+                data["gangs"] = _gangs_of(task_vars.get("hostvars") or {}, list((task_vars.get("groups") or {}).get("all") or []),
+                                          [str(h) for h in audited])
         else:
             # a run that failed before it grouped its hosts has no group yet: a report of no host
             hostvars = task_vars.get("hostvars") or {}

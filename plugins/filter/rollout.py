@@ -83,12 +83,13 @@ def class_settings_problems(hostvars: Any, hosts: Any) -> list[str]:
     return _rollout.class_settings_problems(views)
 
 
-def metrics_targets(instances: Any, host: Any, listen_host: Any = "0.0.0.0", reach: Any = None, address: Any = None) -> list[dict[str, str]]:
+def metrics_targets(instances: Any, host: Any, listen_host: Any = "0.0.0.0", reach: Any = None, address: Any = None,
+                    gang_launch: Any = None) -> list[dict[str, str]]:
     """A host's instances -> where the controller reads each engine's /metrics during a bake."""
     if not isinstance(host, str) or not host:
         raise AnsibleFilterError("metrics_targets: host must be the inventory host's name")
     try:
-        return _analysis.metrics_targets(host, instances, listen_host, reach, address)
+        return _analysis.metrics_targets(host, instances, listen_host, reach, address, gang_launch)
     except _analysis.AnalysisError as exc:
         raise AnsibleFilterError(f"metrics_targets: {exc}") from None
 

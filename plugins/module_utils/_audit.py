@@ -34,6 +34,7 @@ import calendar
 import glob
 import os
 import re
+import shlex
 import sys
 import time
 import typing as t
@@ -41,6 +42,7 @@ import typing as t
 from ._gate._boot_gate import POLICIES, BootGateError, decide, read_plan, read_state, trust_problem
 from ._gpu._gpu_health import health_checks
 from ._plan._launch import PLAN_CHECKSUM_DROPIN, PLAN_CHECKSUM_VARIABLE
+from ._units._gang import member_of_args
 from ._units._instance import unit_name
 
 RunCommand = t.Callable[[t.Sequence[str]], t.Tuple[int, str, str]]
@@ -65,6 +67,25 @@ def plan_timestamp(value: t.Any) -> float | None:
 
 def plan_files(state_dir: str) -> list[str]:
     return sorted(glob.glob(os.path.join(glob.escape(state_dir), "*.plan.json")))
+
+
+def unit_gang(unit_dir: str, unit: str) -> dict[str, t.Any] | None:
+    """The gang (an instance over several hosts) the unit's ``ExecStart`` runs a member of, as
+    :func:`_gang.member_of_args` reads its rank arguments; None for an instance on one host or a unit
+    that cannot be read. The exporter labels the member with it, so that Prometheus can judge a gang
+    by its worst member."""
+    try:
+        with open(os.path.join(unit_dir, unit), encoding="utf-8") as handle:
+            text = handle.read()
+    except (OSError, UnicodeDecodeError):
+        return None
+    for line in text.replace("\\\n", " ").splitlines():
+        if line.startswith("ExecStart="):
+            try:
+                return member_of_args(shlex.split(line[len("ExecStart="):]))
+            except ValueError:  # quoting shlex does not read as systemd does: not a unit this collection wrote
+                return None
+    return None
 
 
 def recorded_checksum(unit_dir: str, unit: str) -> str | None:
@@ -215,6 +236,7 @@ def audit(state_dir: str, nvml: t.Any, now: float | None = None,
             if entry["verdict"] == "ok":
                 entry["verdict"] = "reprofile_due"
         entry["plan_file"] = path
+        entry["gang"] = unit_gang(unit_dir, unit)
         instances.append(entry)
     return {"checked_at": now, "instances": instances, "errors": errors,
             "clock_skew_seconds": round(skew, 3) if skew is not None else None}
@@ -274,6 +296,9 @@ def registry(report: t.Mapping[str, t.Any], prometheus: t.Any) -> t.Any:
                    "does not support the query, or NVML could not read the GPU)", [*rank_labels, "uuid", "check"])
     info = gauge("gpu_info", "1 per rank: the card NVML finds at the rank's GPU index now (UUID, PCI bus id), to join with "
                  "the rank's other series", [*rank_labels, "uuid", "pci_bus_id"])
+    gang = gauge("gang_member", "1 when the instance runs as a member of a gang (an instance over several hosts): gang is the "
+                 "address and port its members meet at, the same on each; a gang starts only when every member does",
+                 [*inst_labels, "gang", "leader"])
     errors = prometheus.Gauge(METRIC_PREFIX + "plan_file_errors", "plan files that cannot be read", registry=reg)
     errors.set(len(report.get("errors") or ()))
     for inst in report["instances"]:
@@ -312,6 +337,8 @@ def registry(report: t.Mapping[str, t.Any], prometheus: t.Any) -> t.Any:
         if inst["plan_timestamp"] is not None:
             planned.labels(**labels).set(inst["plan_timestamp"])
         audited.labels(**labels).set(report["checked_at"])
+        if inst.get("gang"):
+            gang.labels(gang=inst["gang"]["gang"], leader="true" if inst["gang"]["leader"] else "false", **labels).set(1)
     return reg
 
 

@@ -96,7 +96,9 @@ instances:
       C(floor_bytes), C(margin_bytes), C(health) as M(gpufleet.vllm.gpu_memory_info) returns it), C(min_margin_bytes),
       C(kv_cache_memory_bytes), C(kv_cache_tokens), C(would_start),
       C(planned_at), C(plan_age_days), C(compat_key_hash), C(reference_key_hash), C(key_matches),
-      C(last_start) (the gate's last record), C(plan_checksum) and C(recorded_checksum) (the unit's) and C(reasons).
+      C(last_start) (the gate's last record), C(plan_checksum) and C(recorded_checksum) (the unit's), C(reasons),
+      C(plan_file) and C(gang) (for a member of an instance over several hosts, C(gang), the C(ADDRESS:PORT) its members
+      meet at, and C(leader); else null).
   returned: success
   type: list
   elements: dict

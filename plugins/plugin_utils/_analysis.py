@@ -431,8 +431,12 @@ def _loopback(address: str) -> bool:
 
 
 def metrics_targets(host: str, instances: t.Any, listen_host: t.Any = "0.0.0.0", reach: t.Any = None,
-                    address: t.Any = None) -> list[dict[str, str]]:
+                    address: t.Any = None, gang_launch: t.Any = None) -> list[dict[str, str]]:
     """Where the controller reads each engine of ``host`` during a bake: ``[{host, instance, url}]``.
+
+    An instance this host runs as a gang member without an API server (``gang_launch``, as the filter
+    ``gang_member_launch`` gives it, ``serves_api`` false: a headless follower) has no ``/metrics``:
+    its gang's engines are read at the member that serves the API, so it is left out.
 
     The address is ``address`` when given (``gpufleet_metrics_address``), else the one the engines
     listen on (``vllm_service_listen_host``), else, for engines that listen on every address,
@@ -453,10 +457,17 @@ def metrics_targets(host: str, instances: t.Any, listen_host: t.Any = "0.0.0.0",
         else:
             chosen, where = listen, "vllm_service_listen_host"
     url_host = _url_host(chosen, f"{host}: {where}")
+    if gang_launch is None:
+        gang_launch = {}
+    if not isinstance(gang_launch, t.Mapping):
+        raise AnalysisError(f"{host}: gang_launch: expected the host's gang launches by instance, got {type(gang_launch).__name__}")
     out = []
     for pos, instance in enumerate(instances):
         if not isinstance(instance, t.Mapping) or not isinstance(instance.get("name"), str):
             raise AnalysisError(f"{host}: gpufleet_instances[{pos}]: expected a mapping with a name, got {instance!r}")
+        launch = gang_launch.get(instance["name"])
+        if isinstance(launch, t.Mapping) and launch.get("serves_api", True) is False:
+            continue
         port = instance.get("port")
         if isinstance(port, str) and port.isdigit():
             port = int(port)

@@ -546,7 +546,7 @@ def _signed_int(value: Any, field: str) -> int | None:
     return _int(value, field)
 
 
-def _audit_summary(audit: Mapping[str, Any]) -> dict[str, Any]:
+def _audit_summary(audit: Mapping[str, Any], gangs: Sequence[Mapping[str, Any]] = ()) -> dict[str, Any]:
     instances = [(h["host"], i) for h in audit["hosts"] for i in h["instances"]]
     counts = {v: 0 for v in AUDIT_VERDICTS}
     for _host, inst in instances:
@@ -559,6 +559,8 @@ def _audit_summary(audit: Mapping[str, Any]) -> dict[str, Any]:
         "would_refuse": [f"{h}/{i['instance']}" for h, i in instances if i["verdict"] == "would_refuse"],
         "would_shrink": [f"{h}/{i['instance']}" for h, i in instances if i["verdict"] == "would_shrink"],
         "plan_edited": [f"{h}/{i['instance']}" for h, i in instances if i["verdict"] == "plan_edited"],
+        # a gang's verdict is its worst member's: name@leader, as the gang steps name a gang
+        "gangs": {f"{g['name']}@{g['leader']}": g["verdict"] for g in gangs if "verdict" in g},
     }
 
 
@@ -797,7 +799,7 @@ def build_report(data: Mapping[str, Any], kind: str = "rollout", generated: _dt.
     hosts = _host_entries(kind, sources.hosts, {c["name"]: c for c in classes})
     finished = data.get("finished") or (generated or utc_now()).isoformat()
     batches = _batch_entries(data.get("batches") or [], hosts, finished)
-    gangs = _gang_entries(data.get("gangs"), hosts)
+    gangs = _gang_entries(data.get("gangs"), hosts, sources.audit)
     rolled_back = [
         {"host": h["host"], "class": h["class"], "batch": h["batch"], "failed_task": h["failed_task"], "error": h["error"],
          "with_class_after": h["rolled_back_with"]}
@@ -936,10 +938,12 @@ def _host_entries(kind: str, hosts_raw: Mapping[str, Any], by_name: Mapping[str,
 GANG_OUTCOME_ORDER = ("failed", "rolled_back", "not_reached", "skipped", "deployed", "unchanged", "planned", "probed", "audited")
 
 
-def _gang_entries(gangs_raw: Any, hosts: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def _gang_entries(gangs_raw: Any, hosts: list[dict[str, Any]], audit: Mapping[str, Any] | None = None) -> list[dict[str, Any]]:
     """One entry per instance that spans hosts (a gang, ``{name, leader, members, host_class}`` as
     ``_gangs.described`` gives it): its members' outcomes, and the gang's, its worst member's (a member not in the
-    report counts as ``not_reached``)."""
+    report counts as ``not_reached``). In an audit, its members' verdicts on the gang's instance too, and the
+    gang's, its worst member's: one member that would be refused at its next start stops the whole gang's start
+    (a member whose instance was not audited counts as ``would_refuse``: nothing says it would start)."""
     outcomes = {h["host"]: h["outcome"] for h in hosts}
     entries = []
     for i, gang in enumerate(_sequence(gangs_raw or [], "data.gangs")):
@@ -950,9 +954,23 @@ def _gang_entries(gangs_raw: Any, hosts: list[dict[str, Any]]) -> list[dict[str,
             raise ReportError(f"{where}: expected a gang with its name and two or more members, got {dict(gang)!r}")
         of_members = {m: outcomes.get(m, "not_reached") for m in members}
         worst = min(of_members.values(), key=lambda o: GANG_OUTCOME_ORDER.index(o) if o in GANG_OUTCOME_ORDER else 0)
-        entries.append({"name": gang["name"], "leader": str(gang.get("leader") or members[0]), "members": members,
-                        "class": str(gang.get("host_class") or ""), "members_outcomes": of_members, "outcome": worst})
+        entry = {"name": gang["name"], "leader": str(gang.get("leader") or members[0]), "members": members,
+                 "class": str(gang.get("host_class") or ""), "members_outcomes": of_members, "outcome": worst}
+        if audit is not None:
+            verdicts = _gang_audit_verdicts(audit, gang["name"], members)
+            entry["members_verdicts"] = verdicts
+            entry["verdict"] = min(verdicts.values(), key=AUDIT_VERDICTS.index)
+        entries.append(entry)
     return entries
+
+
+def _gang_audit_verdicts(audit: Mapping[str, Any], name: str, members: list[str]) -> dict[str, str]:
+    by_host = {h["host"]: h for h in audit["hosts"]}
+    verdicts = {}
+    for member in members:
+        found = [i["verdict"] for i in (by_host.get(member) or {}).get("instances", []) if i["instance"] == name]
+        verdicts[member] = found[0] if found else "would_refuse"
+    return verdicts
 
 
 def _batch_entries(batches_raw: Any, hosts: list[dict[str, Any]], finished: Any) -> list[dict[str, Any]]:
@@ -1032,7 +1050,7 @@ def _summary(report: Mapping[str, Any]) -> dict[str, Any]:
     if report.get("probe") is not None:
         out["probe"] = _probe_summary(report["probe"])
     if report.get("audit") is not None:
-        out["audit"] = _audit_summary(report["audit"])
+        out["audit"] = _audit_summary(report["audit"], report.get("gangs") or [])
         out["ok"] = out["ok"] and not out["audit"]["would_refuse"] and not out["audit"]["plan_edited"]
     return out
 

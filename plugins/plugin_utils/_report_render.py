@@ -274,11 +274,12 @@ def render_markdown(report: Mapping[str, Any]) -> str:
             )
         out.append("")
     if report.get("gangs"):
-        out += ["## Gangs", "", "| instance | class | members | outcome |", "|---|---|---|---|"]
+        out += ["## Gangs", "", f"| instance | class | members | {_gang_column(report)} |", "|---|---|---|---|"]
         for g in report["gangs"]:
-            members = ", ".join(f"{m} ({o.replace('_', ' ')})" for m, o in g["members_outcomes"].items())
+            of_members, whole = _gang_cells(g)
+            members = ", ".join(f"{m} ({o.replace('_', ' ')})" for m, o in of_members.items())
             out.append(f"| {_md_cell(g['name'] + ' (leader ' + g['leader'] + ')')} | {_md_cell(g['class'])} | {_md_cell(members)} | "
-                       f"{g['outcome'].replace('_', ' ')} |")
+                       f"{whole.replace('_', ' ')} |")
         out.append("")
     if report["rolled_back"]:
         out += ["## Rolled back", ""]
@@ -742,10 +743,11 @@ def render_html(report: Mapping[str, Any]) -> str:
         out.append("<h2>Gangs</h2>")
         rows = [
             [esc(f"{g['name']} (leader {g['leader']})"), esc(g["class"]),
-             esc(", ".join(f"{m} ({o.replace('_', ' ')})" for m, o in g["members_outcomes"].items())), _outcome_html(g["outcome"])]
+             esc(", ".join(f"{m} ({o.replace('_', ' ')})" for m, o in _gang_cells(g)[0].items())),
+             _outcome_html(g["outcome"]) if "verdict" not in g else esc(g["verdict"].replace("_", " "))]
             for g in report["gangs"]
         ]
-        out.append(_html_table(["instance", "class", "members", "outcome"], rows, raw=True))
+        out.append(_html_table(["instance", "class", "members", _gang_column(report)], rows, raw=True))
     if report["rolled_back"]:
         out.append("<h2>Rolled back</h2><ul>")
         out += [
@@ -802,3 +804,14 @@ def write_run_dir(report_dir: str, report: Mapping[str, Any], moment: _dt.dateti
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def _gang_column(report: Mapping[str, Any]) -> str:
+    """An audit judges a gang by its members' verdicts (its worst member's); a run by their outcomes."""
+    return "verdict" if report.get("kind") == "audit" else "outcome"
+
+
+def _gang_cells(gang: Mapping[str, Any]) -> tuple[Mapping[str, str], str]:
+    if "verdict" in gang:
+        return gang["members_verdicts"], gang["verdict"]
+    return gang["members_outcomes"], gang["outcome"]

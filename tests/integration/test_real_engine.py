@@ -79,6 +79,7 @@ from typing import Any
 
 import pytest
 import yaml
+from prometheus_client.parser import text_string_to_metric_families
 
 from ansible_collections.gpufleet.vllm.plugins.module_utils._engine import _engine_process, _serve_argv
 from ansible_collections.gpufleet.vllm.plugins.module_utils._engine._boot_check import capacity_figures, evaluate_boot, summarise_log
@@ -114,6 +115,8 @@ PLAN = "/etc/gpufleet/main.plan.json"
 ROLLOUT = REPO / "playbooks" / "rollout.yml"
 PROFILE = REPO / "playbooks" / "profile.yml"
 PLAN_PLAYBOOK = REPO / "playbooks" / "plan.yml"
+AUDIT = REPO / "playbooks" / "audit.yml"
+TEXTFILE = "/var/lib/prometheus/node-exporter/gpufleet_vllm.prom"
 SIM_ENGINE = REPO / "sim" / "engine" / "vllm"
 GATE = "/usr/local/libexec/gpufleet-vllm-boot-gate"
 TIMES_FILE = CACHE / "integration" / "real-engine-times.json"
@@ -995,6 +998,35 @@ def _gang_plan_changed(plan: dict[str, Any], follower_floor: int) -> dict[str, A
     return changed
 
 
+def _gang_audit(fleet: Fleet, gang_vars: dict[str, Any], name: str, address: str, port: int) -> None:
+    """Between rollouts: a co-tenant on the follower takes its GPU 1 MiB below its rank's floor. audit.yml judges each
+    member on its own host and the gang by its worst member (the follower's next start would be shrunk, so the gang's
+    would); each member's metrics exporter labels the instance with where the gang meets (gpufleet_vllm_gang_member)."""
+    leader, follower = HOSTS
+    floor = json.loads(fleet.read(follower, f"/etc/gpufleet/{name}.plan.json") or "{}")["launch"]["free_floor_bytes"]["0"]
+    nvml_state.save(fleet.hosts.fake_nvml_state(follower), _fake_gpu_state(floor - (1 << 20)))
+    try:
+        rc, out = fleet.playbook(AUDIT, gang_vars, label="9 gang mp: audit.yml with the follower below its floor")
+        exported = {h: fleet.h.exec(h, ["systemctl", "start", "gpufleet-vllm-metrics.service"]).returncode for h in HOSTS}
+        exported_log = {h: fleet.h.exec(h, ["journalctl", "-u", "gpufleet-vllm-metrics", "--no-pager", "-n", "20"]).stdout
+                        for h, rc in exported.items() if rc}
+        textfiles = {h: fleet.read(h, TEXTFILE) or "" for h in HOSTS}
+    finally:
+        nvml_state.save(fleet.hosts.fake_nvml_state(follower), _fake_gpu_state())
+    assert rc == 0, out[-6000:]
+    report = fleet.last_report()
+    assert report["kind"] == "audit", report["kind"]
+    verdicts = report["gangs"][0]["members_verdicts"] if report["gangs"] else {}
+    assert verdicts.get(follower) == "would_shrink" and verdicts.get(leader) not in ("would_shrink", "would_refuse"), report["gangs"]
+    assert report["gangs"][0]["verdict"] == "would_shrink" and report["summary"]["audit"]["gangs"] == {f"{name}@{leader}": "would_shrink"}
+    assert exported == {h: 0 for h in HOSTS}, exported_log
+    for host in HOSTS:
+        member = [dict(s.labels) for fam in text_string_to_metric_families(textfiles[host]) for s in fam.samples
+                  if s.name == "gpufleet_vllm_gang_member" and s.labels.get("vllm_instance") == name]
+        assert member == [{"vllm_instance": name, "class": CLASS, "gang": f"{address}:{port}",
+                           "leader": "true" if host == leader else "false"}], (host, textfiles[host][-3000:])
+
+
 def _gang_refusals(fleet: Fleet, playbook: Path, gang_vars: dict[str, Any], plan: dict[str, Any], unit: str, name: str) -> None:
     """A member's refusal stops the whole gang, or rolls every member back (the role's gang steps,
     roles/vllm_service/tasks/gang.yml): the gang that served before serves again, its files byte for byte."""
@@ -1164,6 +1196,8 @@ def test_an_instance_over_both_hosts_serves_from_the_units_the_role_renders(flee
         if mode == "mp":
             # the follower runs headless: no API server, its rank's memory line only
             assert "Application startup complete" not in tail and "Explicitly set" in tail, tail[-3000:]
+            _gang_audit(fleet, {"gpufleet_instances": instances, "gpufleet_serve_args": {**SERVE_ARGS, **serve}}, name,
+                        address[leader], spec["port"])
             # a member's refusal stops the whole gang (before the stop) or rolls every member back (after it)
             _gang_refusals(fleet, playbook, {"gpufleet_instances": instances, "gpufleet_serve_args": {**SERVE_ARGS, **serve},
                                              "gang_plan": plan, "gang_hook": str(hook), "hook_dir": str(hooks)}, plan, unit, name)

@@ -29,7 +29,7 @@ def promtool() -> str:
 def test_promtool_check_rules():
     done = subprocess.run([promtool(), "check", "rules", str(RULES)], capture_output=True, text=True, timeout=60, check=False)
     assert done.returncode == 0, done.stdout + done.stderr
-    assert "SUCCESS: 9 rules found" in done.stdout
+    assert "SUCCESS: 10 rules found" in done.stdout
 
 
 def test_promtool_test_rules():
@@ -47,7 +47,8 @@ def test_the_rules_use_only_metrics_the_exporter_writes():
     instance = {"instance": "main", "host_class": "c", "verdict": "ok", "kv_cache_memory_bytes": 1, "kv_cache_tokens": 16,
                 "plan_timestamp": 0.0, "last_start": last_start,
                 "ranks": [{"rank": 0, "gpu": 0, "floor_bytes": 2, "free_bytes": 1, "margin_bytes": -1, "uuid": "GPU-1",
-                           "health": {"remapped_rows": {"pending": True, "failure": False}, "errors": {}}}]}
+                           "health": {"remapped_rows": {"pending": True, "failure": False}, "errors": {}}}],
+                "gang": {"gang": "10.0.0.1:29501", "leader": True}}
     report = {"checked_at": 1.0, "errors": [], "instances": [instance]}
     text = prometheus_client.generate_latest(_audit.registry(report, prometheus_client)).decode()
     written = set(re.findall(r"^(gpufleet_vllm_\w+)\{", text, flags=re.M))

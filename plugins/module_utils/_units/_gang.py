@@ -263,6 +263,26 @@ def member_args(gang: Gang, host: str) -> list[str]:
     return args + (["--data-parallel-start-rank", str(gang.start_rank(host)), "--headless"] if rank > 0 else [])
 
 
+def member_of_args(words: t.Sequence[str]) -> dict[str, t.Any] | None:
+    """What :func:`member_args` put in a command line, read back (the audit reads a unit's ``ExecStart``): ``{gang,
+    leader}``, ``gang`` the ``ADDRESS:PORT`` every member of one gang meets at, ``leader`` whether this member runs
+    its rank 0 (``--node-rank 0``; ``--data-parallel-start-rank 0`` or none). None for an instance on one host."""
+    found: dict[str, str] = {}
+    for i, word in enumerate(words[:-1]):
+        if word in _RANK_OPTIONS:
+            found[_RANK_OPTIONS[word]] = words[i + 1]
+    if "address" not in found or "port" not in found:
+        return None
+    rank = found.get("node_rank", found.get("start_rank", "0"))
+    return {"gang": f"{found['address']}:{found['port']}", "leader": rank == "0"}
+
+
+# the options member_args writes, as member_of_args reads them back
+_RANK_OPTIONS = {"--master-addr": "address", "--master-port": "port", "--node-rank": "node_rank",
+                 "--data-parallel-address": "address", "--data-parallel-rpc-port": "port",
+                 "--data-parallel-start-rank": "start_rank"}
+
+
 def member_launch(gang: Gang, host: str, infiniband: bool = False) -> dict[str, t.Any]:
     """What ``host``'s unit adds to a one-host instance's to run its rank of the gang.
 

@@ -113,23 +113,35 @@ GANG_PLAY = """
   gather_facts: false
   tasks:
     - gpufleet.vllm.rollout_report:
-        kind: rollout
+        kind: "{{ kind }}"
+        data: "{{ audit_data if kind == 'audit' else omit }}"
       register: report
     - ansible.builtin.copy:
         content: "{{ report.report.gangs | to_json }}"
         dest: "{{ out }}"
         mode: "0600"
+  vars:
+    # what audit.yml gives: each member's instance judged on its own host
+    audit_data:
+      audit:
+        hosts:
+          ga: {class: c1, error: null, instances: [{instance: m, verdict: ok, ranks: []}]}
+          gb: {class: c1, error: null, instances: [{instance: m, verdict: would_refuse, ranks: []}]}
 """
 
 
-@pytest.mark.parametrize(("gang", "expected"), [
-    ("{mode: mp, members: [ga, gb]}",
+@pytest.mark.parametrize(("kind", "gang", "expected"), [
+    ("rollout", "{mode: mp, members: [ga, gb]}",
      [{"name": "m", "leader": "ga", "members": ["ga", "gb"], "class": "c1", "members_outcomes": {"ga": "skipped", "gb": "skipped"},
        "outcome": "skipped"}]),
     # a gang the inventory gets wrong (a leader the inventory does not know): no gang entry, and still a report
-    ("{mode: mp, members: [ga, gb], leader: nowhere}", []),
+    ("rollout", "{mode: mp, members: [ga, gb], leader: nowhere}", []),
+    # an audit's gang: its worst member's verdict
+    ("audit", "{mode: mp, members: [ga, gb]}",
+     [{"name": "m", "leader": "ga", "members": ["ga", "gb"], "class": "c1", "members_outcomes": {"ga": "audited", "gb": "audited"},
+       "outcome": "audited", "members_verdicts": {"ga": "ok", "gb": "would_refuse"}, "verdict": "would_refuse"}]),
 ])
-def test_a_runs_report_reads_its_gangs_from_hostvars(tmp_path, gang, expected):
+def test_a_runs_report_reads_its_gangs_from_hostvars(tmp_path, kind, gang, expected):
     """Through ansible-playbook, with Ansible's own hostvars: outside a template they cannot answer for a host the
     inventory does not know, which once failed the report of a run whose gang named one."""
     (tmp_path / "inventory.yml").write_text(GANG_INVENTORY.format(gang=gang), encoding="utf-8")
@@ -141,7 +153,7 @@ def test_a_runs_report_reads_its_gangs_from_hostvars(tmp_path, gang, expected):
     env = dict(os.environ, ANSIBLE_COLLECTIONS_PATH=str(collections), ANSIBLE_NOCOLOR="1", ANSIBLE_LOCALHOST_WARNING="0")
     out = tmp_path / "gangs.json"
     done = subprocess.run([str(playbook if playbook.exists() else shutil.which("ansible-playbook")), "-i", str(tmp_path / "inventory.yml"),
-                           str(tmp_path / "play.yml"), "-e", f"out={out}", "-e", f"ansible_python_interpreter={sys.executable}"],
+                           str(tmp_path / "play.yml"), "-e", f"out={out}", "-e", f"kind={kind}", "-e", f"ansible_python_interpreter={sys.executable}"],
                           capture_output=True, text=True, env=env, timeout=120, check=False)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert json.loads(out.read_text(encoding="utf-8")) == expected

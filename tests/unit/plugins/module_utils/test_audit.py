@@ -19,6 +19,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from ansible_collections.gpufleet.vllm.plugins.module_utils import _audit
 from ansible_collections.gpufleet.vllm.plugins.module_utils._gate import _boot_gate
+from ansible_collections.gpufleet.vllm.plugins.module_utils._units import _gang
+from ansible_collections.gpufleet.vllm.plugins.module_utils._validate import systemd_exec_start
 from ansible_collections.gpufleet.vllm.plugins.plugin_utils import _report, _report_render
 from ansible_collections.gpufleet.vllm.tests.fake_nvml import nvml_state
 
@@ -148,6 +150,34 @@ def test_textfile_metrics_carry_the_margin_and_the_degraded_flag(tmp_path):
     assert samples[("gpufleet_vllm_plan_timestamp_seconds", inst)] == 1799539200
     assert samples[("gpufleet_vllm_last_audit_timestamp_seconds", inst)] == NOW
     assert [p.name for p in tmp_path.iterdir()] == ["gpufleet_vllm.prom"], "no temporary file is left"
+
+
+
+def test_a_gang_member_is_labelled_with_where_its_gang_meets(tmp_path):
+    """The rank arguments the role renders for a member of a gang are read back from its unit: the exporter labels the
+    member with the address its members meet at, so that Prometheus judges the gang by its worst member."""
+    gang = _gang.Gang("mp", ("gpu-a", "gpu-b"), "10.0.0.21", 29501, 2, 1, 1, {"gpu-a": 1, "gpu-b": 1}, {}, "")
+    for host, leader in (("gpu-a", True), ("gpu-b", False)):
+        words = ["serve", "/models/m", "--tensor-parallel-size", "2", *_gang.member_args(gang, host)]
+        (tmp_path / f"vllm-{host}.service").write_text(
+            f"[Service]\nExecStart={systemd_exec_start('/opt/vllm/bin/vllm', words)}\nRestart=on-failure\n")
+        assert _audit.unit_gang(str(tmp_path), f"vllm-{host}.service") == {"gang": "10.0.0.21:29501", "leader": leader}
+    dp = _gang.Gang("dp", ("gpu-a", "gpu-b"), "10.0.0.22", 13345, 1, 1, 2, {"gpu-a": 1, "gpu-b": 1}, {}, "")
+    assert _gang.member_of_args(_gang.member_args(dp, "gpu-b")) == {"gang": "10.0.0.22:13345", "leader": False}
+    assert _gang.member_of_args(_gang.member_args(dp, "gpu-a")) == {"gang": "10.0.0.22:13345", "leader": True}
+    # an instance on one host, a unit that is not there: no gang
+    (tmp_path / "vllm-one.service").write_text(f"[Service]\nExecStart={systemd_exec_start('/opt/vllm/bin/vllm', ['serve', 'm'])}\n")
+    assert _audit.unit_gang(str(tmp_path), "vllm-one.service") is None
+    assert _audit.unit_gang(str(tmp_path), "vllm-gone.service") is None
+    entry = judge(plan_doc(), FREE - 2 * GIB)
+    entry["gang"] = {"gang": "10.0.0.21:29501", "leader": False}
+    alone = dict(judge(plan_doc(), FREE), instance="one", gang=None)
+    out = tmp_path / "gpufleet_vllm.prom"
+    prometheus_client.write_to_textfile(str(out), _audit.registry({"checked_at": NOW, "errors": [], "instances": [entry, alone]},
+                                                                  prometheus_client))
+    members = [s.labels for fam in text_string_to_metric_families(out.read_text()) for s in fam.samples
+               if s.name == "gpufleet_vllm_gang_member"]
+    assert members == [{"vllm_instance": "main", "class": "c1", "gang": "10.0.0.21:29501", "leader": "false"}], members
 
 
 def run_exporter(tmp_path: Path, plans: Path, pythonpath_first: str = "") -> tuple[subprocess.CompletedProcess[str], Path]:
@@ -320,3 +350,25 @@ def test_audit_report_rejects_an_unknown_verdict():
     data["audit"]["hosts"]["gpu-a"]["instances"][0]["verdict"] = "fine"
     with pytest.raises(_report.ReportError, match="verdict: expected one of"):
         _report.build_report(data, "audit")
+
+
+def test_an_audit_judges_a_gang_by_its_worst_member():
+    """gpu-a leads a gang with gpu-b; gpu-b's rank would be refused: the whole gang would not start again. A member whose
+    instance was not audited counts as refused, as nothing says it would start."""
+    data = audit_data({"gpu-a": "ok", "gpu-b": "would_refuse", "gpu-c": "ok"})
+    data["gangs"] = [{"name": "main", "leader": "gpu-a", "members": ["gpu-a", "gpu-b"], "host_class": "c1"},
+                     {"name": "main", "leader": "gpu-c", "members": ["gpu-c", "gpu-gone"], "host_class": "c1"}]
+    report = _report.build_report(data, "audit")
+    first, second = report["gangs"]
+    assert (first["verdict"], first["members_verdicts"]) == ("would_refuse", {"gpu-a": "ok", "gpu-b": "would_refuse"})
+    assert (second["verdict"], second["members_verdicts"]["gpu-gone"]) == ("would_refuse", "would_refuse")
+    assert report["summary"]["audit"]["gangs"] == {"main@gpu-a": "would_refuse", "main@gpu-c": "would_refuse"}
+    md = _report_render.render_markdown(report)
+    assert "| instance | class | members | verdict |" in md
+    assert "| main (leader gpu-a) | c1 | gpu-a (ok), gpu-b (would refuse) | would refuse |" in md, md
+    text = _report_render.render_html(report)
+    assert "gpu-b (would refuse)" in text
+    data["gangs"] = data["gangs"][:1]
+    data["audit"]["hosts"]["gpu-b"] = data["audit"]["hosts"]["gpu-a"]
+    assert _report.build_report(data, "audit")["summary"]["audit"]["gangs"] == {"main@gpu-a": "ok"}
+    assert _report.load_report(json.loads(json.dumps(report)))["gangs"][0]["verdict"] == "would_refuse"

@@ -225,6 +225,17 @@ def test_metrics_targets_are_where_the_controller_reaches_each_engine():
         metrics_targets("gpu-01", ["a"])
 
 
+
+def test_a_headless_gang_member_has_no_metrics_to_read():
+    instances = [{"name": "a", "gpus": [0], "port": 8001}, {"name": "big", "gpus": [1, 2], "port": 8002}]
+    follower = {"big": {"serves_api": False, "node_rank": 1}}
+    assert [t["instance"] for t in metrics_targets("gpu-02", instances, gang_launch=follower)] == ["a"]
+    # the member that serves the gang's API (the leader; every member under dp-hybrid) is read
+    leader = {"big": {"serves_api": True, "node_rank": 0}}
+    assert [t["instance"] for t in metrics_targets("gpu-01", instances, gang_launch=leader)] == ["a", "big"]
+    with pytest.raises(AnalysisError, match="gpu-01: gang_launch: expected the host's gang launches by instance, got list"):
+        metrics_targets("gpu-01", instances, gang_launch=[])
+
 def test_a_baseline_that_could_not_be_read_is_inconclusive_not_skipped():
     canary = [host(scrape(), scrape(ok=40))]
     result = analyse(canary, [], {"kv_usage": False, "memory_margin": False}, baseline_given=2)
