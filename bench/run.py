@@ -111,6 +111,7 @@ ARGS: dict[str, dict[str, list[str]]] = {
              "quick": ["--engines", "8", "--runs", "2", "--sources", "scrape,prometheus"],
              "smoke": ["--engines", "2", "--seconds", "1", "--runs", "1", "--sources", "scrape,prometheus"]},
     "rollout": {"full": ["--sizes", "8,32"], "quick": ["--sizes", "4"], "smoke": ["--sizes", "1", "--serial", "[1]"]},
+    "gang_overhead": {"full": ["--members", "2,4"], "quick": ["--members", "2"], "smoke": ["--members", "2"]},
     "drift": {"full": ["--seeds", "1,2,3,4,5"], "quick": ["--seeds", "1,2"], "smoke": ["--seeds", "1", "--hosts", "20"]},
     # smoke: the same venv, install, uninstall and compile steps on a small part of the wheelhouse
     "runtime": {"full": ["--runs", "2"], "quick": ["--runs", "1"], "smoke": ["--runs", "1", "--requirement", "fastapi"]},
@@ -145,9 +146,10 @@ def part_canary(size: str) -> dict[str, Any]:
 def part_rollout(size: str) -> dict[str, Any]:
     why = can_boot_hosts()
     if why:
-        return {"rollout": skipped(why)}
+        return {"rollout": skipped(why), "gang": skipped(why)}
     return {"rollout": run_script([sys.executable, str(REPO / "bench" / "rollout_overhead.py"), *ARGS["rollout"][size]],
-                                  3600)}
+                                  3600),
+            "gang": run_script([sys.executable, str(REPO / "bench" / "gang_overhead.py"), *ARGS["gang_overhead"][size]], 3600)}
 
 
 def part_bake(size: str) -> dict[str, Any]:
@@ -441,6 +443,42 @@ def render_rollout(res: dict[str, Any]) -> tuple[list[str], list[tuple[str, str,
             goals.append((what, f"{run['overhead_per_host_s']} s", met(run["within_goal"])))
         else:
             goals.append((what, "failed, no figure", met(None)))
+    if "gang" in res:
+        gang_lines, gang_goals = render_gang(res["gang"])
+        lines += gang_lines
+        goals += gang_goals
+    return lines, goals
+
+
+def render_gang(entry: dict[str, Any]) -> tuple[list[str], list[tuple[str, str, str]]]:
+    lines = ["## Rollout overhead per gang (simulated fleet)", "",
+             "`ansible-playbook playbooks/rollout.yml` on a fresh simulated class of M hosts (2 GPUs each), in one batch, four "
+             "times: the M hosts each with an instance of its own (TP=2), installed then updated (a larger guard); then one "
+             "instance over the M hosts (a gang, `mode: mp`, TP=2 x PP=M, joined over the test hosts' fabric by the simulated "
+             "engine's rendezvous), installed then updated. A batch's overhead is its wall time minus its boot-to-healthy (for "
+             "the gang: from the first member's start to the leader's `Application startup complete.`). The per-gang overhead "
+             "is the gang update's batch overhead minus the one-host update's, per member. Gang tasks: the seconds of the "
+             "tasks that keep a gang's members together (run for the gang, skipped for one-host instances).", ""]
+    lines += status_lines(entry)
+    goals: list[tuple[str, str, str]] = []
+    result = entry.get("result") if "skipped" not in entry else None
+    if not result:
+        goals.append(("rollout: gang overhead <= 2 s per member beyond boot-to-healthy", "no figures", met(None)))
+        return lines, goals
+    lines += ["| members | one-host batch overhead s | gang batch overhead s | gang boot-to-healthy s | per-gang overhead s | "
+              "per member s | gang tasks s (one-host / gang) |", "|---:|---:|---:|---:|---:|---:|---|"]
+    for size in result.get("sizes", []):
+        boot = (size.get("runs", {}).get("gang_update") or {}).get("gang_boot_to_healthy_s", "n/a")
+        tasks = size.get("gang_tasks_s") or {}
+        lines.append(f"| {size['members']} | {size.get('one_host_batch_overhead_s', 'n/a')} | {size.get('gang_batch_overhead_s', 'n/a')} | "
+                     f"{boot} | {size.get('gang_overhead_s', 'n/a')} | {size.get('gang_overhead_per_member_s', 'n/a')} | "
+                     f"{tasks.get('one_host', 'n/a')} / {tasks.get('gang', 'n/a')} |")
+        what = f"rollout ({size['members']}-member gang, update): <= 2 s per member beyond boot-to-healthy"
+        if size.get("gang_overhead_per_member_s") is not None:
+            goals.append((what, f"{size['gang_overhead_per_member_s']} s", met(size.get("within_goal"))))
+        else:
+            goals.append((what, f"failed: {size.get('error', 'no figure')}", met(None)))
+    lines.append("")
     return lines, goals
 
 

@@ -152,7 +152,6 @@ def test_textfile_metrics_carry_the_margin_and_the_degraded_flag(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["gpufleet_vllm.prom"], "no temporary file is left"
 
 
-
 def test_a_gang_member_is_labelled_with_where_its_gang_meets(tmp_path):
     """The rank arguments the role renders for a member of a gang are read back from its unit: the exporter labels the
     member with the address its members meet at, so that Prometheus judges the gang by its worst member."""

@@ -225,7 +225,6 @@ def test_metrics_targets_are_where_the_controller_reaches_each_engine():
         metrics_targets("gpu-01", ["a"])
 
 
-
 def test_a_headless_gang_member_has_no_metrics_to_read():
     instances = [{"name": "a", "gpus": [0], "port": 8001}, {"name": "big", "gpus": [1, 2], "port": 8002}]
     follower = {"big": {"serves_api": False, "node_rank": 1}}
@@ -235,6 +234,7 @@ def test_a_headless_gang_member_has_no_metrics_to_read():
     assert [t["instance"] for t in metrics_targets("gpu-01", instances, gang_launch=leader)] == ["a", "big"]
     with pytest.raises(AnalysisError, match="gpu-01: gang_launch: expected the host's gang launches by instance, got list"):
         metrics_targets("gpu-01", instances, gang_launch=[])
+
 
 def test_a_baseline_that_could_not_be_read_is_inconclusive_not_skipped():
     canary = [host(scrape(), scrape(ok=40))]
