@@ -51,27 +51,10 @@ GANG_TASK = re.compile(r"member of (this host's gangs|its gang)|every member of 
 
 def gang_boot_to_healthy(harness: Any, members: list[str]) -> float | None:
     """From the first member's start of the unit (its last) to the leader's ``Application startup complete.``."""
-    started: list[float] = []
-    healthy = None
-    for position, host in enumerate(members):
-        proc = harness.exec(host, ["journalctl", "-u", f"vllm-{ro.INSTANCE}.service", "-o", "short-unix", "--no-pager"])
-        last_start, last_healthy = None, None
-        for line in proc.stdout.splitlines():
-            stamp, _sep, text = line.partition(" ")
-            try:
-                when = float(stamp)
-            except ValueError:
-                continue
-            if f"Started vllm-{ro.INSTANCE}.service" in text:
-                last_start, last_healthy = when, None
-            elif "Application startup complete." in text and last_start is not None and last_healthy is None:
-                last_healthy = when
-        if last_start is None:
-            return None
-        started.append(last_start)
-        if position == 0:
-            healthy = last_healthy
-    return None if healthy is None else round(healthy - min(started), 3)
+    starts = [ro.last_start(harness, host) for host in members]
+    if any(started is None for started, _healthy in starts) or starts[0][1] is None:
+        return None
+    return round(starts[0][1] - min(started for started, _healthy in starts if started is not None), 3)
 
 
 def gang_vars(harness: Any, members: list[str]) -> dict[str, Any]:

@@ -241,8 +241,9 @@ def split_batches(lines: list[tuple[float, str]], hosts: list[str]) -> tuple[flo
     return (batches[0]["start"] if batches else None), batches
 
 
-def boot_to_healthy(harness: testhosts.Harness, host: str) -> float | None:
-    """Seconds from systemd starting the unit to the engine's ``Application startup complete.``, last boot."""
+def last_start(harness: testhosts.Harness, host: str) -> tuple[float | None, float | None]:
+    """The unit's last start on ``host``, from its journal: (when systemd started it, when its engine logged
+    ``Application startup complete.``, None when it did not)."""
     proc = harness.exec(host, ["journalctl", "-u", f"vllm-{INSTANCE}.service", "-o", "short-unix", "--no-pager"])
     started = None
     healthy = None
@@ -256,6 +257,12 @@ def boot_to_healthy(harness: testhosts.Harness, host: str) -> float | None:
             started, healthy = when, None
         elif "Application startup complete." in text and started is not None and healthy is None:
             healthy = when
+    return started, healthy
+
+
+def boot_to_healthy(harness: testhosts.Harness, host: str) -> float | None:
+    """Seconds from systemd starting the unit to the engine's ``Application startup complete.``, last boot."""
+    started, healthy = last_start(harness, host)
     return None if started is None or healthy is None else round(healthy - started, 3)
 
 

@@ -14,12 +14,18 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from test_engine_process import GiB, free_port, get, host, post, start, wait_health  # noqa: F401  pylint: disable=unused-import
+from test_engine_process import GiB, free_port, get, make_host, post, start, wait_health
 
 from ansible_collections.gpufleet.vllm.plugins.module_utils._engine._vllm_log import parse_engine_log
 from ansible_collections.gpufleet.vllm.plugins.module_utils._units import _gang
 
 BUDGET = 20 * GiB
+
+
+@pytest.fixture
+def host(tmp_path: Path) -> tuple[Path, dict]:
+    """A fake host with 2 GPUs, each node of the gang given one of them."""
+    return make_host(tmp_path)
 
 
 def node(tmp_path: Path, env: dict, gpu: int, rank_args: list[str], *extra: str) -> subprocess.Popen:
@@ -31,6 +37,15 @@ def gang_args(port: int) -> dict[str, list[str]]:
     """What the collection renders for each member (``_gang.member_args``): the simulator takes the same argv."""
     gang = _gang.Gang("mp", ("a", "b"), "127.0.0.1", port, 2, 1, 1, {"a": 1, "b": 1})
     return {m: _gang.member_args(gang, m) for m in gang.members}
+
+
+def serving_pair(tmp_path: Path, env: dict) -> tuple[int, subprocess.Popen, subprocess.Popen]:
+    """A gang of two nodes, each with the same budget, once its leader serves: (its API port, leader, follower)."""
+    api, args = free_port(), gang_args(free_port())
+    leader = node(tmp_path, env, 0, args["a"], "--port", str(api), "--host", "127.0.0.1", "--kv-cache-memory-bytes", str(BUDGET))
+    follower = node(tmp_path, env, 1, args["b"], "--kv-cache-memory-bytes", str(BUDGET))
+    wait_health(api, leader)
+    return api, leader, follower
 
 
 def stop(proc: subprocess.Popen) -> str:
@@ -92,12 +107,8 @@ def test_a_follower_lost_after_the_gang_serves_fails_the_leaders_next_request(ho
     """As the real CPU build: the leader's /health stays 200 without its follower; its next request fails (500) and
     the leader exits."""
     tmp_path, env = host
-    api, meet = free_port(), free_port()
-    args = gang_args(meet)
-    leader = node(tmp_path, env, 0, args["a"], "--port", str(api), "--host", "127.0.0.1", "--kv-cache-memory-bytes", str(BUDGET))
-    follower = node(tmp_path, env, 1, args["b"], "--kv-cache-memory-bytes", str(BUDGET))
+    api, leader, follower = serving_pair(tmp_path, env)
     try:
-        wait_health(api, leader)
         follower.kill()
         follower.wait(timeout=10)
         time.sleep(0.5)
@@ -114,12 +125,8 @@ def test_a_follower_lost_after_the_gang_serves_fails_the_leaders_next_request(ho
 
 def test_a_leader_lost_leaves_its_follower_up_and_a_node_that_never_comes_fails_the_start(host) -> None:
     tmp_path, env = host
-    api, meet = free_port(), free_port()
-    args = gang_args(meet)
-    leader = node(tmp_path, env, 0, args["a"], "--port", str(api), "--host", "127.0.0.1", "--kv-cache-memory-bytes", str(BUDGET))
-    follower = node(tmp_path, env, 1, args["b"], "--kv-cache-memory-bytes", str(BUDGET))
+    _api, leader, follower = serving_pair(tmp_path, env)
     try:
-        wait_health(api, leader)
         leader.kill()
         leader.wait(timeout=10)
         time.sleep(1.0)

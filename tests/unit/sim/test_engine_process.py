@@ -37,6 +37,10 @@ def free_port() -> int:
 
 @pytest.fixture
 def host(tmp_path: Path):
+    return make_host(tmp_path)
+
+
+def make_host(tmp_path: Path) -> tuple[Path, dict]:
     """A fake host: state with 2 H200 (a co-tenant on GPU 1), sim.json, the 8B model."""
     state = nvml_state.new_state()
     for i in range(2):
