@@ -46,29 +46,29 @@ def rollout_batches(classes: Any, serial: Any = None) -> list[dict[str, Any]]:
         raise AnsibleFilterError(f"rollout_batches: {exc}") from None
 
 
-def class_rollback_hosts(batches: Any, hostvars: Any, active: Any = None, kept: Any = False) -> list[str]:
+def class_rollback_hosts(batches: Any, hostvars: Any, active: Any = None, gangs: Any = False) -> list[str]:
     """The run's batch records and hostvars -> the hosts of the running batch's class that this run changed, but the
-    running batch's failing ones (and, given ``active``, its hosts no longer in the batch) and the members of gangs,
-    in the order a class rollback restores them (the latest batch first); with ``kept``, the members of gangs it
-    leaves on the new plan instead."""
+    running batch's failing ones (and, given ``active``, its hosts no longer in the batch), in the order a class
+    rollback restores them (the latest batch first); with ``gangs``, only the members of gangs among them."""
     if isinstance(batches, (str, Mapping)) or not isinstance(batches, Sequence) or not all(isinstance(b, Mapping) for b in batches):
         raise AnsibleFilterError("class_rollback_hosts: expected the run's batch records (gpufleet_batches)")
     if not isinstance(hostvars, Mapping):
         raise AnsibleFilterError("class_rollback_hosts: expected hostvars")
-    if not isinstance(kept, bool):
-        raise AnsibleFilterError(f"class_rollback_hosts: kept must be true or false, got {kept!r}")
+    if not isinstance(gangs, bool):
+        raise AnsibleFilterError(f"class_rollback_hosts: gangs must be true or false, got {gangs!r}")
     hosts = sorted({h for b in batches for h in b.get("hosts") or []})
     changed = {h: bool((hostvars.get(h) or {}).get("vllm_service_pending")) for h in hosts}
     # the hosts of the running batch on their own failure path (playbooks/tasks/host_failed.yml): each rolls itself back
     failing = {h for h in hosts if (hostvars.get(h) or {}).get("gpufleet_failing_in_batch")}
     if active is not None and (isinstance(active, (str, Mapping)) or not isinstance(active, Sequence)):
         raise AnsibleFilterError("class_rollback_hosts: active must be the batch's hosts still in the play (ansible_play_batch)")
-    try:
-        members = {m for gang in _gangs.described(hostvars, hosts) for m in gang["members"]}
-    except ValueError as exc:  # GangError: the inventory's gang checks ran before any batch
-        raise AnsibleFilterError(f"class_rollback_hosts: {exc}") from None
-    call = _rollout.class_rollback_kept if kept else _rollout.class_rollback_hosts
-    return call(batches, changed, failing, None if active is None else set(active), members)
+    members: set[str] = set()
+    if gangs:
+        try:
+            members = {m for gang in _gangs.described(hostvars, hosts) for m in gang["members"]}
+        except ValueError as exc:  # GangError: the inventory's gang checks ran before any batch
+            raise AnsibleFilterError(f"class_rollback_hosts: {exc}") from None
+    return _rollout.class_rollback_hosts(batches, changed, failing, None if active is None else set(active), members, gangs)
 
 
 def class_settings_problems(hostvars: Any, hosts: Any) -> list[str]:

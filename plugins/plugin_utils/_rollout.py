@@ -427,7 +427,7 @@ def class_batches(classes: Sequence[Any], serial: Any) -> list[dict[str, Any]]:
 
 def class_rollback_hosts(batches: Sequence[Mapping[str, Any]], changed: Mapping[str, bool],
                          failing: Collection[str] = (), active: Collection[str] | None = None,
-                         gang_members: Collection[str] = ()) -> list[str]:
+                         gang_members: Collection[str] = (), gangs_only: bool = False) -> list[str]:
     """The hosts a class rollback restores, in the order it restores them: the hosts of the last
     batch record's class that this run changed (``changed``: host -> whether its units changed), the
     latest batch first and each batch's hosts in reverse (``batches``: the run's batch records, the
@@ -435,17 +435,12 @@ def class_rollback_hosts(batches: Sequence[Mapping[str, Any]], changed: Mapping[
     itself back) and, given ``active`` (Ansible's ``ansible_play_batch``), are still in it: the class
     rollback runs in a failed host's rescue, which the serial play's linear strategy starts once the
     batch's other hosts finished their deploy; a host that dropped out (unreachable) cannot be restored,
-    and trying first would leave the earlier batches unrestored. The members of a gang
-    (``gang_members``) are left out, but those failing: a class rollback restores one host at a time, and a
-    gang's members restart together or not at all (:func:`class_rollback_kept` names them)."""
-    return [h for h in _class_rollback_candidates(batches, changed, failing, active) if h not in gang_members]
-
-
-def class_rollback_kept(batches: Sequence[Mapping[str, Any]], changed: Mapping[str, bool], failing: Collection[str] = (),
-                        active: Collection[str] | None = None, gang_members: Collection[str] = ()) -> list[str]:
-    """The members of gangs that a class rollback leaves on the new plan (:func:`class_rollback_hosts` leaves them
-    out): they passed their boot checks together, and restoring them one host at a time would break the gang."""
-    return [h for h in _class_rollback_candidates(batches, changed, failing, active) if h in gang_members]
+    and trying first would leave the earlier batches unrestored. With ``gangs_only``, only the members
+    of gangs (``gang_members``) among them: a class rollback restores and restarts them in that order
+    too, and checks their boots once every host was restored (a gang's members serve only together,
+    and each restarts while the others may still run the new plan)."""
+    out = _class_rollback_candidates(batches, changed, failing, active)
+    return [h for h in out if h in gang_members] if gangs_only else out
 
 
 def _class_rollback_candidates(batches: Sequence[Mapping[str, Any]], changed: Mapping[str, bool],

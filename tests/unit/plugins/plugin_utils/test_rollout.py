@@ -22,7 +22,6 @@ from ansible_collections.gpufleet.vllm.plugins.plugin_utils._rollout import (
     class_batches,
     class_on_failure,
     class_rollback_hosts,
-    class_rollback_kept,
     class_settings_problems,
     host_capacity,
     parse_budget,
@@ -263,18 +262,18 @@ def test_a_class_rollback_restores_the_earlier_batches_latest_first():
     assert class_rollback_hosts(batches[:2], changed, {"a2"}, active={"a2", "a3", "a4"}) == ["a4", "a1"]
 
 
-def test_a_class_rollback_leaves_a_gang_on_the_new_plan_unless_it_fails():
-    """A class rollback restores one host at a time, and a gang's members restart together or not at all: the
-    members of gangs that passed (an earlier batch's, or the running batch's beside the failing host) keep the new
-    plan and are named; a failing gang rolls back in its members' own rescues."""
+def test_a_class_rollback_restores_a_gang_and_checks_its_boots_last():
+    """A gang's members come in the class rollback's order, next to each other: each is restored and restarted in turn,
+    and their boots are checked once every host was restored (``gangs_only``: those members); a failing gang rolls
+    back in its members' own rescues."""
     batches = [{"class": "a", "hosts": ["g1", "g2"]}, {"class": "a", "hosts": ["a3"]}, {"class": "a", "hosts": ["g3", "g4", "a5"]}]
     changed = dict.fromkeys(["g1", "g2", "a3", "g3", "g4", "a5"], True)
     gangs = {"g1", "g2", "g3", "g4"}
-    assert class_rollback_hosts(batches, changed, {"a5"}, gang_members=gangs) == ["a3"]
-    assert class_rollback_kept(batches, changed, {"a5"}, gang_members=gangs) == ["g4", "g3", "g2", "g1"]
+    assert class_rollback_hosts(batches, changed, {"a5"}, gang_members=gangs) == ["g4", "g3", "a3", "g2", "g1"]
+    assert class_rollback_hosts(batches, changed, {"a5"}, gang_members=gangs, gangs_only=True) == ["g4", "g3", "g2", "g1"]
     # the failing gang of the running batch is no one's to restore here; a5 that passed is
-    assert class_rollback_hosts(batches, changed, {"g3", "g4"}, gang_members=gangs) == ["a5", "a3"]
-    assert class_rollback_kept(batches, changed, {"g3", "g4"}, gang_members=gangs) == ["g2", "g1"]
+    assert class_rollback_hosts(batches, changed, {"g3", "g4"}, gang_members=gangs) == ["a5", "a3", "g2", "g1"]
+    assert class_rollback_hosts(batches, changed, {"g3", "g4"}, gang_members=gangs, gangs_only=True) == ["g2", "g1"]
 
 
 def test_every_batch_of_a_class_carries_its_bake():
