@@ -114,10 +114,19 @@ def gang_batches(hostvars: Any, hosts: Any) -> list[list[str]]:
         raise AnsibleFilterError(f"gang_batches: {exc}") from None
 
 
+def gang_api_instances(instances: Any, launches: Any) -> list[Any]:
+    """A host's instances, its gang launches (gang_member_launch) -> the instances that serve an API on the host."""
+    if isinstance(instances, (str, Mapping)) or not isinstance(instances, Sequence):
+        raise AnsibleFilterError("gang_api_instances: expected the host's instances, a list")
+    if not isinstance(launches, Mapping):
+        raise AnsibleFilterError("gang_api_instances: expected the host's gang launches by instance (gang_member_launch), a mapping")
+    return _gangs.api_instances(instances, launches)
+
+
 class FilterModule:
     """gpufleet.vllm filters for instances that span hosts."""
 
     def filters(self) -> dict[str, Callable[..., Any]]:
         return {"gang_problems": gang_problems, "gang_addresses": gang_addresses, "gangs": gangs, "gang_members": gang_members,
                 "gang_member_launch": gang_member_launch, "gang_key_fields": gang_key_fields,
-                "gang_stragglers": gang_stragglers, "gang_batches": gang_batches}
+                "gang_stragglers": gang_stragglers, "gang_batches": gang_batches, "gang_api_instances": gang_api_instances}

@@ -48,6 +48,7 @@ from dataclasses import dataclass, field
 
 from ansible_collections.gpufleet.vllm.plugins.module_utils._engine._vllm_metrics import EngineMetrics, Histogram, histogram_quantile
 from ansible_collections.gpufleet.vllm.plugins.module_utils._sizes import SizeError, parse_size
+from ansible_collections.gpufleet.vllm.plugins.plugin_utils._gangs import api_instances
 from ansible_collections.gpufleet.vllm.plugins.plugin_utils._prometheus import MARGIN_METRIC, PrometheusError, check_url
 
 __all__ = ["BAKE_FIELDS", "CHECKS", "INCONCLUSIVE_POLICIES", "AnalysisError", "Window", "analyse", "bake_settings",
@@ -465,8 +466,7 @@ def metrics_targets(host: str, instances: t.Any, listen_host: t.Any = "0.0.0.0",
     for pos, instance in enumerate(instances):
         if not isinstance(instance, t.Mapping) or not isinstance(instance.get("name"), str):
             raise AnalysisError(f"{host}: gpufleet_instances[{pos}]: expected a mapping with a name, got {instance!r}")
-        launch = gang_launch.get(instance["name"])
-        if isinstance(launch, t.Mapping) and launch.get("serves_api", True) is False:
+        if not api_instances([instance], gang_launch):
             continue
         port = instance.get("port")
         if isinstance(port, str) and port.isdigit():

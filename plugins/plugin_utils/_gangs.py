@@ -250,6 +250,14 @@ def _infiniband(cache: _Hosts, host: str, snapshot_var: str) -> list[str]:
     return [str(d) for d in (snap.get("infiniband") if isinstance(snap, t.Mapping) else None) or []]
 
 
+def api_instances(instances: t.Sequence[t.Any], launches: t.Mapping[str, t.Any]) -> list[t.Any]:
+    """Of a host's ``instances``, those that serve an API there: not those of a gang the host follows headless
+    (its ``launches``, :func:`member_launches`, with ``serves_api`` false), which have no API server, so
+    no load balancer sends them requests and no ``/metrics`` is read from them."""
+    headless = {name for name, launch in launches.items() if isinstance(launch, t.Mapping) and launch.get("serves_api", True) is False}
+    return [i for i in instances if not (isinstance(i, t.Mapping) and i.get("name") in headless)]
+
+
 def member_launches(hostvars: t.Mapping[str, t.Any], host: str, snapshot_var: str = "gpufleet_probe_result") -> dict[str, dict[str, t.Any]]:
     """``{instance name: launch}`` for each gang ``host`` is a member of (:func:`._gang.member_launch`): its rank
     arguments, environment and sandbox. The InfiniBand devices are allowed where the host's snapshot found them.
