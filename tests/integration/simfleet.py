@@ -37,6 +37,18 @@ PLAN = REPO / "playbooks" / "plan.yml"
 UNIT_DIR = "/etc/systemd/system"
 STATE_DIR = "/etc/gpufleet"
 
+# What every fleet test of the simulated engine gives its hosts beside its own settings
+SIM_TEST_VARS: dict[str, Any] = {
+    # latency on a shared two-core test machine is noise, not a property of the budget
+    "gpufleet_canary_tolerances": {"latency_ratio": 20.0},
+    # the simulated engine records its GPU processes in the fake NVML state
+    "vllm_service_read_write_paths": ["/etc/fake-nvml"],
+    "vllm_service_boot_timeout": 120,
+    # 3 probe samples 0.2 s apart instead of 9 at 0.5 s: nothing here moves free memory between samples
+    # (test_rollout_faults.py keeps the defaults for the faults that do)
+    "gpufleet_probe_samples": 3,
+    "gpufleet_probe_interval": 0.2,
+}
 L40S = {"name": "NVIDIA L40S", "total": 48305799168, "reserved": 462422016, "cc": "8.9"}
 BATCH_RE = re.compile(r"TASK \[(?:gpufleet\.vllm\.vllm_service : )?Report what changes on this host\][^\n]*\nok: \[(\S+)\]")
 

@@ -63,6 +63,7 @@ import yaml
 from simfleet import (  # pylint: disable=import-error
     PLAN as PLAN_PLAYBOOK,  # pylint: disable=import-error
     REPO,
+    SIM_TEST_VARS,
     SimFleet,
     budget,
     fleetctl,
@@ -103,15 +104,7 @@ GROUP_VARS = {
     "gpufleet_admission": {"concurrency": 4, "tokens_per_request": 8192},
     "gpufleet_rollout_serial": [1, "10%", "50%"],
     "gpufleet_canary_load": {"requests": 8, "concurrency": 4, "prompt_tokens": 32, "max_tokens": 8},
-    # latency on a shared two-core test machine is noise, not a property of the budget
-    "gpufleet_canary_tolerances": {"latency_ratio": 20.0},
-    # the simulated engine records its GPU processes in the fake NVML state
-    "vllm_service_read_write_paths": ["/etc/fake-nvml"],
-    "vllm_service_boot_timeout": 120,
-    # 3 probe samples 0.2 s apart instead of 9 at 0.5 s: nothing here moves free memory between samples
-    # (test_rollout_faults.py keeps the defaults for the faults that do)
-    "gpufleet_probe_samples": 3,
-    "gpufleet_probe_interval": 0.2,
+    **SIM_TEST_VARS,
 }
 
 

@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 import yaml
-from simfleet import REPO, SimFleet, l40s_fleet
+from simfleet import REPO, SIM_TEST_VARS, SimFleet, l40s_fleet
 
 CLASS = "gang-l40s"
 A_HOSTS, B_HOSTS = ["sim-gr-a1", "sim-gr-a2"], ["sim-gr-b1", "sim-gr-b2"]
@@ -41,12 +41,8 @@ GROUP_VARS = {
     "gpufleet_guard": "0.5GiB",
     "gpufleet_admission": {"concurrency": 2, "tokens_per_request": 8192},
     "gpufleet_canary_load": {"requests": 4, "concurrency": 2, "prompt_tokens": 32, "max_tokens": 8},
-    "gpufleet_canary_tolerances": {"latency_ratio": 20.0},
     "gpufleet_rollout_serial": [1],
-    "vllm_service_read_write_paths": ["/etc/fake-nvml"],
-    "vllm_service_boot_timeout": 120,
-    "gpufleet_probe_samples": 3,
-    "gpufleet_probe_interval": 0.2,
+    **SIM_TEST_VARS,
 }
 
 
