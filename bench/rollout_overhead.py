@@ -165,9 +165,30 @@ def fixed_plays(lines: list[tuple[float, str]]) -> list[dict[str, Any]]:
     return out
 
 
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def controller_cpu(pid: int) -> tuple[float, float]:
+    """(the ansible-playbook process's own CPU seconds, its finished workers') so far, from /proc: the main
+    process runs the strategy's loop on one core whatever the forks; the workers run the tasks in parallel."""
+    fields = Path(f"/proc/{pid}/stat").read_text(encoding="ascii").rsplit(")", 1)[1].split()
+    utime, stime, cutime, cstime = (int(f) for f in fields[11:15])
+    return (utime + stime) / CLOCK_TICKS, (cutime + cstime) / CLOCK_TICKS
+
+
+def machine_cpu() -> float:
+    """CPU seconds every core of the machine spent busy since boot (/proc/stat): the controller and the hosts."""
+    values = [int(v) for v in Path("/proc/stat").read_text(encoding="ascii").splitlines()[0].split()[1:]]
+    idle = values[3] + (values[4] if len(values) > 4 else 0)
+    return (sum(values[:8]) - idle) / CLOCK_TICKS
+
+
 def run_playbook(inventory: Path, forks: int, timeout: float, extra_vars: dict[str, Any] | None = None,
-                 ssh_log: tuple[Path, Path] | None = None) -> tuple[int, list[tuple[float, str]], float, float]:
-    """ansible-playbook with every line time-stamped (seconds since start); also returns the start's epoch time."""
+                 ssh_log: tuple[Path, Path] | None = None,
+                 cpu: dict[str, float] | None = None) -> tuple[int, list[tuple[float, str]], float, float]:
+    """ansible-playbook with every line time-stamped (seconds since start); also returns the start's epoch time.
+    ``cpu`` gets the CPU seconds of the controller's main process and workers and of the whole machine, before the
+    first batch (``*_fixed_s``) and in all."""
     env = dict(os.environ, ANSIBLE_NOCOLOR="1", ANSIBLE_PIPELINING="1", ANSIBLE_HOST_KEY_CHECKING="False",
                ANSIBLE_TIMEOUT="20", ANSIBLE_COLLECTIONS_PATH=str(CACHE / "collections"), ANSIBLE_FORKS=str(forks))
     if ssh_log is not None:
@@ -182,6 +203,8 @@ def run_playbook(inventory: Path, forks: int, timeout: float, extra_vars: dict[s
         argv += ["--extra-vars", json.dumps(extra_vars)]
     epoch = time.time()
     start = time.monotonic()
+    machine_start = machine_cpu()
+    children_start = os.times()
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=str(REPO))
     lines: list[tuple[float, str]] = []
     timer = threading.Timer(timeout, proc.kill)
@@ -191,9 +214,21 @@ def run_playbook(inventory: Path, forks: int, timeout: float, extra_vars: dict[s
             raise RuntimeError("ansible-playbook: no output pipe")
         for line in proc.stdout:
             lines.append((time.monotonic() - start, line.rstrip("\n")))
+            if cpu is not None and "main_fixed_s" not in cpu and line.startswith(f"PLAY [{ROLLOUT_PLAY}]"):
+                with contextlib.suppress(OSError):
+                    cpu["main_fixed_s"], cpu["workers_fixed_s"] = controller_cpu(proc.pid)
+                    cpu["machine_fixed_s"] = machine_cpu() - machine_start
         rc = proc.wait()
     finally:
         timer.cancel()
+    if cpu is not None:
+        children = os.times()
+        # the ansible-playbook process and every worker it reaped (its ssh masters outlive it: not counted)
+        cpu["controller_s"] = (children.children_user + children.children_system
+                               - children_start.children_user - children_start.children_system)
+        cpu["machine_s"] = machine_cpu() - machine_start
+        for key in list(cpu):
+            cpu[key] = round(cpu[key], 2)
     return rc, lines, time.monotonic() - start, epoch
 
 
@@ -279,7 +314,9 @@ def measure_rollout(sim: fleetctl.Fleet, inventory: Path, names: list[str], kind
     """One ``rollout.yml`` run on the fleet, split into its fixed part and its batches."""
     out: dict[str, Any] = {"kind": kind, "extra_vars": extra_vars or {}}
     ssh_log = ssh_logger(inventory.parent)
-    rc, lines, wall, epoch = run_playbook(inventory, forks, timeout, extra_vars, ssh_log)
+    cpu: dict[str, float] = {}
+    rc, lines, wall, epoch = run_playbook(inventory, forks, timeout, extra_vars, ssh_log, cpu)
+    out["cpu_seconds"] = cpu
     # the time-stamped output, kept beside the fleet for a per-task look
     (inventory.parent / f"{kind}.log").write_text("".join(f"{stamp:9.3f} {line}\n" for stamp, line in lines), encoding="utf-8")
     out["rc"] = rc
@@ -393,9 +430,19 @@ def fixed_part_slope(runs: list[dict[str, Any]], kind: str = "update", hosts: in
         return None
     small, large = done[0], done[-1]
     slope = (large["fixed_seconds"] - small["fixed_seconds"]) / (large["hosts"] - small["hosts"])
-    return {"kind": kind, "from_hosts": small["hosts"], "to_hosts": large["hosts"], "seconds_per_host": round(slope, 3),
-            "projected_hosts": hosts, "projected_fixed_seconds": round(large["fixed_seconds"] + slope * (hosts - large["hosts"]), 1),
-            "forks": large.get("forks")}
+    out = {"kind": kind, "from_hosts": small["hosts"], "to_hosts": large["hosts"], "seconds_per_host": round(slope, 3),
+           "projected_hosts": hosts, "projected_fixed_seconds": round(large["fixed_seconds"] + slope * (hosts - large["hosts"]), 1),
+           "forks": large.get("forks")}
+    # The controller's CPU before the first batch, per host: its main process (the strategy's loop, one core whatever
+    # the forks or cores) and its workers (the tasks, as wide as the forks and cores allow). On this machine the hosts
+    # share the controller's cores; on a controller of its own only these figures grow with the fleet.
+    for part in ("main", "workers"):
+        key = f"{part}_fixed_s"
+        if all(key in (r.get("cpu_seconds") or {}) for r in (small, large)):
+            per_host = (large["cpu_seconds"][key] - small["cpu_seconds"][key]) / (large["hosts"] - small["hosts"])
+            out[f"{part}_cpu_seconds_per_host"] = round(per_host, 4)
+            out[f"projected_{part}_cpu_seconds"] = round(large["cpu_seconds"][key] + per_host * (hosts - large["hosts"]), 1)
+    return out
 
 
 def main() -> int:

@@ -436,6 +436,12 @@ def render_rollout(res: dict[str, Any]) -> tuple[list[str], list[tuple[str, str,
         lines.append(f"- Fixed part per host ({slope['kind']}s, {slope['from_hosts']} to {slope['to_hosts']} hosts, "
                      f"{slope['forks']} forks): {slope['seconds_per_host']} s; a straight line through {slope['to_hosts']} hosts "
                      f"gives {slope['projected_fixed_seconds']} s at {slope['projected_hosts']} hosts on this machine.")
+        if slope.get("main_cpu_seconds_per_host") is not None:
+            lines.append(f"- The controller's CPU before the first batch, per host: {slope['main_cpu_seconds_per_host']} s in its main "
+                         f"process (the strategy's loop, one core) and {slope.get('workers_cpu_seconds_per_host')} s in its workers; "
+                         f"at {slope['projected_hosts']} hosts {slope['projected_main_cpu_seconds']} s and "
+                         f"{slope.get('projected_workers_cpu_seconds')} s. On a controller with cores of its own, the main process's "
+                         "figure is the floor of the fixed part, the workers' is divided over the cores.")
     lines.append("")
     for run in result["runs"]:
         what = f"rollout ({run['hosts']} hosts, {run.get('kind', 'install')}): < 5 s per host beyond boot-to-healthy"

@@ -1,13 +1,13 @@
 # Copyright (c) gpufleet maintainers
 # GNU General Public License v3.0+ (see https://www.gnu.org/licenses/gpl-3.0.txt)
 # SPDX-License-Identifier: GPL-3.0-or-later
-"""Filters: class_canary, class_deploy_order, class_state, class_states (documentation in the YAML files beside this one).
+"""Filters: class_canary, class_canary_hosts, class_deploy_order, class_state, class_states (documentation in the YAML files beside this one).
 
 One call into ``plugin_utils/_class_plan``, where the class's planning decisions live."""
 
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 from ansible.errors import AnsibleFilterError
 
@@ -32,6 +32,19 @@ def class_canary(query: Any, host_class: Any, force_profile: Any = False, run_ca
         return canary_need(query, host_class, force_profile=bool(force_profile), run_canaries=bool(run_canaries)).as_dict()
     except ClassPlanError as exc:
         raise AnsibleFilterError(f"class_canary: {exc}") from None
+
+
+def class_canary_hosts(hostvars: Any, class_hosts: Any) -> list[str]:
+    """hostvars, a class's healthy hosts -> the hosts that run its canaries, the canary host first (with the members
+    of its gang when its first instance spans hosts)."""
+    if not isinstance(hostvars, Mapping):
+        raise AnsibleFilterError(f"class_canary_hosts: expected hostvars as the input, got {type(hostvars).__name__}")
+    if isinstance(class_hosts, (str, Mapping)) or not isinstance(class_hosts, Sequence):
+        raise AnsibleFilterError("class_canary_hosts: class_hosts must be the list of the class's hosts")
+    try:
+        return _gangs.canary_hosts(hostvars, [str(h) for h in class_hosts])
+    except GangError as exc:
+        raise AnsibleFilterError(f"class_canary_hosts: {exc}") from None
 
 
 def class_state(outcome: Any, host_class: Any, **fields: Any) -> dict[str, Any]:
@@ -105,5 +118,5 @@ class FilterModule:
     """gpufleet.vllm class planning filters."""
 
     def filters(self) -> dict[str, Callable[..., Any]]:
-        return {"class_canary": class_canary, "class_deploy_order": class_deploy_order, "class_state": class_state,
+        return {"class_canary": class_canary, "class_canary_hosts": class_canary_hosts, "class_deploy_order": class_deploy_order, "class_state": class_state,
                 "class_states": class_states}

@@ -1,7 +1,7 @@
 # Copyright (c) gpufleet maintainers
 # GNU General Public License v3.0+ (see https://www.gnu.org/licenses/gpl-3.0.txt)
 # SPDX-License-Identifier: GPL-3.0-or-later
-"""Filter: unknown_variables (documentation in the YAML file beside this one)."""
+"""Filters: unknown_variables, host_pattern (documentation in the YAML files beside this one)."""
 
 from __future__ import annotations
 
@@ -42,6 +42,17 @@ def unknown_variables(hostvars: Any, hosts: Any) -> list[dict[str, Any]]:
     return [dict(entry, host=host) for host, entries in per_host.items() for entry in entries]
 
 
+def host_pattern(value: Any, field: Any = "gpufleet_target") -> str:
+    """A playbook's host pattern (``gpufleet_target``, ``gpufleet_rollback_hosts``), checked: a non-empty text
+    without control characters. The first play of every playbook names itself with it: see the YAML file."""
+    if not isinstance(field, str) or not field:
+        raise AnsibleFilterError("host_pattern: field must name the variable")
+    try:
+        return _validate.text(value, field)
+    except _validate.ValidationError as exc:
+        raise AnsibleFilterError(f"host_pattern: {exc}") from None
+
+
 class FilterModule:
     def filters(self) -> dict[str, Callable[..., Any]]:
-        return {"unknown_variables": unknown_variables}
+        return {"host_pattern": host_pattern, "unknown_variables": unknown_variables}

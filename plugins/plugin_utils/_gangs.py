@@ -36,10 +36,12 @@ from ansible_collections.gpufleet.vllm.plugins.module_utils._units._gang import 
 )
 from ansible_collections.gpufleet.vllm.plugins.plugin_utils._report import failure_message
 
-__all__ = ["GangView", "RankPlace", "addresses_to_resolve", "described", "inventory_problems", "key_fields", "member_launches",
+__all__ = ["GangView", "RankPlace", "addresses_to_resolve", "canary_hosts", "described", "inventory_problems", "key_fields", "member_launches",
            "members_of", "one_at_a_time", "probed_problems", "rank_places", "stragglers"]
 
 FIELD = "gpufleet_instances"
+# the inventory variable that names a class's canary host (on the class's first host by name)
+CANARY_HOST = "gpufleet_canary_host"
 SERVE_ARGS = "gpufleet_serve_args"
 # what every member of a gang must give alike: one engine runs one model with one set of serve options
 _ALIKE = ("gpufleet_host_class", "gpufleet_model", SERVE_ARGS)
@@ -310,6 +312,28 @@ def members_of(hostvars: t.Mapping[str, t.Any], host: str, instance: str) -> lis
             gang = _parse(cache, view)
             return list(gang.members) if host in gang.members else []
     return []
+
+
+def canary_hosts(hostvars: t.Mapping[str, t.Any], class_hosts: t.Sequence[str]) -> list[str]:
+    """The hosts that run a class's canaries, the canary host first: the host its first host by name names in
+    ``gpufleet_canary_host``, else that first host; when that host's first instance spans hosts, every member of its
+    gang, the leader first (the leader is then the canary host). One call per host of the class, each host's
+    variables read once. Raises GangError for a gang the inventory gets wrong."""
+    names = sorted(str(h) for h in class_hosts)
+    if not names:
+        return []
+    cache = _Hosts(hostvars)
+    named = cache.vars(names[0]).get(CANARY_HOST) or names[0]
+    named = str(named)
+    instances = cache.vars(named).get(FIELD)
+    first = instances[0] if isinstance(instances, (list, tuple)) and instances and isinstance(instances[0], t.Mapping) else {}
+    instance = str(first.get("name") or "vllm")
+    for view in cache.views(named):
+        if view.name == instance:
+            gang = _parse(cache, view)
+            if named in gang.members:
+                return list(gang.members)
+    return [named]
 
 
 def stragglers(hostvars: t.Mapping[str, t.Any], mates: t.Sequence[str], step: str, reached_var: str,

@@ -261,6 +261,34 @@ def test_each_member_knows_its_gang_and_where_its_ranks_lie():
                       ("a1", "dsv3"): _gangs.RankPlace("a2/dsv3", 8, ("a2", "a1"))}
 
 
+def test_a_class_canary_is_the_first_host_by_name_or_the_named_one_and_a_gang_runs_it_whole():
+    """The canary host is gpufleet_canary_host (read on the class's first host by name), else that first host; when
+    its first instance spans hosts, every member runs the canaries, the leader first. Each host read once."""
+    hv = two_hosts({"mode": "mp", "members": ["a2", "a1"], "leader": "a2"})
+    hv.update({"b2": {"gpufleet_instances": [{"name": "main", "gpus": [0]}]}, "b1": {"gpufleet_instances": []}})
+    assert _gangs.canary_hosts(hv, ["b2", "b1"]) == ["b1"]
+    assert _gangs.canary_hosts(hv, ["solo"]) == ["solo"]
+    hv["b1"]["gpufleet_canary_host"] = "b2"
+    assert _gangs.canary_hosts(hv, ["b1", "b2"]) == ["b2"]
+    # a follower named, or first by name: the gang's leader decides, with every member
+    assert _gangs.canary_hosts(hv, ["a2", "a1"]) == ["a2", "a1"]
+    # a host named that is no host of the class comes back as it is: the planning play fails the class, naming it
+    hv["b1"]["gpufleet_canary_host"] = "nowhere"
+    assert _gangs.canary_hosts(hv, ["b1", "b2"]) == ["nowhere"]
+    assert _gangs.canary_hosts(hv, []) == []
+
+    class Counting(dict):
+        reads = 0
+
+        def get(self, key, default=None):
+            Counting.reads += 1
+            return super().get(key, default)
+
+    counted = Counting(two_hosts())
+    assert _gangs.canary_hosts(counted, ["a1", "a2"]) == ["a1", "a2"]
+    assert Counting.reads == 2, "each host's variables once"
+
+
 def test_a_gang_member_that_did_not_reach_a_step_is_named_with_what_stopped_it():
     """A member whose deploy failed recorded no later step: the others quote its registered result when that failed
     (a looped result names each failed item), else say it stopped before the step; members at the step are not named."""
