@@ -48,7 +48,8 @@ def collections_path():
 
 def test_plugins_found():
     assert "rollout_report" in MODULES and "kv_plan" in MODULES and "gpu_memory_info" in MODULES and "gpu_memory_facts" in MODULES
-    assert FILTERS == ["boot_timeout", "class_canary", "class_canary_hosts", "class_deploy_order", "class_rollback_hosts", "class_settings_problems", "class_state",
+    assert FILTERS == ["boot_timeout", "class_canary", "class_canary_hosts", "class_deploy_order", "class_rollback_hosts",
+                       "class_settings_problems", "class_state",
                        "class_states", "compat_fields", "cuda_visible_devices", "failure_message", "first_run_outline", "gang_addresses",
                        "gang_api_instances", "gang_batches", "gang_key_fields", "gang_member_launch", "gang_members", "gang_problems", "gang_stragglers",
                        "gangs", "gate_violations", "health_url", "host_pattern", "host_plan", "human_bytes", "kv_bytes_per_token", "kv_reference",
