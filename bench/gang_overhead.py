@@ -44,9 +44,9 @@ import rollout_overhead as ro  # pylint: disable=wrong-import-position,import-er
 
 GOAL_SECONDS_PER_MEMBER = 2.0
 GANG_PORT = 29555
-# the tasks that keep a gang's members together in a batch (roles/vllm_service/tasks/gang.yml and the checks
-# before it in tasks/main.yml): what a gang adds to a batch besides its own boot
-GANG_TASK = re.compile(r"member of (this host's gangs|its gang)|every member of a gang|Stop with the gang")
+# the tasks that keep a gang's members together in a batch (the includes of roles/vllm_service/tasks/main.yml and
+# the tasks of gang_start.yml and gang.yml): what a gang adds to a batch besides its own boot
+GANG_TASK = re.compile(r"member of (this host's gangs|its gang)|every member of a gang|Stop with the gang|Go on with the whole gang|Change the whole gang")
 
 
 def gang_boot_to_healthy(harness: Any, members: list[str]) -> float | None:
