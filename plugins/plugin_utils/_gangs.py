@@ -306,7 +306,10 @@ def rank_places(hostvars: t.Mapping[str, t.Any], hosts: t.Sequence[str]) -> dict
 def members_of(hostvars: t.Mapping[str, t.Any], host: str, instance: str) -> list[str]:
     """The members of the gang of ``host``'s instance ``instance``, in node-rank order (the leader first); empty when
     that instance is on ``host`` alone. Raises GangError for a gang the inventory gets wrong."""
-    cache = _Hosts(hostvars)
+    return _members(_Hosts(hostvars), host, instance)
+
+
+def _members(cache: _Hosts, host: str, instance: str) -> list[str]:
     for view in cache.views(host):
         if view.name == instance:
             gang = _parse(cache, view)
@@ -327,13 +330,7 @@ def canary_hosts(hostvars: t.Mapping[str, t.Any], class_hosts: t.Sequence[str]) 
     named = str(named)
     instances = cache.vars(named).get(FIELD)
     first = instances[0] if isinstance(instances, (list, tuple)) and instances and isinstance(instances[0], t.Mapping) else {}
-    instance = str(first.get("name") or "vllm")
-    for view in cache.views(named):
-        if view.name == instance:
-            gang = _parse(cache, view)
-            if named in gang.members:
-                return list(gang.members)
-    return [named]
+    return _members(cache, named, str(first.get("name") or "vllm")) or [named]
 
 
 def stragglers(hostvars: t.Mapping[str, t.Any], mates: t.Sequence[str], step: str, reached_var: str,
