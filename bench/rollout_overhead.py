@@ -26,6 +26,10 @@ size (updates), with the fixed part that line projects for 1,000 hosts. Per run:
 each play before the first batch, and the remote calls every host gets before it (the canary
 host, first by name, separately: its canaries).
 
+CPU: the machine's and the controller's, read at every task banner, split each run (and its tasks, ``cpu_by_task``)
+into the controller's share and the rest (the simulated hosts, which share the controller's cores here); after the
+update, one ad-hoc module call and one raw call on every host give what a remote call costs (``remote_call_cpu``).
+
 Remote calls: ``ssh`` runs through a wrapper that logs the host and the time of every
 call (pipelining on, so one call is one module run or one raw command on the host); the
 calls a host gets inside the roll-out play's batches are its deploy's round trips.
@@ -185,10 +189,13 @@ def machine_cpu() -> float:
 
 def run_playbook(inventory: Path, forks: int, timeout: float, extra_vars: dict[str, Any] | None = None,
                  ssh_log: tuple[Path, Path] | None = None,
-                 cpu: dict[str, float] | None = None) -> tuple[int, list[tuple[float, str]], float, float]:
+                 cpu: dict[str, float] | None = None,
+                 cpu_by_task: list[dict[str, Any]] | None = None) -> tuple[int, list[tuple[float, str]], float, float]:
     """ansible-playbook with every line time-stamped (seconds since start); also returns the start's epoch time.
     ``cpu`` gets the CPU seconds of the controller's main process and workers and of the whole machine, before the
-    first batch (``*_fixed_s``) and in all."""
+    first batch (``*_fixed_s``) and in all, and what the machine spent outside the controller (``hosts_*``);
+    ``cpu_by_task`` gets each task's (``task_cpu``)."""
+    cpu_by_task = cpu_by_task if cpu_by_task is not None else []
     env = dict(os.environ, ANSIBLE_NOCOLOR="1", ANSIBLE_PIPELINING="1", ANSIBLE_HOST_KEY_CHECKING="False",
                ANSIBLE_TIMEOUT="20", ANSIBLE_COLLECTIONS_PATH=str(CACHE / "collections"), ANSIBLE_FORKS=str(forks))
     if ssh_log is not None:
@@ -207,6 +214,7 @@ def run_playbook(inventory: Path, forks: int, timeout: float, extra_vars: dict[s
     children_start = os.times()
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=str(REPO))
     lines: list[tuple[float, str]] = []
+    marks: list[tuple[str, float, float]] = []
     timer = threading.Timer(timeout, proc.kill)
     timer.start()
     try:
@@ -214,6 +222,10 @@ def run_playbook(inventory: Path, forks: int, timeout: float, extra_vars: dict[s
             raise RuntimeError("ansible-playbook: no output pipe")
         for line in proc.stdout:
             lines.append((time.monotonic() - start, line.rstrip("\n")))
+            if cpu is not None and line.startswith(("TASK [", "PLAY [", "PLAY RECAP")):
+                # each banner closes the task before it: the CPU it took, the machine's and the controller's
+                with contextlib.suppress(OSError):
+                    marks.append((line.rstrip("\n"), machine_cpu(), sum(controller_cpu(proc.pid))))
             if cpu is not None and "main_fixed_s" not in cpu and line.startswith(f"PLAY [{ROLLOUT_PLAY}]"):
                 with contextlib.suppress(OSError):
                     cpu["main_fixed_s"], cpu["workers_fixed_s"] = controller_cpu(proc.pid)
@@ -227,9 +239,73 @@ def run_playbook(inventory: Path, forks: int, timeout: float, extra_vars: dict[s
         cpu["controller_s"] = (children.children_user + children.children_system
                                - children_start.children_user - children_start.children_system)
         cpu["machine_s"] = machine_cpu() - machine_start
+        # what the machine spent outside the controller: the simulated hosts (the modules each remote call runs,
+        # their systemd and engines) and the ssh connections' masters, which the controller does not reap
+        cpu["hosts_s"] = cpu["machine_s"] - cpu["controller_s"]
+        if "machine_fixed_s" in cpu:
+            cpu["hosts_fixed_s"] = cpu["machine_fixed_s"] - cpu["main_fixed_s"] - cpu["workers_fixed_s"]
         for key in list(cpu):
             cpu[key] = round(cpu[key], 2)
+        cpu_by_task.extend(task_cpu(marks))
     return rc, lines, time.monotonic() - start, epoch
+
+
+def task_cpu(marks: list[tuple[str, float, float]], top: int = 12) -> list[dict[str, Any]]:
+    """The tasks that cost the machine the most CPU, from the (banner, machine CPU, controller CPU) read at each task
+    and play banner: per task name and part of the run (``fixed``: before the first batch; ``batches``; ``report``),
+    the CPU seconds of the machine, of the controller (main process and reaped workers) and of the rest (the
+    simulated hosts), summed over its runs (each batch runs the batch play's tasks again)."""
+    totals: dict[tuple[str, str], dict[str, Any]] = {}
+    part = "fixed"
+    for (banner, machine, controller), (_next, machine_next, controller_next) in zip(marks, marks[1:]):
+        if banner.startswith("PLAY ["):
+            part = "batches" if banner.startswith(f"PLAY [{ROLLOUT_PLAY}]") else ("report" if part != "fixed" else part)
+            continue
+        task = TASK_RE.match(banner)
+        if not task:
+            continue
+        row = totals.setdefault((part, task.group(1)), {"part": part, "task": task.group(1), "runs": 0,
+                                                        "machine_s": 0.0, "controller_s": 0.0})
+        row["runs"] += 1
+        row["machine_s"] += machine_next - machine
+        row["controller_s"] += controller_next - controller
+    rows = sorted(totals.values(), key=lambda r: -r["machine_s"])[:top]
+    for row in rows:
+        row["hosts_s"] = round(row["machine_s"] - row["controller_s"], 2)
+        row["machine_s"], row["controller_s"] = round(row["machine_s"], 2), round(row["controller_s"], 2)
+    return rows
+
+
+def remote_call_cpu(inventory: Path, forks: int) -> dict[str, Any]:
+    """The CPU one remote call costs per host, on the fleet as it is: ad-hoc ``ansible.builtin.ping`` (a module: the
+    host's Python starts and imports Ansible's module code) and ``ansible.builtin.raw`` (a shell command, no module),
+    each once on every host; the machine's CPU and the controller's, divided by the hosts, and the module's cost
+    beyond the raw command's."""
+    hosts = len((yaml.safe_load(inventory.read_text(encoding="utf-8"))["all"]["children"].popitem()[1])["hosts"])
+    env = dict(os.environ, ANSIBLE_NOCOLOR="1", ANSIBLE_PIPELINING="1", ANSIBLE_HOST_KEY_CHECKING="False",
+               ANSIBLE_TIMEOUT="20", ANSIBLE_COLLECTIONS_PATH=str(CACHE / "collections"), ANSIBLE_FORKS=str(forks))
+    adhoc = shutil.which("ansible", path=str(CACHE / "venv" / "bin") + os.pathsep + env.get("PATH", ""))
+    if adhoc is None:
+        raise RuntimeError("no ansible command (make venv)")
+    out: dict[str, Any] = {"hosts": hosts, "forks": forks}
+    for name, argv in (("module", ["-m", "ansible.builtin.ping"]), ("raw", ["-m", "ansible.builtin.raw", "-a", "true"])):
+        machine_start, children_start = machine_cpu(), os.times()
+        try:
+            done = subprocess.run([adhoc, "-i", str(inventory), "all", *argv], capture_output=True, text=True, env=env,
+                                  cwd=str(REPO), timeout=600, check=False)
+        except subprocess.SubprocessError as exc:
+            out[name] = {"error": str(exc)}
+            continue
+        machine, children = machine_cpu() - machine_start, os.times()
+        controller = children.children_user + children.children_system - children_start.children_user - children_start.children_system
+        out[name] = {"rc": done.returncode, "machine_cpu_s_per_host": round(machine / hosts, 3),
+                     "controller_cpu_s_per_host": round(controller / hosts, 3),
+                     "hosts_cpu_s_per_host": round((machine - controller) / hosts, 3)}
+    # both include the ansible command's own start, spread over the hosts: their difference is what a module costs
+    # beyond a plain round trip (its Python and Ansible's module code starting on the host, its result on the controller)
+    if "machine_cpu_s_per_host" in out["module"] and "machine_cpu_s_per_host" in out["raw"]:
+        out["module_over_raw_cpu_s_per_host"] = round(out["module"]["machine_cpu_s_per_host"] - out["raw"]["machine_cpu_s_per_host"], 3)
+    return out
 
 
 def batch_task_names() -> set[str]:
@@ -315,8 +391,10 @@ def measure_rollout(sim: fleetctl.Fleet, inventory: Path, names: list[str], kind
     out: dict[str, Any] = {"kind": kind, "extra_vars": extra_vars or {}}
     ssh_log = ssh_logger(inventory.parent)
     cpu: dict[str, float] = {}
-    rc, lines, wall, epoch = run_playbook(inventory, forks, timeout, extra_vars, ssh_log, cpu)
+    by_task: list[dict[str, Any]] = []
+    rc, lines, wall, epoch = run_playbook(inventory, forks, timeout, extra_vars, ssh_log, cpu, by_task)
     out["cpu_seconds"] = cpu
+    out["cpu_by_task"] = by_task
     # the time-stamped output, kept beside the fleet for a per-task look
     (inventory.parent / f"{kind}.log").write_text("".join(f"{stamp:9.3f} {line}\n" for stamp, line in lines), encoding="utf-8")
     out["rc"] = rc
@@ -400,6 +478,8 @@ def measure(size: int, prefix: str, boot_delay: float, serial: list[Any], forks:
         if "error" not in runs[-1]:
             runs.append(dict(common, **measure_rollout(sim, inventory, names, "update", forks, timeout,
                                                        {"gpufleet_guard": "1GiB"})))
+            # what one remote call costs each host here, beside what the rollout's calls cost
+            runs[-1]["remote_call_cpu"] = remote_call_cpu(inventory, forks)
     except (fleetctl.FleetError, testhosts.HarnessError, RuntimeError, OSError) as exc:
         failed = dict(common, kind="install" if not runs else "update")
         failed["error"] = str(exc)

@@ -420,6 +420,25 @@ def render_rollout(res: dict[str, Any]) -> tuple[list[str], list[tuple[str, str,
                          + "; ".join(f"{p['play']} {p['seconds']}" for p in run["fixed_plays"])
                          + (f". Remote calls before the first batch: canary host {calls.get('canary_host')}, "
                             f"other hosts {others.get('min')}-{others.get('max')}." if calls else "."))
+        cpu = run.get("cpu_seconds") or {}
+        if cpu.get("hosts_s") is not None:
+            lines.append(f"- {run['hosts']} hosts, {run.get('kind', 'install')}, CPU s of the machine's {os.cpu_count()} cores: "
+                         f"{cpu.get('machine_s')} in all, the controller {cpu.get('controller_s')}, the simulated hosts (with "
+                         f"the ssh masters) {cpu['hosts_s']}; before the first batch {cpu.get('machine_fixed_s')}, "
+                         f"{round(cpu.get('main_fixed_s', 0) + cpu.get('workers_fixed_s', 0), 2)} and {cpu.get('hosts_fixed_s')}.")
+        if run.get("cpu_by_task"):
+            lines.append(f"- {run['hosts']} hosts, {run.get('kind', 'install')}, the tasks that cost the machine the most CPU "
+                         "(part of the run, task, runs: machine / controller / hosts s): "
+                         + "; ".join(f"{t['part']}, {t['task']}, {t['runs']}: {t['machine_s']} / {t['controller_s']} / {t['hosts_s']}"
+                                     for t in run["cpu_by_task"][:8]) + ".")
+        calls = run.get("remote_call_cpu") or {}
+        if (calls.get("module") or {}).get("machine_cpu_s_per_host") is not None and "raw" in calls:
+            lines.append(f"- One remote call on each of the {calls['hosts']} hosts, after that run (ad hoc, the `ansible` command's "
+                         f"own start spread over the hosts): a module (`ansible.builtin.ping`) "
+                         f"{calls['module']['machine_cpu_s_per_host']} s of the machine's CPU per host "
+                         f"({calls['module']['hosts_cpu_s_per_host']} s of it the host's), a raw command "
+                         f"{calls['raw'].get('machine_cpu_s_per_host')} s ({calls['raw'].get('hosts_cpu_s_per_host')} s): a module "
+                         f"costs {calls.get('module_over_raw_cpu_s_per_host')} s more per host and call.")
         if run.get("batches"):
             lines.append(f"- {run['hosts']} hosts, {run.get('kind', 'install')}, batches (hosts / wall s / overhead s): "
                          + "; ".join(f"{b['hosts']} / {b['wall_s']} / {b['overhead_s']}" for b in run["batches"])

@@ -42,3 +42,27 @@ def test_the_wrapper_logs_its_arguments_and_runs_ssh(tmp_path):
     assert out.stdout == "ssh -o User=root 10.0.0.1 true\n"
     stamp, _sep, args = log.read_text(encoding="utf-8").strip().partition(" ")
     assert float(stamp) > 0 and args == "-o User=root 10.0.0.1 true"
+
+
+def test_each_task_gets_the_cpu_until_the_next_banner_summed_over_its_batches():
+    marks = [
+        ("PLAY [Probe every target host] ****", 0.0, 0.0),
+        ("TASK [Read the host] ****", 1.0, 0.5),
+        ("PLAY [Roll out in serial batches] ****", 4.0, 1.5),
+        ("TASK [Take the lease of this host] ****", 4.5, 1.7),
+        ("TASK [Write] ****", 5.0, 1.9),
+        ("PLAY [Roll out in serial batches] ****", 9.0, 2.9),
+        ("TASK [Take the lease of this host] ****", 9.0, 2.9),
+        ("TASK [Write] ****", 10.0, 3.2),
+        ("PLAY [Report the rollout] ****", 16.0, 4.2),
+        ("TASK [Write the run report] ****", 16.0, 4.2),
+        ("PLAY RECAP ****", 16.5, 4.6),
+    ]
+    rows = rollout_overhead.task_cpu(marks)
+    assert rows[0] == {"part": "batches", "task": "Write", "runs": 2, "machine_s": 10.0, "controller_s": 2.0, "hosts_s": 8.0}
+    assert rows[1] == {"part": "fixed", "task": "Read the host", "runs": 1, "machine_s": 3.0, "controller_s": 1.0, "hosts_s": 2.0}
+    lease = next(r for r in rows if r["task"] == "Take the lease of this host")
+    assert (lease["runs"], lease["machine_s"], lease["controller_s"]) == (2, 1.5, 0.5)
+    report = next(r for r in rows if r["task"] == "Write the run report")
+    assert report["part"] == "report" and report["machine_s"] == 0.5
+    assert len(rollout_overhead.task_cpu(marks, top=2)) == 2
