@@ -187,6 +187,20 @@ def machine_cpu() -> float:
     return (sum(values[:8]) - idle) / CLOCK_TICKS
 
 
+def ansible_env(forks: int) -> dict[str, str]:
+    """The environment of every Ansible command the bench runs: pipelining on, the cache's collections, ``forks``."""
+    return dict(os.environ, ANSIBLE_NOCOLOR="1", ANSIBLE_PIPELINING="1", ANSIBLE_HOST_KEY_CHECKING="False",
+                ANSIBLE_TIMEOUT="20", ANSIBLE_COLLECTIONS_PATH=str(CACHE / "collections"), ANSIBLE_FORKS=str(forks))
+
+
+def venv_command(name: str, env: dict[str, str]) -> str:
+    """The path of Ansible's command ``name``, the cache's venv first."""
+    found = shutil.which(name, path=str(CACHE / "venv" / "bin") + os.pathsep + env.get("PATH", ""))
+    if found is None:
+        raise RuntimeError(f"no {name} command (make venv)")
+    return found
+
+
 def run_playbook(inventory: Path, forks: int, timeout: float, extra_vars: dict[str, Any] | None = None,
                  ssh_log: tuple[Path, Path] | None = None,
                  cpu: dict[str, float] | None = None,
@@ -196,15 +210,12 @@ def run_playbook(inventory: Path, forks: int, timeout: float, extra_vars: dict[s
     first batch (``*_fixed_s``) and in all, and what the machine spent outside the controller (``hosts_*``);
     ``cpu_by_task`` gets each task's (``task_cpu``)."""
     cpu_by_task = cpu_by_task if cpu_by_task is not None else []
-    env = dict(os.environ, ANSIBLE_NOCOLOR="1", ANSIBLE_PIPELINING="1", ANSIBLE_HOST_KEY_CHECKING="False",
-               ANSIBLE_TIMEOUT="20", ANSIBLE_COLLECTIONS_PATH=str(CACHE / "collections"), ANSIBLE_FORKS=str(forks))
+    env = ansible_env(forks)
     if ssh_log is not None:
         env["ANSIBLE_SSH_EXECUTABLE"] = str(ssh_log[0])
         env["GPUFLEET_BENCH_SSH_LOG"] = str(ssh_log[1])
         ssh_log[1].unlink(missing_ok=True)
-    playbook = shutil.which("ansible-playbook", path=str(CACHE / "venv" / "bin") + os.pathsep + env.get("PATH", ""))
-    if playbook is None:
-        raise RuntimeError("no ansible-playbook command (make venv)")
+    playbook = venv_command("ansible-playbook", env)
     argv = [playbook, "-i", str(inventory), str(PLAYBOOK)]
     if extra_vars:
         argv += ["--extra-vars", json.dumps(extra_vars)]
@@ -276,17 +287,13 @@ def task_cpu(marks: list[tuple[str, float, float]], top: int = 12) -> list[dict[
     return rows
 
 
-def remote_call_cpu(inventory: Path, forks: int) -> dict[str, Any]:
+def remote_call_cpu(inventory: Path, hosts: int, forks: int) -> dict[str, Any]:
     """The CPU one remote call costs per host, on the fleet as it is: ad-hoc ``ansible.builtin.ping`` (a module: the
     host's Python starts and imports Ansible's module code) and ``ansible.builtin.raw`` (a shell command, no module),
-    each once on every host; the machine's CPU and the controller's, divided by the hosts, and the module's cost
-    beyond the raw command's."""
-    hosts = len((yaml.safe_load(inventory.read_text(encoding="utf-8"))["all"]["children"].popitem()[1])["hosts"])
-    env = dict(os.environ, ANSIBLE_NOCOLOR="1", ANSIBLE_PIPELINING="1", ANSIBLE_HOST_KEY_CHECKING="False",
-               ANSIBLE_TIMEOUT="20", ANSIBLE_COLLECTIONS_PATH=str(CACHE / "collections"), ANSIBLE_FORKS=str(forks))
-    adhoc = shutil.which("ansible", path=str(CACHE / "venv" / "bin") + os.pathsep + env.get("PATH", ""))
-    if adhoc is None:
-        raise RuntimeError("no ansible command (make venv)")
+    each once on every one of the inventory's ``hosts``; the machine's CPU and the controller's, divided by the hosts,
+    and the module's cost beyond the raw command's."""
+    env = ansible_env(forks)
+    adhoc = venv_command("ansible", env)
     out: dict[str, Any] = {"hosts": hosts, "forks": forks}
     for name, argv in (("module", ["-m", "ansible.builtin.ping"]), ("raw", ["-m", "ansible.builtin.raw", "-a", "true"])):
         machine_start, children_start = machine_cpu(), os.times()
@@ -479,7 +486,7 @@ def measure(size: int, prefix: str, boot_delay: float, serial: list[Any], forks:
             runs.append(dict(common, **measure_rollout(sim, inventory, names, "update", forks, timeout,
                                                        {"gpufleet_guard": "1GiB"})))
             # what one remote call costs each host here, beside what the rollout's calls cost
-            runs[-1]["remote_call_cpu"] = remote_call_cpu(inventory, forks)
+            runs[-1]["remote_call_cpu"] = remote_call_cpu(inventory, size, forks)
     except (fleetctl.FleetError, testhosts.HarnessError, RuntimeError, OSError) as exc:
         failed = dict(common, kind="install" if not runs else "update")
         failed["error"] = str(exc)
