@@ -69,6 +69,9 @@ CLASS = "bench-l40s"
 INSTANCE = "main"
 HOST_RE = re.compile(r"^(?:ok|changed|failed|fatal|skipping|unreachable): \[([^\]]+)\]")
 TASK_RE = re.compile(r"^TASK \[(.+?)\] \**$")
+INCLUDED_RE = re.compile(r"^included: .+ for (.+)$")
+# the lines that open a task or a play in ansible-playbook's output (and its recap, which closes the last task)
+BANNERS = ("TASK [", "PLAY [", "PLAY RECAP")
 
 
 def fleet_file(names: list[str], boot_delay: float) -> dict[str, Any]:
@@ -204,11 +207,13 @@ def venv_command(name: str, env: dict[str, str]) -> str:
 def run_playbook(inventory: Path, forks: int, timeout: float, extra_vars: dict[str, Any] | None = None,
                  ssh_log: tuple[Path, Path] | None = None,
                  cpu: dict[str, float] | None = None,
-                 cpu_by_task: list[dict[str, Any]] | None = None) -> tuple[int, list[tuple[float, str]], float, float]:
+                 cpu_by_task: list[dict[str, Any]] | None = None,
+                 skips: dict[str, Any] | None = None) -> tuple[int, list[tuple[float, str]], float, float]:
     """ansible-playbook with every line time-stamped (seconds since start); also returns the start's epoch time.
     ``cpu`` gets the CPU seconds of the controller's main process and workers and of the whole machine, before the
     first batch (``*_fixed_s``) and in all, and what the machine spent outside the controller (``hosts_*``);
-    ``cpu_by_task`` gets each task's (``task_cpu``)."""
+    ``cpu_by_task`` gets each task's (``task_cpu``), ``skips`` what the tasks every host skipped cost
+    (``skipped_tasks``)."""
     cpu_by_task = cpu_by_task if cpu_by_task is not None else []
     env = ansible_env(forks)
     if ssh_log is not None:
@@ -233,7 +238,7 @@ def run_playbook(inventory: Path, forks: int, timeout: float, extra_vars: dict[s
             raise RuntimeError("ansible-playbook: no output pipe")
         for line in proc.stdout:
             lines.append((time.monotonic() - start, line.rstrip("\n")))
-            if cpu is not None and line.startswith(("TASK [", "PLAY [", "PLAY RECAP")):
+            if cpu is not None and line.startswith(BANNERS):
                 # each banner closes the task before it: the CPU it took, the machine's and the controller's
                 with contextlib.suppress(OSError):
                     marks.append((line.rstrip("\n"), machine_cpu(), sum(controller_cpu(proc.pid))))
@@ -258,6 +263,8 @@ def run_playbook(inventory: Path, forks: int, timeout: float, extra_vars: dict[s
         for key in list(cpu):
             cpu[key] = round(cpu[key], 2)
         cpu_by_task.extend(task_cpu(marks))
+    if skips is not None:
+        skips.update(skipped_tasks(lines, marks))
     return rc, lines, time.monotonic() - start, epoch
 
 
@@ -285,6 +292,56 @@ def task_cpu(marks: list[tuple[str, float, float]], top: int = 12) -> list[dict[
         row["hosts_s"] = round(row["machine_s"] - row["controller_s"], 2)
         row["machine_s"], row["controller_s"] = round(row["machine_s"], 2), round(row["controller_s"], 2)
     return rows
+
+
+def skipped_tasks(lines: list[tuple[float, str]], marks: list[tuple[str, float, float]]) -> dict[str, Any]:
+    """What skipping costs the run: every host a task runs on takes a worker of the controller, skipped or not.
+
+    From the output's result lines under each task banner (``skipping: [host]``, ``ok: [host]``, ``included: ...
+    for host, ...``): the task runs and the host runs in all, the host runs that were skips, and the task runs that
+    every host skipped with their seconds (banner to the next banner) and their CPU, the machine's and the
+    controller's (``marks``: ``run_playbook``'s, one per banner of ``lines`` in the same order; without them, or
+    when they do not match the banners, no CPU)."""
+    segments: list[dict[str, Any]] = []
+    for stamp, line in lines:
+        if line.startswith(BANNERS):
+            segments.append({"stamp": stamp, "task": bool(TASK_RE.match(line)), "ran": set(), "skipped": set(), "done": set()})
+            continue
+        if not segments:
+            continue
+        included = INCLUDED_RE.match(line)
+        hosts = [h.strip() for h in included.group(1).split(",")] if included else []
+        match = HOST_RE.match(line)
+        if match:
+            hosts = [match.group(1)]
+        segments[-1]["ran"].update(hosts)
+        segments[-1]["skipped" if line.startswith("skipping: [") else "done"].update(hosts)
+    with_cpu = len(marks) == len(segments)
+    out: dict[str, Any] = {"task_runs": 0, "host_runs": 0, "skipped_host_runs": 0,
+                           "all_skipped": {"task_runs": 0, "host_runs": 0, "seconds": 0.0}}
+    if with_cpu:
+        out["all_skipped"].update(machine_s=0.0, controller_s=0.0)
+    for i, seg in enumerate(segments[:-1]):
+        if not seg["task"] or not seg["ran"]:
+            continue
+        out["task_runs"] += 1
+        out["host_runs"] += len(seg["ran"])
+        # a host with some items skipped and some run counts as run
+        skipped = seg["skipped"] - seg["done"]
+        out["skipped_host_runs"] += len(skipped)
+        if seg["done"]:
+            continue
+        every = out["all_skipped"]
+        every["task_runs"] += 1
+        every["host_runs"] += len(skipped)
+        every["seconds"] += segments[i + 1]["stamp"] - seg["stamp"]
+        if with_cpu:
+            every["machine_s"] += marks[i + 1][1] - marks[i][1]
+            every["controller_s"] += marks[i + 1][2] - marks[i][2]
+    for key in ("seconds", "machine_s", "controller_s"):
+        if key in out["all_skipped"]:
+            out["all_skipped"][key] = round(out["all_skipped"][key], 2)
+    return out
 
 
 def remote_call_cpu(inventory: Path, hosts: int, forks: int) -> dict[str, Any]:
@@ -399,9 +456,11 @@ def measure_rollout(sim: fleetctl.Fleet, inventory: Path, names: list[str], kind
     ssh_log = ssh_logger(inventory.parent)
     cpu: dict[str, float] = {}
     by_task: list[dict[str, Any]] = []
-    rc, lines, wall, epoch = run_playbook(inventory, forks, timeout, extra_vars, ssh_log, cpu, by_task)
+    skips: dict[str, Any] = {}
+    rc, lines, wall, epoch = run_playbook(inventory, forks, timeout, extra_vars, ssh_log, cpu, by_task, skips)
     out["cpu_seconds"] = cpu
     out["cpu_by_task"] = by_task
+    out["skipped_tasks"] = skips
     # the time-stamped output, kept beside the fleet for a per-task look
     (inventory.parent / f"{kind}.log").write_text("".join(f"{stamp:9.3f} {line}\n" for stamp, line in lines), encoding="utf-8")
     out["rc"] = rc

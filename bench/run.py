@@ -431,6 +431,15 @@ def render_rollout(res: dict[str, Any]) -> tuple[list[str], list[tuple[str, str,
                          "(part of the run, task, runs: machine / controller / hosts s): "
                          + "; ".join(f"{t['part']}, {t['task']}, {t['runs']}: {t['machine_s']} / {t['controller_s']} / {t['hosts_s']}"
                                      for t in run["cpu_by_task"][:8]) + ".")
+        skips = run.get("skipped_tasks") or {}
+        if skips.get("host_runs"):
+            every = skips["all_skipped"]
+            lines.append(f"- {run['hosts']} hosts, {run.get('kind', 'install')}, skipped tasks: {skips['skipped_host_runs']} of the "
+                         f"{skips['host_runs']} host runs of its {skips['task_runs']} task runs were skips; the "
+                         f"{every['task_runs']} task runs that every host skipped ({every['host_runs']} host runs, a worker each) "
+                         f"took {every['seconds']} s"
+                         + (f" and {every['machine_s']} s of the machine's CPU ({every['controller_s']} s the controller's)"
+                            if "machine_s" in every else "") + ".")
         calls = run.get("remote_call_cpu") or {}
         if (calls.get("module") or {}).get("machine_cpu_s_per_host") is not None and "raw" in calls:
             lines.append(f"- One remote call on each of the {calls['hosts']} hosts, after that run (ad hoc, the `ansible` command's "

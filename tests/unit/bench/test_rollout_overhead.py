@@ -66,3 +66,36 @@ def test_each_task_gets_the_cpu_until_the_next_banner_summed_over_its_batches():
     report = next(r for r in rows if r["task"] == "Write the run report")
     assert report["part"] == "report" and report["machine_s"] == 0.5
     assert len(rollout_overhead.task_cpu(marks, top=2)) == 2
+
+
+def test_skips_are_counted_per_host_and_the_tasks_every_host_skipped_get_their_time_and_cpu():
+    lines = [
+        (0.0, "PLAY [Roll out in serial batches] ****"),
+        (1.0, "TASK [Take the lease of this host] ****"),
+        (1.1, "ok: [a]"),
+        (1.2, "ok: [b]"),
+        (2.0, "TASK [Go on with the whole gang (the drain)] ****"),
+        (2.1, "skipping: [a]"),
+        (2.2, "skipping: [b]"),
+        (2.5, "TASK [Drain the host] ****"),
+        (2.6, "included: /x/hook.yml for a, b"),
+        (3.0, "TASK [Run the drain hook] ****"),
+        (3.1, "skipping: [a] => (item=one)"),
+        (3.2, "ok: [a] => (item=two)"),
+        (3.3, "skipping: [b] => (item=one)"),
+        (3.4, "skipping: [b] => (item=two)"),
+        (3.5, "skipping: [b]"),
+        (4.0, "TASK [Show the batch start] ****"),
+        (4.5, "PLAY RECAP ****"),
+        (4.6, "a : ok=3 changed=0 unreachable=0 failed=0 skipped=1"),
+    ]
+    marks = [(line, machine, controller) for (_t, line), machine, controller in zip(
+        [ln for ln in lines if ln[1].startswith(rollout_overhead.BANNERS)],
+        [0.0, 1.0, 3.0, 3.8, 4.0, 5.0, 5.5], [0.0, 0.5, 1.0, 1.5, 1.6, 2.0, 2.2])]
+    out = rollout_overhead.skipped_tasks(lines, marks)
+    # the task without result lines (a run_once debug shown as ok would count; none here) is not a task run
+    assert (out["task_runs"], out["host_runs"], out["skipped_host_runs"]) == (4, 8, 3)
+    # only the gang step was skipped by every host: b skipped every item of the hook, a ran one
+    assert out["all_skipped"] == {"task_runs": 1, "host_runs": 2, "seconds": 0.5, "machine_s": 0.8, "controller_s": 0.5}
+    # without the CPU marks (or marks that do not match the banners): the counts and seconds only
+    assert "machine_s" not in rollout_overhead.skipped_tasks(lines, marks[:-1])["all_skipped"]
