@@ -294,18 +294,19 @@ def task_cpu(marks: list[tuple[str, float, float]], top: int = 12) -> list[dict[
     return rows
 
 
-def skipped_tasks(lines: list[tuple[float, str]], marks: list[tuple[str, float, float]]) -> dict[str, Any]:
+def skipped_tasks(lines: list[tuple[float, str]], marks: list[tuple[str, float, float]], top: int = 12) -> dict[str, Any]:
     """What skipping costs the run: every host a task runs on takes a worker of the controller, skipped or not.
 
     From the output's result lines under each task banner (``skipping: [host]``, ``ok: [host]``, ``included: ...
     for host, ...``): the task runs and the host runs in all, the host runs that were skips, and the task runs that
-    every host skipped with their seconds (banner to the next banner) and their CPU, the machine's and the
-    controller's (``marks``: ``run_playbook``'s, one per banner of ``lines`` in the same order; without them, or
-    when they do not match the banners, no CPU)."""
+    every host skipped with their seconds (banner to the next banner), the ``top`` of them by task, and their CPU,
+    the machine's and the controller's (``marks``: ``run_playbook``'s, one per banner of ``lines`` in the same order;
+    without them, or when they do not match the banners, no CPU)."""
     segments: list[dict[str, Any]] = []
     for stamp, line in lines:
         if line.startswith(BANNERS):
-            segments.append({"stamp": stamp, "task": bool(TASK_RE.match(line)), "ran": set(), "skipped": set(), "done": set()})
+            task = TASK_RE.match(line)
+            segments.append({"stamp": stamp, "task": task.group(1) if task else None, "ran": set(), "skipped": set(), "done": set()})
             continue
         if not segments:
             continue
@@ -319,6 +320,7 @@ def skipped_tasks(lines: list[tuple[float, str]], marks: list[tuple[str, float, 
     with_cpu = len(marks) == len(segments)
     out: dict[str, Any] = {"task_runs": 0, "host_runs": 0, "skipped_host_runs": 0,
                            "all_skipped": {"task_runs": 0, "host_runs": 0, "seconds": 0.0}}
+    by_task: dict[str, dict[str, Any]] = {}
     if with_cpu:
         out["all_skipped"].update(machine_s=0.0, controller_s=0.0)
     for i, seg in enumerate(segments[:-1]):
@@ -335,12 +337,19 @@ def skipped_tasks(lines: list[tuple[float, str]], marks: list[tuple[str, float, 
         every["task_runs"] += 1
         every["host_runs"] += len(skipped)
         every["seconds"] += segments[i + 1]["stamp"] - seg["stamp"]
+        row = by_task.setdefault(seg["task"], {"task": seg["task"], "runs": 0, "host_runs": 0, "seconds": 0.0})
+        row["runs"] += 1
+        row["host_runs"] += len(skipped)
+        row["seconds"] += segments[i + 1]["stamp"] - seg["stamp"]
         if with_cpu:
             every["machine_s"] += marks[i + 1][1] - marks[i][1]
             every["controller_s"] += marks[i + 1][2] - marks[i][2]
     for key in ("seconds", "machine_s", "controller_s"):
         if key in out["all_skipped"]:
             out["all_skipped"][key] = round(out["all_skipped"][key], 2)
+    # the tasks every host skipped that took the run the longest, summed over their runs (each batch runs them again)
+    out["all_skipped"]["tasks"] = [dict(row, seconds=round(row["seconds"], 2))
+                                   for row in sorted(by_task.values(), key=lambda r: -r["seconds"])[:top]]
     return out
 
 

@@ -439,7 +439,8 @@ def render_rollout(res: dict[str, Any]) -> tuple[list[str], list[tuple[str, str,
                          f"{every['task_runs']} task runs that every host skipped ({every['host_runs']} host runs, a worker each) "
                          f"took {every['seconds']} s"
                          + (f" and {every['machine_s']} s of the machine's CPU ({every['controller_s']} s the controller's)"
-                            if "machine_s" in every else "") + ".")
+                            if "machine_s" in every else "") + "; the longest of them (task, runs, s): "
+                         + "; ".join(f"{t['task']}, {t['runs']}, {t['seconds']}" for t in every.get("tasks", [])[:8]) + ".")
         calls = run.get("remote_call_cpu") or {}
         if (calls.get("module") or {}).get("machine_cpu_s_per_host") is not None and "raw" in calls:
             lines.append(f"- One remote call on each of the {calls['hosts']} hosts, after that run (ad hoc, the `ansible` command's "

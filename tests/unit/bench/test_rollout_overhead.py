@@ -96,6 +96,7 @@ def test_skips_are_counted_per_host_and_the_tasks_every_host_skipped_get_their_t
     # the task without result lines (a run_once debug shown as ok would count; none here) is not a task run
     assert (out["task_runs"], out["host_runs"], out["skipped_host_runs"]) == (4, 8, 3)
     # only the gang step was skipped by every host: b skipped every item of the hook, a ran one
-    assert out["all_skipped"] == {"task_runs": 1, "host_runs": 2, "seconds": 0.5, "machine_s": 0.8, "controller_s": 0.5}
+    assert out["all_skipped"] == {"task_runs": 1, "host_runs": 2, "seconds": 0.5, "machine_s": 0.8, "controller_s": 0.5,
+                                  "tasks": [{"task": "Go on with the whole gang (the drain)", "runs": 1, "host_runs": 2, "seconds": 0.5}]}
     # without the CPU marks (or marks that do not match the banners): the counts and seconds only
     assert "machine_s" not in rollout_overhead.skipped_tasks(lines, marks[:-1])["all_skipped"]
