@@ -314,7 +314,8 @@ def skipped_tasks(lines: list[tuple[float, str]], marks: list[tuple[str, float, 
         hosts = [h.strip() for h in included.group(1).split(",")] if included else []
         match = HOST_RE.match(line)
         if match:
-            hosts = [match.group(1)]
+            # a delegated run ("host -> localhost") is the host's
+            hosts = [match.group(1).split(" -> ")[0]]
         segments[-1]["ran"].update(hosts)
         segments[-1]["skipped" if line.startswith("skipping: [") else "done"].update(hosts)
     with_cpu = len(marks) == len(segments)

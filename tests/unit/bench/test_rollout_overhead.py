@@ -79,6 +79,7 @@ def test_skips_are_counted_per_host_and_the_tasks_every_host_skipped_get_their_t
         (2.2, "skipping: [b]"),
         (2.5, "TASK [Drain the host] ****"),
         (2.6, "included: /x/hook.yml for a, b"),
+        (2.7, "ok: [a -> localhost]"),
         (3.0, "TASK [Run the drain hook] ****"),
         (3.1, "skipping: [a] => (item=one)"),
         (3.2, "ok: [a] => (item=two)"),
