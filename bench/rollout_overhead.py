@@ -319,11 +319,9 @@ def skipped_tasks(lines: list[tuple[float, str]], marks: list[tuple[str, float, 
         segments[-1]["ran"].update(hosts)
         segments[-1]["skipped" if line.startswith("skipping: [") else "done"].update(hosts)
     with_cpu = len(marks) == len(segments)
-    out: dict[str, Any] = {"task_runs": 0, "host_runs": 0, "skipped_host_runs": 0,
-                           "all_skipped": {"task_runs": 0, "host_runs": 0, "seconds": 0.0}}
+    out: dict[str, Any] = {"task_runs": 0, "host_runs": 0, "skipped_host_runs": 0}
+    # per task that every host skipped, summed over its runs (each batch runs the batch play's tasks again)
     by_task: dict[str, dict[str, Any]] = {}
-    if with_cpu:
-        out["all_skipped"].update(machine_s=0.0, controller_s=0.0)
     for i, seg in enumerate(segments[:-1]):
         if not seg["task"] or not seg["ran"]:
             continue
@@ -334,23 +332,22 @@ def skipped_tasks(lines: list[tuple[float, str]], marks: list[tuple[str, float, 
         out["skipped_host_runs"] += len(skipped)
         if seg["done"]:
             continue
-        every = out["all_skipped"]
-        every["task_runs"] += 1
-        every["host_runs"] += len(skipped)
-        every["seconds"] += segments[i + 1]["stamp"] - seg["stamp"]
-        row = by_task.setdefault(seg["task"], {"task": seg["task"], "runs": 0, "host_runs": 0, "seconds": 0.0})
+        row = by_task.setdefault(seg["task"], {"task": seg["task"], "runs": 0, "host_runs": 0, "seconds": 0.0,
+                                               "machine_s": 0.0, "controller_s": 0.0})
         row["runs"] += 1
         row["host_runs"] += len(skipped)
         row["seconds"] += segments[i + 1]["stamp"] - seg["stamp"]
         if with_cpu:
-            every["machine_s"] += marks[i + 1][1] - marks[i][1]
-            every["controller_s"] += marks[i + 1][2] - marks[i][2]
-    for key in ("seconds", "machine_s", "controller_s"):
-        if key in out["all_skipped"]:
-            out["all_skipped"][key] = round(out["all_skipped"][key], 2)
-    # the tasks every host skipped that took the run the longest, summed over their runs (each batch runs them again)
-    out["all_skipped"]["tasks"] = [dict(row, seconds=round(row["seconds"], 2))
-                                   for row in sorted(by_task.values(), key=lambda r: -r["seconds"])[:top]]
+            row["machine_s"] += marks[i + 1][1] - marks[i][1]
+            row["controller_s"] += marks[i + 1][2] - marks[i][2]
+    rows = list(by_task.values())
+    every: dict[str, Any] = {"task_runs": sum(r["runs"] for r in rows), "host_runs": sum(r["host_runs"] for r in rows)}
+    for key in ("seconds", "machine_s", "controller_s") if with_cpu else ("seconds",):
+        every[key] = round(sum(r[key] for r in rows), 2)
+    # the longest of them by task
+    every["tasks"] = [{"task": r["task"], "runs": r["runs"], "host_runs": r["host_runs"], "seconds": round(r["seconds"], 2)}
+                      for r in sorted(rows, key=lambda r: -r["seconds"])[:top]]
+    out["all_skipped"] = every
     return out
 
 
