@@ -353,13 +353,18 @@ def skipped_tasks(lines: list[tuple[float, str]], marks: list[tuple[str, float, 
 
 def remote_call_cpu(inventory: Path, hosts: int, forks: int) -> dict[str, Any]:
     """The CPU one remote call costs per host, on the fleet as it is: ad-hoc ``ansible.builtin.ping`` (a module: the
-    host's Python starts and imports Ansible's module code) and ``ansible.builtin.raw`` (a shell command, no module),
-    each once on every one of the inventory's ``hosts``; the machine's CPU and the controller's, divided by the hosts,
-    and the module's cost beyond the raw command's."""
+    host's Python starts and imports Ansible's module code), ``ansible.builtin.raw`` (a shell command, no module) and
+    a raw command that only starts the host's module interpreter (``python -c pass``), each once on every one of the
+    inventory's ``hosts``; the machine's CPU and the controller's, divided by the hosts, the module's cost beyond the
+    raw command's, and the part of it that is neither the round trip nor the interpreter's start: Ansible's module
+    loader, which imports Ansible's own module code from the module's zip on every call (compiled from source each
+    time: a zip import keeps no bytecode), whatever the module."""
     env = ansible_env(forks)
     adhoc = venv_command("ansible", env)
     out: dict[str, Any] = {"hosts": hosts, "forks": forks}
-    for name, argv in (("module", ["-m", "ansible.builtin.ping"]), ("raw", ["-m", "ansible.builtin.raw", "-a", "true"])):
+    interpreter_start = "{{ ansible_python_interpreter | default('python3') }} -c pass"
+    for name, argv in (("module", ["-m", "ansible.builtin.ping"]), ("raw", ["-m", "ansible.builtin.raw", "-a", "true"]),
+                       ("interpreter", ["-m", "ansible.builtin.raw", "-a", interpreter_start])):
         machine_start, children_start = machine_cpu(), os.times()
         try:
             done = subprocess.run([adhoc, "-i", str(inventory), "all", *argv], capture_output=True, text=True, env=env,
@@ -376,6 +381,8 @@ def remote_call_cpu(inventory: Path, hosts: int, forks: int) -> dict[str, Any]:
     # beyond a plain round trip (its Python and Ansible's module code starting on the host, its result on the controller)
     if "machine_cpu_s_per_host" in out["module"] and "machine_cpu_s_per_host" in out["raw"]:
         out["module_over_raw_cpu_s_per_host"] = round(out["module"]["machine_cpu_s_per_host"] - out["raw"]["machine_cpu_s_per_host"], 3)
+    if "hosts_cpu_s_per_host" in out["module"] and "hosts_cpu_s_per_host" in out["interpreter"]:
+        out["module_loader_cpu_s_per_host"] = round(out["module"]["hosts_cpu_s_per_host"] - out["interpreter"]["hosts_cpu_s_per_host"], 3)
     return out
 
 

@@ -448,7 +448,12 @@ def render_rollout(res: dict[str, Any]) -> tuple[list[str], list[tuple[str, str,
                          f"{calls['module']['machine_cpu_s_per_host']} s of the machine's CPU per host "
                          f"({calls['module']['hosts_cpu_s_per_host']} s of it the host's), a raw command "
                          f"{calls['raw'].get('machine_cpu_s_per_host')} s ({calls['raw'].get('hosts_cpu_s_per_host')} s): a module "
-                         f"costs {calls.get('module_over_raw_cpu_s_per_host')} s more per host and call.")
+                         f"costs {calls.get('module_over_raw_cpu_s_per_host')} s more per host and call"
+                         + (f"; starting the host's Python alone (a raw `python -c pass`) costs the host "
+                            f"{calls['interpreter'].get('hosts_cpu_s_per_host')} s, so Ansible's module loader, which "
+                            f"compiles Ansible's own module code from the module's zip on every call, whatever the module, "
+                            f"costs the host about {calls['module_loader_cpu_s_per_host']} s of every call"
+                            if calls.get("module_loader_cpu_s_per_host") is not None else "") + ".")
         if run.get("batches"):
             lines.append(f"- {run['hosts']} hosts, {run.get('kind', 'install')}, batches (hosts / wall s / overhead s): "
                          + "; ".join(f"{b['hosts']} / {b['wall_s']} / {b['overhead_s']}" for b in run["batches"])

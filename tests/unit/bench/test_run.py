@@ -143,3 +143,22 @@ def test_runtime_install_ratios_and_goal_need_the_same_compiled_files() -> None:
     assert goals[0][2] == "**not met**"
     _lines, goals = bench_run.render_runtime({"runtime": bench_run.skipped("no wheelhouse (run `make wheelhouse`)")})
     assert goals[0][1:] == ("no figures", "n/a")
+
+
+def test_remote_call_line_splits_the_module_loader_off_only_when_the_interpreter_start_was_measured() -> None:
+    calls = {"hosts": 32, "forks": 16,
+             "module": {"rc": 0, "machine_cpu_s_per_host": 0.25, "controller_cpu_s_per_host": 0.06, "hosts_cpu_s_per_host": 0.19},
+             "raw": {"rc": 0, "machine_cpu_s_per_host": 0.05, "controller_cpu_s_per_host": 0.04, "hosts_cpu_s_per_host": 0.01},
+             "module_over_raw_cpu_s_per_host": 0.2}
+    with_start = dict(calls, interpreter={"rc": 0, "machine_cpu_s_per_host": 0.07, "controller_cpu_s_per_host": 0.04,
+                                          "hosts_cpu_s_per_host": 0.03}, module_loader_cpu_s_per_host=0.16)
+    for entry, loader in ((calls, False), (with_start, True)):
+        results = {"rollout": {"rollout": {"command": "python bench/rollout_overhead.py --sizes 32", "rc": 0, "seconds": 9.0,
+                                           "result": {"runs": [rollout_run(32, 40.0, kind="update", remote_call_cpu=entry)]}}}}
+        text = bench_run.render(results, INFO, ["python", "bench/run.py"], "2026-01-01 00:00:00", 1.0, (0.1, 0.2))
+        line = next(ln for ln in text.splitlines() if ln.startswith("- One remote call on each of the 32 hosts"))
+        assert "a module costs 0.2 s more per host and call" in line
+        assert ("starting the host's Python alone (a raw `python -c pass`) costs the host 0.03 s, so Ansible's module loader"
+                in line) is loader
+        assert ("costs the host about 0.16 s of every call." in line) is loader
+        assert line.endswith(".")
