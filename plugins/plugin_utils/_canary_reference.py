@@ -64,6 +64,7 @@ def model_config_from(
     model_config: Any,
     host_file: Mapping[str, Any] | None,
     read_controller_file: Callable[[str], str],
+    field: str = "model_config",
 ) -> dict[str, Any] | None:
     """The model's ``config.json`` for the reference's geometry, or ``None`` when there is none.
 
@@ -71,13 +72,14 @@ def model_config_from(
     of a ``config.json`` on the controller (read with ``read_controller_file``). Else
     ``host_file``, the registered result of ``ansible.builtin.slurp`` reading the
     config on the canary host; a skipped slurp (no ``content``) means no geometry.
+    ``field`` names ``model_config`` in the errors.
     """
     if isinstance(model_config, Mapping):
         return dict(model_config)
     if model_config not in (None, ""):
         if not isinstance(model_config, str):
-            raise ReferenceError(f"model_config: expected a mapping or a controller path, got {type(model_config).__name__}")
-        return _config_mapping(read_controller_file(model_config), f"model_config ({model_config})")
+            raise ReferenceError(f"{field}: expected a mapping or a controller path, got {type(model_config).__name__}")
+        return _config_mapping(read_controller_file(model_config), f"{field} ({model_config})")
     if host_file is None or host_file.get("content") is None:
         return None
     content = host_file["content"]

@@ -38,6 +38,7 @@ from ansible_collections.gpufleet.vllm.plugins.module_utils._gate._free_memory_g
 from ansible_collections.gpufleet.vllm.plugins.module_utils._plan._launch import plan_file_figures
 from ansible_collections.gpufleet.vllm.plugins.module_utils._sizes import human_bytes
 from ansible_collections.gpufleet.vllm.plugins.plugin_utils._analysis import BAKE_FIELDS, AnalysisError, bake_settings
+from ansible_collections.gpufleet.vllm.plugins.plugin_utils._canary_reference import ReferenceError, model_config_from
 
 __all__ = [
     "NEW_PLAN_ON_FAILURE",
@@ -234,6 +235,30 @@ def run_settings(names: Iterable[str], given: Mapping[str, Any], inventory: Mapp
 # run's: an AWX survey always sends its question, as "" when left blank, which would hide a class's own)
 CLASS_SETTINGS = (BUDGET_FIELD, ON_FAILURE_FIELD, *BAKE_FIELDS)
 
+# the model's config.json on the controller (path or mapping): only a profiled canary reads it, which a run
+# with a stored reference may not start for months, so a wrong path is named before any host is touched
+MODEL_CONFIG_FIELD = "gpufleet_model_config"
+
+
+def model_config_problem(value: Any, field: str = MODEL_CONFIG_FIELD) -> str | None:
+    """What is wrong with ``value`` as a class's model config, as the profiled canary's reference reads it
+    (``model_config_from``): a mapping, or the path of a readable JSON object; None or empty text is unset.
+    A relative path is found by the canary's role (its ``files/``), so it is read there, not here."""
+    def read(path: str) -> str:
+        try:
+            with open(path, encoding="utf-8") as handle:
+                return handle.read()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ReferenceError(f"{field}: cannot read {path}: {getattr(exc, 'strerror', None) or exc}") from None
+
+    if isinstance(value, str) and value and not value.startswith("/"):
+        return None
+    try:
+        model_config_from(value, None, read, field)
+    except ReferenceError as exc:
+        return str(exc)
+    return None
+
 
 def parse_on_failure(value: Any, field: str = ON_FAILURE_FIELD, unset: str = NEW_PLAN_ON_FAILURE) -> str:
     """A class's failure policy (:data:`ON_FAILURE`); None or an empty text (a blank AWX answer) is ``unset``."""
@@ -258,8 +283,9 @@ def class_on_failure(given: Any, host_class: str, approved_plan: Any = None) -> 
 
 
 def class_settings_problems(hosts: Mapping[str, Mapping[str, Any]]) -> list[str]:
-    """What is wrong with the per-class settings of ``hosts`` (host -> its variables: ``gpufleet_host_class``
-    and :data:`CLASS_SETTINGS`): each must be valid and the same on every host of a class."""
+    """What is wrong with the per-class settings of ``hosts`` (host -> its variables: ``gpufleet_host_class``,
+    :data:`CLASS_SETTINGS` and :data:`MODEL_CONFIG_FIELD`): each of :data:`CLASS_SETTINGS` must be valid and the
+    same on every host of a class; the model config must be one the class's profiled canary can read."""
     problems: list[str] = []
     by_class: dict[str, list[str]] = {}
     for host in sorted(hosts):
@@ -283,6 +309,14 @@ def class_settings_problems(hosts: Mapping[str, Mapping[str, Any]]) -> list[str]
             bake_settings(*(own.get(name) for name in BAKE_FIELDS))
         except (RolloutError, AnalysisError) as exc:
             problems.append(f"class {cls}: {exc}")
+    for cls, members in sorted(by_class.items()):
+        configs: dict[str, list[str]] = {}
+        for host in members:
+            problem = model_config_problem(hosts[host].get(MODEL_CONFIG_FIELD))
+            if problem:
+                configs.setdefault(problem, []).append(host)
+        problems += [f"class {cls}: {problem}" + ("" if len(found) == len(members) else f" (on {', '.join(found)})")
+                     for problem, found in configs.items()]
     return problems
 
 

@@ -80,3 +80,12 @@ def test_the_sim_inventory_script_gives_every_host_the_checkout(tmp_path: Path) 
     data = json.loads(done.stdout)
     assert data["all"]["vars"] == {"sim_checkout": str(REPO)}
     assert data["all"]["hosts"] == [] and data["_meta"]["hostvars"] == {}
+
+
+def test_the_example_pins_a_vllm_release_the_collection_models() -> None:
+    # a copied example that pins a release outside the modelled ones is planned with another release's rules
+    from ansible_collections.gpufleet.vllm.plugins.module_utils._engine._vllm_release import RELEASES, release_rules
+
+    data = yaml.safe_load((REPO / "inventories" / "example" / "group_vars" / "gpufleet.yml").read_text(encoding="utf-8"))
+    rules = release_rules(data["vllm_runtime_version"])
+    assert rules.notes == () and rules.release in RELEASES, (data["vllm_runtime_version"], rules.notes)

@@ -247,6 +247,33 @@ def test_a_class_gives_its_settings_once_and_valid():
         "class l40s: gpufleet_on_failure: expected one of stop, rollback_class, got 'rollback'"]
 
 
+def test_a_class_model_config_is_read_as_its_profiled_canary_reads_it_before_any_host_is_touched(tmp_path):
+    good = tmp_path / "config.json"
+    good.write_text('{"model_type": "llama"}', encoding="utf-8")
+    (tmp_path / "list.json").write_text("[1]", encoding="utf-8")
+    (tmp_path / "text.json").write_text("not json", encoding="utf-8")
+    hv = {"a1": {"gpufleet_host_class": "a", "gpufleet_model_config": str(good)},
+          "b1": {"gpufleet_host_class": "b", "gpufleet_model_config": str(tmp_path / "missing.json")},
+          "b2": {"gpufleet_host_class": "b", "gpufleet_model_config": str(tmp_path / "missing.json")},
+          "c1": {"gpufleet_host_class": "c", "gpufleet_model_config": str(tmp_path / "list.json")},
+          "c2": {"gpufleet_host_class": "c", "gpufleet_model_config": {"model_type": "llama"}},
+          "d1": {"gpufleet_host_class": "d", "gpufleet_model_config": str(tmp_path / "text.json")},
+          "e1": {"gpufleet_host_class": "e", "gpufleet_model_config": 3},
+          # unset, blank (an AWX answer), a mapping, and a relative path the canary's role finds in its files/
+          "f1": {"gpufleet_host_class": "f"}, "f2": {"gpufleet_host_class": "f", "gpufleet_model_config": ""},
+          "f3": {"gpufleet_host_class": "f", "gpufleet_model_config": None},
+          "g1": {"gpufleet_host_class": "g", "gpufleet_model_config": "models/config.json"},
+          "h1": {"gpufleet_host_class": "h", "gpufleet_model_config": str(tmp_path)}}
+    problems = class_settings_problems(hv)
+    assert problems[:2] == [
+        f"class b: gpufleet_model_config: cannot read {tmp_path / 'missing.json'}: No such file or directory",
+        f"class c: gpufleet_model_config ({tmp_path / 'list.json'}): expected a JSON object (the model's config.json), got list "
+        "(on c1)"]
+    assert problems[2].startswith(f"class d: gpufleet_model_config ({tmp_path / 'text.json'}): not JSON: "), problems
+    assert problems[3:] == ["class e: gpufleet_model_config: expected a mapping or a controller path, got int",
+                            f"class h: gpufleet_model_config: cannot read {tmp_path}: Is a directory"]
+
+
 def test_a_class_rollback_restores_the_earlier_batches_latest_first():
     batches = [{"class": "a", "hosts": ["a1"]}, {"class": "a", "hosts": ["a2", "a3", "a4"]}, {"class": "b", "hosts": ["b1"]},
                {"class": "a", "hosts": ["a5"]}]
