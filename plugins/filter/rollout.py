@@ -73,10 +73,10 @@ def class_rollback_hosts(batches: Any, hostvars: Any, active: Any = None, gangs:
 
 def class_settings_problems(hostvars: Any, hosts: Any) -> list[str]:
     """hostvars, the run's hosts -> what is wrong with each class's own settings (its capacity budget, failure policy,
-    bake, and model config)."""
+    bake, model config and serve args)."""
     if not isinstance(hostvars, Mapping) or isinstance(hosts, str) or not isinstance(hosts, Sequence):
         raise AnsibleFilterError("class_settings_problems: expected hostvars | gpufleet.vllm.class_settings_problems(list of hosts)")
-    wanted = ("gpufleet_host_class", *_rollout.CLASS_SETTINGS, _rollout.MODEL_CONFIG_FIELD)
+    wanted = ("gpufleet_host_class", *_rollout.CLASS_SETTINGS, _rollout.MODEL_CONFIG_FIELD, _rollout.SERVE_ARGS_FIELD)
     views = {}
     for host in hosts:
         found = hostvars.get(host) or {}

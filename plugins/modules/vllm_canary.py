@@ -78,8 +78,11 @@ options:
       - V(true) gives a bare flag, V(false) gives C(--no-<flag>) (vLLM boolean options), V(null) omits the option, a list gives the flag followed by its items,
         a dictionary is passed as JSON.
       - C(host), C(port), C(gpu_memory_utilization) and C(kv_cache_memory_bytes) are refused here, the module sets them.
-      - Values of options whose name looks secret (C(api_key)...) are masked in RV(argv) and everywhere in the
-        result; the load test sends C(api_key) as a bearer token.
+      - Values of options whose name looks secret (C(api_key)...) are masked in RV(argv), everywhere in the
+        result and in the invocation Ansible logs on the host; the load test sends C(api_key) as a bearer token.
+      - C(api_key) reaches the engine in C(VLLM_API_KEY), never on its command line. Any other secret option
+        (C(hf_token)...) is refused, since it would be on the engine's command line; give it in O(secret_env)
+        (C(HF_TOKEN)...).
     type: dict
     default: {}
   env:
@@ -620,7 +623,7 @@ from ansible_collections.gpufleet.vllm.plugins.module_utils._engine._canary_take
 )
 from ansible_collections.gpufleet.vllm.plugins.module_utils._engine._engine_process import free_port
 from ansible_collections.gpufleet.vllm.plugins.module_utils._engine._load_test import LoadSpec
-from ansible_collections.gpufleet.vllm.plugins.module_utils._engine._serve_argv import EngineSpecError, redact_argv
+from ansible_collections.gpufleet.vllm.plugins.module_utils._engine._serve_argv import EngineSpecError, option_name, redact_argv
 from ansible_collections.gpufleet.vllm.plugins.module_utils._gpu._gpu_memory import (
     ARGUMENT_SPEC as GPU_PROBE_SPEC,
     PYNVML_IMPORT_ERROR,
@@ -648,6 +651,13 @@ def build_spec(params: Mapping[str, Any]) -> CanarySpec:
         text(params["cuda_visible_devices"], "cuda_visible_devices", allow_empty=True)
     if params.get("vllm_version") is not None:
         text(params["vllm_version"], "vllm_version")
+    # api_key goes to the engine in VLLM_API_KEY (canary_env); any other secret option would be on its command line
+    on_command_line = sorted(str(key) for key in params["serve_args"] or {}
+                             if is_secret_option(str(key)) and option_name(str(key)) != "api-key")
+    if on_command_line:
+        raise ValidationError(f"serve_args {', '.join(on_command_line)} would put a secret on the engine's command line "
+                              "(/proc/PID/cmdline, readable by every user of the host); give it in secret_env instead "
+                              "(for example HF_TOKEN for hf_token)")
     return CanarySpec(
         executable=params["executable"],
         model=params["model"],
@@ -744,8 +754,26 @@ def run_taken_over(module: AnsibleModule, spec: CanarySpec, takeover: Takeover |
     return result, extra, error
 
 
+def _secret_serve_arg_values(serve_args: Any) -> set[str]:
+    """The values of the secret-looking options of ``serve_args`` (api_key...), to mask wherever they would appear."""
+    values: set[str] = set()
+    for key, value in (serve_args if isinstance(serve_args, Mapping) else {}).items():
+        if value not in (None, True, False, "") and is_secret_option(str(key)):
+            values.update(str(item) for item in (value if isinstance(value, list) else [value]))
+    return values
+
+
+class _CanaryModule(AnsibleModule):  # type: ignore[misc]  # AnsibleModule is Any: ansible-core ships no type information
+    """AnsibleModule that masks the secret serve_args values in the invocation it logs on the host (the journal):
+    Ansible logs the invocation while the module is set up, before :func:`main` could name them."""
+
+    def _log_invocation(self) -> None:
+        self.no_log_values.update(_secret_serve_arg_values(self.params.get("serve_args")))
+        super()._log_invocation()
+
+
 def main() -> None:
-    module = AnsibleModule(
+    module = _CanaryModule(
         argument_spec=dict(
             executable=dict(type="path", required=True),
             model=dict(type="str", required=True),
@@ -810,10 +838,7 @@ def main() -> None:
     )
     params = module.params
     # Secret-looking serve_args values (api_key...) are masked wherever they would appear.
-    for key, value in (params["serve_args"] or {}).items():
-        if value not in (None, True, False, "") and is_secret_option(str(key)):
-            for item in value if isinstance(value, list) else [value]:
-                module.no_log_values.add(str(item))
+    module.no_log_values.update(_secret_serve_arg_values(params["serve_args"]))
     extra: dict[str, Any] = {}
     state: TakeoverState | None = None
     try:

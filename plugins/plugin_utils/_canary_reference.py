@@ -25,6 +25,7 @@ import json
 from typing import Any, Callable, Mapping, Sequence
 
 from ansible_collections.gpufleet.vllm.plugins.module_utils._engine._vllm_log import member_rank_offset
+from ansible_collections.gpufleet.vllm.plugins.module_utils._validate import is_secret_option
 
 __all__ = ["ReferenceError", "model_config_from", "reference_from_canary"]
 
@@ -192,7 +193,9 @@ def reference_from_canary(
         "max_concurrency": run.get("max_concurrency"),
         "max_model_len": int(max_model_len) if max_model_len is not None else None,
         "engine_kv_bytes": run.get("kv_cache_memory_bytes"),
-        "geometry": {"config": dict(config), "serve_args": serve_args} if config is not None else None,
+        # the geometry needs no secret option, and the store's records are not the place for one
+        "geometry": {"config": dict(config), "serve_args": {k: v for k, v in serve_args.items() if not is_secret_option(str(k))}}
+        if config is not None else None,
         "canary": info,
         "canary_result": {k: v for k, v in run.items() if k not in _DROPPED},
     }

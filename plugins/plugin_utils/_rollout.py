@@ -37,6 +37,7 @@ from ansible_collections.gpufleet.vllm.plugins.module_utils._gate._floor_check i
 from ansible_collections.gpufleet.vllm.plugins.module_utils._gate._free_memory_gate import gate_violations
 from ansible_collections.gpufleet.vllm.plugins.module_utils._plan._launch import plan_file_figures
 from ansible_collections.gpufleet.vllm.plugins.module_utils._sizes import human_bytes
+from ansible_collections.gpufleet.vllm.plugins.module_utils._units._unit_files import secret_serve_args_problem
 from ansible_collections.gpufleet.vllm.plugins.plugin_utils._analysis import BAKE_FIELDS, AnalysisError, bake_settings
 from ansible_collections.gpufleet.vllm.plugins.plugin_utils._canary_reference import ReferenceError, model_config_from
 
@@ -238,6 +239,9 @@ CLASS_SETTINGS = (BUDGET_FIELD, ON_FAILURE_FIELD, *BAKE_FIELDS)
 # the model's config.json on the controller (path or mapping): only a profiled canary reads it, which a run
 # with a stored reference may not start for months, so a wrong path is named before any host is touched
 MODEL_CONFIG_FIELD = "gpufleet_model_config"
+# the engine's options: a secret among them would reach the canaries (their command line, the profile they record)
+# before the check of every host's service inputs refuses it, so it is refused with the class's settings
+SERVE_ARGS_FIELD = "gpufleet_serve_args"
 
 
 def model_config_problem(value: Any, field: str = MODEL_CONFIG_FIELD) -> str | None:
@@ -284,8 +288,9 @@ def class_on_failure(given: Any, host_class: str, approved_plan: Any = None) -> 
 
 def class_settings_problems(hosts: Mapping[str, Mapping[str, Any]]) -> list[str]:
     """What is wrong with the per-class settings of ``hosts`` (host -> its variables: ``gpufleet_host_class``,
-    :data:`CLASS_SETTINGS` and :data:`MODEL_CONFIG_FIELD`): each of :data:`CLASS_SETTINGS` must be valid and the
-    same on every host of a class; the model config must be one the class's profiled canary can read."""
+    :data:`CLASS_SETTINGS`, :data:`MODEL_CONFIG_FIELD` and :data:`SERVE_ARGS_FIELD`): each of :data:`CLASS_SETTINGS`
+    must be valid and the same on every host of a class; the model config must be one the class's profiled canary can
+    read; the serve args must hold no secret."""
     problems: list[str] = []
     by_class: dict[str, list[str]] = {}
     for host in sorted(hosts):
@@ -315,6 +320,10 @@ def class_settings_problems(hosts: Mapping[str, Mapping[str, Any]]) -> list[str]
             problem = model_config_problem(hosts[host].get(MODEL_CONFIG_FIELD))
             if problem:
                 configs.setdefault(problem, []).append(host)
+            serve_args = hosts[host].get(SERVE_ARGS_FIELD)
+            secret = secret_serve_args_problem(serve_args, SERVE_ARGS_FIELD) if isinstance(serve_args, Mapping) else None
+            if secret:
+                configs.setdefault(secret, []).append(host)
         problems += [f"class {cls}: {problem}" + ("" if len(found) == len(members) else f" (on {', '.join(found)})")
                      for problem, found in configs.items()]
     return problems

@@ -365,18 +365,25 @@ def service_input_problems(inputs: t.Mapping[str, t.Any]) -> list[str]:
     return problems
 
 
+def secret_serve_args_problem(serve_args: t.Mapping[str, t.Any], field: str = "vllm_service_serve_args") -> str | None:
+    """The sentence that refuses the secret options of ``serve_args`` (:func:`_validate.is_secret_option`), naming the
+    options and never their values; None when there are none."""
+    secrets = sorted(str(key) for key in serve_args if v.is_secret_option(str(key)))
+    if not secrets:
+        return None
+    return (f"{field} {', '.join(secrets)} would put a secret on the unit's command line (a world-readable unit file, "
+            "/proc/PID/cmdline, diffs in logs); set it in vllm_service_secret_env instead (for example VLLM_API_KEY for "
+            "api_key, HF_TOKEN for hf_token), which is written to a root-only EnvironmentFile")
+
+
 def _serve_args_problems(serve_args: t.Mapping[str, t.Any], problems: list[str]) -> None:
     """The options the role sets itself, secrets, then every other option as ``vllm serve`` takes it."""
     if any(option_name(key) in CONTROLLED_OPTIONS for key in serve_args):
         problems.append(f"vllm_service_serve_args must not set {', '.join(sorted(CONTROLLED_OPTIONS))}; the role sets them from the plan "
                         "and the instance")
-    secrets = sorted(str(key) for key in serve_args if v.is_secret_option(str(key)))
-    if secrets:
-        # names the options, never their values
-        problems.append(f"vllm_service_serve_args {', '.join(secrets)} would put a secret on the unit's command line (a world-readable "
-                        "unit file, /proc/PID/cmdline, diffs in logs); set it in vllm_service_secret_env instead (for "
-                        "example VLLM_API_KEY for api_key, HF_TOKEN for hf_token), which is written to a root-only "
-                        "EnvironmentFile")
+    secret = secret_serve_args_problem(serve_args)
+    if secret:
+        problems.append(secret)
     try:
         render_serve_args({key: value for key, value in serve_args.items()
                            if option_name(key) not in CONTROLLED_OPTIONS and not v.is_secret_option(str(key))})

@@ -18,7 +18,7 @@ import yaml
 ROOT = pathlib.Path(__file__).resolve().parents[3]
 
 
-def _run(tmp_path: pathlib.Path, playbook: str, hosts: dict[str, dict[str, t.Any]]) -> str:
+def _run(tmp_path: pathlib.Path, playbook: str, hosts: dict[str, dict[str, t.Any]], *extra: str) -> str:
     sys.path.insert(0, str(ROOT / "tests" / "examples"))
     import doc_examples  # pylint: disable=import-outside-toplevel,import-error
 
@@ -28,7 +28,7 @@ def _run(tmp_path: pathlib.Path, playbook: str, hosts: dict[str, dict[str, t.Any
                                                            for i, (name, own) in enumerate(sorted(hosts.items()), start=1)}}}),
                          encoding="utf-8")
     env = doc_examples.ansible_env(doc_examples.make_collections_tree(tmp_path / "collections"))
-    argv = [doc_examples._tool("ansible-playbook"), "-i", str(inventory), str(ROOT / "playbooks" / playbook)]  # pylint: disable=protected-access
+    argv = [doc_examples._tool("ansible-playbook"), "-i", str(inventory), str(ROOT / "playbooks" / playbook), *extra]  # pylint: disable=protected-access
     proc = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=300, check=False, cwd=tmp_path)
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0, out
@@ -49,3 +49,11 @@ def test_a_model_config_the_profiled_canary_could_not_read_stops_the_run_before_
     out = _run(tmp_path, "rollout.yml", {"gpu-1": {}, "gpu-2": {"gpufleet_model_config": str(missing)}})
     assert (f"class l40s: gpufleet_model_config: cannot read {missing}: No such file or directory (on gpu-2); "
             "no host was probed or touched") in out, out
+
+
+@pytest.mark.parametrize("playbook", ["plan.yml", "profile.yml"])
+def test_a_secret_in_the_serve_args_stops_the_run_before_any_canary_or_diff_holds_it(tmp_path: pathlib.Path, playbook: str) -> None:
+    hosts = {"gpu-1": {"gpufleet_serve_args": {"hf_token": "hf-should-not-leak"}}}
+    out = _run(tmp_path, playbook, hosts, "-e", "gpufleet_class=l40s")
+    assert "class l40s: gpufleet_serve_args hf_token would put a secret on the unit's command line" in out, out
+    assert "hf-should-not-leak" not in out, out

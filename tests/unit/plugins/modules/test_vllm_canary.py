@@ -63,6 +63,20 @@ def test_bad_arguments_fail_clearly(capsys, args, message):
     assert "exception" not in out
 
 
+def test_a_secret_option_other_than_the_api_key_is_refused_and_no_secret_is_logged_on_the_host(capsys, monkeypatch):
+    logged: list[str] = []
+    monkeypatch.setattr(vllm_canary.AnsibleModule, "log", lambda self, msg, log_args=None: logged.append(msg))
+    rc, out = run(capsys, {"executable": "/nonexistent/vllm", "model": "m", "mode": "manual", "kv_cache_memory_bytes": 10,
+                           "serve_args": {"hf_token": "hf-should-not-leak", "api_key": "k-should-not-leak"}})
+    assert rc == 1 and out["failed"] is True
+    assert out["msg"] == ("serve_args hf_token would put a secret on the engine's command line (/proc/PID/cmdline, readable "
+                          "by every user of the host); give it in secret_env instead (for example HF_TOKEN for hf_token)")
+    # the invocation Ansible logs on the host (the journal) names the options and masks their values
+    (invocation,) = [msg for msg in logged if msg.startswith("Invoked with")]
+    assert "hf_token" in invocation and "api_key" in invocation, invocation
+    assert "should-not-leak" not in invocation + json.dumps(out), invocation
+
+
 def test_pass_through_double_hides_env(capsys, fake_vllm, tmp_path):
     log = tmp_path / "engine.log"
     rc, out = run(capsys, {

@@ -65,3 +65,11 @@ def test_a_gang_member_that_cannot_make_a_reference_is_named(members, canary, me
     with pytest.raises(ReferenceError) as err:
         reference_from_canary(LEADER_RUN, [gpu(2, 79), gpu(3, 76)], [2, 3], canary=canary, members=members)
     assert message in str(err.value), str(err.value)
+
+
+def test_the_reference_keeps_the_serve_args_of_its_geometry_without_a_secret_option():
+    # the store's records are readable by whoever reads the store: a key given in serve_args stays out of them
+    ref = reference_from_canary(LEADER_RUN, [gpu(2, 79), gpu(3, 76)], [2, 3], config={"model_type": "llama"},
+                                serve_args={"tensor_parallel_size": 2, "api_key": "k-secret", "hf_token": "hf-secret"})
+    assert ref["geometry"]["serve_args"] == {"tensor_parallel_size": 2}
+    assert "secret" not in repr(ref)

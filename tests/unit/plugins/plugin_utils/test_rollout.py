@@ -274,6 +274,22 @@ def test_a_class_model_config_is_read_as_its_profiled_canary_reads_it_before_any
                             f"class h: gpufleet_model_config: cannot read {tmp_path}: Is a directory"]
 
 
+def test_a_class_whose_serve_args_hold_a_secret_is_refused_before_its_canary_runs():
+    hv = {"a1": {"gpufleet_host_class": "a", "gpufleet_serve_args": {"api_key": "k-secret", "max_model_len": 8192}},
+          "a2": {"gpufleet_host_class": "a", "gpufleet_serve_args": {"api_key": "k-secret", "max_model_len": 8192}},
+          "b1": {"gpufleet_host_class": "b", "gpufleet_serve_args": {"max_model_len": 8192}},
+          "b2": {"gpufleet_host_class": "b", "gpufleet_serve_args": {"hf_token": "hf-secret"}}}
+    problems = class_settings_problems(hv)
+    assert problems == [
+        "class a: gpufleet_serve_args api_key would put a secret on the unit's command line (a world-readable unit file, "
+        "/proc/PID/cmdline, diffs in logs); set it in vllm_service_secret_env instead (for example VLLM_API_KEY for api_key, "
+        "HF_TOKEN for hf_token), which is written to a root-only EnvironmentFile",
+        "class b: gpufleet_serve_args hf_token would put a secret on the unit's command line (a world-readable unit file, "
+        "/proc/PID/cmdline, diffs in logs); set it in vllm_service_secret_env instead (for example VLLM_API_KEY for api_key, "
+        "HF_TOKEN for hf_token), which is written to a root-only EnvironmentFile (on b2)"]
+    assert "k-secret" not in repr(problems) and "hf-secret" not in repr(problems)
+
+
 def test_a_class_rollback_restores_the_earlier_batches_latest_first():
     batches = [{"class": "a", "hosts": ["a1"]}, {"class": "a", "hosts": ["a2", "a3", "a4"]}, {"class": "b", "hosts": ["b1"]},
                {"class": "a", "hosts": ["a5"]}]
