@@ -289,6 +289,14 @@ def account_name(value: object, field: str) -> str:
     return _named(value, field, _ACCOUNT_RE, "lower-case ASCII letters, digits, '_' and '-', starting with a letter or '_', at most 32")
 
 
+def service_account_name(value: object, field: str) -> str:
+    """:func:`account_name` of the unprivileged user vLLM runs as: never ``root``."""
+    name = account_name(value, field)
+    if name == "root":
+        raise ValidationError(f"{field}: must not be root; vLLM runs as an unprivileged system user (for example vllm)")
+    return name
+
+
 def abs_path(value: object, field: str, *, spaces: bool = False) -> str:
     """An absolute, normalised path without control characters (and without whitespace unless ``spaces``)."""
     path = text(value, field)

@@ -54,10 +54,23 @@ class AccountError(ValueError):
 
 def _names(params: t.Mapping[str, t.Any]) -> tuple[str, str, str]:
     try:
-        return (v.account_name(params["user"], "user"), v.account_name(params["group"], "group"),
-                v.abs_path(params["home"], "home"))
+        user = v.service_account_name(params["user"], "user")
+        return user, v.account_name(params["group"], "group"), v.abs_path(params["home"], "home")
     except v.ValidationError as exc:
         raise AccountError(str(exc)) from None
+
+
+def _first_login_uid(login_defs: str = "/etc/login.defs") -> int:
+    """The first uid of the accounts people log in with (``UID_MIN``, 1000 unless login.defs says otherwise)."""
+    try:
+        with open(login_defs, encoding="utf-8", errors="replace") as handle:
+            for line in handle:
+                words = line.split()
+                if len(words) >= 2 and words[0] == "UID_MIN" and words[1].isdigit():
+                    return int(words[1])
+    except OSError:
+        pass
+    return 1000
 
 
 def _run(runner: Runner, argv: list[str]) -> None:
@@ -118,6 +131,12 @@ def ensure(runner: Runner, user: str, group: str, home: str, *, create: bool, ch
                 ["useradd", "--system", "--gid", group, "--shell", SHELL, "--home-dir", home, "--no-create-home", user])
         entry = _user(user)
     elif create and (entry.pw_gid != gid or entry.pw_dir != home or entry.pw_shell != SHELL):
+        # a person's account (a typo of the user, or a login account named on purpose): usermod would take its
+        # shell, group and home away
+        if entry.pw_uid >= _first_login_uid() and entry.pw_shell != SHELL:
+            raise AccountError(f"the service user {user} exists as a login account (uid {entry.pw_uid}, shell {entry.pw_shell}): "
+                               "its shell, group and home are left as they are; name a system account of its own for vLLM, "
+                               "or manage this one elsewhere (create: false)")
         changed.append("user")
         if not check:
             _run(runner, ["usermod", "--gid", group, "--shell", SHELL, "--home", home, user])

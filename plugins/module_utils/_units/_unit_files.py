@@ -314,8 +314,8 @@ def service_input_problems(inputs: t.Mapping[str, t.Any]) -> list[str]:
         # the boot gate's and the exporter's paths have defaults: only a given one is checked
         if key in ("executable", "home", "state_dir", "unit_dir") or "vllm_service_" + key in inputs:
             _check(problems, v.abs_path, get(key), "vllm_service_" + key)
-    for key in ("user", "group"):
-        _check(problems, v.account_name, get(key), "vllm_service_" + key)
+    _check(problems, v.service_account_name, get("user"), "vllm_service_user")
+    _check(problems, v.account_name, get("group"), "vllm_service_group")
     for key in ("listen_host", "health_host"):
         if key == "listen_host" or "vllm_service_" + key in inputs:
             _check(problems, v.text, get(key), "vllm_service_" + key)

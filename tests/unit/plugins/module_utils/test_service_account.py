@@ -113,6 +113,27 @@ def test_a_home_with_another_mode_is_fixed_and_a_user_with_another_home_is_chang
     assert stat.S_IMODE(os.stat(home).st_mode) == 0o750
 
 
+def test_a_login_account_keeps_its_shell_group_and_home(tmp_path, monkeypatch):
+    accounts, home = Accounts(monkeypatch), tmp_path / "vllm"
+    monkeypatch.setattr(sa, "_first_login_uid", lambda: 1000)
+    accounts.groups.update(vllm=GID, ubuntu=GID)
+    accounts.users["ubuntu"] = pwd.struct_passwd(("ubuntu", "x", 1000, GID, "", "/home/ubuntu", "/bin/bash"))
+    with pytest.raises(sa.AccountError, match=r"^the service user ubuntu exists as a login account \(uid 1000, shell /bin/bash\): its "
+                                              r"shell, group and home are left as they are"):
+        sa.apply(params(str(home), user="ubuntu"), accounts, check=False)
+    assert accounts.calls == [] and not home.exists()
+    # the same account managed elsewhere (create: false) only gets the home
+    assert sa.apply(params(str(home), user="ubuntu", create=False), accounts, check=False)["account_changed"] == ["home"]
+    assert accounts.calls == []
+
+
+def test_the_first_login_uid_is_read_from_login_defs(tmp_path):
+    defs = tmp_path / "login.defs"
+    defs.write_text("# UID_MIN 5\nUID_MIN\t\t 2000\nUID_MAX 60000\n", encoding="utf-8")
+    assert sa._first_login_uid(str(defs)) == 2000  # pylint: disable=protected-access
+    assert sa._first_login_uid(str(tmp_path / "missing")) == 1000  # pylint: disable=protected-access
+
+
 def test_without_create_the_account_must_exist_and_only_the_home_is_made(tmp_path, monkeypatch):
     accounts, home = Accounts(monkeypatch), tmp_path / "vllm"
     with pytest.raises(sa.AccountError, match=r"^the service group vllm does not exist, and creating it is off \(create: false\)$"):
@@ -128,6 +149,7 @@ def test_without_create_the_account_must_exist_and_only_the_home_is_made(tmp_pat
 
 @pytest.mark.parametrize(("extra", "message"), [
     ({"user": "Vllm!"}, r"^user: 'Vllm!' is not a valid name: use lower-case ASCII"),
+    ({"user": "root"}, r"^user: must not be root; vLLM runs as an unprivileged system user"),
     ({"group": "vllm\n"}, r"^group: "),
     ({"home": "var/lib/vllm"}, r"^home: must be an absolute path"),
     ({"model": "models/x"}, r"^model: must be an absolute path"),

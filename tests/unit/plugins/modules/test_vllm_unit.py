@@ -21,6 +21,7 @@ from ansible.module_utils.basic import AnsibleModule
 from ansible.module_utils.testing import patch_module_args
 
 from ansible_collections.gpufleet.vllm.plugins.module_utils._plan._launch import for_instance
+from ansible_collections.gpufleet.vllm.plugins.module_utils._units import _service_account
 from ansible_collections.gpufleet.vllm.plugins.modules import vllm_unit
 from ansible_collections.gpufleet.vllm.tests.unit.plugins.module_utils.test_nvml_probe import FakeNvml, make_state
 
@@ -151,15 +152,18 @@ def test_present_makes_the_account_and_checks_the_model_before_any_unit_is_writt
                                                                                    fake_runuser):
     (tmp_path / "systemd").mkdir()
     me = pwd.getpwuid(os.getuid())
-    # the user and group of this test, managed elsewhere (create: false): only the home is made theirs
-    account = {"user": me.pw_name, "group": grp.getgrgid(me.pw_gid).gr_name, "home": str(tmp_path / "home"), "create": False,
+    # an account with the uid and group of this test (which may run as root, which vLLM may not run as), managed
+    # elsewhere (create: false): only the home is made theirs
+    svc = pwd.struct_passwd(("svc", "x", me.pw_uid, me.pw_gid, "", me.pw_dir, me.pw_shell))
+    monkeypatch.setattr(_service_account, "_user", lambda name: svc if name == "svc" else None)
+    account = {"user": "svc", "group": grp.getgrgid(me.pw_gid).gr_name, "home": str(tmp_path / "home"), "create": False,
                "model": str(tmp_path)}
     args = {"state": "present", "instances": [{"name": "main", "unit": UNIT}], "unit_dir": str(tmp_path / "systemd"),
             "state_dir": str(tmp_path / "gpufleet"), "account": account}
     fake_runuser.write_text(f"{tmp_path}/weights.safetensors\n")
     rc, result, _logged = run(capsys, monkeypatch, args)
     assert rc == 1 and result["msg"] == (
-        f"vllm_unit (present): account: the service user {me.pw_name} cannot read the model {tmp_path}: "
+        f"vllm_unit (present): account: the service user svc cannot read the model {tmp_path}: "
         f"{tmp_path}/weights.safetensors (give the files to that user or make them readable; the engine would fail with "
         "FileNotFoundError)"), result
     assert not (tmp_path / "systemd" / "vllm-main.service").exists()
