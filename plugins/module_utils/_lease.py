@@ -52,7 +52,8 @@ FORMAT = 1
 MIN_TTL = 60
 MAX_TTL = 7 * 24 * 3600
 MAX_WAIT = 24 * 3600
-_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+# a scope (a host class) or a run id: a file name part, matched whole (``$`` would let a trailing newline through)
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 # the scope of a host's own lease, in <state_dir>/.leases/ on the host
 HOST_SCOPE = "host"
 STATES = ("present", "renewed", "absent")
@@ -131,7 +132,7 @@ def holder_gone(doc: t.Mapping[str, t.Any]) -> bool:
 
 
 def lease_path(store: str, scope: str) -> str:
-    if not isinstance(scope, str) or not _NAME.match(scope):
+    if not isinstance(scope, str) or not _NAME.fullmatch(scope):
         raise LeaseError(f"lease scope {scope!r}: expected a host class name (letters, digits, '.', '_', '-')")
     return os.path.join(store, LEASE_DIR, f"{scope}.json")
 
@@ -175,7 +176,7 @@ def run_ended(store: str, holder: t.Mapping[str, t.Any], own_store_id: str) -> b
     host's lease (the host was unreachable at its end, or the controller was killed).
     """
     scope = holder.get("host_class")
-    if holder.get("store_id") != own_store_id or not isinstance(scope, str) or not _NAME.match(scope):
+    if holder.get("store_id") != own_store_id or not isinstance(scope, str) or not _NAME.fullmatch(scope):
         return False
     held = read(lease_path(store, scope))
     # its class lease gone, another run's, expired, or left by a controller that no longer runs here
@@ -221,6 +222,7 @@ def read(path: str) -> dict[str, t.Any] | None:
 def _temporary(path: str, doc: t.Mapping[str, t.Any] | str) -> str:
     """``doc`` (a lease, as JSON; or a line of text) written whole and synced to a temporary file beside ``path``; its name."""
     directory = os.path.dirname(path)
+    tmp = None
     try:
         os.makedirs(directory, mode=0o755, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=".lease.", dir=directory)
@@ -233,6 +235,12 @@ def _temporary(path: str, doc: t.Mapping[str, t.Any] | str) -> str:
             fh.flush()
             os.fsync(fh.fileno())
     except OSError as exc:
+        # a full disk leaves no half-written lease behind
+        if tmp is not None:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
         raise LeaseError(f"{path}: cannot write the lease: {exc.strerror or exc}") from None
     return tmp
 
@@ -375,8 +383,10 @@ def apply(directory: str, scopes: t.Sequence[str], args: t.Mapping[str, t.Any], 
     for scope in scopes:
         lease_path(directory, scope)
     run_id = args["run_id"]
-    if not isinstance(run_id, str) or not run_id.strip() or any(not c.isprintable() for c in run_id):
-        raise LeaseError("run_id: expected printable text")
+    # it names the file an expired lease is moved aside to
+    if not isinstance(run_id, str) or not _NAME.fullmatch(run_id):
+        raise LeaseError(f"run_id {run_id!r}: expected letters, digits, '.', '_' and '-' (at most 128, starting with a letter "
+                         "or digit)")
     if check_mode:
         held_by = []
         for scope in scopes:

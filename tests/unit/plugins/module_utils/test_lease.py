@@ -173,12 +173,35 @@ def test_check_mode_writes_nothing_and_names_the_holder(tmp_path):
 @pytest.mark.parametrize("field,value,match", [
     ("ttl", 10, r"gpufleet_lease_ttl: 10 s is outside"),
     ("wait", -1, r"gpufleet_lease_wait: -1 s is outside"),
-    ("run_id", "a\nb", r"run_id: expected printable text"),
+    ("run_id", "a\nb", r"run_id 'a\\nb': expected letters, digits"),
+    # it names the file an expired lease is moved aside to
+    ("run_id", "run/1", r"run_id 'run/1': expected letters, digits"),
+    ("run_id", "run-1\n", r"run_id 'run-1\\n': expected letters, digits"),
 ])
 def test_bad_inputs_name_the_field_and_write_nothing(tmp_path, field, value, match):
     with pytest.raises(_lease.LeaseError, match=match):
         _lease.apply(str(tmp_path), [_lease.HOST_SCOPE], _args(**{field: value}))
     assert not (tmp_path / ".leases").exists()
+
+
+def test_a_scope_with_a_trailing_newline_is_refused(tmp_path):
+    with pytest.raises(_lease.LeaseError, match=r"lease scope 'c1\\n': expected a host class name"):
+        _lease.apply(str(tmp_path), ["c1\n"], _args())
+    assert not (tmp_path / ".leases").exists()
+
+
+def test_a_lease_that_cannot_be_written_leaves_no_file_behind(tmp_path, monkeypatch):
+    _lease.apply(str(tmp_path), ["l40s"], _args(run_id="run-a"))
+    before = sorted(p.name for p in (tmp_path / ".leases").iterdir())
+
+    def full(_fd: int) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(_lease.os, "fsync", full)
+    for _ in range(3):
+        with pytest.raises(_lease.LeaseError, match=r"cannot write the lease: No space left on device"):
+            _lease.apply(str(tmp_path), ["h200"], _args(run_id="run-a"))
+    assert sorted(p.name for p in (tmp_path / ".leases").iterdir()) == before
 
 
 def test_a_store_has_one_id_and_a_host_lease_of_its_ended_run_counts_as_over(tmp_path):
