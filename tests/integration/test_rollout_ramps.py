@@ -261,6 +261,8 @@ def test_rollout_through_ansible_runner_with_a_limit(fleet, seen):
 def test_plan_through_ansible_runner_writes_the_artifact(fleet, seen):
     ansible_runner = pytest.importorskip("ansible_runner")  # requirements-dev.txt pins it
     plan_file = fleet.workdir / "plan.json"
+    # an earlier plan at the same path (one already approved, perhaps) is kept beside the new one, never lost
+    plan_file.write_text('{"an": "earlier plan"}\n', encoding="utf-8")
     private = fleet.workdir / "runner"
     private.mkdir()
     inv = inventory(fleet, "plain", {})
@@ -273,6 +275,9 @@ def test_plan_through_ansible_runner_writes_the_artifact(fleet, seen):
     stats = [e for e in result.events if e.get("event") == "playbook_on_stats"]
     artifact = stats[-1]["event_data"]["artifact_data"]["gpufleet_plan"]
     assert artifact == json.loads(plan_file.read_text(encoding="utf-8"))
+    (kept,) = [p for p in fleet.workdir.iterdir() if p.name.startswith("plan.json.") and p.name.endswith("~")]
+    assert kept.read_text(encoding="utf-8") == '{"an": "earlier plan"}\n'
+    assert f"the plan it replaced is kept as {kept}" in result.stdout.read(), "the run says where the earlier plan is"
     assert sorted(artifact["classes"]) == ["rp-a", "rp-b"]
     cls = artifact["classes"]["rp-a"]
     assert cls["deployable"] and cls["decision"] == "deploy" and cls["hosts"] == A_HOSTS
