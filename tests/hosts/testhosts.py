@@ -668,11 +668,13 @@ class Harness:
             running = self.hosts()
             stray = [x for x in self.leftovers() if x.owner not in running]
             if stray:
-                owners = sorted({x.owner for x in stray})
+                owners = sorted({x.owner for x in stray if x.owner != "?"})
+                down = f"`tests/hosts/testhosts.py down {' '.join(owners)}`, or " if owners else ""
                 raise HarnessError(
                     "refusing to start test hosts: leftovers of hosts not running under this harness: "
                     + "; ".join(str(x) for x in stray)
-                    + f" (clean them with `testhosts.py down {' '.join(owners)}` or `down --all`)"
+                    + " (hosts another checkout runs right now show up here too: wait for it to finish; otherwise clean "
+                    + f"them with {down}`tests/hosts/testhosts.py down --all`, which also stops every other checkout's hosts)"
                 )
             stale = [n for n, i in self.registry().items() if n not in running]
             for name in stale:  # a record without anything running: nothing to keep
