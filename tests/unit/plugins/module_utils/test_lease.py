@@ -198,9 +198,9 @@ def test_a_lease_that_cannot_be_written_leaves_no_file_behind(tmp_path, monkeypa
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(_lease.os, "fsync", full)
-    for _ in range(3):
+    for attempt in range(3):
         with pytest.raises(_lease.LeaseError, match=r"cannot write the lease: No space left on device"):
-            _lease.apply(str(tmp_path), ["h200"], _args(run_id="run-a"))
+            _lease.apply(str(tmp_path), ["h200"], _args(run_id=f"run-{attempt}"))
     assert sorted(p.name for p in (tmp_path / ".leases").iterdir()) == before
 
 
