@@ -71,17 +71,20 @@ def class_rollback_hosts(batches: Any, hostvars: Any, active: Any = None, gangs:
     return _rollout.class_rollback_hosts(batches, changed, failing, None if active is None else set(active), members, gangs)
 
 
-def class_settings_problems(hostvars: Any, hosts: Any) -> list[str]:
+def class_settings_problems(hostvars: Any, hosts: Any, classes: Any = None) -> list[str]:
     """hostvars, the run's hosts -> what is wrong with each class's own settings (its capacity budget, failure policy,
-    bake, model config and serve args)."""
+    bake, model config, serve args and service user); ``classes``, the run's, limits the model config's check."""
     if not isinstance(hostvars, Mapping) or isinstance(hosts, str) or not isinstance(hosts, Sequence):
         raise AnsibleFilterError("class_settings_problems: expected hostvars | gpufleet.vllm.class_settings_problems(list of hosts)")
-    wanted = ("gpufleet_host_class", *_rollout.CLASS_SETTINGS, _rollout.MODEL_CONFIG_FIELD, _rollout.SERVE_ARGS_FIELD)
+    if classes is not None and (isinstance(classes, str) or not isinstance(classes, Sequence)):
+        raise AnsibleFilterError("class_settings_problems: classes must be a list of host classes")
+    wanted = ("gpufleet_host_class", *_rollout.CLASS_SETTINGS, _rollout.MODEL_CONFIG_FIELD, _rollout.SERVE_ARGS_FIELD,
+              _rollout.SERVICE_USER_FIELD)
     views = {}
     for host in hosts:
         found = hostvars.get(host) or {}
         views[str(host)] = {name: found.get(name) for name in wanted}
-    return _rollout.class_settings_problems(views)
+    return _rollout.class_settings_problems(views, [str(c) for c in classes or ()])
 
 
 def metrics_targets(instances: Any, host: Any, listen_host: Any = "0.0.0.0", reach: Any = None, address: Any = None,

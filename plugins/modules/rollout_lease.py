@@ -60,7 +60,8 @@ options:
     type: path
   classes:
     description:
-      - The host classes the run changes; requires O(store).
+      - The host classes the run changes; requires O(store). Each is a host class name (letters, digits, C(.), C(_)
+        and C(-), at most 128, starting with a letter or a digit).
       - One of O(classes) and O(host_dir) is required.
     type: list
     elements: str
@@ -70,7 +71,9 @@ options:
       - One of O(classes) and O(host_dir) is required.
     type: path
   run_id:
-    description: The id of this run; the lease names it, and only this run renews or releases its lease.
+    description:
+      - The id of this run; the lease names it, and only this run renews or releases its lease.
+      - Letters, digits, C(.), C(_) and C(-), at most 128, starting with a letter or a digit (it names a file).
     type: str
     required: true
   ttl:

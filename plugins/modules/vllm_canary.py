@@ -599,6 +599,7 @@ from typing import Any, Mapping
 
 from ansible.module_utils.basic import AnsibleModule, missing_required_lib
 from ansible.module_utils.common.text.converters import to_native
+from ansible.module_utils.common.validation import check_type_dict
 
 from ansible_collections.gpufleet.vllm.plugins.module_utils._engine._boot_check import primary_error
 from ansible_collections.gpufleet.vllm.plugins.module_utils._engine._canary import (
@@ -651,6 +652,8 @@ def build_spec(params: Mapping[str, Any]) -> CanarySpec:
         text(params["cuda_visible_devices"], "cuda_visible_devices", allow_empty=True)
     if params.get("vllm_version") is not None:
         text(params["vllm_version"], "vllm_version")
+    if params.get("user") == "root":
+        raise ValidationError("user: must not be root; the canary runs as the unprivileged user its instance runs as")
     # api_key goes to the engine in VLLM_API_KEY (canary_env); any other secret option would be on its command line
     on_command_line = sorted(str(key) for key in params["serve_args"] or {}
                              if is_secret_option(str(key)) and option_name(str(key)) != "api-key")
@@ -755,7 +758,13 @@ def run_taken_over(module: AnsibleModule, spec: CanarySpec, takeover: Takeover |
 
 
 def _secret_serve_arg_values(serve_args: Any) -> set[str]:
-    """The values of the secret-looking options of ``serve_args`` (api_key...), to mask wherever they would appear."""
+    """The values of the secret-looking options of ``serve_args`` (api_key...), to mask wherever they would appear;
+    ``serve_args`` as given (a mapping, or the JSON or ``k=v`` text the module turns into one)."""
+    if isinstance(serve_args, str):
+        try:
+            serve_args = check_type_dict(serve_args)
+        except (TypeError, ValueError):
+            return set()
     values: set[str] = set()
     for key, value in (serve_args if isinstance(serve_args, Mapping) else {}).items():
         if value not in (None, True, False, "") and is_secret_option(str(key)):
@@ -764,12 +773,13 @@ def _secret_serve_arg_values(serve_args: Any) -> set[str]:
 
 
 class _CanaryModule(AnsibleModule):  # type: ignore[misc]  # AnsibleModule is Any: ansible-core ships no type information
-    """AnsibleModule that masks the secret serve_args values in the invocation it logs on the host (the journal):
-    Ansible logs the invocation while the module is set up, before :func:`main` could name them."""
+    """AnsibleModule that masks the secret serve_args values from the moment its parameters are loaded: Ansible logs
+    the invocation on the host (the journal), and a parameter that fails validation returns it, while the module is
+    set up, before :func:`main` could name them."""
 
-    def _log_invocation(self) -> None:
+    def _load_params(self) -> None:
+        super()._load_params()
         self.no_log_values.update(_secret_serve_arg_values(self.params.get("serve_args")))
-        super()._log_invocation()
 
 
 def main() -> None:

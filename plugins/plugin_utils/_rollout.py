@@ -28,6 +28,7 @@ Plain Python, no Ansible import.
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from decimal import Decimal
@@ -38,6 +39,7 @@ from ansible_collections.gpufleet.vllm.plugins.module_utils._gate._free_memory_g
 from ansible_collections.gpufleet.vllm.plugins.module_utils._plan._launch import plan_file_figures
 from ansible_collections.gpufleet.vllm.plugins.module_utils._sizes import human_bytes
 from ansible_collections.gpufleet.vllm.plugins.module_utils._units._unit_files import secret_serve_args_problem
+from ansible_collections.gpufleet.vllm.plugins.module_utils._validate import ValidationError, service_account_name
 from ansible_collections.gpufleet.vllm.plugins.plugin_utils._analysis import BAKE_FIELDS, AnalysisError, bake_settings
 from ansible_collections.gpufleet.vllm.plugins.plugin_utils._canary_reference import ReferenceError, model_config_from
 
@@ -242,12 +244,15 @@ MODEL_CONFIG_FIELD = "gpufleet_model_config"
 # the engine's options: a secret among them would reach the canaries (their command line, the profile they record)
 # before the check of every host's service inputs refuses it, so it is refused with the class's settings
 SERVE_ARGS_FIELD = "gpufleet_serve_args"
+# the user the canaries and the units run as: never root, refused before a canary drains its host
+SERVICE_USER_FIELD = "vllm_service_user"
 
 
 def model_config_problem(value: Any, field: str = MODEL_CONFIG_FIELD) -> str | None:
     """What is wrong with ``value`` as a class's model config, as the profiled canary's reference reads it
-    (``model_config_from``): a mapping, or the path of a readable JSON object; None or empty text is unset.
-    A relative path is found by the canary's role (its ``files/``), so it is read there, not here."""
+    (``model_config_from``): a mapping, or the path of a readable JSON object; a false value (None, empty text) is
+    unset, as the canary takes it. A relative path is found by the canary's role (its ``files/``), so it is read
+    there, not here."""
     def read(path: str) -> str:
         try:
             with open(path, encoding="utf-8") as handle:
@@ -255,7 +260,7 @@ def model_config_problem(value: Any, field: str = MODEL_CONFIG_FIELD) -> str | N
         except (OSError, UnicodeDecodeError) as exc:
             raise ReferenceError(f"{field}: cannot read {path}: {getattr(exc, 'strerror', None) or exc}") from None
 
-    if isinstance(value, str) and value and not value.startswith("/"):
+    if not value or (isinstance(value, str) and not value.startswith("/")):
         return None
     try:
         model_config_from(value, None, read, field)
@@ -286,11 +291,23 @@ def class_on_failure(given: Any, host_class: str, approved_plan: Any = None) -> 
     return NEW_PLAN_ON_FAILURE
 
 
-def class_settings_problems(hosts: Mapping[str, Mapping[str, Any]]) -> list[str]:
+def _serve_args_secret_problem(serve_args: Any) -> str | None:
+    """:func:`secret_serve_args_problem` of a class's serve args, given as a mapping or as the JSON text the argument
+    spec's dict type (and the canary) accept."""
+    if isinstance(serve_args, str):
+        try:
+            serve_args = json.loads(serve_args)
+        except ValueError:
+            return None  # not JSON: the argument spec refuses it, naming the variable
+    return secret_serve_args_problem(serve_args, SERVE_ARGS_FIELD) if isinstance(serve_args, Mapping) else None
+
+
+def class_settings_problems(hosts: Mapping[str, Mapping[str, Any]], classes: Collection[str] = ()) -> list[str]:
     """What is wrong with the per-class settings of ``hosts`` (host -> its variables: ``gpufleet_host_class``,
-    :data:`CLASS_SETTINGS`, :data:`MODEL_CONFIG_FIELD` and :data:`SERVE_ARGS_FIELD`): each of :data:`CLASS_SETTINGS`
-    must be valid and the same on every host of a class; the model config must be one the class's profiled canary can
-    read; the serve args must hold no secret."""
+    :data:`CLASS_SETTINGS`, :data:`MODEL_CONFIG_FIELD`, :data:`SERVE_ARGS_FIELD` and :data:`SERVICE_USER_FIELD`): each
+    of :data:`CLASS_SETTINGS` must be valid and the same on every host of a class; the model config must be one the
+    class's profiled canary can read (only for ``classes``, the run's, when given: the file is this controller's); the
+    serve args must hold no secret, and the service user must not be root."""
     problems: list[str] = []
     by_class: dict[str, list[str]] = {}
     for host in sorted(hosts):
@@ -317,13 +334,17 @@ def class_settings_problems(hosts: Mapping[str, Mapping[str, Any]]) -> list[str]
     for cls, members in sorted(by_class.items()):
         configs: dict[str, list[str]] = {}
         for host in members:
-            problem = model_config_problem(hosts[host].get(MODEL_CONFIG_FIELD))
-            if problem:
-                configs.setdefault(problem, []).append(host)
-            serve_args = hosts[host].get(SERVE_ARGS_FIELD)
-            secret = secret_serve_args_problem(serve_args, SERVE_ARGS_FIELD) if isinstance(serve_args, Mapping) else None
-            if secret:
-                configs.setdefault(secret, []).append(host)
+            found = [_serve_args_secret_problem(hosts[host].get(SERVE_ARGS_FIELD))]
+            if not classes or cls in classes:
+                found.append(model_config_problem(hosts[host].get(MODEL_CONFIG_FIELD)))
+            if hosts[host].get(SERVICE_USER_FIELD):
+                try:
+                    service_account_name(hosts[host][SERVICE_USER_FIELD], SERVICE_USER_FIELD)
+                except ValidationError as exc:
+                    found.append(str(exc))
+            for problem in found:
+                if problem:
+                    configs.setdefault(problem, []).append(host)
         problems += [f"class {cls}: {problem}" + ("" if len(found) == len(members) else f" (on {', '.join(found)})")
                      for problem, found in configs.items()]
     return problems

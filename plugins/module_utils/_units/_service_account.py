@@ -42,6 +42,8 @@ ARGUMENT_SPEC: dict[str, t.Any] = {
 HOME_MODE = 0o750
 # a system account nobody logs in as
 SHELL = "/usr/sbin/nologin"
+# shells nobody logs in with: an account with one of them is a service's, whatever its uid
+NO_LOGIN_SHELLS = frozenset((SHELL, "/sbin/nologin", "/bin/false", "/usr/bin/false", ""))
 # how many unreadable paths a failure names
 SHOWN_PATHS = 5
 
@@ -133,7 +135,7 @@ def ensure(runner: Runner, user: str, group: str, home: str, *, create: bool, ch
     elif create and (entry.pw_gid != gid or entry.pw_dir != home or entry.pw_shell != SHELL):
         # a person's account (a typo of the user, or a login account named on purpose): usermod would take its
         # shell, group and home away
-        if entry.pw_uid >= _first_login_uid() and entry.pw_shell != SHELL:
+        if entry.pw_uid >= _first_login_uid() and entry.pw_shell not in NO_LOGIN_SHELLS:
             raise AccountError(f"the service user {user} exists as a login account (uid {entry.pw_uid}, shell {entry.pw_shell}): "
                                "its shell, group and home are left as they are; name a system account of its own for vLLM, "
                                "or manage this one elsewhere (create: false)")

@@ -125,6 +125,12 @@ def test_a_login_account_keeps_its_shell_group_and_home(tmp_path, monkeypatch):
     # the same account managed elsewhere (create: false) only gets the home
     assert sa.apply(params(str(home), user="ubuntu", create=False), accounts, check=False)["account_changed"] == ["home"]
     assert accounts.calls == []
+    # an account nobody logs in with (another distribution's nologin, false) is a service's: made the service user
+    for shell in ("/sbin/nologin", "/bin/false"):
+        accounts.users["svc"] = pwd.struct_passwd(("svc", "x", 1001, GID, "", "/home/svc", shell))
+        accounts.calls.clear()
+        assert sa.apply(params(str(home), user="svc"), accounts, check=False)["account_changed"][0] == "user"
+        assert accounts.calls[0][0] == "usermod", accounts.calls
 
 
 def test_the_first_login_uid_is_read_from_login_defs(tmp_path):

@@ -77,6 +77,19 @@ def test_a_secret_option_other_than_the_api_key_is_refused_and_no_secret_is_logg
     assert "should-not-leak" not in invocation + json.dumps(out), invocation
 
 
+@pytest.mark.parametrize("serve_args", [{"api_key": "k-should-not-leak"}, '{"api_key": "k-should-not-leak"}'])
+def test_a_parameter_that_fails_validation_returns_no_secret_serve_arg(capsys, serve_args):
+    # Ansible validates the parameters, and returns them with its failure, before the module's own code runs
+    rc, out = run(capsys, {"executable": "/nonexistent/vllm", "model": "m", "port": "not-a-port", "serve_args": serve_args})
+    assert rc == 1 and out["failed"] is True and "port" in out["msg"], out
+    assert "should-not-leak" not in json.dumps(out), out
+
+
+def test_the_canary_never_runs_as_root(capsys):
+    rc, out = run(capsys, {"executable": "/nonexistent/vllm", "model": "m", "user": "root"})
+    assert rc == 1 and out["msg"] == "user: must not be root; the canary runs as the unprivileged user its instance runs as"
+
+
 def test_pass_through_double_hides_env(capsys, fake_vllm, tmp_path):
     log = tmp_path / "engine.log"
     rc, out = run(capsys, {

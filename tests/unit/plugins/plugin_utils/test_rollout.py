@@ -262,6 +262,8 @@ def test_a_class_model_config_is_read_as_its_profiled_canary_reads_it_before_any
           # unset, blank (an AWX answer), a mapping, and a relative path the canary's role finds in its files/
           "f1": {"gpufleet_host_class": "f"}, "f2": {"gpufleet_host_class": "f", "gpufleet_model_config": ""},
           "f3": {"gpufleet_host_class": "f", "gpufleet_model_config": None},
+          # false values: the canary reads the model's config from the host (its default('', true))
+          "f4": {"gpufleet_host_class": "f", "gpufleet_model_config": False}, "f5": {"gpufleet_host_class": "f", "gpufleet_model_config": []},
           "g1": {"gpufleet_host_class": "g", "gpufleet_model_config": "models/config.json"},
           "h1": {"gpufleet_host_class": "h", "gpufleet_model_config": str(tmp_path)}}
     problems = class_settings_problems(hv)
@@ -272,6 +274,8 @@ def test_a_class_model_config_is_read_as_its_profiled_canary_reads_it_before_any
     assert problems[2].startswith(f"class d: gpufleet_model_config ({tmp_path / 'text.json'}): not JSON: "), problems
     assert problems[3:] == ["class e: gpufleet_model_config: expected a mapping or a controller path, got int",
                             f"class h: gpufleet_model_config: cannot read {tmp_path}: Is a directory"]
+    # the run's classes only: another class's file is not this run's concern
+    assert class_settings_problems(hv, ["a", "e"]) == ["class e: gpufleet_model_config: expected a mapping or a controller path, got int"]
 
 
 def test_a_class_whose_serve_args_hold_a_secret_is_refused_before_its_canary_runs():
@@ -288,6 +292,19 @@ def test_a_class_whose_serve_args_hold_a_secret_is_refused_before_its_canary_run
         "/proc/PID/cmdline, diffs in logs); set it in vllm_service_secret_env instead (for example VLLM_API_KEY for api_key, "
         "HF_TOKEN for hf_token), which is written to a root-only EnvironmentFile (on b2)"]
     assert "k-secret" not in repr(problems) and "hf-secret" not in repr(problems)
+    # serve args given as JSON text (the argument spec's dict type and the canary take it), whatever the run's classes
+    text = {"c1": {"gpufleet_host_class": "c", "gpufleet_serve_args": '{"api_key": "k-secret"}'}}
+    assert class_settings_problems(text, ["other"]) == [
+        "class c: gpufleet_serve_args api_key would put a secret on the unit's command line (a world-readable unit file, "
+        "/proc/PID/cmdline, diffs in logs); set it in vllm_service_secret_env instead (for example VLLM_API_KEY for api_key, "
+        "HF_TOKEN for hf_token), which is written to a root-only EnvironmentFile"]
+
+
+def test_a_class_whose_service_user_is_root_is_refused_before_its_canary_drains_a_host():
+    hv = {"a1": {"gpufleet_host_class": "a", "vllm_service_user": "root"}, "a2": {"gpufleet_host_class": "a"},
+          "b1": {"gpufleet_host_class": "b", "vllm_service_user": "vllm"}, "b2": {"gpufleet_host_class": "b", "vllm_service_user": ""}}
+    assert class_settings_problems(hv) == [
+        "class a: vllm_service_user: must not be root; vLLM runs as an unprivileged system user (for example vllm) (on a1)"]
 
 
 def test_a_class_rollback_restores_the_earlier_batches_latest_first():
